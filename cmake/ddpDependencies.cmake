@@ -1,0 +1,11 @@
+# Finds what the ddp targets link against; shared by the build and by ddpConfig.cmake's consumers.
+include(GNUInstallDirs)
+set(THREADS_PREFER_PTHREAD_FLAG ON)
+find_package(Threads REQUIRED)
+find_package(nlohmann_json 3 REQUIRED)
+if(DDP_WITH_MPI)
+  find_package(MPI REQUIRED COMPONENTS C)
+endif()
+if(DDP_WITH_CUDA OR DDP_WITH_NCCL)
+  find_package(CUDAToolkit REQUIRED)
+endif()

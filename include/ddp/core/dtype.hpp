@@ -1,0 +1,155 @@
+#pragma once
+/// \file Element types: the dtype enumeration and CPU bfloat16/float16 value types.
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <type_traits>
+
+namespace ddp {
+
+/// The element type of a buffer.
+enum class dtype : std::uint8_t { f32, f64, bf16, f16, i32, i64, u8 };
+
+namespace detail {
+
+constexpr std::uint16_t float_to_bf16_bits(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  if ((bits & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);  // quiet NaN
+  const std::uint32_t rounding = 0x7fffU + ((bits >> 16) & 1U);                                       // nearest, ties to even
+  return static_cast<std::uint16_t>((bits + rounding) >> 16);
+}
+
+constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+constexpr std::uint32_t round_shift_even(std::uint32_t value, unsigned shift) noexcept {
+  const std::uint32_t kept = value >> shift;
+  const std::uint32_t rest = value & ((1U << shift) - 1U);
+  const std::uint32_t half = 1U << (shift - 1U);
+  return kept + ((rest > half || (rest == half && (kept & 1U))) ? 1U : 0U);
+}
+
+constexpr std::uint16_t float_to_f16_bits(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t abs = bits & 0x7fffffffU;
+  if (abs > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U | ((abs >> 13) & 0x3ffU));  // NaN
+  if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to or beyond infinity
+  if (abs >= 0x38800000U)                                                     // normal half
+    return static_cast<std::uint16_t>(sign | round_shift_even(abs - 0x38000000U, 13));
+  if (abs < 0x33000000U) return sign;  // below half the smallest subnormal: zero
+  const std::uint32_t exponent = abs >> 23;
+  const std::uint32_t mantissa = (abs & 0x7fffffU) | 0x800000U;
+  return static_cast<std::uint16_t>(sign | round_shift_even(mantissa, 126U - exponent));
+}
+
+constexpr float f16_bits_to_float(std::uint16_t half) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000U) << 16;
+  const std::uint32_t exponent = (half >> 10) & 0x1fU;
+  const std::uint32_t mantissa = half & 0x3ffU;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24F;
+    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000U | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112U) << 23) | (mantissa << 13));
+}
+
+}  // namespace detail
+
+/// Brain floating point (8-bit exponent, 7-bit mantissa); converts from float rounding to nearest even.
+struct bfloat16 {
+  std::uint16_t bits = 0;  ///< raw storage
+  constexpr bfloat16() noexcept = default;
+  /// Rounds `value` to the nearest bfloat16, ties to even.
+  constexpr bfloat16(float value) noexcept : bits(detail::float_to_bf16_bits(value)) {}  // NOLINT(google-explicit-constructor)
+  /// Widens exactly to float.
+  constexpr operator float() const noexcept { return detail::bf16_bits_to_float(bits); }  // NOLINT(google-explicit-constructor)
+  /// Builds a value from its bit pattern.
+  static constexpr bfloat16 from_bits(std::uint16_t raw) noexcept { bfloat16 b; b.bits = raw; return b; }
+};
+
+/// IEEE 754 half precision; converts from float rounding to nearest even.
+struct float16 {
+  std::uint16_t bits = 0;  ///< raw storage
+  constexpr float16() noexcept = default;
+  /// Rounds `value` to the nearest half, ties to even.
+  constexpr float16(float value) noexcept : bits(detail::float_to_f16_bits(value)) {}  // NOLINT(google-explicit-constructor)
+  /// Widens exactly to float.
+  constexpr operator float() const noexcept { return detail::f16_bits_to_float(bits); }  // NOLINT(google-explicit-constructor)
+  /// Builds a value from its bit pattern.
+  static constexpr float16 from_bits(std::uint16_t raw) noexcept { float16 h; h.bits = raw; return h; }
+};
+
+static_assert(sizeof(bfloat16) == 2 && sizeof(float16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+
+/// True for the element types the library moves and reduces.
+template <class T>
+concept element = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16> ||
+                  std::is_same_v<T, float16> || std::is_same_v<T, std::int32_t> || std::is_same_v<T, std::int64_t> ||
+                  std::is_same_v<T, std::uint8_t>;
+
+namespace detail {
+template <class T>
+struct dtype_of_impl {
+  static_assert(element<T>,
+                "ddp: this element type has no ddp::dtype; use float, double, ddp::bfloat16, ddp::float16, "
+                "std::int32_t, std::int64_t or std::uint8_t.");
+};
+template <> struct dtype_of_impl<float> { static constexpr dtype value = dtype::f32; };
+template <> struct dtype_of_impl<double> { static constexpr dtype value = dtype::f64; };
+template <> struct dtype_of_impl<bfloat16> { static constexpr dtype value = dtype::bf16; };
+template <> struct dtype_of_impl<float16> { static constexpr dtype value = dtype::f16; };
+template <> struct dtype_of_impl<std::int32_t> { static constexpr dtype value = dtype::i32; };
+template <> struct dtype_of_impl<std::int64_t> { static constexpr dtype value = dtype::i64; };
+template <> struct dtype_of_impl<std::uint8_t> { static constexpr dtype value = dtype::u8; };
+}  // namespace detail
+
+/// The dtype of element type T.
+template <class T>
+inline constexpr dtype dtype_v = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+
+/// Size in bytes of one element of `t`.
+constexpr std::size_t size_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::f64: case dtype::i64: return 8;
+    case dtype::f32: case dtype::i32: return 4;
+    case dtype::bf16: case dtype::f16: return 2;
+    case dtype::u8: return 1;
+  }
+  return 0;
+}
+
+/// Short name of `t` ("f32", "bf16", ...).
+constexpr std::string_view to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return "f32";
+    case dtype::f64: return "f64";
+    case dtype::bf16: return "bf16";
+    case dtype::f16: return "f16";
+    case dtype::i32: return "i32";
+    case dtype::i64: return "i64";
+    case dtype::u8: return "u8";
+  }
+  return "?";
+}
+
+/// Calls `f(T{})` with the C++ element type of the runtime dtype `t`.
+template <class F>
+constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f64: return f(double{});
+    case dtype::bf16: return f(bfloat16{});
+    case dtype::f16: return f(float16{});
+    case dtype::i32: return f(std::int32_t{});
+    case dtype::i64: return f(std::int64_t{});
+    case dtype::u8: return f(std::uint8_t{});
+    case dtype::f32: break;
+  }
+  return f(float{});
+}
+
+}  // namespace ddp

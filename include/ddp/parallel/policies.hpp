@@ -1,0 +1,112 @@
+#pragma once
+/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
+/// Policies may be given in any order; a missing category takes its default.
+
+#include <cstddef>
+#include <type_traits>
+
+namespace ddp {
+
+namespace detail {
+struct backend_category {};
+struct sharding_category {};
+struct bucket_category {};
+struct hook_category {};
+}  // namespace detail
+
+/// Backend policies: which communicator data_parallel expects.
+namespace backend {
+/// The library's own TCP transport (ddp::tcp::communicator); the default.
+struct tcp { using policy_category = detail::backend_category; };
+/// Open MPI (ddp::mpi::communicator).
+struct mpi { using policy_category = detail::backend_category; };
+/// NCCL over CUDA device memory (ddp::nccl::communicator).
+struct nccl { using policy_category = detail::backend_category; };
+}  // namespace backend
+
+/// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
+struct replicate { using policy_category = detail::sharding_category; };
+/// Gradients and optimizer state are sharded, parameters kept whole (ZeRO-2, FSDP SHARD_GRAD_OP).
+struct shard_grad_op { using policy_category = detail::sharding_category; };
+/// Parameters, gradients and optimizer state are sharded (ZeRO-3, FSDP FULL_SHARD).
+struct full_shard { using policy_category = detail::sharding_category; };
+/// Inner sharding inside groups of LOCAL_WORLD_SIZE ranks, replication across groups (HSDP).
+template <class Inner = full_shard>
+struct hybrid {
+  static_assert(std::is_same_v<Inner, full_shard> || std::is_same_v<Inner, shard_grad_op>,
+                "ddp::hybrid<Inner>: Inner must be ddp::full_shard or ddp::shard_grad_op.");
+  using policy_category = detail::sharding_category;
+  using inner = Inner;  ///< sharding inside a group
+};
+
+/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.
+template <std::size_t Capacity, std::size_t First = (std::size_t{1} << 20)>
+struct bucket_bytes {
+  static_assert(Capacity > 0 && First > 0, "ddp::bucket_bytes: capacities must be positive byte counts.");
+  using policy_category = detail::bucket_category;
+  static constexpr std::size_t capacity = Capacity;  ///< bytes per bucket
+  static constexpr std::size_t first = First;        ///< bytes of the first bucket
+};
+
+/// Gradients travel in their own dtype.
+struct plain_hook { using policy_category = detail::hook_category; };
+/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
+struct bf16_compress_hook { using policy_category = detail::hook_category; };
+/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
+struct fp16_compress_hook { using policy_category = detail::hook_category; };
+
+namespace detail {
+
+template <class P>
+concept policy = requires { typename P::policy_category; };
+
+template <class P>
+constexpr bool check_policy() {
+  static_assert(policy<P>,
+                "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
+                "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
+                "ddp::bucket_bytes<N> or a hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook).");
+  return true;
+}
+
+template <class Category, class P>
+constexpr int in_category() {
+  if constexpr (policy<P>)
+    return std::is_same_v<typename P::policy_category, Category> ? 1 : 0;
+  else
+    return 0;
+}
+
+template <class Category, class Default, class... Ps>
+struct pick {
+  using type = Default;
+};
+template <class Category, class Default, class P, class... Ps>
+struct pick<Category, Default, P, Ps...> {
+  using type = std::conditional_t<in_category<Category, P>() == 1, P, typename pick<Category, Default, Ps...>::type>;
+};
+
+}  // namespace detail
+
+/// The resolved policy set of data_parallel<Model, Ps...>.
+template <class... Ps>
+struct policies {
+  static_assert((detail::check_policy<Ps>() && ...));
+  static_assert((detail::in_category<detail::backend_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two backend policies were given; keep one of ddp::backend::tcp, mpi, nccl.");
+  static_assert((detail::in_category<detail::sharding_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two sharding policies were given; keep one of ddp::replicate, shard_grad_op, "
+                "full_shard, hybrid<...>.");
+  static_assert((detail::in_category<detail::bucket_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two ddp::bucket_bytes policies were given; keep one.");
+  static_assert((detail::in_category<detail::hook_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two comm hooks were given; keep one of ddp::plain_hook, bf16_compress_hook, "
+                "fp16_compress_hook.");
+
+  using backend = typename detail::pick<detail::backend_category, backend::tcp, Ps...>::type;        ///< transport
+  using sharding = typename detail::pick<detail::sharding_category, replicate, Ps...>::type;         ///< strategy
+  using buckets = typename detail::pick<detail::bucket_category, bucket_bytes<(25U << 20)>, Ps...>::type;  ///< sizes
+  using hook = typename detail::pick<detail::hook_category, plain_hook, Ps...>::type;                ///< compression
+};
+
+}  // namespace ddp

@@ -1,0 +1,59 @@
+#include <catch2/catch.hpp>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <ddp/core/dtype.hpp>
+
+TEST_CASE("float16 rounds every float like the hardware conversion", "[dtype]") {
+  // _Float16 conversions in g++ round to nearest even; walk a dense stride of all float bit patterns.
+  std::uint64_t mismatches = 0;
+  for (std::uint64_t bits = 0; bits <= 0xffffffffULL; bits += 4099) {
+    const float f = std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+    const auto ours = ddp::float16(f).bits;
+    const auto reference = std::bit_cast<std::uint16_t>(static_cast<_Float16>(f));
+    const bool both_nan = std::isnan(f) && (ours & 0x7c00U) == 0x7c00U && (ours & 0x3ffU) != 0;
+    if (ours != reference && !both_nan) ++mismatches;
+  }
+  REQUIRE(mismatches == 0);
+}
+
+TEST_CASE("float16 widens exactly and keeps edge values", "[dtype]") {
+  for (std::uint32_t h = 0; h < 0x10000U; ++h) {
+    const float wide = ddp::float16::from_bits(static_cast<std::uint16_t>(h));
+    const float reference = static_cast<float>(std::bit_cast<_Float16>(static_cast<std::uint16_t>(h)));
+    if (std::isnan(reference)) {
+      REQUIRE(std::isnan(wide));
+    } else {
+      REQUIRE(std::bit_cast<std::uint32_t>(wide) == std::bit_cast<std::uint32_t>(reference));
+    }
+  }
+  CHECK(static_cast<float>(ddp::float16(65504.0F)) == 65504.0F);
+  CHECK(std::isinf(static_cast<float>(ddp::float16(65520.0F))));
+  CHECK(static_cast<float>(ddp::float16(0x1p-24F)) == 0x1p-24F);
+  CHECK(static_cast<float>(ddp::float16(0x1p-25F)) == 0.0F);  // tie rounds to even zero
+}
+
+TEST_CASE("bfloat16 rounds to nearest even", "[dtype]") {
+  CHECK(ddp::bfloat16(1.0F).bits == 0x3f80);
+  CHECK(ddp::bfloat16(std::bit_cast<float>(0x3f808000U)).bits == 0x3f80);  // tie, even stays
+  CHECK(ddp::bfloat16(std::bit_cast<float>(0x3f818000U)).bits == 0x3f82);  // tie, odd rounds up
+  CHECK(ddp::bfloat16(std::bit_cast<float>(0x3f808001U)).bits == 0x3f81);  // above the tie
+  CHECK(std::isnan(static_cast<float>(ddp::bfloat16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isinf(static_cast<float>(ddp::bfloat16(std::numeric_limits<float>::max()))));
+  for (std::uint32_t b = 0; b < 0x10000U; b += 7) {
+    const auto value = ddp::bfloat16::from_bits(static_cast<std::uint16_t>(b));
+    if (!std::isnan(static_cast<float>(value))) REQUIRE(ddp::bfloat16(static_cast<float>(value)).bits == value.bits);
+  }
+}
+
+TEST_CASE("dtype metadata", "[dtype]") {
+  STATIC_REQUIRE(ddp::dtype_v<float> == ddp::dtype::f32);
+  STATIC_REQUIRE(ddp::dtype_v<ddp::bfloat16> == ddp::dtype::bf16);
+  STATIC_REQUIRE(ddp::size_of(ddp::dtype::f64) == 8);
+  STATIC_REQUIRE(ddp::size_of(ddp::dtype::u8) == 1);
+  CHECK(ddp::to_string(ddp::dtype::f16) == "f16");
+  CHECK(ddp::visit_dtype(ddp::dtype::i64, [](auto v) { return sizeof(v); }) == 8);
+}
