@@ -9,6 +9,7 @@
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
 
+#include <ddp/comm/backend.hpp>
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/env.hpp>
 #include <ddp/comm/object.hpp>

@@ -5,24 +5,15 @@
 #include <cstddef>
 #include <type_traits>
 
+#include <ddp/comm/backend.hpp>
+
 namespace ddp {
 
 namespace detail {
-struct backend_category {};
 struct sharding_category {};
 struct bucket_category {};
 struct hook_category {};
 }  // namespace detail
-
-/// Backend policies: which communicator data_parallel expects.
-namespace backend {
-/// The library's own TCP transport (ddp::tcp::communicator); the default.
-struct tcp { using policy_category = detail::backend_category; };
-/// Open MPI (ddp::mpi::communicator).
-struct mpi { using policy_category = detail::backend_category; };
-/// NCCL over CUDA device memory (ddp::nccl::communicator).
-struct nccl { using policy_category = detail::backend_category; };
-}  // namespace backend
 
 /// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
 struct replicate { using policy_category = detail::sharding_category; };

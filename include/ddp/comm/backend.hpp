@@ -1,0 +1,37 @@
+#pragma once
+/// \file Backend policy tags and the mapping from a tag to its communicator type.
+/// Each backend's header specializes backend_traits for its tag.
+
+#include <type_traits>
+
+namespace ddp {
+
+namespace detail {
+struct backend_category {};
+template <class>
+inline constexpr bool dependent_false = false;
+}  // namespace detail
+
+/// Backend policies: which communicator data_parallel expects.
+namespace backend {
+/// The library's own TCP transport (ddp::tcp::communicator); the default.
+struct tcp { using policy_category = detail::backend_category; };
+/// Open MPI (ddp::mpi::communicator).
+struct mpi { using policy_category = detail::backend_category; };
+/// NCCL over CUDA device memory (ddp::nccl::communicator).
+struct nccl { using policy_category = detail::backend_category; };
+}  // namespace backend
+
+/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
+template <class Backend>
+struct backend_traits {
+  static_assert(detail::dependent_false<Backend>,
+                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
+                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+};
+
+/// The communicator type of backend tag B.
+template <class B>
+using backend_communicator_t = typename backend_traits<B>::communicator;
+
+}  // namespace ddp
