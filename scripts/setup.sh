@@ -5,7 +5,7 @@ packages=(
   build-essential cmake python3 pkg-config
   catch2 nlohmann-json3-dev zlib1g-dev           # tests, checkpoints, reading gzip'd IDX files
   libopenmpi-dev openmpi-bin                     # the MPI backend
-  dataset-fashion-mnist                          # the examples' data
+  dataset-fashion-mnist libopenblas-dev          # the examples: data, and BLAS for the MLP GEMMs
   libgloo-dev python3-torch python3-numpy python3-matplotlib  # benchmarks' anchors, checkpoint interop, plots
 )
 export DEBIAN_FRONTEND=noninteractive

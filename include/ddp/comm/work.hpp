@@ -87,7 +87,7 @@ class work {
 
   /// Blocks until done; throws the operation's error, or ddp::timeout_error past the communicator's timeout.
   void wait() {
-    if (!state_) return;
+    if (!state_ || state_->test()) return;  // done already: no clock reading on the fast path
     const auto limit = state_->timeout();
     if (!state_->wait_until(detail::work_state::clock::now() + limit))
       throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) +

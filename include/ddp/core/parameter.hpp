@@ -80,8 +80,8 @@ class parameter {
       std::copy_n(value_, numel_, value_storage);
       std::copy_n(grad_, numel_, grad_storage);
     }
-    value_store_ = {};
-    grad_store_ = {};
+    value_store_ = std::vector<T>();  // move-assign frees the capacity (= {} would keep it)
+    grad_store_ = std::vector<T>();
     value_ = value_storage;
     grad_ = grad_storage;
     device_ = where;

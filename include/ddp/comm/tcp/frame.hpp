@@ -1,0 +1,85 @@
+#pragma once
+/// \file The wire format of the mesh: every message is a fixed header followed by a bounded payload.
+/// A receiver checks the header against the call it is executing, so ranks that call different
+/// collectives fail with ddp::mismatch_error instead of corrupting each other's buffers.
+
+#include <cstdint>
+#include <string>
+
+#include <ddp/comm/reduce_op.hpp>
+#include <ddp/comm/stats.hpp>
+#include <ddp/core/dtype.hpp>
+
+namespace ddp::tcp::detail {
+
+inline constexpr std::uint32_t frame_magic = 0x46504444;  // "DDPF"
+/// Control frames, outside the collective numbering.
+inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message
+inline constexpr std::uint8_t op_bye = 201;    ///< the sender closed its communicator
+inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of the receiver's remote frames
+inline constexpr std::uint64_t max_abort_text = 4096;
+
+/// Kinds of error an abort frame carries, so the receiver raises the same type.
+enum class abort_kind : std::uint8_t { other, peer_lost, mismatch, timeout };
+
+/// The header of every frame (40 bytes, host byte order: the mesh connects ranks of one architecture).
+struct frame_header {
+  std::uint32_t magic = frame_magic;
+  std::uint8_t op = 0;        ///< ddp::collective, op_abort or op_bye
+  std::uint8_t type = 0;      ///< ddp::dtype
+  std::uint8_t reduce = 0;    ///< ddp::reduce_op (0 where none applies)
+  std::uint8_t flags = 0;     ///< abort_kind for op_abort; frame_remote for a collective frame
+  std::int32_t root = -1;     ///< root, peer tag (send/recv) or lost rank (abort); -1 where none
+  std::uint32_t group = 0;    ///< the group's identifier (split gives each subgroup its own)
+  std::uint64_t seq = 0;      ///< the call's sequence number in its group (per pair for send/recv)
+  std::uint64_t count = 0;    ///< the call's element count
+  std::uint64_t length = 0;   ///< payload bytes following this header
+};
+static_assert(sizeof(frame_header) == 40, "ddp: the frame header must stay 40 bytes; it is the wire format.");
+
+/// Flag of a collective frame whose payload is a remote_block: the receiver, on the same host, copies
+/// the data straight out of the sender's memory (process_vm_readv) and answers with an op_ack frame.
+inline constexpr std::uint8_t frame_remote = 1;
+
+/// Where a remote frame's data lies in the sender's address space.
+struct remote_block {
+  std::uint64_t address = 0;
+  std::uint64_t bytes = 0;
+};
+
+/// True for ops whose description names a reduce operator.
+constexpr bool has_reduce(std::uint8_t op) {
+  return op == static_cast<std::uint8_t>(collective::all_reduce) ||
+         op == static_cast<std::uint8_t>(collective::reduce_scatter) ||
+         op == static_cast<std::uint8_t>(collective::reduce);
+}
+
+/// True for ops whose description names a root.
+constexpr bool has_root(std::uint8_t op) {
+  return op == static_cast<std::uint8_t>(collective::broadcast) || op == static_cast<std::uint8_t>(collective::reduce) ||
+         op == static_cast<std::uint8_t>(collective::gather) || op == static_cast<std::uint8_t>(collective::scatter);
+}
+
+/// "all_reduce(sum) of 1024 f32 (seq 17)", "broadcast of 8 f32 from root 1 (seq 3)", "send of 4 i32 with tag 7 (seq 0)".
+inline std::string describe(const frame_header& h) {
+  if (h.op == op_abort) return "an abort notice";
+  if (h.op == op_bye) return "a goodbye (it closed its communicator)";
+  if (h.op == op_ack) return "an acknowledgement of a same-host copy";
+  if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
+  const auto c = static_cast<collective>(h.op);
+  std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
+  if (has_reduce(h.op)) s += "(" + std::string(to_string(static_cast<reduce_op>(h.reduce))) + ")";
+  if (c != collective::barrier)
+    s += " of " + std::to_string(h.count) + " " + std::string(to_string(static_cast<dtype>(h.type)));
+  if (has_root(h.op)) s += " from root " + std::to_string(h.root);
+  if (c == collective::send_recv) s += " with tag " + std::to_string(h.root);
+  return s + " (seq " + std::to_string(h.seq) + ")";
+}
+
+/// True when `got` belongs to the call `want` describes (the payload length is checked separately).
+inline bool same_call(const frame_header& want, const frame_header& got) {
+  return got.op == want.op && got.type == want.type && got.reduce == want.reduce && got.root == want.root &&
+         got.group == want.group && got.seq == want.seq && got.count == want.count;
+}
+
+}  // namespace ddp::tcp::detail

@@ -1,0 +1,459 @@
+#pragma once
+/// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
+/// this host with torchrun's environment set, forwards or captures their output line by line, stops
+/// the others when one fails, and reports how every rank ended.
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <initializer_list>
+#include <iostream>
+#include <optional>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ddp/core/error.hpp>
+
+namespace ddp::launch {
+
+/// A system call of the launcher itself failed (fork, pipe, socket); native_code() is errno.
+class launch_error : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// A rank of a spawned job failed; rank() is the rank that failed first, native_code() its exit status
+/// as a shell reports it (the exit code, or 128 + signal).
+class job_failed : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// What happens to the ranks' stdout and stderr.
+enum class output_mode {
+  forward,  ///< every line goes to the launcher's own stdout/stderr, prefixed with "[rank R] "
+  capture,  ///< stdout and stderr of each rank are kept, in order, in rank_status::output
+};
+
+/// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
+using env_list = std::vector<std::pair<std::string, std::string>>;
+
+/// How to start a job; every field has a working default.
+struct spawn_options {
+  std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
+  std::string master_addr = "127.0.0.1";       ///< MASTER_ADDR
+  std::string token;                           ///< DDP_TOKEN; empty: the launcher's own, else 128 random bits
+  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
+  std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
+  output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
+  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
+  /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
+  /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
+  const volatile std::sig_atomic_t* interrupt = nullptr;
+};
+
+/// How one rank ended.
+struct rank_status {
+  int rank = 0;                     ///< the rank
+  int exit_code = -1;               ///< its exit code, -1 when a signal ended it
+  int signal = 0;                   ///< the signal that ended it, 0 when it exited
+  bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
+  bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::string output;               ///< its stdout and stderr (output_mode::capture only)
+
+  /// Exited with status 0.
+  [[nodiscard]] bool ok() const noexcept { return exit_code == 0; }
+  /// The status as a shell reports it: the exit code, or 128 + signal.
+  [[nodiscard]] int shell_status() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
+  /// "exit code 3", "signal 9 (Killed)".
+  [[nodiscard]] std::string describe() const {
+    if (unknown_status)
+      return "an unknown status (waitpid failed with ECHILD; do not set SIGCHLD to SIG_IGN while spawning)";
+    if (signal == 0) return "exit code " + std::to_string(exit_code);
+    return "signal " + std::to_string(signal) + " (" + ::strsignal(signal) + ")";
+  }
+};
+
+/// The outcome of a job: every rank's status and which one failed first.
+struct spawn_result {
+  std::vector<rank_status> ranks;  ///< indexed by rank
+  int first_failed = -1;           ///< the rank that failed first, -1 when none did
+  bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
+  int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
+  std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
+  std::string token;               ///< the DDP_TOKEN the ranks got
+
+  /// Every rank exited with status 0.
+  [[nodiscard]] bool ok() const noexcept {
+    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
+           std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
+  }
+  /// The job's status as a program should exit with: 0; the first failing rank's shell status;
+  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
+  [[nodiscard]] int exit_status() const noexcept {
+    if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
+    if (timed_out) return 124;
+    if (interrupted_by != 0) return 128 + interrupted_by;
+    return 0;
+  }
+  /// One paragraph for humans: what failed first and how every other rank ended.
+  [[nodiscard]] std::string describe() const {
+    std::string s;
+    if (first_failed >= 0)
+      s = "rank " + std::to_string(first_failed) + " failed first with " +
+          ranks[static_cast<std::size_t>(first_failed)].describe();
+    else if (timed_out)
+      s = "the job did not finish within its timeout and was stopped";
+    else if (interrupted_by != 0)
+      s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
+    else
+      s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
+    if (ok()) return s;
+    for (const auto& r : ranks) {
+      if (r.rank == first_failed) continue;
+      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
+      if (r.stopped_by_launcher) s += " (stopped by the launcher)";
+    }
+    return s;
+  }
+  /// Throws ddp::launch::job_failed with describe() unless ok().
+  void throw_if_failed() const {
+    if (ok()) return;
+    throw job_failed(describe() + "; see the ranks' output above for the cause", first_failed, exit_status());
+  }
+};
+
+namespace detail {
+
+[[noreturn]] inline void throw_errno(const std::string& what) {
+  const int code = errno;
+  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
+                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
+                     -1, code);
+}
+
+/// A TCP port free on every interface right now (bind port 0, read it back, close).
+inline std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    const int code = errno;
+    ::close(fd);
+    errno = code;
+    throw_errno("bind a socket to port 0 to find a free port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// 128 random bits as 32 hex digits.
+inline std::string random_token() {
+  std::random_device rd;
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t w = rd();
+    for (int b = 28; b >= 0; b -= 4) s += digits[(w >> b) & 0xFU];
+  }
+  return s;
+}
+
+/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
+inline void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t k = ::write(fd, data.data(), data.size());
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return;
+    data.remove_prefix(static_cast<std::size_t>(k));
+  }
+}
+
+/// One pipe from a rank: where its bytes go and the unfinished line.
+struct stream {
+  int rank = 0;
+  int fd = -1;         ///< read end, -1 once closed
+  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
+  std::string pending; ///< forward: bytes after the last newline
+};
+
+/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
+inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
+  if (s.target < 0) {
+    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
+    return;
+  }
+  s.pending.append(data, n);
+  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  std::string out;
+  std::size_t start = 0;
+  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
+    out += prefix;
+    out.append(s.pending, start, nl + 1 - start);
+    start = nl + 1;
+  }
+  s.pending.erase(0, start);
+  write_all(s.target, out);
+}
+
+/// The rank closed the stream: a last line without a newline still goes out, with one.
+inline void finish(stream& s) {
+  if (s.fd >= 0) ::close(s.fd);
+  s.fd = -1;
+  if (s.target >= 0 && !s.pending.empty()) {
+    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
+    s.pending.clear();
+  }
+}
+
+/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte.
+inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks) {
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    if (streams[i].fd >= 0) {
+      fds.push_back({streams[i].fd, POLLIN, 0});
+      which.push_back(i);
+    }
+  if (fds.empty()) {
+    if (wait_ms > 0) ::poll(nullptr, 0, wait_ms);
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
+  char buf[16384];
+  for (std::size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    stream& s = streams[which[k]];
+    const ssize_t got = ::read(s.fd, buf, sizeof buf);
+    if (got > 0)
+      deliver(s, buf, static_cast<std::size_t>(got), ranks);
+    else if (got == 0 || errno != EINTR)
+      finish(s);
+  }
+}
+
+/// The child's side after fork: environment, output pipes, body, exit status.
+[[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
+                                   const std::string& token, int out_fd, int err_fd,
+                                   const std::vector<stream>& parent_ends, const std::function<void(int)>& body) {
+  for (const auto& s : parent_ends)
+    if (s.fd >= 0) ::close(s.fd);
+  // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
+  // stops ranks with SIGTERM and reports crashes by their signal.
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(out_fd, STDOUT_FILENO);
+  ::dup2(err_fd, STDERR_FILENO);
+  if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
+  if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
+  const std::string r = std::to_string(rank);
+  const std::string w = std::to_string(n);
+  ::setenv("RANK", r.c_str(), 1);
+  ::setenv("WORLD_SIZE", w.c_str(), 1);
+  ::setenv("LOCAL_RANK", r.c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+  ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", port.c_str(), 1);
+  ::setenv("DDP_TOKEN", token.c_str(), 1);
+  int code = 0;
+  try {
+    if (o.extra_env)
+      for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
+    body(rank);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
+    code = 1;
+  } catch (...) {
+    std::cerr << "rank " << rank
+              << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
+                 "reported above, or a thrown non-std type)\n";
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::_exit(code);  // no atexit handlers: they belong to the parent's copy of the program
+}
+
+/// Records how `pid` ended in `r` from a waitpid status.
+inline void record(rank_status& r, int status) {
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signal = WTERMSIG(status);
+  }
+}
+
+}  // namespace detail
+
+/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
+/// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
+/// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
+/// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
+/// and so do all after options.timeout.
+/// Throws ddp::config_error for bad arguments and ddp::launch::launch_error when fork or pipe fails.
+inline spawn_result spawn(int n, const std::function<void(int rank)>& body, const spawn_options& options = {}) {
+  using clock = std::chrono::steady_clock;
+  if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
+  if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
+  spawn_result result;
+  result.port = options.port != 0 ? options.port : detail::free_port();
+  if (!options.token.empty()) {
+    result.token = options.token;
+  } else if (const char* inherited = std::getenv("DDP_TOKEN"); inherited != nullptr && *inherited != '\0') {
+    result.token = inherited;
+  } else {
+    result.token = detail::random_token();
+  }
+  const std::string port = std::to_string(result.port);
+  result.ranks.resize(static_cast<std::size_t>(n));
+  std::vector<pid_t> pids(static_cast<std::size_t>(n), -1);
+  std::vector<detail::stream> streams;
+  const bool forward = options.output == output_mode::forward;
+
+  // Stops every rank still running: SIGTERM now, SIGKILL once the grace period is over.
+  std::optional<clock::time_point> kill_at;
+  const auto stop_all = [&] {
+    if (kill_at) return;
+    for (std::size_t r = 0; r < pids.size(); ++r)
+      if (pids[r] > 0) {
+        ::kill(pids[r], SIGTERM);
+        result.ranks[r].stopped_by_launcher = true;
+      }
+    kill_at = clock::now() + options.grace;
+  };
+
+  // A pipe or fork failed while starting rank r: kill the ranks already started, reap them, throw.
+  const auto abandon = [&](const std::string& what, std::initializer_list<int> fds) {
+    const int code = errno;
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    for (pid_t p : pids)
+      if (p > 0) ::kill(p, SIGKILL);
+    for (auto& s : streams) detail::finish(s);
+    for (pid_t p : pids)
+      if (p > 0) ::waitpid(p, nullptr, 0);
+    errno = code;
+    detail::throw_errno(what);
+  };
+
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
+  for (int r = 0; r < n; ++r) {
+    result.ranks[static_cast<std::size_t>(r)].rank = r;
+    int out[2] = {-1, -1};
+    int err[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) != 0 || (forward && ::pipe2(err, O_CLOEXEC) != 0))
+      abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1]});
+    if (!forward) err[1] = out[1];
+    const pid_t pid = ::fork();
+    if (pid < 0) abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
+    if (pid == 0) {
+      if (err[0] >= 0) ::close(err[0]);
+      ::close(out[0]);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], streams, body);
+    }
+    pids[static_cast<std::size_t>(r)] = pid;
+    ::close(out[1]);
+    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
+    if (forward) {
+      ::close(err[1]);
+      streams.push_back({r, err[0], STDERR_FILENO, {}});
+    }
+  }
+
+  const auto deadline =
+      options.timeout.count() > 0 ? std::optional<clock::time_point>(clock::now() + options.timeout) : std::nullopt;
+  int running = n;
+  constexpr int tick_ms = 20;  // how often exits, deadlines and interrupts are looked at
+  while (running > 0) {
+    detail::pump(streams, tick_ms, result.ranks);
+    if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
+      result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
+      stop_all();
+    }
+    for (std::size_t r = 0; r < pids.size(); ++r) {
+      if (pids[r] <= 0) continue;
+      int status = 0;
+      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno != ECHILD)) continue;
+      pids[r] = -1;
+      --running;
+      if (got < 0)
+        result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
+      else
+        detail::record(result.ranks[r], status);
+      if (!result.ranks[r].ok() && !result.ranks[r].stopped_by_launcher && result.first_failed < 0 &&
+          !result.timed_out && result.interrupted_by == 0) {
+        result.first_failed = static_cast<int>(r);
+        if (options.stop_on_failure) stop_all();
+      }
+    }
+    const auto now = clock::now();
+    if (deadline && now >= *deadline && running > 0 && !result.timed_out && !kill_at) {
+      result.timed_out = true;
+      stop_all();
+    }
+    if (kill_at && now >= *kill_at)
+      for (pid_t p : pids)
+        if (p > 0) ::kill(p, SIGKILL);
+  }
+  // Everyone has exited: take what is left in the pipes (a grandchild holding a pipe open gets 200 ms).
+  const auto drain_until = clock::now() + std::chrono::milliseconds(200);
+  while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
+         clock::now() < drain_until)
+    detail::pump(streams, tick_ms, result.ranks);
+  for (auto& s : streams) detail::finish(s);
+  return result;
+}
+
+/// Spawns `n` copies of the program argv[0] (looked up in PATH) with arguments argv[1..], each with
+/// the ranks' environment; a program that cannot be started exits 127 with the reason on its stderr.
+inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, const spawn_options& options = {}) {
+  if (argv.empty() || argv.front().empty())
+    throw ddp::config_error("spawn_program needs a program to run; pass its name and arguments");
+  return spawn(
+      n,
+      [&argv](int) {
+        std::vector<char*> args;
+        args.reserve(argv.size() + 1);
+        for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+        args.push_back(nullptr);
+        ::execvp(args[0], args.data());
+        const int code = errno;
+        const std::string msg = "cannot run '" + argv.front() + "': " + std::strerror(code) +
+                                "; check the program's name, PATH and permissions\n";
+        detail::write_all(STDERR_FILENO, msg);
+        ::_exit(127);
+      },
+      options);
+}
+
+}  // namespace ddp::launch

@@ -1,0 +1,153 @@
+// The ddp-launch program, run as a rank of a captured ddp::launch job so its output can be read.
+
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/launch/spawn.hpp>
+
+#include "support/run_ranks.hpp"
+
+using namespace std::chrono_literals;
+namespace dl = ddp::launch;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// Runs ddp-launch with `args` (output captured, a 20 s limit, SIGTERM to it after `timeout`).
+dl::rank_status ddp_launch(std::vector<std::string> args, std::chrono::milliseconds timeout = 20s) {
+  args.insert(args.begin(), DDP_LAUNCH_EXE);
+  dl::spawn_options o;
+  o.output = dl::output_mode::capture;
+  o.timeout = timeout;
+  o.grace = 10s;  // ddp-launch stops its own ranks when signalled: give it the time to do so
+  return dl::spawn_program(1, args, o).ranks[0];
+}
+
+}  // namespace
+
+TEST_CASE("ddp-launch: every rank sees the environment, every line is prefixed", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "3", "--port", "23456", "--", "/bin/sh", "-c",
+                             "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+                             "${#DDP_TOKEN}; echo on stderr >&2"});
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  for (const char* line : {"[rank 0] 0 3 0 3 127.0.0.1 23456 ", "[rank 1] 1 3 1 3 127.0.0.1 23456 ",
+                           "[rank 2] 2 3 2 3 127.0.0.1 23456 ", "[rank 2] on stderr\n"})
+    CHECK(contains(r.output, line));
+}
+
+TEST_CASE("ddp-launch: torchrun's --nproc-per-node and --master-port spellings work", "[launch][ddp-launch]") {
+  const auto r = ddp_launch(
+      {"--nproc-per-node", "2", "--master-port", "23457", "/bin/sh", "-c", "echo $WORLD_SIZE $MASTER_PORT"});
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.output, "[rank 1] 2 23457\n"));
+}
+
+TEST_CASE("ddp-launch: picks a free port (not torchrun's default) and passes options after the program on",
+          "[launch][ddp-launch]") {
+  const auto a = ddp_launch({"-n", "1", "/bin/sh", "-c", "echo port=$MASTER_PORT", "--not-an-option-of-ddp-launch"});
+  INFO(a.output);
+  CHECK(a.exit_code == 0);
+  CHECK(contains(a.output, "[rank 0] port="));
+  CHECK_FALSE(contains(a.output, "port=29500"));
+}
+
+TEST_CASE("ddp-launch: a failing rank stops the others and its status is the exit status", "[launch][ddp-launch]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = ddp_launch({"-n", "3", "--grace", "1", "--", "/bin/sh", "-c",
+                             "if [ $RANK = 1 ]; then echo failing; exit 3; fi; exec sleep 30"});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO(r.output);
+  CHECK(took < 5s);
+  CHECK(r.exit_code == 3);
+  CHECK(contains(r.output, "[rank 1] failing\n"));
+  CHECK(contains(r.output, "ddp-launch: rank 1 failed first with exit code 3"));
+  CHECK(contains(r.output, "rank 0: signal 15 (Terminated) (stopped by the launcher)"));
+}
+
+TEST_CASE("ddp-launch: a rank ended by a signal gives 128 + signal", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "2", "--", "/bin/sh", "-c", "if [ $RANK = 0 ]; then kill -9 $$; fi; exec sleep 30"});
+  INFO(r.output);
+  CHECK(r.exit_code == 128 + SIGKILL);
+  CHECK(contains(r.output, "rank 0 failed first with signal 9"));
+}
+
+TEST_CASE("ddp-launch: --timeout stops the job and exits 124", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "2", "--timeout", "0.3", "--grace", "0.5", "sleep", "30"});
+  INFO(r.output);
+  CHECK(r.exit_code == 124);
+  CHECK(contains(r.output, "did not finish within its timeout"));
+}
+
+TEST_CASE("ddp-launch: SIGTERM to the launcher stops every rank", "[launch][ddp-launch]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = ddp_launch({"-n", "2", "--grace", "0.5", "sleep", "30"}, 500ms);
+  INFO(r.output);
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  CHECK(r.exit_code == 128 + SIGTERM);
+  CHECK(contains(r.output, "interrupted by signal 15"));
+}
+
+TEST_CASE("ddp-launch: a program that does not exist exits 127", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "1", "/nonexistent/program"});
+  INFO(r.output);
+  CHECK(r.exit_code == 127);
+  CHECK(contains(r.output, "[rank 0] cannot run '/nonexistent/program'"));
+}
+
+TEST_CASE("ddp-launch: --help, and bad arguments exit 2 with the reason", "[launch][ddp-launch]") {
+  const auto help = ddp_launch({"--help"});
+  CHECK(help.exit_code == 0);
+  CHECK(contains(help.output, "usage: ddp-launch -n N"));
+  struct bad {
+    std::vector<std::string> args;
+    const char* says;
+  };
+  for (const auto& b : {bad{{"true"}, "the number of ranks is missing; pass -n N"},
+                        bad{{"-n", "2"}, "the program to run is missing"},
+                        bad{{"-n", "zero", "true"}, "-n needs a whole number in [1, 4096], got 'zero'"},
+                        bad{{"-n", "0", "true"}, "got '0'"},
+                        bad{{"-n"}, "-n needs a value"},
+                        bad{{"--port", "70000", "-n", "1", "true"}, "--port needs a whole number in [1, 65535]"},
+                        bad{{"--timeout", "-1", "-n", "1", "true"}, "--timeout needs a positive number of seconds"},
+                        bad{{"--bogus", "-n", "1", "true"}, "unknown option '--bogus'"}}) {
+    const auto r = ddp_launch(b.args);
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(contains(r.output, b.says));
+    CHECK(contains(r.output, "see ddp-launch --help"));
+  }
+}
+
+// Run by ddp-launch below, not by ctest (hidden tag): one all_reduce over ddp::tcp from the launcher's env.
+TEST_CASE("ddp-launch job: all_reduce over ddp::tcp from the environment", "[.ddp-launch-job]") {
+  auto comm = ddp::tcp::communicator::from_env();
+  std::vector<float> v(1000, static_cast<float>(comm.rank() + 1));
+  REQUIRE(comm.all_reduce(v).wait_for(20s));  // false: still running after 20 s
+  const int n = comm.size();
+  std::cout << "rank " << comm.rank() << " of " << n << ": sum " << v.front() << " " << v.back() << std::endl;
+  REQUIRE(v.front() == static_cast<float>(n * (n + 1) / 2));
+  REQUIRE(v.back() == v.front());
+}
+
+TEST_CASE("ddp-launch: a ddp::tcp job started by ddp-launch finds its peers from the environment",
+          "[launch][ddp-launch]") {
+  const auto self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const auto r = ddp_launch({"-n", "3", "--timeout", "30", self, "[.ddp-launch-job]"});
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    const auto k = std::to_string(rank);
+    CHECK(contains(r.output, "[rank " + k + "] rank " + k + " of 3: sum 6 6\n"));
+  }
+}

@@ -1,0 +1,65 @@
+#pragma once
+// Multi-rank tests: run a body in N forked ranks (ddp::launch::spawn with captured output) and fail
+// the Catch2 test with every failing rank's output.
+//
+//   auto result = ddp::testing::run_ranks(3, [](int rank) {
+//     auto comm = ddp::tcp::communicator::from_env();
+//     ...  // throw (or fail an expectation that throws) to fail this rank
+//   });
+//   ddp::testing::require_all_ok(result);
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include <ddp/launch/spawn.hpp>
+
+namespace ddp::testing {
+
+/// Runs body(rank) in `n` forked ranks with torchrun's environment; output is captured; a failing
+/// rank stops the others; `options.timeout` (default 60 s) kills the whole job. Every rank also gets
+/// DDP_TIMEOUT_MS at three quarters of the job's timeout, so a stuck collective raises
+/// ddp::timeout_error (with its message in the output) before the job is killed; options.extra_env
+/// may override it.
+inline ddp::launch::spawn_result run_ranks(int n, const std::function<void(int rank)>& body,
+                                           ddp::launch::spawn_options options) {
+  using namespace std::chrono_literals;
+  options.output = ddp::launch::output_mode::capture;
+  if (options.timeout.count() <= 0) options.timeout = 60s;
+  const auto op_timeout = std::to_string((options.timeout * 3 / 4).count());
+  options.extra_env = [op_timeout, user = std::move(options.extra_env)](int rank) {
+    ddp::launch::env_list env{{"DDP_TIMEOUT_MS", op_timeout}};
+    if (user)
+      for (auto& kv : user(rank)) env.push_back(std::move(kv));
+    return env;
+  };
+  return ddp::launch::spawn(n, body, options);
+}
+
+/// run_ranks with the default options and a whole-job timeout.
+inline ddp::launch::spawn_result run_ranks(int n, const std::function<void(int rank)>& body,
+                                           std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  ddp::launch::spawn_options options;
+  options.timeout = timeout;
+  return run_ranks(n, body, std::move(options));
+}
+
+/// The job's summary and every rank's status and captured output, for failure messages.
+inline std::string all_output(const ddp::launch::spawn_result& result) {
+  std::string s = result.describe() + "\n";
+  for (const auto& r : result.ranks)
+    s += "--- rank " + std::to_string(r.rank) + " (" + r.describe() + (r.stopped_by_launcher ? ", stopped" : "") +
+         ")\n" + r.output + (r.output.empty() || r.output.back() == '\n' ? "" : "\n");
+  return s;
+}
+
+/// Fails the current test unless every rank exited 0, showing every rank's output.
+inline void require_all_ok(const ddp::launch::spawn_result& result) {
+  INFO(all_output(result));
+  REQUIRE(result.ok());
+}
+
+}  // namespace ddp::testing

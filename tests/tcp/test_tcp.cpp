@@ -1,0 +1,474 @@
+// ddp::tcp in real processes: the conformance suite at 1-4 ranks (with same-host copies on, off and
+// mixed), steady-state allocations, the rendezvous store, strangers, lost peers, mismatched calls,
+// timeouts and destruction with operations in flight.
+
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <new>
+#include <string>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "conformance/conformance.hpp"
+#include "support/run_ranks.hpp"
+
+using namespace std::chrono_literals;
+using ddp::testing::all_output;
+using ddp::testing::require_all_ok;
+using ddp::testing::run_ranks;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// Fails the rank (exit 1 via the exception) unless `cond`.
+void expect(bool cond, const std::string& what) {
+  if (!cond) throw std::runtime_error("expectation failed: " + what);
+}
+
+/// A TCP port nobody listens on right now, for tests whose strangers must know the store's port.
+int free_port() {
+  auto fd = ddp::tcp::detail::listen_on("127.0.0.1", 0, -1, "a port probe");
+  return ddp::tcp::detail::local_endpoint(fd.get()).port;
+}
+
+/// Options of a job: whole-job limit, known port and token, extra variables.
+ddp::launch::spawn_options job(std::chrono::seconds limit, int port = 0,
+                               std::function<ddp::launch::env_list(int)> extra = {}) {
+  ddp::launch::spawn_options o;
+  o.timeout = limit;
+  o.port = static_cast<std::uint16_t>(port);
+  o.token = "tcp-tests";
+  o.extra_env = std::move(extra);
+  return o;
+}
+
+/// DDP_SAME_HOST_COPY per rank: "on" everywhere, "off" everywhere (every byte through the sockets, as
+/// between hosts), or "mixed" (rank 0 alone off: its peers must reach it through the sockets).
+std::function<ddp::launch::env_list(int)> same_host_copy(const std::string& mode) {
+  return [mode](int rank) {
+    const bool on = mode == "on" || (mode == "mixed" && rank != 0);
+    return ddp::launch::env_list{{"DDP_SAME_HOST_COPY", on ? "1" : "0"}};
+  };
+}
+
+/// Allocations of at least 64 KiB this process made: buffers, as opposed to bookkeeping.
+std::atomic<std::size_t> buffer_allocations{0};
+
+}  // namespace
+
+// Counts buffer allocations for the steady-state test (replaces the global operator new of this executable).
+void* operator new(std::size_t bytes) {
+  if (bytes >= (std::size_t{64} << 10)) buffer_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // g++ pairs the inlined new with free(): it is malloc's
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+
+TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
+  const int n = GENERATE(1, 2, 3, 4);
+  const std::string copy = GENERATE(as<std::string>{}, "on", "off", "mixed");
+  CAPTURE(n, copy);
+  const auto rs = run_ranks(
+      n,
+      [](int) {
+        auto comm = ddp::tcp::communicator::from_env();
+        ddp::testing::run_conformance(comm);
+      },
+      job(60s, 0, same_host_copy(copy)));
+  require_all_ok(rs);
+  if (n > 1) {  // rank 0 says how many peers it reads directly: all of them only when every rank allows it
+    const int readable = copy == "on" ? n - 1 : 0;
+    CHECK(contains(rs.ranks[0].output, "memory of " + std::to_string(readable) + " of its " + std::to_string(n - 1)));
+  }
+}
+
+TEST_CASE("repeated collectives allocate no buffers: the engine's scratch is reused", "[tcp][memory]") {
+  const int n = GENERATE(1, 2, 3);
+  const std::string copy = GENERATE(as<std::string>{}, "on", "off");
+  CAPTURE(n, copy);
+  require_all_ok(run_ranks(
+      n,
+      [](int) {
+        auto comm = ddp::tcp::communicator::from_env();
+        const auto size = static_cast<std::size_t>(comm.size());
+        const std::size_t k = (std::size_t{1} << 20) + 5;  // a block per rank beyond the segment size
+        std::vector<float> whole(k * size, 1.0F), block(k, 1.0F), small(1000, 1.0F), small_block(1000 / size);
+        const std::span<const float> small_in(small.data(), small_block.size() * size);
+        const auto round = [&] {
+          comm.all_reduce(whole, ddp::reduce_op::avg).wait();
+          comm.all_reduce(small).wait();  // the direct exchange
+          comm.reduce_scatter(whole, block).wait();
+          comm.reduce_scatter(small_in, small_block).wait();
+          comm.all_gather(block, whole).wait();
+          comm.broadcast(whole, comm.size() - 1).wait();
+          comm.reduce(whole, ddp::reduce_op::max, 0).wait();  // the chain, with its partial results
+        };
+        round();  // sizes the scratch
+        const std::size_t before = buffer_allocations.load();
+        for (int i = 0; i < 3; ++i) round();
+        const std::size_t extra = buffer_allocations.load() - before;
+        expect(extra == 0, std::to_string(extra) + " allocations of 64 KiB or more in the 3 rounds after the first");
+      },
+      job(60s, 0, same_host_copy(copy))));
+}
+
+TEST_CASE("the store serves set get add and a blocking wait and refuses strangers", "[tcp][store]") {
+  namespace d = ddp::tcp::detail;
+  const int port = free_port();
+  const std::uint64_t token = d::token_hash("store-test");
+  // Rank 0's engine serves the store from its poll loop, as in a job.
+  d::engine server(0, 1, &d::execute,
+                   d::store_server(d::listen_on("127.0.0.1", static_cast<std::uint16_t>(port), 0, "store"), token, 0));
+  const auto deadline = d::clock::now() + 5s;
+  d::store_client a("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, deadline, 5s);
+  d::store_client b("127.0.0.1", static_cast<std::uint16_t>(port), token, 2, deadline, 5s);
+
+  std::thread waiter([&] {
+    const auto v = b.get("late");  // parks until a sets it
+    CHECK(std::string(v.begin(), v.end()) == "here");
+  });
+  std::this_thread::sleep_for(50ms);
+  a.set("late", {'h', 'e', 'r', 'e'});
+  waiter.join();
+  CHECK(a.add("counter", 5) == 5);
+  CHECK(b.add("counter", -2) == 3);
+  b.wait("late");
+
+  const auto raw_connect = [&] {
+    return d::connect_with_retry("127.0.0.1", static_cast<std::uint16_t>(port), d::clock::now() + 2s, -1, "store", "");
+  };
+  SECTION("a wrong token is refused, the store goes on") {
+    auto fd = raw_connect();
+    const d::store_hello hello{d::store_magic, 1, d::token_hash("another job")};
+    REQUIRE(d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s) == d::io_status::ok);
+    std::uint8_t byte = 0;
+    CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 2s) == d::io_status::closed);
+    CHECK_THROWS_AS(d::store_client("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("x"), 3,
+                                    d::clock::now() + 2s, 2s),
+                    ddp::peer_lost);
+  }
+  SECTION("garbage is refused, the store goes on") {
+    auto fd = raw_connect();
+    const char junk[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    REQUIRE(d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s) == d::io_status::ok);
+    std::uint8_t byte = 0;
+    CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 2s) == d::io_status::closed);
+  }
+  CHECK(a.add("counter", 1) == 4);
+}
+
+TEST_CASE("a stranger on the store port during a job is refused and the job goes on", "[tcp][store]") {
+  namespace d = ddp::tcp::detail;
+  const int port = free_port();
+  std::thread stranger([port] {
+    // Wrong token, then garbage, while the ranks run collectives.
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto fd = d::connect_with_retry("127.0.0.1", static_cast<std::uint16_t>(port), d::clock::now() + 10s, -1,
+                                      "store", "");
+      if (attempt == 0) {
+        const d::store_hello hello{d::store_magic, 1, d::token_hash("intruder")};
+        d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s);
+      } else {
+        const char junk[64] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
+        d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
+      }
+      std::uint8_t byte = 0;
+      CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed);
+    }
+  });
+  const auto rs = run_ranks(
+      2,
+      [](int) {
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<float> v(1000);
+        // Rank 0 decides when to stop (element 0 carries its vote) so both ranks make the same calls.
+        const auto until = std::chrono::steady_clock::now() + 1500ms;
+        for (bool more = true; more;) {
+          std::fill(v.begin(), v.end(), 1.0F);
+          v[0] = comm.rank() == 0 && std::chrono::steady_clock::now() > until ? 1.0F : 0.0F;
+          comm.all_reduce(v).wait();
+          expect(v[999] == 2.0F, "all_reduce result");
+          more = v[0] == 0.0F;
+        }
+        comm.barrier().wait();
+      },
+      job(30s, port));
+  stranger.join();
+  require_all_ok(rs);
+  INFO(rs.ranks[0].output);
+  CHECK(contains(rs.ranks[0].output, "refused a connection to the store"));
+  CHECK(contains(rs.ranks[0].output, "wrong job token"));
+  CHECK(contains(rs.ranks[0].output, "not a ddp handshake"));
+}
+
+TEST_CASE("strangers on a mesh port during the rendezvous are refused and the job goes on", "[tcp][store]") {
+  namespace d = ddp::tcp::detail;
+  const int port = free_port();
+  std::thread stranger([port] {
+    // Knows the store's token (it reads rank 0's mesh address) but not the mesh handshake's.
+    d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
+                          d::clock::now() + 10s, 10s);
+    const auto bytes = store.get("ddp/mesh/0");
+    const std::string where(bytes.begin(), bytes.end());
+    const auto colon = where.rfind(':');
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      auto fd = d::connect_with_retry(where.substr(0, colon), static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1))),
+                                      d::clock::now() + 5s, -1, "mesh", "");
+      if (attempt == 0) {
+        const ddp::tcp::detail::mesh_hello hello{0x4d504444, 1, 2, 1, d::token_hash("intruder")};
+        d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s);
+      } else {
+        const char junk[24] = "\x01garbage-garbage-junk";
+        d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
+      }
+      std::uint8_t byte = 0;
+      CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed);
+    }
+  });
+  const auto rs = run_ranks(
+      2,
+      [](int rank) {
+        if (rank == 1) std::this_thread::sleep_for(1500ms);  // the strangers come first
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<float> v(10, 1.0F);
+        comm.all_reduce(v).wait();
+        expect(v[0] == 2.0F, "all_reduce after the strangers");
+      },
+      job(30s, port));
+  stranger.join();
+  require_all_ok(rs);
+  INFO(rs.ranks[0].output);
+  CHECK(contains(rs.ranks[0].output, "refused a connection to the mesh port"));
+  CHECK(contains(rs.ranks[0].output, "wrong job token"));
+  CHECK(contains(rs.ranks[0].output, "not a ddp mesh handshake"));
+}
+
+TEST_CASE("a rank with another job token cannot join", "[tcp][store]") {
+  const auto rs = run_ranks(
+      2,
+      [](int rank) {
+        try {
+          auto comm = ddp::tcp::communicator::from_env();
+        } catch (const ddp::error& e) {
+          std::fprintf(stderr, "refused: %s\n", e.what());
+          return;
+        }
+        throw std::runtime_error("rank " + std::to_string(rank) + " joined a job with a different token");
+      },
+      job(30s, 0, [](int rank) {
+        ddp::launch::env_list env{{"DDP_CONNECT_TIMEOUT_MS", "1500"}};
+        if (rank == 1) env.emplace_back("DDP_TOKEN", "someone else's job");
+        return env;
+      }));
+  require_all_ok(rs);
+  CHECK(contains(rs.ranks[0].output, "wrong job token"));
+  CHECK(contains(rs.ranks[1].output, "DDP_TOKEN"));
+}
+
+TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every survivor within seconds", "[tcp][fault]") {
+  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20);
+  CAPTURE(count);
+  const auto rs = run_ranks(
+      3,
+      [count](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<float> v(count, 1.0F);
+        for (int i = 0; i < 3; ++i) comm.all_reduce(v).wait();
+        if (rank == 1) {
+          std::this_thread::sleep_for(200ms);  // the others are inside the next all_reduce by now
+          ::raise(SIGKILL);
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          comm.all_reduce(v).wait();
+        } catch (const ddp::peer_lost& e) {
+          const auto took = std::chrono::steady_clock::now() - t0;
+          std::fprintf(stderr, "peer_lost: %s\n", e.what());
+          expect(e.peer() == 1, "peer() names rank 1, got " + std::to_string(e.peer()));
+          expect(contains(e.what(), "rank 1"), "the message names rank 1");
+          expect(took < 5s, "noticed within 5 s");
+          return;
+        }
+        throw std::runtime_error("the all_reduce completed without its third rank");
+      },
+      [] {
+        auto o = job(30s);
+        o.stop_on_failure = false;  // rank 1's death is the test; the survivors must see it
+        return o;
+      }());
+  INFO(all_output(rs));
+  CHECK(rs.ranks[1].signal == SIGKILL);
+  CHECK(rs.ranks[0].ok());
+  CHECK(rs.ranks[2].ok());
+}
+
+TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tcp][mismatch]") {
+  struct variant {
+    const char* name;
+    const char* first;   // a description every rank's message must contain
+    const char* second;  // and another
+  };
+  const auto v = GENERATE(variant{"op", "all_reduce(sum) of 1024 f32", "broadcast of 1024 f32 from root 0"},
+                          variant{"dtype", "all_reduce(sum) of 1024 f32", "all_reduce(sum) of 1024 f64"},
+                          variant{"count", "all_reduce(sum) of 1024 f32", "all_reduce(sum) of 8 f32"},
+                          variant{"reduce op", "all_reduce(sum) of 1024 f32", "all_reduce(max) of 1024 f32"},
+                          // both ranks act as root and their broadcasts go through; the next call sees the other's frame
+                          variant{"root", "sent broadcast of 1024 f32 from root", "called barrier (seq 1)"},
+                          variant{"order", "all_reduce(sum) of 1024 f32 (seq 0)", "all_gather of 1024 f32 (seq 0)"});
+  CAPTURE(v.name);
+  const std::string kind = v.name;
+  const auto rs = run_ranks(
+      2,
+      [kind](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<float> f(1024, 1.0F), gathered(2048);
+        std::vector<double> d(1024, 1.0);
+        std::vector<float> small(8, 1.0F);
+        try {
+          if (rank == 0 && kind == "root") {
+            comm.broadcast(f, 0).wait();
+          } else if (rank == 0) {
+            comm.all_reduce(f).wait();
+            if (kind == "order") comm.all_gather(std::span<const float>(f), std::span<float>(gathered)).wait();
+          } else if (kind == "op") {
+            comm.broadcast(f, 0).wait();
+          } else if (kind == "dtype") {
+            comm.all_reduce(d).wait();
+          } else if (kind == "count") {
+            comm.all_reduce(small).wait();
+          } else if (kind == "reduce op") {
+            comm.all_reduce(f, ddp::reduce_op::max).wait();
+          } else if (kind == "root") {
+            comm.broadcast(f, 1).wait();
+          } else {
+            comm.all_gather(std::span<const float>(f), std::span<float>(gathered)).wait();
+            comm.all_reduce(f).wait();
+          }
+          comm.barrier().wait();  // a rank whose own call went through learns of the mismatch here
+        } catch (const ddp::mismatch_error& e) {
+          std::fprintf(stderr, "mismatch: %s\n", e.what());
+          return;
+        }
+        throw std::runtime_error("no mismatch_error");
+      },
+      30s);
+  require_all_ok(rs);
+  for (const auto& r : rs.ranks) {
+    INFO(r.output);
+    CHECK(contains(r.output, v.first));
+    CHECK(contains(r.output, v.second));
+  }
+}
+
+TEST_CASE("an operation a peer never joins raises timeout_error at the deadline", "[tcp][timeout]") {
+  const auto rs = run_ranks(
+      2,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        if (rank == 1) {
+          std::this_thread::sleep_for(2s);
+          return;
+        }
+        std::vector<float> v(100, 1.0F);
+        auto w = comm.all_reduce(v);
+        expect(!w.wait_for(100ms), "wait_for returns false while the peer is away");
+        const auto t0 = std::chrono::steady_clock::now();
+        try {
+          w.wait();
+        } catch (const ddp::timeout_error& e) {
+          std::fprintf(stderr, "timeout: %s\n", e.what());
+          expect(std::chrono::steady_clock::now() - t0 < 1500ms, "the timeout fires near its deadline");
+          return;
+        }
+        throw std::runtime_error("no timeout_error");
+      },
+      job(30s, 0, [](int) { return ddp::launch::env_list{{"DDP_TIMEOUT_MS", "500"}}; }));
+  require_all_ok(rs);
+  CHECK(contains(rs.ranks[0].output, "all_reduce(sum) of 100 f32 (seq 0) did not complete within 500 ms"));
+}
+
+TEST_CASE("a recv that no send matches in time fails and its buffer stays untouched", "[tcp][timeout]") {
+  const auto rs = run_ranks(
+      2,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<std::int32_t> v(16, -7);
+        if (rank == 1) {
+          std::this_thread::sleep_for(1300ms);  // the send comes after rank 0's recv gave up
+          std::fill(v.begin(), v.end(), 42);
+          comm.send(std::span<const std::int32_t>(v), 0, 5).wait();
+        } else {
+          try {
+            comm.recv(v, 1, 5).wait();
+            throw std::runtime_error("the recv completed without a send");
+          } catch (const ddp::timeout_error& e) {
+            std::fprintf(stderr, "timeout: %s\n", e.what());
+          }
+        }
+        comm.barrier().wait();  // by now rank 1's late frame has reached rank 0
+        if (rank == 0) expect(v[0] == -7 && v[15] == -7, "the late send did not write the abandoned buffer");
+      },
+      job(30s, 0, [](int) { return ddp::launch::env_list{{"DDP_TIMEOUT_MS", "1000"}}; }));
+  require_all_ok(rs);
+  // The engine expires the recv, or wait() gives up first: either way a timeout naming the recv.
+  CHECK(contains(rs.ranks[0].output, "recv of 16 i32 with tag 5 from rank 1"));
+  CHECK(contains(rs.ranks[0].output, "1000 ms"));
+}
+
+TEST_CASE("destroying a communicator with operations in flight does not hang", "[tcp][fault]") {
+  const auto rs = run_ranks(
+      2,
+      [](int rank) {
+        std::vector<float> v(1 << 20, 1.0F);
+        ddp::work pending;
+        {
+          auto comm = ddp::tcp::communicator::from_env();
+          comm.barrier().wait();
+          if (rank == 1) return;  // leaves without joining the all_reduce
+          std::this_thread::sleep_for(100ms);
+          pending = comm.all_reduce(v);
+          auto queued = comm.all_reduce(v);
+        }
+        try {
+          pending.wait();
+        } catch (const ddp::error& e) {
+          std::fprintf(stderr, "in flight: %s\n", e.what());
+          return;
+        }
+        throw std::runtime_error("the all_reduce completed without its peer");
+      },
+      30s);
+  require_all_ok(rs);
+}
+
+TEST_CASE("from_env reports a missing variable as config_error", "[tcp][config]") {
+  const auto rs = run_ranks(
+      1,
+      [](int) {
+        ::unsetenv("RANK");
+        try {
+          (void)ddp::tcp::communicator::from_env();
+        } catch (const ddp::config_error& e) {
+          expect(contains(e.what(), "RANK"), "names RANK");
+          return;
+        }
+        throw std::runtime_error("no config_error");
+      },
+      10s);
+  require_all_ok(rs);
+}

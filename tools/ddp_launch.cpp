@@ -1,0 +1,143 @@
+// ddp-launch: start N local ranks of a program with torchrun's environment (like torchrun --standalone).
+//
+//   ddp-launch -n 4 [--port P] [--timeout S] [--grace S] [--] program [args...]
+//
+// Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT
+// (a free port unless --port) and DDP_TOKEN (random unless already set); each output line is prefixed
+// with "[rank R] "; when a rank fails the others are stopped and ddp-launch exits with its status.
+
+#include <signal.h>
+
+#include <charconv>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/core/error.hpp>
+#include <ddp/launch/spawn.hpp>
+
+namespace {
+
+constexpr std::string_view usage = R"(usage: ddp-launch -n N [options] [--] program [args...]
+
+Starts N ranks of `program` on this host, each with the environment of torchrun --standalone:
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT and DDP_TOKEN.
+Each line a rank prints is prefixed with "[rank R] ". When one rank fails, the others get SIGTERM
+(SIGKILL after the grace period) and ddp-launch exits with the failing rank's status (128 + signal
+when a signal ended it).
+
+options:
+  -n, --nproc N     number of ranks to start (required, 1..4096); torchrun's --nproc-per-node works too
+  --port P          MASTER_PORT to use (default: a free port picked by the launcher); or --master-port
+  --timeout S       stop every rank after S seconds and exit 124 (default: no limit)
+  --grace S         seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)
+  -h, --help        print this help and exit
+  --                end of ddp-launch's options; the program and its arguments follow
+
+DDP_TOKEN, when set in ddp-launch's environment, is passed on; otherwise 128 random bits are.
+SIGINT, SIGTERM and SIGHUP sent to ddp-launch stop every rank; it then exits with 128 + signal.
+)";
+
+volatile std::sig_atomic_t interrupted = 0;
+
+extern "C" void on_signal(int sig) { interrupted = sig; }
+
+/// A whole number in [lo, hi], or a config_error naming the option.
+long long parse_integer(std::string_view option, std::string_view text, long long lo, long long hi) {
+  long long value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc{} || end != text.data() + text.size() || value < lo || value > hi)
+    throw ddp::config_error(std::string(option) + " needs a whole number in [" + std::to_string(lo) + ", " +
+                            std::to_string(hi) + "], got '" + std::string(text) + "'");
+  return value;
+}
+
+/// Seconds (decimals allowed, e.g. 0.5) in (0, one week], or a config_error naming the option.
+std::chrono::milliseconds parse_seconds(std::string_view option, const std::string& text) {
+  std::size_t used = 0;
+  double seconds = -1;
+  try {
+    seconds = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !(seconds > 0) || seconds > 7 * 24 * 3600.0)
+    throw ddp::config_error(std::string(option) + " needs a positive number of seconds, got '" + text + "'");
+  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0 + 0.5));
+}
+
+struct command_line {
+  int nproc = 0;
+  ddp::launch::spawn_options options;
+  std::vector<std::string> program;
+  bool help = false;
+};
+
+command_line parse(int argc, char** argv) {
+  command_line c;
+  int i = 1;
+  const auto value_of = [&](std::string_view option) -> std::string {
+    if (i + 1 >= argc) throw ddp::config_error(std::string(option) + " needs a value");
+    return argv[++i];
+  };
+  for (; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a.empty() || a.front() != '-') break;
+    if (a == "-h" || a == "--help") {
+      c.help = true;
+      return c;
+    }
+    if (a == "-n" || a == "--nproc" || a == "--nproc-per-node" || a == "--nproc_per_node") {
+      c.nproc = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
+    } else if (a == "--port" || a == "--master-port" || a == "--master_port") {
+      c.options.port = static_cast<std::uint16_t>(parse_integer(a, value_of(a), 1, 65535));
+    } else if (a == "--timeout") {
+      c.options.timeout = parse_seconds(a, value_of(a));
+    } else if (a == "--grace") {
+      c.options.grace = parse_seconds(a, value_of(a));
+    } else {
+      throw ddp::config_error("unknown option '" + std::string(a) + "'");
+    }
+  }
+  for (; i < argc; ++i) c.program.emplace_back(argv[i]);
+  if (c.nproc == 0) throw ddp::config_error("the number of ranks is missing; pass -n N");
+  if (c.program.empty()) throw ddp::config_error("the program to run is missing; pass it after the options");
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  command_line cmd;
+  try {
+    cmd = parse(argc, argv);
+  } catch (const ddp::config_error& e) {
+    std::fprintf(stderr, "ddp-launch: %s; see ddp-launch --help\n", e.message().c_str());
+    return 2;
+  }
+  if (cmd.help) {
+    std::fwrite(usage.data(), 1, usage.size(), stdout);
+    return 0;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;  // no SA_RESTART: the launcher's poll wakes up at once
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  cmd.options.interrupt = &interrupted;
+  try {
+    const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
+    if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
+    return result.exit_status();
+  } catch (const ddp::error& e) {
+    std::fprintf(stderr, "ddp-launch: %s\n", e.what());
+    return 1;
+  }
+}
