@@ -1,0 +1,137 @@
+#pragma once
+/// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
+/// optimizer state kept per flat buffer and exposed per parameter and slot (for checkpoints).
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/core/tensor_traits.hpp>
+
+namespace ddp::optim {
+
+/// The part of one parameter that lies in a flat buffer (the whole parameter unless the buffer is a shard).
+struct flat_segment {
+  std::string name;         ///< the parameter's dotted name ("fc1.weight")
+  std::size_t offset = 0;   ///< first element inside the flat buffer
+  std::size_t numel = 0;    ///< elements of the parameter inside the flat buffer
+  std::size_t start = 0;    ///< index, within the parameter, of the segment's first element (0 unless sharded)
+};
+
+/// A contiguous span of parameter values and their gradients (same dtype, same length) with the
+/// parameters laid in it. data_parallel hands one per arena (or per owned shard) to the optimizer.
+struct flat_buffer {
+  raw_tensor values;                   ///< the values the optimizer updates
+  raw_tensor grads;                    ///< the gradients, already averaged across ranks
+  std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
+};
+
+/// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
+template <class O>
+concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
+  o.attach(buffers);
+  o.step(buffers);
+};
+
+namespace detail {
+
+/// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
+/// dtype and length, zero when created; plus the number of steps taken.
+class flat_state {
+ public:
+  /// `slots` names the per-element state arrays (possibly none).
+  explicit flat_state(std::vector<std::string_view> slots) : slot_names_(std::move(slots)) {}
+
+  /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
+  void attach(std::span<const flat_buffer> buffers) {
+    if (layout_.empty() && state_.empty()) {
+      for (const auto& b : buffers) {
+        layout_.push_back(b);
+        auto& slots = state_.emplace_back();
+        for (std::size_t s = 0; s < slot_names_.size(); ++s) slots.emplace_back(b.values.bytes(), std::byte{0});
+      }
+      return;
+    }
+    if (buffers.size() != layout_.size())
+      throw config_error("optimizer: stepped over " + std::to_string(buffers.size()) + " flat buffers but its state "
+                         "was made for " + std::to_string(layout_.size()) + "; use one optimizer per data_parallel");
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+      if (buffers[i].values.size != layout_[i].values.size || buffers[i].values.type != layout_[i].values.type)
+        throw config_error("optimizer: flat buffer " + std::to_string(i) + " has " +
+                           std::to_string(buffers[i].values.size) + " " + std::string(to_string(buffers[i].values.type)) +
+                           " elements but the state holds " + std::to_string(layout_[i].values.size) + " " +
+                           std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
+  }
+
+  /// Calls `f(name, view)` for every parameter and slot ("fc1.weight.exp_avg"); views are writable, so
+  /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
+  /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
+  /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
+  template <class F>
+  void for_each_state(F&& f) {
+    for (std::size_t i = 0; i < layout_.size(); ++i)
+      for (const auto& seg : layout_[i].segments)
+        for (std::size_t s = 0; s < slot_names_.size(); ++s) {
+          const std::size_t width = size_of(layout_[i].values.type);
+          const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
+                                layout_[i].values.where};
+          if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
+            f(seg.name + "." + std::string(slot_names_[s]), view, seg);
+          else
+            f(seg.name + "." + std::string(slot_names_[s]), view);
+        }
+  }
+
+  /// Steps taken so far (PyTorch's per-parameter "step", shared by all parameters here).
+  [[nodiscard]] std::uint64_t step_count() const noexcept { return steps_; }
+  /// Sets the step counter (checkpoint loading).
+  void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
+
+ protected:
+  /// Runs `kernel(values, grads, slots...)` with typed spans for every buffer, after attach().
+  template <class Kernel>
+  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
+    attach(buffers);
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      const auto& b = buffers[i];
+      if (b.values.where.is_cuda())
+        throw config_error(std::string(who) + ": this optimizer steps host memory; the parameters are on " +
+                           b.values.where.to_string() + ", use the CUDA optimizer kernels of <ddp/cuda/...>");
+      if (b.grads.type != b.values.type || b.grads.size != b.values.size)
+        throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
+                           " differ in dtype or length; pass matching spans");
+      auto run = [&]<class T>(T*) {
+        std::vector<std::span<T>> slots;
+        for (auto& s : state_[i]) slots.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
+        kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
+               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(slots));
+      };
+      if (b.values.type == dtype::f32)
+        run(static_cast<float*>(nullptr));
+      else if (b.values.type == dtype::f64)
+        run(static_cast<double*>(nullptr));
+      else
+        throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(b.values.type)) +
+                           " cannot be stepped; keep f32 or f64 parameters (master weights) and compress "
+                           "gradients with a comm hook instead");
+    }
+  }
+
+  std::uint64_t steps_ = 0;  ///< steps taken
+
+ private:
+  std::vector<std::string_view> slot_names_;
+  std::vector<flat_buffer> layout_;
+  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][slot] bytes
+};
+
+}  // namespace detail
+}  // namespace ddp::optim

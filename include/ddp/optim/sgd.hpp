@@ -1,0 +1,68 @@
+#pragma once
+/// \file ddp::optim::sgd: stochastic gradient descent with momentum, dampening, Nesterov and weight
+/// decay over flat buffers, with torch.optim.SGD's exact update.
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ddp/core/error.hpp>
+#include <ddp/optim/flat.hpp>
+
+namespace ddp::optim {
+
+/// SGD as torch.optim.SGD: g = grad + wd·p; with momentum, buf = g on the first step, else
+/// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
+/// State slot: "momentum_buffer" (only when momentum ≠ 0).
+class sgd : public detail::flat_state {
+ public:
+  /// Hyper-parameters, named as in PyTorch.
+  struct options {
+    double lr = 1e-3;            ///< learning rate
+    double momentum = 0;         ///< momentum factor
+    double dampening = 0;        ///< dampening of the momentum
+    bool nesterov = false;       ///< Nesterov momentum (needs momentum > 0 and dampening 0)
+    double weight_decay = 0;     ///< L2 penalty added to the gradient
+  };
+
+  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
+  explicit sgd(options o) : flat_state(o.momentum != 0 ? std::vector<std::string_view>{"momentum_buffer"}
+                                                         : std::vector<std::string_view>{}),
+                            opt_(o) {
+    if (o.lr < 0 || o.momentum < 0 || o.weight_decay < 0)
+      throw config_error("optim::sgd: lr, momentum and weight_decay must be >= 0");
+    if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+      throw config_error("optim::sgd: Nesterov momentum needs momentum > 0 and dampening 0");
+  }
+
+  /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
+  [[nodiscard]] options& settings() noexcept { return opt_; }
+
+  /// One update of every flat buffer.
+  void step(std::span<const flat_buffer> buffers) {
+    const bool first = steps_ == 0;
+    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+      const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
+      const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        T d = g[i];
+        if (opt_.weight_decay != 0) d += wd * p[i];
+        if (opt_.momentum != 0) {
+          T& buf = slots[0][i];
+          buf = first ? d : mu * buf + keep * d;
+          d = opt_.nesterov ? d + mu * buf : buf;
+        }
+        p[i] -= lr * d;
+      }
+    });
+    ++steps_;
+  }
+
+ private:
+  options opt_;
+};
+
+static_assert(flat_optimizer<sgd>);
+
+}  // namespace ddp::optim

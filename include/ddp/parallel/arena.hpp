@@ -1,0 +1,251 @@
+#pragma once
+/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
+/// of values and one of gradients per dtype, in visit order; each ddp::parameter is rebound to its slice.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include <sys/mman.h>
+
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/core/parameter.hpp>
+#include <ddp/core/tensor_traits.hpp>
+#include <ddp/core/visit.hpp>
+#include <ddp/parallel/options.hpp>
+
+namespace ddp::detail {
+
+inline constexpr std::size_t page_bytes = 4096;
+
+/// Zeroed, page-aligned host memory whose pages can be handed back to the OS while the range stays mapped.
+class aligned_bytes {
+ public:
+  aligned_bytes() = default;
+  explicit aligned_bytes(std::size_t n)
+      : data_(n ? static_cast<std::byte*>(::operator new(round_up(n), std::align_val_t{page_bytes})) : nullptr),
+        size_(n) {
+    std::fill_n(data_.get(), n, std::byte{0});
+  }
+  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Zeroes bytes [begin, end); the whole pages inside go back to the OS (resident memory drops) and
+  /// come back as zero pages on the next touch.
+  void release(std::size_t begin, std::size_t end) noexcept {
+    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
+    if (first_page < last_page) {
+      std::fill(data_.get() + begin, data_.get() + first_page, std::byte{0});
+      std::fill(data_.get() + last_page, data_.get() + end, std::byte{0});
+      if (::madvise(data_.get() + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
+    }
+    std::fill(data_.get() + begin, data_.get() + end, std::byte{0});
+  }
+
+ private:
+  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+  struct release_memory {
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{page_bytes}); }
+  };
+  std::unique_ptr<std::byte, release_memory> data_;
+  std::size_t size_ = 0;
+};
+
+/// One parameter of the wrapped model and where it lies.
+struct param_slot {
+  std::string name;                ///< dotted name
+  std::vector<std::size_t> shape;  ///< shape
+  dtype type = dtype::f32;         ///< element type
+  std::size_t numel = 0;           ///< elements
+  void* object = nullptr;          ///< the ddp::parameter<E> of the model
+  std::size_t arena = 0;           ///< index of its arena
+  std::size_t offset = 0;          ///< first element inside the arena
+  std::size_t unit = 0;            ///< index of its unit (by default the model's top-level field holding it)
+  void (*bind)(void* object, std::byte* values, std::byte* grads) = nullptr;    ///< moves into arena storage
+  void (*rebind)(void* object, std::byte* values, std::byte* grads) = nullptr;  ///< points elsewhere, no copy
+  void (*unbind)(void* object) = nullptr;                                       ///< takes the values back
+
+  /// "fc1.weight f32[13, 7]": what ranks compare.
+  [[nodiscard]] std::string describe() const {
+    std::string s = name + " " + std::string(to_string(type)) + "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+};
+
+/// One dtype's flat values and gradients.
+struct arena {
+  dtype type = dtype::f32;          ///< element type
+  std::size_t numel = 0;            ///< elements
+  aligned_bytes values;             ///< parameter values, in visit order
+  aligned_bytes grads;              ///< gradients, same layout
+  std::vector<std::size_t> params;  ///< slots laid here, in visit order
+
+  /// Elements [begin, begin + count) of the values.
+  [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
+    return {values.data() + begin * size_of(type), count, type, device::cpu()};
+  }
+  /// Elements [begin, begin + count) of the gradients.
+  [[nodiscard]] raw_tensor grad_view(std::size_t begin, std::size_t count) const noexcept {
+    return {grads.data() + begin * size_of(type), count, type, device::cpu()};
+  }
+};
+
+template <class E>
+void bind_parameter(void* object, std::byte* values, std::byte* grads) {
+  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads));
+}
+template <class E>
+void rebind_parameter(void* object, std::byte* values, std::byte* grads) {
+  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads), device::cpu(),
+                                           false);
+}
+template <class E>
+void unbind_parameter(void* object) {
+  static_cast<parameter<E>*>(object)->unbind();
+}
+
+/// Names the sharding unit of each parameter by data_parallel_options::units and unit_depth, and checks
+/// that every listed prefix covers a parameter.
+class unit_rule {
+ public:
+  explicit unit_rule(const data_parallel_options& options)
+      : prefixes_(options.units), depth_(options.unit_depth), used_(options.units.size(), 0) {
+    if (depth_ == 0)
+      throw config_error("data_parallel: unit_depth is 0; set data_parallel_options::unit_depth to 1 (the model's "
+                         "top-level fields) or more");
+  }
+  /// The unit of the parameter `name`: the longest listed prefix it starts with, else its first components.
+  std::string_view unit_of(std::string_view name) {
+    std::size_t best = prefixes_.size();
+    for (std::size_t i = 0; i < prefixes_.size(); ++i) {
+      const std::string& p = prefixes_[i];
+      const bool covers = name.starts_with(p) && (name.size() == p.size() || name[p.size()] == '.');
+      if (covers && (best == prefixes_.size() || p.size() > prefixes_[best].size())) best = i;
+    }
+    if (best < prefixes_.size()) {
+      used_[best] = 1;
+      return name.substr(0, prefixes_[best].size());
+    }
+    std::size_t end = 0;
+    for (std::size_t k = 0; k < depth_ && end != std::string_view::npos; ++k)
+      end = name.find('.', k == 0 ? 0 : end + 1);
+    return name.substr(0, end);
+  }
+  /// Throws ddp::config_error naming the first listed prefix that covered no parameter.
+  void check_all_used() const {
+    for (std::size_t i = 0; i < prefixes_.size(); ++i)
+      if (!used_[i])
+        throw config_error("data_parallel: the unit '" + prefixes_[i] + "' in data_parallel_options::units covers no "
+                           "parameter; list dotted prefixes of the names visit_parameters gives (such as 'fc1' or "
+                           "'encoder.layers.0')");
+  }
+
+ private:
+  std::vector<std::string> prefixes_;
+  std::size_t depth_;
+  std::vector<char> used_;
+};
+
+/// The model's parameters laid into arenas. Binding happens at construction; the destructor gives every
+/// parameter its values back, so the model stays usable after the wrapper is gone. With `pad` > 1 (the
+/// sharded strategies) every unit starts at a multiple of `pad` elements inside its arena and every
+/// arena's length is a multiple of `pad`; the gaps are zero and belong to no parameter. Units are
+/// consecutive (in visit order) parameters of the same unit name, named as `options` says.
+class parameter_layout {
+ public:
+  template <class Model>
+  explicit parameter_layout(Model& model, std::size_t pad = 1, const data_parallel_options& options = {}) {
+    unit_rule rule(options);
+    visit_parameters(model, [&](std::string_view name, auto& p) {
+      using P = std::remove_reference_t<decltype(p)>;
+      static_assert(!std::is_const_v<P>,
+                    "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
+                    "(data_parallel rebinds each parameter to its flat arena).");
+      using E = typename P::value_type;
+      if (p.device().is_cuda())
+        throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
+                           "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
+      param_slot s;
+      s.name = std::string(name);
+      s.shape = p.shape();
+      s.type = dtype_v<E>;
+      s.numel = p.numel();
+      s.object = static_cast<void*>(&p);
+      s.bind = &bind_parameter<E>;
+      s.rebind = &rebind_parameter<E>;
+      s.unbind = &unbind_parameter<E>;
+      const std::string_view unit = rule.unit_of(name);
+      if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
+      s.unit = units_.size() - 1;
+      if (!index_.emplace(s.object, slots_.size()).second)
+        throw config_error("data_parallel: parameter '" + s.name + "' is visited twice; a model must reach each "
+                           "ddp::parameter once (shared parameters are not supported)");
+      slots_.push_back(std::move(s));
+    });
+    rule.check_all_used();
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      auto& s = slots_[i];
+      auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
+      if (it == arenas_.end()) {
+        arenas_.emplace_back().type = s.type;
+        it = arenas_.end() - 1;
+      }
+      s.arena = static_cast<std::size_t>(it - arenas_.begin());
+      const bool starts_unit = it->params.empty() || slots_[it->params.back()].unit != s.unit;
+      if (starts_unit) it->numel = (it->numel + pad - 1) / pad * pad;
+      s.offset = it->numel;
+      it->numel += s.numel;
+      it->params.push_back(i);
+    }
+    for (auto& a : arenas_) {
+      a.numel = (a.numel + pad - 1) / pad * pad;
+      a.values = aligned_bytes(a.numel * size_of(a.type));
+      a.grads = aligned_bytes(a.numel * size_of(a.type));
+    }
+    for (auto& s : slots_) {
+      const std::size_t at = s.offset * size_of(s.type);
+      s.bind(s.object, arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at);
+    }
+  }
+  parameter_layout(const parameter_layout&) = delete;
+  parameter_layout& operator=(const parameter_layout&) = delete;
+  ~parameter_layout() {
+    for (auto& s : slots_) s.unbind(s.object);
+  }
+
+  /// Every parameter, in visit order.
+  [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
+  /// The units' names (by default the model's top-level fields holding parameters), in visit order.
+  [[nodiscard]] std::span<const std::string> units() const noexcept { return units_; }
+  /// Every arena (one per dtype, in order of first appearance).
+  [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
+  /// Every arena, writable (the strategies release and refill their pages).
+  [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }
+  /// The slot of the parameter object at `address`, or -1 when it is not part of the model.
+  [[nodiscard]] std::ptrdiff_t find(const void* address) const noexcept {
+    const auto it = index_.find(address);
+    return it == index_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+  }
+  /// The slot named `name`, or -1.
+  [[nodiscard]] std::ptrdiff_t find(std::string_view name) const noexcept {
+    const auto it = std::find_if(slots_.begin(), slots_.end(), [&](const param_slot& s) { return s.name == name; });
+    return it == slots_.end() ? -1 : it - slots_.begin();
+  }
+
+ private:
+  std::vector<param_slot> slots_;
+  std::vector<arena> arenas_;
+  std::vector<std::string> units_;
+  std::unordered_map<const void*, std::size_t> index_;
+};
+
+}  // namespace ddp::detail

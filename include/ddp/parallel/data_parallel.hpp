@@ -1,0 +1,335 @@
+#pragma once
+/// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
+///
+/// Construction lays every parameter into flat arenas (one per dtype), checks that all ranks hold the
+/// same model and broadcasts rank 0's values. During the backward the user reports each finished
+/// gradient with gradient_ready(p); a bucket whose parameters have all reported launches its
+/// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
+/// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ddp/comm/backend.hpp>
+#include <ddp/comm/communicator.hpp>
+#include <ddp/comm/object.hpp>
+#include <ddp/comm/work.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/core/parameter.hpp>
+#include <ddp/core/visit.hpp>
+#include <ddp/optim/flat.hpp>
+#include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/full_shard.hpp>
+#include <ddp/parallel/hybrid.hpp>
+#include <ddp/parallel/options.hpp>
+#include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replicate.hpp>
+#include <ddp/parallel/shard_grad_op.hpp>
+#include <ddp/parallel/strategy.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
+inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
+  std::uint64_t h = 14695981039346656037ULL;
+  for (const auto& d : descriptions)
+    for (const char c : d + '\n') h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  return h;
+}
+
+/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
+template <class Comm>
+void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
+  const auto h = static_cast<std::int64_t>(layout_hash(mine));
+  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
+  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
+  const auto all = all_gather_object(comm, mine);
+  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
+  for (const auto& other : all) {
+    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
+    if (diff.first != all[0].end() || diff.second != other.end())
+      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
+  }
+  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
+            (r + 1 < all.size() ? ";" : "");
+  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
+}
+
+}  // namespace detail
+
+/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
+/// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
+template <class Model, class... Ps>
+class data_parallel {
+  using policy = policies<Ps...>;
+  using strategy_type = detail::strategy<typename policy::sharding, backend_communicator_t<typename policy::backend>>;
+
+ public:
+  using model_type = Model;                                                        ///< the wrapped model
+  using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
+  using sharding = typename policy::sharding;                                      ///< the sharding policy
+  static_assert(communicator<communicator_type>);
+
+  /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
+  data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
+      : model_(model), comm_(std::move(comm)), options_(std::move(options)),
+        multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
+        plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
+                                  strategy_type::sharded)),
+        hook_(layout_) {
+    std::vector<std::string> descriptions;
+    for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
+    detail::verify_same_model(comm_, descriptions);
+    unused_.assign(layout_.slots().size(), 0);
+    for (const auto& name : options_.unused_parameters) {
+      const auto i = layout_.find(std::string_view(name));
+      if (i < 0)
+        throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
+                           "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
+      unused_[static_cast<std::size_t>(i)] = 1;
+    }
+    if (options_.broadcast_parameters)
+      for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
+    strategy_.emplace(layout_, plan_, comm_, options_);
+    reported_.assign(layout_.slots().size(), 0);
+    pending_.resize(plan_.buckets.size());
+    works_.resize(plan_.buckets.size());
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  /// Waits for reductions in flight. Under full_shard it first gathers every unit (collective, skipped
+  /// while an exception unwinds) so the model keeps its trained values once the arenas are gone.
+  ~data_parallel() {
+    for (std::size_t b = 0; b < launched_; ++b) try { works_[b].wait(); } catch (...) {}  // NOLINT: no throw from a destructor
+    if (strategy_ && std::uncaught_exceptions() == 0)
+      try { strategy_->finalize(); } catch (...) {}  // NOLINT: a lost peer leaves the released units zero
+  }
+
+  /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
+  template <element E>
+  void gradient_ready(const parameter<E>& p) {
+    const auto i = layout_.find(static_cast<const void*>(&p));
+    if (i < 0)
+      throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
+                         "the model's own parameters (dp.module().fc1.weight)", rank());
+    const auto slot = static_cast<std::size_t>(i);
+    strategy_->on_report(slot);
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    open_step();
+    if (reported_[slot])
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
+                  "report each parameter once per step, after its gradient is final", rank());
+    mark_ready(slot);
+    launch_ready();
+  }
+
+  /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
+  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated).
+  void finish_gradients() {
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    open_step();
+    struct close_step {
+      data_parallel* self;
+      ~close_step() { self->step_open_ = false; }
+    } closer{this};
+    if (launched_ < plan_.buckets.size()) {
+      std::vector<std::string> missing;
+      for (std::size_t s = 0; s < reported_.size(); ++s)
+        if (!reported_[s] && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
+      if (options_.error_on_missing) {
+        wait_launched();
+        std::string names;
+        for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
+        throw error("finish_gradients: parameter(s) " + names + " did not report a gradient in this step; call "
+                    "dp.gradient_ready(p) for each in the backward, or list them in "
+                    "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
+      }
+      for (std::size_t s = 0; s < reported_.size(); ++s)
+        if (!reported_[s]) mark_ready(s);
+      launch_ready();
+    }
+    wait_launched();
+  }
+
+  /// RAII guard returned by no_sync(): while alive, gradients accumulate without a step. Under
+  /// replicate they accumulate locally without communication; under the sharding strategies each
+  /// micro-batch is reduce-scattered into the sharded gradients when the guard ends (memory stays sharded).
+  class [[nodiscard]] no_sync_guard {
+   public:
+    explicit no_sync_guard(data_parallel& dp) : dp_(&dp), unwinding_(std::uncaught_exceptions()) {
+      ++dp_->no_sync_depth_;
+    }
+    no_sync_guard(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(const no_sync_guard&) = delete;
+    ~no_sync_guard() noexcept(!strategy_type::sharded) {
+      --dp_->no_sync_depth_;
+      if constexpr (strategy_type::sharded)
+        if (std::uncaught_exceptions() == unwinding_) dp_->finish_gradients();
+    }
+
+   private:
+    data_parallel* dp_;
+    int unwinding_;
+  };
+  /// Starts a gradient-accumulation scope (see no_sync_guard); the next synchronized backward reduces
+  /// the accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
+  no_sync_guard no_sync() {
+    if (step_open_)
+      throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
+                  "no_sync before the backward starts", rank());
+    return no_sync_guard(*this);
+  }
+
+  /// finish_gradients(), then one optimizer step over the flat arenas (or the owned shards).
+  template <optim::flat_optimizer Opt>
+  void step(Opt& opt) {
+    if (no_sync_depth_ > 0)
+      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
+                  "no_sync scope for the last micro-batch of the accumulation", rank());
+    finish_gradients();
+    opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+    strategy_->after_step();
+  }
+  /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
+  template <optim::flat_optimizer Opt>
+  void attach(Opt& opt) {
+    opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+  }
+
+  /// Sets every gradient to zero.
+  void zero_grad() noexcept { strategy_->zero_grad(); }
+
+  /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
+  class [[nodiscard]] gather_guard {
+   public:
+    gather_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+      dp_->strategy_->acquire(units_);
+    }
+    gather_guard(const gather_guard&) = delete;
+    gather_guard& operator=(const gather_guard&) = delete;
+    ~gather_guard() { dp_->strategy_->release(units_); }
+
+   private:
+    data_parallel* dp_;
+    std::vector<std::size_t> units_;
+  };
+  /// Opens a scope on the units (by default top-level fields) that `part` of the model holds; wrap each
+  /// unit's forward and backward in one. Under full_shard it all-gathers the units and prefetches the next
+  /// one; under full_shard and shard_grad_op it gives them gradient storage (report their gradients inside
+  /// the scope). Under replicate it does nothing. Collective under full_shard.
+  template <class Part>
+  gather_guard gather(Part& part) {
+    std::vector<std::size_t> units;
+    visit_parameters(part, [&](std::string_view, auto& p) {
+      const auto i = layout_.find(static_cast<const void*>(&p));
+      if (i < 0)
+        throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
+                           "of dp.module() (such as dp.module().fc2)", rank());
+      const std::size_t u = layout_.slots()[static_cast<std::size_t>(i)].unit;
+      if (units.empty() || units.back() != u) units.push_back(u);
+    });
+    return gather_guard(*this, std::move(units));
+  }
+
+  /// The wrapped model.
+  [[nodiscard]] Model& module() noexcept { return model_; }
+  /// The communicator of the group.
+  [[nodiscard]] communicator_type& comm() noexcept { return comm_; }
+  /// Number of ranks.
+  [[nodiscard]] int world_size() const noexcept { return comm_.size(); }
+  /// This process's rank.
+  [[nodiscard]] int rank() const noexcept { return comm_.rank(); }
+  /// Calls `f(name, parameter&)` for every parameter of the model, in visit order (for checkpoints).
+  template <class F>
+  void for_each_parameter(F&& f) {
+    visit_parameters(model_, f);
+  }
+  /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
+  /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
+  [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
+    return strategy_->optimizer_buffers();
+  }
+  /// Number of gradient buckets (launch units).
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
+  [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
+  /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
+  /// hybrid the G ranks of this rank's shard group. Its stats() count the bytes moved inside the group.
+  [[nodiscard]] communicator_type shard_group() const {
+    if constexpr (strategy_type::sharded)
+      return strategy_->shard_group();
+    else
+      return comm_;
+  }
+  /// hybrid: the ranks holding the same shard in every group (their stats() count the bytes moved across
+  /// groups); empty under the other policies.
+  [[nodiscard]] std::optional<communicator_type> replica_group() const {
+    if constexpr (strategy_type::sharded)
+      return strategy_->replica_group();
+    else
+      return std::nullopt;
+  }
+
+ private:
+  void open_step() {
+    if (step_open_) return;
+    step_open_ = true;
+    launched_ = 0;
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) pending_[b] = plan_.buckets[b].params.size();
+    std::fill(reported_.begin(), reported_.end(), 0);
+    for (std::size_t s = 0; s < unused_.size(); ++s)
+      if (unused_[s]) mark_ready(s);
+  }
+  void mark_ready(std::size_t slot) {
+    reported_[slot] = 1;
+    for (const std::size_t b : plan_.of_param[slot]) --pending_[b];
+  }
+  void launch_ready() {
+    while (launched_ < plan_.buckets.size() && pending_[launched_] == 0) {
+      works_[launched_] = strategy_->reduce(hook_, launched_);
+      ++launched_;
+    }
+  }
+  void wait_launched() {
+    for (std::size_t b = 0; b < launched_; ++b) {
+      works_[b].wait();
+      works_[b] = work{};
+      strategy_->reduced(hook_, b);
+    }
+    launched_ = 0;
+  }
+
+  Model& model_;
+  communicator_type comm_;
+  data_parallel_options options_;
+  std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
+  detail::parameter_layout layout_;
+  detail::bucket_plan plan_;
+  detail::hook_impl<typename policy::hook> hook_;
+  std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
+  std::vector<char> unused_;                // per slot: declared unused
+  std::vector<char> reported_;              // per slot: reported in the open step
+  std::vector<std::size_t> pending_;        // per bucket: slots still to report
+  std::vector<work> works_;                 // per bucket: its reduction in flight
+  std::size_t launched_ = 0;                // buckets launched in the open step (a prefix of the plan)
+  bool step_open_ = false;                  // a synchronized backward has begun
+  int no_sync_depth_ = 0;                   // live no_sync guards
+};
+
+}  // namespace ddp

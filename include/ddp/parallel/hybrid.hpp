@@ -1,0 +1,54 @@
+#pragma once
+/// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
+/// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
+/// averaged across the groups (over the ranks holding the same block), built on split().
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include <ddp/comm/env.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/full_shard.hpp>
+#include <ddp/parallel/options.hpp>
+#include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/shard_grad_op.hpp>
+#include <ddp/parallel/strategy.hpp>
+
+namespace ddp::detail {
+
+template <class Inner, class Comm>
+struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
+  /// G: options.hybrid_group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  static std::size_t multiple(const Comm& comm, const data_parallel_options& options) {
+    const long long g = options.hybrid_group_size > 0
+                            ? options.hybrid_group_size
+                            : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
+                                                 "the number of processes on this host")
+                                  .value_or(comm.size());
+    if (g <= 0 || comm.size() % g != 0)
+      throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
+                             std::to_string(g) + "; set data_parallel_options::hybrid_group_size (or LOCAL_WORLD_SIZE) "
+                             "to a divisor of the world size",
+                         comm.rank());
+    return static_cast<std::size_t>(g);
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
+      : strategy(layout, plan, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+
+ private:
+  /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
+  /// group), split in this order on every rank.
+  static std::pair<Comm, Comm> groups(Comm& comm, int g) {
+    Comm shard = comm.split(comm.rank() / g, comm.rank());
+    Comm replica = comm.split(comm.rank() % g, comm.rank());
+    return {std::move(shard), std::move(replica)};
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, std::pair<Comm, Comm> g,
+           const data_parallel_options& options)
+      : strategy<Inner, Comm>(layout, plan, std::move(g.first), std::move(g.second), options) {}
+};
+
+}  // namespace ddp::detail

@@ -1,0 +1,75 @@
+#pragma once
+/// \file The replicate strategy (PyTorch DDP): every rank keeps all parameters, gradients and optimizer
+/// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include <ddp/comm/work.hpp>
+#include <ddp/optim/flat.hpp>
+#include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/options.hpp>
+#include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/strategy.hpp>
+
+namespace ddp::detail {
+
+/// Whole flat buffers: one per arena, every parameter a segment.
+inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
+  std::vector<optim::flat_buffer> out;
+  for (const auto& a : layout.arenas()) {
+    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {}};
+    for (const std::size_t s : a.params)
+      b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
+                            .numel = layout.slots()[s].numel, .start = 0});
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+template <class Comm>
+struct strategy<replicate, Comm> {
+  static constexpr bool sharded = false;
+  static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
+
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
+      : layout_(layout), plan_(plan), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+
+  /// Starts the all-reduce of bucket `b` through the hook.
+  template <class Hook>
+  work reduce(Hook& hook, std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    return hook.launch(comm_, layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  }
+  /// Bucket `b`'s reduction has completed: the hook writes the averaged gradients back.
+  template <class Hook>
+  void reduced(Hook& hook, std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    hook.complete(layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  }
+  /// What the optimizer steps over: the whole arenas.
+  [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
+  /// Nothing to re-gather after the step.
+  void after_step() {}
+  /// Zeroes the gradient arenas.
+  void zero_grad() noexcept {
+    for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
+  }
+  /// Parameters and gradients are always whole: gather scopes do nothing.
+  void acquire(std::span<const std::size_t> /*units*/) {}
+  void release(std::span<const std::size_t> /*units*/) {}
+  /// Every gradient may be reported at any time.
+  void on_report(std::size_t /*slot*/) const {}
+  /// The model holds its values already.
+  void finalize() {}
+
+ private:
+  parameter_layout& layout_;
+  const bucket_plan& plan_;
+  Comm comm_;
+  std::vector<optim::flat_buffer> buffers_;
+};
+
+}  // namespace ddp::detail

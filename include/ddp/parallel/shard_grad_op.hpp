@@ -1,0 +1,54 @@
+#pragma once
+/// \file The shard_grad_op strategy (ZeRO-2, FSDP SHARD_GRAD_OP): full parameters during forward and
+/// backward, in the value arena; a unit's full gradients live in a pooled buffer while a gather scope holds
+/// it and until its buckets are reduce-scattered into the owned blocks; the optimizer steps the owned
+/// blocks; the updated blocks are all-gathered back into the full parameters after the step.
+
+#include <cstddef>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include <ddp/comm/work.hpp>
+#include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/options.hpp>
+#include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/sharded.hpp>
+#include <ddp/parallel/strategy.hpp>
+
+namespace ddp::detail {
+
+template <class Comm>
+struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
+  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+    return static_cast<std::size_t>(comm.size());
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op") {}
+  /// hybrid: shards over `shard`, replicas over `replica`.
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+           const data_parallel_options& /*options*/)
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op") {}
+
+  /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
+  /// gradient buffers this step did not need.
+  void after_step() {
+    std::vector<work> works;
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    wait_all(works);
+    this->trim_pools();
+  }
+  /// The units get gradient storage while a scope holds them; parameters are always whole.
+  void acquire(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) this->hold(u);
+  }
+  /// Ends a use of the units.
+  void release(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) this->let_go(u);
+  }
+  /// Parameters are whole in the value arena already.
+  void finalize() {}
+};
+
+}  // namespace ddp::detail

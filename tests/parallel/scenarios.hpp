@@ -1,0 +1,231 @@
+#pragma once
+// Test scenarios of data_parallel, written once for any communicator (run under TCP and MPI). They use
+// REQUIRE only: under run_ranks a rank fails by throwing.
+//
+// Equivalence: N ranks, each on a disjoint (possibly uneven) shard of a global batch of B samples,
+// scale their loss by N/B so the average of the ranks' gradients is the whole batch's mean gradient;
+// after several steps their parameters must equal one process stepping the same optimizer on the whole
+// batch. Tolerance, per element: |a − b| ≤ tol·max(|b|, 1e-2) with tol = 1e-5 for f32 gradients
+// (reductions sum in a different order); with bf16/fp16 gradient compression (8 resp. 11 bits of
+// mantissa) per tensor: |a − b| ≤ tol·max|b| over the tensor, tol = 1e-2.
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <ddp/optim/adamw.hpp>
+#include <ddp/optim/sgd.hpp>
+#include <ddp/parallel/data_parallel.hpp>
+
+#include "mlp.hpp"
+
+namespace ddp_test {
+
+inline constexpr std::size_t global_batch = 10;  // uneven over 3 and 4 ranks
+inline constexpr int steps = 4;
+
+/// Samples [begin, begin + count) of the global batch that `rank` of `n` trains on.
+inline std::pair<std::size_t, std::size_t> shard_of(int rank, int n) {
+  const std::size_t r = static_cast<std::size_t>(rank), size = static_cast<std::size_t>(n);
+  const std::size_t begin = r * global_batch / size, end = (r + 1) * global_batch / size;
+  return {begin, end - begin};
+}
+
+enum class optimizer_kind { sgd_momentum, sgd_nesterov, adamw };
+
+/// Runs `body(opt)` with the optimizer `k` names.
+template <class F>
+void with_optimizer(optimizer_kind k, F&& body) {
+  switch (k) {
+    case optimizer_kind::sgd_momentum: { ddp::optim::sgd o({.lr = 0.1, .momentum = 0.9, .dampening = 0.1}); body(o); break; }
+    case optimizer_kind::sgd_nesterov: {
+      ddp::optim::sgd o({.lr = 0.05, .momentum = 0.8, .nesterov = true, .weight_decay = 0.01});
+      body(o);
+      break;
+    }
+    case optimizer_kind::adamw: { ddp::optim::adamw o({.lr = 0.01, .weight_decay = 0.05}); body(o); break; }
+  }
+}
+
+/// One process on the whole batch: the ground truth.
+inline mlp reference_training(optimizer_kind k) {
+  mlp m = make_mlp(1);
+  with_optimizer(k, [&](auto& opt) {
+    const auto buffers = per_parameter_buffers(m);
+    for (int s = 0; s < steps; ++s) {
+      zero_grad(m);
+      forward_backward(m, make_batch(static_cast<std::uint64_t>(s), global_batch), 1.0F / global_batch, [](auto&) {});
+      opt.step(buffers);
+    }
+  });
+  return m;
+}
+
+/// How require_close scales the tolerance.
+enum class closeness { per_element, per_tensor };
+
+/// Every parameter of `got` within tolerance of `want`.
+inline void require_close(mlp& got, mlp& want, double tol, closeness how) {
+  std::vector<std::pair<std::string, std::vector<float>>> expected;
+  ddp::visit_parameters(want, [&](std::string_view name, ddp::parameter<float>& p) {
+    expected.emplace_back(std::string(name), std::vector<float>(p.value().begin(), p.value().end()));
+  });
+  std::size_t k = 0;
+  ddp::visit_parameters(got, [&](std::string_view name, ddp::parameter<float>& p) {
+    INFO("parameter " << name);
+    REQUIRE(expected[k].first == name);
+    double largest = 0;
+    for (const float b : expected[k].second) largest = std::max(largest, double(std::abs(b)));
+    double worst = 0;
+    for (std::size_t i = 0; i < p.numel(); ++i) {
+      const double a = p.value()[i], b = expected[k].second[i];
+      worst = std::max(worst, std::abs(a - b) / (how == closeness::per_element ? std::max(std::abs(b), 1e-2) : largest));
+    }
+    REQUIRE(worst <= tol);
+    ++k;
+  });
+}
+
+/// N ranks with policies Ps give the reference's parameters; `micro` > 1 accumulates that many
+/// micro-batches per step, all but the last under no_sync.
+template <class... Ps, class Comm>
+void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
+                       closeness how = closeness::per_element, ddp::data_parallel_options options = {}) {
+  mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
+  {  // the model is compared after the wrapper is gone: it must hand the trained values back
+    ddp::data_parallel<mlp, Ps...> dp{model, comm, options};
+    auto scope = [&](linear& l) { return dp.gather(l); };
+    const auto [begin, count] = shard_of(comm.rank(), comm.size());
+    const float scale = static_cast<float>(comm.size()) / global_batch;
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    with_optimizer(k, [&](auto& opt) {
+      for (int s = 0; s < steps; ++s) {
+        dp.zero_grad();
+        const batch mine = make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count);
+        for (int m = 0; m + 1 < micro; ++m) {
+          auto guard = dp.no_sync();
+          const std::size_t a = count * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro);
+          const std::size_t b = count * static_cast<std::size_t>(m + 1) / static_cast<std::size_t>(micro);
+          forward_backward(model, mine.slice(a, b - a), scale, report, scope);
+        }
+        const std::size_t last = count * static_cast<std::size_t>(micro - 1) / static_cast<std::size_t>(micro);
+        forward_backward(model, mine.slice(last, count - last), scale, report, scope);
+        dp.step(opt);
+      }
+    });
+  }
+  mlp want = reference_training(k);
+  require_close(model, want, tol, how);
+}
+
+/// A rank whose model differs makes every rank throw mismatch_error naming the entry on each rank.
+template <class Backend, class Comm>
+void check_mismatch(Comm comm) {
+  mlp model = make_mlp(1, comm.rank() == 1 ? h2_dim + 1 : h2_dim);
+  try {
+    ddp::data_parallel<mlp, Backend> dp{model, comm};
+    FAIL("no mismatch_error although rank 1's fc2 is wider");
+  } catch (const ddp::mismatch_error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    REQUIRE(what.find("rank 0 has 'fc2.weight f32[11, 13]'") != std::string::npos);
+    REQUIRE(what.find("rank 1 has 'fc2.weight f32[12, 13]'") != std::string::npos);
+    REQUIRE(e.rank() == comm.rank());
+  }
+}
+
+/// A parameter that never reports is named in finish_gradients' error; the wrapper stays usable.
+template <class Backend, class Comm>
+void check_missing_report(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend, ddp::bucket_bytes<64, 32>> dp{model, comm};
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  const batch b = make_batch(0, 4);
+  forward_backward(model, b, 1.0F, report, no_scope{}, {"fc2.weight"});
+  try {
+    dp.finish_gradients();
+    FAIL("finish_gradients did not notice that fc2.weight never reported");
+  } catch (const ddp::error& e) {
+    INFO(e.what());
+    REQUIRE(std::string(e.what()).find("'fc2.weight' did not report") != std::string::npos);
+  }
+  dp.zero_grad();
+  forward_backward(model, b, 1.0F, report);
+  dp.finish_gradients();
+  REQUIRE_THROWS_AS(dp.gradient_ready(make_mlp(1).fc1.bias), ddp::config_error);
+}
+
+/// Parameters declared unused need not report; their gradients stay as the user left them (zero).
+template <class Backend, class Comm>
+void check_declared_unused(Comm comm) {
+  mlp model = make_mlp(1);
+  const std::vector<float> bias_before(model.fc1.bias.value().begin(), model.fc1.bias.value().end());
+  const std::vector<float> weight_before(model.fc1.weight.value().begin(), model.fc1.weight.value().end());
+  ddp::data_parallel<mlp, Backend, ddp::bucket_bytes<64, 32>> dp{model, comm, {.unused_parameters = {"fc1.bias"}}};
+  ddp::optim::sgd opt({.lr = 0.1});
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  for (int s = 0; s < 2; ++s) {
+    dp.zero_grad();
+    forward_backward(model, make_batch(static_cast<std::uint64_t>(s), 4), 1.0F, report, no_scope{}, {"fc1.bias"});
+    dp.step(opt);
+  }
+  REQUIRE(std::vector<float>(model.fc1.bias.value().begin(), model.fc1.bias.value().end()) == bias_before);
+  REQUIRE(std::vector<float>(model.fc1.weight.value().begin(), model.fc1.weight.value().end()) != weight_before);
+  mlp other = make_mlp(1);
+  REQUIRE_THROWS_AS((ddp::data_parallel<mlp, Backend>{other, comm, {.unused_parameters = {"fc9.bias"}}}),
+                  ddp::config_error);
+}
+
+/// Rank 0's values reach every rank; with broadcast off, each rank keeps its own.
+template <class Backend, class Comm>
+void check_broadcast(Comm comm) {
+  const mlp rank0 = make_mlp(1);
+  mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));
+  {
+    ddp::data_parallel<mlp, Backend> dp{model, comm};
+    REQUIRE(std::equal(model.fc2.weight.value().begin(), model.fc2.weight.value().end(),
+                     rank0.fc2.weight.value().begin()));
+  }
+  mlp own = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));
+  const mlp copy = own;
+  ddp::data_parallel_options keep_own;
+  keep_own.broadcast_parameters = false;
+  ddp::data_parallel<mlp, Backend> dp{own, comm, keep_own};
+  REQUIRE(std::equal(own.fc3.bias.value().begin(), own.fc3.bias.value().end(), copy.fc3.bias.value().begin()));
+}
+
+}  // namespace ddp_test
+
+namespace ddp_test {
+
+/// hybrid groups: 2 ranks a group where the world is even (2×2 at N = 4), else 1 (pure replication of shards).
+inline ddp::data_parallel_options hybrid_groups(int world) {
+  ddp::data_parallel_options o;
+  o.hybrid_group_size = world % 2 == 0 ? 2 : 1;
+  return o;
+}
+
+/// full_shard: a gradient reported outside a gather scope is named as misuse.
+template <class Backend, class Comm>
+void check_full_shard_misuse(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend, ddp::full_shard> dp{model, comm};
+  try {
+    dp.gradient_ready(model.fc2.weight);
+    FAIL("full_shard accepted a gradient of an ungathered unit");
+  } catch (const ddp::error& e) {
+    INFO(e.what());
+    REQUIRE(std::string(e.what()).find("dp.gather(model.fc2)") != std::string::npos);
+  }
+  auto g = dp.gather(model.fc2);
+  REQUIRE(std::any_of(model.fc2.weight.value().begin(), model.fc2.weight.value().end(), [](float v) { return v != 0; }));
+}
+
+}  // namespace ddp_test

@@ -1,0 +1,71 @@
+// data_parallel over the MPI backend; registered at NP 1..4 (the [multi] cases need two ranks or more).
+#include <chrono>
+
+#include <catch2/catch.hpp>
+
+#include <ddp/comm/mpi/communicator.hpp>
+
+#include "scenarios.hpp"
+
+namespace {
+using namespace ddp_test;
+using ddp::backend::mpi;
+using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+ddp::mpi::communicator world() { return ddp::mpi::communicator::world({.timeout = std::chrono::seconds(30)}); }
+}  // namespace
+
+TEST_CASE("mpi replicate: one bucket, sgd momentum equals one process", "[equivalence]") {
+  check_equivalence<mpi>(world(), optimizer_kind::sgd_momentum, 1e-5);
+}
+TEST_CASE("mpi replicate: tiny buckets, sgd momentum equals one process", "[equivalence]") {
+  check_equivalence<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5);
+}
+TEST_CASE("mpi replicate: tiny buckets, sgd nesterov + weight decay equals one process", "[equivalence]") {
+  check_equivalence<tiny, mpi>(world(), optimizer_kind::sgd_nesterov, 1e-5);
+}
+TEST_CASE("mpi replicate: tiny buckets, adamw equals one process", "[equivalence]") {
+  check_equivalence<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5);
+}
+TEST_CASE("mpi replicate: no_sync accumulation over 2 and 3 micro-batches equals one process", "[equivalence]") {
+  check_equivalence<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5, 2);
+  check_equivalence<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5, 3);
+}
+TEST_CASE("mpi replicate: bf16 and fp16 compression hooks stay within 1e-2 per tensor", "[equivalence]") {
+  check_equivalence<mpi, tiny, ddp::bf16_compress_hook>(world(), optimizer_kind::sgd_momentum, 1e-2, 1,
+                                                        closeness::per_tensor);
+  check_equivalence<mpi, tiny, ddp::fp16_compress_hook>(world(), optimizer_kind::sgd_momentum, 1e-2, 1,
+                                                        closeness::per_tensor);
+}
+TEST_CASE("mpi replicate: different models raise mismatch_error naming the parameter on each rank", "[multi]") {
+  check_mismatch<mpi>(world());
+}
+TEST_CASE("mpi replicate: a parameter that never reports is named", "[errors]") { check_missing_report<mpi>(world()); }
+TEST_CASE("mpi replicate: declared-unused parameters are skipped", "[errors]") { check_declared_unused<mpi>(world()); }
+TEST_CASE("mpi replicate: rank 0's values are broadcast", "[errors]") { check_broadcast<mpi>(world()); }
+
+// Sharding (issue 6): each strategy equals one process (and so replicate) after several steps.
+TEST_CASE("mpi shard_grad_op: sgd momentum and adamw equal one process", "[sharding]") {
+  check_equivalence<mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::sgd_momentum, 1e-5);
+  check_equivalence<mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::adamw, 1e-5);
+  check_equivalence<mpi, ddp::shard_grad_op>(world(), optimizer_kind::sgd_nesterov, 1e-5);
+}
+TEST_CASE("mpi full_shard: sgd momentum and adamw equal one process, gathering unit by unit", "[sharding]") {
+  check_equivalence<mpi, tiny, ddp::full_shard>(world(), optimizer_kind::sgd_momentum, 1e-5);
+  check_equivalence<mpi, tiny, ddp::full_shard>(world(), optimizer_kind::adamw, 1e-5);
+  check_equivalence<mpi, ddp::full_shard>(world(), optimizer_kind::sgd_nesterov, 1e-5);
+}
+TEST_CASE("mpi sharded no_sync accumulates into sharded gradients", "[sharding]") {
+  check_equivalence<mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::adamw, 1e-5, 2);
+  check_equivalence<mpi, tiny, ddp::full_shard>(world(), optimizer_kind::sgd_momentum, 1e-5, 3);
+}
+TEST_CASE("mpi hybrid: 2x2 groups (1 per group at odd N) equal one process", "[sharding]") {
+  auto comm = world();
+  check_equivalence<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
+                                                             closeness::per_element, hybrid_groups(comm.size()));
+  check_equivalence<mpi, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
+                                                                closeness::per_element, hybrid_groups(comm.size()));
+}
+TEST_CASE("mpi full_shard: a gradient of an ungathered unit is misuse", "[sharding]") {
+  check_full_shard_misuse<mpi>(world());
+}

@@ -1,0 +1,69 @@
+// data_parallel over the TCP backend: every scenario at N = 1..4 forked ranks (run_ranks: a 60 s job
+// timeout, and every collective times out at 45 s so a hang fails instead of blocking).
+#include <catch2/catch.hpp>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "scenarios.hpp"
+#include "support/run_ranks.hpp"
+
+namespace {
+using namespace ddp_test;
+using ddp::backend::tcp;
+using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+/// Runs `body(comm)` on n = 1..4 ranks, each in its own job.
+template <class F>
+void on_1_to_4_ranks(F body) {
+  for (int n = 1; n <= 4; ++n) {
+    INFO("ranks: " << n);
+    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) { body(ddp::tcp::communicator::from_env()); }));
+  }
+}
+}  // namespace
+
+TEST_CASE("tcp replicate equals one process: sgd momentum/nesterov, adamw, one bucket or many", "[equivalence]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
+    check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5);
+    check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5);
+    check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  });
+}
+TEST_CASE("tcp replicate: no_sync accumulation and the bf16/fp16 hooks", "[equivalence]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5, 2);
+    check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, 3);
+    check_equivalence<tcp, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, 1,
+                                                          closeness::per_tensor);
+    check_equivalence<tcp, tiny, ddp::fp16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, 1,
+                                                          closeness::per_tensor);
+  });
+}
+TEST_CASE("tcp replicate: missing report, declared unused, broadcast", "[errors]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_missing_report<tcp>(comm);
+    check_declared_unused<tcp>(comm);
+    check_broadcast<tcp>(comm);
+  });
+}
+TEST_CASE("tcp replicate: different models raise mismatch_error naming the parameter on each rank", "[errors]") {
+  for (int n = 2; n <= 4; ++n)
+    ddp::testing::require_all_ok(
+        ddp::testing::run_ranks(n, [](int) { check_mismatch<tcp>(ddp::tcp::communicator::from_env()); }));
+}
+TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process", "[sharding]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
+    check_equivalence<tcp, ddp::shard_grad_op>(comm, optimizer_kind::sgd_nesterov, 1e-5);
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
+    check_equivalence<tcp, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5);
+    check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2);
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 3);
+    check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
+                                                               closeness::per_element, hybrid_groups(comm.size()));
+    check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
+                                                                  closeness::per_element, hybrid_groups(comm.size()));
+    check_full_shard_misuse<tcp>(comm);
+  });
+}
