@@ -1,0 +1,329 @@
+#pragma once
+/// \file Element-wise CUDA kernels over flat spans of device memory and their host API (compile with nvcc):
+/// scale/average (gradient averaging), f32<->bf16/f16 casts (compression hooks), and the SGD and AdamW steps
+/// with PyTorch's formulas (torch.optim.SGD, torch.optim.AdamW without amsgrad), as ddp::optim's CPU steps.
+///
+/// Every std::span argument views device memory on the current device; every call is asynchronous on
+/// `stream`. Loops are grid-stride over 16-byte packs (float4-wide loads and stores) when every pointer is
+/// 16-byte aligned, element by element otherwise. bf16/f16 values compute in float, f32 in float, f64 in double.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/cuda/error.hpp>
+#include <ddp/optim/adamw.hpp>
+#include <ddp/optim/sgd.hpp>
+
+namespace ddp::cuda {
+
+/// Hyperparameters of the SGD step: the CPU optimizer's, so both devices take the same settings.
+using sgd_options = optim::sgd::options;
+/// Hyperparameters of the AdamW step: the CPU optimizer's, so both devices take the same settings.
+using adamw_options = optim::adamw::options;
+
+namespace detail {
+
+/// The CUDA type with the same bits as a ddp element type.
+template <class T> struct native { using type = T; };
+template <> struct native<bfloat16> { using type = __nv_bfloat16; };
+template <> struct native<float16> { using type = __half; };
+template <class T> using native_t = typename native<std::remove_const_t<T>>::type;
+
+/// The type arithmetic runs in: double for double, float for everything else.
+template <class T> using compute_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <class T>
+concept floating = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16> ||
+                   std::is_same_v<T, float16>;
+
+__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+
+template <class T> __device__ __forceinline__ T narrow(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 narrow(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half narrow(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ float narrow(float x) { return x; }
+template <class T> __device__ __forceinline__ T narrow(double x) { return x; }
+
+/// V consecutive elements, aligned so that one vector instruction moves them.
+template <class T, int V>
+struct alignas(sizeof(T) * V) pack {
+  T v[V];
+};
+
+template <int V, class T>
+__device__ __forceinline__ pack<T, V> load(const T* p) {
+  return *reinterpret_cast<const pack<T, V>*>(p);
+}
+template <int V, class T>
+__device__ __forceinline__ void store(T* p, const pack<T, V>& x) {
+  *reinterpret_cast<pack<T, V>*>(p) = x;
+}
+
+/// Grid-stride loop: `f.template run<V>(i)` handles elements [i, i+V) for every full pack, then
+/// `f.template run<1>(i)` handles the n % V tail.
+template <int V, class F>
+__global__ void for_each_pack(std::size_t n, F f) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t packs = n / V;
+  for (std::size_t p = first; p < packs; p += stride) f.template run<V>(p * V);
+  for (std::size_t i = packs * V + first; i < n; i += stride) f.template run<1>(i);
+}
+
+/// Streaming multiprocessors of the current device (looked up once per device).
+inline int multiprocessors() {
+  constexpr int max_devices = 64;
+  static int cached[max_devices] = {};
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int& sms = cached[device % max_devices];
+  if (sms == 0) check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
+inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+/// Launches `f` over n elements with packs of V when every pointer in `pointers` is 16-byte aligned.
+template <int V, class F, class... P>
+void launch(const char* name, std::size_t n, cudaStream_t stream, F f, const P*... pointers) {
+  if (n == 0) return;
+  constexpr unsigned threads = 256;
+  const bool vector = (aligned16(pointers) && ...);
+  const std::size_t units = vector ? n / V + n % V : n;
+  const std::size_t wanted = (units + threads - 1) / threads;
+  const auto blocks = static_cast<unsigned>(std::min<std::size_t>(wanted, static_cast<std::size_t>(multiprocessors()) * 8));
+  if (vector)
+    for_each_pack<V><<<blocks, threads, 0, stream>>>(n, f);
+  else
+    for_each_pack<1><<<blocks, threads, 0, stream>>>(n, f);
+  check_launch(name);
+}
+
+/// Elements per 16-byte pack of the widest type among Ts.
+template <class... Ts>
+inline constexpr int pack_width = static_cast<int>(16 / std::max({sizeof(Ts)...}));
+
+/// x = x * factor, or x = x / factor when `divide` (PyTorch's div_, exact division).
+template <class T>
+struct scale_fn {
+  T* x;
+  compute_t<T> factor;
+  bool divide;
+  template <int V>
+  __device__ void run(std::size_t i) const {
+    auto a = load<V>(x + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const auto w = widen(a.v[k]);
+      a.v[k] = narrow<T>(divide ? w / factor : w * factor);
+    }
+    store<V>(x + i, a);
+  }
+};
+
+/// out = convert(in), rounding to nearest even.
+template <class From, class To>
+struct cast_fn {
+  const From* in;
+  To* out;
+  template <int V>
+  __device__ void run(std::size_t i) const {
+    const auto a = load<V>(in + i);
+    pack<To, V> b;
+#pragma unroll
+    for (int k = 0; k < V; ++k) b.v[k] = narrow<To>(widen(a.v[k]));
+    store<V>(out + i, b);
+  }
+};
+
+/// One torch.optim.SGD step (see sgd_step).
+template <class T>
+struct sgd_fn {
+  T* param;
+  const T* grad;
+  T* buf;  // null when momentum == 0
+  T lr, momentum, dampening, weight_decay;
+  bool nesterov, first;
+  template <int V>
+  __device__ void run(std::size_t i) const {
+    auto p = load<V>(param + i);
+    const auto g = load<V>(grad + i);
+    pack<T, V> b{};
+    if (buf != nullptr && !first) b = load<V>(buf + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      T d = g.v[k];
+      if (weight_decay != T(0)) d += weight_decay * p.v[k];
+      if (buf != nullptr) {
+        b.v[k] = first ? d : momentum * b.v[k] + (T(1) - dampening) * d;
+        d = nesterov ? d + momentum * b.v[k] : b.v[k];
+      }
+      p.v[k] -= lr * d;
+    }
+    store<V>(param + i, p);
+    if (buf != nullptr) store<V>(buf + i, b);
+  }
+};
+
+/// PyTorch's lerp: start + w·(end − start), computed from the nearer end for w ≥ 0.5.
+template <class T>
+__device__ __forceinline__ T lerp(T start, T end, T w) {
+  const T diff = end - start;
+  return w < T(0.5) ? start + w * diff : end - diff * (T(1) - w);
+}
+
+/// One torch.optim.AdamW step (see adamw_step).
+template <class T>
+struct adamw_fn {
+  T* param;
+  const T* grad;
+  T* exp_avg;
+  T* exp_avg_sq;
+  T decay;  // 1 - lr·weight_decay
+  T one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  template <int V>
+  __device__ void run(std::size_t i) const {
+    auto p = load<V>(param + i);
+    const auto g = load<V>(grad + i);
+    auto m = load<V>(exp_avg + i);
+    auto v = load<V>(exp_avg_sq + i);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const T d = g.v[k];
+      p.v[k] *= decay;
+      m.v[k] = lerp(m.v[k], d, one_minus_beta1);
+      v.v[k] = v.v[k] * beta2 + one_minus_beta2 * d * d;
+      p.v[k] -= step_size * (m.v[k] / (sqrt(v.v[k]) / bias_correction2_sqrt + eps));
+    }
+    store<V>(param + i, p);
+    store<V>(exp_avg + i, m);
+    store<V>(exp_avg_sq + i, v);
+  }
+};
+
+template <class T>
+native_t<T>* device_ptr(std::span<T> s) noexcept {
+  return reinterpret_cast<native_t<T>*>(const_cast<std::remove_const_t<T>*>(s.data()));
+}
+
+inline void same_size(std::size_t a, std::size_t b, const char* call, const char* a_name, const char* b_name) {
+  if (a != b)
+    throw error(std::string(call) + ": " + a_name + " has " + std::to_string(a) + " elements but " + b_name + " has " +
+                std::to_string(b) + "; pass spans of one flat parameter range");
+}
+
+template <class From, class To>
+void cast(std::span<const From> in, std::span<To> out, cudaStream_t stream, const char* name) {
+  same_size(in.size(), out.size(), name, "input", "output");
+  using F = native_t<From>;
+  using O = native_t<To>;
+  launch<pack_width<F, O>>(name, in.size(), stream, cast_fn<F, O>{device_ptr(in), device_ptr(out)}, device_ptr(in),
+                           device_ptr(out));
+}
+
+}  // namespace detail
+
+/// x[i] *= factor on the device (f32, f64, bf16, f16), asynchronously on `stream`.
+template <class T>
+  requires detail::floating<T>
+void scale(std::span<T> x, double factor, cudaStream_t stream) {
+  using N = detail::native_t<T>;
+  detail::launch<detail::pack_width<N>>("ddp::cuda::scale", x.size(), stream,
+                                        detail::scale_fn<N>{detail::device_ptr(x), static_cast<detail::compute_t<T>>(factor), false},
+                                        detail::device_ptr(x));
+}
+
+/// x[i] /= count on the device: the average of a sum over `count` ranks, as PyTorch's allreduce hook (div_).
+template <class T>
+  requires detail::floating<T>
+void average(std::span<T> x, int count, cudaStream_t stream) {
+  if (count <= 0) throw error("ddp::cuda::average: count " + std::to_string(count) + " must be positive");
+  using N = detail::native_t<T>;
+  detail::launch<detail::pack_width<N>>("ddp::cuda::average", x.size(), stream,
+                                        detail::scale_fn<N>{detail::device_ptr(x), static_cast<detail::compute_t<T>>(count), true},
+                                        detail::device_ptr(x));
+}
+
+/// out[i] = bf16(in[i]), rounded to nearest even (the bf16 compression hook's encoder).
+inline void cast_to_bf16(std::span<const float> in, std::span<bfloat16> out, cudaStream_t stream) {
+  detail::cast(in, out, stream, "ddp::cuda::cast_to_bf16");
+}
+/// out[i] = float(in[i]), exact (the bf16 compression hook's decoder).
+inline void cast_from_bf16(std::span<const bfloat16> in, std::span<float> out, cudaStream_t stream) {
+  detail::cast(in, out, stream, "ddp::cuda::cast_from_bf16");
+}
+/// out[i] = f16(in[i]), rounded to nearest even, overflowing to ±inf (the fp16 compression hook's encoder).
+inline void cast_to_f16(std::span<const float> in, std::span<float16> out, cudaStream_t stream) {
+  detail::cast(in, out, stream, "ddp::cuda::cast_to_f16");
+}
+/// out[i] = float(in[i]), exact (the fp16 compression hook's decoder).
+inline void cast_from_f16(std::span<const float16> in, std::span<float> out, cudaStream_t stream) {
+  detail::cast(in, out, stream, "ddp::cuda::cast_from_f16");
+}
+
+/// One torch.optim.SGD step over a flat range: g = grad + weight_decay·param; with
+/// momentum, buf = g on the first step, else momentum·buf + (1 − dampening)·g, and g = nesterov ? g + momentum·buf
+/// : buf; then param −= lr·g. `momentum_buffer` is ignored (may be empty) when momentum is 0.
+template <class T>
+  requires std::is_same_v<T, float> || std::is_same_v<T, double>
+void sgd_step(std::span<T> param, std::span<const T> grad, std::span<T> momentum_buffer, const sgd_options& o,
+              bool first_step, cudaStream_t stream) {
+  constexpr const char* name = "ddp::cuda::sgd_step";
+  detail::same_size(param.size(), grad.size(), name, "param", "grad");
+  const bool momentum = o.momentum != 0;
+  if (momentum) detail::same_size(param.size(), momentum_buffer.size(), name, "param", "momentum_buffer");
+  if (o.nesterov && (!momentum || o.dampening != 0))
+    throw error("ddp::cuda::sgd_step: Nesterov momentum needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
+  T* buf = momentum ? momentum_buffer.data() : nullptr;
+  const detail::sgd_fn<T> f{param.data(), grad.data(), buf, static_cast<T>(o.lr), static_cast<T>(o.momentum),
+                            static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first_step};
+  if (momentum)
+    detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), buf);
+  else
+    detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data());
+}
+
+/// One torch.optim.AdamW step over a flat range; `step` counts steps including this one (1 on the first).
+/// param ·= 1 − lr·weight_decay; m = lerp(m, g, 1 − β1); v = β2·v + (1 − β2)·g²;
+/// param −= lr/(1 − β1^step) · m / (√v / √(1 − β2^step) + eps).
+template <class T>
+  requires std::is_same_v<T, float> || std::is_same_v<T, double>
+void adamw_step(std::span<T> param, std::span<const T> grad, std::span<T> exp_avg, std::span<T> exp_avg_sq,
+                const adamw_options& o, std::int64_t step, cudaStream_t stream) {
+  constexpr const char* name = "ddp::cuda::adamw_step";
+  detail::same_size(param.size(), grad.size(), name, "param", "grad");
+  detail::same_size(param.size(), exp_avg.size(), name, "param", "exp_avg");
+  detail::same_size(param.size(), exp_avg_sq.size(), name, "param", "exp_avg_sq");
+  if (step < 1) throw error("ddp::cuda::adamw_step: step " + std::to_string(step) + " must count from 1");
+  const double bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(step));
+  const detail::adamw_fn<T> f{param.data(),
+                              grad.data(),
+                              exp_avg.data(),
+                              exp_avg_sq.data(),
+                              static_cast<T>(1 - o.lr * o.weight_decay),
+                              static_cast<T>(1 - o.beta1),
+                              static_cast<T>(o.beta2),
+                              static_cast<T>(1 - o.beta2),
+                              static_cast<T>(o.lr / bias_correction1),
+                              static_cast<T>(std::sqrt(bias_correction2)),
+                              static_cast<T>(o.eps)};
+  detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), exp_avg.data(),
+                                        exp_avg_sq.data());
+}
+
+}  // namespace ddp::cuda

@@ -1,0 +1,69 @@
+// Host-side parts of the CUDA and NCCL backends that need no device, so they run on every machine: the dtype
+// and operator mapping to NCCL, and the errors that CUDA and NCCL failures become.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include <ddp/comm/nccl/error.hpp>
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/cuda/error.hpp>
+
+TEST_CASE("every ddp dtype maps to the NCCL type of its size and kind", "[cuda][nccl]") {
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::f32) == ncclFloat32);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::f64) == ncclFloat64);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::bf16) == ncclBfloat16);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::f16) == ncclFloat16);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::i32) == ncclInt32);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::i64) == ncclInt64);
+  CHECK(ddp::nccl::detail::datatype(ddp::dtype::u8) == ncclUint8);
+}
+
+TEST_CASE("every reduce_op maps to NCCL's operator, avg to ncclAvg", "[cuda][nccl]") {
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::sum) == ncclSum);
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::avg) == ncclAvg);
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::min) == ncclMin);
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::max) == ncclMax);
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::prod) == ncclProd);
+}
+
+TEST_CASE("an NCCL failure is a ddp::nccl_error with NCCL's text, the code, the rank and a fix",
+          "[cuda][nccl]") {
+  try {
+    ddp::nccl::detail::fail(ncclInvalidUsage, "ncclAllReduce", 3);
+    FAIL("fail() returned");
+  } catch (const ddp::nccl_error& e) {
+    CHECK(e.rank() == 3);
+    CHECK(e.native_code() == static_cast<int>(ncclInvalidUsage));
+    const std::string what = e.what();
+    CHECK_THAT(what, Catch::StartsWith("ddp [rank 3]: ncclAllReduce failed: "));
+    CHECK_THAT(what, Catch::Contains(ncclGetErrorString(ncclInvalidUsage)));
+    CHECK_THAT(what, Catch::Contains("NCCL_HOSTID"));
+  }
+  try {
+    ddp::nccl::detail::fail(ncclRemoteError, "all_reduce", 0);
+    FAIL("fail() returned");
+  } catch (const ddp::error& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("a peer died"));
+  }
+}
+
+TEST_CASE("a CUDA failure is a ddp::cuda_error naming the call, CUDA's error and a fix", "[cuda]") {
+  CHECK_NOTHROW(ddp::cuda::check(cudaSuccess, "cudaMalloc"));
+  try {
+    ddp::cuda::check(cudaErrorMemoryAllocation, "cudaMalloc of 4096 bytes", 1);
+    FAIL("check() returned");
+  } catch (const ddp::cuda_error& e) {
+    CHECK(e.rank() == 1);
+    CHECK(e.native_code() == static_cast<int>(cudaErrorMemoryAllocation));
+    const std::string what = e.what();
+    CHECK_THAT(what, Catch::Contains("cudaMalloc of 4096 bytes failed with cudaErrorMemoryAllocation"));
+    CHECK_THAT(what, Catch::Contains("out of memory"));
+  }
+  try {
+    ddp::cuda::check(cudaErrorNoDevice, "cudaGetDeviceCount");
+    FAIL("check() returned");
+  } catch (const ddp::cuda_error& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("ctest -L gpu"));
+  }
+}
