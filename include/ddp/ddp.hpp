@@ -16,5 +16,28 @@
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/work.hpp>
+#include <ddp/comm/tcp/communicator.hpp>
 
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/data_parallel.hpp>
+
+#include <ddp/optim/adamw.hpp>
+#include <ddp/optim/sgd.hpp>
+
+#include <ddp/data/distributed_sampler.hpp>
+#include <ddp/data/metrics.hpp>
+
+#include <ddp/checkpoint/checkpoint.hpp>
+#include <ddp/checkpoint/safetensors.hpp>
+
+#include <ddp/launch/log.hpp>
+#include <ddp/launch/progress.hpp>
+#include <ddp/launch/spawn.hpp>
+
+#if defined(DDP_WITH_MPI)
+#include <ddp/comm/mpi/communicator.hpp>
+#endif
+
+#if defined(DDP_WITH_NCCL)
+#include <ddp/comm/nccl/communicator.hpp>
+#endif

@@ -1,0 +1,9551 @@
+#pragma once
+// ddp: data-parallel training for any C++ model, as one header.
+// Generated from include/ddp/ddp.hpp by scripts/amalgamate.py; do not edit.
+// Regenerate with: python3 scripts/amalgamate.py
+// The MPI and NCCL backends are compiled in when DDP_WITH_MPI / DDP_WITH_NCCL are defined
+// (the ddp::mpi and ddp::nccl CMake targets define them), exactly as with include/.
+// ---- begin <ddp/ddp.hpp>
+/// \file The one include users need. Backends that need a library (MPI, NCCL) are included when
+/// their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI / DDP_WITH_NCCL.
+
+// ---- begin <ddp/core/device.hpp>
+/// \file Where memory lives: the host or a CUDA device.
+
+#include <compare>
+#include <cstdint>
+#include <string>
+
+namespace ddp {
+
+/// The kind of memory a buffer lives in.
+enum class device_kind : std::uint8_t { cpu, cuda };
+
+/// A memory location: the host, or CUDA device `index`.
+struct device {
+  device_kind kind = device_kind::cpu;  ///< host or CUDA
+  int index = 0;                        ///< CUDA ordinal; 0 for the host
+
+  /// The host.
+  static constexpr device cpu() noexcept { return {}; }
+  /// CUDA device `ordinal`.
+  static constexpr device cuda(int ordinal) noexcept { return {device_kind::cuda, ordinal}; }
+  /// True for CUDA memory.
+  [[nodiscard]] constexpr bool is_cuda() const noexcept { return kind == device_kind::cuda; }
+  /// "cpu" or "cuda:N".
+  [[nodiscard]] std::string to_string() const { return is_cuda() ? "cuda:" + std::to_string(index) : "cpu"; }
+
+  friend constexpr bool operator==(const device&, const device&) noexcept = default;
+};
+
+}  // namespace ddp
+// ---- end <ddp/core/device.hpp>
+// ---- begin <ddp/core/dtype.hpp>
+/// \file Element types: the dtype enumeration and CPU bfloat16/float16 value types.
+
+#include <bit>
+#include <cstddef>
+#include <string_view>
+#include <type_traits>
+
+namespace ddp {
+
+/// The element type of a buffer.
+enum class dtype : std::uint8_t { f32, f64, bf16, f16, i32, i64, u8 };
+
+namespace detail {
+
+constexpr std::uint16_t float_to_bf16_bits(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  if ((bits & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);  // quiet NaN
+  const std::uint32_t rounding = 0x7fffU + ((bits >> 16) & 1U);                                       // nearest, ties to even
+  return static_cast<std::uint16_t>((bits + rounding) >> 16);
+}
+
+constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+constexpr std::uint32_t round_shift_even(std::uint32_t value, unsigned shift) noexcept {
+  const std::uint32_t kept = value >> shift;
+  const std::uint32_t rest = value & ((1U << shift) - 1U);
+  const std::uint32_t half = 1U << (shift - 1U);
+  return kept + ((rest > half || (rest == half && (kept & 1U))) ? 1U : 0U);
+}
+
+constexpr std::uint16_t float_to_f16_bits(float value) noexcept {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t abs = bits & 0x7fffffffU;
+  if (abs > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U | ((abs >> 13) & 0x3ffU));  // NaN
+  if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to or beyond infinity
+  if (abs >= 0x38800000U)                                                     // normal half
+    return static_cast<std::uint16_t>(sign | round_shift_even(abs - 0x38000000U, 13));
+  if (abs < 0x33000000U) return sign;  // below half the smallest subnormal: zero
+  const std::uint32_t exponent = abs >> 23;
+  const std::uint32_t mantissa = (abs & 0x7fffffU) | 0x800000U;
+  return static_cast<std::uint16_t>(sign | round_shift_even(mantissa, 126U - exponent));
+}
+
+constexpr float f16_bits_to_float(std::uint16_t half) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000U) << 16;
+  const std::uint32_t exponent = (half >> 10) & 0x1fU;
+  const std::uint32_t mantissa = half & 0x3ffU;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24F;
+    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
+  }
+  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000U | (mantissa << 13));
+  return std::bit_cast<float>(sign | ((exponent + 112U) << 23) | (mantissa << 13));
+}
+
+}  // namespace detail
+
+/// Brain floating point (8-bit exponent, 7-bit mantissa); converts from float rounding to nearest even.
+struct bfloat16 {
+  std::uint16_t bits = 0;  ///< raw storage
+  constexpr bfloat16() noexcept = default;
+  /// Rounds `value` to the nearest bfloat16, ties to even.
+  constexpr bfloat16(float value) noexcept : bits(detail::float_to_bf16_bits(value)) {}  // NOLINT(google-explicit-constructor)
+  /// Widens exactly to float.
+  constexpr operator float() const noexcept { return detail::bf16_bits_to_float(bits); }  // NOLINT(google-explicit-constructor)
+  /// Builds a value from its bit pattern.
+  static constexpr bfloat16 from_bits(std::uint16_t raw) noexcept { bfloat16 b; b.bits = raw; return b; }
+};
+
+/// IEEE 754 half precision; converts from float rounding to nearest even.
+struct float16 {
+  std::uint16_t bits = 0;  ///< raw storage
+  constexpr float16() noexcept = default;
+  /// Rounds `value` to the nearest half, ties to even.
+  constexpr float16(float value) noexcept : bits(detail::float_to_f16_bits(value)) {}  // NOLINT(google-explicit-constructor)
+  /// Widens exactly to float.
+  constexpr operator float() const noexcept { return detail::f16_bits_to_float(bits); }  // NOLINT(google-explicit-constructor)
+  /// Builds a value from its bit pattern.
+  static constexpr float16 from_bits(std::uint16_t raw) noexcept { float16 h; h.bits = raw; return h; }
+};
+
+static_assert(sizeof(bfloat16) == 2 && sizeof(float16) == 2 && std::is_trivially_copyable_v<bfloat16>);
+
+/// True for the element types the library moves and reduces.
+template <class T>
+concept element = std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, bfloat16> ||
+                  std::is_same_v<T, float16> || std::is_same_v<T, std::int32_t> || std::is_same_v<T, std::int64_t> ||
+                  std::is_same_v<T, std::uint8_t>;
+
+namespace detail {
+template <class T>
+struct dtype_of_impl {
+  static_assert(element<T>,
+                "ddp: this element type has no ddp::dtype; use float, double, ddp::bfloat16, ddp::float16, "
+                "std::int32_t, std::int64_t or std::uint8_t.");
+};
+template <> struct dtype_of_impl<float> { static constexpr dtype value = dtype::f32; };
+template <> struct dtype_of_impl<double> { static constexpr dtype value = dtype::f64; };
+template <> struct dtype_of_impl<bfloat16> { static constexpr dtype value = dtype::bf16; };
+template <> struct dtype_of_impl<float16> { static constexpr dtype value = dtype::f16; };
+template <> struct dtype_of_impl<std::int32_t> { static constexpr dtype value = dtype::i32; };
+template <> struct dtype_of_impl<std::int64_t> { static constexpr dtype value = dtype::i64; };
+template <> struct dtype_of_impl<std::uint8_t> { static constexpr dtype value = dtype::u8; };
+}  // namespace detail
+
+/// The dtype of element type T.
+template <class T>
+inline constexpr dtype dtype_v = detail::dtype_of_impl<std::remove_cv_t<T>>::value;
+
+/// Size in bytes of one element of `t`.
+constexpr std::size_t size_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::f64: case dtype::i64: return 8;
+    case dtype::f32: case dtype::i32: return 4;
+    case dtype::bf16: case dtype::f16: return 2;
+    case dtype::u8: return 1;
+  }
+  return 0;
+}
+
+/// Short name of `t` ("f32", "bf16", ...).
+constexpr std::string_view to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return "f32";
+    case dtype::f64: return "f64";
+    case dtype::bf16: return "bf16";
+    case dtype::f16: return "f16";
+    case dtype::i32: return "i32";
+    case dtype::i64: return "i64";
+    case dtype::u8: return "u8";
+  }
+  return "?";
+}
+
+/// Calls `f(T{})` with the C++ element type of the runtime dtype `t`.
+template <class F>
+constexpr decltype(auto) visit_dtype(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f64: return f(double{});
+    case dtype::bf16: return f(bfloat16{});
+    case dtype::f16: return f(float16{});
+    case dtype::i32: return f(std::int32_t{});
+    case dtype::i64: return f(std::int64_t{});
+    case dtype::u8: return f(std::uint8_t{});
+    case dtype::f32: break;
+  }
+  return f(float{});
+}
+
+}  // namespace ddp
+// ---- end <ddp/core/dtype.hpp>
+// ---- begin <ddp/core/error.hpp>
+/// \file Error hierarchy: every failure the library reports derives from ddp::error.
+
+#include <stdexcept>
+#include <utility>
+
+namespace ddp {
+
+/// Base of every exception the library throws; carries the reporting rank and the backend's native code.
+class error : public std::runtime_error {
+ public:
+  /// Builds "ddp [rank R]: message"; rank < 0 means "not known yet".
+  explicit error(std::string message, int rank = -1, int native_code = 0)
+      : std::runtime_error(format(message, rank)), message_(std::move(message)), rank_(rank), code_(native_code) {}
+
+  /// The rank that raised the error, or -1 when it is not known.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  /// The backend's own error code (errno, MPI error class, ncclResult_t, cudaError_t), 0 when none.
+  [[nodiscard]] int native_code() const noexcept { return code_; }
+  /// The message without the rank prefix.
+  [[nodiscard]] const std::string& message() const noexcept { return message_; }
+
+ private:
+  static std::string format(const std::string& message, int rank) {
+    return rank < 0 ? "ddp: " + message : "ddp [rank " + std::to_string(rank) + "]: " + message;
+  }
+  std::string message_;
+  int rank_;
+  int code_;
+};
+
+/// An operation did not complete within its deadline.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
+/// A peer closed its connection or died; peer() names it.
+class peer_lost : public error {
+ public:
+  /// `peer` is the rank that went away, as seen from `rank`.
+  peer_lost(std::string message, int rank, int peer, int native_code = 0)
+      : error(std::move(message), rank, native_code), peer_(peer) {}
+  /// The rank that was lost.
+  [[nodiscard]] int peer() const noexcept { return peer_; }
+
+ private:
+  int peer_;
+};
+
+/// Ranks disagree: different collectives, models, shapes or dtypes.
+class mismatch_error : public error {
+ public:
+  using error::error;
+};
+
+/// An MPI call failed; native_code() is the MPI error code.
+class mpi_error : public error {
+ public:
+  using error::error;
+};
+
+/// An NCCL call failed; native_code() is the ncclResult_t.
+class nccl_error : public error {
+ public:
+  using error::error;
+};
+
+/// A CUDA runtime call failed; native_code() is the cudaError_t.
+class cuda_error : public error {
+ public:
+  using error::error;
+};
+
+/// The configuration (environment variables, arguments, files) is wrong.
+class config_error : public error {
+ public:
+  using error::error;
+};
+
+/// A file (checkpoint, dataset) is missing, truncated or corrupt.
+class io_error : public error {
+ public:
+  using error::error;
+};
+
+}  // namespace ddp
+// ---- end <ddp/core/error.hpp>
+// ---- begin <ddp/core/parameter.hpp>
+/// \file ddp::parameter: a trainable tensor (value and gradient) whose storage can live in an external arena.
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <span>
+#include <vector>
+
+// ---- begin <ddp/core/tensor_traits.hpp>
+/// \file tensor_traits: the customization point that tells the library where a tensor keeps its elements.
+
+
+
+namespace ddp {
+
+/// Specialize for a tensor type: static data(t), size(t) (elements), dtype(t) and device(t).
+template <class T>
+struct tensor_traits;
+
+/// An untyped view of elements: pointer, element count, dtype and device (a "raw buffer").
+struct raw_tensor {
+  void* data = nullptr;           ///< first element
+  std::size_t size = 0;           ///< number of elements
+  ddp::dtype type = dtype::f32;   ///< element type
+  ddp::device where{};            ///< where the elements live
+
+  /// Views a typed span of host memory.
+  template <element E>
+  static raw_tensor of(std::span<E> s, ddp::device d = device::cpu()) noexcept {
+    return {const_cast<std::remove_const_t<E>*>(s.data()), s.size(), dtype_v<E>, d};
+  }
+  /// Bytes covered.
+  [[nodiscard]] std::size_t bytes() const noexcept { return size * size_of(type); }
+};
+
+template <element E>
+struct tensor_traits<std::vector<E>> {
+  static E* data(std::vector<E>& t) noexcept { return t.data(); }
+  static const E* data(const std::vector<E>& t) noexcept { return t.data(); }
+  static std::size_t size(const std::vector<E>& t) noexcept { return t.size(); }
+  static constexpr ddp::dtype dtype(const std::vector<E>&) noexcept { return dtype_v<E>; }
+  static constexpr ddp::device device(const std::vector<E>&) noexcept { return device::cpu(); }
+};
+
+template <class E, std::size_t Extent>
+  requires element<std::remove_const_t<E>>
+struct tensor_traits<std::span<E, Extent>> {
+  static E* data(std::span<E, Extent> t) noexcept { return t.data(); }
+  static std::size_t size(std::span<E, Extent> t) noexcept { return t.size(); }
+  static constexpr ddp::dtype dtype(std::span<E, Extent>) noexcept { return dtype_v<std::remove_const_t<E>>; }
+  static constexpr ddp::device device(std::span<E, Extent>) noexcept { return device::cpu(); }
+};
+
+template <>
+struct tensor_traits<raw_tensor> {
+  static void* data(const raw_tensor& t) noexcept { return t.data; }
+  static std::size_t size(const raw_tensor& t) noexcept { return t.size; }
+  static ddp::dtype dtype(const raw_tensor& t) noexcept { return t.type; }
+  static ddp::device device(const raw_tensor& t) noexcept { return t.where; }
+};
+
+/// A type whose tensor_traits tell where its elements are.
+template <class T>
+concept tensor = requires(const std::remove_cvref_t<T>& t) {
+  tensor_traits<std::remove_cvref_t<T>>::data(t);
+  { tensor_traits<std::remove_cvref_t<T>>::size(t) } -> std::convertible_to<std::size_t>;
+  { tensor_traits<std::remove_cvref_t<T>>::dtype(t) } -> std::same_as<ddp::dtype>;
+  { tensor_traits<std::remove_cvref_t<T>>::device(t) } -> std::same_as<ddp::device>;
+};
+
+/// Untyped view of any tensor, through its tensor_traits.
+template <tensor T>
+raw_tensor as_raw(T&& t) {
+  using traits = tensor_traits<std::remove_cvref_t<T>>;
+  return {const_cast<void*>(static_cast<const void*>(traits::data(t))), traits::size(t), traits::dtype(t),
+          traits::device(t)};
+}
+
+static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> && tensor<raw_tensor>);
+
+}  // namespace ddp
+// ---- end <ddp/core/tensor_traits.hpp>
+
+namespace ddp {
+
+/// A trainable tensor: value and gradient of the same shape. It owns host storage until bind()
+/// points it at an external flat arena (the wrapper's), which makes buckets zero-copy slices.
+template <element T = float>
+class parameter {
+ public:
+  using value_type = T;  ///< element type
+
+  parameter() = default;
+  /// A host parameter of `shape`, values and gradient zero.
+  explicit parameter(std::vector<std::size_t> shape)
+      : shape_(std::move(shape)), value_store_(numel_of(shape_)), grad_store_(value_store_.size()) {
+    point_at_own_storage();
+  }
+  /// A host parameter of `shape` holding `values` (sizes must agree).
+  parameter(std::vector<std::size_t> shape, std::vector<T> values) : parameter(std::move(shape)) {
+    if (values.size() != value_store_.size())
+      throw config_error("parameter: " + std::to_string(values.size()) + " values given for a shape of " +
+                         std::to_string(value_store_.size()) + " elements; pass exactly one value per element");
+    value_store_ = std::move(values);
+    point_at_own_storage();
+  }
+
+  /// Copies take the values and gradient into storage of their own.
+  parameter(const parameter& other) : shape_(other.shape_), device_(other.device_) {
+    value_store_.assign(other.value().begin(), other.value().end());
+    grad_store_.assign(other.grad().begin(), other.grad().end());
+    point_at_own_storage();
+  }
+  parameter& operator=(const parameter& other) {
+    if (this != &other) *this = parameter(other);
+    return *this;
+  }
+  parameter(parameter&& other) noexcept { swap(other); }
+  parameter& operator=(parameter&& other) noexcept {
+    parameter moved(std::move(other));
+    swap(moved);
+    return *this;
+  }
+  ~parameter() = default;
+
+  /// The values.
+  [[nodiscard]] std::span<T> value() noexcept { return {value_, numel_}; }
+  /// The values, read-only.
+  [[nodiscard]] std::span<const T> value() const noexcept { return {value_, numel_}; }
+  /// The gradient.
+  [[nodiscard]] std::span<T> grad() noexcept { return {grad_, numel_}; }
+  /// The gradient, read-only.
+  [[nodiscard]] std::span<const T> grad() const noexcept { return {grad_, numel_}; }
+  /// The shape, outermost dimension first.
+  [[nodiscard]] const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+  /// Number of elements.
+  [[nodiscard]] std::size_t numel() const noexcept { return numel_; }
+  /// Where value and gradient live.
+  [[nodiscard]] ddp::device device() const noexcept { return device_; }
+  /// True while the storage is an external arena's.
+  [[nodiscard]] bool bound() const noexcept { return value_store_.empty() && numel_ > 0; }
+
+  /// Moves value and gradient into external storage (`numel()` elements each, on `where`); the
+  /// current host values are copied there when `copy_values` and both sides are host memory.
+  void bind(T* value_storage, T* grad_storage, ddp::device where = device::cpu(), bool copy_values = true) {
+    if (copy_values && !where.is_cuda() && !device_.is_cuda()) {
+      std::copy_n(value_, numel_, value_storage);
+      std::copy_n(grad_, numel_, grad_storage);
+    }
+    value_store_ = std::vector<T>();  // move-assign frees the capacity (= {} would keep it)
+    grad_store_ = std::vector<T>();
+    value_ = value_storage;
+    grad_ = grad_storage;
+    device_ = where;
+  }
+  /// Takes host values back into storage of its own (the arena is about to go away).
+  void unbind() {
+    if (!bound()) return;
+    if (device_.is_cuda())
+      throw config_error("parameter::unbind: a CUDA parameter cannot be copied back by the core; "
+                         "copy it to the host with the CUDA helpers first");
+    value_store_.assign(value_, value_ + numel_);
+    grad_store_.assign(grad_, grad_ + numel_);
+    point_at_own_storage();
+  }
+  /// Sets every gradient element to zero (host parameters).
+  void zero_grad() noexcept { std::fill_n(grad_, numel_, T{}); }
+
+ private:
+  static std::size_t numel_of(const std::vector<std::size_t>& shape) {
+    return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+  }
+  void point_at_own_storage() noexcept {
+    numel_ = value_store_.size();
+    value_ = value_store_.data();
+    grad_ = grad_store_.data();
+  }
+  void swap(parameter& other) noexcept {
+    std::swap(shape_, other.shape_);
+    std::swap(device_, other.device_);
+    std::swap(value_store_, other.value_store_);
+    std::swap(grad_store_, other.grad_store_);
+    std::swap(value_, other.value_);
+    std::swap(grad_, other.grad_);
+    std::swap(numel_, other.numel_);
+  }
+
+  std::vector<std::size_t> shape_;
+  ddp::device device_{};
+  std::vector<T> value_store_;
+  std::vector<T> grad_store_;
+  T* value_ = nullptr;
+  T* grad_ = nullptr;
+  std::size_t numel_ = 0;
+};
+
+/// True for ddp::parameter<E>.
+template <class T>
+inline constexpr bool is_parameter_v = false;
+template <element E>
+inline constexpr bool is_parameter_v<parameter<E>> = true;
+
+/// tensor_traits of a parameter describe its values.
+template <element E>
+struct tensor_traits<parameter<E>> {
+  static const E* data(const parameter<E>& p) noexcept { return p.value().data(); }
+  static std::size_t size(const parameter<E>& p) noexcept { return p.numel(); }
+  static constexpr ddp::dtype dtype(const parameter<E>&) noexcept { return dtype_v<E>; }
+  static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
+};
+
+static_assert(tensor<parameter<float>>);
+
+}  // namespace ddp
+// ---- end <ddp/core/parameter.hpp>
+// ---- begin <ddp/core/visit.hpp>
+/// \file ddp::visit_parameters: walks every parameter of a model, giving dotted names ("fc1.weight").
+///
+/// Lookup order for a node of the model tree: a ddp::parameter is a leaf; else a member
+/// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
+/// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
+/// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
+
+#include <array>
+
+// ---- begin <ddp/core/detail/reflect.hpp>
+/// \file Minimal aggregate reflection: field count, field references and field names (g++ >= 12, clang >= 15).
+///
+/// Boost.PFR 1.81 (Debian 12) makes g++ 12 fail with an internal compiler error on aggregates that
+/// hold std::array fields, and it cannot name fields; this header does both with standard C++20.
+
+#include <tuple>
+
+// ---- begin <ddp/core/detail/reflect_tie.hpp>
+/// \file Generated by scripts/gen_reflect_tie.py; do not edit. Ties the fields of an aggregate.
+
+
+namespace ddp::detail {
+
+/// Largest aggregate field count reflected.
+inline constexpr std::size_t max_reflected_fields = 48;
+
+/// A tuple of references to the N fields of aggregate `t`.
+template <std::size_t N, class T>
+constexpr auto tie_fields(T& t) noexcept {
+  if constexpr (N == 0) {
+    return std::tuple<>{};
+  } else if constexpr (N == 1) {
+    auto& [f0] = t;
+    return std::tie(f0);
+  } else if constexpr (N == 2) {
+    auto& [f0, f1] = t;
+    return std::tie(f0, f1);
+  } else if constexpr (N == 3) {
+    auto& [f0, f1, f2] = t;
+    return std::tie(f0, f1, f2);
+  } else if constexpr (N == 4) {
+    auto& [f0, f1, f2, f3] = t;
+    return std::tie(f0, f1, f2, f3);
+  } else if constexpr (N == 5) {
+    auto& [f0, f1, f2, f3, f4] = t;
+    return std::tie(f0, f1, f2, f3, f4);
+  } else if constexpr (N == 6) {
+    auto& [f0, f1, f2, f3, f4, f5] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5);
+  } else if constexpr (N == 7) {
+    auto& [f0, f1, f2, f3, f4, f5, f6] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6);
+  } else if constexpr (N == 8) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7);
+  } else if constexpr (N == 9) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8);
+  } else if constexpr (N == 10) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9);
+  } else if constexpr (N == 11) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10);
+  } else if constexpr (N == 12) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11);
+  } else if constexpr (N == 13) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12);
+  } else if constexpr (N == 14) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13);
+  } else if constexpr (N == 15) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14);
+  } else if constexpr (N == 16) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15);
+  } else if constexpr (N == 17) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16);
+  } else if constexpr (N == 18) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17);
+  } else if constexpr (N == 19) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18);
+  } else if constexpr (N == 20) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19);
+  } else if constexpr (N == 21) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20);
+  } else if constexpr (N == 22) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21);
+  } else if constexpr (N == 23) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22);
+  } else if constexpr (N == 24) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23);
+  } else if constexpr (N == 25) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24);
+  } else if constexpr (N == 26) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25);
+  } else if constexpr (N == 27) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26);
+  } else if constexpr (N == 28) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27);
+  } else if constexpr (N == 29) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28);
+  } else if constexpr (N == 30) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29);
+  } else if constexpr (N == 31) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30);
+  } else if constexpr (N == 32) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31);
+  } else if constexpr (N == 33) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32);
+  } else if constexpr (N == 34) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33);
+  } else if constexpr (N == 35) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34);
+  } else if constexpr (N == 36) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35);
+  } else if constexpr (N == 37) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36);
+  } else if constexpr (N == 38) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37);
+  } else if constexpr (N == 39) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38);
+  } else if constexpr (N == 40) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39);
+  } else if constexpr (N == 41) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40);
+  } else if constexpr (N == 42) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41);
+  } else if constexpr (N == 43) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42);
+  } else if constexpr (N == 44) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43);
+  } else if constexpr (N == 45) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44);
+  } else if constexpr (N == 46) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45);
+  } else if constexpr (N == 47) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45, f46] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45, f46);
+  } else if constexpr (N == 48) {
+    auto& [f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45, f46, f47] = t;
+    return std::tie(f0, f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26, f27, f28, f29, f30, f31, f32, f33, f34, f35, f36, f37, f38, f39, f40, f41, f42, f43, f44, f45, f46, f47);
+  } else {
+    static_assert(N <= max_reflected_fields, "ddp: this aggregate has more fields than the reflection "
+                  "supports; give it a member visit_parameters(f) instead.");
+  }
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/core/detail/reflect_tie.hpp>
+
+namespace ddp::detail {
+
+/// Converts to any field type; used to count how many initializers an aggregate accepts.
+struct any_field {
+  std::size_t index;
+  template <class U>
+  operator U&() const;  // NOLINT(google-explicit-constructor)
+  template <class U>
+  operator U&&() const;  // NOLINT(google-explicit-constructor)
+};
+
+template <class T, std::size_t... I>
+concept brace_initializable_with = requires { T{any_field{I}...}; };
+
+template <class T, std::size_t N>
+consteval bool accepts_initializers() {
+  return []<std::size_t... I>(std::index_sequence<I...>) {
+    return brace_initializable_with<T, I...>;
+  }(std::make_index_sequence<N>{});
+}
+
+template <class T, std::size_t N = 0>
+consteval std::size_t count_fields_from() {
+  if constexpr (N < max_reflected_fields + 1 && accepts_initializers<T, N + 1>())
+    return count_fields_from<T, N + 1>();
+  else
+    return N;
+}
+
+/// True for the class types whose fields can be reflected.
+template <class T>
+concept reflectable_aggregate =
+    std::is_class_v<T> && std::is_aggregate_v<T> && !std::is_union_v<T> && std::is_default_constructible_v<T>;
+
+/// Number of fields of aggregate T.
+template <reflectable_aggregate T>
+inline constexpr std::size_t field_count_v = count_fields_from<T>();
+
+/// Field I of aggregate `t`, by reference.
+template <std::size_t I, class T>
+constexpr auto& get_field(T& t) noexcept {
+  return std::get<I>(tie_fields<field_count_v<std::remove_cv_t<T>>>(t));
+}
+
+/// Type of field I of aggregate T.
+template <std::size_t I, class T>
+using field_type_t = std::remove_cvref_t<decltype(get_field<I>(std::declval<T&>()))>;
+
+template <class T>
+extern const T reflected_object;
+
+template <auto FieldAddress>
+consteval std::string_view signature_naming() {
+  return __PRETTY_FUNCTION__;
+}
+
+/// Name of field I of aggregate T, read from the compiler's spelling of a pointer to that field.
+template <class T, std::size_t I>
+consteval std::string_view field_name() {
+  constexpr std::string_view text = signature_naming<&get_field<I>(reflected_object<T>)>();
+  constexpr auto end = text.rfind(')');
+  constexpr auto start = text.substr(0, end).find_last_of(":.") + 1;
+  return text.substr(start, end - start);
+}
+
+/// Calls `f(name, field)` for each field of aggregate `t`, in declaration order.
+template <class T, class F>
+constexpr void for_each_field(T& t, F&& f) {
+  using plain = std::remove_cv_t<T>;
+  auto fields = tie_fields<field_count_v<plain>>(t);
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (f(field_name<plain, I>(), std::get<I>(fields)), ...);
+  }(std::make_index_sequence<field_count_v<plain>>{});
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/core/detail/reflect.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// A callback of the shape visitors are called with; used to detect visitors.
+struct probe_visitor {
+  template <class P>
+  void operator()(std::string_view, P&&) const {}
+};
+
+template <class M>
+concept has_member_visitor = requires(M& m, probe_visitor f) { m.visit_parameters(f); };
+
+template <class M>
+concept has_adl_visitor = requires(M& m, probe_visitor f) { visit_parameters(m, f); };
+
+template <class T>
+struct is_sequence : std::false_type {};
+template <class E, std::size_t N>
+struct is_sequence<std::array<E, N>> : std::true_type { using element = E; };
+template <class E, class A>
+struct is_sequence<std::vector<E, A>> : std::true_type { using element = E; };
+
+template <class T>
+constexpr bool node_has_parameters();
+
+template <class T, std::size_t... I>
+constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
+  return (node_has_parameters<field_type_t<I, T>>() || ...);
+}
+
+/// True when walking a T can reach a parameter (decided at compile time).
+template <class T>
+constexpr bool node_has_parameters() {
+  if constexpr (is_parameter_v<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+    return true;
+  } else if constexpr (is_sequence<T>::value) {
+    return node_has_parameters<typename is_sequence<T>::element>();
+  } else if constexpr (reflectable_aggregate<T>) {
+    return any_field_has_parameters<T>(std::make_index_sequence<field_count_v<T>>{});
+  } else {
+    return false;
+  }
+}
+
+inline std::string join_name(std::string_view prefix, std::string_view name) {
+  std::string out;
+  out.reserve(prefix.size() + name.size() + 1);
+  out.append(prefix);
+  if (!prefix.empty() && !name.empty()) out.push_back('.');
+  out.append(name);
+  return out;
+}
+
+template <class Node, class F>
+void visit_node(Node& node, std::string_view prefix, F& f);
+
+template <class Node, class F>
+void visit_node(Node& node, std::string_view prefix, F& f) {
+  using plain = std::remove_cv_t<Node>;
+  // A user's visitor is usually written for a mutable model; a const model is walked through it
+  // and its parameters are handed on as const, so both give the same names.
+  auto& mutable_node = const_cast<plain&>(node);
+  auto descend = [&](std::string_view name, auto& child) {
+    if constexpr (std::is_const_v<Node>)
+      visit_node(std::as_const(child), join_name(prefix, name), f);
+    else
+      visit_node(child, join_name(prefix, name), f);
+  };
+  if constexpr (is_parameter_v<plain>) {
+    f(prefix, node);
+  } else if constexpr (has_member_visitor<plain>) {
+    mutable_node.visit_parameters(descend);
+  } else if constexpr (has_adl_visitor<plain>) {
+    visit_parameters(mutable_node, descend);
+  } else if constexpr (is_sequence<plain>::value) {
+    for (std::size_t i = 0; i < node.size(); ++i) visit_node(node[i], join_name(prefix, std::to_string(i)), f);
+  } else {
+    for_each_field(node, [&](std::string_view name, auto& field) {
+      if constexpr (node_has_parameters<std::remove_cvref_t<decltype(field)>>())
+        visit_node(field, join_name(prefix, name), f);
+    });
+  }
+}
+
+struct visit_parameters_fn {
+  template <class Model, class F>
+  void operator()(Model& model, F&& f) const {
+    static_assert(node_has_parameters<std::remove_cv_t<Model>>(),
+                  "ddp::visit_parameters: this model has no parameters to visit. Give it a member "
+                  "visit_parameters(f) calling f(name, param) for each ddp::parameter or sub-module, an ADL "
+                  "visit_parameters(model, f), or make it an aggregate whose fields are ddp::parameter, "
+                  "std::array/std::vector of layers, or such aggregates.");
+    visit_node(model, std::string_view{}, f);
+  }
+};
+
+}  // namespace detail
+
+/// A model type in which ddp::visit_parameters finds at least one parameter.
+template <class Model>
+concept parameter_visitable = detail::node_has_parameters<std::remove_cv_t<Model>>();
+
+inline namespace cpo {
+/// Calls `f(dotted_name, parameter&)` for every parameter of `model`, in a stable order.
+inline constexpr detail::visit_parameters_fn visit_parameters{};
+}  // namespace cpo
+
+}  // namespace ddp
+// ---- end <ddp/core/visit.hpp>
+
+// ---- begin <ddp/comm/backend.hpp>
+/// \file Backend policy tags and the mapping from a tag to its communicator type.
+/// Each backend's header specializes backend_traits for its tag.
+
+
+namespace ddp {
+
+namespace detail {
+struct backend_category {};
+template <class>
+inline constexpr bool dependent_false = false;
+}  // namespace detail
+
+/// Backend policies: which communicator data_parallel expects.
+namespace backend {
+/// The library's own TCP transport (ddp::tcp::communicator); the default.
+struct tcp { using policy_category = detail::backend_category; };
+/// Open MPI (ddp::mpi::communicator).
+struct mpi { using policy_category = detail::backend_category; };
+/// NCCL over CUDA device memory (ddp::nccl::communicator).
+struct nccl { using policy_category = detail::backend_category; };
+}  // namespace backend
+
+/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
+template <class Backend>
+struct backend_traits {
+  static_assert(detail::dependent_false<Backend>,
+                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
+                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+};
+
+/// The communicator type of backend tag B.
+template <class B>
+using backend_communicator_t = typename backend_traits<B>::communicator;
+
+}  // namespace ddp
+// ---- end <ddp/comm/backend.hpp>
+// ---- begin <ddp/comm/communicator.hpp>
+/// \file The ddp::communicator concept every backend (tcp, mpi, nccl) models.
+///
+/// Buffers are any ddp::tensor (std::span, std::vector, ddp::raw_tensor for device memory or a
+/// runtime dtype). Sizes: with N = size(), reduce_scatter takes N*k elements in and gives k out;
+/// all_gather takes k and gives N*k; gather and scatter use the N*k side on the root only;
+/// all_to_all sends block i of its N*k input to rank i and receives block j from rank j. All
+/// ranks of a group must call the same collectives in the same order with the same counts,
+/// dtypes, operators and roots; a backend reports a difference as ddp::mismatch_error where it
+/// can see it, and as ddp::timeout_error otherwise.
+
+#include <concepts>
+
+// ---- begin <ddp/comm/reduce_op.hpp>
+/// \file Reduction operators of the collectives.
+
+
+namespace ddp {
+
+/// How all_reduce, reduce and reduce_scatter combine the ranks' elements (avg divides the sum by the group size).
+enum class reduce_op : std::uint8_t { sum, avg, min, max, prod };
+
+/// "sum", "avg", ...
+constexpr std::string_view to_string(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return "sum";
+    case reduce_op::avg: return "avg";
+    case reduce_op::min: return "min";
+    case reduce_op::max: return "max";
+    case reduce_op::prod: return "prod";
+  }
+  return "?";
+}
+
+}  // namespace ddp
+// ---- end <ddp/comm/reduce_op.hpp>
+// ---- begin <ddp/comm/stats.hpp>
+/// \file Always-on traffic statistics: bytes each communicator sends, by operation.
+
+#include <atomic>
+
+namespace ddp {
+
+/// The operations a communicator counts.
+enum class collective : std::uint8_t {
+  all_reduce, reduce_scatter, all_gather, broadcast, reduce, gather, scatter, all_to_all, barrier, send_recv
+};
+
+/// Number of collective kinds.
+inline constexpr std::size_t collective_count = 10;
+
+/// "all_reduce", ...
+constexpr std::string_view to_string(collective c) noexcept {
+  constexpr std::array<std::string_view, collective_count> names{
+      "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce",
+      "gather",     "scatter",        "all_to_all", "barrier",   "send_recv"};
+  return names[static_cast<std::size_t>(c)];
+}
+
+/// A snapshot of a communicator's counters.
+struct comm_stats {
+  std::array<std::uint64_t, collective_count> bytes_sent{};  ///< payload bytes this rank sent, by operation
+  std::array<std::uint64_t, collective_count> calls{};       ///< operations started, by operation
+
+  /// Bytes sent for operation `c`.
+  [[nodiscard]] std::uint64_t bytes(collective c) const noexcept { return bytes_sent[static_cast<std::size_t>(c)]; }
+  /// Operations `c` started.
+  [[nodiscard]] std::uint64_t count(collective c) const noexcept { return calls[static_cast<std::size_t>(c)]; }
+  /// Bytes sent for all operations.
+  [[nodiscard]] std::uint64_t total_bytes() const noexcept {
+    return std::accumulate(bytes_sent.begin(), bytes_sent.end(), std::uint64_t{0});
+  }
+};
+
+namespace detail {
+
+/// Thread-safe counters behind comm_stats; cheap enough to stay on always.
+class stats_counter {
+ public:
+  void add_call(collective c) noexcept { calls_[index(c)].fetch_add(1, std::memory_order_relaxed); }
+  void add_bytes(collective c, std::uint64_t n) noexcept { bytes_[index(c)].fetch_add(n, std::memory_order_relaxed); }
+  [[nodiscard]] comm_stats snapshot() const noexcept {
+    comm_stats s;
+    for (std::size_t i = 0; i < collective_count; ++i) {
+      s.bytes_sent[i] = bytes_[i].load(std::memory_order_relaxed);
+      s.calls[i] = calls_[i].load(std::memory_order_relaxed);
+    }
+    return s;
+  }
+  void reset() noexcept {
+    for (std::size_t i = 0; i < collective_count; ++i) {
+      bytes_[i].store(0, std::memory_order_relaxed);
+      calls_[i].store(0, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  static constexpr std::size_t index(collective c) noexcept { return static_cast<std::size_t>(c); }
+  std::array<std::atomic<std::uint64_t>, collective_count> bytes_{};
+  std::array<std::atomic<std::uint64_t>, collective_count> calls_{};
+};
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/comm/stats.hpp>
+// ---- begin <ddp/comm/work.hpp>
+/// \file ddp::work: the handle of an in-flight operation; errors and timeouts surface here.
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+
+
+namespace ddp {
+
+namespace detail {
+
+/// What a backend implements for one in-flight operation.
+class work_state {
+ public:
+  using clock = std::chrono::steady_clock;
+  virtual ~work_state() = default;
+  /// Makes progress if the backend needs polling; true once complete. Rethrows the operation's error.
+  virtual bool test() = 0;
+  /// Blocks until complete or `deadline`; true once complete. Rethrows the operation's error.
+  virtual bool wait_until(clock::time_point deadline) = 0;
+  /// The deadline wait() applies, counted from its call.
+  [[nodiscard]] virtual std::chrono::milliseconds timeout() const = 0;
+  /// The rank that started the operation.
+  [[nodiscard]] virtual int rank() const = 0;
+  /// A phrase naming the operation, such as "all_reduce of 1024 f32 (sequence 17)".
+  [[nodiscard]] virtual std::string describe() const = 0;
+};
+
+/// A work_state completed from another thread (a progress engine) with finish() or fail().
+class completion : public work_state {
+ public:
+  completion(int rank, std::chrono::milliseconds timeout, std::string what)
+      : rank_(rank), timeout_(timeout), what_(std::move(what)) {}
+
+  /// Marks the operation complete.
+  void finish() {
+    { std::lock_guard lock(mutex_); done_ = true; }
+    cv_.notify_all();
+  }
+  /// Marks the operation failed with `e`.
+  void fail(std::exception_ptr e) {
+    { std::lock_guard lock(mutex_); error_ = std::move(e); done_ = true; }
+    cv_.notify_all();
+  }
+  bool test() override {
+    std::lock_guard lock(mutex_);
+    return settled();
+  }
+  bool wait_until(clock::time_point deadline) override {
+    std::unique_lock lock(mutex_);
+    cv_.wait_until(lock, deadline, [&] { return done_; });
+    return settled();
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return timeout_; }
+  [[nodiscard]] int rank() const override { return rank_; }
+  [[nodiscard]] std::string describe() const override { return what_; }
+
+ private:
+  bool settled() const {
+    if (error_) std::rethrow_exception(error_);
+    return done_;
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::string what_;
+};
+
+}  // namespace detail
+
+/// Handle of an asynchronous operation. A default-constructed work is already complete.
+class work {
+ public:
+  work() = default;
+  /// Wraps a backend's state.
+  explicit work(std::shared_ptr<detail::work_state> state) : state_(std::move(state)) {}
+
+  /// Blocks until done; throws the operation's error, or ddp::timeout_error past the communicator's timeout.
+  void wait() {
+    if (!state_ || state_->test()) return;  // done already: no clock reading on the fast path
+    const auto limit = state_->timeout();
+    if (!state_->wait_until(detail::work_state::clock::now() + limit))
+      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) +
+                              " ms: a peer is stuck, dead or calling a different collective; check every rank's "
+                              "log, or raise the timeout in the communicator's config",
+                          state_->rank());
+  }
+  /// Waits at most `d`; true once done, false if still running. Throws the operation's error.
+  template <class Rep, class Period>
+  bool wait_for(std::chrono::duration<Rep, Period> d) {
+    if (!state_) return true;
+    return state_->wait_until(detail::work_state::clock::now() +
+                              std::chrono::duration_cast<detail::work_state::clock::duration>(d));
+  }
+  /// True once done, without blocking. Throws the operation's error.
+  [[nodiscard]] bool done() { return !state_ || state_->test(); }
+
+ private:
+  std::shared_ptr<detail::work_state> state_;
+};
+
+/// Waits for every handle in `works`, in order.
+inline void wait_all(std::span<work> works) {
+  for (auto& w : works) w.wait();
+}
+
+}  // namespace ddp
+// ---- end <ddp/comm/work.hpp>
+
+namespace ddp {
+
+/// A group of ranks with asynchronous collectives and point-to-point transfers.
+template <class C>
+concept communicator =
+    std::copy_constructible<C> &&
+    requires(C& c, const C& cc, std::span<float> s, std::span<const float> in, raw_tensor r, int i, reduce_op op) {
+      { cc.rank() } -> std::same_as<int>;
+      { cc.size() } -> std::same_as<int>;
+      { c.split(i, i) } -> std::same_as<C>;
+      { c.all_reduce(s, op) } -> std::same_as<work>;
+      { c.all_reduce(r, op) } -> std::same_as<work>;
+      { c.reduce_scatter(in, s, op) } -> std::same_as<work>;
+      { c.all_gather(in, s) } -> std::same_as<work>;
+      { c.all_gather(r, r) } -> std::same_as<work>;
+      { c.broadcast(s, i) } -> std::same_as<work>;
+      { c.reduce(s, op, i) } -> std::same_as<work>;
+      { c.gather(in, s, i) } -> std::same_as<work>;
+      { c.scatter(in, s, i) } -> std::same_as<work>;
+      { c.all_to_all(in, s) } -> std::same_as<work>;
+      { c.barrier() } -> std::same_as<work>;
+      { c.send(in, i, i) } -> std::same_as<work>;
+      { c.recv(s, i, i) } -> std::same_as<work>;
+      { cc.stats() } -> std::same_as<comm_stats>;
+    };
+
+}  // namespace ddp
+// ---- end <ddp/comm/communicator.hpp>
+// ---- begin <ddp/comm/env.hpp>
+/// \file Reading a rank's place in the job from the environment (torchrun's env:// and Open MPI's variables).
+
+#include <charconv>
+#include <cstdlib>
+#include <optional>
+
+
+namespace ddp {
+
+/// Where this process sits in the job, as the launcher described it.
+struct env_config {
+  int rank = 0;                     ///< RANK (or OMPI_COMM_WORLD_RANK)
+  int world_size = 1;               ///< WORLD_SIZE (or OMPI_COMM_WORLD_SIZE)
+  int local_rank = 0;               ///< LOCAL_RANK (or OMPI_COMM_WORLD_LOCAL_RANK), 0 if unset
+  int local_world_size = 1;         ///< LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE), world_size if unset
+  std::string master_addr = "127.0.0.1";  ///< MASTER_ADDR, 127.0.0.1 if unset
+  std::uint16_t master_port = 29500;      ///< MASTER_PORT, 29500 if unset
+};
+
+namespace detail {
+
+inline std::optional<std::string> env_string(const char* name) {
+  const char* value = std::getenv(name);  // NOLINT(concurrency-mt-unsafe): read once at start-up
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+/// An integer variable in [lo, hi]; `why` tells the user what the variable is for.
+inline std::optional<long long> env_integer(const char* name, long long lo, long long hi, std::string_view why) {
+  const auto text = env_string(name);
+  if (!text) return std::nullopt;
+  long long value = 0;
+  const auto* end = text->data() + text->size();
+  const auto [ptr, ec] = std::from_chars(text->data(), end, value);
+  if (ec != std::errc{} || ptr != end || value < lo || value > hi)
+    throw config_error("environment variable " + std::string(name) + "='" + *text + "' is not an integer in [" +
+                       std::to_string(lo) + ", " + std::to_string(hi) + "]; set it to " + std::string(why));
+  return value;
+}
+
+/// The first of two variables that is set (the torchrun name, then Open MPI's).
+inline std::optional<long long> env_integer_either(const char* name, const char* mpi_name, long long lo, long long hi,
+                                                   std::string_view why) {
+  if (auto v = env_integer(name, lo, hi, why)) return v;
+  return env_integer(mpi_name, lo, hi, why);
+}
+
+}  // namespace detail
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (Open MPI's
+/// OMPI_COMM_WORLD_* stand in for the first four); throws ddp::config_error naming the variable and the fix.
+inline env_config read_env_config() {
+  constexpr long long max_ranks = 1 << 20;
+  env_config c;
+  const auto world = detail::env_integer_either("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", 1, max_ranks,
+                                                "the number of processes in the job (torchrun, mpirun and "
+                                                "ddp-launch set it)");
+  const auto rank = detail::env_integer_either("RANK", "OMPI_COMM_WORLD_RANK", 0, max_ranks - 1,
+                                               "this process's rank in 0..WORLD_SIZE-1");
+  if (!world || !rank)
+    throw config_error(std::string("environment variable ") + (!rank ? "RANK" : "WORLD_SIZE") +
+                       " is not set; start the job with ddp-launch -n N, torchrun or mpirun, or export RANK and "
+                       "WORLD_SIZE (plus MASTER_ADDR and MASTER_PORT) yourself");
+  c.world_size = static_cast<int>(*world);
+  c.rank = static_cast<int>(*rank);
+  if (c.rank >= c.world_size)
+    throw config_error("RANK=" + std::to_string(c.rank) + " is not below WORLD_SIZE=" + std::to_string(c.world_size) +
+                           "; ranks run from 0 to WORLD_SIZE-1",
+                       c.rank);
+  c.local_rank = static_cast<int>(detail::env_integer_either("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", 0,
+                                                             max_ranks - 1, "this process's rank on its host")
+                                      .value_or(0));
+  c.local_world_size = static_cast<int>(detail::env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1,
+                                                                   max_ranks, "the number of processes on this host")
+                                            .value_or(c.world_size));
+  if (c.local_rank >= c.local_world_size)
+    throw config_error("LOCAL_RANK=" + std::to_string(c.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
+                           std::to_string(c.local_world_size) + "; fix the launcher's per-host settings",
+                       c.rank);
+  if (auto addr = detail::env_string("MASTER_ADDR")) c.master_addr = *addr;
+  if (auto port = detail::env_integer("MASTER_PORT", 0, 65535, "the TCP port rank 0 listens on (0..65535)"))
+    c.master_port = static_cast<std::uint16_t>(*port);
+  return c;
+}
+
+}  // namespace ddp
+// ---- end <ddp/comm/env.hpp>
+// ---- begin <ddp/comm/object.hpp>
+/// \file all_gather_object / broadcast_object: collectives over values of any serializable type
+/// (trivially copyable types, std::string, std::vector of serializable, aggregates of serializable).
+
+#include <cstring>
+
+
+namespace ddp {
+
+namespace detail {
+
+template <class T>
+struct is_std_vector : std::false_type {};
+template <class E, class A>
+struct is_std_vector<std::vector<E, A>> : std::true_type {};
+
+/// Appends the bytes of `value` to `out`.
+template <class T>
+void serialize(const T& value, std::vector<std::uint8_t>& out) {
+  if constexpr (std::is_trivially_copyable_v<T>) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(&value);
+    out.insert(out.end(), p, p + sizeof(T));
+  } else if constexpr (std::is_same_v<T, std::string> || is_std_vector<T>::value) {
+    serialize(static_cast<std::uint64_t>(value.size()), out);
+    for (const auto& element : value) serialize(element, out);
+  } else {
+    static_assert(reflectable_aggregate<T>,
+                  "ddp: this type cannot travel in an object collective; use a trivially copyable type, "
+                  "std::string, std::vector, or an aggregate of those.");
+    for_each_field(value, [&](std::string_view, const auto& field) { serialize(field, out); });
+  }
+}
+
+/// Reads a value from `in`, advancing it; throws ddp::mismatch_error when the bytes run out.
+template <class T>
+void deserialize(T& value, std::span<const std::uint8_t>& in) {
+  const auto take = [&](void* dst, std::size_t n) {
+    if (in.size() < n)
+      throw mismatch_error("object collective: the received bytes end early; every rank must pass the same C++ type");
+    std::memcpy(dst, in.data(), n);
+    in = in.subspan(n);
+  };
+  if constexpr (std::is_trivially_copyable_v<T>) {
+    take(&value, sizeof(T));
+  } else if constexpr (std::is_same_v<T, std::string> || is_std_vector<T>::value) {
+    std::uint64_t n = 0;
+    take(&n, sizeof n);
+    if (n > in.size())
+      throw mismatch_error("object collective: a length field exceeds the received bytes; every rank must pass the "
+                           "same C++ type");
+    value.resize(n);
+    for (auto& element : value) deserialize(element, in);
+  } else {
+    for_each_field(value, [&](std::string_view, auto& field) { deserialize(field, in); });
+  }
+}
+
+}  // namespace detail
+
+/// Gathers `value` from every rank; element r of the result is rank r's value.
+template <class Comm, class T>
+std::vector<T> all_gather_object(Comm& comm, const T& value) {
+  std::vector<std::uint8_t> mine;
+  detail::serialize(value, mine);
+  const auto n = static_cast<std::size_t>(comm.size());
+  const std::int64_t my_size = static_cast<std::int64_t>(mine.size());
+  std::vector<std::int64_t> sizes(n);
+  comm.all_gather(std::span<const std::int64_t>(&my_size, 1), std::span<std::int64_t>(sizes)).wait();
+  const auto widest = static_cast<std::size_t>(*std::max_element(sizes.begin(), sizes.end()));
+  mine.resize(widest);
+  std::vector<std::uint8_t> all(widest * n);
+  comm.all_gather(std::span<const std::uint8_t>(mine), std::span<std::uint8_t>(all)).wait();
+  std::vector<T> out(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    std::span<const std::uint8_t> in(all.data() + r * widest, static_cast<std::size_t>(sizes[r]));
+    detail::deserialize(out[r], in);
+  }
+  return out;
+}
+
+/// Replaces `value` on every rank with root's.
+template <class Comm, class T>
+void broadcast_object(Comm& comm, T& value, int root = 0) {
+  std::vector<std::uint8_t> bytes;
+  if (comm.rank() == root) detail::serialize(value, bytes);
+  std::int64_t size = static_cast<std::int64_t>(bytes.size());
+  comm.broadcast(std::span<std::int64_t>(&size, 1), root).wait();
+  bytes.resize(static_cast<std::size_t>(size));
+  comm.broadcast(std::span<std::uint8_t>(bytes), root).wait();
+  if (comm.rank() != root) {
+    std::span<const std::uint8_t> in(bytes);
+    detail::deserialize(value, in);
+  }
+}
+
+namespace detail {
+/// Gives a communicator the member spellings comm.all_gather_object(v) and comm.broadcast_object(v, root).
+template <class Derived>
+class object_collectives {
+ public:
+  /// See ddp::all_gather_object.
+  template <class T>
+  std::vector<T> all_gather_object(const T& value) {
+    return ddp::all_gather_object(static_cast<Derived&>(*this), value);
+  }
+  /// See ddp::broadcast_object.
+  template <class T>
+  void broadcast_object(T& value, int root = 0) {
+    ddp::broadcast_object(static_cast<Derived&>(*this), value, root);
+  }
+};
+}  // namespace detail
+
+}  // namespace ddp
+// ---- end <ddp/comm/object.hpp>
+// ---- begin <ddp/comm/tcp/communicator.hpp>
+/// \file ddp::tcp::communicator: the zero-dependency backend. Rendezvous through a key-value store on
+/// rank 0, a full mesh of TCP connections authenticated by the job token, one progress thread, and
+/// asynchronous collectives that check every frame against the call (see docs/tcp.md).
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <random>
+#include <thread>
+
+// ---- begin <ddp/comm/tcp/algorithms.hpp>
+/// \file The collective algorithms of the TCP backend, run by the progress engine one call at a time.
+/// Small payloads take latency-optimal direct exchanges (one round); large ones take bandwidth-optimal
+/// pipelined rings (reduce-scatter then all-gather, forwarding each segment as soon as it is ready)
+/// and chains (broadcast, reduce). Sends go out of the caller's buffers without copies.
+
+
+// ---- begin <ddp/comm/tcp/engine.hpp>
+/// \file The progress engine: ONE background thread per job that owns the mesh sockets (non-blocking),
+/// runs the queued calls in call order, and sleeps in poll() when idle. Sends are queued per peer and
+/// drained by the same poll loop, so a call never blocks on its own sends; receives check every frame's
+/// header against the call. Errors abort the call, notify the peers with an abort frame, and poison the
+/// engine so later calls fail at once with the same error. Between ranks on one host, large collective
+/// frames carry only the address of their data, which the receiver copies straight out of the sender's
+/// memory (process_vm_readv: one copy instead of the socket's two) and acknowledges.
+
+#include <sys/eventfd.h>
+#include <sys/types.h>
+
+#include <deque>
+
+// ---- begin <ddp/comm/tcp/frame.hpp>
+/// \file The wire format of the mesh: every message is a fixed header followed by a bounded payload.
+/// A receiver checks the header against the call it is executing, so ranks that call different
+/// collectives fail with ddp::mismatch_error instead of corrupting each other's buffers.
+
+
+
+namespace ddp::tcp::detail {
+
+inline constexpr std::uint32_t frame_magic = 0x46504444;  // "DDPF"
+/// Control frames, outside the collective numbering.
+inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message
+inline constexpr std::uint8_t op_bye = 201;    ///< the sender closed its communicator
+inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of the receiver's remote frames
+inline constexpr std::uint64_t max_abort_text = 4096;
+
+/// Kinds of error an abort frame carries, so the receiver raises the same type.
+enum class abort_kind : std::uint8_t { other, peer_lost, mismatch, timeout };
+
+/// The header of every frame (40 bytes, host byte order: the mesh connects ranks of one architecture).
+struct frame_header {
+  std::uint32_t magic = frame_magic;
+  std::uint8_t op = 0;        ///< ddp::collective, op_abort or op_bye
+  std::uint8_t type = 0;      ///< ddp::dtype
+  std::uint8_t reduce = 0;    ///< ddp::reduce_op (0 where none applies)
+  std::uint8_t flags = 0;     ///< abort_kind for op_abort; frame_remote for a collective frame
+  std::int32_t root = -1;     ///< root, peer tag (send/recv) or lost rank (abort); -1 where none
+  std::uint32_t group = 0;    ///< the group's identifier (split gives each subgroup its own)
+  std::uint64_t seq = 0;      ///< the call's sequence number in its group (per pair for send/recv)
+  std::uint64_t count = 0;    ///< the call's element count
+  std::uint64_t length = 0;   ///< payload bytes following this header
+};
+static_assert(sizeof(frame_header) == 40, "ddp: the frame header must stay 40 bytes; it is the wire format.");
+
+/// Flag of a collective frame whose payload is a remote_block: the receiver, on the same host, copies
+/// the data straight out of the sender's memory (process_vm_readv) and answers with an op_ack frame.
+inline constexpr std::uint8_t frame_remote = 1;
+
+/// Where a remote frame's data lies in the sender's address space.
+struct remote_block {
+  std::uint64_t address = 0;
+  std::uint64_t bytes = 0;
+};
+
+/// True for ops whose description names a reduce operator.
+constexpr bool has_reduce(std::uint8_t op) {
+  return op == static_cast<std::uint8_t>(collective::all_reduce) ||
+         op == static_cast<std::uint8_t>(collective::reduce_scatter) ||
+         op == static_cast<std::uint8_t>(collective::reduce);
+}
+
+/// True for ops whose description names a root.
+constexpr bool has_root(std::uint8_t op) {
+  return op == static_cast<std::uint8_t>(collective::broadcast) || op == static_cast<std::uint8_t>(collective::reduce) ||
+         op == static_cast<std::uint8_t>(collective::gather) || op == static_cast<std::uint8_t>(collective::scatter);
+}
+
+/// "all_reduce(sum) of 1024 f32 (seq 17)", "broadcast of 8 f32 from root 1 (seq 3)", "send of 4 i32 with tag 7 (seq 0)".
+inline std::string describe(const frame_header& h) {
+  if (h.op == op_abort) return "an abort notice";
+  if (h.op == op_bye) return "a goodbye (it closed its communicator)";
+  if (h.op == op_ack) return "an acknowledgement of a same-host copy";
+  if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
+  const auto c = static_cast<collective>(h.op);
+  std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
+  if (has_reduce(h.op)) s += "(" + std::string(to_string(static_cast<reduce_op>(h.reduce))) + ")";
+  if (c != collective::barrier)
+    s += " of " + std::to_string(h.count) + " " + std::string(to_string(static_cast<dtype>(h.type)));
+  if (has_root(h.op)) s += " from root " + std::to_string(h.root);
+  if (c == collective::send_recv) s += " with tag " + std::to_string(h.root);
+  return s + " (seq " + std::to_string(h.seq) + ")";
+}
+
+/// True when `got` belongs to the call `want` describes (the payload length is checked separately).
+inline bool same_call(const frame_header& want, const frame_header& got) {
+  return got.op == want.op && got.type == want.type && got.reduce == want.reduce && got.root == want.root &&
+         got.group == want.group && got.seq == want.seq && got.count == want.count;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/frame.hpp>
+// ---- begin <ddp/comm/tcp/socket.hpp>
+/// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
+/// retries, blocking transfers with a deadline, address and interface lookup.
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+
+namespace ddp::tcp::detail {
+
+using clock = std::chrono::steady_clock;
+
+/// "what: strerror(code)".
+inline std::string errno_text(int code) { return std::string(std::strerror(code)); }
+
+/// An owned file descriptor, closed on destruction.
+class socket_fd {
+ public:
+  socket_fd() = default;
+  explicit socket_fd(int fd) noexcept : fd_(fd) {}
+  socket_fd(socket_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  socket_fd& operator=(socket_fd&& o) noexcept {
+    if (this != &o) { reset(); fd_ = std::exchange(o.fd_, -1); }
+    return *this;
+  }
+  socket_fd(const socket_fd&) = delete;
+  socket_fd& operator=(const socket_fd&) = delete;
+  ~socket_fd() { reset(); }
+  [[nodiscard]] int get() const noexcept { return fd_; }
+  [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+/// An IPv4 endpoint.
+struct endpoint {
+  std::string host;      ///< dotted address
+  std::uint16_t port{};  ///< port
+  [[nodiscard]] std::string str() const { return host + ":" + std::to_string(port); }
+};
+
+inline void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+/// TCP_NODELAY (frames are sent whole) and large kernel buffers for the data sockets.
+inline void tune_data_socket(int fd, int buffer_bytes) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (buffer_bytes > 0) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer_bytes, sizeof buffer_bytes);
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer_bytes, sizeof buffer_bytes);
+  }
+}
+
+/// Resolves `host` (name or dotted address) to an IPv4 address; throws config_error naming `what`.
+inline sockaddr_in resolve(const std::string& host, std::uint16_t port, int rank, const std::string& what) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (rc != 0 || found == nullptr)
+    throw config_error("cannot resolve " + what + " '" + host + "' (" + ::gai_strerror(rc) +
+                           "); set it to an IPv4 address or a host name this machine can resolve",
+                       rank);
+  sockaddr_in addr = *reinterpret_cast<sockaddr_in*>(found->ai_addr);
+  ::freeaddrinfo(found);
+  addr.sin_port = htons(port);
+  return addr;
+}
+
+inline endpoint to_endpoint(const sockaddr_in& a) {
+  char text[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &a.sin_addr, text, sizeof text);
+  return {text, ntohs(a.sin_port)};
+}
+
+/// The local address of a connected or bound socket.
+inline endpoint local_endpoint(int fd) {
+  sockaddr_in a{};
+  socklen_t n = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  return to_endpoint(a);
+}
+
+/// The remote address of a connected socket.
+inline endpoint remote_endpoint(int fd) {
+  sockaddr_in a{};
+  socklen_t n = sizeof a;
+  ::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &n);
+  return to_endpoint(a);
+}
+
+/// The interface name that carries IPv4 address `host`, or "" when none does.
+inline std::string interface_of(const std::string& host) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return {};
+  std::string name;
+  for (ifaddrs* i = list; i != nullptr; i = i->ifa_next)
+    if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET &&
+        to_endpoint(*reinterpret_cast<sockaddr_in*>(i->ifa_addr)).host == host) {
+      name = i->ifa_name;
+      break;
+    }
+  ::freeifaddrs(list);
+  return name;
+}
+
+/// The IPv4 address of `spec`: an interface name (eth0) or an address; throws config_error otherwise.
+inline std::string interface_address(const std::string& spec, int rank) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) == 0) {
+    std::string address;
+    for (ifaddrs* i = list; i != nullptr; i = i->ifa_next)
+      if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET && spec == i->ifa_name) {
+        address = to_endpoint(*reinterpret_cast<sockaddr_in*>(i->ifa_addr)).host;
+        break;
+      }
+    ::freeifaddrs(list);
+    if (!address.empty()) return address;
+  }
+  return to_endpoint(resolve(spec, 0, rank, "interface (DDP_INTERFACE)")).host;
+}
+
+/// A listening socket bound to `host:port` (port 0: any free port).
+inline socket_fd listen_on(const std::string& host, std::uint16_t port, int rank, const std::string& what) {
+  socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) throw error("cannot create a socket for " + what + ": " + errno_text(errno), rank, errno);
+  const int one = 1;
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr = resolve(host, port, rank, what + " address");
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd.get(), 128) != 0)
+    throw config_error("cannot listen on " + host + ":" + std::to_string(port) + " for " + what + ": " +
+                           errno_text(errno) + "; pick a free port (MASTER_PORT) and an address of this host",
+                       rank, errno);
+  set_nonblocking(fd.get());
+  return fd;
+}
+
+/// Milliseconds left until `deadline`, at least 0, for poll().
+inline int poll_ms(clock::time_point deadline) {
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock::now()).count();
+  return left <= 0 ? 0 : (left > 1'000'000 ? 1'000'000 : static_cast<int>(left));
+}
+
+/// Connects to `host:port`, retrying with exponential backoff (10 ms .. 1 s) until `deadline`.
+inline socket_fd connect_with_retry(const std::string& host, std::uint16_t port, clock::time_point deadline, int rank,
+                                    const std::string& what, const std::string& fix) {
+  const sockaddr_in addr = resolve(host, port, rank, what + " address");
+  auto backoff = std::chrono::milliseconds(10);
+  int last = 0;
+  while (true) {
+    socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd.valid()) throw error("cannot create a socket: " + errno_text(errno), rank, errno);
+    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+      set_nonblocking(fd.get());
+      return fd;
+    }
+    last = errno;
+    if (clock::now() + backoff >= deadline)
+      throw timeout_error("could not reach " + what + " at " + host + ":" + std::to_string(port) +
+                              " before the connect deadline (last error: " + errno_text(last) + "); " + fix,
+                          rank, last);
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+}
+
+/// Why a blocking transfer stopped early.
+enum class io_status { ok, closed, timed_out, failed };
+
+/// Sends `n` bytes on non-blocking `fd`, waiting in poll up to `deadline`.
+inline io_status send_all(int fd, const void* data, std::size_t n, clock::time_point deadline) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) { p += k; n -= static_cast<std::size_t>(k); continue; }
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return io_status::closed;
+    pollfd pfd{fd, POLLOUT, 0};
+    if (::poll(&pfd, 1, poll_ms(deadline)) == 0) return io_status::timed_out;
+  }
+  return io_status::ok;
+}
+
+/// Receives exactly `n` bytes on non-blocking `fd`, waiting in poll up to `deadline`.
+inline io_status recv_all(int fd, void* data, std::size_t n, clock::time_point deadline) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (k > 0) { p += k; n -= static_cast<std::size_t>(k); continue; }
+    if (k == 0) return io_status::closed;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return io_status::failed;
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, poll_ms(deadline)) == 0) return io_status::timed_out;
+  }
+  return io_status::ok;
+}
+
+/// 64-bit FNV-1a: the job token travels as this hash, never in clear.
+inline std::uint64_t token_hash(const std::string& token) {
+  std::uint64_t h = 0xcbf29ce484222325ULL;
+  for (const unsigned char c : token) h = (h ^ c) * 0x100000001b3ULL;
+  return h ^ 0x6464702d746370ULL;  // "ddp-tcp": an empty token still hashes to a non-trivial value
+}
+
+}  // namespace ddp::tcp::detail
+
+namespace ddp::tcp::detail {
+/// Writes "ddp [rank R]: tcp: text" to stderr in one write, so lines of concurrent ranks do not interleave.
+inline void log_line(int rank, const std::string& text) {
+  const std::string line = "ddp [rank " + std::to_string(rank) + "]: tcp: " + text + "\n";
+  [[maybe_unused]] const auto n = ::write(2, line.data(), line.size());
+}
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/socket.hpp>
+// ---- begin <ddp/comm/tcp/store.hpp>
+/// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
+/// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
+/// Connections must open with the job token's hash; strangers and garbage are refused with one log line.
+
+#include <map>
+
+
+namespace ddp::tcp::detail {
+
+inline constexpr std::uint32_t store_magic = 0x53504444;  // "DDPS"
+inline constexpr std::uint32_t max_store_key = 4096;
+inline constexpr std::uint64_t max_store_value = 64ULL << 20;
+
+/// First message on a store connection.
+struct store_hello {
+  std::uint32_t magic = store_magic;
+  std::uint32_t version = 1;
+  std::uint64_t token = 0;
+};
+
+enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3 };
+
+/// Every request: the command, then `key_len` key bytes and `value_len` value bytes.
+struct store_request {
+  store_cmd cmd{};
+  std::uint8_t pad[3]{};
+  std::uint32_t key_len = 0;
+  std::uint64_t value_len = 0;
+};
+static_assert(sizeof(store_hello) == 16 && sizeof(store_request) == 16);
+
+/// The server side; rank 0's progress engine polls its descriptors and calls on_event().
+class store_server {
+ public:
+  store_server(socket_fd listener, std::uint64_t token, int rank)
+      : listener_(std::move(listener)), token_(token), rank_(rank) {}
+
+  /// The port it listens on.
+  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
+
+  /// Appends the descriptors to poll; `base` receives the index of the first one.
+  void fill(std::vector<pollfd>& fds, std::size_t& base) const {
+    base = fds.size();
+    fds.push_back({listener_.get(), POLLIN, 0});
+    for (const auto& c : conns_)
+      fds.push_back({c.fd.get(), static_cast<short>(POLLIN | (c.out.size() > c.out_off ? POLLOUT : 0)), 0});
+  }
+
+  /// Handles the poll results of the descriptors fill() added at `base`.
+  void on_events(const std::vector<pollfd>& fds, std::size_t base) {
+    const std::size_t known = conns_.size();
+    for (std::size_t i = 0; i < known; ++i) {
+      const short ev = fds[base + 1 + i].revents;
+      if (ev == 0) continue;
+      conn& c = conns_[i];
+      if (ev & POLLIN) read_from(c);
+      if (!c.dead && (ev & (POLLERR | POLLHUP)) && !(ev & POLLIN)) c.dead = true;
+      if (!c.dead) flush(c);
+    }
+    std::erase_if(conns_, [](const conn& c) { return c.dead; });
+    if (fds[base].revents & POLLIN) accept_all();
+  }
+
+ private:
+  struct conn {
+    socket_fd fd;
+    std::string from;
+    bool authed = false;
+    bool dead = false;
+    std::vector<std::uint8_t> in;
+    std::vector<std::uint8_t> out;
+    std::size_t out_off = 0;
+    std::string parked;  ///< key a get waits for, empty when none
+    bool is_parked = false;
+  };
+
+  void accept_all() {
+    while (true) {
+      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) return;
+      conn c;
+      c.fd = socket_fd(fd);
+      c.from = remote_endpoint(fd).str();
+      conns_.push_back(std::move(c));
+    }
+  }
+
+  void refuse(conn& c, const std::string& why) {
+    log_line(rank_, "refused a connection to the store from " + c.from + ": " + why +
+                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
+    c.dead = true;
+  }
+
+  void read_from(conn& c) {
+    std::uint8_t buf[65536];
+    while (true) {
+      const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
+      if (k > 0) { c.in.insert(c.in.end(), buf, buf + k); continue; }
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      if (k < 0 && errno == EINTR) continue;
+      if (!c.authed && !c.in.empty()) refuse(c, "it closed after a partial handshake");
+      c.dead = true;
+      return;
+    }
+    parse(c);
+  }
+
+  void parse(conn& c) {
+    std::size_t pos = 0;
+    if (!c.authed) {
+      if (c.in.size() < sizeof(store_hello)) return;
+      store_hello h;
+      std::memcpy(&h, c.in.data(), sizeof h);
+      if (h.magic != store_magic || h.version != 1) return refuse(c, "its first bytes are not a ddp handshake");
+      if (h.token != token_) return refuse(c, "wrong job token");
+      c.authed = true;
+      pos = sizeof h;
+      c.out.push_back(1);
+    }
+    while (!c.is_parked && c.in.size() - pos >= sizeof(store_request)) {
+      store_request r;
+      std::memcpy(&r, c.in.data() + pos, sizeof r);
+      if (r.key_len > max_store_key || r.value_len > max_store_value || r.cmd < store_cmd::set ||
+          r.cmd > store_cmd::add || (r.cmd == store_cmd::add && r.value_len != 8))
+        return refuse(c, "malformed store request");
+      const std::size_t total = sizeof r + r.key_len + r.value_len;
+      if (c.in.size() - pos < total) break;
+      std::string key(reinterpret_cast<const char*>(c.in.data() + pos + sizeof r), r.key_len);
+      const std::uint8_t* value = c.in.data() + pos + sizeof r + r.key_len;
+      pos += total;
+      if (r.cmd == store_cmd::set) {
+        data_[key].assign(value, value + r.value_len);
+        c.out.push_back(1);
+        wake_parked(key);
+      } else if (r.cmd == store_cmd::add) {
+        std::int64_t delta = 0;
+        std::memcpy(&delta, value, 8);
+        auto& slot = data_[key];
+        std::int64_t now = 0;
+        if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
+        now += delta;
+        slot.resize(8);
+        std::memcpy(slot.data(), &now, 8);
+        append(c, &now, 8);
+        wake_parked(key);
+      } else if (!answer_get(c, key)) {
+        c.parked = std::move(key);
+        c.is_parked = true;
+      }
+    }
+    c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(pos));
+  }
+
+  static void append(conn& c, const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::uint8_t*>(p);
+    c.out.insert(c.out.end(), b, b + n);
+  }
+
+  bool answer_get(conn& c, const std::string& key) {
+    const auto it = data_.find(key);
+    if (it == data_.end()) return false;
+    const std::uint64_t n = it->second.size();
+    append(c, &n, 8);
+    append(c, it->second.data(), it->second.size());
+    return true;
+  }
+
+  void wake_parked(const std::string& key) {
+    for (auto& other : conns_)
+      if (other.is_parked && other.parked == key && answer_get(other, key)) {
+        other.is_parked = false;
+        other.parked.clear();
+        parse(other);
+        flush(other);
+      }
+  }
+
+  static void flush(conn& c) {
+    while (c.out_off < c.out.size()) {
+      const ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) { c.out_off += static_cast<std::size_t>(k); continue; }
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      c.dead = true;
+      return;
+    }
+    c.out.clear();
+    c.out_off = 0;
+  }
+
+  socket_fd listener_;
+  std::uint64_t token_;
+  int rank_;
+  std::vector<conn> conns_;
+  std::map<std::string, std::vector<std::uint8_t>> data_;
+};
+
+/// A blocking client of the store; every call waits at most until the deadline given at construction.
+class store_client {
+ public:
+  /// Connects to `host:port` (retrying with backoff until `connect_deadline`) and authenticates with `token`.
+  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank,
+               clock::time_point connect_deadline, std::chrono::milliseconds timeout)
+      : rank_(rank), timeout_(timeout), where_(host + ":" + std::to_string(port)) {
+    fd_ = connect_with_retry(host, port, connect_deadline, rank, "the rendezvous store (rank 0)",
+                             "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
+                             "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
+    const store_hello hello{store_magic, 1, token};
+    check(send_all(fd_.get(), &hello, sizeof hello, deadline()), "handshake");
+    std::uint8_t ok = 0;
+    check(recv_all(fd_.get(), &ok, 1, deadline()), "handshake");
+  }
+
+  /// Stores `value` under `key`.
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) {
+    request(store_cmd::set, key, value.data(), value.size());
+    std::uint8_t ok = 0;
+    check(recv_all(fd_.get(), &ok, 1, deadline()), "set '" + key + "'");
+  }
+  /// The value under `key`, waiting until some rank sets it.
+  std::vector<std::uint8_t> get(const std::string& key) {
+    request(store_cmd::get, key, nullptr, 0);
+    std::uint64_t n = 0;
+    check(recv_all(fd_.get(), &n, 8, deadline()), "get '" + key + "'");
+    if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
+    std::vector<std::uint8_t> value(n);
+    check(recv_all(fd_.get(), value.data(), n, deadline()), "get '" + key + "'");
+    return value;
+  }
+  /// Waits until `key` is set.
+  void wait(const std::string& key) { (void)get(key); }
+  /// Adds `delta` to the integer under `key` (0 when unset) and returns the new value.
+  std::int64_t add(const std::string& key, std::int64_t delta) {
+    request(store_cmd::add, key, &delta, 8);
+    std::int64_t now = 0;
+    check(recv_all(fd_.get(), &now, 8, deadline()), "add '" + key + "'");
+    return now;
+  }
+  /// The local address of the connection: the interface that reaches rank 0.
+  [[nodiscard]] std::string local_host() const { return local_endpoint(fd_.get()).host; }
+
+ private:
+  [[nodiscard]] clock::time_point deadline() const { return clock::now() + timeout_; }
+
+  void request(store_cmd cmd, const std::string& key, const void* value, std::size_t n) {
+    store_request r{cmd, {}, static_cast<std::uint32_t>(key.size()), n};
+    check(send_all(fd_.get(), &r, sizeof r, deadline()), "request");
+    check(send_all(fd_.get(), key.data(), key.size(), deadline()), "request");
+    if (n > 0) check(send_all(fd_.get(), value, n, deadline()), "request");
+  }
+
+  void check(io_status s, const std::string& what) const {
+    if (s == io_status::ok) return;
+    if (s == io_status::timed_out)
+      throw timeout_error("the rendezvous store at " + where_ + " did not answer " + what + " within " +
+                              std::to_string(timeout_.count()) +
+                              " ms: some rank has not started or is stuck; check every rank's log, or raise the "
+                              "timeout (DDP_TIMEOUT_MS)",
+                          rank_);
+    throw peer_lost("the rendezvous store at " + where_ + " closed the connection during " + what +
+                        ": rank 0 exited, or refused this rank's job token (every rank needs the same DDP_TOKEN)",
+                    rank_, 0);
+  }
+
+  socket_fd fd_;
+  int rank_;
+  std::chrono::milliseconds timeout_;
+  std::string where_;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/store.hpp>
+
+namespace ddp::tcp::detail {
+
+/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
+struct group {
+  std::vector<int> members;  ///< world rank of each group rank
+  int me = 0;                ///< this process's group rank
+  std::uint32_t id = 0;      ///< identifier carried in every frame
+  std::chrono::milliseconds timeout{};
+  std::uint64_t next_seq = 0;             ///< guarded by the engine's queue mutex
+  std::uint64_t splits = 0;               ///< splits made from this group, for the children's ids
+  ddp::detail::stats_counter stats;
+
+  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
+};
+
+/// One queued call: what the engine executes, in submission order.
+struct call {
+  collective kind{};
+  dtype type = dtype::f32;
+  reduce_op op = reduce_op::sum;
+  int root = -1;               ///< root, or peer for send/recv
+  std::int32_t tag = 0;        ///< send/recv tag
+  std::uint64_t count = 0;     ///< the count frames carry
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::size_t in_count = 0;
+  std::size_t out_count = 0;
+  std::shared_ptr<group> grp;
+  std::uint64_t seq = 0;
+  std::shared_ptr<ddp::detail::completion> done;
+};
+
+/// The header every frame of `c` carries, with payload `length`.
+inline frame_header header_of(const call& c, std::uint64_t length) {
+  frame_header h;
+  h.op = static_cast<std::uint8_t>(c.kind);
+  h.type = static_cast<std::uint8_t>(c.type);
+  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
+  h.root = has_root(h.op) ? c.root : (c.kind == collective::send_recv ? c.tag : -1);
+  h.group = c.grp->id;
+  h.seq = c.seq;
+  h.count = c.count;
+  h.length = length;
+  return h;
+}
+
+/// One receive the current call waits for.
+struct recv_part {
+  int peer = 0;        ///< group rank
+  void* dest = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;         ///< the peer's process id, as this rank sees it
+  bool readable = false;   ///< this rank can copy from the peer's memory
+  bool reads_us = false;   ///< the peer can copy from this rank's memory: send it remote frames
+};
+
+class channel;
+/// Runs one call's algorithm on the engine thread (ddp::tcp::detail::execute in algorithms.hpp).
+using executor = void (*)(channel&);
+
+class engine {
+ public:
+  /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
+  engine(int rank, int size, executor exec, std::optional<store_server> store)
+      : rank_(rank), size_(size), exec_(exec), store_(std::move(store)) {
+    wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
+    peers_.resize(static_cast<std::size_t>(size));
+    thread_ = std::thread([this] { loop(); });
+  }
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+
+  /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
+  ~engine() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake();
+    thread_.join();
+  }
+
+  /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
+  /// world rank; own slot empty) to the engine thread.
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory) {
+    std::unique_lock lock(mutex_);
+    pending_sockets_ = std::move(sockets);
+    pending_memory_ = std::move(memory);
+    has_pending_sockets_ = true;
+    lock.unlock();
+    wake();
+  }
+
+  /// Queues `c` behind the calls already submitted; the mutex also orders sequence numbers.
+  void submit(call c) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(c));
+    }
+    wake();
+  }
+
+  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
+  std::mutex& queue_mutex() { return mutex_; }
+  /// Queues `c` while the caller already holds queue_mutex().
+  void submit_locked(call c) { queue_.push_back(std::move(c)); }
+  /// Wakes the engine thread from poll.
+  void wake() {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto n = ::write(wake_.get(), &one, sizeof one);
+  }
+
+  [[nodiscard]] int rank() const { return rank_; }
+  [[nodiscard]] int size() const { return size_; }
+
+ private:
+  friend class channel;
+
+  struct tx_item {
+    frame_header hdr;
+    const char* data = nullptr;
+    std::size_t sent = 0;  ///< bytes of header + payload already written
+    std::shared_ptr<ddp::detail::completion> done;  ///< finished when written (point-to-point sends)
+    remote_block where{};  ///< a remote frame's payload
+    [[nodiscard]] std::size_t total() const { return sizeof(frame_header) + hdr.length; }
+    [[nodiscard]] const char* payload() const {
+      return (hdr.flags & frame_remote) != 0 ? reinterpret_cast<const char*>(&where) : data;
+    }
+  };
+  /// A recv waiting for its send.
+  struct posted_recv {
+    std::uint32_t group = 0;
+    std::int32_t tag = 0;
+    frame_header want;
+    char* dest = nullptr;
+    std::shared_ptr<ddp::detail::completion> done;
+    clock::time_point deadline{};  ///< past it the recv fails and forgets its buffer
+    std::chrono::milliseconds timeout{};
+  };
+  /// A point-to-point frame that arrived before its recv.
+  struct stray_frame {
+    frame_header hdr;
+    std::vector<char> data;
+  };
+  enum class target : std::uint8_t { collective, posted, stray };
+  struct peer {
+    socket_fd fd;
+    std::vector<tx_item> tx;
+    std::size_t tx_head = 0;
+    // the reader: always reads point-to-point frames; a collective frame waits ("parked") for its call
+    frame_header got;
+    std::size_t header_got = 0;
+    bool parked = false;
+    bool in_payload = false;
+    target into = target::collective;
+    char* dest = nullptr;
+    std::size_t payload_got = 0;
+    posted_recv matched;
+    std::vector<char> stray_buf;
+    // what the executing call expects next from this peer
+    bool expecting = false;
+    frame_header expect;
+    char* expect_dest = nullptr;
+    peer_memory memory;
+    remote_block remote{};         ///< the remote frame being received
+    std::uint64_t unacked = 0;     ///< remote frames sent to it and not yet copied
+    bool closed = false;    ///< end of stream seen, or a goodbye
+    bool said_bye = false;  ///< it closed its communicator in an orderly way
+    std::deque<posted_recv> recvs;
+    std::deque<stray_frame> strays;
+    [[nodiscard]] bool tx_pending() const { return tx_head < tx.size(); }
+    [[nodiscard]] bool readable() const { return fd.valid() && !closed && (!parked || expecting); }
+  };
+
+  // ---- the thread -------------------------------------------------------------------------
+
+  void loop() {
+    while (true) {
+      std::unique_lock lock(mutex_);
+      if (has_pending_sockets_) {
+        for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
+          peers_[r].fd = std::move(pending_sockets_[r]);
+          peers_[r].memory = pending_memory_[r];
+        }
+        pending_sockets_.clear();
+        pending_memory_.clear();
+        has_pending_sockets_ = false;
+      }
+      if (stop_) break;
+      if (!queue_.empty()) {
+        call c = std::move(queue_.front());
+        queue_.pop_front();
+        lock.unlock();
+        run(c);
+        continue;
+      }
+      lock.unlock();
+      try {
+        idle_wait();
+      } catch (...) {
+        abort_peers(std::current_exception());
+      }
+    }
+    shutdown();
+  }
+
+  /// Sleeps in poll until woken, serving the store, reading point-to-point frames and draining sends.
+  void idle_wait() {
+    const std::size_t peer_base = build_poll_set();
+    const int rc = ::poll(fds_.data(), fds_.size(), next_recv_deadline());
+    expire_recvs();
+    if (rc <= 0) return;
+    if (fds_[0].revents & POLLIN) drain_wake();
+    if (store_) store_->on_events(fds_, store_base_);
+    for (std::size_t r = 0; r < peers_.size(); ++r) {
+      if (fds_[peer_base + r].revents == 0) continue;
+      if (peers_[r].tx_pending()) write_some(static_cast<int>(r));
+      if (peers_[r].readable()) read_some(static_cast<int>(r));
+    }
+  }
+
+  /// Fills fds_: the wake-up descriptor, the store's, then one entry per peer; returns the peers' base.
+  std::size_t build_poll_set() {
+    fds_.clear();
+    fds_.push_back({wake_.get(), POLLIN, 0});
+    if (store_) store_->fill(fds_, store_base_);
+    const std::size_t base = fds_.size();
+    for (const auto& p : peers_) {
+      short ev = 0;
+      if (!poisoned_ && p.tx_pending()) ev |= POLLOUT;
+      if (!poisoned_ && p.readable()) ev |= POLLIN;
+      fds_.push_back({ev != 0 ? p.fd.get() : -1, ev, 0});
+    }
+    return base;
+  }
+
+  void drain_wake() {
+    std::uint64_t n = 0;
+    [[maybe_unused]] const auto k = ::read(wake_.get(), &n, sizeof n);
+  }
+
+  void run(call& c) {
+    if (poisoned_) {
+      c.done->fail(poisoned_);
+      return;
+    }
+    current_ = &c;
+    deadline_ = clock::now() + c.grp->timeout;
+    try {
+      if (c.kind == collective::send_recv) {
+        point_to_point(c);
+      } else {
+        channel_run(c);
+        c.done->finish();
+      }
+    } catch (...) {
+      const auto e = std::current_exception();
+      abort_peers(e);  // first, so the peers hear of it even if this process exits once wait() throws
+      c.done->fail(e);
+    }
+    current_ = nullptr;
+  }
+
+  void channel_run(call& c);
+
+  /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
+  void point_to_point(call& c) {
+    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
+    const frame_header h = header_of(c, c.count * size_of(c.type));
+    if (c.in != nullptr && world_peer != rank_) {
+      c.grp->stats.add_bytes(c.kind, h.length);
+      return post(world_peer, h, c.in, c.done);
+    }
+    if (c.in != nullptr) {  // to itself
+      peer& self = peers_[static_cast<std::size_t>(rank_)];
+      if (const auto r = find_recv(self, h); r != self.recvs.end()) {
+        check_p2p(*r, h, rank_);
+        std::memcpy(r->dest, c.in, h.length);
+        r->done->finish();
+        self.recvs.erase(r);
+      } else {
+        self.strays.push_back({h, std::vector<char>(static_cast<const char*>(c.in), static_cast<const char*>(c.in) + h.length)});
+      }
+      return c.done->finish();
+    }
+    peer& p = peers_[static_cast<std::size_t>(world_peer)];
+    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout,
+                     c.grp->timeout};
+    for (auto it = p.strays.begin(); it != p.strays.end(); ++it)
+      if (it->hdr.group == h.group && it->hdr.root == c.tag) {
+        check_p2p(want, it->hdr, world_peer);
+        std::memcpy(want.dest, it->data.data(), h.length);
+        p.strays.erase(it);
+        return c.done->finish();
+      }
+    if (p.closed) throw lost(world_peer, 0, p.said_bye ? "it closed its communicator" : "its connection is closed");
+    p.recvs.push_back(std::move(want));
+  }
+
+  /// poll()'s timeout while idle: until the earliest posted recv expires, or forever.
+  int next_recv_deadline() const {
+    auto first = clock::time_point::max();
+    for (const auto& p : peers_)
+      for (const auto& r : p.recvs) first = std::min(first, r.deadline);
+    return first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
+  }
+
+  /// Fails the recvs no send matched within the timeout; a late frame then becomes a stray, so the
+  /// caller's buffer is never written after its wait() gave up.
+  void expire_recvs() {
+    const auto now = clock::now();
+    for (std::size_t r = 0; r < peers_.size(); ++r)
+      std::erase_if(peers_[r].recvs, [&](const posted_recv& x) {
+        if (x.deadline > now) return false;
+        x.done->fail(std::make_exception_ptr(timeout_error(
+            "recv of " + std::to_string(x.want.count) + " " + std::string(to_string(static_cast<dtype>(x.want.type))) +
+                " with tag " + std::to_string(x.tag) + " from " + label(static_cast<int>(r)) + " found no matching send within " +
+                std::to_string(x.timeout.count()) + " ms; check that the peer sends with the same tag, or raise the timeout",
+            rank_)));
+        return true;
+      });
+  }
+
+  /// The oldest recv posted for this frame's group and tag, or end().
+  static std::deque<posted_recv>::iterator find_recv(peer& p, const frame_header& h) {
+    return std::find_if(p.recvs.begin(), p.recvs.end(),
+                        [&](const posted_recv& r) { return r.group == h.group && r.tag == h.root; });
+  }
+
+  void check_p2p(const posted_recv& r, const frame_header& got, int world_peer) const {
+    if (got.type != r.want.type || got.count != r.want.count)
+      throw mismatch_error(label(rank_) + " called recv of " + std::to_string(r.want.count) + " " +
+                               std::string(to_string(static_cast<dtype>(r.want.type))) + " with tag " +
+                               std::to_string(r.tag) + ", " + label(world_peer) + " sent " + describe(got) +
+                               "; a send and its recv must have the same count and dtype",
+                           rank_);
+  }
+
+  // ---- transfers ---------------------------------------------------------------------------
+
+  void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    p.tx.push_back({h, static_cast<const char*>(data), 0, std::move(done)});
+    write_some(world_peer);  // most small frames leave at once, before any poll
+  }
+
+  /// Posts a collective frame: its data itself, or, where the peer can read this process, a remote frame
+  /// with the data's address (`data` must then stay unchanged until the peer's op_ack).
+  void post_collective(int world_peer, frame_header h, const void* data) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    if (h.length < remote_min_bytes || !p.memory.reads_us) return post(world_peer, h, data, nullptr);
+    const remote_block where{reinterpret_cast<std::uintptr_t>(data), h.length};
+    h.flags = frame_remote;
+    h.length = sizeof(remote_block);
+    p.tx.push_back({h, nullptr, 0, nullptr, where});
+    ++p.unacked;
+    write_some(world_peer);
+  }
+
+  /// Copies a remote frame's data out of the peer's memory into the expected destination, then acknowledges it.
+  void copy_remote(int world_peer) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    if (!p.memory.readable)
+      throw error(label(world_peer) + " sent the address of its data, but this rank cannot read that process's "
+                      "memory; every rank must run the same ddp version",
+                  rank_);
+    if (p.remote.bytes != p.expect.length) {
+      frame_header got = p.got;
+      got.length = p.remote.bytes;
+      throw_mismatch(world_peer, got);
+    }
+    for (std::size_t done = 0; done < p.remote.bytes;) {
+      iovec local{p.expect_dest + done, p.remote.bytes - done};
+      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(p.remote.address + done)),
+                   p.remote.bytes - done};
+      const ssize_t k = ::process_vm_readv(p.memory.pid, &local, 1, &remote, 1, 0);
+      if (k < 0 && errno == EINTR) continue;
+      const int code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      if (k <= 0) throw lost(world_peer, code, "copying from its memory failed (" + errno_text(code) + ")");
+      done += static_cast<std::size_t>(k);
+    }
+    frame_header ack;
+    ack.op = op_ack;
+    post(world_peer, ack, nullptr, nullptr);
+  }
+
+  /// Writes what the peer's socket accepts; true if bytes moved.
+  bool write_some(int world_peer) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    bool moved = false;
+    while (p.tx_pending()) {
+      tx_item& t = p.tx[p.tx_head];
+      iovec iov[2];
+      int n = 0;
+      if (t.sent < sizeof(frame_header))
+        iov[n++] = {reinterpret_cast<char*>(&t.hdr) + t.sent, sizeof(frame_header) - t.sent};
+      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+      if (t.hdr.length > payload_done)
+        iov[n++] = {const_cast<char*>(t.payload()) + payload_done, t.hdr.length - payload_done};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<std::size_t>(n);
+      const ssize_t k = n == 0 ? 0 : ::sendmsg(p.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        throw lost(world_peer, errno, "sending to it failed (" + errno_text(errno) + ")");
+      }
+      moved = moved || k > 0;
+      t.sent += static_cast<std::size_t>(k);
+      if (t.sent < t.total()) break;
+      if (t.done) t.done->finish();
+      t.done.reset();
+      if (++p.tx_head == p.tx.size()) {
+        p.tx.clear();
+        p.tx_head = 0;
+      }
+    }
+    return moved;
+  }
+
+  /// Reads what the peer has sent, frame by frame; true if bytes moved. Point-to-point frames go to
+  /// their recv (or are kept as strays); a collective frame waits until the executing call expects it.
+  bool read_some(int world_peer) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    bool moved = false;
+    while (p.readable()) {
+      if (!p.in_payload && p.parked) {
+        accept_collective(world_peer);
+        continue;
+      }
+      char* where = nullptr;
+      std::size_t want = 0;
+      if (!p.in_payload) {
+        where = reinterpret_cast<char*>(&p.got) + p.header_got;
+        want = sizeof(frame_header) - p.header_got;
+      } else {
+        where = p.dest + p.payload_got;
+        want = p.got.length - p.payload_got;
+      }
+      if (want > 0) {
+        const ssize_t k = ::recv(p.fd.get(), where, want, MSG_DONTWAIT);
+        if (k < 0) {
+          if (errno == EINTR) continue;
+          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          on_close(world_peer, "receiving from it failed (" + errno_text(errno) + ")", errno);
+          break;
+        }
+        if (k == 0) {
+          on_close(world_peer, "it closed the connection or died", 0);
+          break;
+        }
+        moved = true;
+        (p.in_payload ? p.payload_got : p.header_got) += static_cast<std::size_t>(k);
+      }
+      if (!p.in_payload && p.header_got == sizeof(frame_header)) dispatch(world_peer);
+      else if (p.in_payload && p.payload_got == p.got.length) finish_payload(p);
+    }
+    return moved;
+  }
+
+  /// End of stream: fatal if anything is expected from the peer, else remembered for later calls.
+  void on_close(int world_peer, const std::string& how, int code) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    p.closed = true;
+    if (p.expecting || p.in_payload || !p.recvs.empty() || p.header_got > 0 || p.unacked > 0)
+      throw lost(world_peer, code, p.said_bye ? "it closed its communicator" : how);
+  }
+
+  /// A whole header arrived: route the frame.
+  void dispatch(int world_peer) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    const frame_header& h = p.got;
+    if (h.magic != frame_magic)
+      throw error(label(world_peer) + " sent bytes that are not a ddp frame" +
+                      (current_ != nullptr ? " during " + what_now() : std::string()) +
+                      "; every rank must run the same ddp version, and nothing else may write to the mesh sockets",
+                  rank_);
+    if (h.op == op_abort) raise_abort(world_peer, h);
+    if (h.op == op_bye) {
+      p.said_bye = true;
+      p.header_got = 0;
+      return on_close(world_peer, "it closed its communicator", 0);
+    }
+    if (h.op == op_ack) {
+      if (p.unacked == 0)
+        throw error(label(world_peer) + " acknowledged a copy this rank never offered; the stream is corrupt", rank_);
+      --p.unacked;
+      p.header_got = 0;
+      return;
+    }
+    if (h.op >= collective_count)
+      throw error(label(world_peer) + " sent a frame of unknown kind " + std::to_string(h.op) +
+                      "; every rank must run the same ddp version",
+                  rank_);
+    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) {
+      p.parked = true;
+      if (p.expecting) accept_collective(world_peer);
+      return;
+    }
+    p.in_payload = true;
+    p.payload_got = 0;
+    if (const auto r = find_recv(p, h); r != p.recvs.end()) {
+      check_p2p(*r, h, world_peer);
+      p.matched = std::move(*r);
+      p.recvs.erase(r);
+      p.into = target::posted;
+      p.dest = p.matched.dest;
+    } else {
+      if (h.length > (std::uint64_t{1} << 40))
+        throw error(label(world_peer) + " announced a send of " + std::to_string(h.length) +
+                        " bytes, beyond the frame limit; the stream is corrupt",
+                    rank_);
+      p.stray_buf.resize(h.length);
+      p.into = target::stray;
+      p.dest = p.stray_buf.data();
+    }
+    if (h.length == 0) finish_payload(p);
+  }
+
+  /// The executing call expects the parked collective frame: check it, then receive its payload.
+  void accept_collective(int world_peer) {
+    auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    check_header(world_peer);
+    p.parked = false;
+    p.in_payload = true;
+    p.into = target::collective;
+    p.dest = (p.got.flags & frame_remote) != 0 ? reinterpret_cast<char*>(&p.remote) : p.expect_dest;
+    p.payload_got = 0;
+    if (p.got.length == 0) finish_payload(p);
+  }
+
+  void finish_payload(peer& p) {
+    p.in_payload = false;
+    p.header_got = 0;
+    switch (p.into) {
+      case target::collective:
+        if ((p.got.flags & frame_remote) != 0) copy_remote(static_cast<int>(&p - peers_.data()));
+        p.expecting = false;
+        break;
+      case target::posted:
+        p.matched.done->finish();
+        p.matched = {};
+        break;
+      case target::stray:
+        // Its recv may have been posted while the payload was arriving.
+        if (const auto r = find_recv(p, p.got); r != p.recvs.end()) {
+          check_p2p(*r, p.got, static_cast<int>(&p - peers_.data()));
+          std::memcpy(r->dest, p.stray_buf.data(), p.got.length);
+          r->done->finish();
+          p.recvs.erase(r);
+        } else {
+          p.strays.push_back({p.got, std::move(p.stray_buf)});
+        }
+        p.stray_buf = {};
+        break;
+    }
+  }
+
+  /// The rank label errors use: the group rank, plus the world rank inside a subgroup.
+  [[nodiscard]] std::string label(int world_rank) const {
+    if (current_ == nullptr) return "rank " + std::to_string(world_rank);
+    const auto& m = current_->grp->members;
+    for (std::size_t i = 0; i < m.size(); ++i)
+      if (m[i] == world_rank)
+        return "rank " + std::to_string(i) +
+               (m.size() == static_cast<std::size_t>(size_) ? "" : " (world rank " + std::to_string(world_rank) + ")");
+    return "world rank " + std::to_string(world_rank);
+  }
+  [[nodiscard]] std::string what_now() const {
+    return current_ != nullptr ? describe(header_of(*current_, 0)) : std::string("a point-to-point transfer");
+  }
+
+  [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
+    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
+                         ". Check that rank's log for the first error; the job cannot continue without it",
+                     rank_, world_peer, code);
+  }
+
+  /// Raises mismatch_error unless the parked frame belongs to the executing call with the expected length
+  /// (a remote frame's length is checked once its remote_block has arrived).
+  void check_header(int world_peer) {
+    const auto& p = peers_[static_cast<std::size_t>(world_peer)];
+    const bool remote = (p.got.flags & frame_remote) != 0;
+    if (!same_call(p.expect, p.got) || p.got.length != (remote ? sizeof(remote_block) : p.expect.length))
+      throw_mismatch(world_peer, p.got);
+  }
+
+  /// The mismatch_error naming this rank's call and the frame `got` the peer sent instead.
+  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& got) const {
+    const frame_header& want = peers_[static_cast<std::size_t>(world_peer)].expect;
+    throw mismatch_error(label(rank_) + " called " + describe(want) + ", " + label(world_peer) + " sent " +
+                             describe(got) +
+                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
+                                                         " bytes where " + std::to_string(want.length) +
+                                                         " were expected"
+                                                   : std::string()) +
+                             "; every rank must call the same collectives in the same order with the same counts, "
+                             "dtypes, operators and roots",
+                         rank_);
+  }
+
+  [[noreturn]] void raise_abort(int world_peer, const frame_header& h) {
+    std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
+    if (h.length > max_abort_text ||
+        recv_all(peers_[static_cast<std::size_t>(world_peer)].fd.get(), text.data(), text.size(),
+                 clock::now() + std::chrono::seconds(2)) != io_status::ok)
+      text = "(its message was lost)";
+    peers_[static_cast<std::size_t>(world_peer)].closed = true;
+    const std::string msg = label(world_peer) + " aborted " + what_now() + ": " + text;
+    switch (static_cast<abort_kind>(h.flags)) {
+      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.root);
+      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
+      case abort_kind::timeout: throw timeout_error(msg, rank_);
+      case abort_kind::other: break;
+    }
+    throw error(msg, rank_);
+  }
+
+  /// Runs the poll loop until `done()`; throws on peer loss, mismatch, timeout or destruction.
+  template <class Done>
+  void pump(Done done) {
+    while (true) {
+      bool moved = true;
+      while (moved && !done()) {
+        moved = false;
+        for (std::size_t r = 0; r < peers_.size(); ++r) {
+          if (peers_[r].tx_pending()) moved = write_some(static_cast<int>(r)) || moved;
+          if (peers_[r].readable()) moved = read_some(static_cast<int>(r)) || moved;
+        }
+      }
+      for (std::size_t r = 0; r < peers_.size(); ++r)
+        if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].closed)
+          throw lost(static_cast<int>(r), 0, peers_[r].said_bye ? "it closed its communicator" : "its connection is closed");
+      if (done()) return;
+      build_poll_set();
+      const int rc = ::poll(fds_.data(), fds_.size(), poll_ms(deadline_));
+      if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
+      if (fds_[0].revents & POLLIN) {
+        drain_wake();
+        std::lock_guard lock(mutex_);
+        if (stop_)  // to the peers, this rank is lost
+          throw peer_lost(what_now() + " was cancelled because its communicator was destroyed; wait() for every "
+                                       "operation before the communicator goes out of scope",
+                          rank_, rank_);
+      }
+      if (store_) store_->on_events(fds_, store_base_);
+      expire_recvs();
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out();
+    }
+  }
+
+  timeout_error timed_out() const {
+    std::string waiting;
+    for (std::size_t r = 0; r < peers_.size(); ++r)
+      if (peers_[r].expecting || peers_[r].tx_pending() || peers_[r].unacked > 0)
+        waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
+                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
+                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
+                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
+                         rank_);
+  }
+
+  // ---- failure -----------------------------------------------------------------------------
+
+  /// Completes frames already half written (so the stream stays parseable), drops the rest, sends
+  /// every peer an abort frame carrying the error, and poisons the engine.
+  void abort_peers(std::exception_ptr e) {
+    poisoned_ = e;
+    abort_kind kind = abort_kind::other;
+    int lost_rank = -1;
+    std::string text;
+    try {
+      std::rethrow_exception(e);
+    } catch (const peer_lost& x) {
+      kind = abort_kind::peer_lost;
+      lost_rank = x.peer();
+      text = x.what();
+    } catch (const mismatch_error& x) {
+      kind = abort_kind::mismatch;
+      text = x.what();
+    } catch (const timeout_error& x) {
+      kind = abort_kind::timeout;
+      text = x.what();
+    } catch (const std::exception& x) {
+      text = x.what();
+    }
+    text.resize(std::min<std::size_t>(text.size(), max_abort_text));
+    const auto limit = clock::now() + std::chrono::seconds(1);
+    for (std::size_t r = 0; r < peers_.size(); ++r) {
+      auto& p = peers_[r];
+      p.expecting = false;
+      p.unacked = 0;
+      for (auto& posted : p.recvs) posted.done->fail(e);
+      p.recvs.clear();
+      if (p.in_payload && p.into == target::posted) p.matched.done->fail(e);
+      if (!p.fd.valid() || p.closed) continue;
+      bool clean = true;
+      if (p.tx_pending()) {
+        tx_item& t = p.tx[p.tx_head];
+        if (t.sent > 0) {
+          const std::size_t header_left = t.sent < sizeof(frame_header) ? sizeof(frame_header) - t.sent : 0;
+          const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+          clean = send_all(p.fd.get(), reinterpret_cast<const char*>(&t.hdr) + (sizeof(frame_header) - header_left),
+                           header_left, limit) == io_status::ok &&
+                  send_all(p.fd.get(), t.payload() + payload_done, t.hdr.length - payload_done, limit) == io_status::ok;
+        }
+        for (std::size_t i = p.tx_head; i < p.tx.size(); ++i)
+          if (p.tx[i].done) p.tx[i].done->fail(e);
+        p.tx.clear();
+        p.tx_head = 0;
+      }
+      if (!clean) continue;
+      frame_header h;
+      h.op = op_abort;
+      h.flags = static_cast<std::uint8_t>(kind);
+      h.root = lost_rank;
+      h.length = text.size();
+      if (send_all(p.fd.get(), &h, sizeof h, limit) == io_status::ok)
+        send_all(p.fd.get(), text.data(), text.size(), limit);
+    }
+  }
+
+  /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
+  void shutdown() {
+    std::deque<call> left;
+    {
+      std::lock_guard lock(mutex_);
+      left.swap(queue_);
+    }
+    const auto gone = std::make_exception_ptr(
+        error("the communicator was destroyed before this operation ran; wait() for every operation before the "
+              "communicator goes out of scope",
+              rank_));
+    for (auto& c : left) c.done->fail(gone);
+    for (auto& p : peers_) {
+      if (!p.fd.valid()) continue;
+      for (std::size_t i = p.tx_head; i < p.tx.size(); ++i)
+        if (p.tx[i].done) p.tx[i].done->fail(gone);
+      if (!poisoned_ && !(p.tx_pending() && p.tx[p.tx_head].sent > 0)) {
+        frame_header bye;
+        bye.op = op_bye;
+        send_all(p.fd.get(), &bye, sizeof bye, clock::now() + std::chrono::milliseconds(100));
+      }
+      char sink[4096];
+      while (::recv(p.fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
+      }
+      p.fd.reset();
+    }
+  }
+
+  int rank_;
+  int size_;
+  executor exec_;
+  std::optional<store_server> store_;
+  std::size_t store_base_ = 0;
+  socket_fd wake_;
+  std::vector<peer> peers_;
+  std::vector<pollfd> fds_;
+  std::exception_ptr poisoned_;
+  call* current_ = nullptr;
+  clock::time_point deadline_{};
+  struct scratch_buffer {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  scratch_buffer scratch_[2];
+
+  std::mutex mutex_;
+  std::deque<call> queue_;
+  std::vector<socket_fd> pending_sockets_;
+  std::vector<peer_memory> pending_memory_;
+  bool has_pending_sockets_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+/// What an algorithm sees of the engine while it executes one call: group ranks, frames, scratch.
+class channel {
+ public:
+  channel(engine& e, call& c) : e_(e), c_(c), g_(*c.grp) {}
+
+  /// The call being executed.
+  [[nodiscard]] const call& what() const { return c_; }
+  /// This process's group rank.
+  [[nodiscard]] int rank() const { return g_.me; }
+  /// The group's size.
+  [[nodiscard]] int size() const { return g_.size(); }
+
+  /// Queues a frame of `bytes` payload to group rank `to`; `data` must stay valid and unchanged until
+  /// flush() (a peer on this host may copy it straight from this process's memory until then).
+  void send(int to, const void* data, std::size_t bytes) {
+    c_.grp->stats.add_bytes(c_.kind, bytes);
+    e_.post_collective(world(to), header_of(c_, bytes), data);
+  }
+  /// Receives the next frame from group rank `from` into `dest` (exactly `bytes`), sends progressing meanwhile.
+  void recv(int from, void* dest, std::size_t bytes) {
+    const recv_part one{from, dest, bytes};
+    recv_all(std::span<const recv_part>(&one, 1));
+  }
+  /// Receives one frame from each listed peer (each at most once), in whatever order they arrive.
+  void recv_all(std::span<const recv_part> parts) {
+    for (const auto& part : parts) {
+      auto& p = e_.peers_[static_cast<std::size_t>(world(part.peer))];
+      p.expecting = true;
+      p.expect = header_of(c_, part.bytes);
+      p.expect_dest = static_cast<char*>(part.dest);
+    }
+    e_.pump([&] {
+      for (const auto& part : parts)
+        if (e_.peers_[static_cast<std::size_t>(world(part.peer))].expecting) return false;
+      return true;
+    });
+  }
+  /// Waits until every queued frame is written and every peer has copied the data of its remote frames.
+  void flush() {
+    e_.pump([&] {
+      for (const auto& p : e_.peers_)
+        if (p.tx_pending() || p.unacked > 0) return false;
+      return true;
+    });
+  }
+  /// A scratch buffer (two of them: 0 and 1) of at least `bytes`, held by the engine and reused by every
+  /// later call: it only grows, uninitialized, so steady state allocates and touches no new memory.
+  /// Growing discards the contents.
+  char* scratch(int which, std::size_t bytes) {
+    auto& s = e_.scratch_[which];
+    if (s.size < bytes) {
+      s.data.reset();  // free first, so the peak is the new size, not both
+      s.data.reset(new char[bytes]);
+      s.size = bytes;
+    }
+    return s.data.get();
+  }
+
+ private:
+  [[nodiscard]] int world(int group_rank) const { return g_.members[static_cast<std::size_t>(group_rank)]; }
+  engine& e_;
+  call& c_;
+  group& g_;
+};
+
+inline void engine::channel_run(call& c) {
+  channel ch(*this, c);
+  exec_(ch);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/engine.hpp>
+// ---- begin <ddp/comm/tcp/reduce.hpp>
+/// \file Element-wise reduction kernels of the TCP backend: dst = a (op) b over n elements, for every
+/// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
+
+
+
+namespace ddp::tcp::detail {
+
+template <class T>
+inline constexpr bool is_half_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+/// The arithmetic type of T: float for bf16/f16, T otherwise.
+template <class T>
+using accumulate_t = std::conditional_t<is_half_v<T>, float, T>;
+
+template <class T, class F>
+void combine(T* dst, const T* a, const T* b, std::size_t n, F f) {
+  if constexpr (is_half_v<T>) {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = f(a[i], b[i]);
+  }
+}
+
+/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg divides at the end.
+template <class T>
+void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
+  using A = accumulate_t<T>;
+  switch (op) {
+    case reduce_op::sum:
+    case reduce_op::avg: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x + y); });
+    case reduce_op::prod: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x * y); });
+    case reduce_op::min: return combine(dst, a, b, n, [](A x, A y) { return y < x ? y : x; });
+    case reduce_op::max: return combine(dst, a, b, n, [](A x, A y) { return x < y ? y : x; });
+  }
+}
+
+/// Divides n elements by `ranks` in place when op is avg (integers divide truncating).
+template <class T>
+void finish_avg(T* data, std::size_t n, reduce_op op, int ranks) {
+  if (op != reduce_op::avg || ranks == 1) return;
+  using A = accumulate_t<T>;
+  if constexpr (std::is_floating_point_v<A>) {
+    const A scale = A(1) / static_cast<A>(ranks);
+    for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<A>(data[i]) * scale);
+  } else {
+    const A d = static_cast<A>(ranks);
+    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<T>(data[i] / d);
+  }
+}
+
+/// Runtime-dtype dispatch of reduce_into over raw bytes.
+inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::size_t n, reduce_op op) {
+  visit_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    reduce_into(static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, op);
+  });
+}
+
+/// Runtime-dtype dispatch of finish_avg over raw bytes.
+inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, int ranks) {
+  visit_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    finish_avg(static_cast<T*>(data), n, op, ranks);
+  });
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/reduce.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Below this many payload bytes per rank, collectives exchange directly in one round.
+inline constexpr std::size_t direct_limit = 64 << 10;
+/// Ring and chain frames carry at most this many bytes, so receiving, reducing and forwarding overlap.
+inline constexpr std::size_t segment_bytes = 512 << 10;
+
+inline int wrap(int a, int n) { return ((a % n) + n) % n; }
+
+/// How `count` elements split into `parts` near-equal chunks (the first ones one element shorter).
+struct chunking {
+  std::size_t count;
+  int parts;
+  std::size_t elem;
+  [[nodiscard]] std::size_t first(int c) const { return static_cast<std::size_t>(c) * count / static_cast<std::size_t>(parts); }
+  [[nodiscard]] std::size_t offset(int c) const { return first(c) * elem; }
+  [[nodiscard]] std::size_t bytes(int c) const { return (first(c + 1) - first(c)) * elem; }
+};
+
+/// Calls f(offset, length) for each segment of `bytes`.
+template <class F>
+void for_segments(std::size_t bytes, F f) {
+  for (std::size_t off = 0; off < bytes; off += segment_bytes) f(off, std::min(segment_bytes, bytes - off));
+}
+
+/// Ring reduce-scatter: chunk c of the result is the reduction of every rank's chunk c of `in`;
+/// intermediate chunks land in `acc` (may be `in`), this rank's final chunk in `mine`. With
+/// `forward`, each finished segment of `mine` is averaged if needed and sent on as the first
+/// all-gather step.
+inline void ring_reduce_scatter(channel& ch, const char* in, char* acc, char* mine, const chunking& L, bool forward) {
+  const int n = ch.size();
+  const int r = ch.rank();
+  const int left = wrap(r - 1, n);
+  const int right = wrap(r + 1, n);
+  const auto& c = ch.what();
+  char* tmp = ch.scratch(0, segment_bytes);
+  const int first = wrap(r - 1, n);
+  for_segments(L.bytes(first), [&](std::size_t off, std::size_t len) { ch.send(right, in + L.offset(first) + off, len); });
+  for (int s = 0; s < n - 1; ++s) {
+    const int k = wrap(r - s - 2, n);
+    const bool last = s == n - 2;
+    char* dst = last ? mine : acc + L.offset(k);
+    for_segments(L.bytes(k), [&](std::size_t off, std::size_t len) {
+      ch.recv(left, tmp, len);
+      reduce_bytes(c.type, dst + off, in + L.offset(k) + off, tmp, len / L.elem, c.op);
+      if (last && forward) finish_avg_bytes(c.type, dst + off, len / L.elem, c.op, n);
+      if (!last || forward) ch.send(right, dst + off, len);
+    });
+  }
+}
+
+/// Ring all-gather over `out` (this rank's chunk already in place and, unless `post_own` is false,
+/// not yet sent): each segment received from the left is forwarded to the right at once.
+inline void ring_all_gather(channel& ch, char* out, const chunking& L, bool post_own) {
+  const int n = ch.size();
+  const int r = ch.rank();
+  const int left = wrap(r - 1, n);
+  const int right = wrap(r + 1, n);
+  if (post_own)
+    for_segments(L.bytes(r), [&](std::size_t off, std::size_t len) { ch.send(right, out + L.offset(r) + off, len); });
+  for (int s = 0; s < n - 1; ++s) {
+    const int k = wrap(r - s - 1, n);
+    for_segments(L.bytes(k), [&](std::size_t off, std::size_t len) {
+      ch.recv(left, out + L.offset(k) + off, len);
+      if (s < n - 2) ch.send(right, out + L.offset(k) + off, len);
+    });
+  }
+  ch.flush();
+}
+
+/// Receives one block of `bytes` from every other rank into slot p of `slots` (stride `bytes`).
+inline void recv_from_each(channel& ch, char* slots, std::size_t stride, std::size_t bytes) {
+  thread_local std::vector<recv_part> parts;
+  parts.clear();
+  for (int p = 0; p < ch.size(); ++p)
+    if (p != ch.rank()) parts.push_back({p, slots + static_cast<std::size_t>(p) * stride, bytes});
+  ch.recv_all(parts);
+}
+
+/// dst = block 0 (op) block 1 (op) ... in rank order over `slots` (stride `bytes`), after copying
+/// `own_data` into slot `own`: every rank computes the same bits.
+inline void reduce_in_rank_order(channel& ch, char* dst, char* slots, std::size_t bytes, int own,
+                                 const char* own_data) {
+  const auto& c = ch.what();
+  const auto block = [&](int p) { return slots + static_cast<std::size_t>(p) * bytes; };
+  std::memcpy(block(own), own_data, bytes);
+  const std::size_t n_elems = bytes / size_of(c.type);
+  if (ch.size() == 1) {
+    std::memcpy(dst, block(0), bytes);
+  } else {
+    reduce_bytes(c.type, dst, block(0), block(1), n_elems, c.op);
+    for (int p = 2; p < ch.size(); ++p) reduce_bytes(c.type, dst, dst, block(p), n_elems, c.op);
+  }
+  finish_avg_bytes(c.type, dst, n_elems, c.op, ch.size());
+}
+
+inline void all_reduce(channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  auto* buf = static_cast<char*>(c.out);
+  const std::size_t bytes = c.count * size_of(c.type);
+  if (n == 1 || bytes == 0) return finish_avg_bytes(c.type, buf, c.count, c.op, n);
+  if (bytes <= direct_limit) {
+    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    for (int p = 0; p < n; ++p)
+      if (p != ch.rank()) ch.send(p, buf, bytes);
+    recv_from_each(ch, slots, bytes, bytes);
+    ch.flush();
+    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+  }
+  const chunking L{c.count, n, size_of(c.type)};
+  ring_reduce_scatter(ch, buf, buf, buf + L.offset(ch.rank()), L, true);
+  ring_all_gather(ch, buf, L, false);
+}
+
+inline void reduce_scatter(channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t es = size_of(c.type);
+  const std::size_t block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  if (block == 0) return;
+  if (n == 1) {
+    if (out != in) std::memmove(out, in, block);
+    return;
+  }
+  if (block <= direct_limit) {
+    char* slots = ch.scratch(1, block * static_cast<std::size_t>(n));
+    for (int p = 0; p < n; ++p)
+      if (p != ch.rank()) ch.send(p, in + static_cast<std::size_t>(p) * block, block);
+    recv_from_each(ch, slots, block, block);
+    ch.flush();
+    return reduce_in_rank_order(ch, out, slots, block, ch.rank(), in + static_cast<std::size_t>(ch.rank()) * block);
+  }
+  const chunking L{c.count * static_cast<std::size_t>(n), n, es};
+  ring_reduce_scatter(ch, in, ch.scratch(1, block * static_cast<std::size_t>(n)), out, L, false);
+  ch.flush();
+  finish_avg_bytes(c.type, out, c.count, c.op, n);
+}
+
+inline void all_gather(channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t block = c.count * size_of(c.type);
+  auto* out = static_cast<char*>(c.out);
+  char* own = out + static_cast<std::size_t>(ch.rank()) * block;
+  if (block > 0 && own != c.in) std::memmove(own, c.in, block);
+  if (n == 1 || block == 0) return;
+  if (block * static_cast<std::size_t>(n) <= direct_limit) {
+    for (int p = 0; p < n; ++p)
+      if (p != ch.rank()) ch.send(p, own, block);
+    recv_from_each(ch, out, block, block);
+    return ch.flush();
+  }
+  ring_all_gather(ch, out, chunking{c.count * static_cast<std::size_t>(n), n, size_of(c.type)}, true);
+}
+
+inline void broadcast(channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  auto* buf = static_cast<char*>(c.out);
+  const std::size_t bytes = c.count * size_of(c.type);
+  if (n == 1 || bytes == 0) return;
+  if (bytes <= direct_limit) {
+    if (ch.rank() == c.root) {
+      for (int p = 0; p < n; ++p)
+        if (p != c.root) ch.send(p, buf, bytes);
+      return ch.flush();
+    }
+    return ch.recv(c.root, buf, bytes);
+  }
+  const int v = wrap(ch.rank() - c.root, n);  // position in the chain root -> root+1 -> ...
+  const int prev = wrap(ch.rank() - 1, n);
+  const int next = wrap(ch.rank() + 1, n);
+  for_segments(bytes, [&](std::size_t off, std::size_t len) {
+    if (v > 0) ch.recv(prev, buf + off, len);
+    if (v < n - 1) ch.send(next, buf + off, len);
+  });
+  ch.flush();
+}
+
+inline void reduce(channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  auto* buf = static_cast<char*>(c.out);
+  const std::size_t es = size_of(c.type);
+  const std::size_t bytes = c.count * es;
+  if (n == 1 || bytes == 0) {
+    if (ch.rank() == c.root) finish_avg_bytes(c.type, buf, c.count, c.op, n);
+    return;
+  }
+  if (bytes <= direct_limit) {
+    if (ch.rank() != c.root) {
+      ch.send(c.root, buf, bytes);
+      return ch.flush();
+    }
+    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    recv_from_each(ch, slots, bytes, bytes);
+    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+  }
+  // Chain towards the root: position n-1 starts, each rank adds its part and forwards, the root ends.
+  const int v = wrap(ch.rank() - c.root, n);
+  const int toward_root = wrap(ch.rank() - 1, n);
+  const int from_tail = wrap(ch.rank() + 1, n);
+  char* tmp = ch.scratch(0, segment_bytes);
+  char* partial = v == 0 || v == n - 1 ? nullptr : ch.scratch(1, bytes);
+  for_segments(bytes, [&](std::size_t off, std::size_t len) {
+    if (v == n - 1) return ch.send(toward_root, buf + off, len);
+    ch.recv(from_tail, tmp, len);
+    char* dst = v == 0 ? buf + off : partial + off;
+    reduce_bytes(c.type, dst, buf + off, tmp, len / es, c.op);
+    if (v != 0) ch.send(toward_root, dst, len);
+  });
+  ch.flush();
+  if (v == 0) finish_avg_bytes(c.type, buf, c.count, c.op, n);
+}
+
+inline void gather(channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type);
+  if (block == 0) return;
+  if (ch.rank() != c.root) {
+    ch.send(c.root, c.in, block);
+    return ch.flush();
+  }
+  auto* out = static_cast<char*>(c.out);
+  std::memmove(out + static_cast<std::size_t>(c.root) * block, c.in, block);
+  recv_from_each(ch, out, block, block);
+}
+
+inline void scatter(channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type);
+  if (block == 0) return;
+  if (ch.rank() != c.root) return ch.recv(c.root, c.out, block);
+  const auto* in = static_cast<const char*>(c.in);
+  for (int p = 0; p < ch.size(); ++p)
+    if (p != c.root) ch.send(p, in + static_cast<std::size_t>(p) * block, block);
+  std::memmove(c.out, in + static_cast<std::size_t>(c.root) * block, block);
+  ch.flush();
+}
+
+inline void all_to_all(channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count / static_cast<std::size_t>(ch.size()) * size_of(c.type);
+  if (block == 0) return;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  for (int p = 0; p < ch.size(); ++p)
+    if (p != ch.rank()) ch.send(p, in + static_cast<std::size_t>(p) * block, block);
+  recv_from_each(ch, out, block, block);
+  const std::size_t mine = static_cast<std::size_t>(ch.rank()) * block;
+  ch.flush();
+  std::memmove(out + mine, in + mine, block);
+}
+
+/// Dissemination barrier: ceil(log2 N) rounds of empty frames.
+inline void barrier(channel& ch) {
+  const int n = ch.size();
+  for (int d = 1; d < n; d *= 2) {
+    ch.send(wrap(ch.rank() + d, n), nullptr, 0);
+    ch.recv(wrap(ch.rank() - d, n), nullptr, 0);
+  }
+  ch.flush();
+}
+
+/// Runs the collective `ch` describes; the engine's executor.
+inline void execute(channel& ch) {
+  switch (ch.what().kind) {
+    case collective::all_reduce: return all_reduce(ch);
+    case collective::reduce_scatter: return reduce_scatter(ch);
+    case collective::all_gather: return all_gather(ch);
+    case collective::broadcast: return broadcast(ch);
+    case collective::reduce: return reduce(ch);
+    case collective::gather: return gather(ch);
+    case collective::scatter: return scatter(ch);
+    case collective::all_to_all: return all_to_all(ch);
+    case collective::barrier: return barrier(ch);
+    case collective::send_recv: break;  // the engine matches sends and recvs itself
+  }
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/algorithms.hpp>
+
+namespace ddp::tcp {
+
+/// Everything a rank needs to join a job over TCP.
+struct config {
+  int rank = 0;                                   ///< this process's rank, 0..size-1
+  int size = 1;                                   ///< number of ranks
+  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
+  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  std::string token;                              ///< job token; every rank must pass the same one
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
+  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
+  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
+  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
+  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
+  /// (process_vm_readv); false sends every byte through the sockets.
+  bool same_host_copy = true;
+};
+
+namespace detail {
+
+/// First message on a mesh connection, from the connecting (higher) rank.
+struct mesh_hello {
+  std::uint32_t magic = 0x4d504444;  // "DDPM"
+  std::uint32_t rank = 0;
+  std::uint32_t size = 0;
+  std::uint32_t version = 1;
+  std::uint64_t token = 0;
+};
+static_assert(sizeof(mesh_hello) == 24);
+
+/// A group identifier all members compute alike from (parent id, split number, color).
+inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (const std::uint64_t v : {a, b, c}) {
+    h = (h ^ v) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+  }
+  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
+}
+
+/// Builds the full mesh: connects to every lower rank, accepts every higher one; strangers are refused.
+inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, std::uint64_t token,
+                                         const std::string& host, clock::time_point deadline) {
+  const int me = cfg.rank;
+  socket_fd listener = listen_on(host, 0, me, "the mesh");
+  const endpoint mine{host, local_endpoint(listener.get()).port};
+  const std::string text = mine.str();
+  store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
+
+  std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
+  const mesh_hello hello{0x4d504444, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1, token};
+  for (int j = 0; j < me; ++j) {
+    const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
+    const std::string where(bytes.begin(), bytes.end());
+    const auto colon = where.rfind(':');
+    const std::string peer_host = where.substr(0, colon);
+    const auto peer_port = static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1)));
+    socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
+                                      "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
+    std::uint8_t ok = 0;
+    if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+        recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1)
+      throw peer_lost("rank " + std::to_string(j) + " at " + where +
+                          " refused the mesh handshake: give every rank the same DDP_TOKEN and WORLD_SIZE",
+                      me, j);
+    peers[static_cast<std::size_t>(j)] = std::move(fd);
+  }
+  for (int expected = cfg.size - 1 - me; expected > 0;) {
+    pollfd pfd{listener.get(), POLLIN, 0};
+    if (::poll(&pfd, 1, poll_ms(deadline)) == 0)
+      throw timeout_error("ranks above " + std::to_string(me) + " did not all connect to this rank's mesh port " +
+                              mine.str() + " before the connect deadline; start every rank, or raise the connect "
+                              "timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          me);
+    socket_fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!fd.valid()) continue;
+    mesh_hello got{};
+    const auto status = recv_all(fd.get(), &got, sizeof got, std::min(deadline, clock::now() + std::chrono::seconds(2)));
+    std::string why;
+    if (status != io_status::ok) why = "no complete handshake within 2 s";
+    else if (got.magic != hello.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+    else if (got.token != token) why = "wrong job token";
+    else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
+    else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size || peers[got.rank].valid())
+      why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
+    if (!why.empty()) {
+      log_line(me, "refused a connection to the mesh port from " + remote_endpoint(fd.get()).str() + ": " + why +
+                       " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
+      continue;
+    }
+    const std::uint8_t ok = 1;
+    if (send_all(fd.get(), &ok, 1, deadline) != io_status::ok) continue;
+    peers[got.rank] = std::move(fd);
+    --expected;
+  }
+  for (auto& p : peers)
+    if (p.valid()) tune_data_socket(p.get(), cfg.socket_buffer_bytes);
+  return peers;
+}
+
+/// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
+/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
+/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+  struct probe {
+    std::uint64_t pid = 0;
+    std::uint64_t address = 0;
+    std::uint64_t word = 0;
+  };
+  const auto n = static_cast<std::size_t>(cfg.size);
+  const auto me = static_cast<std::size_t>(cfg.rank);
+  const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
+  std::random_device random;
+  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
+  const probe mine{static_cast<std::uint64_t>(::getpid()),
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+  const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
+  store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
+  std::vector<peer_memory> peers(n);
+  std::vector<std::uint8_t> readable(n, 0);
+  for (std::size_t j = 0; j < n; ++j) {
+    if (j == me) continue;
+    const auto bytes = store.get(key("memory", j));
+    probe theirs;
+    if (bytes.size() != sizeof theirs)
+      throw error("rank " + std::to_string(j) + " published a malformed memory probe; every rank must run the same "
+                  "ddp version",
+                  cfg.rank);
+    std::memcpy(&theirs, bytes.data(), sizeof theirs);
+    if (!cfg.same_host_copy || theirs.address == 0) continue;
+    std::uint64_t seen = 0;
+    iovec local{&seen, sizeof seen};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof seen};
+    const auto pid = static_cast<::pid_t>(theirs.pid);
+    if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
+      continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
+    peers[j] = {pid, true, false};
+    readable[j] = 1;
+  }
+  store.set(key("memory_ok", me), readable);
+  for (std::size_t j = 0; j < n; ++j)
+    if (j != me) peers[j].reads_us = store.get(key("memory_ok", j)).at(me) == 1;
+  return peers;
+}
+
+}  // namespace detail
+
+/// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
+class communicator : public ddp::detail::object_collectives<communicator> {
+ public:
+  /// Joins the job `cfg` describes: rendezvous at master_addr:master_port, then the full mesh.
+  explicit communicator(const config& cfg) {
+    if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
+      throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
+                             " is not a place in a job; ranks run from 0 to size-1",
+                         cfg.rank);
+    if (cfg.size > 1 && cfg.master_port == 0)
+      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                         cfg.rank);
+    const std::uint64_t token = detail::token_hash(cfg.token);
+    const auto deadline = detail::clock::now() + cfg.connect_timeout;
+    std::optional<detail::store_server> server;
+    if (cfg.rank == 0 && cfg.size > 1)
+      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0);
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::execute, std::move(server));
+    group_ = std::make_shared<detail::group>();
+    group_->me = cfg.rank;
+    group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
+    group_->timeout = cfg.timeout;
+    group_->members.resize(static_cast<std::size_t>(cfg.size));
+    for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
+    if (cfg.size == 1) return;
+    detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline, cfg.timeout);
+    const std::string host = cfg.interface.empty() ? store.local_host() : detail::interface_address(cfg.interface, cfg.rank);
+    if (cfg.rank == 0) {
+      const std::string name = detail::interface_of(host);
+      detail::log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
+                              std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
+                              (name.empty() ? "" : " (" + name + ")") +
+                              (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
+                                                     : ""));
+    }
+    auto sockets = detail::build_mesh(cfg, store, token, host, deadline);
+    auto memory = detail::probe_memory(cfg, store);
+    if (cfg.rank == 0) {
+      const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
+      detail::log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) +
+                              " of its " + std::to_string(cfg.size - 1) +
+                              " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets "
+                              "carry the rest");
+    }
+    engine_->attach(std::move(sockets), std::move(memory));
+    // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
+    store.add("ddp/joined", 1);
+    while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
+      if (detail::clock::now() > deadline)
+        throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
+                            "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                            0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  /// Reads the job from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+  /// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
+  /// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY.
+  static communicator from_env() { return communicator(config_from_env()); }
+
+  /// The config from_env() uses.
+  static config config_from_env() {
+    const env_config env = read_env_config();
+    config cfg;
+    cfg.rank = env.rank;
+    cfg.size = env.world_size;
+    cfg.master_addr = env.master_addr;
+    cfg.master_port = env.master_port;
+    if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+    constexpr long long max_ms = 1LL << 40;
+    if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+      cfg.timeout = std::chrono::milliseconds(*ms);
+    if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+      cfg.connect_timeout = std::chrono::milliseconds(*ms);
+    if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+    if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+      cfg.socket_buffer_bytes = static_cast<int>(*b);
+    if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                          "1 to copy large frames between ranks on one host directly, 0 to send "
+                                          "them through the sockets"))
+      cfg.same_host_copy = *c == 1;
+    return cfg;
+  }
+
+  /// This process's rank in the group.
+  [[nodiscard]] int rank() const { return group_->me; }
+  /// Number of ranks in the group.
+  [[nodiscard]] int size() const { return group_->size(); }
+  /// The deadline every operation of this group gets.
+  [[nodiscard]] std::chrono::milliseconds timeout() const { return group_->timeout; }
+  /// Payload bytes sent and calls made by this group, by operation.
+  [[nodiscard]] comm_stats stats() const { return group_->stats.snapshot(); }
+
+  /// Collective: ranks with the same `color` form a new group, ordered by (key, rank); uses the existing mesh.
+  communicator split(int color, int key) {
+    const std::array<std::int64_t, 2> mine{color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+    std::vector<int> ranks;
+    for (int p = 0; p < size(); ++p)
+      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
+    std::stable_sort(ranks.begin(), ranks.end(),
+                     [&](int a, int b) { return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1]; });
+    auto child = std::make_shared<detail::group>();
+    std::uint64_t nth = 0;
+    {
+      std::lock_guard lock(engine_->queue_mutex());
+      nth = group_->splits++;
+    }
+    child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
+    child->timeout = group_->timeout;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
+      if (ranks[i] == rank()) child->me = static_cast<int>(i);
+    }
+    return communicator(engine_, std::move(child));
+  }
+
+  /// Reduces `buf` across the group in place.
+  template <tensor T>
+  work all_reduce(T&& buf, reduce_op op = reduce_op::sum) {
+    const raw_tensor b = host(as_raw(buf), "all_reduce");
+    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
+  }
+  /// `in` holds size()*k elements; block r of the reduction lands in rank r's `out` (k elements).
+  template <tensor In, tensor Out>
+  work reduce_scatter(const In& in, Out&& out, reduce_op op = reduce_op::sum) {
+    const raw_tensor i = host(as_raw(in), "reduce_scatter"), o = host(as_raw(out), "reduce_scatter");
+    same_type(i, o, "reduce_scatter");
+    if (i.size != o.size * static_cast<std::size_t>(size()))
+      throw error("reduce_scatter needs an input of size() * output elements; got " + std::to_string(i.size) +
+                      " in and " + std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
+                  world_rank());
+    return start(collective::reduce_scatter, o.type, op, -1, o.size, i.data, o.data);
+  }
+  /// Each rank's `in` (k elements) lands in block r of every rank's `out` (size()*k elements).
+  template <tensor In, tensor Out>
+  work all_gather(const In& in, Out&& out) {
+    const raw_tensor i = host(as_raw(in), "all_gather"), o = host(as_raw(out), "all_gather");
+    same_type(i, o, "all_gather");
+    if (o.size != i.size * static_cast<std::size_t>(size()))
+      throw error("all_gather needs an output of size() * input elements; got " + std::to_string(i.size) + " in and " +
+                      std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
+                  world_rank());
+    return start(collective::all_gather, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
+  }
+  /// Copies root's `buf` to every rank.
+  template <tensor T>
+  work broadcast(T&& buf, int root = 0) {
+    const raw_tensor b = host(as_raw(buf), "broadcast");
+    check_rank(root, "broadcast root");
+    return start(collective::broadcast, b.type, reduce_op::sum, root, b.size, nullptr, b.data);
+  }
+  /// Reduces every rank's `buf` into root's `buf`; the other ranks' buffers are left unchanged.
+  template <tensor T>
+  work reduce(T&& buf, reduce_op op = reduce_op::sum, int root = 0) {
+    const raw_tensor b = host(as_raw(buf), "reduce");
+    check_rank(root, "reduce root");
+    return start(collective::reduce, b.type, op, root, b.size, nullptr, b.data);
+  }
+  /// Each rank's `in` (k elements) lands in block r of root's `out` (size()*k elements; unused elsewhere).
+  template <tensor In, tensor Out>
+  work gather(const In& in, Out&& out, int root = 0) {
+    const raw_tensor i = host(as_raw(in), "gather"), o = as_raw(out);
+    check_rank(root, "gather root");
+    if (rank() == root) {
+      same_type(i, host(o, "gather"), "gather");
+      if (o.size != i.size * static_cast<std::size_t>(size()))
+        throw error("gather needs an output of size() * input elements on the root; got " + std::to_string(i.size) +
+                        " in and " + std::to_string(o.size) + " out",
+                    world_rank());
+    }
+    return start(collective::gather, i.type, reduce_op::sum, root, i.size, i.data, o.data);
+  }
+  /// Block r of root's `in` (size()*k elements; unused elsewhere) lands in rank r's `out` (k elements).
+  template <tensor In, tensor Out>
+  work scatter(const In& in, Out&& out, int root = 0) {
+    const raw_tensor i = as_raw(in), o = host(as_raw(out), "scatter");
+    check_rank(root, "scatter root");
+    if (rank() == root) {
+      same_type(host(i, "scatter"), o, "scatter");
+      if (i.size != o.size * static_cast<std::size_t>(size()))
+        throw error("scatter needs an input of size() * output elements on the root; got " + std::to_string(i.size) +
+                        " in and " + std::to_string(o.size) + " out",
+                    world_rank());
+    }
+    return start(collective::scatter, o.type, reduce_op::sum, root, o.size, i.data, o.data);
+  }
+  /// Block p of `in` goes to rank p; block p of `out` comes from rank p (both size()*k elements).
+  template <tensor In, tensor Out>
+  work all_to_all(const In& in, Out&& out) {
+    const raw_tensor i = host(as_raw(in), "all_to_all"), o = host(as_raw(out), "all_to_all");
+    same_type(i, o, "all_to_all");
+    if (i.size != o.size || i.size % static_cast<std::size_t>(size()) != 0)
+      throw error("all_to_all needs input and output of the same size, a multiple of size(); got " +
+                      std::to_string(i.size) + " and " + std::to_string(o.size),
+                  world_rank());
+    return start(collective::all_to_all, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
+  }
+  /// Completes once every rank of the group has called it.
+  work barrier() { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
+  /// Sends `in` to rank `peer`; completes once written to the socket. Matched by peer's recv with the same tag.
+  template <tensor In>
+  work send(const In& in, int peer, int tag = 0) {
+    const raw_tensor i = host(as_raw(in), "send");
+    check_rank(peer, "send peer");
+    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag);
+  }
+  /// Receives into `out` what rank `peer` sends with the same tag (same count and dtype).
+  template <tensor Out>
+  work recv(Out&& out, int peer, int tag = 0) {
+    const raw_tensor o = host(as_raw(out), "recv");
+    check_rank(peer, "recv peer");
+    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag);
+  }
+
+ private:
+  communicator(std::shared_ptr<detail::engine> e, std::shared_ptr<detail::group> g)
+      : engine_(std::move(e)), group_(std::move(g)) {}
+
+  [[nodiscard]] int world_rank() const { return engine_->rank(); }
+
+  raw_tensor host(raw_tensor t, const char* op) const {
+    if (t.where.is_cuda())
+      throw error(std::string(op) + " got a buffer on " + t.where.to_string() +
+                      ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers",
+                  world_rank());
+    return t;
+  }
+  void same_type(const raw_tensor& a, const raw_tensor& b, const char* op) const {
+    if (a.type != b.type)
+      throw error(std::string(op) + " got " + std::string(to_string(a.type)) + " input and " +
+                      std::string(to_string(b.type)) + " output; both must have the same dtype",
+                  world_rank());
+  }
+  void check_rank(int r, const char* what) const {
+    if (r < 0 || r >= size())
+      throw error(std::string(what) + " " + std::to_string(r) + " is not a rank of this group of " +
+                      std::to_string(size()),
+                  world_rank());
+  }
+
+  work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
+             int tag = 0) {
+    detail::call c;
+    c.kind = kind;
+    c.type = type;
+    c.op = op;
+    c.root = root;
+    c.tag = tag;
+    c.count = count;
+    c.in = in;
+    c.out = out;
+    c.grp = group_;
+    {
+      std::lock_guard lock(engine_->queue_mutex());
+      if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
+      group_->stats.add_call(kind);
+      std::string what = detail::describe(detail::header_of(c, 0));
+      if (kind == collective::send_recv)
+        what = (in != nullptr ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
+               " with tag " + std::to_string(tag) + (in != nullptr ? " to rank " : " from rank ") + std::to_string(root);
+      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what));
+      work w(c.done);
+      engine_->submit_locked(std::move(c));
+      engine_->wake();
+      return w;
+    }
+  }
+
+  std::shared_ptr<detail::engine> engine_;
+  std::shared_ptr<detail::group> group_;
+};
+
+static_assert(ddp::communicator<communicator>,
+              "ddp::tcp::communicator must model ddp::communicator; add the missing member it names.");
+
+}  // namespace ddp::tcp
+
+namespace ddp {
+/// backend::tcp selects ddp::tcp::communicator.
+template <>
+struct backend_traits<backend::tcp> {
+  using communicator = tcp::communicator;
+};
+}  // namespace ddp
+// ---- end <ddp/comm/tcp/communicator.hpp>
+
+// ---- begin <ddp/parallel/policies.hpp>
+/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
+/// Policies may be given in any order; a missing category takes its default.
+
+
+
+namespace ddp {
+
+namespace detail {
+struct sharding_category {};
+struct bucket_category {};
+struct hook_category {};
+}  // namespace detail
+
+/// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
+struct replicate { using policy_category = detail::sharding_category; };
+/// Gradients and optimizer state are sharded, parameters kept whole (ZeRO-2, FSDP SHARD_GRAD_OP).
+struct shard_grad_op { using policy_category = detail::sharding_category; };
+/// Parameters, gradients and optimizer state are sharded (ZeRO-3, FSDP FULL_SHARD).
+struct full_shard { using policy_category = detail::sharding_category; };
+/// Inner sharding inside groups of LOCAL_WORLD_SIZE ranks, replication across groups (HSDP).
+template <class Inner = full_shard>
+struct hybrid {
+  static_assert(std::is_same_v<Inner, full_shard> || std::is_same_v<Inner, shard_grad_op>,
+                "ddp::hybrid<Inner>: Inner must be ddp::full_shard or ddp::shard_grad_op.");
+  using policy_category = detail::sharding_category;
+  using inner = Inner;  ///< sharding inside a group
+};
+
+/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.
+template <std::size_t Capacity, std::size_t First = (std::size_t{1} << 20)>
+struct bucket_bytes {
+  static_assert(Capacity > 0 && First > 0, "ddp::bucket_bytes: capacities must be positive byte counts.");
+  using policy_category = detail::bucket_category;
+  static constexpr std::size_t capacity = Capacity;  ///< bytes per bucket
+  static constexpr std::size_t first = First;        ///< bytes of the first bucket
+};
+
+/// Gradients travel in their own dtype.
+struct plain_hook { using policy_category = detail::hook_category; };
+/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
+struct bf16_compress_hook { using policy_category = detail::hook_category; };
+/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
+struct fp16_compress_hook { using policy_category = detail::hook_category; };
+
+namespace detail {
+
+template <class P>
+concept policy = requires { typename P::policy_category; };
+
+template <class P>
+constexpr bool check_policy() {
+  static_assert(policy<P>,
+                "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
+                "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
+                "ddp::bucket_bytes<N> or a hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook).");
+  return true;
+}
+
+template <class Category, class P>
+constexpr int in_category() {
+  if constexpr (policy<P>)
+    return std::is_same_v<typename P::policy_category, Category> ? 1 : 0;
+  else
+    return 0;
+}
+
+template <class Category, class Default, class... Ps>
+struct pick {
+  using type = Default;
+};
+template <class Category, class Default, class P, class... Ps>
+struct pick<Category, Default, P, Ps...> {
+  using type = std::conditional_t<in_category<Category, P>() == 1, P, typename pick<Category, Default, Ps...>::type>;
+};
+
+}  // namespace detail
+
+/// The resolved policy set of data_parallel<Model, Ps...>.
+template <class... Ps>
+struct policies {
+  static_assert((detail::check_policy<Ps>() && ...));
+  static_assert((detail::in_category<detail::backend_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two backend policies were given; keep one of ddp::backend::tcp, mpi, nccl.");
+  static_assert((detail::in_category<detail::sharding_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two sharding policies were given; keep one of ddp::replicate, shard_grad_op, "
+                "full_shard, hybrid<...>.");
+  static_assert((detail::in_category<detail::bucket_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two ddp::bucket_bytes policies were given; keep one.");
+  static_assert((detail::in_category<detail::hook_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two comm hooks were given; keep one of ddp::plain_hook, bf16_compress_hook, "
+                "fp16_compress_hook.");
+
+  using backend = typename detail::pick<detail::backend_category, backend::tcp, Ps...>::type;        ///< transport
+  using sharding = typename detail::pick<detail::sharding_category, replicate, Ps...>::type;         ///< strategy
+  using buckets = typename detail::pick<detail::bucket_category, bucket_bytes<(25U << 20)>, Ps...>::type;  ///< sizes
+  using hook = typename detail::pick<detail::hook_category, plain_hook, Ps...>::type;                ///< compression
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/policies.hpp>
+// ---- begin <ddp/parallel/data_parallel.hpp>
+/// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
+///
+/// Construction lays every parameter into flat arenas (one per dtype), checks that all ranks hold the
+/// same model and broadcasts rank 0's values. During the backward the user reports each finished
+/// gradient with gradient_ready(p); a bucket whose parameters have all reported launches its
+/// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
+/// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
+
+
+// ---- begin <ddp/optim/flat.hpp>
+/// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
+/// optimizer state kept per flat buffer and exposed per parameter and slot (for checkpoints).
+
+
+
+namespace ddp::optim {
+
+/// The part of one parameter that lies in a flat buffer (the whole parameter unless the buffer is a shard).
+struct flat_segment {
+  std::string name;         ///< the parameter's dotted name ("fc1.weight")
+  std::size_t offset = 0;   ///< first element inside the flat buffer
+  std::size_t numel = 0;    ///< elements of the parameter inside the flat buffer
+  std::size_t start = 0;    ///< index, within the parameter, of the segment's first element (0 unless sharded)
+};
+
+/// A contiguous span of parameter values and their gradients (same dtype, same length) with the
+/// parameters laid in it. data_parallel hands one per arena (or per owned shard) to the optimizer.
+struct flat_buffer {
+  raw_tensor values;                   ///< the values the optimizer updates
+  raw_tensor grads;                    ///< the gradients, already averaged across ranks
+  std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
+};
+
+/// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
+template <class O>
+concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
+  o.attach(buffers);
+  o.step(buffers);
+};
+
+namespace detail {
+
+/// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
+/// dtype and length, zero when created; plus the number of steps taken.
+class flat_state {
+ public:
+  /// `slots` names the per-element state arrays (possibly none).
+  explicit flat_state(std::vector<std::string_view> slots) : slot_names_(std::move(slots)) {}
+
+  /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
+  void attach(std::span<const flat_buffer> buffers) {
+    if (layout_.empty() && state_.empty()) {
+      for (const auto& b : buffers) {
+        layout_.push_back(b);
+        auto& slots = state_.emplace_back();
+        for (std::size_t s = 0; s < slot_names_.size(); ++s) slots.emplace_back(b.values.bytes(), std::byte{0});
+      }
+      return;
+    }
+    if (buffers.size() != layout_.size())
+      throw config_error("optimizer: stepped over " + std::to_string(buffers.size()) + " flat buffers but its state "
+                         "was made for " + std::to_string(layout_.size()) + "; use one optimizer per data_parallel");
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+      if (buffers[i].values.size != layout_[i].values.size || buffers[i].values.type != layout_[i].values.type)
+        throw config_error("optimizer: flat buffer " + std::to_string(i) + " has " +
+                           std::to_string(buffers[i].values.size) + " " + std::string(to_string(buffers[i].values.type)) +
+                           " elements but the state holds " + std::to_string(layout_[i].values.size) + " " +
+                           std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
+  }
+
+  /// Calls `f(name, view)` for every parameter and slot ("fc1.weight.exp_avg"); views are writable, so
+  /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
+  /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
+  /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
+  template <class F>
+  void for_each_state(F&& f) {
+    for (std::size_t i = 0; i < layout_.size(); ++i)
+      for (const auto& seg : layout_[i].segments)
+        for (std::size_t s = 0; s < slot_names_.size(); ++s) {
+          const std::size_t width = size_of(layout_[i].values.type);
+          const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
+                                layout_[i].values.where};
+          if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
+            f(seg.name + "." + std::string(slot_names_[s]), view, seg);
+          else
+            f(seg.name + "." + std::string(slot_names_[s]), view);
+        }
+  }
+
+  /// Steps taken so far (PyTorch's per-parameter "step", shared by all parameters here).
+  [[nodiscard]] std::uint64_t step_count() const noexcept { return steps_; }
+  /// Sets the step counter (checkpoint loading).
+  void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
+
+ protected:
+  /// Runs `kernel(values, grads, slots...)` with typed spans for every buffer, after attach().
+  template <class Kernel>
+  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
+    attach(buffers);
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      const auto& b = buffers[i];
+      if (b.values.where.is_cuda())
+        throw config_error(std::string(who) + ": this optimizer steps host memory; the parameters are on " +
+                           b.values.where.to_string() + ", use the CUDA optimizer kernels of <ddp/cuda/...>");
+      if (b.grads.type != b.values.type || b.grads.size != b.values.size)
+        throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
+                           " differ in dtype or length; pass matching spans");
+      auto run = [&]<class T>(T*) {
+        std::vector<std::span<T>> slots;
+        for (auto& s : state_[i]) slots.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
+        kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
+               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(slots));
+      };
+      if (b.values.type == dtype::f32)
+        run(static_cast<float*>(nullptr));
+      else if (b.values.type == dtype::f64)
+        run(static_cast<double*>(nullptr));
+      else
+        throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(b.values.type)) +
+                           " cannot be stepped; keep f32 or f64 parameters (master weights) and compress "
+                           "gradients with a comm hook instead");
+    }
+  }
+
+  std::uint64_t steps_ = 0;  ///< steps taken
+
+ private:
+  std::vector<std::string_view> slot_names_;
+  std::vector<flat_buffer> layout_;
+  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][slot] bytes
+};
+
+}  // namespace detail
+}  // namespace ddp::optim
+// ---- end <ddp/optim/flat.hpp>
+// ---- begin <ddp/parallel/arena.hpp>
+/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
+/// of values and one of gradients per dtype, in visit order; each ddp::parameter is rebound to its slice.
+
+#include <new>
+#include <unordered_map>
+
+#include <sys/mman.h>
+
+// ---- begin <ddp/parallel/options.hpp>
+/// \file ddp::data_parallel_options: the run-time settings of data_parallel.
+
+
+namespace ddp {
+
+/// Run-time settings of data_parallel.
+struct data_parallel_options {
+  /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
+  /// gradients are left as the user keeps them (zero after zero_grad()) and are averaged like the others.
+  std::vector<std::string> unused_parameters{};
+  /// true: finish_gradients() throws ddp::error naming parameters that did not report; false: their
+  /// gradients are reduced as they stand.
+  bool error_on_missing = true;
+  /// Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  /// full_shard: free a unit's gathered parameters when its gather scope ends (false keeps them until the step).
+  bool reshard_after_forward = true;
+  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
+  /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
+  /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
+  std::vector<std::string> units{};
+  /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
+  /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
+  std::size_t unit_depth = 1;
+  /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
+  int hybrid_group_size = 0;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/options.hpp>
+
+namespace ddp::detail {
+
+inline constexpr std::size_t page_bytes = 4096;
+
+/// Zeroed, page-aligned host memory whose pages can be handed back to the OS while the range stays mapped.
+class aligned_bytes {
+ public:
+  aligned_bytes() = default;
+  explicit aligned_bytes(std::size_t n)
+      : data_(n ? static_cast<std::byte*>(::operator new(round_up(n), std::align_val_t{page_bytes})) : nullptr),
+        size_(n) {
+    std::fill_n(data_.get(), n, std::byte{0});
+  }
+  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Zeroes bytes [begin, end); the whole pages inside go back to the OS (resident memory drops) and
+  /// come back as zero pages on the next touch.
+  void release(std::size_t begin, std::size_t end) noexcept {
+    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
+    if (first_page < last_page) {
+      std::fill(data_.get() + begin, data_.get() + first_page, std::byte{0});
+      std::fill(data_.get() + last_page, data_.get() + end, std::byte{0});
+      if (::madvise(data_.get() + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
+    }
+    std::fill(data_.get() + begin, data_.get() + end, std::byte{0});
+  }
+
+ private:
+  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+  struct release_memory {
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{page_bytes}); }
+  };
+  std::unique_ptr<std::byte, release_memory> data_;
+  std::size_t size_ = 0;
+};
+
+/// One parameter of the wrapped model and where it lies.
+struct param_slot {
+  std::string name;                ///< dotted name
+  std::vector<std::size_t> shape;  ///< shape
+  dtype type = dtype::f32;         ///< element type
+  std::size_t numel = 0;           ///< elements
+  void* object = nullptr;          ///< the ddp::parameter<E> of the model
+  std::size_t arena = 0;           ///< index of its arena
+  std::size_t offset = 0;          ///< first element inside the arena
+  std::size_t unit = 0;            ///< index of its unit (by default the model's top-level field holding it)
+  void (*bind)(void* object, std::byte* values, std::byte* grads) = nullptr;    ///< moves into arena storage
+  void (*rebind)(void* object, std::byte* values, std::byte* grads) = nullptr;  ///< points elsewhere, no copy
+  void (*unbind)(void* object) = nullptr;                                       ///< takes the values back
+
+  /// "fc1.weight f32[13, 7]": what ranks compare.
+  [[nodiscard]] std::string describe() const {
+    std::string s = name + " " + std::string(to_string(type)) + "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+};
+
+/// One dtype's flat values and gradients.
+struct arena {
+  dtype type = dtype::f32;          ///< element type
+  std::size_t numel = 0;            ///< elements
+  aligned_bytes values;             ///< parameter values, in visit order
+  aligned_bytes grads;              ///< gradients, same layout
+  std::vector<std::size_t> params;  ///< slots laid here, in visit order
+
+  /// Elements [begin, begin + count) of the values.
+  [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
+    return {values.data() + begin * size_of(type), count, type, device::cpu()};
+  }
+  /// Elements [begin, begin + count) of the gradients.
+  [[nodiscard]] raw_tensor grad_view(std::size_t begin, std::size_t count) const noexcept {
+    return {grads.data() + begin * size_of(type), count, type, device::cpu()};
+  }
+};
+
+template <class E>
+void bind_parameter(void* object, std::byte* values, std::byte* grads) {
+  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads));
+}
+template <class E>
+void rebind_parameter(void* object, std::byte* values, std::byte* grads) {
+  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads), device::cpu(),
+                                           false);
+}
+template <class E>
+void unbind_parameter(void* object) {
+  static_cast<parameter<E>*>(object)->unbind();
+}
+
+/// Names the sharding unit of each parameter by data_parallel_options::units and unit_depth, and checks
+/// that every listed prefix covers a parameter.
+class unit_rule {
+ public:
+  explicit unit_rule(const data_parallel_options& options)
+      : prefixes_(options.units), depth_(options.unit_depth), used_(options.units.size(), 0) {
+    if (depth_ == 0)
+      throw config_error("data_parallel: unit_depth is 0; set data_parallel_options::unit_depth to 1 (the model's "
+                         "top-level fields) or more");
+  }
+  /// The unit of the parameter `name`: the longest listed prefix it starts with, else its first components.
+  std::string_view unit_of(std::string_view name) {
+    std::size_t best = prefixes_.size();
+    for (std::size_t i = 0; i < prefixes_.size(); ++i) {
+      const std::string& p = prefixes_[i];
+      const bool covers = name.starts_with(p) && (name.size() == p.size() || name[p.size()] == '.');
+      if (covers && (best == prefixes_.size() || p.size() > prefixes_[best].size())) best = i;
+    }
+    if (best < prefixes_.size()) {
+      used_[best] = 1;
+      return name.substr(0, prefixes_[best].size());
+    }
+    std::size_t end = 0;
+    for (std::size_t k = 0; k < depth_ && end != std::string_view::npos; ++k)
+      end = name.find('.', k == 0 ? 0 : end + 1);
+    return name.substr(0, end);
+  }
+  /// Throws ddp::config_error naming the first listed prefix that covered no parameter.
+  void check_all_used() const {
+    for (std::size_t i = 0; i < prefixes_.size(); ++i)
+      if (!used_[i])
+        throw config_error("data_parallel: the unit '" + prefixes_[i] + "' in data_parallel_options::units covers no "
+                           "parameter; list dotted prefixes of the names visit_parameters gives (such as 'fc1' or "
+                           "'encoder.layers.0')");
+  }
+
+ private:
+  std::vector<std::string> prefixes_;
+  std::size_t depth_;
+  std::vector<char> used_;
+};
+
+/// The model's parameters laid into arenas. Binding happens at construction; the destructor gives every
+/// parameter its values back, so the model stays usable after the wrapper is gone. With `pad` > 1 (the
+/// sharded strategies) every unit starts at a multiple of `pad` elements inside its arena and every
+/// arena's length is a multiple of `pad`; the gaps are zero and belong to no parameter. Units are
+/// consecutive (in visit order) parameters of the same unit name, named as `options` says.
+class parameter_layout {
+ public:
+  template <class Model>
+  explicit parameter_layout(Model& model, std::size_t pad = 1, const data_parallel_options& options = {}) {
+    unit_rule rule(options);
+    visit_parameters(model, [&](std::string_view name, auto& p) {
+      using P = std::remove_reference_t<decltype(p)>;
+      static_assert(!std::is_const_v<P>,
+                    "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
+                    "(data_parallel rebinds each parameter to its flat arena).");
+      using E = typename P::value_type;
+      if (p.device().is_cuda())
+        throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
+                           "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
+      param_slot s;
+      s.name = std::string(name);
+      s.shape = p.shape();
+      s.type = dtype_v<E>;
+      s.numel = p.numel();
+      s.object = static_cast<void*>(&p);
+      s.bind = &bind_parameter<E>;
+      s.rebind = &rebind_parameter<E>;
+      s.unbind = &unbind_parameter<E>;
+      const std::string_view unit = rule.unit_of(name);
+      if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
+      s.unit = units_.size() - 1;
+      if (!index_.emplace(s.object, slots_.size()).second)
+        throw config_error("data_parallel: parameter '" + s.name + "' is visited twice; a model must reach each "
+                           "ddp::parameter once (shared parameters are not supported)");
+      slots_.push_back(std::move(s));
+    });
+    rule.check_all_used();
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      auto& s = slots_[i];
+      auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
+      if (it == arenas_.end()) {
+        arenas_.emplace_back().type = s.type;
+        it = arenas_.end() - 1;
+      }
+      s.arena = static_cast<std::size_t>(it - arenas_.begin());
+      const bool starts_unit = it->params.empty() || slots_[it->params.back()].unit != s.unit;
+      if (starts_unit) it->numel = (it->numel + pad - 1) / pad * pad;
+      s.offset = it->numel;
+      it->numel += s.numel;
+      it->params.push_back(i);
+    }
+    for (auto& a : arenas_) {
+      a.numel = (a.numel + pad - 1) / pad * pad;
+      a.values = aligned_bytes(a.numel * size_of(a.type));
+      a.grads = aligned_bytes(a.numel * size_of(a.type));
+    }
+    for (auto& s : slots_) {
+      const std::size_t at = s.offset * size_of(s.type);
+      s.bind(s.object, arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at);
+    }
+  }
+  parameter_layout(const parameter_layout&) = delete;
+  parameter_layout& operator=(const parameter_layout&) = delete;
+  ~parameter_layout() {
+    for (auto& s : slots_) s.unbind(s.object);
+  }
+
+  /// Every parameter, in visit order.
+  [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
+  /// The units' names (by default the model's top-level fields holding parameters), in visit order.
+  [[nodiscard]] std::span<const std::string> units() const noexcept { return units_; }
+  /// Every arena (one per dtype, in order of first appearance).
+  [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
+  /// Every arena, writable (the strategies release and refill their pages).
+  [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }
+  /// The slot of the parameter object at `address`, or -1 when it is not part of the model.
+  [[nodiscard]] std::ptrdiff_t find(const void* address) const noexcept {
+    const auto it = index_.find(address);
+    return it == index_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
+  }
+  /// The slot named `name`, or -1.
+  [[nodiscard]] std::ptrdiff_t find(std::string_view name) const noexcept {
+    const auto it = std::find_if(slots_.begin(), slots_.end(), [&](const param_slot& s) { return s.name == name; });
+    return it == slots_.end() ? -1 : it - slots_.begin();
+  }
+
+ private:
+  std::vector<param_slot> slots_;
+  std::vector<arena> arenas_;
+  std::vector<std::string> units_;
+  std::unordered_map<const void*, std::size_t> index_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/arena.hpp>
+// ---- begin <ddp/parallel/bucket_planner.hpp>
+/// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
+/// buckets whose gradients the backward produces first are launched first.
+
+#include <iterator>
+
+
+namespace ddp::detail {
+
+/// A zero-copy slice [begin, end) of one arena's gradients. Its boundaries may fall inside a parameter:
+/// a parameter completes every bucket it overlaps.
+struct bucket {
+  std::size_t arena = 0;            ///< arena index
+  std::size_t begin = 0;            ///< first element
+  std::size_t end = 0;              ///< one past the last element
+  std::vector<std::size_t> params;  ///< slots overlapping the range
+  std::size_t last_slot = 0;        ///< the highest slot (latest in visit order) it holds; orders launches
+  std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
+};
+
+/// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
+struct bucket_plan {
+  std::vector<bucket> buckets;                        ///< launch order: reverse visit order
+  std::vector<std::vector<std::size_t>> of_param;     ///< per slot, indices into `buckets`
+};
+
+/// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
+/// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
+/// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
+/// shards, and with `by_unit` no bucket crosses the start of a unit, so gathering a unit gathers whole buckets.
+inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
+                                std::size_t multiple = 1, bool by_unit = false) {
+  bucket_plan plan;
+  const auto arenas = layout.arenas();
+  const auto slots = layout.slots();
+  for (std::size_t a = 0; a < arenas.size(); ++a) {
+    const std::size_t width = size_of(arenas[a].type);
+    std::vector<std::size_t> unit_starts{0};
+    if (by_unit)
+      for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
+        if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
+          unit_starts.push_back(slots[arenas[a].params[k]].offset);
+    std::size_t end = arenas[a].numel;
+    bool first = true;
+    while (end > 0) {
+      const std::size_t cap = std::max(multiple, (first ? first_bytes : capacity_bytes) / width / multiple * multiple);
+      const std::size_t floor = *std::prev(std::lower_bound(unit_starts.begin(), unit_starts.end(), end));
+      const std::size_t begin = std::max(end > cap ? end - cap : 0, floor);
+      bucket b{.arena = a, .begin = begin, .end = end, .params = {}, .last_slot = 0, .unit = 0};
+      for (const std::size_t s : arenas[a].params)
+        if (slots[s].offset < end && slots[s].offset + slots[s].numel > begin && slots[s].numel > 0) b.params.push_back(s);
+      b.last_slot = b.params.empty() ? 0 : b.params.back();
+      b.unit = slots[b.last_slot].unit;
+      plan.buckets.push_back(std::move(b));
+      end = begin;
+      first = false;
+    }
+  }
+  std::stable_sort(plan.buckets.begin(), plan.buckets.end(), [](const bucket& x, const bucket& y) {
+    return std::tie(x.last_slot, x.end) > std::tie(y.last_slot, y.end);
+  });
+  plan.of_param.resize(slots.size());
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b)
+    for (const std::size_t s : plan.buckets[b].params) plan.of_param[s].push_back(b);
+  return plan;
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/bucket_planner.hpp>
+// ---- begin <ddp/parallel/comm_hooks.hpp>
+/// \file What the comm hook policies do to a bucket: plain_hook all-reduces it with the average;
+/// bf16_compress_hook and fp16_compress_hook divide by the world size, round into a reused half-precision
+/// buffer, all-reduce the sum in that dtype and widen the result back (PyTorch's compression hooks).
+
+
+
+namespace ddp::detail {
+
+/// A hook's behaviour; specialized for each hook policy.
+template <class Hook>
+struct hook_impl {
+  static_assert(dependent_false<Hook>,
+                "ddp::data_parallel: unknown comm hook; use ddp::plain_hook, ddp::bf16_compress_hook or "
+                "ddp::fp16_compress_hook.");
+};
+
+/// Gradients are averaged in their own dtype.
+template <>
+struct hook_impl<plain_hook> {
+  explicit hook_impl(const parameter_layout&) {}
+  /// Starts the average of `grads` (elements [begin, ...) of arena `a`) across the group.
+  template <class Comm>
+  work launch(Comm& comm, raw_tensor grads, std::size_t /*a*/, std::size_t /*begin*/) {
+    return comm.all_reduce(grads, reduce_op::avg);
+  }
+  /// Nothing to undo once the reduction is done.
+  void complete(raw_tensor /*grads*/, std::size_t /*a*/, std::size_t /*begin*/) {}
+};
+
+/// Gradients of f32/f64 arenas travel as Half: pre-divided by the world size (so sums of large values
+/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are.
+template <class Half>
+struct compress_hook {
+  explicit compress_hook(const parameter_layout& layout) : scratch_(layout.arenas().size()) {
+    for (std::size_t a = 0; a < layout.arenas().size(); ++a) {
+      const dtype t = layout.arenas()[a].type;
+      if (t == dtype::f32 || t == dtype::f64) scratch_[a].resize(layout.arenas()[a].numel);
+    }
+  }
+  template <class Comm>
+  work launch(Comm& comm, raw_tensor grads, std::size_t a, std::size_t begin) {
+    if (scratch_[a].empty()) return comm.all_reduce(grads, reduce_op::avg);
+    const std::span<Half> half(scratch_[a].data() + begin, grads.size);
+    const double scale = 1.0 / comm.size();
+    visit_typed(grads, [&](auto* g) {
+      for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(g[i] * scale));
+    });
+    return comm.all_reduce(half, reduce_op::sum);
+  }
+  void complete(raw_tensor grads, std::size_t a, std::size_t begin) {
+    if (scratch_[a].empty()) return;
+    const Half* half = scratch_[a].data() + begin;
+    visit_typed(grads, [&](auto* g) {
+      using T = std::remove_pointer_t<decltype(g)>;
+      for (std::size_t i = 0; i < grads.size; ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
+    });
+  }
+
+ private:
+  template <class F>
+  static void visit_typed(raw_tensor t, F&& f) {
+    if (t.type == dtype::f64)
+      f(static_cast<double*>(t.data));
+    else
+      f(static_cast<float*>(t.data));
+  }
+  std::vector<std::vector<Half>> scratch_;  // per arena; empty where gradients travel uncompressed
+};
+
+template <>
+struct hook_impl<bf16_compress_hook> : compress_hook<bfloat16> {
+  using compress_hook::compress_hook;
+};
+template <>
+struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
+  using compress_hook::compress_hook;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/comm_hooks.hpp>
+// ---- begin <ddp/parallel/full_shard.hpp>
+/// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
+/// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
+/// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
+/// the direction of travel (forward or backward) is prefetched into another; when the last scope on a unit
+/// closes, the buffer goes back to the pool (reshard after forward, configurable) and the parameters point
+/// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
+
+
+// ---- begin <ddp/parallel/sharded.hpp>
+/// \file What the sharding strategies (shard_grad_op, full_shard, hybrid) share. Arenas are padded so that
+/// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
+/// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
+///
+/// Gradients: a unit's full gradients exist only while a gather scope holds the unit and until its buckets'
+/// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
+/// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
+/// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
+/// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
+/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
+/// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
+/// block across the replica group too; that all-reduce starts when the next bucket is launched, so it
+/// overlaps the rest of the backward.
+///
+/// Values: the optimizer steps the owned values (a persistent copy of the owned blocks) against the owned
+/// gradients; all-gathers of the owned values refill the full parameters, all of them after each step
+/// (shard_grad_op, into the value arena) or unit by unit on demand (full_shard, into pooled buffers).
+
+#include <limits>
+
+// ---- begin <ddp/parallel/unit_pool.hpp>
+/// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
+/// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
+/// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
+/// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
+/// not need (after a gather of the whole model, say).
+
+
+
+namespace ddp::detail {
+
+/// A pool of per-unit buffers, each one byte range per arena.
+class unit_pool {
+ public:
+  /// `widths`: bytes per element of each arena.
+  explicit unit_pool(std::vector<std::size_t> widths) : widths_(std::move(widths)) {}
+
+  /// A buffer holding at least `elements[a]` elements for every arena a; its bytes are unspecified.
+  std::size_t take(std::span<const std::size_t> elements) {
+    std::size_t best = buffers_.size();
+    for (std::size_t i = 0; i < buffers_.size(); ++i) {
+      const auto& b = buffers_[i];
+      if (b.busy || b.parts.empty() || !fits(b, elements)) continue;
+      if (best == buffers_.size() || b.bytes < buffers_[best].bytes ||
+          (b.bytes == buffers_[best].bytes && b.returned > buffers_[best].returned))
+        best = i;
+    }
+    if (best == buffers_.size()) best = allocate(elements);
+    auto& b = buffers_[best];
+    b.busy = true;
+    b.taken_since_trim = true;
+    return best;
+  }
+  /// Returns buffer `id` to the pool.
+  void give(std::size_t id) noexcept {
+    buffers_[id].busy = false;
+    buffers_[id].returned = ++clock_;
+  }
+  /// The bytes of buffer `id` for arena `a`.
+  [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
+  /// Frees the idle buffers nobody took since the previous trim.
+  void trim() noexcept {
+    for (auto& b : buffers_) {
+      if (!b.busy && !b.taken_since_trim) b = buffer{};
+      b.taken_since_trim = false;
+    }
+  }
+  /// Bytes the pool holds, busy or idle.
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& b : buffers_) n += b.bytes;
+    return n;
+  }
+
+ private:
+  struct buffer {
+    std::vector<aligned_bytes> parts;  // per arena; empty once freed
+    std::size_t bytes = 0;             // sum of the parts
+    bool busy = false;                 // taken and not given back
+    bool taken_since_trim = false;     // taken since the last trim()
+    std::uint64_t returned = 0;        // when given back (a counter)
+  };
+  [[nodiscard]] bool fits(const buffer& b, std::span<const std::size_t> elements) const noexcept {
+    for (std::size_t a = 0; a < elements.size(); ++a)
+      if (b.parts[a].size() < elements[a] * widths_[a]) return false;
+    return true;
+  }
+  std::size_t allocate(std::span<const std::size_t> elements) {
+    buffer fresh;
+    for (std::size_t a = 0; a < elements.size(); ++a) {
+      fresh.parts.emplace_back(elements[a] * widths_[a]);
+      fresh.bytes += elements[a] * widths_[a];
+    }
+    for (std::size_t i = 0; i < buffers_.size(); ++i)
+      if (buffers_[i].parts.empty()) {
+        buffers_[i] = std::move(fresh);
+        return i;
+      }
+    buffers_.push_back(std::move(fresh));
+    return buffers_.size() - 1;
+  }
+
+  std::vector<std::size_t> widths_;
+  std::vector<buffer> buffers_;
+  std::uint64_t clock_ = 0;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/unit_pool.hpp>
+
+namespace ddp::detail {
+
+/// The owned block of one bucket.
+struct owned_block {
+  std::size_t begin = 0;   ///< first element of the block in the full arena
+  std::size_t length = 0;  ///< elements (bucket length / N)
+  std::size_t shard = 0;   ///< first element of the block in the arena's shard buffers
+};
+
+/// Where a unit lies in one arena: elements [begin, end) (its buckets, padding included).
+struct unit_extent {
+  std::size_t begin = 0;  ///< first element
+  std::size_t end = 0;    ///< one past the last
+};
+
+inline constexpr std::size_t no_buffer = std::numeric_limits<std::size_t>::max();
+
+/// Reduce-scatter, sharded gradients and optimizer state, all-gather, and the units' pooled buffers: the
+/// machinery of the sharded strategies. `shard` is the group parameters are sharded over; `replica`
+/// (hybrid) the group the shards are replicated over; `policy` names the strategy in messages.
+template <class Comm>
+class sharded_core {
+ public:
+  sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
+               const char* policy)
+      : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
+        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy) {
+    const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
+    for (const auto& a : layout_.arenas()) {
+      own_values_.emplace_back(a.numel / n * size_of(a.type));
+      own_grads_.emplace_back(a.numel / n * size_of(a.type));
+      received_.emplace_back();
+    }
+    for (const auto& b : plan_.buckets) {
+      const std::size_t length = (b.end - b.begin) / n;
+      blocks_.push_back({.begin = b.begin + r * length, .length = length, .shard = b.begin / n});
+    }
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+      const std::size_t w = size_of(a.type);
+      std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
+                  own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
+      buffers_.push_back(owned_buffer(b));
+    }
+    const std::size_t units = layout_.units().size();
+    unit_buckets_.resize(units);
+    unit_slots_.resize(units);
+    extents_.assign(units, std::vector<unit_extent>(layout_.arenas().size()));
+    for (std::size_t s = 0; s < layout_.slots().size(); ++s) unit_slots_[layout_.slots()[s].unit].push_back(s);
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+      const auto& bk = plan_.buckets[b];
+      unit_buckets_[bk.unit].push_back(b);
+      auto& e = extents_[bk.unit][bk.arena];
+      e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
+    }
+    value_buffer_.assign(units, no_buffer);
+    grad_buffer_.assign(units, no_buffer);
+    holders_.assign(units, 0);
+    reported_.assign(units, 0);
+    direct_.assign(plan_.buckets.size(), 1);
+    fresh_.assign(plan_.buckets.size(), 1);
+    launched_.assign(plan_.buckets.size(), 0);
+    averaging_.assign(plan_.buckets.size(), 0);
+    scattered_.resize(plan_.buckets.size());
+    averaged_.resize(plan_.buckets.size());
+    for (auto& a : layout_.arenas()) a.grads.release(0, a.grads.size());  // parked gradients: zero pages
+  }
+  sharded_core(const sharded_core&) = delete;
+  sharded_core& operator=(const sharded_core&) = delete;
+  /// Waits for the operations in flight and points every parameter back at the arenas (copying the values
+  /// of gathered units there), so the layout can hand the model its values.
+  ~sharded_core() {
+    for (auto* works : {&scattered_, &averaged_})
+      for (auto& w : *works) try { w.wait(); } catch (...) {}  // NOLINT: no throw from a destructor
+    for (std::size_t u = 0; u < holders_.size(); ++u) {
+      if (value_buffer_[u] != no_buffer) {
+        for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
+          const auto& e = extents_[u][a];
+          const std::size_t w = size_of(layout_.arenas()[a].type);
+          std::copy_n(values_pool_.data(value_buffer_[u], a), (e.end - e.begin) * w,
+                      layout_.arenas()[a].values.data() + e.begin * w);
+        }
+      }
+      value_buffer_[u] = grad_buffer_[u] = no_buffer;
+      bind_unit(u);
+    }
+  }
+
+  static constexpr bool sharded = true;
+
+  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope); notes it.
+  void on_report(std::size_t slot) {
+    const auto& s = layout_.slots()[slot];
+    if (grad_buffer_[s.unit] == no_buffer)
+      throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
+                      "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
+                      "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
+                      "unit's forward and backward in auto g = dp.gather(model." + layout_.units()[s.unit] + ")",
+                  shard_.rank());
+    reported_[s.unit] = 1;
+  }
+
+  /// Starts the reduce-scatter (average) of bucket `b`; under hybrid, also the cross-group average of the
+  /// bucket launched before it (whose reduce-scatter is then waited for: every rank issues the same sequence).
+  template <class Hook>
+  work reduce(Hook& /*hook*/, std::size_t b) {
+    static_assert(std::is_same_v<Hook, hook_impl<plain_hook>>,
+                  "ddp::data_parallel: the compression hooks work with ddp::replicate only; drop the hook or "
+                  "use replicate.");
+    const auto& bk = plan_.buckets[b];
+    if (grad_buffer_[bk.unit] == no_buffer) {  // no report reached this unit: its gradients are zero
+      hold_gradients(bk.unit);
+      reported_[bk.unit] = 1;
+    }
+    direct_[b] = fresh_[b];
+    fresh_[b] = 0;
+    launched_[b] = 1;
+    scattered_[b] = shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg);
+    if (replica_ && b > 0 && launched_[b - 1] && !averaging_[b - 1]) start_average(b - 1);
+    return scattered_[b];
+  }
+  /// Bucket `b`'s reduce-scatter is done: finish its cross-group average (hybrid), add the receive buffer
+  /// into the owned gradients unless it went there directly; the unit's gradient buffer goes back to the
+  /// pool once all of its buckets are done and no scope holds it.
+  template <class Hook>
+  void reduced(Hook& /*hook*/, std::size_t b) {
+    if (replica_) {
+      if (!averaging_[b]) start_average(b);
+      averaged_[b].wait();
+      averaged_[b] = work{};
+      averaging_[b] = 0;
+    }
+    if (!direct_[b]) {
+      const raw_tensor in = received(b), acc = owned_grads(b);
+      visit_dtype(in.type, [&]<class T>(T) {
+        const T* src = static_cast<const T*>(in.data);
+        T* dst = static_cast<T*>(acc.data);
+        for (std::size_t i = 0; i < in.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
+      });
+    }
+    scattered_[b] = work{};
+    launched_[b] = 0;
+    const std::size_t u = plan_.buckets[b].unit;
+    if (std::none_of(unit_buckets_[u].begin(), unit_buckets_[u].end(), [&](std::size_t k) { return launched_[k]; })) {
+      reported_[u] = 0;
+      if (holders_[u] > 0)
+        zero_gradients(u);  // a scope still holds the unit: its next backward starts from zero
+      else if (grad_buffer_[u] != no_buffer)
+        let_go_gradients(u);
+    }
+  }
+  /// Zeroes the owned gradients and the full gradients of the units in use.
+  void zero_grad() noexcept {
+    for (auto& g : own_grads_) std::fill_n(g.data(), g.size(), std::byte{0});
+    std::fill(fresh_.begin(), fresh_.end(), 1);
+    for (std::size_t u = 0; u < grad_buffer_.size(); ++u)
+      if (grad_buffer_[u] != no_buffer) zero_gradients(u);
+  }
+  /// One flat buffer per bucket: the owned values and gradients with the parameter pieces in them.
+  [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
+  /// The group parameters are sharded over.
+  [[nodiscard]] const Comm& shard_group() const noexcept { return shard_; }
+  /// hybrid: the group shards are replicated over.
+  [[nodiscard]] const std::optional<Comm>& replica_group() const noexcept { return replica_; }
+
+ protected:
+  [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
+  [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
+  [[nodiscard]] std::size_t units() const noexcept { return holders_.size(); }
+  [[nodiscard]] int holders(std::size_t u) const noexcept { return holders_[u]; }
+  [[nodiscard]] bool has_gradients(std::size_t u) const noexcept { return grad_buffer_[u] != no_buffer; }
+
+  /// A gather scope begins on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
+  /// of this backward).
+  void hold(std::size_t u) {
+    if (holders_[u]++ == 0 && grad_buffer_[u] == no_buffer) hold_gradients(u);
+  }
+  /// A gather scope on unit `u` ends: with no scope left, its gradient storage goes back to the pool now
+  /// (nothing reported) or when its reduce-scatters have read it.
+  void let_go(std::size_t u) {
+    if (--holders_[u] == 0 && !reported_[u]) let_go_gradients(u);
+  }
+
+  /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until gathered).
+  void take_values(std::size_t u) {
+    if (value_buffer_[u] != no_buffer) return;
+    value_buffer_[u] = values_pool_.take(sizes(u));
+    bind_unit(u);
+  }
+  /// Unit `u`'s values buffer goes back to the pool; its parameters point at their (zero) arena place.
+  void give_values(std::size_t u) {
+    if (value_buffer_[u] == no_buffer) return;
+    values_pool_.give(value_buffer_[u]);
+    value_buffer_[u] = no_buffer;
+    bind_unit(u);
+  }
+  /// Starts refilling bucket `b`'s full values (in the unit's pooled buffer, else in the arena) from every
+  /// rank's owned block.
+  work gather_bucket(std::size_t b) {
+    return shard_.all_gather(owned_values(b), value_view(b));
+  }
+  /// Frees the pooled buffers the last step did not need.
+  void trim_pools() noexcept {
+    values_pool_.trim();
+    grads_pool_.trim();
+  }
+  /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
+  void park_values() noexcept {
+    for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
+  }
+
+ private:
+  static std::vector<std::size_t> widths(const parameter_layout& layout) {
+    std::vector<std::size_t> out;
+    for (const auto& a : layout.arenas()) out.push_back(size_of(a.type));
+    return out;
+  }
+  [[nodiscard]] std::vector<std::size_t> sizes(std::size_t u) const {
+    std::vector<std::size_t> out;
+    for (const auto& e : extents_[u]) out.push_back(e.end - e.begin);
+    return out;
+  }
+  /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none.
+  void bind_unit(std::size_t u) {
+    for (const std::size_t s : unit_slots_[u]) {
+      const auto& p = layout_.slots()[s];
+      const auto& a = layout_.arenas()[p.arena];
+      const std::size_t w = size_of(p.type), at = p.offset - extents_[u][p.arena].begin;
+      std::byte* values = value_buffer_[u] == no_buffer ? a.values.data() + p.offset * w
+                                                        : values_pool_.data(value_buffer_[u], p.arena) + at * w;
+      std::byte* grads = grad_buffer_[u] == no_buffer ? a.grads.data() + p.offset * w
+                                                      : grads_pool_.data(grad_buffer_[u], p.arena) + at * w;
+      p.rebind(p.object, values, grads);
+    }
+  }
+  void hold_gradients(std::size_t u) {
+    reclaim();
+    grad_buffer_[u] = grads_pool_.take(sizes(u));
+    zero_gradients(u);
+    bind_unit(u);
+  }
+  void let_go_gradients(std::size_t u) {
+    grads_pool_.give(grad_buffer_[u]);
+    grad_buffer_[u] = no_buffer;
+    bind_unit(u);
+  }
+  /// Gives back the gradient buffers of units no scope holds whose reduce-scatters have all completed.
+  void reclaim() {
+    for (std::size_t u = 0; u < holders_.size(); ++u) {
+      if (grad_buffer_[u] == no_buffer || holders_[u] > 0 || !reported_[u]) continue;
+      const bool read = std::all_of(unit_buckets_[u].begin(), unit_buckets_[u].end(),
+                                    [&](std::size_t k) { return launched_[k] && scattered_[k].done(); });
+      if (read) let_go_gradients(u);
+    }
+  }
+  void zero_gradients(std::size_t u) {
+    for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
+      const raw_tensor g = unit_gradients(u, a);
+      std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
+    }
+  }
+  void start_average(std::size_t b) {
+    scattered_[b].wait();
+    averaged_[b] = replica_->all_reduce(output(b), reduce_op::avg);
+    averaging_[b] = 1;
+  }
+
+  [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
+    const auto& e = extents_[u][a];
+    return {grads_pool_.data(grad_buffer_[u], a), e.end - e.begin, layout_.arenas()[a].type, device::cpu()};
+  }
+  /// Bucket `b`'s full gradients inside its unit's gradient buffer.
+  [[nodiscard]] raw_tensor gradient_view(std::size_t b) const {
+    const auto& bk = plan_.buckets[b];
+    const std::size_t w = size_of(layout_.arenas()[bk.arena].type);
+    return {grads_pool_.data(grad_buffer_[bk.unit], bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
+            bk.end - bk.begin, layout_.arenas()[bk.arena].type, device::cpu()};
+  }
+  /// Bucket `b`'s full values: in its unit's pooled buffer when it has one, else in the arena.
+  [[nodiscard]] raw_tensor value_view(std::size_t b) const {
+    const auto& bk = plan_.buckets[b];
+    const auto& a = layout_.arenas()[bk.arena];
+    if (value_buffer_[bk.unit] == no_buffer) return a.value_view(bk.begin, bk.end - bk.begin);
+    const std::size_t w = size_of(a.type);
+    return {values_pool_.data(value_buffer_[bk.unit], bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
+            bk.end - bk.begin, a.type, device::cpu()};
+  }
+  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b) const {
+    const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+    const std::size_t w = size_of(a.type);
+    return {store[plan_.buckets[b].arena].data() + blocks_[b].shard * w, blocks_[b].length, a.type, device::cpu()};
+  }
+  /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
+  [[nodiscard]] raw_tensor output(std::size_t b) { return direct_[b] ? owned_grads(b) : received(b); }
+  [[nodiscard]] raw_tensor received(std::size_t b) {
+    const std::size_t a = plan_.buckets[b].arena;
+    if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
+    return shard_view(received_, b);
+  }
+  [[nodiscard]] raw_tensor owned_grads(std::size_t b) const { return shard_view(own_grads_, b); }
+  [[nodiscard]] raw_tensor owned_values(std::size_t b) const { return shard_view(own_values_, b); }
+
+  optim::flat_buffer owned_buffer(std::size_t b) const {
+    optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
+    const std::size_t lo = blocks_[b].begin, hi = lo + blocks_[b].length;
+    for (const std::size_t s : plan_.buckets[b].params) {
+      const auto& p = layout_.slots()[s];
+      const std::size_t from = std::max(lo, p.offset), to = std::min(hi, p.offset + p.numel);
+      if (from < to) out.segments.push_back({.name = p.name, .offset = from - lo, .numel = to - from, .start = from - p.offset});
+    }
+    return out;
+  }
+
+  parameter_layout& layout_;
+  const bucket_plan& plan_;
+  Comm shard_;
+  std::optional<Comm> replica_;
+  std::vector<owned_block> blocks_;                     // per bucket
+  std::vector<aligned_bytes> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
+  std::vector<aligned_bytes> own_grads_;                // per arena: the accumulated owned gradients
+  std::vector<aligned_bytes> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
+  std::vector<optim::flat_buffer> buffers_;             // per bucket, for the optimizer
+  std::vector<std::vector<std::size_t>> unit_buckets_;  // per unit: its buckets
+  std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
+  std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena
+  unit_pool values_pool_;                               // full_shard's gathered units
+  unit_pool grads_pool_;                                // the units' full gradients
+  std::vector<std::size_t> value_buffer_;               // per unit: its values buffer, or no_buffer
+  std::vector<std::size_t> grad_buffer_;                // per unit: its gradient buffer, or no_buffer
+  std::vector<int> holders_;                            // per unit: open gather scopes
+  std::vector<char> reported_;                          // per unit: gradients reported, buckets not all reduced
+  std::vector<char> direct_;                            // per bucket: reduce-scattered straight into the owned gradients
+  std::vector<char> fresh_;                             // per bucket: the owned gradients are zero
+  std::vector<char> launched_;                          // per bucket: reduce-scatter started, not yet reduced()
+  std::vector<work> scattered_;                         // per bucket: its reduce-scatter
+  std::vector<work> averaged_;                          // per bucket: hybrid's cross-group average
+  std::vector<char> averaging_;                         // per bucket: that average has started
+  const char* policy_;                                  // the strategy's name, for messages
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/sharded.hpp>
+// ---- begin <ddp/parallel/strategy.hpp>
+/// \file The strategy a sharding policy selects: how a bucket is reduced, what the optimizer steps over,
+/// what happens after the step and around a unit's use. Each sharding policy specializes strategy in
+/// its own header. A strategy provides:
+///   strategy(parameter_layout&, const bucket_plan&, Comm, const data_parallel_options&)  (collective)
+///   static std::size_t multiple(const Comm&, const data_parallel_options&)  padding of the arenas
+///   static constexpr bool sharded                        gradients are reduced even under no_sync
+///   work reduce(Hook&, b) / void reduced(Hook&, b)       a bucket's reduction and its completion
+///   optimizer_buffers(), after_step(), zero_grad()
+///   acquire(units) / release(units)                      a gather scope opens / closes on units
+///   on_report(slot)                                      checks (and notes) a gradient report
+///   finalize()                                           collective, before the layout hands values back
+
+
+namespace ddp::detail {
+
+/// Specialized by <ddp/parallel/replicate.hpp> and the sharding headers.
+template <class Sharding, class Comm>
+struct strategy {
+  static_assert(dependent_false<Sharding>,
+                "ddp::data_parallel: this sharding policy has no strategy; use ddp::replicate, ddp::shard_grad_op, "
+                "ddp::full_shard or ddp::hybrid<ddp::full_shard or ddp::shard_grad_op>.");
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/strategy.hpp>
+
+namespace ddp::detail {
+
+template <class Comm>
+struct strategy<full_shard, Comm> : sharded_core<Comm> {
+  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+    return static_cast<std::size_t>(comm.size());
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard") {
+    setup(options);
+  }
+  /// hybrid: shards over `shard`, replicas over `replica`.
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+           const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard") {
+    setup(options);
+  }
+  strategy(const strategy&) = delete;
+  strategy& operator=(const strategy&) = delete;
+  ~strategy() {
+    for (auto& unit : in_flight_)
+      for (auto& w : unit) try { w.wait(); } catch (...) {}  // NOLINT: no throw from a destructor
+  }
+
+  /// Makes the units' full parameters available (gathering, or waiting for a prefetch) with gradient
+  /// storage, then prefetches the next unit in the direction of travel. Collective over the shard group,
+  /// in the same order on every rank.
+  void acquire(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) {
+      if (this->holders(u) == 0 && !resident_[u]) {
+        if (in_flight_[u].empty()) launch(u);
+        finish(u);
+      }
+      this->hold(u);
+    }
+    if (units.empty()) return;
+    const std::size_t u = units.back();
+    if (last_ && *last_ != u) {
+      const bool forward = u > *last_;
+      if (forward && u + 1 < this->units()) prefetch(u + 1);
+      if (!forward && u > 0) prefetch(u - 1);
+    }
+    last_ = u;
+  }
+  /// Ends a use of the units; a unit no scope holds any more gives its values buffer back (when resharding
+  /// after forward) and its gradient buffer once its gradients are reduced.
+  void release(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) {
+      this->let_go(u);
+      if (this->holders(u) == 0 && reshard_) drop(u);
+    }
+  }
+  /// The owned blocks changed: wait for prefetches and drop every gathered unit (the next scope re-gathers);
+  /// then free the pooled buffers this step did not need.
+  void after_step() {
+    for (std::size_t u = 0; u < this->units(); ++u) {
+      if (!in_flight_[u].empty()) finish(u);
+      if (this->holders(u) == 0) {
+        drop(u);
+      } else {  // a scope still open across the step sees the updated values
+        launch(u);
+        finish(u);
+      }
+    }
+    this->trim_pools();
+  }
+  /// Collective: gathers every bucket into the value arena and points every parameter there, so the model
+  /// keeps its trained values once the wrapper is gone.
+  void finalize() {
+    for (std::size_t u = 0; u < this->units(); ++u) drop(u);
+    std::vector<work> works;
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    wait_all(works);
+  }
+
+ private:
+  void setup(const data_parallel_options& options) {
+    reshard_ = options.reshard_after_forward;
+    resident_.assign(this->units(), 0);
+    in_flight_.resize(this->units());
+    this->park_values();
+  }
+  void launch(std::size_t u) {
+    this->take_values(u);
+    for (const std::size_t b : this->unit_buckets(u)) in_flight_[u].push_back(this->gather_bucket(b));
+  }
+  void finish(std::size_t u) {
+    wait_all(in_flight_[u]);
+    in_flight_[u].clear();
+    resident_[u] = 1;
+  }
+  void prefetch(std::size_t u) {
+    if (!resident_[u] && in_flight_[u].empty()) launch(u);
+  }
+  void drop(std::size_t u) {
+    if (!in_flight_[u].empty()) finish(u);
+    this->give_values(u);
+    resident_[u] = 0;
+  }
+
+  bool reshard_ = true;
+  std::vector<char> resident_;                // per unit: full parameters present
+  std::vector<std::vector<work>> in_flight_;  // per unit: gathers under way (prefetch)
+  std::optional<std::size_t> last_;           // the unit gathered last (direction of travel)
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/full_shard.hpp>
+// ---- begin <ddp/parallel/hybrid.hpp>
+/// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
+/// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
+/// averaged across the groups (over the ranks holding the same block), built on split().
+
+
+// ---- begin <ddp/parallel/shard_grad_op.hpp>
+/// \file The shard_grad_op strategy (ZeRO-2, FSDP SHARD_GRAD_OP): full parameters during forward and
+/// backward, in the value arena; a unit's full gradients live in a pooled buffer while a gather scope holds
+/// it and until its buckets are reduce-scattered into the owned blocks; the optimizer steps the owned
+/// blocks; the updated blocks are all-gathered back into the full parameters after the step.
+
+
+
+namespace ddp::detail {
+
+template <class Comm>
+struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
+  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+    return static_cast<std::size_t>(comm.size());
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op") {}
+  /// hybrid: shards over `shard`, replicas over `replica`.
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+           const data_parallel_options& /*options*/)
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op") {}
+
+  /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
+  /// gradient buffers this step did not need.
+  void after_step() {
+    std::vector<work> works;
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    wait_all(works);
+    this->trim_pools();
+  }
+  /// The units get gradient storage while a scope holds them; parameters are always whole.
+  void acquire(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) this->hold(u);
+  }
+  /// Ends a use of the units.
+  void release(std::span<const std::size_t> units) {
+    for (const std::size_t u : units) this->let_go(u);
+  }
+  /// Parameters are whole in the value arena already.
+  void finalize() {}
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/shard_grad_op.hpp>
+
+namespace ddp::detail {
+
+template <class Inner, class Comm>
+struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
+  /// G: options.hybrid_group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  static std::size_t multiple(const Comm& comm, const data_parallel_options& options) {
+    const long long g = options.hybrid_group_size > 0
+                            ? options.hybrid_group_size
+                            : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
+                                                 "the number of processes on this host")
+                                  .value_or(comm.size());
+    if (g <= 0 || comm.size() % g != 0)
+      throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
+                             std::to_string(g) + "; set data_parallel_options::hybrid_group_size (or LOCAL_WORLD_SIZE) "
+                             "to a divisor of the world size",
+                         comm.rank());
+    return static_cast<std::size_t>(g);
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
+      : strategy(layout, plan, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+
+ private:
+  /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
+  /// group), split in this order on every rank.
+  static std::pair<Comm, Comm> groups(Comm& comm, int g) {
+    Comm shard = comm.split(comm.rank() / g, comm.rank());
+    Comm replica = comm.split(comm.rank() % g, comm.rank());
+    return {std::move(shard), std::move(replica)};
+  }
+  strategy(parameter_layout& layout, const bucket_plan& plan, std::pair<Comm, Comm> g,
+           const data_parallel_options& options)
+      : strategy<Inner, Comm>(layout, plan, std::move(g.first), std::move(g.second), options) {}
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/hybrid.hpp>
+// ---- begin <ddp/parallel/replicate.hpp>
+/// \file The replicate strategy (PyTorch DDP): every rank keeps all parameters, gradients and optimizer
+/// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
+
+
+
+namespace ddp::detail {
+
+/// Whole flat buffers: one per arena, every parameter a segment.
+inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
+  std::vector<optim::flat_buffer> out;
+  for (const auto& a : layout.arenas()) {
+    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {}};
+    for (const std::size_t s : a.params)
+      b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
+                            .numel = layout.slots()[s].numel, .start = 0});
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+template <class Comm>
+struct strategy<replicate, Comm> {
+  static constexpr bool sharded = false;
+  static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
+
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
+      : layout_(layout), plan_(plan), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+
+  /// Starts the all-reduce of bucket `b` through the hook.
+  template <class Hook>
+  work reduce(Hook& hook, std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    return hook.launch(comm_, layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  }
+  /// Bucket `b`'s reduction has completed: the hook writes the averaged gradients back.
+  template <class Hook>
+  void reduced(Hook& hook, std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    hook.complete(layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  }
+  /// What the optimizer steps over: the whole arenas.
+  [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
+  /// Nothing to re-gather after the step.
+  void after_step() {}
+  /// Zeroes the gradient arenas.
+  void zero_grad() noexcept {
+    for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
+  }
+  /// Parameters and gradients are always whole: gather scopes do nothing.
+  void acquire(std::span<const std::size_t> /*units*/) {}
+  void release(std::span<const std::size_t> /*units*/) {}
+  /// Every gradient may be reported at any time.
+  void on_report(std::size_t /*slot*/) const {}
+  /// The model holds its values already.
+  void finalize() {}
+
+ private:
+  parameter_layout& layout_;
+  const bucket_plan& plan_;
+  Comm comm_;
+  std::vector<optim::flat_buffer> buffers_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/replicate.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
+inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
+  std::uint64_t h = 14695981039346656037ULL;
+  for (const auto& d : descriptions)
+    for (const char c : d + '\n') h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  return h;
+}
+
+/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
+template <class Comm>
+void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
+  const auto h = static_cast<std::int64_t>(layout_hash(mine));
+  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
+  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
+  const auto all = all_gather_object(comm, mine);
+  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
+  for (const auto& other : all) {
+    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
+    if (diff.first != all[0].end() || diff.second != other.end())
+      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
+  }
+  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
+            (r + 1 < all.size() ? ";" : "");
+  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
+}
+
+}  // namespace detail
+
+/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
+/// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
+template <class Model, class... Ps>
+class data_parallel {
+  using policy = policies<Ps...>;
+  using strategy_type = detail::strategy<typename policy::sharding, backend_communicator_t<typename policy::backend>>;
+
+ public:
+  using model_type = Model;                                                        ///< the wrapped model
+  using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
+  using sharding = typename policy::sharding;                                      ///< the sharding policy
+  static_assert(communicator<communicator_type>);
+
+  /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
+  data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
+      : model_(model), comm_(std::move(comm)), options_(std::move(options)),
+        multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
+        plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
+                                  strategy_type::sharded)),
+        hook_(layout_) {
+    std::vector<std::string> descriptions;
+    for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
+    detail::verify_same_model(comm_, descriptions);
+    unused_.assign(layout_.slots().size(), 0);
+    for (const auto& name : options_.unused_parameters) {
+      const auto i = layout_.find(std::string_view(name));
+      if (i < 0)
+        throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
+                           "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
+      unused_[static_cast<std::size_t>(i)] = 1;
+    }
+    if (options_.broadcast_parameters)
+      for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
+    strategy_.emplace(layout_, plan_, comm_, options_);
+    reported_.assign(layout_.slots().size(), 0);
+    pending_.resize(plan_.buckets.size());
+    works_.resize(plan_.buckets.size());
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  /// Waits for reductions in flight. Under full_shard it first gathers every unit (collective, skipped
+  /// while an exception unwinds) so the model keeps its trained values once the arenas are gone.
+  ~data_parallel() {
+    for (std::size_t b = 0; b < launched_; ++b) try { works_[b].wait(); } catch (...) {}  // NOLINT: no throw from a destructor
+    if (strategy_ && std::uncaught_exceptions() == 0)
+      try { strategy_->finalize(); } catch (...) {}  // NOLINT: a lost peer leaves the released units zero
+  }
+
+  /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
+  template <element E>
+  void gradient_ready(const parameter<E>& p) {
+    const auto i = layout_.find(static_cast<const void*>(&p));
+    if (i < 0)
+      throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
+                         "the model's own parameters (dp.module().fc1.weight)", rank());
+    const auto slot = static_cast<std::size_t>(i);
+    strategy_->on_report(slot);
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    open_step();
+    if (reported_[slot])
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
+                  "report each parameter once per step, after its gradient is final", rank());
+    mark_ready(slot);
+    launch_ready();
+  }
+
+  /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
+  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated).
+  void finish_gradients() {
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    open_step();
+    struct close_step {
+      data_parallel* self;
+      ~close_step() { self->step_open_ = false; }
+    } closer{this};
+    if (launched_ < plan_.buckets.size()) {
+      std::vector<std::string> missing;
+      for (std::size_t s = 0; s < reported_.size(); ++s)
+        if (!reported_[s] && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
+      if (options_.error_on_missing) {
+        wait_launched();
+        std::string names;
+        for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
+        throw error("finish_gradients: parameter(s) " + names + " did not report a gradient in this step; call "
+                    "dp.gradient_ready(p) for each in the backward, or list them in "
+                    "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
+      }
+      for (std::size_t s = 0; s < reported_.size(); ++s)
+        if (!reported_[s]) mark_ready(s);
+      launch_ready();
+    }
+    wait_launched();
+  }
+
+  /// RAII guard returned by no_sync(): while alive, gradients accumulate without a step. Under
+  /// replicate they accumulate locally without communication; under the sharding strategies each
+  /// micro-batch is reduce-scattered into the sharded gradients when the guard ends (memory stays sharded).
+  class [[nodiscard]] no_sync_guard {
+   public:
+    explicit no_sync_guard(data_parallel& dp) : dp_(&dp), unwinding_(std::uncaught_exceptions()) {
+      ++dp_->no_sync_depth_;
+    }
+    no_sync_guard(const no_sync_guard&) = delete;
+    no_sync_guard& operator=(const no_sync_guard&) = delete;
+    ~no_sync_guard() noexcept(!strategy_type::sharded) {
+      --dp_->no_sync_depth_;
+      if constexpr (strategy_type::sharded)
+        if (std::uncaught_exceptions() == unwinding_) dp_->finish_gradients();
+    }
+
+   private:
+    data_parallel* dp_;
+    int unwinding_;
+  };
+  /// Starts a gradient-accumulation scope (see no_sync_guard); the next synchronized backward reduces
+  /// the accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
+  no_sync_guard no_sync() {
+    if (step_open_)
+      throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
+                  "no_sync before the backward starts", rank());
+    return no_sync_guard(*this);
+  }
+
+  /// finish_gradients(), then one optimizer step over the flat arenas (or the owned shards).
+  template <optim::flat_optimizer Opt>
+  void step(Opt& opt) {
+    if (no_sync_depth_ > 0)
+      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
+                  "no_sync scope for the last micro-batch of the accumulation", rank());
+    finish_gradients();
+    opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+    strategy_->after_step();
+  }
+  /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
+  template <optim::flat_optimizer Opt>
+  void attach(Opt& opt) {
+    opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+  }
+
+  /// Sets every gradient to zero.
+  void zero_grad() noexcept { strategy_->zero_grad(); }
+
+  /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
+  class [[nodiscard]] gather_guard {
+   public:
+    gather_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+      dp_->strategy_->acquire(units_);
+    }
+    gather_guard(const gather_guard&) = delete;
+    gather_guard& operator=(const gather_guard&) = delete;
+    ~gather_guard() { dp_->strategy_->release(units_); }
+
+   private:
+    data_parallel* dp_;
+    std::vector<std::size_t> units_;
+  };
+  /// Opens a scope on the units (by default top-level fields) that `part` of the model holds; wrap each
+  /// unit's forward and backward in one. Under full_shard it all-gathers the units and prefetches the next
+  /// one; under full_shard and shard_grad_op it gives them gradient storage (report their gradients inside
+  /// the scope). Under replicate it does nothing. Collective under full_shard.
+  template <class Part>
+  gather_guard gather(Part& part) {
+    std::vector<std::size_t> units;
+    visit_parameters(part, [&](std::string_view, auto& p) {
+      const auto i = layout_.find(static_cast<const void*>(&p));
+      if (i < 0)
+        throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
+                           "of dp.module() (such as dp.module().fc2)", rank());
+      const std::size_t u = layout_.slots()[static_cast<std::size_t>(i)].unit;
+      if (units.empty() || units.back() != u) units.push_back(u);
+    });
+    return gather_guard(*this, std::move(units));
+  }
+
+  /// The wrapped model.
+  [[nodiscard]] Model& module() noexcept { return model_; }
+  /// The communicator of the group.
+  [[nodiscard]] communicator_type& comm() noexcept { return comm_; }
+  /// Number of ranks.
+  [[nodiscard]] int world_size() const noexcept { return comm_.size(); }
+  /// This process's rank.
+  [[nodiscard]] int rank() const noexcept { return comm_.rank(); }
+  /// Calls `f(name, parameter&)` for every parameter of the model, in visit order (for checkpoints).
+  template <class F>
+  void for_each_parameter(F&& f) {
+    visit_parameters(model_, f);
+  }
+  /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
+  /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
+  [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
+    return strategy_->optimizer_buffers();
+  }
+  /// Number of gradient buckets (launch units).
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
+  [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
+  /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
+  /// hybrid the G ranks of this rank's shard group. Its stats() count the bytes moved inside the group.
+  [[nodiscard]] communicator_type shard_group() const {
+    if constexpr (strategy_type::sharded)
+      return strategy_->shard_group();
+    else
+      return comm_;
+  }
+  /// hybrid: the ranks holding the same shard in every group (their stats() count the bytes moved across
+  /// groups); empty under the other policies.
+  [[nodiscard]] std::optional<communicator_type> replica_group() const {
+    if constexpr (strategy_type::sharded)
+      return strategy_->replica_group();
+    else
+      return std::nullopt;
+  }
+
+ private:
+  void open_step() {
+    if (step_open_) return;
+    step_open_ = true;
+    launched_ = 0;
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) pending_[b] = plan_.buckets[b].params.size();
+    std::fill(reported_.begin(), reported_.end(), 0);
+    for (std::size_t s = 0; s < unused_.size(); ++s)
+      if (unused_[s]) mark_ready(s);
+  }
+  void mark_ready(std::size_t slot) {
+    reported_[slot] = 1;
+    for (const std::size_t b : plan_.of_param[slot]) --pending_[b];
+  }
+  void launch_ready() {
+    while (launched_ < plan_.buckets.size() && pending_[launched_] == 0) {
+      works_[launched_] = strategy_->reduce(hook_, launched_);
+      ++launched_;
+    }
+  }
+  void wait_launched() {
+    for (std::size_t b = 0; b < launched_; ++b) {
+      works_[b].wait();
+      works_[b] = work{};
+      strategy_->reduced(hook_, b);
+    }
+    launched_ = 0;
+  }
+
+  Model& model_;
+  communicator_type comm_;
+  data_parallel_options options_;
+  std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
+  detail::parameter_layout layout_;
+  detail::bucket_plan plan_;
+  detail::hook_impl<typename policy::hook> hook_;
+  std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
+  std::vector<char> unused_;                // per slot: declared unused
+  std::vector<char> reported_;              // per slot: reported in the open step
+  std::vector<std::size_t> pending_;        // per bucket: slots still to report
+  std::vector<work> works_;                 // per bucket: its reduction in flight
+  std::size_t launched_ = 0;                // buckets launched in the open step (a prefix of the plan)
+  bool step_open_ = false;                  // a synchronized backward has begun
+  int no_sync_depth_ = 0;                   // live no_sync guards
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/data_parallel.hpp>
+
+// ---- begin <ddp/optim/adamw.hpp>
+/// \file ddp::optim::adamw: Adam with decoupled weight decay over flat buffers, with torch.optim.AdamW's
+/// exact update.
+
+#include <cmath>
+
+
+namespace ddp::optim {
+
+/// AdamW as torch.optim.AdamW (amsgrad off): p ·= 1 − lr·wd; m += (1 − β1)·(g − m);
+/// v = β2·v + (1 − β2)·g²; p −= lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε).
+/// State slots: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
+class adamw : public detail::flat_state {
+ public:
+  /// Hyper-parameters, named as in PyTorch.
+  struct options {
+    double lr = 1e-3;            ///< learning rate
+    double beta1 = 0.9;          ///< decay of the first moment
+    double beta2 = 0.999;        ///< decay of the second moment
+    double eps = 1e-8;           ///< added to the denominator
+    double weight_decay = 1e-2;  ///< decoupled weight decay
+  };
+
+  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
+  explicit adamw(options o) : flat_state({"exp_avg", "exp_avg_sq"}), opt_(o) {
+    if (o.lr < 0 || o.eps < 0 || o.weight_decay < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
+      throw config_error("optim::adamw: need lr, eps, weight_decay >= 0 and betas in [0, 1)");
+  }
+
+  /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
+  [[nodiscard]] options& settings() noexcept { return opt_; }
+
+  /// One update of every flat buffer.
+  void step(std::span<const flat_buffer> buffers) {
+    const auto t = static_cast<double>(steps_ + 1);
+    const double correction1 = 1 - std::pow(opt_.beta1, t);
+    const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
+    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+      const T decay = static_cast<T>(1 - opt_.lr * opt_.weight_decay);
+      const T b1 = static_cast<T>(opt_.beta1), b2 = static_cast<T>(opt_.beta2);
+      const T step_size = static_cast<T>(opt_.lr / correction1);
+      const T c2 = static_cast<T>(correction2_sqrt), eps = static_cast<T>(opt_.eps);
+      std::span<T> m = slots[0], v = slots[1];
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        p[i] *= decay;
+        m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
+        v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
+        p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
+      }
+    });
+    ++steps_;
+  }
+
+ private:
+  options opt_;
+};
+
+static_assert(flat_optimizer<adamw>);
+
+}  // namespace ddp::optim
+// ---- end <ddp/optim/adamw.hpp>
+// ---- begin <ddp/optim/sgd.hpp>
+/// \file ddp::optim::sgd: stochastic gradient descent with momentum, dampening, Nesterov and weight
+/// decay over flat buffers, with torch.optim.SGD's exact update.
+
+
+
+namespace ddp::optim {
+
+/// SGD as torch.optim.SGD: g = grad + wd·p; with momentum, buf = g on the first step, else
+/// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
+/// State slot: "momentum_buffer" (only when momentum ≠ 0).
+class sgd : public detail::flat_state {
+ public:
+  /// Hyper-parameters, named as in PyTorch.
+  struct options {
+    double lr = 1e-3;            ///< learning rate
+    double momentum = 0;         ///< momentum factor
+    double dampening = 0;        ///< dampening of the momentum
+    bool nesterov = false;       ///< Nesterov momentum (needs momentum > 0 and dampening 0)
+    double weight_decay = 0;     ///< L2 penalty added to the gradient
+  };
+
+  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
+  explicit sgd(options o) : flat_state(o.momentum != 0 ? std::vector<std::string_view>{"momentum_buffer"}
+                                                         : std::vector<std::string_view>{}),
+                            opt_(o) {
+    if (o.lr < 0 || o.momentum < 0 || o.weight_decay < 0)
+      throw config_error("optim::sgd: lr, momentum and weight_decay must be >= 0");
+    if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+      throw config_error("optim::sgd: Nesterov momentum needs momentum > 0 and dampening 0");
+  }
+
+  /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
+  [[nodiscard]] options& settings() noexcept { return opt_; }
+
+  /// One update of every flat buffer.
+  void step(std::span<const flat_buffer> buffers) {
+    const bool first = steps_ == 0;
+    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+      const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
+      const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
+      for (std::size_t i = 0; i < p.size(); ++i) {
+        T d = g[i];
+        if (opt_.weight_decay != 0) d += wd * p[i];
+        if (opt_.momentum != 0) {
+          T& buf = slots[0][i];
+          buf = first ? d : mu * buf + keep * d;
+          d = opt_.nesterov ? d + mu * buf : buf;
+        }
+        p[i] -= lr * d;
+      }
+    });
+    ++steps_;
+  }
+
+ private:
+  options opt_;
+};
+
+static_assert(flat_optimizer<sgd>);
+
+}  // namespace ddp::optim
+// ---- end <ddp/optim/sgd.hpp>
+
+// ---- begin <ddp/data/distributed_sampler.hpp>
+/// \file ddp::distributed_sampler: which dataset indices each rank visits in an epoch, with PyTorch's
+/// DistributedSampler semantics (seed + epoch shuffle, padding by repetition or drop_last, rank r takes
+/// positions r, r+N, ...), plus an exact-once mode for evaluation (no padding: every sample on one rank).
+
+
+
+namespace ddp {
+
+namespace detail {
+
+/// SplitMix64: a tiny, fully specified generator, so every rank and every standard library draws the same numbers.
+class splitmix64 {
+ public:
+  explicit splitmix64(std::uint64_t seed) noexcept : state_(seed) {}
+  std::uint64_t operator()() noexcept {
+    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  /// Uniform in [0, bound) without modulo bias (rejection of the short top range).
+  std::uint64_t below(std::uint64_t bound) noexcept {
+    const std::uint64_t limit = ~std::uint64_t{0} - (~std::uint64_t{0} % bound);
+    std::uint64_t x = 0;
+    do x = (*this)(); while (x >= limit);
+    return x % bound;
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+/// 0..n-1 in the order of a Fisher-Yates shuffle driven by splitmix64(seed).
+inline std::vector<std::size_t> seeded_permutation(std::size_t n, std::uint64_t seed) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  splitmix64 rng(seed);
+  for (std::size_t i = n; i > 1; --i) std::swap(order[i - 1], order[rng.below(i)]);
+  return order;
+}
+
+}  // namespace detail
+
+/// A rank's indices for one epoch, iterated as consecutive batches (std::span<const std::size_t>).
+class index_batches {
+ public:
+  /// Iterator over the batches.
+  class iterator {
+   public:
+    using value_type = std::span<const std::size_t>;    ///< one batch
+    using difference_type = std::ptrdiff_t;              ///< distance in batches
+    iterator() = default;
+    iterator(const index_batches* owner, std::size_t batch) noexcept : owner_(owner), batch_(batch) {}
+    value_type operator*() const noexcept { return (*owner_)[batch_]; }
+    iterator& operator++() noexcept { ++batch_; return *this; }
+    iterator operator++(int) noexcept { auto copy = *this; ++batch_; return copy; }
+    bool operator==(const iterator& other) const noexcept { return batch_ == other.batch_; }
+
+   private:
+    const index_batches* owner_ = nullptr;
+    std::size_t batch_ = 0;
+  };
+
+  /// Splits `indices` into batches of `batch_size`; the last one is shorter unless `drop_last_batch`.
+  index_batches(std::vector<std::size_t> indices, std::size_t batch_size, bool drop_last_batch)
+      : indices_(std::move(indices)), batch_(batch_size) {
+    if (batch_size == 0) throw config_error("distributed_sampler::batches: the batch size must be at least 1");
+    count_ = drop_last_batch ? indices_.size() / batch_ : (indices_.size() + batch_ - 1) / batch_;
+  }
+  /// Number of batches.
+  [[nodiscard]] std::size_t size() const noexcept { return count_; }
+  /// Batch `b` (b < size()).
+  [[nodiscard]] std::span<const std::size_t> operator[](std::size_t b) const noexcept {
+    const std::size_t first = b * batch_;
+    return std::span<const std::size_t>(indices_).subspan(first, std::min(batch_, indices_.size() - first));
+  }
+  /// First batch.
+  [[nodiscard]] iterator begin() const noexcept { return {this, 0}; }
+  /// Past the last batch.
+  [[nodiscard]] iterator end() const noexcept { return {this, count_}; }
+  /// All indices of the epoch for this rank, in order.
+  [[nodiscard]] const std::vector<std::size_t>& indices() const noexcept { return indices_; }
+
+ private:
+  std::vector<std::size_t> indices_;
+  std::size_t batch_;
+  std::size_t count_ = 0;
+};
+
+/// How the sampler splits the dataset.
+struct sampler_options {
+  bool shuffle = true;        ///< permute by seed + epoch (PyTorch's shuffle=True)
+  std::uint64_t seed = 0;     ///< base seed, the same on every rank
+  bool drop_last = false;     ///< drop the tail so ranks get equal counts, instead of padding by repetition
+  bool exact_once = false;    ///< evaluation: no padding, no dropping; every sample on exactly one rank
+};
+
+/// Which dataset indices each rank visits per epoch. Every rank computes the same permutation (seed + epoch,
+/// own generator), so no communication is needed; the communicator only supplies rank and size.
+class distributed_sampler {
+ public:
+  using options = sampler_options;  ///< how the sampler splits the dataset
+
+  /// A sampler of `dataset_size` samples for rank `rank` of `world_size`.
+  distributed_sampler(std::size_t dataset_size, int world_size, int rank, options o = {})
+      : size_(dataset_size), world_(world_size), rank_(rank), opt_(o) {
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+      throw config_error("distributed_sampler: rank " + std::to_string(rank) + " of world size " +
+                         std::to_string(world_size) + " is out of range; pass comm.rank() and comm.size()");
+    if (o.exact_once && o.drop_last)
+      throw config_error("distributed_sampler: exact_once and drop_last exclude each other (exact_once keeps every "
+                         "sample exactly once); set only one");
+  }
+  /// A sampler for the rank and size of `comm` (any ddp::communicator, or anything with rank() and size()).
+  template <class Comm>
+    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; { c.size() } -> std::convertible_to<int>; }
+  distributed_sampler(std::size_t dataset_size, const Comm& comm, options o = {})
+      : distributed_sampler(dataset_size, comm.size(), comm.rank(), o) {}
+
+  /// Samples this rank visits per epoch: ceil(size/N) padded, floor(size/N) with drop_last (as PyTorch's
+  /// num_samples); with exact_once, ceil or floor depending on the rank (the counts differ by at most one).
+  [[nodiscard]] std::size_t num_samples() const noexcept {
+    const auto n = static_cast<std::size_t>(world_), r = static_cast<std::size_t>(rank_);
+    if (opt_.exact_once) return size_ / n + (r < size_ % n ? 1 : 0);
+    return opt_.drop_last ? size_ / n : (size_ + n - 1) / n;
+  }
+  /// Samples all ranks visit together per epoch (PyTorch's total_size; the dataset size with exact_once).
+  [[nodiscard]] std::size_t total_size() const noexcept {
+    const auto n = static_cast<std::size_t>(world_);
+    if (opt_.exact_once) return size_;
+    return (opt_.drop_last ? size_ / n : (size_ + n - 1) / n) * n;
+  }
+  /// Dataset size.
+  [[nodiscard]] std::size_t dataset_size() const noexcept { return size_; }
+
+  /// This rank's indices in epoch `epoch` (the epoch reseeds the shuffle: pass it every epoch).
+  [[nodiscard]] std::vector<std::size_t> indices(std::uint64_t epoch) const {
+    std::vector<std::size_t> all;
+    if (opt_.shuffle) {
+      all = detail::seeded_permutation(size_, opt_.seed + epoch);
+    } else {
+      all.resize(size_);
+      std::iota(all.begin(), all.end(), std::size_t{0});
+    }
+    const std::size_t total = total_size();
+    if (total > size_ && size_ > 0) {  // pad by repeating from the start, as often as needed
+      all.reserve(total);
+      for (std::size_t i = 0; all.size() < total; ++i) all.push_back(all[i % size_]);
+    }
+    all.resize(std::min(all.size(), total));
+    std::vector<std::size_t> mine;
+    mine.reserve(num_samples());
+    for (std::size_t i = static_cast<std::size_t>(rank_); i < all.size(); i += static_cast<std::size_t>(world_))
+      mine.push_back(all[i]);
+    return mine;
+  }
+  /// This rank's indices in epoch `epoch` as batches of `batch_size` (the last shorter unless `drop_last_batch`).
+  [[nodiscard]] index_batches batches(std::uint64_t epoch, std::size_t batch_size, bool drop_last_batch = false) const {
+    return {indices(epoch), batch_size, drop_last_batch};
+  }
+
+ private:
+  std::size_t size_;
+  int world_;
+  int rank_;
+  options opt_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/data/distributed_sampler.hpp>
+// ---- begin <ddp/data/metrics.hpp>
+/// \file Metric sums (loss, correct predictions, samples) reduced across ranks in one all_reduce.
+
+
+
+namespace ddp {
+
+/// Sums a rank accumulates over its batches; reduced() adds them over all ranks.
+struct metric_sums {
+  double loss_sum = 0;  ///< sum of per-sample losses
+  double correct = 0;   ///< number of correct predictions
+  double samples = 0;   ///< number of samples seen
+
+  /// Adds one batch: `batch_loss_sum` summed over its `batch_samples` samples, `batch_correct` right.
+  void add(double batch_loss_sum, double batch_correct, double batch_samples) noexcept {
+    loss_sum += batch_loss_sum;
+    correct += batch_correct;
+    samples += batch_samples;
+  }
+  /// Mean loss per sample (0 when no sample was seen).
+  [[nodiscard]] double mean_loss() const noexcept { return samples > 0 ? loss_sum / samples : 0.0; }
+  /// Fraction of correct predictions (0 when no sample was seen).
+  [[nodiscard]] double accuracy() const noexcept { return samples > 0 ? correct / samples : 0.0; }
+
+  /// The sums over every rank of `comm` (one all_reduce of three f64). Collective; throws what the backend
+  /// throws, such as ddp::timeout_error when a rank does not join.
+  template <class Comm>
+  [[nodiscard]] metric_sums reduced(Comm& comm) const {
+    std::array<double, 3> v{loss_sum, correct, samples};
+    comm.all_reduce(std::span<double>(v), reduce_op::sum).wait();
+    return {v[0], v[1], v[2]};
+  }
+};
+
+}  // namespace ddp
+// ---- end <ddp/data/metrics.hpp>
+
+// ---- begin <ddp/checkpoint/checkpoint.hpp>
+/// \file ddp::save / ddp::load: the full training state of a data_parallel model under any sharding policy
+/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<slot>"; the
+/// step count in the metadata as "optim.step") in one safetensors file that PyTorch reads. Rank 0 writes
+/// atomically; the other ranks stream it the ranges they hold, one range at a time, so no rank ever holds the
+/// whole model gathered. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
+/// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
+/// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
+
+#include <filesystem>
+
+// ---- begin <ddp/checkpoint/safetensors.hpp>
+/// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
+/// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
+/// data. ddp adds `__metadata__` entries "ddp.format" and "ddp.checksum" (64-bit FNV-1a of the data
+/// section, hex) and verifies the checksum on reading when present. Writes are atomic: a temporary file
+/// `path.tmp.<pid>` is written, flushed to disk, renamed over `path`, and the directory is flushed.
+
+#include <fstream>
+
+
+#include <nlohmann/json.hpp>
+
+
+namespace ddp::safetensors {
+
+/// Version of ddp's metadata conventions, stored as "ddp.format".
+inline constexpr std::string_view format_version = "1";
+/// Largest JSON header accepted on reading (the safetensors library's own bound).
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+
+/// One named tensor to write: its dtype, shape and the bytes of its elements (row-major, little-endian).
+struct tensor_view {
+  std::string name;                 ///< key in the file ("fc1.weight")
+  ddp::dtype type = dtype::f32;     ///< element type
+  std::vector<std::size_t> shape;   ///< dimensions, outermost first (empty: a scalar)
+  std::span<const std::byte> bytes; ///< exactly numel(shape) * size_of(type) bytes
+};
+
+/// One tensor of a file that was read: the bytes point into the file's buffer.
+struct entry {
+  std::string name;                 ///< key in the file
+  ddp::dtype type = dtype::f32;     ///< element type
+  std::vector<std::size_t> shape;   ///< dimensions, outermost first
+  std::span<const std::byte> bytes; ///< the elements' bytes
+  /// Number of elements.
+  [[nodiscard]] std::size_t numel() const noexcept {
+    return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+  }
+};
+
+/// The safetensors name of a dtype ("F32", "BF16", ...).
+constexpr std::string_view dtype_name(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return "F32";
+    case dtype::f64: return "F64";
+    case dtype::bf16: return "BF16";
+    case dtype::f16: return "F16";
+    case dtype::i32: return "I32";
+    case dtype::i64: return "I64";
+    case dtype::u8: return "U8";
+  }
+  return "?";
+}
+
+/// The dtype of a safetensors name, or nothing for names ddp does not handle.
+inline std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
+  for (const dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16, dtype::i32, dtype::i64, dtype::u8})
+    if (dtype_name(t) == name) return t;
+  return std::nullopt;
+}
+
+namespace detail {
+
+/// 64-bit FNV-1a, continued from `h`.
+inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = 14695981039346656037ULL) noexcept {
+  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+inline std::string hex(std::uint64_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
+  return s;
+}
+
+inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+}
+
+[[noreturn]] inline void fail(const std::filesystem::path& path, const std::string& what, const std::string& fix,
+                              int err = 0) {
+  throw io_error("safetensors file '" + path.string() + "': " + what + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") +
+                     "; " + fix,
+                 -1, err);
+}
+
+/// Writes all of `data` to `fd`, retrying short writes.
+inline void write_all(int fd, const std::byte* data, std::size_t size, const std::filesystem::path& path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(path, "writing failed", "check free disk space and permissions", errno);
+    data += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace detail
+
+/// Name, dtype and shape of one tensor, without its bytes: what the header of a file says about it.
+struct tensor_header {
+  std::string name;                ///< key in the file
+  ddp::dtype type = dtype::f32;    ///< element type
+  std::vector<std::size_t> shape;  ///< dimensions, outermost first
+  /// Bytes of its elements.
+  [[nodiscard]] std::size_t bytes() const { return detail::numel_of(shape) * size_of(type); }
+};
+
+namespace detail {
+
+/// A file written through a temporary `path.tmp.<pid>`: commit() flushes it to disk, renames it over `path`
+/// and flushes the directory; destroyed uncommitted, it removes the temporary file.
+class atomic_file {
+ public:
+  explicit atomic_file(std::filesystem::path path)
+      : path_(std::move(path)), tmp_(path_.string() + ".tmp." + std::to_string(::getpid())) {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail(tmp_, "cannot create the temporary file", "check that the directory exists and is writable", errno);
+  }
+  atomic_file(const atomic_file&) = delete;
+  atomic_file& operator=(const atomic_file&) = delete;
+  ~atomic_file() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  /// Appends `data`.
+  void write(std::span<const std::byte> data) { write_all(fd_, data.data(), data.size(), tmp_); }
+  /// Overwrites bytes at `offset` (already written).
+  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
+    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
+      fail(tmp_, "writing failed", "check free disk space and permissions", errno);
+  }
+  /// Flushes, renames the temporary file over the path, flushes the directory.
+  void commit() {
+    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed", "check the disk", errno);
+    ::close(fd_);
+    fd_ = -1;
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      fail(path_, "renaming the temporary file over it failed", "check permissions of the directory", errno);
+    committed_ = true;
+    sync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
+  }
+  /// Flushes a directory's entries (best effort: some file systems refuse fsync on directories).
+  static void sync_directory(const std::filesystem::path& dir) {
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+
+ private:
+  std::filesystem::path path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace detail
+
+/// Writes a safetensors file tensor by tensor, so that no more than the bytes being appended need be in
+/// memory: the header (with a checksum placeholder) goes first, append() streams the data in header order,
+/// commit() records the checksum, checks the size and renames the file into place atomically.
+class writer {
+ public:
+  /// Starts `path` (through a temporary file) for `tensors` in this order; adds "ddp.format" and "ddp.checksum"
+  /// to `metadata`. Throws ddp::io_error for repeated or reserved names and when the file cannot be created.
+  writer(const std::filesystem::path& path, std::span<const tensor_header> tensors,
+         const std::map<std::string, std::string>& metadata = {})
+      : file_(path) {
+    nlohmann::json header = nlohmann::json::object();
+    for (const auto& t : tensors) {
+      if (t.name == "__metadata__" || header.contains(t.name))
+        throw io_error("safetensors::write: tensor name '" + t.name + "' is reserved or repeated; give every tensor a "
+                       "unique name other than __metadata__");
+      header[t.name] = {{"dtype", dtype_name(t.type)}, {"shape", t.shape}, {"data_offsets", {size_, size_ + t.bytes()}}};
+      size_ += t.bytes();
+    }
+    nlohmann::json meta = nlohmann::json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    meta["ddp.format"] = std::string(format_version);
+    meta["ddp.checksum"] = detail::hex(0);  // placeholder of the same width, patched by commit()
+    header["__metadata__"] = meta;
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned, as safetensors pads
+    checksum_at_ = 8 + text.find("\"ddp.checksum\":\"" + detail::hex(0) + "\"") + 16;  // JSON escapes quotes in values
+    std::byte length[8];
+    for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
+    file_.write(length);
+    file_.write(std::as_bytes(std::span(text)));
+  }
+
+  /// Appends the next bytes of the data section (tensors in header order, a tensor in any number of pieces).
+  void append(std::span<const std::byte> bytes) {
+    if (written_ + bytes.size() > size_)
+      throw io_error("safetensors::writer: appending " + std::to_string(bytes.size()) + " bytes after " +
+                     std::to_string(written_) + " overflows the " + std::to_string(size_) +
+                     " bytes the header declares; append exactly the declared tensors' bytes");
+    file_.write(bytes);
+    checksum_ = detail::fnv1a(bytes, checksum_);
+    written_ += bytes.size();
+  }
+
+  /// Writes the checksum into the header and moves the file into place; throws unless every byte was appended.
+  void commit() {
+    if (written_ != size_)
+      throw io_error("safetensors::writer: " + std::to_string(written_) + " of the " + std::to_string(size_) +
+                     " declared bytes were appended; append every tensor before commit()");
+    const std::string hex = detail::hex(checksum_);
+    file_.write_at(checksum_at_, std::as_bytes(std::span(hex)));
+    file_.commit();
+  }
+
+  /// The 64-bit FNV-1a of the bytes appended so far (the whole data section after commit()).
+  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
+  /// Bytes of the data section declared by the header.
+  [[nodiscard]] std::uint64_t data_bytes() const noexcept { return size_; }
+
+ private:
+  detail::atomic_file file_;
+  std::uint64_t size_ = 0, written_ = 0, checksum_at_ = 0;
+  std::uint64_t checksum_ = 14695981039346656037ULL;
+};
+
+/// Writes `tensors` (in this order) and `metadata` to `path` atomically (temporary file, fsync, rename, fsync of
+/// the directory); adds "ddp.format" and "ddp.checksum" to the metadata. Throws ddp::io_error on failure.
+inline void write(const std::filesystem::path& path, std::span<const tensor_view> tensors,
+                  const std::map<std::string, std::string>& metadata = {}) {
+  std::vector<tensor_header> headers;
+  for (const auto& t : tensors) {
+    headers.push_back({t.name, t.type, t.shape});
+    if (t.bytes.size() != headers.back().bytes())
+      throw io_error("safetensors::write: tensor '" + t.name + "' has " + std::to_string(t.bytes.size()) +
+                     " bytes but its shape and dtype need " + std::to_string(headers.back().bytes()) +
+                     "; pass matching shape and data");
+  }
+  writer w(path, headers, metadata);
+  for (const auto& t : tensors) w.append(t.bytes);
+  w.commit();
+}
+
+/// Where one tensor lies in a file's data section, besides its name, dtype and shape.
+struct located_header : tensor_header {
+  std::uint64_t begin = 0;  ///< first byte in the data section
+};
+
+namespace detail {
+
+inline const std::string& rewrite_fix() {
+  static const std::string fix = "write the file again (a checkpoint: resume from an older one)";
+  return fix;
+}
+
+/// Parses and validates the JSON header `text` of a file whose data section holds `data_size` bytes: dtypes,
+/// shapes, offsets in range, contiguous, covering the data section. Returns the tensors in file order.
+inline std::vector<located_header> parse_header(const std::filesystem::path& path, std::string_view text,
+                                                std::uint64_t data_size, std::map<std::string, std::string>& metadata) {
+  const std::string& rewrite = rewrite_fix();
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, std::string("corrupt: the JSON header does not parse (") + e.what() + ")", rewrite);
+  }
+  if (!header.is_object()) fail(path, "corrupt: the JSON header is not an object", rewrite);
+  std::vector<located_header> found;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) fail(path, "corrupt: __metadata__ is not an object of strings", rewrite);
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) fail(path, "corrupt: __metadata__ entry '" + k + "' is not a string", rewrite);
+        metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const auto bad = [&](const std::string& why) { fail(path, "corrupt: tensor '" + name + "' " + why, rewrite); };
+    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
+      bad("lacks dtype, shape or data_offsets");
+    const auto& dt = value["dtype"];
+    const auto type = dt.is_string() ? dtype_from_name(dt.get<std::string>()) : std::nullopt;
+    if (!type)
+      fail(path, "tensor '" + name + "' has dtype " + dt.dump() + ", which ddp does not read",
+           "convert it to F32, F64, BF16, F16, I32, I64 or U8 before loading");
+    located_header e;
+    e.name = name;
+    e.type = *type;
+    if (!value["shape"].is_array()) bad("has a shape that is not an array");
+    for (const auto& d : value["shape"]) {
+      if (!d.is_number_unsigned()) bad("has a shape with a negative or non-integer dimension");
+      e.shape.push_back(d.get<std::size_t>());
+    }
+    const auto& off = value["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      bad("has data_offsets that are not two unsigned integers");
+    const auto begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
+    if (begin > end || end > data_size)
+      fail(path, "truncated or corrupt: tensor '" + name + "' spans bytes [" + std::to_string(begin) + ", " +
+                     std::to_string(end) + ") of a data section of " + std::to_string(data_size) + " bytes",
+           rewrite);
+    if (end - begin != e.bytes())
+      bad("has " + std::to_string(end - begin) + " bytes but shape and dtype need " + std::to_string(e.bytes()));
+    e.begin = begin;
+    found.push_back(std::move(e));
+  }
+  std::sort(found.begin(), found.end(), [](const located_header& a, const located_header& b) { return a.begin < b.begin; });
+  std::uint64_t expect = 0;
+  for (const auto& e : found) {
+    if (e.begin != expect)
+      fail(path, "corrupt: tensor '" + e.name + "' starts at byte " + std::to_string(e.begin) +
+                     " of the data section but the previous tensor ends at " + std::to_string(expect) +
+                     " (tensors must be contiguous, without gaps or overlaps)",
+           rewrite);
+    expect = e.begin + e.bytes();
+  }
+  if (expect != data_size)
+    fail(path, "corrupt: " + std::to_string(data_size - expect) + " bytes follow the last tensor (the file has trailing data)",
+         rewrite);
+  return found;
+}
+
+/// Throws unless `actual` equals the checksum the metadata records (files without one pass).
+inline void check_checksum(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata,
+                           std::uint64_t actual) {
+  const auto it = metadata.find("ddp.checksum");
+  if (it != metadata.end() && hex(actual) != it->second)
+    fail(path, "corrupt: the data section's checksum is " + hex(actual) + " but the header records " + it->second +
+                   " (the tensor bytes were damaged after writing)",
+         rewrite_fix());
+}
+
+/// Reads the 8-byte length and the header text at the start of `fd`; returns the header and the data size.
+inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size) {
+  if (size < 8)
+    fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length", rewrite_fix());
+  std::uint8_t length[8];
+  if (::pread(fd, length, 8, 0) != 8) fail(path, "reading failed", "check the disk and the file's permissions", errno);
+  std::uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i) header_len |= static_cast<std::uint64_t>(length[i]) << (8 * i);
+  if (header_len > max_header_bytes)
+    fail(path, "corrupt: the header claims " + std::to_string(header_len) + " bytes (more than " +
+                   std::to_string(max_header_bytes) + "); this is not a safetensors file or its start is damaged",
+         rewrite_fix());
+  if (header_len > size - 8)
+    fail(path, "truncated: the header claims " + std::to_string(header_len) + " bytes but only " +
+                   std::to_string(size - 8) + " follow the length field",
+         rewrite_fix());
+  std::string text(header_len, '\0');
+  if (::pread(fd, text.data(), header_len, 8) != static_cast<ssize_t>(header_len))
+    fail(path, "reading failed", "check the disk and the file's permissions", errno);
+  return {std::move(text), size - 8 - header_len};
+}
+
+}  // namespace detail
+
+/// A safetensors file opened for reading piece by piece: the header is read and validated at once (as
+/// file::read does), the data stays on disk until read() asks for a range of a tensor.
+class reader {
+ public:
+  /// Opens `path` and validates its header; throws ddp::io_error saying what is wrong and what to do.
+  static reader open(const std::filesystem::path& path) {
+    reader r;
+    r.path_ = path;
+    r.fd_ = std::shared_ptr<int>(new int(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), [](int* fd) {
+      if (*fd >= 0) ::close(*fd);
+      delete fd;
+    });
+    if (*r.fd_ < 0) detail::fail(path, "cannot be opened", "check the path (does the file exist? is it readable?)", errno);
+    const off_t size = ::lseek(*r.fd_, 0, SEEK_END);
+    if (size < 0) detail::fail(path, "reading failed", "check the disk and the file's permissions", errno);
+    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size));
+    r.data_at_ = static_cast<std::uint64_t>(size) - data_size;
+    r.entries_ = detail::parse_header(path, text, data_size, r.metadata_);
+    return r;
+  }
+
+  /// Reads the whole data section once and throws ddp::io_error unless it matches the recorded checksum.
+  void verify_checksum() const {
+    std::vector<std::byte> chunk(std::size_t{1} << 20);
+    std::uint64_t h = 14695981039346656037ULL, at = data_at_;
+    const std::uint64_t end = data_at_ + (entries_.empty() ? 0 : entries_.back().begin + entries_.back().bytes());
+    while (at < end) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), end - at));
+      read_bytes(at, std::span(chunk).first(n));
+      h = detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
+      at += n;
+    }
+    detail::check_checksum(path_, metadata_, h);
+  }
+
+  /// Copies bytes [offset, offset + out.size()) of tensor `t` into `out`.
+  void read(const located_header& t, std::uint64_t offset, std::span<std::byte> out) const {
+    if (offset + out.size() > t.bytes())
+      throw io_error("safetensors::reader: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + out.size()) +
+                     ") lie outside tensor '" + t.name + "' of " + std::to_string(t.bytes()) + " bytes in '" +
+                     path_.string() + "'; read within the tensor");
+    read_bytes(data_at_ + t.begin + offset, out);
+  }
+
+  /// The tensors in file order (ascending offsets).
+  [[nodiscard]] const std::vector<located_header>& entries() const noexcept { return entries_; }
+  /// The tensor named `name`, or nullptr.
+  [[nodiscard]] const located_header* find(std::string_view name) const noexcept {
+    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const auto& e) { return e.name == name; });
+    return it == entries_.end() ? nullptr : &*it;
+  }
+  /// The `__metadata__` string map (empty when absent).
+  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  /// The path the file was opened from.
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  void read_bytes(std::uint64_t at, std::span<std::byte> out) const {
+    while (!out.empty()) {
+      const ssize_t n = ::pread(*fd_, out.data(), out.size(), static_cast<off_t>(at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        detail::fail(path_, n == 0 ? "truncated: it ended while being read" : "reading failed",
+                     n == 0 ? detail::rewrite_fix() : "check the disk and the file's permissions", n == 0 ? 0 : errno);
+      out = out.subspan(static_cast<std::size_t>(n));
+      at += static_cast<std::uint64_t>(n);
+    }
+  }
+
+  std::filesystem::path path_;
+  std::shared_ptr<int> fd_;
+  std::uint64_t data_at_ = 0;
+  std::vector<located_header> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+/// A safetensors file read into memory and validated: header bound, JSON, dtypes, offsets in range and
+/// contiguous, sizes equal to shape × dtype, and the checksum when the file carries one.
+class file {
+ public:
+  /// Reads and validates `path`; throws ddp::io_error saying what is wrong and what to do.
+  static file read(const std::filesystem::path& path) {
+    const auto r = reader::open(path);
+    file f;
+    f.path_ = path;
+    f.metadata_ = r.metadata();
+    std::uint64_t total = 0;
+    for (const auto& e : r.entries()) total += e.bytes();
+    f.buffer_.resize(total);
+    for (const auto& e : r.entries()) {
+      const auto bytes = std::span(f.buffer_).subspan(e.begin, e.bytes());
+      r.read(e, 0, bytes);
+      f.entries_.push_back({e.name, e.type, e.shape, bytes});
+    }
+    detail::check_checksum(path, f.metadata_, detail::fnv1a(f.buffer_));
+    return f;
+  }
+
+  /// The tensors in file order (ascending offsets).
+  [[nodiscard]] const std::vector<entry>& entries() const noexcept { return entries_; }
+  /// The tensor named `name`, or nullptr.
+  [[nodiscard]] const entry* find(std::string_view name) const noexcept {
+    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const entry& e) { return e.name == name; });
+    return it == entries_.end() ? nullptr : &*it;
+  }
+  /// The `__metadata__` string map (empty when absent).
+  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  /// The path the file was read from.
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  std::vector<std::byte> buffer_;  // the data section
+  std::vector<entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace ddp::safetensors
+// ---- end <ddp/checkpoint/safetensors.hpp>
+// ---- begin <ddp/checkpoint/sharded.hpp>
+/// \file ddp::save_sharded / ddp::load_sharded: the training state as a directory with one safetensors part per
+/// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
+/// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
+/// ranges, each part's checksum, the metadata). The directory is written as `<dir>.tmp.<pid>` and moved into
+/// place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// at one world size (or policy) loads at another. The directory must be visible to every rank.
+
+#include <cstdio>
+#include <sstream>
+#include <system_error>
+
+
+
+// ---- begin <ddp/checkpoint/state.hpp>
+/// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
+/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<slot>"), the pieces of
+/// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
+/// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
+
+#include <variant>
+
+
+namespace ddp {
+
+/// Free-form string metadata stored beside the tensors (such as {"epoch", "3"}).
+using checkpoint_metadata = std::map<std::string, std::string>;
+
+namespace detail {
+
+/// A contiguous range of elements of a state tensor held by one rank.
+struct held_range {
+  int rank = 0;           ///< the rank holding it
+  std::size_t start = 0;  ///< first element within the tensor (flattened, row-major)
+  std::size_t numel = 0;  ///< elements
+};
+
+/// A range of a state tensor in this rank's memory (writable: loading fills it).
+struct state_piece {
+  std::size_t tensor = 0;  ///< index into training_state::tensors
+  std::size_t start = 0;   ///< first element within the tensor
+  std::size_t numel = 0;   ///< elements
+  std::byte* data = nullptr;
+};
+
+/// What a rank tells the others about one of its pieces.
+struct piece_description {
+  std::string name;
+  dtype type = dtype::f32;
+  std::uint64_t start = 0;
+  std::uint64_t numel = 0;
+};
+
+/// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
+struct training_state {
+  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
+  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the model's
+  std::vector<state_piece> mine;                    ///< this rank's pieces
+  std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
+  std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
+
+  /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
+  [[nodiscard]] std::byte* at(std::size_t tensor, std::size_t start, std::size_t numel) const {
+    for (const auto& p : mine)
+      if (p.tensor == tensor && p.start <= start && start + numel <= p.start + p.numel)
+        return p.data + (start - p.start) * size_of(tensors[tensor].type);
+    throw error("checkpoint: this rank holds no piece with elements [" + std::to_string(start) + ", " +
+                std::to_string(start + numel) + ") of '" + tensors[tensor].name +
+                "'; this is a bug in ddp's checkpoint code, please report it");
+  }
+};
+
+inline std::string describe(dtype t, const std::vector<std::size_t>& shape) {
+  std::string s = std::string(to_string(t)) + " [";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+/// The lowest rank holding each element of a tensor of `numel` elements, as ascending merged ranges.
+inline std::vector<held_range> lowest_holders(const std::vector<held_range>& holders, std::size_t numel,
+                                              const std::string& name) {
+  std::vector<std::size_t> points{0, numel};
+  for (const auto& h : holders) points.insert(points.end(), {h.start, h.start + h.numel});
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  std::vector<held_range> out;
+  std::size_t last_piece = holders.size();
+  for (std::size_t i = 0; i + 1 < points.size() && points[i + 1] <= numel; ++i) {
+    const std::size_t a = points[i], b = points[i + 1];
+    std::size_t best = holders.size();  // the piece of the lowest rank holding [a, b)
+    for (std::size_t h = 0; h < holders.size(); ++h)
+      if (holders[h].start <= a && b <= holders[h].start + holders[h].numel &&
+          (best == holders.size() || holders[h].rank < holders[best].rank))
+        best = h;
+    if (best == holders.size())
+      throw error("checkpoint: no rank holds elements [" + std::to_string(a) + ", " + std::to_string(b) + ") of '" +
+                  name + "'; this is a bug in ddp's checkpoint code, please report it");
+    // Ranges merge only within one piece: a rank's adjacent pieces (from two buffers) are not adjacent in memory.
+    if (!out.empty() && last_piece == best && out.back().start + out.back().numel == a)
+      out.back().numel += b - a;
+    else
+      out.push_back({holders[best].rank, a, b - a});
+    last_piece = best;
+  }
+  return out;
+}
+
+/// Collects the training state of `dp` (and `opt`'s, unless Opt is void; its state is allocated first) and
+/// tells every rank where every piece lives. Collective.
+template <class DP, class Opt>
+training_state collect_state(DP& dp, Opt* opt) {
+  training_state st;
+  std::map<std::string, std::size_t> index;
+  dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
+    if (p.device().is_cuda())
+      throw config_error("checkpoint: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
+                             "; checkpoints handle host parameters, copy CUDA parameters to the host first",
+                         dp.rank());
+    index[std::string(name)] = st.tensors.size();
+    st.tensors.push_back({std::string(name), dtype_v<E>, p.shape()});
+  });
+  st.parameters = st.tensors.size();
+
+  std::vector<piece_description> described;
+  std::vector<std::byte*> data;
+  for (const auto& b : dp.owned_buffers())
+    for (const auto& seg : b.segments) {
+      described.push_back({seg.name, b.values.type, seg.start, seg.numel});
+      data.push_back(static_cast<std::byte*>(b.values.data) + seg.offset * size_of(b.values.type));
+    }
+  if constexpr (!std::is_void_v<Opt>) {
+    dp.attach(*opt);
+    opt->for_each_state([&](const std::string& name, raw_tensor view, const optim::flat_segment& seg) {
+      described.push_back({"optim." + name, view.type, seg.start, view.size});
+      data.push_back(static_cast<std::byte*>(view.data));
+    });
+  }
+  const auto everyone = all_gather_object(dp.comm(), described);
+
+  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
+  std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
+  std::map<std::string, std::size_t> extent;  // elements of each state tensor: the end of its last piece
+  for (const auto& rank_pieces : everyone)
+    for (const auto& d : rank_pieces) {
+      if (!d.name.starts_with("optim.")) continue;
+      extent[d.name] = std::max<std::size_t>(extent[d.name], d.start + d.numel);
+      const std::string state_name = d.name.substr(6);
+      const auto dot = state_name.rfind('.');  // "<parameter>.<slot>": the state takes the parameter's shape
+      const auto it = dot == std::string::npos ? index.end() : index.find(state_name.substr(0, dot));
+      state[{it == index.end() ? st.parameters : it->second, d.name}] = {d.name, d.type, {}};
+    }
+  for (auto& [key, header] : state) {
+    const std::size_t numel = extent[header.name];
+    const bool like_parameter = key.first < st.parameters && safetensors::detail::numel_of(st.tensors[key.first].shape) == numel;
+    header.shape = like_parameter ? st.tensors[key.first].shape : std::vector<std::size_t>{numel};
+    index[header.name] = st.tensors.size();
+    st.tensors.push_back(std::move(header));
+  }
+
+  st.holders.resize(st.tensors.size());
+  for (std::size_t r = 0; r < everyone.size(); ++r)
+    for (const auto& d : everyone[r]) st.holders[index.at(d.name)].push_back({static_cast<int>(r), d.start, d.numel});
+  for (std::size_t i = 0; i < described.size(); ++i)
+    st.mine.push_back({index.at(described[i].name), described[i].start, described[i].numel, data[i]});
+  for (std::size_t t = 0; t < st.tensors.size(); ++t)
+    st.cover.push_back(lowest_holders(st.holders[t], safetensors::detail::numel_of(st.tensors[t].shape), st.tensors[t].name));
+  return st;
+}
+
+/// Compares the tensors a checkpoint holds (`found`, from `source`) with the expected ones; returns "" when
+/// they agree, else what differs and how to fix it. Optimizer entries are ignored when `ignore_optimizer`.
+template <class Found>
+std::string compare_state(const std::string& source, const Found& found,
+                          std::span<const safetensors::tensor_header> expected, bool ignore_optimizer) {
+  std::string missing, extra, mismatched;
+  std::size_t n_missing = 0, n_extra = 0, n_mismatched = 0;
+  std::map<std::string_view, const safetensors::tensor_header*> in_file, in_model;
+  for (const auto& e : found) in_file[e.name] = &e;
+  for (const auto& t : expected) {
+    in_model[t.name] = &t;
+    const auto it = in_file.find(t.name);
+    if (it == in_file.end()) {
+      if (n_missing++ == 0) missing = "'" + t.name + "' (" + describe(t.type, t.shape) + ")";
+    } else if (it->second->type != t.type || it->second->shape != t.shape) {
+      if (n_mismatched++ == 0)
+        mismatched = "'" + t.name + "' is " + describe(it->second->type, it->second->shape) + " in the file but " +
+                     describe(t.type, t.shape) + " in the model";
+    }
+  }
+  for (const auto& e : found)
+    if (!in_model.contains(e.name) && !(ignore_optimizer && e.name.starts_with("optim.")))
+      if (n_extra++ == 0) extra = "'" + e.name + "'";
+  if (n_missing + n_extra + n_mismatched == 0) return {};
+  std::string what = "checkpoint '" + source + "' does not match the model and optimizer:";
+  if (n_missing) what += " " + std::to_string(n_missing) + " tensor(s) missing from the file, first " + missing + ";";
+  if (n_extra) what += " " + std::to_string(n_extra) + " tensor(s) in the file that the model lacks, first " + extra + ";";
+  if (n_mismatched) what += " " + std::to_string(n_mismatched) + " with another dtype or shape, first " + mismatched + ";";
+  return what + " load it into the model (and optimizer type) that saved it";
+}
+
+/// Runs steps while none has failed and keeps the first ddp::error one threw (later steps are skipped), so that
+/// a rank keeps taking part in the collectives of a save or load after its own work failed.
+struct first_failure {
+  std::exception_ptr failure;  ///< the first error thrown, or null
+  /// Runs `f` unless a previous step failed; catches what it throws.
+  template <class F>
+  void run(F&& f) {
+    if (failure) return;
+    try {
+      f();
+    } catch (const error&) {
+      failure = std::current_exception();
+    }
+  }
+  /// "" or "rank <rank>: <message of the first error>".
+  [[nodiscard]] std::string message(int rank) const {
+    if (!failure) return {};
+    try {
+      std::rethrow_exception(failure);
+    } catch (const error& e) {
+      return "rank " + std::to_string(rank) + ": " + e.message();
+    }
+  }
+};
+
+/// Makes every rank throw what `failure` holds on rank 0 (same type family, same text), or return when it is
+/// empty. Collective: it is also the barrier where the other ranks wait for rank 0.
+template <class Comm>
+void share_rank0_outcome(Comm& comm, const std::exception_ptr& failure) {
+  std::vector<std::string> outcome;  // {kind, message}: empty when rank 0 succeeded
+  if (comm.rank() == 0 && failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const mismatch_error& e) {
+      outcome = {"mismatch", e.message()};
+    } catch (const io_error& e) {
+      outcome = {"io", e.message()};
+    } catch (const error& e) {
+      outcome = {"error", e.message()};
+    }
+  }
+  broadcast_object(comm, outcome, 0);
+  if (outcome.empty()) return;
+  const std::string text = comm.rank() == 0 ? outcome[1] : outcome[1] + " (reported by rank 0)";
+  if (outcome[0] == "mismatch") throw mismatch_error(text, comm.rank());
+  if (outcome[0] == "io") throw io_error(text, comm.rank());
+  throw error(text, comm.rank());
+}
+
+/// Runs `f` on rank 0 and makes every rank throw what it threw (a ddp::error), or return.
+template <class Comm, class F>
+void on_rank0_then_share(Comm& comm, F&& f) {
+  first_failure rank0;
+  if (comm.rank() == 0) rank0.run(f);
+  share_rank0_outcome(comm, rank0.failure);
+}
+
+/// Every rank passes what went wrong on it ("" for nothing, else first_failure::message); when any rank
+/// failed, every rank throws ddp::io_error with the first failed rank's message. Collective.
+template <class Comm>
+void agree_on_failure(Comm& comm, const std::string& mine) {
+  const auto all = all_gather_object(comm, mine);
+  const auto first = std::find_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
+  if (first == all.end()) return;
+  const auto failed = std::count_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
+  throw io_error(*first + (failed > 1 ? " (and " + std::to_string(failed - 1) + " more rank(s) failed)" : ""),
+                 comm.rank());
+}
+
+/// Sets `opt`'s step count from the "optim.step" metadata of the checkpoint at `source` (nothing when Opt is
+/// void); throws ddp::mismatch_error when the checkpoint has none. Every rank sees the same metadata.
+template <class Opt>
+void restore_step_count(const std::filesystem::path& source, const checkpoint_metadata& meta, Opt* opt, int rank) {
+  if constexpr (!std::is_void_v<Opt>) {
+    const auto it = meta.find("optim.step");
+    if (it == meta.end())
+      throw mismatch_error("checkpoint '" + source.string() + "' has no optim.step metadata (it was saved without "
+                           "an optimizer); load it without the optimizer argument to take only the parameters",
+                           rank);
+    opt->set_step_count(std::stoull(it->second));
+  }
+}
+
+/// The parameters of one unit (a top-level field of the model), as a part data_parallel::gather accepts.
+struct unit_parameters {
+  std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
+                           parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
+      members;
+  /// Visits the members (names are not needed by gather).
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
+  }
+};
+
+/// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
+/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it.
+/// Nothing to do under replicate, where the pieces are the parameters. Collective.
+template <class DP>
+void refresh_parameters(DP& dp, const training_state& st) {
+  if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
+    std::vector<unit_parameters> units;
+    std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
+    std::string last_unit;
+    std::size_t t = 0;
+    dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
+      const auto unit = name.substr(0, name.find('.'));
+      if (units.empty() || unit != last_unit) {
+        units.emplace_back();
+        members.emplace_back();
+        last_unit = std::string(unit);
+      }
+      units.back().members.emplace_back(&p);
+      members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
+    });
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      auto scope = dp.gather(units[u]);
+      for (const auto& [tensor, full] : members[u]) {
+        const std::size_t width = size_of(st.tensors[tensor].type);
+        for (const auto& c : st.cover[tensor]) {
+          std::byte* dst = full + c.start * width;
+          if (c.rank == dp.rank()) std::memcpy(dst, st.at(tensor, c.start, c.numel), c.numel * width);
+          dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/checkpoint/state.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// Format of the manifest, stored as "format".
+inline constexpr std::string_view sharded_format = "ddp.sharded/1";
+
+/// File name of rank r's part in a checkpoint of n ranks.
+inline std::string part_name(int r, int n) {
+  char name[64];
+  std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, n);
+  return name;
+}
+
+/// Key of a range inside a part: "fc1.weight[0:35]" (flattened elements [0, 35) of fc1.weight).
+inline std::string piece_key(const std::string& tensor, std::size_t start, std::size_t numel) {
+  return tensor + "[" + std::to_string(start) + ":" + std::to_string(start + numel) + "]";
+}
+
+/// What a part's writer reports to rank 0 for the manifest.
+struct part_report {
+  std::string checksum;         ///< the part's ddp.checksum
+  std::uint64_t data_bytes = 0;  ///< bytes of its data section
+};
+
+/// A manifest, read and validated.
+struct sharded_manifest {
+  /// A range of a tensor in a part.
+  struct range {
+    std::size_t part = 0, start = 0, numel = 0;
+  };
+  /// A part file.
+  struct part {
+    std::string file, checksum;
+    std::uint64_t data_bytes = 0;
+  };
+  int world_size = 0;
+  checkpoint_metadata metadata;
+  std::vector<safetensors::tensor_header> tensors;
+  std::vector<std::vector<range>> ranges;  // per tensor, ascending and covering it exactly
+  std::vector<part> parts;
+};
+
+[[noreturn]] inline void corrupt_manifest(const std::filesystem::path& path, const std::string& what) {
+  throw io_error("sharded checkpoint manifest '" + path.string() + "': corrupt: " + what +
+                     "; save the checkpoint again (or resume from an older one)",
+                 -1);
+}
+
+/// Parses the manifest text read from `path`; throws ddp::io_error naming the path for anything malformed.
+inline sharded_manifest parse_manifest(const std::filesystem::path& path, const std::string& text) {
+  sharded_manifest m;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    if (j.at("format").get<std::string>() != sharded_format)
+      corrupt_manifest(path, "its format is '" + j.at("format").get<std::string>() + "', not '" +
+                                 std::string(sharded_format) + "'");
+    m.world_size = j.at("world_size").get<int>();
+    m.metadata = j.at("metadata").get<checkpoint_metadata>();
+    std::map<std::string, std::size_t> index;
+    for (const auto& t : j.at("tensors")) {
+      const auto type = safetensors::dtype_from_name(t.at("dtype").get<std::string>());
+      if (!type) corrupt_manifest(path, "tensor " + t.dump() + " has an unknown dtype");
+      index[t.at("name").get<std::string>()] = m.tensors.size();
+      m.tensors.push_back({t.at("name").get<std::string>(), *type, t.at("shape").get<std::vector<std::size_t>>()});
+    }
+    m.ranges.resize(m.tensors.size());
+    for (const auto& p : j.at("parts")) {
+      const auto file = p.at("file").get<std::string>();
+      if (file.empty() || std::filesystem::path(file).filename().string() != file)
+        corrupt_manifest(path, "part file name '" + file + "' is not a plain file name");
+      for (const auto& r : p.at("ranges")) {
+        const auto it = index.find(r.at("tensor").get<std::string>());
+        if (it == index.end()) corrupt_manifest(path, "a range names tensor '" + r.at("tensor").get<std::string>() + "', which it does not list");
+        m.ranges[it->second].push_back({m.parts.size(), r.at("start").get<std::size_t>(), r.at("numel").get<std::size_t>()});
+      }
+      m.parts.push_back({file, p.at("checksum").get<std::string>(), p.at("data_bytes").get<std::uint64_t>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    corrupt_manifest(path, std::string("it does not parse as a ddp manifest (") + e.what() + ")");
+  }
+  if (m.world_size <= 0 || static_cast<std::size_t>(m.world_size) != m.parts.size())
+    corrupt_manifest(path, "world_size " + std::to_string(m.world_size) + " but " + std::to_string(m.parts.size()) + " parts");
+  for (std::size_t t = 0; t < m.tensors.size(); ++t) {
+    auto& ranges = m.ranges[t];
+    std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+    std::size_t end = 0;
+    bool exact = true;  // ascending, without gaps or overlaps, up to the last element
+    for (const auto& r : ranges) {
+      exact = exact && r.start == end;
+      end = r.start + r.numel;
+    }
+    if (!exact || end != safetensors::detail::numel_of(m.tensors[t].shape))
+      corrupt_manifest(path, "the ranges of '" + m.tensors[t].name + "' do not cover its elements exactly once");
+  }
+  return m;
+}
+
+/// The manifest of `dir` as text; throws ddp::io_error naming the path when it cannot be read.
+inline std::string read_manifest_text(const std::filesystem::path& dir) {
+  const auto path = dir / "manifest.json";
+  std::ifstream in(path);
+  if (!in)
+    throw io_error("sharded checkpoint '" + dir.string() + "': '" + path.string() + "' cannot be opened; check the "
+                   "path (is it a directory written by ddp::save_sharded? is it visible to rank 0?)",
+                   -1);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// Throws unless `dir` is absent, an empty directory or a sharded checkpoint: what save_sharded may replace.
+inline void check_replaceable(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return;
+  if (!fs::is_directory(dir, ec) || (!fs::is_empty(dir, ec) && !fs::exists(dir / "manifest.json", ec)))
+    throw io_error("save_sharded: '" + dir.string() + "' exists and is not a sharded checkpoint (no manifest.json), "
+                   "so it is not replaced; choose another directory or remove it",
+                   -1);
+}
+
+/// Moves the complete directory `tmp` to `dir`: a rename, or an atomic exchange with the checkpoint already
+/// there, which is then removed.
+inline void install_directory(const std::filesystem::path& tmp, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool replacing = fs::exists(dir, ec);
+  const int rc = replacing ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE)
+                           : ::rename(tmp.c_str(), dir.c_str());
+  if (rc != 0)
+    throw io_error("save_sharded: moving '" + tmp.string() + "' to '" + dir.string() + "' failed (" +
+                       std::generic_category().message(errno) + "); check permissions of the parent directory and "
+                       "that the file system supports renameat2",
+                   -1, errno);
+  if (replacing) fs::remove_all(tmp, ec);  // the previous checkpoint, now under the temporary name
+  safetensors::detail::atomic_file::sync_directory(dir.has_parent_path() ? dir.parent_path() : fs::path("."));
+}
+
+template <class DP, class Opt>
+checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, Opt* opt) {
+  const auto st = collect_state(dp, opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  const auto manifest_path = dir / "manifest.json";
+  std::string text;
+  on_rank0_then_share(comm, [&] {
+    text = read_manifest_text(dir);
+    const auto m = parse_manifest(manifest_path, text);
+    const auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    if (!problem.empty()) throw mismatch_error(problem, 0);
+  });
+  broadcast_object(comm, text, 0);
+  const auto m = parse_manifest(manifest_path, text);
+  std::map<std::string, std::size_t> index;
+  for (std::size_t t = 0; t < m.tensors.size(); ++t) index[m.tensors[t].name] = t;
+
+  // Every range of a part that overlaps a piece this rank holds.
+  struct copy {
+    std::size_t part;
+    std::size_t tensor;       // index into the manifest's tensors
+    std::string key;
+    std::size_t numel;        // elements of the range in the part
+    std::uint64_t offset;     // first byte to read inside the range
+    std::span<std::byte> to;  // where the bytes go
+  };
+  std::vector<copy> copies;
+  for (const auto& p : st.mine) {
+    const auto& tensor = st.tensors[p.tensor];
+    const std::size_t width = size_of(tensor.type);
+    for (const auto& r : m.ranges[index.at(tensor.name)]) {
+      const std::size_t lo = std::max(p.start, r.start), hi = std::min(p.start + p.numel, r.start + r.numel);
+      if (lo < hi)
+        copies.push_back({r.part, index.at(tensor.name), piece_key(tensor.name, r.start, r.numel), r.numel, (lo - r.start) * width,
+                          {p.data + (lo - p.start) * width, (hi - lo) * width}});
+    }
+  }
+  // Open and verify every part needed before changing anything, then read.
+  std::map<std::size_t, safetensors::reader> parts;
+  first_failure failed;
+  failed.run([&] {
+    for (const auto& c : copies) {
+      if (!parts.contains(c.part)) {
+        const auto& part = m.parts[c.part];
+        auto r = safetensors::reader::open(dir / part.file);
+        r.verify_checksum();
+        const auto it = r.metadata().find("ddp.checksum");
+        if (it == r.metadata().end() || it->second != part.checksum)
+          throw io_error("sharded checkpoint part '" + (dir / part.file).string() + "' has checksum " +
+                         (it == r.metadata().end() ? std::string("(none)") : it->second) + " but the manifest records " +
+                         part.checksum + ": it comes from another save; save the checkpoint again (or resume from an "
+                         "older one)");
+        parts.emplace(c.part, std::move(r));
+      }
+      const auto* e = parts.at(c.part).find(c.key);
+      if (e == nullptr || e->type != m.tensors[c.tensor].type ||
+          e->shape != std::vector<std::size_t>{c.numel})
+        throw io_error("sharded checkpoint part '" + (dir / m.parts[c.part].file).string() + "' lacks '" + c.key +
+                       "' (or holds it with another dtype or shape), which the manifest places there; save the "
+                       "checkpoint again (or resume from an older one)");
+    }
+  });
+  agree_on_failure(comm, failed.message(me));
+  failed.run([&] {
+    for (const auto& c : copies) {
+      const auto& r = parts.at(c.part);
+      r.read(*r.find(c.key), c.offset, c.to);
+    }
+  });
+  agree_on_failure(comm, failed.message(me));
+  refresh_parameters(dp, st);
+  restore_step_count(manifest_path, m.metadata, opt, me);
+  return m.metadata;
+}
+
+}  // namespace detail
+
+/// Saves the training state of `dp` and `opt` as the directory `dir` (created, or replaced when it holds a
+/// sharded checkpoint): each rank writes the ranges it holds (under hybrid, replicas are written once) as
+/// `rank-<r>-of-<n>.safetensors`; rank 0 writes `manifest.json` with `metadata`, then moves the directory into
+/// place. Collective; a failure on any rank is thrown on every rank.
+template <class DP, class Opt>
+void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
+  namespace fs = std::filesystem;
+  const auto st = detail::collect_state(dp, &opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank(), n = comm.size();
+  std::string tmp = dir.string() + ".tmp." + std::to_string(::getpid());
+  broadcast_object(comm, tmp, 0);
+  detail::on_rank0_then_share(comm, [&] {
+    detail::check_replaceable(dir);
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    if (ec)
+      throw io_error("save_sharded: cannot create '" + tmp + "' (" + ec.message() + "); check that the parent "
+                     "directory exists or can be created and is writable", 0, ec.value());
+  });
+
+  std::vector<safetensors::tensor_header> headers;
+  std::vector<std::span<const std::byte>> bytes;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t)
+    for (const auto& c : st.cover[t])
+      if (c.rank == me) {
+        headers.push_back({detail::piece_key(st.tensors[t].name, c.start, c.numel), st.tensors[t].type, {c.numel}});
+        bytes.emplace_back(st.at(t, c.start, c.numel), c.numel * size_of(st.tensors[t].type));
+      }
+  detail::part_report report;
+  detail::first_failure failed;
+  failed.run([&] {
+    safetensors::writer w(fs::path(tmp) / detail::part_name(me, n), headers,
+                          {{"ddp.rank", std::to_string(me)}, {"ddp.world_size", std::to_string(n)}});
+    for (const auto& b : bytes) w.append(b);
+    w.commit();
+    report = {safetensors::detail::hex(w.checksum()), w.data_bytes()};
+  });
+  try {
+    detail::agree_on_failure(comm, failed.message(me));
+  } catch (const error&) {
+    std::error_code ec;
+    if (me == 0) fs::remove_all(tmp, ec);
+    throw;
+  }
+  const auto reports = all_gather_object(comm, report);
+  detail::on_rank0_then_share(comm, [&] {
+    nlohmann::json tensors = nlohmann::json::array(), parts = nlohmann::json::array();
+    for (const auto& t : st.tensors)
+      tensors.push_back({{"name", t.name}, {"dtype", safetensors::dtype_name(t.type)}, {"shape", t.shape}});
+    for (int r = 0; r < n; ++r) {
+      nlohmann::json ranges = nlohmann::json::array();
+      for (std::size_t t = 0; t < st.tensors.size(); ++t)
+        for (const auto& c : st.cover[t])
+          if (c.rank == r) ranges.push_back({{"tensor", st.tensors[t].name}, {"start", c.start}, {"numel", c.numel}});
+      const auto& rep = reports[static_cast<std::size_t>(r)];
+      parts.push_back({{"file", detail::part_name(r, n)}, {"rank", r}, {"checksum", rep.checksum},
+                       {"data_bytes", rep.data_bytes}, {"ranges", std::move(ranges)}});
+    }
+    auto meta = metadata;
+    meta["optim.step"] = std::to_string(opt.step_count());
+    meta["ddp.world_size"] = std::to_string(n);
+    const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
+                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)}};
+    try {
+      const std::string text = manifest.dump(1);
+      safetensors::detail::atomic_file file(fs::path(tmp) / "manifest.json");
+      file.write(std::as_bytes(std::span(text)));
+      file.commit();
+      detail::install_directory(tmp, dir);
+    } catch (const error&) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+  });
+}
+
+/// Loads what save_sharded() wrote — at any world size and under any sharding policy — into `dp`'s parameters
+/// and `opt`'s state and step count: each rank reads the ranges overlapping what it holds, after verifying the
+/// parts it needs (checksums, the manifest's ranges). A missing, truncated or corrupt part, or a manifest that
+/// does not match the model, throws on every rank (ddp::io_error / ddp::mismatch_error naming the file and
+/// the rank). Returns the metadata. Collective.
+template <class DP, class Opt>
+checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt) {
+  return detail::load_sharded_impl(dir, dp, &opt);
+}
+
+/// Loads only the parameters of a sharded checkpoint (its optimizer ranges are not read). Collective.
+template <class DP>
+checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp) {
+  return detail::load_sharded_impl(dir, dp, static_cast<void*>(nullptr));
+}
+
+}  // namespace ddp
+// ---- end <ddp/checkpoint/sharded.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+template <class DP, class Opt>
+void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata) {
+  const auto st = collect_state(dp, &opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  std::optional<safetensors::writer> out;
+  first_failure rank0;  // rank 0 keeps receiving after a failed write, so no sender is left waiting
+  if (me == 0)
+    rank0.run([&] {
+      auto meta = metadata;
+      meta["optim.step"] = std::to_string(opt.step_count());
+      meta["ddp.world_size"] = std::to_string(dp.world_size());
+      out.emplace(path, st.tensors, meta);
+    });
+  std::vector<std::byte> buffer;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
+    const dtype type = st.tensors[t].type;
+    for (const auto& c : st.cover[t]) {
+      const std::size_t bytes = c.numel * size_of(type);
+      if (me == 0 && c.rank == 0) {
+        rank0.run([&] { out->append({st.at(t, c.start, c.numel), bytes}); });
+      } else if (me == 0) {
+        buffer.resize(bytes);
+        comm.recv(raw_tensor{buffer.data(), c.numel, type, device::cpu()}, c.rank).wait();
+        rank0.run([&] { out->append({buffer.data(), bytes}); });
+      } else if (c.rank == me) {
+        comm.send(raw_tensor{st.at(t, c.start, c.numel), c.numel, type, device::cpu()}, 0).wait();
+      }
+    }
+  }
+  if (me == 0) rank0.run([&] { out->commit(); });
+  share_rank0_outcome(comm, rank0.failure);
+}
+
+template <class DP, class Opt>
+checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* opt) {
+  const auto st = collect_state(dp, opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  std::optional<safetensors::reader> in;
+  std::vector<std::string> meta_flat;  // key, value, key, value, ...
+  on_rank0_then_share(comm, [&] {
+    in.emplace(safetensors::reader::open(path));
+    const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    if (!problem.empty()) throw mismatch_error(problem, 0);
+    in->verify_checksum();
+    for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
+  });
+  first_failure rank0;  // rank 0 keeps sending after a failed read, so no receiver is left waiting
+  std::vector<std::byte> buffer;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
+    const dtype type = st.tensors[t].type;
+    const std::size_t numel = safetensors::detail::numel_of(st.tensors[t].shape), width = size_of(type);
+    const auto* entry = me == 0 ? in->find(st.tensors[t].name) : nullptr;
+    const auto& holders = st.holders[t];
+    const bool everywhere = holders.size() == static_cast<std::size_t>(comm.size()) &&
+                            std::all_of(holders.begin(), holders.end(), [&](const held_range& h) { return h.numel == numel; });
+    if (everywhere && numel > 0) {
+      std::byte* mine = st.at(t, 0, numel);
+      if (me == 0) rank0.run([&] { in->read(*entry, 0, {mine, numel * width}); });
+      comm.broadcast(raw_tensor{mine, numel, type, device::cpu()}, 0).wait();
+      continue;
+    }
+    for (const auto& h : holders) {
+      if (me == 0 && h.rank == 0) {
+        rank0.run([&] { in->read(*entry, h.start * width, {st.at(t, h.start, h.numel), h.numel * width}); });
+      } else if (me == 0) {
+        buffer.resize(h.numel * width);
+        rank0.run([&] { in->read(*entry, h.start * width, buffer); });
+        comm.send(raw_tensor{buffer.data(), h.numel, type, device::cpu()}, h.rank).wait();
+      } else if (h.rank == me) {
+        comm.recv(raw_tensor{st.at(t, h.start, h.numel), h.numel, type, device::cpu()}, 0).wait();
+      }
+    }
+  }
+  share_rank0_outcome(comm, rank0.failure);
+  refresh_parameters(dp, st);
+  broadcast_object(comm, meta_flat, 0);
+  checkpoint_metadata meta;
+  for (std::size_t i = 0; i + 1 < meta_flat.size(); i += 2) meta[meta_flat[i]] = meta_flat[i + 1];
+  restore_step_count(path, meta, opt, me);
+  return meta;
+}
+
+}  // namespace detail
+
+/// Saves the parameters of `dp` and the state of `opt` to `path` (one safetensors file, any sharding policy):
+/// rank 0 writes to a temporary file and renames it, the other ranks stream it the ranges they hold.
+/// `metadata` is stored too. Collective: every rank calls it; a failure is thrown on every rank.
+template <class DP, class Opt>
+void save(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
+  detail::save_full(path, dp, opt, metadata);
+}
+
+/// Loads what save() wrote (at any world size, under any policy) into `dp`'s parameters and `opt`'s state (and
+/// step count) on every rank; rank 0 reads and verifies names, shapes, dtypes and the checksum, then sends each
+/// rank its ranges. Throws ddp::io_error for an unreadable file and ddp::mismatch_error naming the first
+/// missing, extra and differing tensor, on every rank. Returns the metadata. Collective.
+template <class DP, class Opt>
+checkpoint_metadata load(const std::filesystem::path& path, DP& dp, Opt& opt) {
+  return detail::load_full(path, dp, &opt);
+}
+
+/// Loads only the parameters (optimizer entries in the file are ignored), e.g. for evaluation. Collective.
+template <class DP>
+checkpoint_metadata load(const std::filesystem::path& path, DP& dp) {
+  return detail::load_full(path, dp, static_cast<void*>(nullptr));
+}
+
+}  // namespace ddp
+// ---- end <ddp/checkpoint/checkpoint.hpp>
+
+// ---- begin <ddp/launch/log.hpp>
+/// \file Rank-0-only logging: `ddp::logger log{comm}; log.info("epoch ", e, " loss ", loss);` prints on rank 0
+/// and is silent elsewhere, unless DDP_LOG_ALL_RANKS=1, where every rank prints with a "[rank r]" prefix.
+/// Arguments are streamed with operator<<; each message is written as one line in one call, so lines of
+/// different ranks sharing a terminal do not interleave mid-line.
+
+
+namespace ddp {
+
+/// A logger that knows its rank: info() on rank 0 only (or on every rank with DDP_LOG_ALL_RANKS=1), warn() always.
+class logger {
+ public:
+  /// A logger for `rank`; `out` receives info lines (stdout by default), warnings go to stderr.
+  explicit logger(int rank, std::FILE* out = stdout) : rank_(rank), out_(out) {
+    const char* all = std::getenv("DDP_LOG_ALL_RANKS");  // NOLINT(concurrency-mt-unsafe): read once
+    all_ranks_ = all != nullptr && std::string_view(all) == "1";
+  }
+  /// A logger for the rank of `comm` (any ddp::communicator, or anything with rank()).
+  template <class Comm>
+    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
+  explicit logger(const Comm& comm, std::FILE* out = stdout) : logger(comm.rank(), out) {}
+
+  /// True when info() prints on this rank.
+  [[nodiscard]] bool enabled() const noexcept { return rank_ == 0 || all_ranks_; }
+  /// This logger's rank.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+  /// Prints the streamed `args` as one line, on rank 0 only (every rank with DDP_LOG_ALL_RANKS=1).
+  template <class... Args>
+  void info(Args&&... args) const {
+    if (enabled()) write(out_, compose(std::forward<Args>(args)...));
+  }
+  /// Prints the streamed `args` as one line on stderr, on every rank, prefixed with the rank.
+  template <class... Args>
+  void warn(Args&&... args) const {
+    write(stderr, "[rank " + std::to_string(rank_) + "] warning: " + compose_raw(std::forward<Args>(args)...));
+  }
+
+ private:
+  template <class... Args>
+  static std::string compose_raw(Args&&... args) {
+    std::ostringstream s;
+    (s << ... << std::forward<Args>(args));
+    return s.str();
+  }
+  template <class... Args>
+  std::string compose(Args&&... args) const {
+    return (all_ranks_ ? "[rank " + std::to_string(rank_) + "] " : std::string()) + compose_raw(std::forward<Args>(args)...);
+  }
+  static void write(std::FILE* to, std::string line) {
+    line += '\n';
+    std::fwrite(line.data(), 1, line.size(), to);
+    std::fflush(to);
+  }
+
+  int rank_;
+  std::FILE* out_;
+  bool all_ranks_ = false;
+};
+
+}  // namespace ddp
+// ---- end <ddp/launch/log.hpp>
+// ---- begin <ddp/launch/progress.hpp>
+/// \file A progress bar for training loops, drawn by rank 0 only: step/total, loss, samples/s and ETA.
+/// On a terminal it redraws one line with '\r'; otherwise (logs, pipes) it prints a plain line every
+/// tenth of the way and at the end, so log files stay readable.
+
+
+
+namespace ddp {
+
+/// Progress of one loop of `total` steps (an epoch), shown on rank 0 and silent on the others.
+class progress_bar {
+ public:
+  using clock = std::chrono::steady_clock;  ///< time source
+
+  /// A bar titled `label` for `total` steps, drawn when `rank` is 0, on `out` (stderr by default).
+  progress_bar(int rank, std::size_t total, std::string label, std::FILE* out = stderr)
+      : enabled_(rank == 0), tty_(enabled_ && ::isatty(::fileno(out)) == 1), total_(total), label_(std::move(label)),
+        out_(out), start_(clock::now()), last_draw_(start_) {}
+  /// A bar for the rank of `comm`.
+  template <class Comm>
+    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
+  progress_bar(const Comm& comm, std::size_t total, std::string label, std::FILE* out = stderr)
+      : progress_bar(comm.rank(), total, std::move(label), out) {}
+  progress_bar(const progress_bar&) = delete;
+  progress_bar& operator=(const progress_bar&) = delete;
+  /// Ends the line on a terminal if finish() was not called.
+  ~progress_bar() { if (tty_ && !finished_ && step_ > 0) std::fputc('\n', out_); }
+
+  /// One more step done, which processed `samples` samples (all ranks together, or this rank's: say so in the
+  /// label) with loss `loss` (shown as a running mean over the loop).
+  void step(double loss, std::size_t samples) {
+    ++step_;
+    samples_ += samples;
+    loss_sum_ += loss;
+    if (!enabled_) return;
+    const auto now = clock::now();
+    if (tty_) {
+      if (now - last_draw_ >= std::chrono::milliseconds(100) || step_ == total_) draw(now, '\r');
+    } else if (total_ > 0 && (step_ * 10 / total_ != (step_ - 1) * 10 / total_) && step_ != total_) {
+      draw(now, '\n');
+    }
+  }
+  /// Draws the final state and ends the line.
+  void finish() {
+    if (!enabled_ || finished_) return;
+    finished_ = true;
+    draw(clock::now(), tty_ ? '\r' : '\n');
+    if (tty_) std::fputc('\n', out_);
+    std::fflush(out_);
+  }
+
+  /// Steps done so far.
+  [[nodiscard]] std::size_t steps() const noexcept { return step_; }
+  /// Mean of the losses passed to step().
+  [[nodiscard]] double mean_loss() const noexcept { return step_ ? loss_sum_ / static_cast<double>(step_) : 0.0; }
+  /// Samples per second since construction.
+  [[nodiscard]] double samples_per_second() const noexcept {
+    const double s = std::chrono::duration<double>(clock::now() - start_).count();
+    return s > 0 ? static_cast<double>(samples_) / s : 0.0;
+  }
+  /// The line as drawn now ("label 120/469 [=====>    ] loss 0.4321 | 12345 samples/s | ETA 0:12").
+  [[nodiscard]] std::string line() const { return render(clock::now()); }
+
+ private:
+  static std::string clock_text(double seconds) {
+    const auto s = static_cast<long long>(seconds + 0.5);
+    char buf[32];
+    if (s >= 3600)
+      std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+    else
+      std::snprintf(buf, sizeof buf, "%lld:%02lld", s / 60, s % 60);
+    return buf;
+  }
+  std::string render(clock::time_point now) const {
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    constexpr std::size_t width = 24;
+    const std::size_t filled = total_ ? std::min(width, step_ * width / total_) : width;
+    std::string bar(filled, '=');
+    if (filled < width) bar += '>' + std::string(width - filled - 1, ' ');
+    const double rate = elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0;
+    const double eta = step_ > 0 && total_ > step_ ? elapsed / static_cast<double>(step_) * static_cast<double>(total_ - step_) : 0.0;
+    char buf[160];
+    std::snprintf(buf, sizeof buf, " %zu/%zu [%s] loss %.4f | %.0f samples/s | %s %s", step_, total_, bar.c_str(),
+                  mean_loss(), rate, step_ >= total_ ? "took" : "ETA", clock_text(step_ >= total_ ? elapsed : eta).c_str());
+    return label_ + buf;
+  }
+  void draw(clock::time_point now, char end) {
+    last_draw_ = now;
+    std::string text = render(now);
+    if (end == '\r') {
+      text = '\r' + text + "\x1b[K";  // clear what a longer previous line left
+    } else {
+      text += '\n';
+    }
+    std::fwrite(text.data(), 1, text.size(), out_);
+    std::fflush(out_);
+  }
+
+  bool enabled_;
+  bool tty_;
+  std::size_t total_;
+  std::string label_;
+  std::FILE* out_;
+  clock::time_point start_;
+  clock::time_point last_draw_;
+  std::size_t step_ = 0;
+  std::size_t samples_ = 0;
+  double loss_sum_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace ddp
+// ---- end <ddp/launch/progress.hpp>
+// ---- begin <ddp/launch/spawn.hpp>
+/// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
+/// this host with torchrun's environment set, forwards or captures their output line by line, stops
+/// the others when one fails, and reports how every rank ended.
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <csignal>
+#include <initializer_list>
+#include <iostream>
+
+
+namespace ddp::launch {
+
+/// A system call of the launcher itself failed (fork, pipe, socket); native_code() is errno.
+class launch_error : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// A rank of a spawned job failed; rank() is the rank that failed first, native_code() its exit status
+/// as a shell reports it (the exit code, or 128 + signal).
+class job_failed : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// What happens to the ranks' stdout and stderr.
+enum class output_mode {
+  forward,  ///< every line goes to the launcher's own stdout/stderr, prefixed with "[rank R] "
+  capture,  ///< stdout and stderr of each rank are kept, in order, in rank_status::output
+};
+
+/// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
+using env_list = std::vector<std::pair<std::string, std::string>>;
+
+/// How to start a job; every field has a working default.
+struct spawn_options {
+  std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
+  std::string master_addr = "127.0.0.1";       ///< MASTER_ADDR
+  std::string token;                           ///< DDP_TOKEN; empty: the launcher's own, else 128 random bits
+  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
+  std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
+  output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
+  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
+  /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
+  /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
+  const volatile std::sig_atomic_t* interrupt = nullptr;
+};
+
+/// How one rank ended.
+struct rank_status {
+  int rank = 0;                     ///< the rank
+  int exit_code = -1;               ///< its exit code, -1 when a signal ended it
+  int signal = 0;                   ///< the signal that ended it, 0 when it exited
+  bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
+  bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::string output;               ///< its stdout and stderr (output_mode::capture only)
+
+  /// Exited with status 0.
+  [[nodiscard]] bool ok() const noexcept { return exit_code == 0; }
+  /// The status as a shell reports it: the exit code, or 128 + signal.
+  [[nodiscard]] int shell_status() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
+  /// "exit code 3", "signal 9 (Killed)".
+  [[nodiscard]] std::string describe() const {
+    if (unknown_status)
+      return "an unknown status (waitpid failed with ECHILD; do not set SIGCHLD to SIG_IGN while spawning)";
+    if (signal == 0) return "exit code " + std::to_string(exit_code);
+    return "signal " + std::to_string(signal) + " (" + ::strsignal(signal) + ")";
+  }
+};
+
+/// The outcome of a job: every rank's status and which one failed first.
+struct spawn_result {
+  std::vector<rank_status> ranks;  ///< indexed by rank
+  int first_failed = -1;           ///< the rank that failed first, -1 when none did
+  bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
+  int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
+  std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
+  std::string token;               ///< the DDP_TOKEN the ranks got
+
+  /// Every rank exited with status 0.
+  [[nodiscard]] bool ok() const noexcept {
+    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
+           std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
+  }
+  /// The job's status as a program should exit with: 0; the first failing rank's shell status;
+  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
+  [[nodiscard]] int exit_status() const noexcept {
+    if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
+    if (timed_out) return 124;
+    if (interrupted_by != 0) return 128 + interrupted_by;
+    return 0;
+  }
+  /// One paragraph for humans: what failed first and how every other rank ended.
+  [[nodiscard]] std::string describe() const {
+    std::string s;
+    if (first_failed >= 0)
+      s = "rank " + std::to_string(first_failed) + " failed first with " +
+          ranks[static_cast<std::size_t>(first_failed)].describe();
+    else if (timed_out)
+      s = "the job did not finish within its timeout and was stopped";
+    else if (interrupted_by != 0)
+      s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
+    else
+      s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
+    if (ok()) return s;
+    for (const auto& r : ranks) {
+      if (r.rank == first_failed) continue;
+      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
+      if (r.stopped_by_launcher) s += " (stopped by the launcher)";
+    }
+    return s;
+  }
+  /// Throws ddp::launch::job_failed with describe() unless ok().
+  void throw_if_failed() const {
+    if (ok()) return;
+    throw job_failed(describe() + "; see the ranks' output above for the cause", first_failed, exit_status());
+  }
+};
+
+namespace detail {
+
+[[noreturn]] inline void throw_errno(const std::string& what) {
+  const int code = errno;
+  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
+                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
+                     -1, code);
+}
+
+/// A TCP port free on every interface right now (bind port 0, read it back, close).
+inline std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    const int code = errno;
+    ::close(fd);
+    errno = code;
+    throw_errno("bind a socket to port 0 to find a free port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// 128 random bits as 32 hex digits.
+inline std::string random_token() {
+  std::random_device rd;
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t w = rd();
+    for (int b = 28; b >= 0; b -= 4) s += digits[(w >> b) & 0xFU];
+  }
+  return s;
+}
+
+/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
+inline void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t k = ::write(fd, data.data(), data.size());
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return;
+    data.remove_prefix(static_cast<std::size_t>(k));
+  }
+}
+
+/// One pipe from a rank: where its bytes go and the unfinished line.
+struct stream {
+  int rank = 0;
+  int fd = -1;         ///< read end, -1 once closed
+  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
+  std::string pending; ///< forward: bytes after the last newline
+};
+
+/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
+inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
+  if (s.target < 0) {
+    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
+    return;
+  }
+  s.pending.append(data, n);
+  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  std::string out;
+  std::size_t start = 0;
+  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
+    out += prefix;
+    out.append(s.pending, start, nl + 1 - start);
+    start = nl + 1;
+  }
+  s.pending.erase(0, start);
+  write_all(s.target, out);
+}
+
+/// The rank closed the stream: a last line without a newline still goes out, with one.
+inline void finish(stream& s) {
+  if (s.fd >= 0) ::close(s.fd);
+  s.fd = -1;
+  if (s.target >= 0 && !s.pending.empty()) {
+    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
+    s.pending.clear();
+  }
+}
+
+/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte.
+inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks) {
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    if (streams[i].fd >= 0) {
+      fds.push_back({streams[i].fd, POLLIN, 0});
+      which.push_back(i);
+    }
+  if (fds.empty()) {
+    if (wait_ms > 0) ::poll(nullptr, 0, wait_ms);
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
+  char buf[16384];
+  for (std::size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    stream& s = streams[which[k]];
+    const ssize_t got = ::read(s.fd, buf, sizeof buf);
+    if (got > 0)
+      deliver(s, buf, static_cast<std::size_t>(got), ranks);
+    else if (got == 0 || errno != EINTR)
+      finish(s);
+  }
+}
+
+/// The child's side after fork: environment, output pipes, body, exit status.
+[[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
+                                   const std::string& token, int out_fd, int err_fd,
+                                   const std::vector<stream>& parent_ends, const std::function<void(int)>& body) {
+  for (const auto& s : parent_ends)
+    if (s.fd >= 0) ::close(s.fd);
+  // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
+  // stops ranks with SIGTERM and reports crashes by their signal.
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(out_fd, STDOUT_FILENO);
+  ::dup2(err_fd, STDERR_FILENO);
+  if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
+  if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
+  const std::string r = std::to_string(rank);
+  const std::string w = std::to_string(n);
+  ::setenv("RANK", r.c_str(), 1);
+  ::setenv("WORLD_SIZE", w.c_str(), 1);
+  ::setenv("LOCAL_RANK", r.c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+  ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", port.c_str(), 1);
+  ::setenv("DDP_TOKEN", token.c_str(), 1);
+  int code = 0;
+  try {
+    if (o.extra_env)
+      for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
+    body(rank);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
+    code = 1;
+  } catch (...) {
+    std::cerr << "rank " << rank
+              << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
+                 "reported above, or a thrown non-std type)\n";
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::_exit(code);  // no atexit handlers: they belong to the parent's copy of the program
+}
+
+/// Records how `pid` ended in `r` from a waitpid status.
+inline void record(rank_status& r, int status) {
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signal = WTERMSIG(status);
+  }
+}
+
+}  // namespace detail
+
+/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
+/// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
+/// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
+/// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
+/// and so do all after options.timeout.
+/// Throws ddp::config_error for bad arguments and ddp::launch::launch_error when fork or pipe fails.
+inline spawn_result spawn(int n, const std::function<void(int rank)>& body, const spawn_options& options = {}) {
+  using clock = std::chrono::steady_clock;
+  if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
+  if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
+  spawn_result result;
+  result.port = options.port != 0 ? options.port : detail::free_port();
+  if (!options.token.empty()) {
+    result.token = options.token;
+  } else if (const char* inherited = std::getenv("DDP_TOKEN"); inherited != nullptr && *inherited != '\0') {
+    result.token = inherited;
+  } else {
+    result.token = detail::random_token();
+  }
+  const std::string port = std::to_string(result.port);
+  result.ranks.resize(static_cast<std::size_t>(n));
+  std::vector<pid_t> pids(static_cast<std::size_t>(n), -1);
+  std::vector<detail::stream> streams;
+  const bool forward = options.output == output_mode::forward;
+
+  // Stops every rank still running: SIGTERM now, SIGKILL once the grace period is over.
+  std::optional<clock::time_point> kill_at;
+  const auto stop_all = [&] {
+    if (kill_at) return;
+    for (std::size_t r = 0; r < pids.size(); ++r)
+      if (pids[r] > 0) {
+        ::kill(pids[r], SIGTERM);
+        result.ranks[r].stopped_by_launcher = true;
+      }
+    kill_at = clock::now() + options.grace;
+  };
+
+  // A pipe or fork failed while starting rank r: kill the ranks already started, reap them, throw.
+  const auto abandon = [&](const std::string& what, std::initializer_list<int> fds) {
+    const int code = errno;
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    for (pid_t p : pids)
+      if (p > 0) ::kill(p, SIGKILL);
+    for (auto& s : streams) detail::finish(s);
+    for (pid_t p : pids)
+      if (p > 0) ::waitpid(p, nullptr, 0);
+    errno = code;
+    detail::throw_errno(what);
+  };
+
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
+  for (int r = 0; r < n; ++r) {
+    result.ranks[static_cast<std::size_t>(r)].rank = r;
+    int out[2] = {-1, -1};
+    int err[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) != 0 || (forward && ::pipe2(err, O_CLOEXEC) != 0))
+      abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1]});
+    if (!forward) err[1] = out[1];
+    const pid_t pid = ::fork();
+    if (pid < 0) abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
+    if (pid == 0) {
+      if (err[0] >= 0) ::close(err[0]);
+      ::close(out[0]);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], streams, body);
+    }
+    pids[static_cast<std::size_t>(r)] = pid;
+    ::close(out[1]);
+    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
+    if (forward) {
+      ::close(err[1]);
+      streams.push_back({r, err[0], STDERR_FILENO, {}});
+    }
+  }
+
+  const auto deadline =
+      options.timeout.count() > 0 ? std::optional<clock::time_point>(clock::now() + options.timeout) : std::nullopt;
+  int running = n;
+  constexpr int tick_ms = 20;  // how often exits, deadlines and interrupts are looked at
+  while (running > 0) {
+    detail::pump(streams, tick_ms, result.ranks);
+    if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
+      result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
+      stop_all();
+    }
+    for (std::size_t r = 0; r < pids.size(); ++r) {
+      if (pids[r] <= 0) continue;
+      int status = 0;
+      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno != ECHILD)) continue;
+      pids[r] = -1;
+      --running;
+      if (got < 0)
+        result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
+      else
+        detail::record(result.ranks[r], status);
+      if (!result.ranks[r].ok() && !result.ranks[r].stopped_by_launcher && result.first_failed < 0 &&
+          !result.timed_out && result.interrupted_by == 0) {
+        result.first_failed = static_cast<int>(r);
+        if (options.stop_on_failure) stop_all();
+      }
+    }
+    const auto now = clock::now();
+    if (deadline && now >= *deadline && running > 0 && !result.timed_out && !kill_at) {
+      result.timed_out = true;
+      stop_all();
+    }
+    if (kill_at && now >= *kill_at)
+      for (pid_t p : pids)
+        if (p > 0) ::kill(p, SIGKILL);
+  }
+  // Everyone has exited: take what is left in the pipes (a grandchild holding a pipe open gets 200 ms).
+  const auto drain_until = clock::now() + std::chrono::milliseconds(200);
+  while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
+         clock::now() < drain_until)
+    detail::pump(streams, tick_ms, result.ranks);
+  for (auto& s : streams) detail::finish(s);
+  return result;
+}
+
+/// Spawns `n` copies of the program argv[0] (looked up in PATH) with arguments argv[1..], each with
+/// the ranks' environment; a program that cannot be started exits 127 with the reason on its stderr.
+inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, const spawn_options& options = {}) {
+  if (argv.empty() || argv.front().empty())
+    throw ddp::config_error("spawn_program needs a program to run; pass its name and arguments");
+  return spawn(
+      n,
+      [&argv](int) {
+        std::vector<char*> args;
+        args.reserve(argv.size() + 1);
+        for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+        args.push_back(nullptr);
+        ::execvp(args[0], args.data());
+        const int code = errno;
+        const std::string msg = "cannot run '" + argv.front() + "': " + std::strerror(code) +
+                                "; check the program's name, PATH and permissions\n";
+        detail::write_all(STDERR_FILENO, msg);
+        ::_exit(127);
+      },
+      options);
+}
+
+}  // namespace ddp::launch
+// ---- end <ddp/launch/spawn.hpp>
+
+#if defined(DDP_WITH_MPI)
+// ---- begin <ddp/comm/mpi/communicator.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
+/// \file ddp::mpi::communicator: the ddp::communicator over MPI (Open MPI). Collectives larger than
+/// config::eager_bytes run asynchronously through MPI's non-blocking calls (MPI_Iallreduce,
+/// MPI_Ireduce_scatter_block, ...); smaller ones run MPI's blocking call (MPI_Allreduce, ...), which Open MPI
+/// completes faster, and return a completed ddp::work. Barrier, send and recv are always non-blocking.
+///
+/// Conventions:
+/// - avg is an MPI sum followed by a division by size() on this rank once the operation completes;
+///   integer dtypes use integer division (truncation toward zero), bf16/f16 divide in float.
+/// - bf16 and f16 travel as user-defined 2-byte MPI datatypes; their sum/min/max/prod operators compute in
+///   float and round each partial result back to the 2-byte type.
+/// - stats() counts the payload bytes this rank must send in the algorithm-independent accounting (B is the
+///   byte size of this rank's buffer argument, N = size()): all_reduce 2(N-1)/N·B, reduce_scatter (N-1)/N·B_in,
+///   all_gather (N-1)·B_in, all_to_all (N-1)/N·B_in, broadcast B on the root, reduce and gather B on every
+///   non-root, scatter (N-1)/N·B_in on the root, send B, recv and barrier 0.
+/// - Device (CUDA) buffers go straight to MPI when it is CUDA-aware (MPIX_Query_cuda_support(), checked at run
+///   time) for every operation except avg and bf16/f16 reductions, which compute on the host; otherwise a device
+///   buffer raises ddp::error (host staging comes with the CUDA backend).
+
+// ---- begin <ddp/comm/mpi/datatypes.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_DATATYPES_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_MPI_DATATYPES_HPP
+/// \file MPI datatypes and reduction operators for ddp's dtypes and reduce_ops, including the user-defined
+/// bf16/f16 types (2 contiguous bytes) and their sum/min/max/prod operators, which compute in float.
+
+// ddp uses MPI's C API only: keep Open MPI's and MPICH's deprecated C++ bindings (libmpi_cxx) out.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+
+namespace ddp::mpi::detail {
+
+/// The message of MPI error `code`: "MPI_ERR_TRUNCATE: message truncated" style text from MPI_Error_string.
+inline std::string error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "unknown MPI error";
+  return std::string(text, static_cast<std::size_t>(std::max(length, 0)));
+}
+
+/// Throws ddp::mpi_error "`what` failed: <MPI's text> (MPI error N); <hint>" when `code` is not MPI_SUCCESS.
+inline void check(int code, const std::string& what, int rank) {
+  if (code == MPI_SUCCESS) return;
+  throw mpi_error(what + " failed: " + error_text(code) + " (MPI error " + std::to_string(code) +
+                      "); check that every rank of the group makes the same calls in the same order with matching "
+                      "counts, dtypes, roots and tags",
+                  rank, code);
+}
+
+/// Process-wide MPI handles for the 2-byte float types: created once, after MPI_Init, released by MPI_Finalize.
+struct half_handles {
+  MPI_Datatype bf16 = MPI_DATATYPE_NULL;        ///< 2 contiguous bytes holding a ddp::bfloat16
+  MPI_Datatype f16 = MPI_DATATYPE_NULL;         ///< 2 contiguous bytes holding a ddp::float16
+  std::array<MPI_Op, 4> ops{};                  ///< sum, min, max, prod over either type
+};
+
+inline const half_handles& half_types();
+
+/// Combines `in` into `inout` element-wise as float, rounding each result back to T.
+template <class T, class F>
+void combine_as(const void* in, void* inout, int length, F f) {
+  const auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < length; ++i) b[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+
+/// The MPI_User_function of reduce_op Op over bf16 or f16 (told apart by the datatype handle).
+template <reduce_op Op>
+void half_reduce(void* in, void* inout, int* length, MPI_Datatype* type) {
+  const auto f = [](float a, float b) {
+    if constexpr (Op == reduce_op::min) return std::min(a, b);
+    else if constexpr (Op == reduce_op::max) return std::max(a, b);
+    else if constexpr (Op == reduce_op::prod) return a * b;
+    else return a + b;  // sum; avg is a sum scaled afterwards
+  };
+  if (*type == half_types().bf16) combine_as<bfloat16>(in, inout, *length, f);
+  else combine_as<float16>(in, inout, *length, f);
+}
+
+inline const half_handles& half_types() {
+  static const half_handles handles = [] {
+    half_handles h;
+    const auto make_type = [](MPI_Datatype& t) {
+      check(MPI_Type_contiguous(2, MPI_BYTE, &t), "MPI_Type_contiguous for a 2-byte float type", -1);
+      check(MPI_Type_commit(&t), "MPI_Type_commit for a 2-byte float type", -1);
+    };
+    make_type(h.bf16);
+    make_type(h.f16);
+    const std::array<MPI_User_function*, 4> functions{&half_reduce<reduce_op::sum>, &half_reduce<reduce_op::min>,
+                                                      &half_reduce<reduce_op::max>, &half_reduce<reduce_op::prod>};
+    for (std::size_t i = 0; i < functions.size(); ++i)
+      check(MPI_Op_create(functions[i], /*commute=*/1, &h.ops[i]), "MPI_Op_create for a 2-byte float operator", -1);
+    return h;
+  }();
+  return handles;
+}
+
+/// The MPI datatype of `t`.
+inline MPI_Datatype datatype(dtype t) {
+  switch (t) {
+    case dtype::f64: return MPI_DOUBLE;
+    case dtype::bf16: return half_types().bf16;
+    case dtype::f16: return half_types().f16;
+    case dtype::i32: return MPI_INT32_T;
+    case dtype::i64: return MPI_INT64_T;
+    case dtype::u8: return MPI_UINT8_T;
+    case dtype::f32: break;
+  }
+  return MPI_FLOAT;
+}
+
+/// The MPI operator reducing `t` with `op` (avg reduces with the sum; the caller scales afterwards).
+inline MPI_Op reduction(reduce_op op, dtype t) {
+  const bool half = t == dtype::bf16 || t == dtype::f16;
+  switch (op) {
+    case reduce_op::min: return half ? half_types().ops[1] : MPI_MIN;
+    case reduce_op::max: return half ? half_types().ops[2] : MPI_MAX;
+    case reduce_op::prod: return half ? half_types().ops[3] : MPI_PROD;
+    case reduce_op::sum: case reduce_op::avg: break;
+  }
+  return half ? half_types().ops[0] : MPI_SUM;
+}
+
+}  // namespace ddp::mpi::detail
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_DATATYPES_HPP
+// ---- end <ddp/comm/mpi/datatypes.hpp>
+
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+
+namespace ddp::mpi {
+
+/// Settings of an MPI communicator, shared by the groups split from it.
+///
+/// MPI moves a non-blocking operation forward only inside MPI calls, so a wait polls MPI_Test: back to back for
+/// `spin` (as MPI_Wait does, so short operations see MPI's own latency; Open MPI's progress loop yields the core
+/// by itself on a host running more ranks than cores), then sleeping between polls, the sleeps growing from
+/// 1 µs to `max_sleep`, so that a long operation neither burns a core nor stalls for long.
+///
+/// Open MPI's non-blocking collectives (libnbc) are slower than its blocking ones (coll/tuned) on small
+/// buffers: a collective of at most `eager_bytes` (see communicator::eager) therefore runs MPI's blocking call
+/// inside the ddp call and returns a completed work. Such a call cannot time out (a stuck peer blocks it) and
+/// overlaps nothing; 0 makes every collective non-blocking.
+struct config {
+  /// How long wait() waits before it raises ddp::timeout_error.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// How long a wait polls back to back before it starts sleeping between polls.
+  std::chrono::microseconds spin{std::chrono::milliseconds(5)};
+  /// The longest sleep between two polls after that.
+  std::chrono::microseconds max_sleep{50};
+  /// Collectives on at most this many bytes run blocking and complete on launch; must be equal on every rank.
+  std::size_t eager_bytes{std::size_t{256} << 10};
+};
+
+namespace detail {
+
+/// True once MPI_Finalize has run (handles must not be touched any more).
+inline bool finalized() noexcept {
+  int done = 0;
+  MPI_Finalized(&done);
+  return done != 0;
+}
+
+/// Initializes MPI once (MPI_THREAD_MULTIPLE) and finalizes it at exit if this library initialized it.
+/// Before MPI_Init it selects libnbc's Rabenseifner all-reduce (reduce-scatter then all-gather) unless
+/// OMPI_MCA_coll_libnbc_iallreduce_algorithm is set: Open MPI 4.1 otherwise runs in-place MPI_Iallreduce as a
+/// binomial reduce + broadcast, up to twice as slow as blocking MPI_Allreduce on large buffers.
+class runtime {
+ public:
+  /// Makes sure MPI is initialized; argc/argv may be null.
+  static void ensure(int* argc, char*** argv) { static const runtime instance(argc, argv); }
+  runtime(const runtime&) = delete;
+  runtime& operator=(const runtime&) = delete;
+  ~runtime() {
+    if (owned_ && !finalized()) MPI_Finalize();
+  }
+
+ private:
+  runtime(int* argc, char*** argv) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized != 0) return;  // the application owns MPI; it finalizes it too
+    ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3", /*overwrite=*/0);
+    int provided = 0;
+    check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread", -1);
+    owned_ = true;
+  }
+  bool owned_ = false;
+};
+
+/// Keeps MPI_ERRORS_RETURN on a communicator ddp does not own while any wrapper of it lives, then restores the
+/// handler it had before the first one; wrappers are counted, so the order they go away in does not matter.
+class borrowed_error_handlers {
+ public:
+  static void acquire(MPI_Comm comm, int rank) {
+    std::lock_guard lock(mutex());
+    entry& e = entries()[comm];
+    if (e.users == 0) {
+      check(MPI_Comm_get_errhandler(comm, &e.previous), "MPI_Comm_get_errhandler", rank);
+      check(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
+    }
+    ++e.users;
+  }
+  static void release(MPI_Comm comm) {
+    std::lock_guard lock(mutex());
+    const auto it = entries().find(comm);
+    if (it == entries().end() || --it->second.users > 0) return;
+    MPI_Comm_set_errhandler(comm, it->second.previous);
+    MPI_Errhandler_free(&it->second.previous);
+    entries().erase(it);
+  }
+
+ private:
+  struct entry {
+    int users = 0;
+    MPI_Errhandler previous = MPI_ERRHANDLER_NULL;
+  };
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<MPI_Comm, entry>& entries() {
+    static std::map<MPI_Comm, entry> e;
+    return e;
+  }
+};
+
+/// The state every copy of a communicator shares: the MPI_Comm, its settings and its counters.
+struct group {
+  group(MPI_Comm c, bool own, config settings) : comm(c), owned(own), cfg(settings) {
+    check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
+    check(MPI_Comm_size(comm, &size), "MPI_Comm_size", rank);
+    void* value = nullptr;
+    int found = 0;
+    check(MPI_Comm_get_attr(comm, MPI_TAG_UB, &value, &found), "MPI_Comm_get_attr(MPI_TAG_UB)", rank);
+    if (found != 0) max_tag = *static_cast<int*>(value);
+    if (owned) check(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
+    else borrowed_error_handlers::acquire(comm, rank);
+  }
+  group(const group&) = delete;
+  group& operator=(const group&) = delete;
+  ~group() {
+    if (finalized()) return;
+    if (owned) MPI_Comm_free(&comm);
+    else borrowed_error_handlers::release(comm);
+  }
+
+  MPI_Comm comm;
+  bool owned;
+  config cfg;
+  int rank = 0;
+  int size = 1;
+  int max_tag = 32767;  // the MPI standard's guaranteed minimum of MPI_TAG_UB
+  ddp::detail::stats_counter stats;
+  std::atomic<std::uint64_t> sequence{0};
+};
+
+/// What an operation is, for messages: "all_reduce(sum) of 1024 f32 in an MPI group of 4 (sequence 17)".
+struct op_info {
+  collective kind = collective::barrier;
+  const char* name = "barrier";
+  std::optional<reduce_op> op;
+  dtype type = dtype::u8;
+  std::size_t count = 0;
+  int peer = -1;  ///< root, or the other rank of a send/recv
+  int tag = -1;
+  std::uint64_t sequence = 0;
+  int group_size = 1;
+  bool receive = false;  ///< a recv (cancelled when dropped incomplete)
+};
+
+/// The phrase naming an operation in messages.
+inline std::string describe(const op_info& info) {
+  std::string s = info.name;
+  if (info.op) s += "(" + std::string(to_string(*info.op)) + ")";
+  if (info.kind != collective::barrier)
+    s += " of " + std::to_string(info.count) + " " + std::string(to_string(info.type));
+  if (info.kind == collective::send_recv)
+    s += (info.receive ? " from rank " : " to rank ") + std::to_string(info.peer) + " tag " + std::to_string(info.tag);
+  else if (info.peer >= 0)
+    s += " rooted at rank " + std::to_string(info.peer);
+  return s + " in an MPI group of " + std::to_string(info.group_size) + " (sequence " + std::to_string(info.sequence) +
+         ")";
+}
+
+/// One operation from its call to its completion: what it is, and what must happen or stay alive until then.
+struct operation {
+  op_info info;
+  raw_tensor average;              ///< avg: divided by the group size on completion (empty otherwise)
+  std::vector<std::byte> scratch;  ///< a copy of an input that overlaps the output, alive until done
+};
+
+/// Divides every element of `t` by `n`: integers truncate toward zero, bf16/f16 divide in float.
+inline void divide(const raw_tensor& t, int n) {
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_integral_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
+    } else {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    }
+  });
+}
+
+/// One in-flight MPI request; polled with MPI_Test.
+class request_state final : public ddp::detail::work_state {
+ public:
+  request_state(std::shared_ptr<group> g, operation op) : group_(std::move(g)), op_(std::move(op)) {}
+  request_state(const request_state&) = delete;
+  request_state& operator=(const request_state&) = delete;
+
+  /// Drops an incomplete operation: a recv is cancelled; anything else is waited for up to the timeout, since
+  /// MPI cannot cancel collectives (past the timeout a send's request is freed and a collective's abandoned).
+  ~request_state() override {
+    if (done_ || request == MPI_REQUEST_NULL || finalized()) return;
+    if (op_.info.receive) {
+      MPI_Cancel(&request);
+      MPI_Wait(&request, MPI_STATUS_IGNORE);
+      return;
+    }
+    try {
+      if (wait_until(clock::now() + group_->cfg.timeout)) return;
+    } catch (const std::exception&) {  // a destructor reports nothing; the error was the caller's to wait for
+      return;
+    }
+    if (op_.info.kind == collective::send_recv) MPI_Request_free(&request);
+  }
+
+  bool test() override {
+    std::lock_guard lock(mutex_);
+    return poll();
+  }
+
+  bool wait_until(clock::time_point deadline) override {
+    if (test()) return true;  // the common case for short operations, before any clock reading
+    const auto start = clock::now();
+    std::chrono::microseconds pause{0};
+    for (unsigned polls = 1;; ++polls) {
+      if (test()) return true;
+      if (pause.count() == 0 && polls % 64 != 0) continue;  // while spinning, read the clock every 64 polls
+      const auto now = clock::now();
+      if (now >= deadline) return false;
+      if (now - start < group_->cfg.spin) continue;
+      pause = std::clamp(pause * 2, std::chrono::microseconds(1), group_->cfg.max_sleep);
+      std::this_thread::sleep_for(std::min<clock::duration>(pause, deadline - now));
+    }
+  }
+
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return group_->cfg.timeout; }
+  [[nodiscard]] int rank() const override { return group_->rank; }
+  [[nodiscard]] std::string describe() const override { return detail::describe(op_.info); }
+
+  MPI_Request request = MPI_REQUEST_NULL;  ///< the MPI request to poll
+
+ private:
+  /// One MPI_Test; finishes avg on completion. The caller holds mutex_.
+  bool poll() {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    int flag = 0;
+    const int code = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) {
+      done_ = true;
+      try {
+        check(code, describe(), group_->rank);
+      } catch (const mpi_error&) {
+        error_ = std::current_exception();
+      }
+      std::rethrow_exception(error_);
+    }
+    if (flag == 0) return false;
+    if (op_.average.size != 0) divide(op_.average, op_.info.group_size);
+    op_.scratch = {};
+    done_ = true;
+    return true;
+  }
+
+  std::shared_ptr<group> group_;
+  operation op_;
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// A group of MPI processes modelling ddp::communicator. Copies share the group; the last copy frees an
+/// MPI_Comm this library created (split); an MPI_Comm it was given returns errors while any communicator wraps it,
+/// and gets its own error handler back after the last one.
+class communicator : public ddp::detail::object_collectives<communicator> {
+ public:
+  /// MPI_COMM_WORLD, initializing MPI (MPI_THREAD_MULTIPLE) on first use and finalizing it at exit.
+  static communicator world(int& argc, char**& argv, config settings = {}) {
+    detail::runtime::ensure(&argc, &argv);
+    return communicator(MPI_COMM_WORLD, settings);
+  }
+  /// MPI_COMM_WORLD, initializing MPI without the program's arguments.
+  static communicator world(config settings = {}) {
+    detail::runtime::ensure(nullptr, nullptr);
+    return communicator(MPI_COMM_WORLD, settings);
+  }
+  /// Wraps an existing communicator without taking ownership: MPI must be initialized and `comm` must outlive
+  /// every copy. Its error handler is MPI_ERRORS_RETURN while a copy lives, then restored.
+  explicit communicator(MPI_Comm comm, config settings = {})
+      : group_(std::make_shared<detail::group>(comm, false, settings)) {}
+
+  /// This process's rank in the group.
+  [[nodiscard]] int rank() const noexcept { return group_->rank; }
+  /// Number of processes in the group.
+  [[nodiscard]] int size() const noexcept { return group_->size; }
+  /// The underlying MPI communicator.
+  [[nodiscard]] MPI_Comm native_handle() const noexcept { return group_->comm; }
+  /// The settings this group runs with.
+  [[nodiscard]] const config& settings() const noexcept { return group_->cfg; }
+  /// Bytes sent and operations started so far (see the file comment for the byte accounting).
+  [[nodiscard]] comm_stats stats() const noexcept { return group_->stats.snapshot(); }
+
+  /// True when the MPI library reports CUDA support at run time (MPIX_Query_cuda_support).
+  [[nodiscard]] static bool cuda_aware() noexcept {
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }
+
+  /// Collective: ranks with the same color (≥ 0) form a new group, ordered by key, then by rank here.
+  [[nodiscard]] communicator split(int color, int key) const {
+    if (color < 0)
+      throw error("split: color " + std::to_string(color) + " is negative; pass a color >= 0 on every rank",
+                  rank());
+    MPI_Comm out = MPI_COMM_NULL;
+    detail::check(MPI_Comm_split(group_->comm, color, key, &out),
+                  "split(color " + std::to_string(color) + ", key " + std::to_string(key) + ")", rank());
+    return communicator(std::make_shared<detail::group>(out, true, group_->cfg));
+  }
+
+  /// Reduces `buffer` in place across the group.
+  template <tensor T>
+  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
+    const raw_tensor b = as_raw(buffer);
+    auto o = start(collective::all_reduce, "all_reduce", op, b, -1);
+    device_check(o, b, op);
+    if (op == reduce_op::avg) o.average = b;
+    const int n = count_of(o, b.size);
+    return launch(std::move(o), share(b.bytes(), 2), b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data,
+                  n, detail::datatype(b.type), detail::reduction(op, b.type), group_->comm);
+  }
+
+  /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
+  template <tensor In, tensor Out>
+  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    auto o = start(collective::reduce_scatter, "reduce_scatter", op, out, -1);
+    same_type(o, in, out);
+    blocks(o, in.size, out.size, "input", "output");
+    device_check(o, in, op);
+    device_check(o, out, op);
+    if (op == reduce_op::avg) o.average = out;
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(o, out.size);
+    return launch(std::move(o), share(in.bytes(), 1), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block,
+                  src, out.data, n, detail::datatype(out.type), detail::reduction(op, out.type), group_->comm);
+  }
+
+  /// Gathers k elements from every rank into N·k elements, rank r's at block r.
+  template <tensor In, tensor Out>
+  work all_gather(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    auto o = start(collective::all_gather, "all_gather", std::nullopt, in, -1);
+    same_type(o, in, out);
+    blocks(o, out.size, in.size, "output", "input");
+    device_check(o, in, std::nullopt);
+    device_check(o, out, std::nullopt);
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(o, in.size);
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), static_cast<std::uint64_t>(size() - 1) * in.bytes(), out.bytes(), MPI_Allgather,
+                  MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
+  }
+
+  /// Copies root's `buffer` to every rank.
+  template <tensor T>
+  work broadcast(T&& buffer, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    auto o = start(collective::broadcast, "broadcast", std::nullopt, b, root);
+    check_rank(o, root, "root");
+    device_check(o, b, std::nullopt);
+    const int n = count_of(o, b.size);
+    const std::uint64_t sent = rank() == root && size() > 1 ? b.bytes() : 0;
+    return launch(std::move(o), sent, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), root,
+                  group_->comm);
+  }
+
+  /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
+  template <tensor T>
+  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    auto o = start(collective::reduce, "reduce", op, b, root);
+    check_rank(o, root, "root");
+    device_check(o, b, op);
+    const bool at_root = rank() == root;
+    if (op == reduce_op::avg && at_root) o.average = b;
+    const int n = count_of(o, b.size);
+    return launch(std::move(o), at_root ? 0 : b.bytes(), b.bytes(), MPI_Reduce, MPI_Ireduce,
+                  at_root ? MPI_IN_PLACE : b.data, at_root ? b.data : nullptr, n, detail::datatype(b.type),
+                  detail::reduction(op, b.type), root, group_->comm);
+  }
+
+  /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
+  template <tensor In, tensor Out>
+  work gather(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    auto o = start(collective::gather, "gather", std::nullopt, in, root);
+    check_rank(o, root, "root");
+    const bool at_root = rank() == root;
+    device_check(o, in, std::nullopt);
+    const void* src = in.data;
+    if (at_root) {
+      same_type(o, in, out);
+      blocks(o, out.size, in.size, "output", "input");
+      device_check(o, out, std::nullopt);
+      src = unaliased(o, in, out);
+    }
+    const int n = count_of(o, in.size);
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), at_root ? 0 : in.bytes(), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t,
+                  at_root ? out.data : nullptr, n, t, root, group_->comm);
+  }
+
+  /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
+  template <tensor In, tensor Out>
+  work scatter(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    auto o = start(collective::scatter, "scatter", std::nullopt, out, root);
+    check_rank(o, root, "root");
+    const bool at_root = rank() == root;
+    device_check(o, out, std::nullopt);
+    const void* src = nullptr;
+    if (at_root) {
+      same_type(o, in, out);
+      blocks(o, in.size, out.size, "input", "output");
+      device_check(o, in, std::nullopt);
+      src = unaliased(o, in, out);
+    }
+    const int n = count_of(o, out.size);
+    const MPI_Datatype t = detail::datatype(out.type);
+    return launch(std::move(o), at_root ? share(in.bytes(), 1) : 0, group_bytes(out), MPI_Scatter, MPI_Iscatter, src,
+                  n, t, out.data, n, t, root, group_->comm);
+  }
+
+  /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
+  template <tensor In, tensor Out>
+  work all_to_all(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    auto o = start(collective::all_to_all, "all_to_all", std::nullopt, in, -1);
+    same_type(o, in, out);
+    if (in.size != out.size || in.size % static_cast<std::size_t>(size()) != 0)
+      fail(o, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
+                  "; both must hold the same multiple of size()=" + std::to_string(size()));
+    device_check(o, in, std::nullopt);
+    device_check(o, out, std::nullopt);
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(o, in.size / static_cast<std::size_t>(size()));
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), share(in.bytes(), 1), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n,
+                  t, group_->comm);
+  }
+
+  /// Completes once every rank of the group has entered the barrier; always non-blocking, so it can time out.
+  work barrier() {
+    auto o = start(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
+    return post(std::move(o), 0, MPI_Ibarrier, group_->comm);
+  }
+
+  /// Sends `buffer` to rank `peer`; matched by the recv on `peer` with the same tag (0 ≤ tag ≤ MPI_TAG_UB).
+  template <tensor T>
+  work send(T&& buffer, int peer, int tag = 0) {
+    const raw_tensor b = as_raw(buffer);
+    auto o = start(collective::send_recv, "send", std::nullopt, b, peer, tag);
+    point_to_point_check(o, b, peer, tag);
+    const int n = count_of(o, b.size);
+    return post(std::move(o), b.bytes(), MPI_Isend, b.data, n, detail::datatype(b.type), peer, tag, group_->comm);
+  }
+
+  /// Receives into `buffer` what rank `peer` sends with `tag`; a bigger message is an error (MPI_ERR_TRUNCATE).
+  template <tensor T>
+  work recv(T&& buffer, int peer, int tag = 0) {
+    const raw_tensor b = as_raw(buffer);
+    auto o = start(collective::send_recv, "recv", std::nullopt, b, peer, tag);
+    o.info.receive = true;
+    point_to_point_check(o, b, peer, tag);
+    const int n = count_of(o, b.size);
+    return post(std::move(o), 0, MPI_Irecv, b.data, n, detail::datatype(b.type), peer, tag, group_->comm);
+  }
+
+  /// True when a collective on `bytes` runs MPI's blocking call and completes on launch (config::eager_bytes).
+  /// `bytes` is the buffer of all_reduce, broadcast and reduce, and the N·k-element side of reduce_scatter,
+  /// all_gather, gather, scatter and all_to_all: the same on every rank, so every rank makes the same choice.
+  [[nodiscard]] bool eager(std::size_t bytes) const noexcept { return bytes <= group_->cfg.eager_bytes; }
+
+ private:
+  explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
+
+  detail::operation start(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& b,
+                          int peer, int tag = -1) {
+    return {detail::op_info{kind, name, op, b.type, b.size, peer, tag,
+                            group_->sequence.fetch_add(1, std::memory_order_relaxed), group_->size},
+            {}, {}};
+  }
+
+  /// Runs a collective on `bytes` (see eager()): eagerly as `blocking(args...)`, returning a completed work that
+  /// carries its error if it failed, or as `nonblocking(args..., &request)` through post().
+  template <class Blocking, class Nonblocking, class... Args>
+  work launch(detail::operation&& o, std::uint64_t bytes_sent, std::size_t bytes, Blocking blocking,
+              Nonblocking nonblocking, const Args&... args) {
+    if (!eager(bytes)) return post(std::move(o), bytes_sent, nonblocking, args...);
+    count(o.info.kind, bytes_sent);
+    if (const int code = blocking(args...); code != MPI_SUCCESS) return failed(o.info, code);
+    if (o.average.size != 0) detail::divide(o.average, size());
+    return work();
+  }
+
+  /// Posts the non-blocking MPI call `nonblocking(args..., &request)`, counts it and wraps the request into a work.
+  template <class Nonblocking, class... Args>
+  work post(detail::operation&& o, std::uint64_t bytes_sent, Nonblocking nonblocking, const Args&... args) {
+    const collective kind = o.info.kind;
+    auto s = std::make_shared<detail::request_state>(group_, std::move(o));
+    if (const int code = nonblocking(args..., &s->request); code != MPI_SUCCESS)
+      detail::check(code, s->describe(), rank());
+    count(kind, bytes_sent);
+    return work(std::move(s));
+  }
+
+  void count(collective kind, std::uint64_t bytes_sent) noexcept {
+    group_->stats.add_call(kind);
+    group_->stats.add_bytes(kind, bytes_sent);
+  }
+
+  /// A completed work that raises the ddp::mpi_error of an eager call that returned `code`.
+  [[nodiscard]] work failed(const detail::op_info& info, int code) const {
+    const std::string what = detail::describe(info);
+    auto state = std::make_shared<ddp::detail::completion>(rank(), group_->cfg.timeout, what);
+    try {
+      detail::check(code, what, rank());
+    } catch (const mpi_error&) {
+      state->fail(std::current_exception());
+    }
+    return work(std::move(state));
+  }
+
+  /// (N-1)/N of `bytes`, times `factor`: what leaves a rank in a reduce-scatter (1) or all-reduce (2).
+  [[nodiscard]] std::uint64_t share(std::size_t bytes, std::uint64_t factor) const noexcept {
+    const auto n = static_cast<std::uint64_t>(size());
+    return factor * static_cast<std::uint64_t>(bytes) * (n - 1) / n;
+  }
+
+  /// N times the bytes of the k-element `block`: the size of a gather or scatter, known on every rank.
+  [[nodiscard]] std::size_t group_bytes(const raw_tensor& block) const noexcept {
+    return block.bytes() * static_cast<std::size_t>(size());
+  }
+
+  [[noreturn]] void fail(const detail::operation& o, const std::string& what) const {
+    throw error(detail::describe(o.info) + ": " + what, rank());
+  }
+
+  int count_of(const detail::operation& o, std::size_t n) const {
+    if (n > static_cast<std::size_t>(INT_MAX))
+      fail(o, "MPI counts elements in an int; split the buffer into pieces of at most " + std::to_string(INT_MAX) +
+                  " elements");
+    return static_cast<int>(n);
+  }
+
+  void same_type(const detail::operation& o, const raw_tensor& a, const raw_tensor& b) const {
+    if (a.type != b.type)
+      fail(o, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
+                  "; pass buffers of one dtype");
+  }
+
+  /// `whole` must hold size() blocks of `block` elements.
+  void blocks(const detail::operation& o, std::size_t whole, std::size_t block, const char* whole_name,
+              const char* block_name) const {
+    if (whole != block * static_cast<std::size_t>(size()))
+      fail(o, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
+                  std::to_string(size()) + " times the " + std::to_string(block) + " elements of the " + block_name);
+  }
+
+  void check_rank(const detail::operation& o, int r, const char* what) const {
+    if (r < 0 || r >= size())
+      fail(o, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
+                  std::to_string(size() - 1) + ")");
+  }
+
+  void point_to_point_check(const detail::operation& o, const raw_tensor& b, int peer, int tag) const {
+    check_rank(o, peer, "peer");
+    if (tag < 0 || tag > group_->max_tag)
+      fail(o, "tag " + std::to_string(tag) + " is outside 0.." + std::to_string(group_->max_tag) +
+                  " (MPI_TAG_UB of this MPI)");
+    device_check(o, b, std::nullopt);
+  }
+
+  /// Device memory needs a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
+  void device_check(const detail::operation& o, const raw_tensor& b, std::optional<reduce_op> op) const {
+    if (!b.where.is_cuda()) return;
+    if (!cuda_aware())
+      fail(o, "the buffer is on " + b.where.to_string() +
+                  " but this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0); use a CUDA-aware Open MPI, "
+                  "copy the buffer to host memory, or use ddp::nccl for device buffers");
+    if (op && (*op == reduce_op::avg || b.type == dtype::bf16 || b.type == dtype::f16))
+      fail(o, "avg and bf16/f16 reductions are computed on the host and the buffer is on " + b.where.to_string() +
+                  "; reduce with sum in f32/f64 and scale on the device, or use ddp::nccl");
+  }
+
+  /// The input pointer to hand MPI: `in` itself, or a copy kept in the operation when it overlaps `out`.
+  const void* unaliased(detail::operation& o, const raw_tensor& in, const raw_tensor& out) const {
+    const auto* a = static_cast<const std::byte*>(in.data);
+    const auto* b = static_cast<const std::byte*>(out.data);
+    if (in.bytes() == 0 || out.bytes() == 0 || a + in.bytes() <= b || b + out.bytes() <= a) return in.data;
+    if (in.where.is_cuda())
+      fail(o, "input and output overlap in device memory; pass separate buffers");
+    o.scratch.assign(a, a + in.bytes());
+    return o.scratch.data();
+  }
+
+  std::shared_ptr<detail::group> group_;
+};
+
+static_assert(ddp::communicator<communicator>,
+              "ddp::mpi::communicator must model ddp::communicator; add the missing member the concept names.");
+
+}  // namespace ddp::mpi
+
+namespace ddp {
+/// backend::mpi selects ddp::mpi::communicator.
+template <>
+struct backend_traits<backend::mpi> {
+  using communicator = ddp::mpi::communicator;
+};
+}  // namespace ddp
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
+// ---- end <ddp/comm/mpi/communicator.hpp>
+#endif
+
+#if defined(DDP_WITH_NCCL)
+// ---- begin <ddp/comm/nccl/communicator.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
+/// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
+///
+/// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
+///   the constructor, or through the TCP store with from_env(). The NCCL communicator is non-blocking, so
+///   initialization, split and every enqueue are bounded by config::timeout.
+/// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
+///   config::compute_stream (default: the legacy default stream) through an event. ddp::work is backed by an
+///   event recorded after the operation: done() is cudaEventQuery plus ncclCommGetAsyncError; wait() polls them.
+///   An operation older than the timeout aborts the communicator (ncclCommAbort) and raises ddp::timeout_error;
+///   an asynchronous NCCL error aborts it and raises ddp::nccl_error. An aborted communicator refuses new work.
+/// - Buffers: device buffers (raw_tensor with device::cuda(N), device_buffer) must live on the communicator's
+///   device and go to NCCL as they are. Host buffers (std::span, std::vector) are staged through pinned memory and
+///   a stream-ordered device scratch, copied back when the work completes; this serves small host-side traffic
+///   such as all_gather_object, not gradients.
+/// - Reductions: bf16 and f16 natively; avg is ncclAvg (integers: the sum divided with truncation).
+/// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and launched together
+///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
+///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
+///   posting order: sender and receiver must post matching messages between the same two waits.
+/// - stats() counts bytes as ddp::mpi does (algorithm-independent: all_reduce 2(N-1)/N·B, ...).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---- begin <ddp/comm/nccl/error.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_ERROR_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_NCCL_ERROR_HPP
+/// \file NCCL error checking and the dtype/operator mapping of the NCCL backend.
+
+#include <nccl.h>
+
+#include <string>
+#include <string_view>
+
+
+namespace ddp::nccl::detail {
+
+/// What to do about `code`, as a sentence fragment appended to the message.
+inline std::string_view advice(ncclResult_t code) noexcept {
+  switch (code) {
+    case ncclSystemError:
+    case ncclRemoteError:
+      return "a peer died or the network failed; check every rank's log, and rerun with NCCL_DEBUG=INFO to see which "
+             "connection broke";
+    case ncclInvalidUsage:
+      return "NCCL was used wrongly: ranks sharing one GPU need distinct NCCL_HOSTID values (see docs/gpu.md), every "
+             "rank must call the same collectives in the same order, and buffers must live on the communicator's "
+             "device; NCCL_DEBUG=WARN prints the detail";
+    case ncclUnhandledCudaError:
+      return "a CUDA call inside NCCL failed; check the device with nvidia-smi and rerun with NCCL_DEBUG=WARN";
+    default:
+      return "rerun with NCCL_DEBUG=WARN for NCCL's own explanation";
+  }
+}
+
+/// Throws ddp::nccl_error (native_code() = the ncclResult_t) naming `what`, NCCL's text and the fix.
+[[noreturn]] inline void fail(ncclResult_t code, std::string_view what, int rank, ncclComm_t comm = nullptr) {
+  std::string text = std::string(what) + " failed: " + ncclGetErrorString(code);
+  if (const char* last = ncclGetLastError(comm); last != nullptr && *last != '\0') text += " (" + std::string(last) + ")";
+  throw nccl_error(text + "; " + std::string(advice(code)), rank, static_cast<int>(code));
+}
+
+/// The NCCL type of `t`; every ddp dtype has one.
+constexpr ncclDataType_t datatype(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return ncclFloat32;
+    case dtype::f64: return ncclFloat64;
+    case dtype::bf16: return ncclBfloat16;
+    case dtype::f16: return ncclFloat16;
+    case dtype::i32: return ncclInt32;
+    case dtype::i64: return ncclInt64;
+    case dtype::u8: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+/// The NCCL operator of `op`; avg is NCCL's own (ncclAvg: a pre-multiplied sum for floating types, a sum divided
+/// by the group size with truncation for integers).
+constexpr ncclRedOp_t reduction(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: return ncclSum;
+    case reduce_op::avg: return ncclAvg;
+    case reduce_op::min: return ncclMin;
+    case reduce_op::max: return ncclMax;
+    case reduce_op::prod: return ncclProd;
+  }
+  return ncclSum;
+}
+
+}  // namespace ddp::nccl::detail
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_ERROR_HPP
+// ---- end <ddp/comm/nccl/error.hpp>
+// ---- begin <ddp/cuda/buffer.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_CUDA_BUFFER_HPP
+#define DDP_SINGLE_HEADER_DDP_CUDA_BUFFER_HPP
+/// \file Owned memory for device code: device_buffer (cudaMalloc) and pinned_buffer (page-locked host memory
+/// for fast, asynchronous host<->device staging). Both are ddp::tensors, so they go straight into collectives.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- begin <ddp/cuda/error.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_CUDA_ERROR_HPP
+#define DDP_SINGLE_HEADER_DDP_CUDA_ERROR_HPP
+/// \file CUDA runtime error checking: every failed call becomes a ddp::cuda_error.
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <string_view>
+
+
+namespace ddp::cuda {
+
+namespace detail {
+/// What to do about `code`, as a sentence fragment appended to the message.
+inline std::string_view advice(cudaError_t code) noexcept {
+  switch (code) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return "this process sees no usable CUDA device; run GPU code (ctest -L gpu) on a machine with a GPU and a "
+             "driver at least as new as the CUDA runtime, and check CUDA_VISIBLE_DEVICES";
+    case cudaErrorInvalidDevice:
+      return "the device ordinal is not below cudaGetDeviceCount(); pick a device this process can see";
+    case cudaErrorMemoryAllocation:
+      return "the device is out of memory; free buffers, lower the batch size or the bucket size";
+    default:
+      return "check the call's arguments; rerun with CUDA_LAUNCH_BLOCKING=1 under compute-sanitizer to find the "
+             "failing kernel";
+  }
+}
+}  // namespace detail
+
+/// Throws ddp::cuda_error (native_code() = the cudaError_t) naming `what` and the fix when `code` is not cudaSuccess.
+inline void check(cudaError_t code, std::string_view what, int rank = -1) {
+  if (code == cudaSuccess) return;
+  (void)cudaGetLastError();  // clear a non-sticky error so the next call does not report it again
+  throw cuda_error(std::string(what) + " failed with " + cudaGetErrorName(code) + " (" + cudaGetErrorString(code) +
+                       "); " + std::string(detail::advice(code)),
+                   rank, static_cast<int>(code));
+}
+
+/// Throws ddp::cuda_error when the last kernel launch failed (call right after a <<<...>>> launch).
+inline void check_launch(std::string_view kernel, int rank = -1) {
+  check(cudaGetLastError(), std::string("launch of kernel ") + std::string(kernel), rank);
+}
+
+}  // namespace ddp::cuda
+#endif  // DDP_SINGLE_HEADER_DDP_CUDA_ERROR_HPP
+// ---- end <ddp/cuda/error.hpp>
+// ---- begin <ddp/cuda/runtime.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_CUDA_RUNTIME_HPP
+#define DDP_SINGLE_HEADER_DDP_CUDA_RUNTIME_HPP
+/// \file CUDA runtime handles as RAII types: the current-device guard, streams and events.
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+
+
+namespace ddp::cuda {
+
+/// The calling thread's current CUDA device.
+inline int current_device() {
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  return device;
+}
+
+/// Number of CUDA devices this process can see; throws ddp::cuda_error when there is no usable device.
+inline int device_count() {
+  int count = 0;
+  check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  return count;
+}
+
+/// Makes `device` current for one scope and restores the previous device after.
+class device_guard {
+ public:
+  /// Switches to `device` (a no-op when it is already current).
+  explicit device_guard(int device) : previous_(current_device()) {
+    if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+  ~device_guard() { (void)cudaSetDevice(previous_); }
+
+ private:
+  int previous_;
+};
+
+/// An owned CUDA stream on one device; move-only.
+class stream {
+ public:
+  /// Creates a stream on `device` (default: the current one); non-blocking w.r.t. the legacy default stream.
+  explicit stream(int device = current_device(), unsigned flags = cudaStreamNonBlocking, int priority = 0)
+      : device_(device) {
+    const device_guard on(device);
+    check(cudaStreamCreateWithPriority(&handle_, flags, priority), "cudaStreamCreateWithPriority");
+  }
+  stream(stream&& other) noexcept
+      : handle_(std::exchange(other.handle_, nullptr)), device_(other.device_) {}
+  stream& operator=(stream&& other) noexcept {
+    if (this != &other) {
+      reset();
+      handle_ = std::exchange(other.handle_, nullptr);
+      device_ = other.device_;
+    }
+    return *this;
+  }
+  stream(const stream&) = delete;
+  stream& operator=(const stream&) = delete;
+  ~stream() { reset(); }
+
+  /// The raw handle.
+  [[nodiscard]] cudaStream_t get() const noexcept { return handle_; }
+  /// The device the stream belongs to.
+  [[nodiscard]] int device() const noexcept { return device_; }
+  /// Blocks the host until all work queued on the stream is done.
+  void synchronize() const { check(cudaStreamSynchronize(handle_), "cudaStreamSynchronize"); }
+
+ private:
+  void reset() noexcept {
+    if (handle_ != nullptr) (void)cudaStreamDestroy(handle_);
+    handle_ = nullptr;
+  }
+  cudaStream_t handle_ = nullptr;
+  int device_ = 0;
+};
+
+/// An owned CUDA event; move-only. Timing is off unless asked for (it makes record and query slower).
+class event {
+ public:
+  /// Creates an event on the current device.
+  explicit event(unsigned flags = cudaEventDisableTiming) {
+    check(cudaEventCreateWithFlags(&handle_, flags), "cudaEventCreateWithFlags");
+  }
+  event(event&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+  event& operator=(event&& other) noexcept {
+    if (this != &other) {
+      reset();
+      handle_ = std::exchange(other.handle_, nullptr);
+    }
+    return *this;
+  }
+  event(const event&) = delete;
+  event& operator=(const event&) = delete;
+  ~event() { reset(); }
+
+  /// The raw handle.
+  [[nodiscard]] cudaEvent_t get() const noexcept { return handle_; }
+  /// Captures the work queued on `s` so far.
+  void record(cudaStream_t s) { check(cudaEventRecord(handle_, s), "cudaEventRecord"); }
+  /// Makes `s` wait (on the device) for the captured work.
+  void make_wait(cudaStream_t s) const { check(cudaStreamWaitEvent(s, handle_, 0), "cudaStreamWaitEvent"); }
+  /// True once the captured work is done; throws ddp::cuda_error if it failed.
+  [[nodiscard]] bool query() const {
+    const cudaError_t code = cudaEventQuery(handle_);
+    if (code == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    check(code, "cudaEventQuery");
+    return true;
+  }
+  /// Blocks the host until the captured work is done.
+  void synchronize() const { check(cudaEventSynchronize(handle_), "cudaEventSynchronize"); }
+  /// Milliseconds between two recorded events created with timing (flags = cudaEventDefault).
+  [[nodiscard]] static float elapsed_ms(const event& start, const event& stop) {
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start.handle_, stop.handle_), "cudaEventElapsedTime");
+    return ms;
+  }
+
+ private:
+  void reset() noexcept {
+    if (handle_ != nullptr) (void)cudaEventDestroy(handle_);
+    handle_ = nullptr;
+  }
+  cudaEvent_t handle_ = nullptr;
+};
+
+}  // namespace ddp::cuda
+#endif  // DDP_SINGLE_HEADER_DDP_CUDA_RUNTIME_HPP
+// ---- end <ddp/cuda/runtime.hpp>
+
+namespace ddp::cuda {
+
+/// `count` elements of T in the memory of one CUDA device; move-only, contents uninitialized.
+template <element T>
+class device_buffer {
+ public:
+  /// An empty buffer.
+  device_buffer() = default;
+  /// Allocates `count` elements on `device` (default: the current device).
+  explicit device_buffer(std::size_t count, int device = current_device()) : size_(count), device_(device) {
+    if (count == 0) return;
+    const device_guard on(device);
+    void* p = nullptr;
+    check(cudaMalloc(&p, count * sizeof(T)),
+          "cudaMalloc of " + std::to_string(count * sizeof(T)) + " bytes on cuda:" + std::to_string(device));
+    data_ = static_cast<T*>(p);
+  }
+  /// Allocates on `device` and copies `host` into it (synchronously).
+  explicit device_buffer(std::span<const T> host, int device = current_device()) : device_buffer(host.size(), device) {
+    upload(host);
+  }
+  device_buffer(device_buffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)), device_(other.device_) {}
+  device_buffer& operator=(device_buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+      device_ = other.device_;
+    }
+    return *this;
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+  ~device_buffer() { reset(); }
+
+  /// First element (a device pointer).
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  /// Number of elements.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The CUDA ordinal the memory lives on.
+  [[nodiscard]] int device_index() const noexcept { return device_; }
+  /// A span over the device memory (for the kernels' host API; never dereference it on the host).
+  [[nodiscard]] std::span<T> span() const noexcept { return {data_, size_}; }
+  /// An untyped view tagged with device::cuda(device_index()).
+  [[nodiscard]] raw_tensor raw() const noexcept { return {data_, size_, dtype_v<T>, device::cuda(device_)}; }
+
+  /// Copies `host` (exactly size() elements) into the buffer; blocks until done.
+  void upload(std::span<const T> host) {
+    same_size(host.size(), "upload");
+    check(cudaMemcpy(data_, host.data(), host.size_bytes(), cudaMemcpyHostToDevice), "cudaMemcpy host to device");
+  }
+  /// Copies the buffer into `host` (exactly size() elements) after the device is idle; blocks until done.
+  void download(std::span<T> host) const {
+    same_size(host.size(), "download");
+    check(cudaMemcpy(host.data(), data_, host.size_bytes(), cudaMemcpyDeviceToHost), "cudaMemcpy device to host");
+  }
+  /// The contents as a host vector (synchronous).
+  [[nodiscard]] std::vector<T> to_host() const {
+    std::vector<T> out(size_);
+    download(out);
+    return out;
+  }
+
+ private:
+  void same_size(std::size_t n, const char* what) const {
+    if (n != size_)
+      throw error(std::string("device_buffer::") + what + ": the host span has " + std::to_string(n) +
+                  " elements but the buffer " + std::to_string(size_) + "; pass a span of the buffer's size");
+  }
+  void reset() noexcept {
+    if (data_ != nullptr) {
+      const int previous = [] { int d = 0; (void)cudaGetDevice(&d); return d; }();
+      (void)cudaSetDevice(device_);
+      (void)cudaFree(data_);
+      (void)cudaSetDevice(previous);
+    }
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+  int device_ = 0;
+};
+
+/// `count` elements of T in page-locked host memory (cudaMallocHost); move-only, contents uninitialized.
+/// Copies between it and a device run asynchronously on a stream and at full PCIe/NVLink speed.
+template <element T>
+class pinned_buffer {
+ public:
+  /// An empty buffer.
+  pinned_buffer() = default;
+  /// Allocates `count` page-locked elements.
+  explicit pinned_buffer(std::size_t count) : size_(count) {
+    if (count == 0) return;
+    void* p = nullptr;
+    check(cudaMallocHost(&p, count * sizeof(T)), "cudaMallocHost of " + std::to_string(count * sizeof(T)) + " bytes");
+    data_ = static_cast<T*>(p);
+  }
+  pinned_buffer(pinned_buffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  pinned_buffer(const pinned_buffer&) = delete;
+  pinned_buffer& operator=(const pinned_buffer&) = delete;
+  ~pinned_buffer() { reset(); }
+
+  /// First element (a host pointer).
+  [[nodiscard]] T* data() const noexcept { return data_; }
+  /// Number of elements.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// A span over the host memory.
+  [[nodiscard]] std::span<T> span() const noexcept { return {data_, size_}; }
+
+ private:
+  void reset() noexcept {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace ddp::cuda
+
+namespace ddp {
+
+/// A device_buffer is a tensor on device::cuda(device_index()).
+template <element T>
+struct tensor_traits<cuda::device_buffer<T>> {
+  static T* data(const cuda::device_buffer<T>& t) noexcept { return t.data(); }
+  static std::size_t size(const cuda::device_buffer<T>& t) noexcept { return t.size(); }
+  static constexpr ddp::dtype dtype(const cuda::device_buffer<T>&) noexcept { return dtype_v<T>; }
+  static ddp::device device(const cuda::device_buffer<T>& t) noexcept { return device::cuda(t.device_index()); }
+};
+
+/// A pinned_buffer is a host tensor.
+template <element T>
+struct tensor_traits<cuda::pinned_buffer<T>> {
+  static T* data(const cuda::pinned_buffer<T>& t) noexcept { return t.data(); }
+  static std::size_t size(const cuda::pinned_buffer<T>& t) noexcept { return t.size(); }
+  static constexpr ddp::dtype dtype(const cuda::pinned_buffer<T>&) noexcept { return dtype_v<T>; }
+  static constexpr ddp::device device(const cuda::pinned_buffer<T>&) noexcept { return device::cpu(); }
+};
+
+static_assert(tensor<cuda::device_buffer<float>> && tensor<cuda::pinned_buffer<bfloat16>>,
+              "ddp::cuda buffers must model ddp::tensor; fix their tensor_traits.");
+
+}  // namespace ddp
+#endif  // DDP_SINGLE_HEADER_DDP_CUDA_BUFFER_HPP
+// ---- end <ddp/cuda/buffer.hpp>
+
+namespace ddp::nccl {
+
+/// Settings of an NCCL communicator, shared by the groups split from it.
+struct config {
+  /// How long initialization, an enqueue or an operation may take before the communicator is aborted.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// The CUDA device of this rank; -1 takes the current device (from_env(): LOCAL_RANK modulo the device count).
+  int device = -1;
+  /// The stream whose queued work each operation waits for (nullptr: the legacy default stream).
+  cudaStream_t compute_stream = nullptr;
+  /// How long a wait polls back to back (yielding the core) before it starts sleeping.
+  std::chrono::microseconds spin{std::chrono::milliseconds(2)};
+  /// The longest sleep between two polls once spinning is over.
+  std::chrono::microseconds max_sleep{100};
+};
+
+namespace detail {
+
+using clock = std::chrono::steady_clock;
+
+/// A host buffer argument on its way through pinned memory and a device scratch.
+struct staging {
+  std::size_t index = 0;                      ///< which argument
+  raw_tensor host;                            ///< the caller's host buffer
+  cuda::pinned_buffer<std::uint8_t> pinned;   ///< page-locked copy
+  bool copy_in = false;                       ///< an input: copied to the device before the operation
+  bool copy_back = false;                     ///< an output: copied to `host` on completion
+};
+
+/// What an operation leaves behind until it completes: its argument pointers, staging and completion event.
+struct record {
+  explicit record(std::size_t arguments) : pointers(arguments, nullptr) {}
+  std::vector<void*> pointers;   ///< the device pointer of each argument once launched
+  std::vector<staging> staged;   ///< the host arguments
+  cuda::event done;              ///< recorded on the communicator's stream after the operation
+  std::atomic<bool> launched{false};
+};
+
+/// One argument of an operation: a buffer, read and/or written by it.
+struct argument {
+  raw_tensor buffer;
+  bool read = false;
+  bool written = false;
+};
+
+/// What an operation is, for messages: "all_reduce(sum) of 1024 f32 in an NCCL group of 4 on cuda:0 (sequence 17)".
+struct op_info {
+  collective kind = collective::barrier;
+  const char* name = "barrier";
+  std::optional<reduce_op> op;
+  dtype type = dtype::u8;
+  std::size_t count = 0;
+  int peer = -1;  ///< root, or the other rank of a send/recv
+  int tag = -1;
+  std::uint64_t sequence = 0;
+  int group_size = 1;
+  int device = 0;
+
+  [[nodiscard]] std::string describe() const {
+    std::string s = name;
+    if (op) s += "(" + std::string(to_string(*op)) + ")";
+    if (kind != collective::barrier) s += " of " + std::to_string(count) + " " + std::string(to_string(type));
+    if (kind == collective::send_recv)
+      s += std::string(std::string_view(name) == "recv" ? " from rank " : " to rank ") + std::to_string(peer) +
+           " tag " + std::to_string(tag);
+    else if (peer >= 0)
+      s += " rooted at rank " + std::to_string(peer);
+    return s + " in an NCCL group of " + std::to_string(group_size) + " on cuda:" + std::to_string(device) +
+           " (sequence " + std::to_string(sequence) + ")";
+  }
+};
+
+/// Polls `comm` until a non-blocking call that returned `r` has taken effect; on an error or past `timeout` the
+/// communicator is aborted (`aborted` set) and ddp::nccl_error or ddp::timeout_error is thrown.
+inline void await_ready(ncclComm_t comm, ncclResult_t r, std::string_view what, int rank,
+                        std::chrono::milliseconds timeout, bool& aborted) {
+  if (r == ncclSuccess) return;
+  if (r != ncclInProgress) fail(r, what, rank, comm);
+  const auto deadline = clock::now() + timeout;
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    if (const ncclResult_t q = ncclCommGetAsyncError(comm, &state); q != ncclSuccess) fail(q, "ncclCommGetAsyncError", rank, comm);
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) {
+      ncclCommAbort(comm);
+      aborted = true;
+      fail(state, std::string(what) + " (the communicator has been aborted)", rank, nullptr);
+    }
+    if (clock::now() >= deadline) {
+      ncclCommAbort(comm);
+      aborted = true;
+      throw timeout_error(std::string(what) + " did not take effect within " + std::to_string(timeout.count()) +
+                              " ms, so the NCCL communicator was aborted: a rank is missing, dead or stuck; check "
+                              "every rank's log, or raise config::timeout",
+                          rank);
+    }
+    std::this_thread::yield();
+  }
+}
+
+/// A queued send or recv, launched with the others at the next flush.
+struct p2p_entry {
+  bool send = false;
+  int peer = 0;
+  int tag = 0;
+  raw_tensor buffer;
+  std::shared_ptr<record> rec;
+  cuda::event ready;  ///< the compute stream's work at posting time
+  std::string what;
+};
+
+/// The state every copy of a communicator shares: the ncclComm_t, its stream, settings, counters and p2p queue.
+class group {
+ public:
+  /// Joins the communicator `id` as `rank` of `size` (collective over the ranks holding `id`).
+  group(const ncclUniqueId& id, int rank, int size, config settings)
+      : cfg(settings), rank(rank), size(size), device(resolve(settings.device)), stream_(make_stream(device)),
+        ready(make_event(device)) {
+    const cuda::device_guard on(device);
+    ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+    c.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &c);
+    if (r != ncclSuccess && r != ncclInProgress) fail(r, "ncclCommInitRankConfig", rank, nullptr);
+    settle(r, "ncclCommInitRankConfig(rank " + std::to_string(rank) + " of " + std::to_string(size) + ")");
+  }
+
+  /// Adopts `c`, split from a parent on `parent_device` and ready (the caller awaited it).
+  group(ncclComm_t c, config settings, int parent_device, int parent_rank)
+      : cfg(settings), rank(parent_rank), device(parent_device), stream_(make_stream(device)), comm(c),
+        ready(make_event(device)) {
+    const cuda::device_guard on(device);
+    call(ncclCommUserRank(comm, &rank), "ncclCommUserRank");
+    call(ncclCommCount(comm, &size), "ncclCommCount");
+  }
+
+  group(const group&) = delete;
+  group& operator=(const group&) = delete;
+
+  /// Flushes and destroys the communicator; one that cannot finalize within the timeout is aborted.
+  ~group() {
+    std::lock_guard lock(mutex);
+    if (comm == nullptr || aborted) return;
+    try {
+      const cuda::device_guard on(device);
+      settle(ncclCommFinalize(comm), "ncclCommFinalize");
+      ncclCommDestroy(comm);
+    } catch (const std::exception&) {  // a destructor reports nothing; abort frees what finalize could not
+      if (!aborted) ncclCommAbort(comm);
+    }
+  }
+
+  /// The stream operations run on.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_.get(); }
+
+  /// Throws for an NCCL call that failed outright (ncclInProgress included: the caller settles those).
+  void call(ncclResult_t r, std::string_view what) const {
+    if (r != ncclSuccess && r != ncclInProgress) fail(r, what, rank, comm);
+  }
+
+  /// Waits (up to the timeout) until a non-blocking call that returned `r` has taken effect. Caller holds `mutex`.
+  void settle(ncclResult_t r, std::string_view what) { await_ready(comm, r, what, rank, cfg.timeout, aborted); }
+
+  /// ncclCommAbort once; later operations are refused. Caller holds `mutex`.
+  void abort_locked() noexcept {
+    if (aborted || comm == nullptr) return;
+    ncclCommAbort(comm);
+    aborted = true;
+  }
+
+  /// Throws when the communicator was aborted. Caller holds `mutex`.
+  void alive_locked(std::string_view what) const {
+    if (aborted)
+      throw nccl_error(std::string(what) + ": this NCCL communicator was aborted after an earlier timeout or error; "
+                           "create a new communicator (on every rank) to go on",
+                       rank);
+  }
+
+  /// An asynchronous NCCL error (aborting the communicator), or nullptr. Takes `mutex`.
+  std::exception_ptr health(const std::string& what) {
+    std::lock_guard lock(mutex);
+    if (aborted) {
+      try {
+        alive_locked(what);
+      } catch (const nccl_error&) {
+        return std::current_exception();
+      }
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t bad = q != ncclSuccess ? q : state;
+    if (bad == ncclSuccess || bad == ncclInProgress) return nullptr;
+    abort_locked();
+    try {
+      fail(bad, what + " (the communicator has been aborted)", rank, nullptr);
+    } catch (const nccl_error&) {
+      return std::current_exception();
+    }
+  }
+
+  config cfg;
+  int rank = 0;
+  int size = 1;
+  int device = 0;
+
+ private:
+  static int resolve(int wanted) { return wanted >= 0 ? wanted : cuda::current_device(); }
+  static cuda::stream make_stream(int device) {
+    int least = 0, greatest = 0;  // communication gets the highest priority, so it overlaps compute promptly
+    cuda::check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    return cuda::stream(device, cudaStreamNonBlocking, greatest);
+  }
+  static cuda::event make_event(int device) {
+    const cuda::device_guard on(device);
+    return cuda::event();
+  }
+  cuda::stream stream_;
+
+ public:
+  ncclComm_t comm = nullptr;
+  std::mutex mutex;                     ///< serializes NCCL calls, the queue and abort
+  bool aborted = false;
+  cuda::event ready;                    ///< the compute stream's work before a collective (reused)
+  std::vector<p2p_entry> queue;         ///< sends and recvs waiting for the next flush
+  std::optional<cuda::device_buffer<std::int32_t>> barrier_word;
+  ddp::detail::stats_counter stats;
+  std::atomic<std::uint64_t> sequence{0};
+};
+
+/// Copies each staged host argument into a device scratch (stream-ordered) and fills `rec.pointers`.
+inline void stage_in(group& g, record& rec) {
+  for (auto& s : rec.staged) {
+    const std::size_t bytes = s.host.bytes();
+    if (bytes == 0) continue;
+    void* scratch = nullptr;
+    cuda::check(cudaMallocAsync(&scratch, bytes, g.stream()), "cudaMallocAsync of a staging buffer", g.rank);
+    rec.pointers[s.index] = scratch;
+    if (s.copy_in)
+      cuda::check(cudaMemcpyAsync(scratch, s.pinned.data(), bytes, cudaMemcpyHostToDevice, g.stream()),
+                  "cudaMemcpyAsync of a host buffer to its staging buffer", g.rank);
+  }
+}
+
+/// Copies staged outputs back to pinned memory, frees the scratch and records completion.
+inline void stage_out(group& g, record& rec) {
+  for (auto& s : rec.staged) {
+    const std::size_t bytes = s.host.bytes();
+    if (bytes == 0) continue;
+    void* scratch = rec.pointers[s.index];
+    if (s.copy_back)
+      cuda::check(cudaMemcpyAsync(s.pinned.data(), scratch, bytes, cudaMemcpyDeviceToHost, g.stream()),
+                  "cudaMemcpyAsync of a staging buffer to the host", g.rank);
+    cuda::check(cudaFreeAsync(scratch, g.stream()), "cudaFreeAsync of a staging buffer", g.rank);
+  }
+  rec.done.record(g.stream());
+  rec.launched.store(true, std::memory_order_release);
+}
+
+/// Launches every queued send/recv as one NCCL group, tags ascending (stable). Caller holds g.mutex.
+inline void flush_locked(group& g) {
+  if (g.queue.empty()) return;
+  std::vector<p2p_entry> entries = std::move(g.queue);
+  g.queue.clear();
+  std::stable_sort(entries.begin(), entries.end(), [](const p2p_entry& a, const p2p_entry& b) { return a.tag < b.tag; });
+  g.alive_locked(entries.front().what);
+  const cuda::device_guard on(g.device);
+  for (auto& e : entries) {
+    e.ready.make_wait(g.stream());
+    stage_in(g, *e.rec);
+  }
+  g.call(ncclGroupStart(), "ncclGroupStart");
+  ncclResult_t first_error = ncclSuccess;
+  std::string failed;
+  for (auto& e : entries) {
+    void* p = e.rec->pointers[0];
+    const auto type = datatype(e.buffer.type);
+    const ncclResult_t r = e.send ? ncclSend(p, e.buffer.size, type, e.peer, g.comm, g.stream())
+                                  : ncclRecv(p, e.buffer.size, type, e.peer, g.comm, g.stream());
+    if (r != ncclSuccess && r != ncclInProgress && first_error == ncclSuccess) {
+      first_error = r;
+      failed = e.what;
+    }
+  }
+  const ncclResult_t end = ncclGroupEnd();
+  if (first_error != ncclSuccess) fail(first_error, failed, g.rank, g.comm);
+  g.settle(end, "the NCCL group of " + std::to_string(entries.size()) + " queued send/recv (first: " +
+                    entries.front().what + ")");
+  for (auto& e : entries) stage_out(g, *e.rec);
+}
+
+/// One operation's completion: its event, its host copy-back, the communicator's health and the timeout.
+class op_state final : public ddp::detail::work_state {
+ public:
+  op_state(std::shared_ptr<group> g, op_info info, std::shared_ptr<record> rec)
+      : group_(std::move(g)), info_(info), rec_(std::move(rec)), started_(clock::now()) {}
+
+  bool test() override {
+    std::lock_guard lock(mutex_);
+    return poll();
+  }
+
+  bool wait_until(clock::time_point deadline) override {
+    const auto start = clock::now();
+    std::chrono::microseconds pause{1};
+    for (;;) {
+      {
+        std::lock_guard lock(mutex_);
+        if (poll()) return true;
+      }
+      const auto now = clock::now();
+      if (now >= deadline) return false;
+      if (now - start < group_->cfg.spin) {
+        std::this_thread::yield();
+        continue;
+      }
+      std::this_thread::sleep_for(std::min<clock::duration>(pause, deadline - now));
+      pause = std::min(pause * 2, group_->cfg.max_sleep);
+    }
+  }
+
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return group_->cfg.timeout; }
+  [[nodiscard]] int rank() const override { return group_->rank; }
+  [[nodiscard]] std::string describe() const override { return info_.describe(); }
+
+ private:
+  /// One look at the operation; the caller holds mutex_.
+  bool poll() {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    try {
+      if (!rec_->launched.load(std::memory_order_acquire)) {
+        std::lock_guard lock(group_->mutex);
+        flush_locked(*group_);
+      }
+      if (rec_->done.query()) {
+        for (auto& s : rec_->staged)
+          if (s.copy_back && s.host.bytes() != 0) std::memcpy(s.host.data, s.pinned.data(), s.host.bytes());
+        rec_.reset();
+        done_ = true;
+        return true;
+      }
+      if (auto e = group_->health(describe())) std::rethrow_exception(e);
+      if (clock::now() - started_ >= group_->cfg.timeout) {
+        {
+          std::lock_guard lock(group_->mutex);
+          group_->abort_locked();
+        }
+        throw timeout_error(describe() + " did not complete within " + std::to_string(group_->cfg.timeout.count()) +
+                                " ms, so the NCCL communicator was aborted: a peer is stuck, dead or calling a "
+                                "different collective; check every rank's log, or raise config::timeout",
+                            group_->rank);
+      }
+    } catch (const error&) {
+      error_ = std::current_exception();
+      throw;
+    }
+    return false;
+  }
+
+  std::shared_ptr<group> group_;
+  op_info info_;
+  std::shared_ptr<record> rec_;
+  clock::time_point started_;
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
+/// copy finalizes and destroys the NCCL communicator.
+class communicator : public ddp::detail::object_collectives<communicator> {
+ public:
+  /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
+  /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
+  template <class Bootstrap>
+    requires(!std::same_as<std::remove_cvref_t<Bootstrap>, communicator>) && ddp::communicator<std::remove_cvref_t<Bootstrap>>
+  explicit communicator(Bootstrap& bootstrap, config settings = {}) {
+    ncclUniqueId id{};
+    if (bootstrap.rank() == 0)
+      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) detail::fail(r, "ncclGetUniqueId", 0);
+    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
+    std::memcpy(&id, bytes.data(), sizeof id);
+    group_ = std::make_shared<detail::group>(id, bootstrap.rank(), bootstrap.size(), settings);
+  }
+
+  /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
+  /// ddp-launch set them): the id travels over ddp::tcp's store; the device is config::device, else LOCAL_RANK
+  /// modulo the number of visible devices.
+  static communicator from_env(config settings = {}) {
+    if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
+    auto bootstrap = tcp::communicator::from_env();
+    return communicator(bootstrap, settings);
+  }
+
+  /// This rank in the group.
+  [[nodiscard]] int rank() const noexcept { return group_->rank; }
+  /// Number of ranks in the group.
+  [[nodiscard]] int size() const noexcept { return group_->size; }
+  /// The CUDA device this rank's buffers must live on.
+  [[nodiscard]] int device() const noexcept { return group_->device; }
+  /// The NCCL communicator.
+  [[nodiscard]] ncclComm_t native_handle() const noexcept { return group_->comm; }
+  /// The stream operations run on.
+  [[nodiscard]] cudaStream_t stream() const noexcept { return group_->stream(); }
+  /// The settings this group runs with.
+  [[nodiscard]] const config& settings() const noexcept { return group_->cfg; }
+  /// Bytes sent and operations started so far.
+  [[nodiscard]] comm_stats stats() const noexcept { return group_->stats.snapshot(); }
+
+  /// Orders later operations (of every copy of this group) after the work queued on `s`.
+  void set_compute_stream(cudaStream_t s) {
+    std::lock_guard lock(group_->mutex);
+    group_->cfg.compute_stream = s;
+  }
+
+  /// Collective: ranks with the same color (≥ 0) form a new group (ncclCommSplit), ordered by key, then by rank.
+  [[nodiscard]] communicator split(int color, int key) const {
+    if (color < 0)
+      throw error("split: color " + std::to_string(color) + " is negative; pass a color >= 0 on every rank", rank());
+    const std::string what = "ncclCommSplit(color " + std::to_string(color) + ", key " + std::to_string(key) + ")";
+    std::lock_guard lock(group_->mutex);
+    group_->alive_locked(what);
+    const cuda::device_guard on(group_->device);
+    ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
+    c.blocking = 0;
+    ncclComm_t out = nullptr;
+    const ncclResult_t r = ncclCommSplit(group_->comm, color, key, &out, &c);
+    group_->call(r, what);
+    group_->settle(ncclInProgress, what);  // the parent finishes its part, then the new communicator its own
+    if (out == nullptr)
+      throw nccl_error(what + " returned no communicator; call split the same number of times on every rank", rank());
+    bool child_aborted = false;
+    detail::await_ready(out, ncclInProgress, what, rank(), group_->cfg.timeout, child_aborted);
+    return communicator(std::make_shared<detail::group>(out, group_->cfg, group_->device, group_->rank));
+  }
+
+  /// Reduces `buffer` in place across the group.
+  template <tensor T>
+  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
+    const raw_tensor b = as_raw(buffer);
+    const auto info = start(collective::all_reduce, "all_reduce", op, b, -1);
+    return launch(info, share(b.bytes(), 2), {{b, true, true}}, [&](const std::vector<void*>& p) {
+      return ncclAllReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), group_->comm,
+                           group_->stream());
+    });
+  }
+
+  /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
+  template <tensor In, tensor Out>
+  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    const auto info = start(collective::reduce_scatter, "reduce_scatter", op, out, -1);
+    same_type(info, in, out);
+    blocks(info, in.size, out.size, "input", "output");
+    in_place_only(info, in, out, out, static_cast<std::size_t>(rank()) * out.bytes());
+    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+      return ncclReduceScatter(p[0], p[1], out.size, detail::datatype(out.type), detail::reduction(op), group_->comm,
+                               group_->stream());
+    });
+  }
+
+  /// Gathers k elements from every rank into N·k elements, rank r's at block r.
+  template <tensor In, tensor Out>
+  work all_gather(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    const auto info = start(collective::all_gather, "all_gather", std::nullopt, in, -1);
+    same_type(info, in, out);
+    blocks(info, out.size, in.size, "output", "input");
+    in_place_only(info, out, in, in, static_cast<std::size_t>(rank()) * in.bytes());
+    return launch(info, static_cast<std::uint64_t>(size() - 1) * in.bytes(), {{in, true, false}, {out, false, true}},
+                  [&](const std::vector<void*>& p) {
+                    return ncclAllGather(p[0], p[1], in.size, detail::datatype(in.type), group_->comm,
+                                         group_->stream());
+                  });
+  }
+
+  /// Copies root's `buffer` to every rank.
+  template <tensor T>
+  work broadcast(T&& buffer, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    const auto info = start(collective::broadcast, "broadcast", std::nullopt, b, root);
+    check_rank(info, root, "root");
+    const bool at_root = rank() == root;
+    return launch(info, at_root && size() > 1 ? b.bytes() : 0, {{b, at_root, !at_root}},
+                  [&](const std::vector<void*>& p) {
+                    return ncclBroadcast(p[0], p[0], b.size, detail::datatype(b.type), root, group_->comm,
+                                         group_->stream());
+                  });
+  }
+
+  /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
+  template <tensor T>
+  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    const auto info = start(collective::reduce, "reduce", op, b, root);
+    check_rank(info, root, "root");
+    const bool at_root = rank() == root;
+    return launch(info, at_root ? 0 : b.bytes(), {{b, true, at_root}}, [&](const std::vector<void*>& p) {
+      return ncclReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), root, group_->comm,
+                        group_->stream());
+    });
+  }
+
+  /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
+  template <tensor In, tensor Out>
+  work gather(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    const auto info = start(collective::gather, "gather", std::nullopt, in, root);
+    check_rank(info, root, "root");
+    const bool at_root = rank() == root;
+    if (!at_root) {
+      return launch(info, in.bytes(), {{in, true, false}}, [&](const std::vector<void*>& p) {
+        return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
+      });
+    }
+    same_type(info, in, out);
+    blocks(info, out.size, in.size, "output", "input");
+    disjoint(info, in, out);
+    return launch(info, 0, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+      return grouped([&] {
+        const auto type = detail::datatype(in.type);
+        for (int r = 0; r < size(); ++r)
+          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, in.size), in.size, type, r, group_->comm,
+                                              group_->stream());
+              e != ncclSuccess && e != ncclInProgress)
+            return e;
+        return ncclSend(p[0], in.size, type, root, group_->comm, group_->stream());
+      });
+    });
+  }
+
+  /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
+  template <tensor In, tensor Out>
+  work scatter(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    const auto info = start(collective::scatter, "scatter", std::nullopt, out, root);
+    check_rank(info, root, "root");
+    const bool at_root = rank() == root;
+    if (!at_root) {
+      return launch(info, 0, {{out, false, true}}, [&](const std::vector<void*>& p) {
+        return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
+      });
+    }
+    same_type(info, in, out);
+    blocks(info, in.size, out.size, "input", "output");
+    disjoint(info, in, out);
+    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+      return grouped([&] {
+        const auto type = detail::datatype(out.type);
+        for (int r = 0; r < size(); ++r)
+          if (const ncclResult_t e = ncclSend(block(p[0], in, r, out.size), out.size, type, r, group_->comm,
+                                              group_->stream());
+              e != ncclSuccess && e != ncclInProgress)
+            return e;
+        return ncclRecv(p[1], out.size, type, root, group_->comm, group_->stream());
+      });
+    });
+  }
+
+  /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
+  template <tensor In, tensor Out>
+  work all_to_all(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    const auto info = start(collective::all_to_all, "all_to_all", std::nullopt, in, -1);
+    same_type(info, in, out);
+    if (in.size != out.size || in.size % static_cast<std::size_t>(size()) != 0)
+      fail(info, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
+                     "; both must hold the same multiple of size()=" + std::to_string(size()));
+    disjoint(info, in, out);
+    const std::size_t k = in.size / static_cast<std::size_t>(size());
+    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+      return grouped([&] {
+        const auto type = detail::datatype(in.type);
+        for (int r = 0; r < size(); ++r) {
+          if (const ncclResult_t e = ncclSend(block(p[0], in, r, k), k, type, r, group_->comm, group_->stream());
+              e != ncclSuccess && e != ncclInProgress)
+            return e;
+          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, k), k, type, r, group_->comm, group_->stream());
+              e != ncclSuccess && e != ncclInProgress)
+            return e;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  /// Completes once every rank of the group has entered the barrier (an all_reduce of one device word).
+  work barrier() {
+    const auto info = start(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
+    {
+      std::lock_guard lock(group_->mutex);
+      if (!group_->barrier_word) group_->barrier_word.emplace(1, group_->device);
+    }
+    const raw_tensor word = group_->barrier_word->raw();
+    return launch(info, 0, {{word, false, false}}, [&](const std::vector<void*>& p) {
+      return ncclAllReduce(p[0], p[0], 1, ncclInt32, ncclSum, group_->comm, group_->stream());
+    });
+  }
+
+  /// Queues `buffer` for rank `peer`; launched with the other queued send/recv when one of them is waited for.
+  template <tensor T>
+  work send(T&& buffer, int peer, int tag = 0) {
+    return post_p2p(true, as_raw(buffer), peer, tag);
+  }
+
+  /// Queues a receive of what rank `peer` sends with `tag`; the sizes must match the send's.
+  template <tensor T>
+  work recv(T&& buffer, int peer, int tag = 0) {
+    return post_p2p(false, as_raw(buffer), peer, tag);
+  }
+
+ private:
+  explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
+
+  detail::op_info start(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& b, int peer,
+                        int tag = -1) const {
+    return {kind,           name, op, b.type, b.size, peer, tag, group_->sequence.fetch_add(1, std::memory_order_relaxed),
+            group_->size, group_->device};
+  }
+
+  [[noreturn]] void fail(const detail::op_info& info, const std::string& what) const {
+    throw error(info.describe() + ": " + what, rank());
+  }
+
+  /// Runs `calls` between ncclGroupStart and ncclGroupEnd; the first failure wins.
+  template <class Calls>
+  static ncclResult_t grouped(Calls&& calls) {
+    if (const ncclResult_t s = ncclGroupStart(); s != ncclSuccess) return s;
+    const ncclResult_t body = calls();
+    const ncclResult_t end = ncclGroupEnd();
+    return body != ncclSuccess && body != ncclInProgress ? body : end;
+  }
+
+  /// Element `block·k` of the device pointer `base` holding `t`'s dtype.
+  static void* block(void* base, const raw_tensor& t, int index, std::size_t k) {
+    return static_cast<std::byte*>(base) + static_cast<std::size_t>(index) * k * size_of(t.type);
+  }
+
+  /// Prepares the arguments, orders the operation after the compute stream, issues `body` and records completion.
+  template <class Body>
+  work launch(const detail::op_info& info, std::uint64_t bytes_sent, std::initializer_list<detail::argument> args,
+              Body&& body) {
+    auto rec = prepare(info, args);
+    detail::group& g = *group_;
+    {
+      std::lock_guard lock(g.mutex);
+      g.alive_locked(info.describe());
+      const cuda::device_guard on(g.device);
+      g.ready.record(g.cfg.compute_stream);
+      g.ready.make_wait(g.stream());
+      detail::stage_in(g, *rec);
+      g.settle(body(rec->pointers), info.describe());
+      detail::stage_out(g, *rec);
+    }
+    g.stats.add_call(info.kind);
+    g.stats.add_bytes(info.kind, bytes_sent);
+    return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
+  }
+
+  /// The record of an operation: device arguments checked and passed through, host arguments copied to pinned memory.
+  std::shared_ptr<detail::record> prepare(const detail::op_info& info, std::initializer_list<detail::argument> args) {
+    const cuda::device_guard on(group_->device);  // the completion event belongs to the communicator's device
+    auto rec = std::make_shared<detail::record>(args.size());
+    std::size_t index = 0;
+    for (const auto& a : args) {
+      if (a.buffer.where.is_cuda()) {
+        if (a.buffer.where.index != group_->device)
+          fail(info, "a buffer is on " + a.buffer.where.to_string() + " but this communicator works on cuda:" +
+                         std::to_string(group_->device) + "; allocate it there or create the communicator with "
+                         "config::device = " + std::to_string(a.buffer.where.index));
+        rec->pointers[index] = a.buffer.data;
+      } else if (a.read || a.written) {
+        detail::staging s{index, a.buffer, cuda::pinned_buffer<std::uint8_t>(a.buffer.bytes()), a.read, a.written};
+        if (a.read && a.buffer.bytes() != 0) std::memcpy(s.pinned.data(), a.buffer.data, a.buffer.bytes());
+        rec->staged.push_back(std::move(s));
+      }
+      ++index;
+    }
+    return rec;
+  }
+
+  work post_p2p(bool is_send, const raw_tensor& b, int peer, int tag) {
+    const auto info = start(collective::send_recv, is_send ? "send" : "recv", std::nullopt, b, peer, tag);
+    check_rank(info, peer, "peer");
+    if (tag < 0) fail(info, "tag " + std::to_string(tag) + " is negative; pass a tag >= 0");
+    auto rec = prepare(info, {{b, is_send, !is_send}});
+    detail::group& g = *group_;
+    {
+      std::lock_guard lock(g.mutex);
+      g.alive_locked(info.describe());
+      const cuda::device_guard on(g.device);
+      cuda::event ready;
+      ready.record(g.cfg.compute_stream);
+      g.queue.push_back({is_send, peer, tag, b, rec, std::move(ready), info.describe()});
+    }
+    g.stats.add_call(collective::send_recv);
+    g.stats.add_bytes(collective::send_recv, is_send ? b.bytes() : 0);
+    return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
+  }
+
+  /// (N-1)/N of `bytes`, times `factor`: what leaves a rank in a reduce-scatter (1) or all-reduce (2).
+  [[nodiscard]] std::uint64_t share(std::size_t bytes, std::uint64_t factor) const noexcept {
+    const auto n = static_cast<std::uint64_t>(size());
+    return factor * static_cast<std::uint64_t>(bytes) * (n - 1) / n;
+  }
+
+  void same_type(const detail::op_info& info, const raw_tensor& a, const raw_tensor& b) const {
+    if (a.type != b.type)
+      fail(info, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
+                     "; pass buffers of one dtype");
+  }
+
+  void blocks(const detail::op_info& info, std::size_t whole, std::size_t part, const char* whole_name,
+              const char* part_name) const {
+    if (whole != part * static_cast<std::size_t>(size()))
+      fail(info, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
+                     std::to_string(size()) + " times the " + std::to_string(part) + " elements of the " + part_name);
+  }
+
+  void check_rank(const detail::op_info& info, int r, const char* what) const {
+    if (r < 0 || r >= size())
+      fail(info, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
+                     std::to_string(size() - 1) + ")");
+  }
+
+  static bool overlap(const raw_tensor& a, const raw_tensor& b) noexcept {
+    if (!a.where.is_cuda() || !b.where.is_cuda() || a.bytes() == 0 || b.bytes() == 0) return false;
+    const auto* x = static_cast<const std::byte*>(a.data);
+    const auto* y = static_cast<const std::byte*>(b.data);
+    return x < y + b.bytes() && y < x + a.bytes();
+  }
+
+  void disjoint(const detail::op_info& info, const raw_tensor& in, const raw_tensor& out) const {
+    if (overlap(in, out)) fail(info, "input and output overlap in device memory; pass separate buffers");
+  }
+
+  /// Device buffers `whole` and `part` may overlap only as NCCL's in-place form: `part` at byte `offset` of `whole`.
+  void in_place_only(const detail::op_info& info, const raw_tensor& whole, const raw_tensor& part,
+                     const raw_tensor& block_of, std::size_t offset) const {
+    if (!overlap(whole, part)) return;
+    if (static_cast<const std::byte*>(part.data) == static_cast<const std::byte*>(whole.data) + offset) return;
+    fail(info, "input and output overlap in device memory other than in place (the " +
+                   std::to_string(block_of.size) + "-element block of rank " + std::to_string(rank()) +
+                   " inside the whole buffer); pass separate buffers or that exact block");
+  }
+
+  std::shared_ptr<detail::group> group_;
+};
+
+static_assert(ddp::communicator<communicator>,
+              "ddp::nccl::communicator must model ddp::communicator; add the missing member the concept names.");
+
+}  // namespace ddp::nccl
+
+namespace ddp {
+/// backend::nccl selects ddp::nccl::communicator.
+template <>
+struct backend_traits<backend::nccl> {
+  using communicator = ddp::nccl::communicator;
+};
+}  // namespace ddp
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
+// ---- end <ddp/comm/nccl/communicator.hpp>
+#endif
+// ---- end <ddp/ddp.hpp>
