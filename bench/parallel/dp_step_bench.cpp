@@ -1,0 +1,125 @@
+// Step time of ddp::data_parallel (replicate) on the MLP 784-2048-2048-10, batch 64 per rank, SGD with momentum,
+// OpenBLAS on one thread. Driven by run_data_parallel.py beside PyTorch DDP; prints one JSON line on rank 0.
+//
+//   dp_step_bench --backend tcp|mpi [--steps S] [--warmup W] [--batch B] [--bucket-mib 25|4|1]
+//
+// --bucket-mib picks the bucket capacity (first bucket 1 MiB, as PyTorch; 25 is PyTorch's default).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <cblas.h>
+
+#include <ddp/ddp.hpp>
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "common/mlp.hpp"
+
+namespace {
+
+struct settings {
+  std::string backend = "tcp";
+  int steps = 30;
+  int warmup = 5;
+  std::size_t batch = 64;
+  int bucket_mib = 25;
+};
+
+template <class Backend, class Buckets>
+int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
+  constexpr std::size_t in = 784, hidden = 2048, classes = 10;
+  example::mlp model = example::make_mlp(in, hidden, hidden, classes, 7);
+  ddp::data_parallel<example::mlp, Backend, Buckets> dp{model, comm};
+  ddp::optim::sgd opt({.lr = 0.01, .momentum = 0.9});
+  std::mt19937_64 rng(static_cast<std::uint64_t>(comm.rank()) + 1);
+  std::vector<float> x(s.batch * in);
+  std::vector<std::uint8_t> y(s.batch);
+  for (auto& v : x) v = static_cast<float>(rng() % 1000) / 1000.0F;
+  for (auto& v : y) v = static_cast<std::uint8_t>(rng() % classes);
+  example::mlp_trainer trainer;
+  using clock = std::chrono::steady_clock;
+  const auto ms_since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
+  std::vector<double> ms, compute_ms, finish_ms;
+  const auto one_step = [&] {
+    const auto t0 = clock::now();
+    dp.zero_grad();
+    (void)trainer.forward(dp.module(), x, y);
+    trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); });
+    const double compute = ms_since(t0);
+    dp.step(opt);
+    ms.push_back(ms_since(t0));
+    compute_ms.push_back(compute);
+    finish_ms.push_back(ms.back() - compute);
+  };
+  for (int i = 0; i < s.warmup; ++i) one_step();
+  ms.clear();
+  compute_ms.clear();
+  finish_ms.clear();
+  comm.barrier().wait();
+  for (int i = 0; i < s.steps; ++i) one_step();
+  comm.barrier().wait();
+  // Rank 0's split of its median step: forward + backward (bucket launches included) vs dp.step (wait + optimizer).
+  const auto median_of = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  const double compute = median_of(compute_ms), finish = median_of(finish_ms);
+  // The job's step time is the slowest rank's: reduce each step's time with max, then take the median.
+  comm.all_reduce(std::span<double>(ms), ddp::reduce_op::max).wait();
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  double mean = 0;
+  for (const double v : ms) mean += v / static_cast<double>(ms.size());
+  if (comm.rank() == 0)
+    std::printf("{\"impl\": \"ddp\", \"backend\": \"%s\", \"world\": %d, \"batch\": %zu, \"steps\": %d, "
+                "\"median_ms\": %.3f, \"mean_ms\": %.3f, \"forward_backward_ms\": %.3f, \"step_call_ms\": %.3f, "
+                "\"bucket_mib\": %d, \"buckets\": %zu}\n",
+                s.backend.c_str(), comm.size(), s.batch, s.steps, median, mean, compute, finish, s.bucket_mib,
+                dp.bucket_count());
+  return 0;
+}
+
+/// run() with the bucket capacity chosen on the command line.
+template <class Backend>
+int run_with_buckets(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
+  switch (s.bucket_mib) {
+    case 25: return run<Backend, ddp::bucket_bytes<25 << 20, 1 << 20>>(std::move(comm), s);
+    case 4: return run<Backend, ddp::bucket_bytes<4 << 20, 1 << 20>>(std::move(comm), s);
+    case 1: return run<Backend, ddp::bucket_bytes<1 << 20, 1 << 20>>(std::move(comm), s);
+    default: throw ddp::config_error("--bucket-mib must be 25, 4 or 1");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  openblas_set_num_threads(1);
+  try {
+    settings s;
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string_view a = argv[i];
+      if (a == "--backend") s.backend = argv[i + 1];
+      else if (a == "--steps") s.steps = std::atoi(argv[i + 1]);
+      else if (a == "--warmup") s.warmup = std::atoi(argv[i + 1]);
+      else if (a == "--batch") s.batch = static_cast<std::size_t>(std::atol(argv[i + 1]));
+      else if (a == "--bucket-mib") s.bucket_mib = std::atoi(argv[i + 1]);
+      else throw ddp::config_error("unknown argument '" + std::string(a) + "'; use --backend, --steps, --warmup, --batch, --bucket-mib");
+    }
+    if (s.steps < 1) throw ddp::config_error("--steps must be at least 1");
+    if (s.backend == "mpi") {
+#if defined(DDP_WITH_MPI)
+      return run_with_buckets<ddp::backend::mpi>(ddp::mpi::communicator::world(argc, argv), s);
+#else
+      throw ddp::config_error("built without MPI; reconfigure with -DDDP_WITH_MPI=ON or use --backend tcp");
+#endif
+    }
+    if (s.backend != "tcp") throw ddp::config_error("--backend must be tcp or mpi");
+    return run_with_buckets<ddp::backend::tcp>(ddp::tcp::communicator::from_env(), s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dp_step_bench: %s\n", e.what());
+    return 2;
+  }
+}

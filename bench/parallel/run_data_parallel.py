@@ -1,0 +1,210 @@
+"""Driver: step time of ddp::data_parallel (over TCP and over MPI) and of PyTorch DDP (gloo) on the same MLP
+784-2048-2048-10, batch 64 per rank, one thread per rank, at N = 1, 2, 4 ranks, in one run; rounds interleave the
+implementations so machine load drifts hit all of them alike. Writes docs/bench/data_parallel.md and the plot.
+
+usage: /usr/bin/python3 bench/parallel/run_data_parallel.py --build build [--rounds 3] [--steps 20] [--worlds 1,2,4]
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_env_ranks(cmd, n, timeout):
+    """Starts n processes with torchrun's env:// variables (what ddp-launch does); returns rank 0's stdout. When a
+    rank fails, the others are stopped and the failing rank's stderr is raised."""
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.time() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed or time.time() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            why = failed[0].stderr.read()[-2000:] if failed else "timed out after %d s" % timeout
+            raise RuntimeError("%s failed: %s" % (" ".join(cmd), why))
+        time.sleep(0.05)
+    if any(p.returncode != 0 for p in procs):
+        bad = next(p for p in procs if p.returncode != 0)
+        raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), bad.returncode, bad.stderr.read()[-2000:]))
+    return procs[0].stdout.read()
+
+
+def last_json(text):
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("no JSON result in output:\n" + text)
+
+
+def run_one(impl, n, a):
+    """impl: "ddp tcp", "ddp mpi", "ddp solo" or "pytorch"; a ddp name may end in " b4" or " b1" for 4 or 1 MiB
+    buckets instead of 25."""
+    common = ["--steps", str(a.steps), "--warmup", str(a.warmup), "--batch", str(a.batch)]
+    exe = os.path.join(a.build, "bench", "parallel", "dp_step_bench")
+    if impl.startswith("ddp") and impl.split()[-1] in ("b4", "b1"):
+        common += ["--bucket-mib", impl.split()[-1][1:]]
+        impl = impl.rsplit(" ", 1)[0]
+    if impl == "ddp tcp":
+        return last_json(spawn_env_ranks([exe, "--backend", "tcp"] + common, n, a.timeout))
+    if impl == "ddp solo":  # N independent single-rank jobs at once: the cost of sharing the cores, no communication
+        procs = []
+        for _ in range(n):
+            env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                       OPENBLAS_NUM_THREADS="1")
+            procs.append(subprocess.Popen([exe, "--backend", "tcp"] + common, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+        return {"median_ms": max(last_json(o)["median_ms"] for o in outs)}
+    if impl == "ddp mpi":
+        out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), "-x",
+                              "OPENBLAS_NUM_THREADS=1", exe, "--backend", "mpi"] + common,
+                             capture_output=True, text=True, timeout=a.timeout, check=True).stdout
+        return last_json(out)
+    return last_json(spawn_env_ranks(["/usr/bin/python3", os.path.join(HERE, "torch_ddp_step.py")] + common, n,
+                                     a.timeout))
+
+
+def machine():
+    model = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return "%s, %d logical CPUs, %s" % (model or platform.processor(), os.cpu_count(), platform.platform())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--impls", default="ddp tcp,ddp mpi,pytorch,ddp solo")
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "data_parallel.md"))
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "data_parallel.png"))
+    a = ap.parse_args()
+    worlds = [int(w) for w in a.worlds.split(",")]
+    impls = a.impls.split(",")
+    results = {(i, n): [] for i in impls for n in worlds}
+    split = {(i, n): [] for i in impls for n in worlds}  # ddp's rank-0 (forward+backward, dp.step) medians
+    load_before = os.getloadavg()
+    for rnd in range(a.rounds):
+        for n in worlds:
+            for impl in impls:
+                for attempt in range(3):  # a launch can fail on a busy machine (port race): say so, retry
+                    try:
+                        r = run_one(impl, n, a)
+                        break
+                    except (RuntimeError, subprocess.SubprocessError) as e:
+                        print("round %d  %-8s N=%d  attempt %d failed: %s" % (rnd + 1, impl, n, attempt + 1, e),
+                              file=sys.stderr, flush=True)
+                else:
+                    raise RuntimeError("%s at N=%d failed three times" % (impl, n))
+                results[(impl, n)].append(r["median_ms"])
+                if "forward_backward_ms" in r:
+                    split[(impl, n)].append((r["forward_backward_ms"], r["step_call_ms"]))
+                print("round %d  %-8s N=%d  %.1f ms" % (rnd + 1, impl, n, r["median_ms"]), flush=True)
+    load_after = os.getloadavg()
+    t = {k: statistics.median(v) for k, v in results.items()}
+    overhead = {(i, n): t[(i, n)] / t[(i, worlds[0])] - 1 for i in impls for n in worlds}
+
+    cores = os.cpu_count()
+    cmd = "/usr/bin/python3 bench/parallel/run_data_parallel.py " + " ".join(sys.argv[1:])
+    lines = [
+        "# data_parallel step time beside PyTorch DDP",
+        "",
+        "Model: MLP 784-2048-2048-10 (5.8 M f32 parameters, 23 MB of gradients per step), batch %d per rank, "
+        "SGD with momentum, one thread per rank (OpenBLAS / torch.set_num_threads(1)), gradients all-reduced "
+        "in 25 MiB buckets (first bucket 1 MiB) by both. Step = zero_grad + forward + backward (reporting "
+        "gradients as they finish, so buckets overlap the backward) + all-reduce wait + optimizer step. "
+        "T_N is the median over %d rounds of each run's median step time (each step's time is the slowest "
+        "rank's), %d timed steps after %d warm-up steps; rounds interleave the implementations. "
+        "'ddp solo' runs N independent single-rank ddp jobs at once (no communication, the slowest one's step "
+        "time): the part of T_N that is only the ranks sharing the CPU cores." %
+        (a.batch, a.rounds, a.steps, a.warmup),
+        "",
+        "- Machine: %s" % machine(),
+        "- Date: %s UTC; load average before/after: %.1f / %.1f" % (
+            datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"), load_before[0], load_after[0]),
+        "- Command: `%s`" % cmd,
+    ]
+    if any(n > cores for n in worlds):
+        lines.append("- N > %d is oversubscribed (more ranks than logical CPUs): ranks share cores, so T_N "
+                     "there measures time-slicing as much as communication." % cores)
+    lines += ["", "| implementation | N | T_N (ms) | T_1 (ms) | overhead T_N/T_1 − 1 | T_N − T_1 (ms) | runs (ms) | "
+              "rank 0: fwd+bwd / dp.step (ms) |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    for impl in impls:
+        for n in worlds:
+            sp = split[(impl, n)]
+            sp_text = "%.0f / %.0f" % (statistics.median(x[0] for x in sp), statistics.median(x[1] for x in sp)) if sp else ""
+            lines.append("| %s | %d | %.1f | %.1f | %+.1f %% | %+.1f | %s | %s |" % (
+                impl, n, t[(impl, n)], t[(impl, worlds[0])], 100 * overhead[(impl, n)],
+                t[(impl, n)] - t[(impl, worlds[0])],
+                ", ".join("%.0f" % v for v in results[(impl, n)]), sp_text))
+    if "pytorch" in impls:
+        lines += ["", "Overhead ratio against PyTorch DDP (target ≤ 1/3, i.e. ≤ 0.33):", "",
+                  "| implementation | N | ddp overhead / PyTorch overhead |", "|---|---:|---:|"]
+        for impl in impls:
+            if impl == "pytorch" or impl.startswith("ddp solo"):
+                continue
+            for n in worlds[1:]:
+                po = overhead[("pytorch", n)]
+                ratio = overhead[(impl, n)] / po if po > 0 else float("nan")
+                lines.append("| %s | %d | %.2f |" % (impl, n, ratio))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        width = 0.8 / len(impls)
+        for k, impl in enumerate(impls):
+            xs = [i + k * width for i in range(len(worlds))]
+            ax1.bar(xs, [t[(impl, n)] for n in worlds], width, label=impl)
+            ax2.bar(xs, [100 * overhead[(impl, n)] for n in worlds], width, label=impl)
+        for ax, title in ((ax1, "step time T_N (ms)"), (ax2, "overhead T_N/T_1 - 1 (%)")):
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(worlds))])
+            ax.set_xticklabels(["N=%d" % n for n in worlds])
+            ax.set_title(title)
+            ax.legend()
+        fig.suptitle("MLP 784-2048-2048-10, batch %d/rank, 1 thread/rank" % a.batch)
+        fig.tight_layout()
+        os.makedirs(os.path.dirname(a.plot), exist_ok=True)
+        fig.savefig(a.plot, dpi=100)
+        lines += ["", "![step time and overhead](../img/%s)" % os.path.basename(a.plot)]
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+// Bytes moved per step and memory per rank of data_parallel under replicate, shard_grad_op and
+// full_shard, beside the theory; plus step time. Every configuration runs as its own job of N forked
+// ranks over the TCP backend (ddp::launch::spawn); rank 0 prints one result line.
+//
+//   bench_sharding [--model small|large] [--ranks 1,2,4] [--steps 3] [--batch 64]
+//
+// small: MLP 784-2048-2048-10 (the bench MLP); large: 784-10000-6000-6000-10 (≈ 100 M parameters,
+// run at batch 1 so the naive CPU loops stay fast). Optimizer AdamW (2 state arrays).
+// "persistent" is the rank's resident memory between steps (after malloc_trim) minus its resident memory
+// before the communicator and model were made; the ZeRO formula (f32, AdamW) is 16Ψ' bytes for replicate,
+// 4Ψ' + 12Ψ'/N for shard_grad_op and 16Ψ'/N for full_shard (Ψ' parameters).
+#include <malloc.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/ddp.hpp>
+#include <ddp/launch/spawn.hpp>
+
+namespace {
+
+struct linear {
+  ddp::parameter<float> weight, bias;
+};
+
+/// An MLP whose layers are the units ("fc1", "fc2", ...).
+struct mlp {
+  std::vector<linear> fc;
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (std::size_t i = 0; i < fc.size(); ++i) f("fc" + std::to_string(i + 1), fc[i]);
+  }
+};
+
+mlp make_mlp(const std::vector<std::size_t>& dims) {
+  mlp m;
+  std::uint64_t state = 42;
+  for (std::size_t l = 0; l + 1 < dims.size(); ++l) {
+    std::vector<float> w(dims[l] * dims[l + 1]);
+    const float bound = 1.0F / static_cast<float>(std::sqrt(double(dims[l])));
+    for (auto& v : w) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      v = bound * (static_cast<float>(state >> 40) / float(1 << 23) - 1.0F);
+    }
+    m.fc.push_back({ddp::parameter<float>({dims[l + 1], dims[l]}, std::move(w)), ddp::parameter<float>({dims[l + 1]})});
+  }
+  return m;
+}
+
+double rss_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
+
+/// One training step's forward and backward (ReLU hidden layers, squared error), each layer inside a gather scope.
+template <class DP>
+void forward_backward(DP& dp, mlp& m, std::size_t batch) {
+  const std::size_t layers = m.fc.size();
+  std::vector<std::vector<float>> acts(layers + 1);
+  acts[0].assign(batch * m.fc[0].weight.shape()[1], 0.5F);
+  for (std::size_t l = 0; l < layers; ++l) {
+    auto g = dp.gather(m.fc[l]);
+    const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
+    acts[l + 1].assign(batch * out, 0.0F);
+    const float* w = m.fc[l].weight.value().data();
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t o = 0; o < out; ++o) {
+        float acc = m.fc[l].bias.value()[o];
+        const float* x = &acts[l][s * in];
+        for (std::size_t i = 0; i < in; ++i) acc += w[o * in + i] * x[i];
+        acts[l + 1][s * out + o] = l + 1 < layers ? std::max(acc, 0.0F) : acc;
+      }
+  }
+  std::vector<float> delta = acts[layers];  // d(½‖y‖²)/dy = y
+  for (std::size_t l = layers; l-- > 0;) {
+    auto g = dp.gather(m.fc[l]);
+    const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
+    std::vector<float> back(batch * in, 0.0F);
+    float* gw = m.fc[l].weight.grad().data();
+    const float* w = m.fc[l].weight.value().data();
+    for (std::size_t s = 0; s < batch; ++s)
+      for (std::size_t o = 0; o < out; ++o) {
+        const float d = delta[s * out + o] / static_cast<float>(batch);
+        m.fc[l].bias.grad()[o] += d;
+        const float* x = &acts[l][s * in];
+        float* b = &back[s * in];
+        for (std::size_t i = 0; i < in; ++i) {
+          gw[o * in + i] += d * x[i];
+          b[i] += d * w[o * in + i];
+        }
+      }
+    dp.gradient_ready(m.fc[l].bias);
+    dp.gradient_ready(m.fc[l].weight);
+    if (l > 0)
+      for (std::size_t i = 0; i < back.size(); ++i) back[i] = acts[l][i] > 0 ? back[i] * static_cast<float>(batch) : 0;
+    delta = std::move(back);
+  }
+}
+
+struct settings {
+  std::string model = "small";
+  std::vector<int> ranks{1, 2, 4};
+  int steps = 3;
+  std::size_t batch = 64;
+};
+
+template <class Sharding>
+void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::string_view policy) {
+  const double base = rss_mib();
+  auto comm = ddp::tcp::communicator::from_env();
+  mlp model = make_mlp(dims);
+  ddp::data_parallel<mlp, ddp::backend::tcp, Sharding, ddp::bucket_bytes<(25U << 20)>> dp{model, comm};
+  ddp::optim::adamw opt({.lr = 1e-4});
+  dp.attach(opt);
+  dp.zero_grad();
+  forward_backward(dp, model, s.batch);  // warm-up step: state allocated, pages touched
+  dp.step(opt);
+  const auto before = comm.stats();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < s.steps; ++i) {
+    dp.zero_grad();
+    forward_backward(dp, model, s.batch);
+    dp.step(opt);
+  }
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / s.steps;
+  const double moved = static_cast<double>(comm.stats().total_bytes() - before.total_bytes()) / s.steps;
+  ::malloc_trim(0);  // freed heap (the model's own storage before binding, activations) back to the OS
+  const double persistent = rss_mib() - base;
+  double params = 0;
+  dp.for_each_parameter([&](std::string_view, ddp::parameter<float>& p) { params += static_cast<double>(p.numel()); });
+  if (comm.rank() == 0) {
+    const double psi = params * 4, n = comm.size();
+    const double factor = std::string_view(policy) == "full_shard" ? 3.0 : 2.0;
+    const double zero = policy == "replicate" ? 4 * psi : policy == "shard_grad_op" ? psi + 3 * psi / n : 4 * psi / n;
+    std::printf("| %s | %d | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %.0f |\n", std::string(policy).c_str(),
+                comm.size(), params / 1e6, moved / (1 << 20), factor * psi * (n - 1) / n / (1 << 20), persistent,
+                zero / (1 << 20), peak_rss_mib(), ms);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string_view key = argv[i];
+    const std::string value = argv[i + 1];
+    if (key == "--model") s.model = value;
+    else if (key == "--steps") s.steps = std::stoi(value);
+    else if (key == "--batch") s.batch = std::stoul(value);
+    else if (key == "--ranks") {
+      s.ranks.clear();
+      std::stringstream in(value);
+      for (std::string r; std::getline(in, r, ',');) s.ranks.push_back(std::stoi(r));
+    } else {
+      std::cerr << "usage: bench_sharding [--model small|large] [--ranks 1,2,4] [--steps 3] [--batch 64]\n";
+      return 2;
+    }
+  }
+  const std::vector<std::size_t> dims = s.model == "large" ? std::vector<std::size_t>{784, 10000, 6000, 6000, 10}
+                                                           : std::vector<std::size_t>{784, 2048, 2048, 10};
+  if (s.model == "large" && s.batch == 64) s.batch = 1;
+  std::printf("model %s, batch %zu per rank, AdamW, %d timed steps, TCP backend\n\n", s.model.c_str(), s.batch, s.steps);
+  std::printf("| policy | N | params (M) | MiB moved/step/rank | theory MiB | persistent MiB/rank | ZeRO formula MiB | peak RSS MiB | step ms |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::fflush(stdout);
+  int status = 0;
+  for (const int n : s.ranks) {
+    for (const std::string_view policy : {"replicate", "shard_grad_op", "full_shard"}) {
+      ddp::launch::spawn_options o;
+      o.timeout = std::chrono::minutes(10);
+      const auto result = ddp::launch::spawn(
+          n,
+          [&](int) {
+            if (policy == "replicate") run_rank<ddp::replicate>(s, dims, policy);
+            else if (policy == "shard_grad_op") run_rank<ddp::shard_grad_op>(s, dims, policy);
+            else run_rank<ddp::full_shard>(s, dims, policy);
+            std::fflush(stdout);
+          },
+          o);
+      if (!result.ok()) {
+        std::cerr << policy << " at N=" << n << ": " << result.describe() << "\n";
+        status = 1;
+      }
+    }
+  }
+  return status;
+}
