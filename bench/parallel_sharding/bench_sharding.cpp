@@ -6,6 +6,8 @@
 //
 // small: MLP 784-2048-2048-10 (the bench MLP); large: 784-10000-6000-6000-10 (≈ 100 M parameters,
 // run at batch 1 so the naive CPU loops stay fast). Optimizer AdamW (2 state arrays).
+// Sharded policies run twice: with the pooled unit buffers kept between steps (the default) and "lean"
+// (data_parallel_options::keep_unit_buffers = false: freed after every step).
 // "persistent" is the rank's resident memory between steps (after malloc_trim) minus its resident memory
 // before the communicator and model were made; the ZeRO formula (f32, AdamW) is 16Ψ' bytes for replicate,
 // 4Ψ' + 12Ψ'/N for shard_grad_op and 16Ψ'/N for full_shard (Ψ' parameters).
@@ -127,7 +129,9 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
   const double base = rss_mib();
   auto comm = ddp::tcp::communicator::from_env();
   mlp model = make_mlp(dims);
-  ddp::data_parallel<mlp, ddp::backend::tcp, Sharding, ddp::bucket_bytes<(25U << 20)>> dp{model, comm};
+  ddp::data_parallel_options options;
+  options.keep_unit_buffers = !policy.ends_with(" lean");  // lean: pooled unit buffers freed after every step
+  ddp::data_parallel<mlp, ddp::backend::tcp, Sharding, ddp::bucket_bytes<(25U << 20)>> dp{model, comm, options};
   ddp::optim::adamw opt({.lr = 1e-4});
   dp.attach(opt);
   dp.zero_grad();
@@ -148,8 +152,8 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
   dp.for_each_parameter([&](std::string_view, ddp::parameter<float>& p) { params += static_cast<double>(p.numel()); });
   if (comm.rank() == 0) {
     const double psi = params * 4, n = comm.size();
-    const double factor = std::string_view(policy) == "full_shard" ? 3.0 : 2.0;
-    const double zero = policy == "replicate" ? 4 * psi : policy == "shard_grad_op" ? psi + 3 * psi / n : 4 * psi / n;
+    const double factor = policy.starts_with("full_shard") ? 3.0 : 2.0;
+    const double zero = policy == "replicate" ? 4 * psi : policy.starts_with("shard_grad_op") ? psi + 3 * psi / n : 4 * psi / n;
     std::printf("| %s | %d | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %.0f |\n", std::string(policy).c_str(),
                 comm.size(), params / 1e6, moved / (1 << 20), factor * psi * (n - 1) / n / (1 << 20), persistent,
                 zero / (1 << 20), peak_rss_mib(), ms);
@@ -184,14 +188,15 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   int status = 0;
   for (const int n : s.ranks) {
-    for (const std::string_view policy : {"replicate", "shard_grad_op", "full_shard"}) {
+    for (const std::string_view policy :
+         {"replicate", "shard_grad_op", "shard_grad_op lean", "full_shard", "full_shard lean"}) {
       ddp::launch::spawn_options o;
       o.timeout = std::chrono::minutes(10);
       const auto result = ddp::launch::spawn(
           n,
           [&](int) {
             if (policy == "replicate") run_rank<ddp::replicate>(s, dims, policy);
-            else if (policy == "shard_grad_op") run_rank<ddp::shard_grad_op>(s, dims, policy);
+            else if (policy.starts_with("shard_grad_op")) run_rank<ddp::shard_grad_op>(s, dims, policy);
             else run_rank<ddp::full_shard>(s, dims, policy);
             std::fflush(stdout);
           },

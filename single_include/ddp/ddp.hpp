@@ -3899,6 +3899,10 @@ struct data_parallel_options {
   /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
   /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
   std::size_t unit_depth = 1;
+  /// Sharded policies: keep the pooled per-unit buffers (gathered values, full gradients) resident between
+  /// steps, so steady-state steps allocate nothing and fault in no page (true), or free them after every step,
+  /// so that between steps a rank holds only its shards (false: the lowest memory, page faults each step).
+  bool keep_unit_buffers = true;
   /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
   int hybrid_group_size = 0;
 };
@@ -4318,7 +4322,7 @@ struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
 /// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
 /// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
 /// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after a gather of the whole model, say).
+/// not need (after a gather of the whole model, say), or every idle buffer.
 
 
 
@@ -4353,10 +4357,10 @@ class unit_pool {
   }
   /// The bytes of buffer `id` for arena `a`.
   [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
-  /// Frees the idle buffers nobody took since the previous trim.
-  void trim() noexcept {
+  /// Frees the idle buffers nobody took since the previous trim (every idle buffer when `all`).
+  void trim(bool all = false) noexcept {
     for (auto& b : buffers_) {
-      if (!b.busy && !b.taken_since_trim) b = buffer{};
+      if (!b.busy && (all || !b.taken_since_trim)) b = buffer{};
       b.taken_since_trim = false;
     }
   }
@@ -4427,9 +4431,10 @@ template <class Comm>
 class sharded_core {
  public:
   sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
-               const char* policy)
+               const char* policy, const data_parallel_options& options)
       : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
-        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy) {
+        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
+        keep_buffers_(options.keep_unit_buffers) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(a.numel / n * size_of(a.type));
@@ -4605,10 +4610,10 @@ class sharded_core {
   work gather_bucket(std::size_t b) {
     return shard_.all_gather(owned_values(b), value_view(b));
   }
-  /// Frees the pooled buffers the last step did not need.
+  /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
   void trim_pools() noexcept {
-    values_pool_.trim();
-    grads_pool_.trim();
+    values_pool_.trim(!keep_buffers_);
+    grads_pool_.trim(!keep_buffers_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
   void park_values() noexcept {
@@ -4742,6 +4747,7 @@ class sharded_core {
   std::vector<work> averaged_;                          // per bucket: hybrid's cross-group average
   std::vector<char> averaging_;                         // per bucket: that average has started
   const char* policy_;                                  // the strategy's name, for messages
+  bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
 };
 
 }  // namespace ddp::detail
@@ -4781,13 +4787,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard") {
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options) {
     setup(options);
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard") {
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options) {
     setup(options);
   }
   strategy(const strategy&) = delete;
@@ -4902,12 +4908,12 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op") {}
+  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
-           const data_parallel_options& /*options*/)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op") {}
+           const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.

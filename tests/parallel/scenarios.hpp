@@ -212,6 +212,28 @@ inline ddp::data_parallel_options hybrid_groups(int world) {
   return o;
 }
 
+/// Sharding units finer than the top-level fields: one per parameter (unit_depth 2), or fc2 as one unit and
+/// the rest per parameter; a listed unit that covers no parameter is a config_error naming it.
+inline ddp::data_parallel_options per_parameter_units(std::vector<std::string> units = {}) {
+  ddp::data_parallel_options o;
+  o.units = std::move(units);
+  o.unit_depth = 2;
+  return o;
+}
+
+template <class Backend, class Comm>
+void check_unit_errors(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel_options o;
+  o.units = {"fc2", "fc4"};
+  try {
+    ddp::data_parallel<mlp, Backend, ddp::full_shard> dp{model, comm, o};
+    FAIL("a unit that covers no parameter was accepted");
+  } catch (const ddp::config_error& e) {
+    REQUIRE_THAT(e.what(), Catch::Contains("'fc4'") && Catch::Contains("covers no parameter"));
+  }
+}
+
 /// full_shard: a gradient reported outside a gather scope is named as misuse.
 template <class Backend, class Comm>
 void check_full_shard_misuse(Comm comm) {

@@ -26,6 +26,10 @@ struct data_parallel_options {
   /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
   /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
   std::size_t unit_depth = 1;
+  /// Sharded policies: keep the pooled per-unit buffers (gathered values, full gradients) resident between
+  /// steps, so steady-state steps allocate nothing and fault in no page (true), or free them after every step,
+  /// so that between steps a rank holds only its shards (false: the lowest memory, page faults each step).
+  bool keep_unit_buffers = true;
   /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
   int hybrid_group_size = 0;
 };

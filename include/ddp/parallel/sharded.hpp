@@ -35,6 +35,7 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/unit_pool.hpp>
 
@@ -62,9 +63,10 @@ template <class Comm>
 class sharded_core {
  public:
   sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
-               const char* policy)
+               const char* policy, const data_parallel_options& options)
       : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
-        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy) {
+        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
+        keep_buffers_(options.keep_unit_buffers) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(a.numel / n * size_of(a.type));
@@ -240,10 +242,10 @@ class sharded_core {
   work gather_bucket(std::size_t b) {
     return shard_.all_gather(owned_values(b), value_view(b));
   }
-  /// Frees the pooled buffers the last step did not need.
+  /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
   void trim_pools() noexcept {
-    values_pool_.trim();
-    grads_pool_.trim();
+    values_pool_.trim(!keep_buffers_);
+    grads_pool_.trim(!keep_buffers_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
   void park_values() noexcept {
@@ -377,6 +379,7 @@ class sharded_core {
   std::vector<work> averaged_;                          // per bucket: hybrid's cross-group average
   std::vector<char> averaging_;                         // per bucket: that average has started
   const char* policy_;                                  // the strategy's name, for messages
+  bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
 };
 
 }  // namespace ddp::detail

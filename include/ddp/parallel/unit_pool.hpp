@@ -3,7 +3,7 @@
 /// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
 /// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
 /// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after a gather of the whole model, say).
+/// not need (after a gather of the whole model, say), or every idle buffer.
 
 #include <cstddef>
 #include <cstdint>
@@ -44,10 +44,10 @@ class unit_pool {
   }
   /// The bytes of buffer `id` for arena `a`.
   [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
-  /// Frees the idle buffers nobody took since the previous trim.
-  void trim() noexcept {
+  /// Frees the idle buffers nobody took since the previous trim (every idle buffer when `all`).
+  void trim(bool all = false) noexcept {
     for (auto& b : buffers_) {
-      if (!b.busy && !b.taken_since_trim) b = buffer{};
+      if (!b.busy && (all || !b.taken_since_trim)) b = buffer{};
       b.taken_since_trim = false;
     }
   }
