@@ -7,7 +7,9 @@
 // small: MLP 784-2048-2048-10 (the bench MLP); large: 784-10000-6000-6000-10 (≈ 100 M parameters,
 // run at batch 1 so the naive CPU loops stay fast). Optimizer AdamW (2 state arrays).
 // Sharded policies run twice: with the pooled unit buffers kept between steps (the default) and "lean"
-// (data_parallel_options::keep_unit_buffers = false: freed after every step).
+// (data_parallel_options::keep_unit_buffers = false: freed after every step). hybrid<full_shard> runs at even
+// N ≥ 4 in groups of G = 2: bytes inside a group (theory 3·Ψ·(G−1)/G) and across groups (an all_reduce of the
+// Ψ/G shard among W/G replicas: 2·(Ψ/G)·(W/G − 1)/(W/G)), ZeRO formula 16Ψ'/G.
 // "persistent" is the rank's resident memory between steps (after malloc_trim) minus its resident memory
 // before the communicator and model were made; the ZeRO formula (f32, AdamW) is 16Ψ' bytes for replicate,
 // 4Ψ' + 12Ψ'/N for shard_grad_op and 16Ψ'/N for full_shard (Ψ' parameters).
@@ -17,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -131,13 +134,19 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
   mlp model = make_mlp(dims);
   ddp::data_parallel_options options;
   options.keep_unit_buffers = !policy.ends_with(" lean");  // lean: pooled unit buffers freed after every step
+  const bool hybrid = policy.starts_with("hybrid");
+  if (hybrid) options.hybrid_group_size = 2;
   ddp::data_parallel<mlp, ddp::backend::tcp, Sharding, ddp::bucket_bytes<(25U << 20)>> dp{model, comm, options};
   ddp::optim::adamw opt({.lr = 1e-4});
   dp.attach(opt);
   dp.zero_grad();
   forward_backward(dp, model, s.batch);  // warm-up step: state allocated, pages touched
   dp.step(opt);
-  const auto before = comm.stats();
+  const auto group = dp.shard_group();
+  const auto replicas = dp.replica_group();
+  const auto across = [&] { return replicas ? replicas->stats().total_bytes() : std::uint64_t{0}; };
+  const auto before = comm.stats().total_bytes() + group.stats().total_bytes() * hybrid;
+  const auto before_across = across();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < s.steps; ++i) {
     dp.zero_grad();
@@ -145,18 +154,30 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
     dp.step(opt);
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / s.steps;
-  const double moved = static_cast<double>(comm.stats().total_bytes() - before.total_bytes()) / s.steps;
+  const double moved =
+      static_cast<double>(comm.stats().total_bytes() + group.stats().total_bytes() * hybrid - before) / s.steps;
+  const double moved_across = static_cast<double>(across() - before_across) / s.steps;
   ::malloc_trim(0);  // freed heap (the model's own storage before binding, activations) back to the OS
   const double persistent = rss_mib() - base;
   double params = 0;
   dp.for_each_parameter([&](std::string_view, ddp::parameter<float>& p) { params += static_cast<double>(p.numel()); });
   if (comm.rank() == 0) {
     const double psi = params * 4, n = comm.size();
-    const double factor = policy.starts_with("full_shard") ? 3.0 : 2.0;
+    const double factor = policy.find("full_shard") != std::string_view::npos ? 3.0 : 2.0;
+    const double mib = 1 << 20;
+    if (hybrid) {  // inside a group of G: Inner's bytes over G ranks; across the W/G groups: all_reduce of Ψ/G
+      const double g = group.size(), replicas_n = n / g;
+      const double zero = 4 * psi / g;  // full_shard inside the group
+      std::printf("| %s, G = %d | %d | %.1f | %.3f inside + %.3f across | %.3f + %.3f | %.1f | %.1f | %.1f | %.0f |\n",
+                  std::string(policy).c_str(), group.size(), comm.size(), params / 1e6, moved / mib, moved_across / mib,
+                  factor * psi * (g - 1) / g / mib, 2 * psi / g * (replicas_n - 1) / replicas_n / mib, persistent,
+                  zero / mib, peak_rss_mib(), ms);
+      return;
+    }
     const double zero = policy == "replicate" ? 4 * psi : policy.starts_with("shard_grad_op") ? psi + 3 * psi / n : 4 * psi / n;
     std::printf("| %s | %d | %.1f | %.3f | %.3f | %.1f | %.1f | %.1f | %.0f |\n", std::string(policy).c_str(),
-                comm.size(), params / 1e6, moved / (1 << 20), factor * psi * (n - 1) / n / (1 << 20), persistent,
-                zero / (1 << 20), peak_rss_mib(), ms);
+                comm.size(), params / 1e6, moved / mib, factor * psi * (n - 1) / n / mib, persistent,
+                zero / mib, peak_rss_mib(), ms);
   }
 }
 
@@ -189,7 +210,8 @@ int main(int argc, char** argv) {
   int status = 0;
   for (const int n : s.ranks) {
     for (const std::string_view policy :
-         {"replicate", "shard_grad_op", "shard_grad_op lean", "full_shard", "full_shard lean"}) {
+         {"replicate", "shard_grad_op", "shard_grad_op lean", "full_shard", "full_shard lean", "hybrid<full_shard>"}) {
+      if (policy.starts_with("hybrid") && (n < 4 || n % 2 != 0)) continue;  // 2 groups of 2 or more
       ddp::launch::spawn_options o;
       o.timeout = std::chrono::minutes(10);
       const auto result = ddp::launch::spawn(
@@ -197,6 +219,7 @@ int main(int argc, char** argv) {
           [&](int) {
             if (policy == "replicate") run_rank<ddp::replicate>(s, dims, policy);
             else if (policy.starts_with("shard_grad_op")) run_rank<ddp::shard_grad_op>(s, dims, policy);
+            else if (policy.starts_with("hybrid")) run_rank<ddp::hybrid<ddp::full_shard>>(s, dims, policy);
             else run_rank<ddp::full_shard>(s, dims, policy);
             std::fflush(stdout);
           },
