@@ -1371,6 +1371,38 @@ class object_collectives {
 #include <random>
 #include <thread>
 
+// ---- begin <ddp/comm/checks.hpp>
+/// \file The argument checks every backend makes before a collective, as messages: empty when the arguments
+/// are fine, else what is wrong and the fix. Each backend prefixes the call and the rank and throws.
+
+
+
+namespace ddp::detail {
+
+/// Empty when `in` and `out` have one dtype, else what to fix.
+inline std::string dtype_problem(const raw_tensor& in, const raw_tensor& out) {
+  if (in.type == out.type) return {};
+  return "input is " + std::string(to_string(in.type)) + " but output is " + std::string(to_string(out.type)) +
+         "; pass buffers of one dtype";
+}
+
+/// Empty when `whole` holds `ranks` blocks of `block` elements, else what to fix.
+inline std::string blocks_problem(std::size_t whole, std::size_t block, int ranks, const char* whole_name,
+                                  const char* block_name) {
+  if (whole == block * static_cast<std::size_t>(ranks)) return {};
+  return std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
+         std::to_string(ranks) + " times the " + std::to_string(block) + " elements of the " + block_name;
+}
+
+/// Empty when `r` is a rank of a group of `ranks`, else what to fix; `what` names the argument ("broadcast root").
+inline std::string rank_problem(int r, int ranks, const char* what) {
+  if (r >= 0 && r < ranks) return {};
+  return std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
+         std::to_string(ranks - 1) + ")";
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/checks.hpp>
 // ---- begin <ddp/comm/tcp/algorithms.hpp>
 /// \file The collective algorithms of the TCP backend, run by the progress engine one call at a time.
 /// Small payloads take latency-optimal direct exchanges (one round); large ones take bandwidth-optimal
@@ -3570,16 +3602,11 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return t;
   }
   void same_type(const raw_tensor& a, const raw_tensor& b, const char* op) const {
-    if (a.type != b.type)
-      throw error(std::string(op) + " got " + std::string(to_string(a.type)) + " input and " +
-                      std::string(to_string(b.type)) + " output; both must have the same dtype",
-                  world_rank());
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty())
+      throw error(std::string(op) + ": " + problem, world_rank());
   }
   void check_rank(int r, const char* what) const {
-    if (r < 0 || r >= size())
-      throw error(std::string(what) + " " + std::to_string(r) + " is not a rank of this group of " +
-                      std::to_string(size()),
-                  world_rank());
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) throw error(problem, world_rank());
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
@@ -8244,23 +8271,18 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   void same_type(const detail::operation& o, const raw_tensor& a, const raw_tensor& b) const {
-    if (a.type != b.type)
-      fail(o, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
-                  "; pass buffers of one dtype");
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(o, problem);
   }
 
   /// `whole` must hold size() blocks of `block` elements.
   void blocks(const detail::operation& o, std::size_t whole, std::size_t block, const char* whole_name,
               const char* block_name) const {
-    if (whole != block * static_cast<std::size_t>(size()))
-      fail(o, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
-                  std::to_string(size()) + " times the " + std::to_string(block) + " elements of the " + block_name);
+    if (auto problem = ddp::detail::blocks_problem(whole, block, size(), whole_name, block_name); !problem.empty())
+      fail(o, problem);
   }
 
   void check_rank(const detail::operation& o, int r, const char* what) const {
-    if (r < 0 || r >= size())
-      fail(o, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
-                  std::to_string(size() - 1) + ")");
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(o, problem);
   }
 
   void point_to_point_check(const detail::operation& o, const raw_tensor& b, int peer, int tag) const {
@@ -9497,22 +9519,17 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   void same_type(const detail::op_info& info, const raw_tensor& a, const raw_tensor& b) const {
-    if (a.type != b.type)
-      fail(info, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
-                     "; pass buffers of one dtype");
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(info, problem);
   }
 
   void blocks(const detail::op_info& info, std::size_t whole, std::size_t part, const char* whole_name,
               const char* part_name) const {
-    if (whole != part * static_cast<std::size_t>(size()))
-      fail(info, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
-                     std::to_string(size()) + " times the " + std::to_string(part) + " elements of the " + part_name);
+    if (auto problem = ddp::detail::blocks_problem(whole, part, size(), whole_name, part_name); !problem.empty())
+      fail(info, problem);
   }
 
   void check_rank(const detail::op_info& info, int r, const char* what) const {
-    if (r < 0 || r >= size())
-      fail(info, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
-                     std::to_string(size() - 1) + ")");
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(info, problem);
   }
 
   static bool overlap(const raw_tensor& a, const raw_tensor& b) noexcept {

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include <ddp/comm/backend.hpp>
+#include <ddp/comm/checks.hpp>
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/object.hpp>
 #include <ddp/comm/reduce_op.hpp>
@@ -599,23 +600,18 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   void same_type(const detail::operation& o, const raw_tensor& a, const raw_tensor& b) const {
-    if (a.type != b.type)
-      fail(o, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
-                  "; pass buffers of one dtype");
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(o, problem);
   }
 
   /// `whole` must hold size() blocks of `block` elements.
   void blocks(const detail::operation& o, std::size_t whole, std::size_t block, const char* whole_name,
               const char* block_name) const {
-    if (whole != block * static_cast<std::size_t>(size()))
-      fail(o, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
-                  std::to_string(size()) + " times the " + std::to_string(block) + " elements of the " + block_name);
+    if (auto problem = ddp::detail::blocks_problem(whole, block, size(), whole_name, block_name); !problem.empty())
+      fail(o, problem);
   }
 
   void check_rank(const detail::operation& o, int r, const char* what) const {
-    if (r < 0 || r >= size())
-      fail(o, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
-                  std::to_string(size() - 1) + ")");
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(o, problem);
   }
 
   void point_to_point_check(const detail::operation& o, const raw_tensor& b, int peer, int tag) const {

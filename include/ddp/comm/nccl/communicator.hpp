@@ -43,6 +43,7 @@
 #include <vector>
 
 #include <ddp/comm/backend.hpp>
+#include <ddp/comm/checks.hpp>
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/env.hpp>
 #include <ddp/comm/nccl/error.hpp>
@@ -768,22 +769,17 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   void same_type(const detail::op_info& info, const raw_tensor& a, const raw_tensor& b) const {
-    if (a.type != b.type)
-      fail(info, "input is " + std::string(to_string(a.type)) + " but output is " + std::string(to_string(b.type)) +
-                     "; pass buffers of one dtype");
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(info, problem);
   }
 
   void blocks(const detail::op_info& info, std::size_t whole, std::size_t part, const char* whole_name,
               const char* part_name) const {
-    if (whole != part * static_cast<std::size_t>(size()))
-      fail(info, std::string(whole_name) + " has " + std::to_string(whole) + " elements but must hold size()=" +
-                     std::to_string(size()) + " times the " + std::to_string(part) + " elements of the " + part_name);
+    if (auto problem = ddp::detail::blocks_problem(whole, part, size(), whole_name, part_name); !problem.empty())
+      fail(info, problem);
   }
 
   void check_rank(const detail::op_info& info, int r, const char* what) const {
-    if (r < 0 || r >= size())
-      fail(info, std::string(what) + " " + std::to_string(r) + " is not a rank of this group (0.." +
-                     std::to_string(size() - 1) + ")");
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(info, problem);
   }
 
   static bool overlap(const raw_tensor& a, const raw_tensor& b) noexcept {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <ddp/comm/backend.hpp>
+#include <ddp/comm/checks.hpp>
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/env.hpp>
 #include <ddp/comm/object.hpp>
@@ -414,16 +415,11 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return t;
   }
   void same_type(const raw_tensor& a, const raw_tensor& b, const char* op) const {
-    if (a.type != b.type)
-      throw error(std::string(op) + " got " + std::string(to_string(a.type)) + " input and " +
-                      std::string(to_string(b.type)) + " output; both must have the same dtype",
-                  world_rank());
+    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty())
+      throw error(std::string(op) + ": " + problem, world_rank());
   }
   void check_rank(int r, const char* what) const {
-    if (r < 0 || r >= size())
-      throw error(std::string(what) + " " + std::to_string(r) + " is not a rank of this group of " +
-                      std::to_string(size()),
-                  world_rank());
+    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) throw error(problem, world_rank());
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
