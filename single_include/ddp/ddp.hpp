@@ -4338,9 +4338,10 @@ struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
 /// block across the replica group too; that all-reduce starts when the next bucket is launched, so it
 /// overlaps the rest of the backward.
 ///
-/// Values: the optimizer steps the owned values (a persistent copy of the owned blocks) against the owned
-/// gradients; all-gathers of the owned values refill the full parameters, all of them after each step
-/// (shard_grad_op, into the value arena) or unit by unit on demand (full_shard, into pooled buffers).
+/// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
+/// its blocks of the value arena, and after each step every bucket is all-gathered in place; full_shard keeps a
+/// persistent copy of the owned blocks (its arena holds no values) and all-gathers units on demand into pooled
+/// buffers.
 
 #include <limits>
 
@@ -4458,13 +4459,13 @@ template <class Comm>
 class sharded_core {
  public:
   sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
-               const char* policy, const data_parallel_options& options)
+               const char* policy, const data_parallel_options& options, bool values_in_arena)
       : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        keep_buffers_(options.keep_unit_buffers) {
+        keep_buffers_(options.keep_unit_buffers), values_in_arena_(values_in_arena) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(a.numel / n * size_of(a.type));
+      own_values_.emplace_back(values_in_arena_ ? 0 : a.numel / n * size_of(a.type));
       own_grads_.emplace_back(a.numel / n * size_of(a.type));
       received_.emplace_back();
     }
@@ -4475,8 +4476,9 @@ class sharded_core {
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       const std::size_t w = size_of(a.type);
-      std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
-                  own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
+      if (!values_in_arena_)
+        std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
+                    own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
       buffers_.push_back(owned_buffer(b));
     }
     const std::size_t units = layout_.units().size();
@@ -4736,7 +4738,13 @@ class sharded_core {
     return shard_view(received_, b);
   }
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const { return shard_view(own_grads_, b); }
-  [[nodiscard]] raw_tensor owned_values(std::size_t b) const { return shard_view(own_values_, b); }
+  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
+  /// else the persistent copy (full_shard, whose arena holds no values).
+  [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
+    if (!values_in_arena_) return shard_view(own_values_, b);
+    const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+    return a.value_view(blocks_[b].begin, blocks_[b].length);
+  }
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
     optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
@@ -4775,6 +4783,7 @@ class sharded_core {
   std::vector<char> averaging_;                         // per bucket: that average has started
   const char* policy_;                                  // the strategy's name, for messages
   bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
+  bool values_in_arena_;                                // owned values are blocks of the value arena
 };
 
 }  // namespace ddp::detail
@@ -4814,13 +4823,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options) {
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options, false) {
     setup(options);
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options) {
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options, false) {
     setup(options);
   }
   strategy(const strategy&) = delete;
@@ -4936,11 +4945,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options) {}
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options) {}
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options, true) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -6503,7 +6512,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {
           std::byte* dst = full + c.start * width;
-          if (c.rank == dp.rank()) std::memcpy(dst, st.at(tensor, c.start, c.numel), c.numel * width);
+          if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
           dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
         }
       }

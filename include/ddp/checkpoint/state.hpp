@@ -326,7 +326,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {
           std::byte* dst = full + c.start * width;
-          if (c.rank == dp.rank()) std::memcpy(dst, st.at(tensor, c.start, c.numel), c.numel * width);
+          if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
           dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
         }
       }

@@ -27,13 +27,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options) {
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options, false) {
     setup(options);
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options) {
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options, false) {
     setup(options);
   }
   strategy(const strategy&) = delete;

@@ -25,11 +25,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options) {}
+      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options) {}
+      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options, true) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.

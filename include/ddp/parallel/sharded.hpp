@@ -13,9 +13,10 @@
 /// block across the replica group too; that all-reduce starts when the next bucket is launched, so it
 /// overlaps the rest of the backward.
 ///
-/// Values: the optimizer steps the owned values (a persistent copy of the owned blocks) against the owned
-/// gradients; all-gathers of the owned values refill the full parameters, all of them after each step
-/// (shard_grad_op, into the value arena) or unit by unit on demand (full_shard, into pooled buffers).
+/// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
+/// its blocks of the value arena, and after each step every bucket is all-gathered in place; full_shard keeps a
+/// persistent copy of the owned blocks (its arena holds no values) and all-gathers units on demand into pooled
+/// buffers.
 
 #include <algorithm>
 #include <cstddef>
@@ -63,13 +64,13 @@ template <class Comm>
 class sharded_core {
  public:
   sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
-               const char* policy, const data_parallel_options& options)
+               const char* policy, const data_parallel_options& options, bool values_in_arena)
       : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        keep_buffers_(options.keep_unit_buffers) {
+        keep_buffers_(options.keep_unit_buffers), values_in_arena_(values_in_arena) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(a.numel / n * size_of(a.type));
+      own_values_.emplace_back(values_in_arena_ ? 0 : a.numel / n * size_of(a.type));
       own_grads_.emplace_back(a.numel / n * size_of(a.type));
       received_.emplace_back();
     }
@@ -80,8 +81,9 @@ class sharded_core {
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       const std::size_t w = size_of(a.type);
-      std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
-                  own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
+      if (!values_in_arena_)
+        std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
+                    own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
       buffers_.push_back(owned_buffer(b));
     }
     const std::size_t units = layout_.units().size();
@@ -341,7 +343,13 @@ class sharded_core {
     return shard_view(received_, b);
   }
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const { return shard_view(own_grads_, b); }
-  [[nodiscard]] raw_tensor owned_values(std::size_t b) const { return shard_view(own_values_, b); }
+  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
+  /// else the persistent copy (full_shard, whose arena holds no values).
+  [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
+    if (!values_in_arena_) return shard_view(own_values_, b);
+    const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+    return a.value_view(blocks_[b].begin, blocks_[b].length);
+  }
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
     optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
@@ -380,6 +388,7 @@ class sharded_core {
   std::vector<char> averaging_;                         // per bucket: that average has started
   const char* policy_;                                  // the strategy's name, for messages
   bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
+  bool values_in_arena_;                                // owned values are blocks of the value arena
 };
 
 }  // namespace ddp::detail
