@@ -144,8 +144,10 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
   dp.step(opt);
   const auto group = dp.shard_group();
   const auto replicas = dp.replica_group();
+  // Bytes this rank sent: on the world (and, under hybrid, inside its shard group), and across the groups.
+  const auto inside = [&] { return comm.stats().total_bytes() + (hybrid ? group.stats().total_bytes() : 0); };
   const auto across = [&] { return replicas ? replicas->stats().total_bytes() : std::uint64_t{0}; };
-  const auto before = comm.stats().total_bytes() + group.stats().total_bytes() * hybrid;
+  const auto before_inside = inside();
   const auto before_across = across();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < s.steps; ++i) {
@@ -154,8 +156,7 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
     dp.step(opt);
   }
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / s.steps;
-  const double moved =
-      static_cast<double>(comm.stats().total_bytes() + group.stats().total_bytes() * hybrid - before) / s.steps;
+  const double moved = static_cast<double>(inside() - before_inside) / s.steps;
   const double moved_across = static_cast<double>(across() - before_across) / s.steps;
   ::malloc_trim(0);  // freed heap (the model's own storage before binding, activations) back to the OS
   const double persistent = rss_mib() - base;
