@@ -1365,11 +1365,6 @@ class object_collectives {
 /// rank 0, a full mesh of TCP connections authenticated by the job token, one progress thread, and
 /// asynchronous collectives that check every frame against the call (see docs/tcp.md).
 
-#include <sys/uio.h>
-#include <unistd.h>
-
-#include <random>
-#include <thread>
 
 // ---- begin <ddp/comm/checks.hpp>
 /// \file The argument checks every backend makes before a collective, as messages: empty when the arguments
@@ -1421,8 +1416,10 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 
 #include <sys/eventfd.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <deque>
+#include <thread>
 
 // ---- begin <ddp/comm/tcp/frame.hpp>
 /// \file The wire format of the mesh: every message is a fixed header followed by a bounded payload.
@@ -1518,6 +1515,7 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 
 namespace ddp::tcp::detail {
@@ -1736,10 +1734,186 @@ inline void log_line(int rank, const std::string& text) {
 // ---- begin <ddp/comm/tcp/store.hpp>
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
-/// Connections must open with the job token's hash; strangers and garbage are refused with one log line.
+/// The protocol (store_book) runs without sockets, so it can be tested and fuzzed from memory; the server
+/// reads at most what the next message needs, and nothing past the 16-byte handshake before it is checked.
 
 #include <map>
 
+// ---- begin <ddp/comm/tcp/accept.hpp>
+/// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
+/// mesh port) under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
+/// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
+/// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
+
+#include <sys/timerfd.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// What a listener grants a connection that has not yet sent its whole handshake.
+struct handshake_limits {
+  std::chrono::milliseconds timeout{10000};  ///< the handshake must arrive within this (DDP_HANDSHAKE_TIMEOUT_MS)
+  std::size_t max_pending = 64;              ///< handshakes in progress at once (DDP_MAX_PENDING_HANDSHAKES)
+};
+
+/// How long a listener out of descriptors leaves new connections in the kernel's queue before retrying.
+inline constexpr std::chrono::milliseconds accept_backoff{100};
+
+/// A connection whose handshake bytes have all arrived (not yet checked).
+struct arrival {
+  socket_fd fd;                     ///< the connection, non-blocking
+  std::string from;                 ///< its remote "addr:port"
+  std::vector<std::uint8_t> hello;  ///< exactly the handshake's size
+};
+
+/// A listening socket and its handshakes in progress; poll its descriptors from any loop (fill, on_events).
+class handshake_acceptor {
+ public:
+  /// Accepts on `listener`; every connection must send `hello_bytes` first. `what` names the port in logs.
+  handshake_acceptor(socket_fd listener, std::size_t hello_bytes, handshake_limits limits, int rank, std::string what)
+      : listener_(std::move(listener)), hello_bytes_(hello_bytes), limits_(limits), rank_(rank),
+        what_(std::move(what)) {
+    timer_ = socket_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!timer_.valid())
+      throw error("cannot create a timer for " + what_ + ": " + errno_text(errno) + "; raise the descriptor limit",
+                  rank, errno);
+  }
+
+  /// The port it listens on.
+  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
+  /// How many descriptors fill() appends.
+  [[nodiscard]] std::size_t descriptors() const { return 2 + pending_.size(); }
+
+  /// Appends the descriptors to poll: the listener (ignored while backing off), the timer, the handshakes.
+  void fill(std::vector<pollfd>& fds) const {
+    fds.push_back({backing_off_ ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({timer_.get(), POLLIN, 0});
+    for (const auto& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
+  }
+
+  /// Handles the poll results of the descriptors fill() appended at `base`; returns the completed handshakes.
+  std::vector<arrival> on_events(const std::vector<pollfd>& fds, std::size_t base) {
+    std::vector<arrival> done;
+    if (fds[base + 1].revents & POLLIN) {
+      std::uint64_t expirations = 0;
+      [[maybe_unused]] const auto n = ::read(timer_.get(), &expirations, sizeof expirations);
+    }
+    const auto now = clock::now();
+    for (std::size_t i = 0; i < pending_.size() && base + 2 + i < fds.size(); ++i)
+      if (fds[base + 2 + i].revents != 0) read_hello(pending_[i], done);
+    for (auto& p : pending_)
+      if (p.fd.valid() && now >= p.deadline)
+        refuse(p.fd, p.from, "no complete handshake within " + std::to_string(limits_.timeout.count()) +
+                                 " ms (DDP_HANDSHAKE_TIMEOUT_MS)");
+    std::erase_if(pending_, [](const pending& p) { return !p.fd.valid(); });
+    if (backing_off_ && now >= retry_at_) backing_off_ = false;
+    if (!backing_off_ && (fds[base].revents & POLLIN)) accept_some(now);
+    arm_timer();
+    return done;
+  }
+
+  /// Logs that the connection from `from` was refused because `why`, and closes it: bytes already queued
+  /// are discarded unread (up to 1 MiB, no copy), so a stranger that stopped sending sees an orderly close.
+  void refuse(socket_fd& fd, const std::string& from, const std::string& why) const {
+    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why +
+                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
+    [[maybe_unused]] const auto n = ::recv(fd.get(), nullptr, 1 << 20, MSG_TRUNC | MSG_DONTWAIT);
+    fd.reset();
+  }
+
+ private:
+  struct pending {
+    socket_fd fd;
+    std::string from;
+    std::vector<std::uint8_t> hello;
+    clock::time_point deadline;
+  };
+
+  void read_hello(pending& p, std::vector<arrival>& done) {
+    const std::size_t have = p.hello.size();
+    p.hello.resize(hello_bytes_);
+    const ssize_t k = ::recv(p.fd.get(), p.hello.data() + have, hello_bytes_ - have, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      p.hello.resize(have);
+      return;
+    }
+    if (k <= 0) {
+      if (have > 0) refuse(p.fd, p.from, "it closed after a partial handshake");
+      p.fd.reset();
+      return;
+    }
+    p.hello.resize(have + static_cast<std::size_t>(k));
+    if (p.hello.size() < hello_bytes_) return;
+    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello)});
+  }
+
+  void accept_some(clock::time_point now) {
+    for (int n = 0; n < 256; ++n) {  // a burst at a time, so the caller's other descriptors get their turn
+      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        const int code = errno;
+        if (code == EINTR || code == ECONNABORTED || code == EPROTO) continue;
+        if (code == EMFILE || code == ENFILE || code == ENOBUFS || code == ENOMEM) back_off(now, code);
+        return;
+      }
+      starved_logged_ = false;
+      if (pending_.size() >= limits_.max_pending) {
+        if (!crowd_logged_)
+          log_line(rank_, std::to_string(limits_.max_pending) + " connections to " + what_ +
+                              " are in their handshake at once (DDP_MAX_PENDING_HANDSHAKES): closing the oldest "
+                              "first; the job goes on (logged once)");
+        crowd_logged_ = true;
+        pending_.front().fd.reset();
+        pending_.erase(pending_.begin());
+      }
+      socket_fd owned(fd);
+      std::string from = remote_endpoint(fd).str();
+      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout});
+    }
+  }
+
+  void back_off(clock::time_point now, int code) {
+    if (!starved_logged_)
+      log_line(rank_, "cannot accept a connection to " + what_ + ": " + errno_text(code) +
+                          "; new connections wait in the kernel's queue and are retried every " +
+                          std::to_string(accept_backoff.count()) +
+                          " ms; raise the descriptor limit (ulimit -n) or close files this process keeps open");
+    starved_logged_ = true;
+    backing_off_ = true;
+    retry_at_ = now + accept_backoff;
+  }
+
+  /// Wakes the poll loop at the first handshake deadline or at the end of a back-off; disarmed when none.
+  void arm_timer() {
+    clock::time_point next = clock::time_point::max();
+    for (const auto& p : pending_) next = std::min(next, p.deadline);
+    if (backing_off_) next = std::min(next, retry_at_);
+    itimerspec spec{};
+    if (next != clock::time_point::max()) {
+      const auto ns = std::max<std::int64_t>(
+          1, std::chrono::duration_cast<std::chrono::nanoseconds>(next.time_since_epoch()).count());
+      spec.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+      spec.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+    }
+    ::timerfd_settime(timer_.get(), TFD_TIMER_ABSTIME, &spec, nullptr);
+  }
+
+  socket_fd listener_;
+  socket_fd timer_;
+  std::size_t hello_bytes_;
+  handshake_limits limits_;
+  int rank_;
+  std::string what_;
+  std::vector<pending> pending_;
+  bool backing_off_ = false;
+  clock::time_point retry_at_{};
+  bool starved_logged_ = false;
+  bool crowd_logged_ = false;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/accept.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -1765,244 +1939,239 @@ struct store_request {
 };
 static_assert(sizeof(store_hello) == 16 && sizeof(store_request) == 16);
 
-/// The server side; rank 0's progress engine polls its descriptors and calls on_event().
+/// One client of the store as the protocol sees it: bytes received and not yet parsed, answers not yet sent.
+struct store_session {
+  std::vector<std::uint8_t> in;   ///< received, not yet parsed: at most one message
+  std::vector<std::uint8_t> out;  ///< answers not yet sent
+  bool authed = false;            ///< its handshake carried this job's token
+  bool parked = false;            ///< a get waits for `parked_key`
+  std::string parked_key;         ///< the key a parked get waits for
+  std::string refused;            ///< why the store closes it; empty while it behaves
+};
+
+/// The store's data and protocol, without sockets: sessions feed received bytes in and take answers out.
+class store_book {
+ public:
+  /// A book for the job whose token hashes to `token`.
+  explicit store_book(std::uint64_t token) : token_(token) {}
+
+  /// Bytes `s` must receive before its next message is complete; 0 while it waits for a key or is refused.
+  [[nodiscard]] static std::size_t wanted(const store_session& s) {
+    if (!s.refused.empty() || s.parked) return 0;
+    if (s.in.size() < sizeof(store_request)) return sizeof(store_request) - s.in.size();  // hello or header
+    store_request r;
+    std::memcpy(&r, s.in.data(), sizeof r);
+    return sizeof r + r.key_len + r.value_len - s.in.size();  // the header was checked when it arrived
+  }
+
+  /// Appends `n` received bytes to `s` and answers its complete messages (and any parked get they satisfy).
+  void feed(store_session& s, const std::uint8_t* data, std::size_t n) {
+    if (!s.refused.empty()) return;
+    s.in.insert(s.in.end(), data, data + n);
+    parse(s);
+  }
+
+  /// Forgets `s`, which is closing: it no longer waits for a key.
+  void close(store_session& s) {
+    std::erase(parked_, &s);
+    s.parked = false;
+  }
+
+  /// The number of keys stored.
+  [[nodiscard]] std::size_t keys() const { return data_.size(); }
+
+ private:
+  /// What is wrong with request header `r`, or "" when it is well-formed.
+  static std::string malformed(const store_request& r) {
+    if (r.cmd < store_cmd::set || r.cmd > store_cmd::add)
+      return "a request with unknown command " + std::to_string(static_cast<int>(r.cmd));
+    if (r.key_len > max_store_key)
+      return "a key of " + std::to_string(r.key_len) + " bytes (at most " + std::to_string(max_store_key) + ")";
+    if (r.value_len > max_store_value)
+      return "a value of " + std::to_string(r.value_len) + " bytes (at most " + std::to_string(max_store_value) + ")";
+    if (r.cmd == store_cmd::add && r.value_len != 8)
+      return "an add with a value of " + std::to_string(r.value_len) + " bytes (8 expected)";
+    if (r.cmd == store_cmd::get && r.value_len != 0)
+      return "a get with a value of " + std::to_string(r.value_len) + " bytes (none expected)";
+    return {};
+  }
+
+  void parse(store_session& s) {
+    std::size_t pos = 0;
+    while (s.refused.empty() && !s.parked && s.in.size() - pos >= sizeof(store_request)) {
+      if (!s.authed) {
+        store_hello h;
+        std::memcpy(&h, s.in.data() + pos, sizeof h);
+        pos += sizeof h;
+        if (h.magic != store_magic || h.version != 1) s.refused = "its first bytes are not a ddp handshake";
+        else if (h.token != token_) s.refused = "wrong job token";
+        s.authed = s.refused.empty();
+        if (s.authed) s.out.push_back(1);
+        continue;
+      }
+      store_request r;
+      std::memcpy(&r, s.in.data() + pos, sizeof r);
+      if (s.refused = malformed(r); !s.refused.empty()) break;
+      const std::size_t total = sizeof r + r.key_len + r.value_len;
+      if (s.in.size() - pos < total) break;
+      std::string key(reinterpret_cast<const char*>(s.in.data() + pos + sizeof r), r.key_len);
+      const std::uint8_t* value = s.in.data() + pos + sizeof r + r.key_len;
+      if (r.cmd == store_cmd::set) {
+        data_[key].assign(value, value + r.value_len);
+        s.out.push_back(1);
+      } else if (r.cmd == store_cmd::add) {
+        add(s, key, value);
+      } else if (!answer_get(s, key)) {
+        s.parked = true;
+        s.parked_key = key;
+        parked_.push_back(&s);
+      }
+      pos += total;
+      if (r.cmd != store_cmd::get) wake_parked(key);
+    }
+    s.in.erase(s.in.begin(), s.in.begin() + static_cast<std::ptrdiff_t>(pos));
+  }
+
+  void add(store_session& s, const std::string& key, const std::uint8_t* value) {
+    std::uint64_t delta = 0, now = 0;
+    std::memcpy(&delta, value, 8);
+    auto& slot = data_[key];
+    if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
+    now += delta;  // unsigned: wraps like two's complement instead of overflowing a signed integer
+    slot.resize(8);
+    std::memcpy(slot.data(), &now, 8);
+    append(s, &now, 8);
+  }
+
+  static void append(store_session& s, const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::uint8_t*>(p);
+    s.out.insert(s.out.end(), b, b + n);
+  }
+
+  bool answer_get(store_session& s, const std::string& key) {
+    const auto it = data_.find(key);
+    if (it == data_.end()) return false;
+    const std::uint64_t n = it->second.size();
+    append(s, &n, 8);
+    append(s, it->second.data(), it->second.size());
+    return true;
+  }
+
+  void wake_parked(const std::string& key) {
+    std::vector<store_session*> woken;
+    std::erase_if(parked_, [&](store_session* other) {
+      if (other->parked_key != key) return false;
+      woken.push_back(other);
+      return true;
+    });
+    for (store_session* other : woken) {
+      answer_get(*other, key);
+      other->parked = false;
+      other->parked_key.clear();
+      parse(*other);
+    }
+  }
+
+  std::uint64_t token_;
+  std::vector<store_session*> parked_;
+  std::map<std::string, std::vector<std::uint8_t>> data_;
+};
+
+/// The server side; rank 0's progress engine polls its descriptors and calls on_events().
 class store_server {
  public:
-  store_server(socket_fd listener, std::uint64_t token, int rank)
-      : listener_(std::move(listener)), token_(token), rank_(rank) {}
+  /// Serves the store on `listener` for the job whose token hashes to `token`.
+  store_server(socket_fd listener, std::uint64_t token, int rank, handshake_limits limits = {})
+      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(token), rank_(rank) {}
 
   /// The port it listens on.
-  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
+  [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
 
   /// Appends the descriptors to poll; `base` receives the index of the first one.
   void fill(std::vector<pollfd>& fds, std::size_t& base) const {
     base = fds.size();
-    fds.push_back({listener_.get(), POLLIN, 0});
-    for (const auto& c : conns_)
-      fds.push_back({c.fd.get(), static_cast<short>(POLLIN | (c.out.size() > c.out_off ? POLLOUT : 0)), 0});
+    acceptor_.fill(fds);
+    for (const auto& c : conns_) {
+      short ev = c->s.out.empty() ? POLLRDHUP : POLLRDHUP | POLLOUT;
+      if (store_book::wanted(c->s) > 0) ev = static_cast<short>(ev | POLLIN);
+      fds.push_back({c->fd.get(), ev, 0});
+    }
   }
 
   /// Handles the poll results of the descriptors fill() added at `base`.
   void on_events(const std::vector<pollfd>& fds, std::size_t base) {
-    const std::size_t known = conns_.size();
-    for (std::size_t i = 0; i < known; ++i) {
-      const short ev = fds[base + 1 + i].revents;
-      if (ev == 0) continue;
-      conn& c = conns_[i];
-      if (ev & POLLIN) read_from(c);
-      if (!c.dead && (ev & (POLLERR | POLLHUP)) && !(ev & POLLIN)) c.dead = true;
-      if (!c.dead) flush(c);
+    const std::size_t first = base + acceptor_.descriptors();
+    for (std::size_t i = 0; i < conns_.size() && first + i < fds.size(); ++i) {
+      const short ev = fds[first + i].revents;
+      if (ev & POLLIN) read_from(*conns_[i]);
+      else if (ev & (POLLERR | POLLHUP | POLLRDHUP)) conns_[i]->dead = true;  // gone while its get waits
     }
-    std::erase_if(conns_, [](const conn& c) { return c.dead; });
-    if (fds[base].revents & POLLIN) accept_all();
+    for (auto& a : acceptor_.on_events(fds, base)) {
+      auto c = std::make_unique<conn>(conn{std::move(a.fd), std::move(a.from), {}});
+      book_.feed(c->s, a.hello.data(), a.hello.size());
+      check(*c);
+      conns_.push_back(std::move(c));
+    }
+    for (auto& c : conns_)
+      if (!c->dead) flush(*c);  // also the answers a set or add gave to parked gets
+    std::erase_if(conns_, [this](const std::unique_ptr<conn>& c) {
+      if (c->dead) book_.close(c->s);
+      return c->dead;
+    });
   }
 
  private:
   struct conn {
     socket_fd fd;
     std::string from;
-    bool authed = false;
+    store_session s;
     bool dead = false;
-    std::vector<std::uint8_t> in;
-    std::vector<std::uint8_t> out;
-    std::size_t out_off = 0;
-    std::string parked;  ///< key a get waits for, empty when none
-    bool is_parked = false;
   };
-
-  void accept_all() {
-    while (true) {
-      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
-      conn c;
-      c.fd = socket_fd(fd);
-      c.from = remote_endpoint(fd).str();
-      conns_.push_back(std::move(c));
-    }
-  }
-
-  void refuse(conn& c, const std::string& why) {
-    log_line(rank_, "refused a connection to the store from " + c.from + ": " + why +
-                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
-    c.dead = true;
-  }
 
   void read_from(conn& c) {
     std::uint8_t buf[65536];
-    while (true) {
-      const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
-      if (k > 0) { c.in.insert(c.in.end(), buf, buf + k); continue; }
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    for (int reads = 0; reads < 64 && !c.dead; ++reads) {  // bounded, so one client cannot starve the loop
+      const std::size_t want = std::min(store_book::wanted(c.s), sizeof buf);
+      if (want == 0) return;
+      const ssize_t k = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
+      if (k > 0) {
+        book_.feed(c.s, buf, static_cast<std::size_t>(k));
+        check(c);
+        continue;
+      }
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
       if (k < 0 && errno == EINTR) continue;
-      if (!c.authed && !c.in.empty()) refuse(c, "it closed after a partial handshake");
       c.dead = true;
-      return;
     }
-    parse(c);
   }
 
-  void parse(conn& c) {
-    std::size_t pos = 0;
-    if (!c.authed) {
-      if (c.in.size() < sizeof(store_hello)) return;
-      store_hello h;
-      std::memcpy(&h, c.in.data(), sizeof h);
-      if (h.magic != store_magic || h.version != 1) return refuse(c, "its first bytes are not a ddp handshake");
-      if (h.token != token_) return refuse(c, "wrong job token");
-      c.authed = true;
-      pos = sizeof h;
-      c.out.push_back(1);
-    }
-    while (!c.is_parked && c.in.size() - pos >= sizeof(store_request)) {
-      store_request r;
-      std::memcpy(&r, c.in.data() + pos, sizeof r);
-      if (r.key_len > max_store_key || r.value_len > max_store_value || r.cmd < store_cmd::set ||
-          r.cmd > store_cmd::add || (r.cmd == store_cmd::add && r.value_len != 8))
-        return refuse(c, "malformed store request");
-      const std::size_t total = sizeof r + r.key_len + r.value_len;
-      if (c.in.size() - pos < total) break;
-      std::string key(reinterpret_cast<const char*>(c.in.data() + pos + sizeof r), r.key_len);
-      const std::uint8_t* value = c.in.data() + pos + sizeof r + r.key_len;
-      pos += total;
-      if (r.cmd == store_cmd::set) {
-        data_[key].assign(value, value + r.value_len);
-        c.out.push_back(1);
-        wake_parked(key);
-      } else if (r.cmd == store_cmd::add) {
-        std::int64_t delta = 0;
-        std::memcpy(&delta, value, 8);
-        auto& slot = data_[key];
-        std::int64_t now = 0;
-        if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
-        now += delta;
-        slot.resize(8);
-        std::memcpy(slot.data(), &now, 8);
-        append(c, &now, 8);
-        wake_parked(key);
-      } else if (!answer_get(c, key)) {
-        c.parked = std::move(key);
-        c.is_parked = true;
-      }
-    }
-    c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(pos));
-  }
-
-  static void append(conn& c, const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::uint8_t*>(p);
-    c.out.insert(c.out.end(), b, b + n);
-  }
-
-  bool answer_get(conn& c, const std::string& key) {
-    const auto it = data_.find(key);
-    if (it == data_.end()) return false;
-    const std::uint64_t n = it->second.size();
-    append(c, &n, 8);
-    append(c, it->second.data(), it->second.size());
-    return true;
-  }
-
-  void wake_parked(const std::string& key) {
-    for (auto& other : conns_)
-      if (other.is_parked && other.parked == key && answer_get(other, key)) {
-        other.is_parked = false;
-        other.parked.clear();
-        parse(other);
-        flush(other);
-      }
+  /// Closes `c` with one log line when the protocol refused it.
+  void check(conn& c) {
+    if (c.s.refused.empty()) return;
+    if (!c.s.authed) acceptor_.refuse(c.fd, c.from, c.s.refused);
+    else
+      log_line(rank_, "closed a store connection from " + c.from + " of this job: it sent " + c.s.refused +
+                          "; every rank must run the same ddp version; the job goes on");
+    c.dead = true;
   }
 
   static void flush(conn& c) {
-    while (c.out_off < c.out.size()) {
-      const ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off,
-                               MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k > 0) { c.out_off += static_cast<std::size_t>(k); continue; }
+    std::size_t sent = 0;
+    while (sent < c.s.out.size()) {
+      const ssize_t k = ::send(c.fd.get(), c.s.out.data() + sent, c.s.out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) { sent += static_cast<std::size_t>(k); continue; }
       if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
       c.dead = true;
-      return;
+      break;
     }
-    c.out.clear();
-    c.out_off = 0;
+    c.s.out.erase(c.s.out.begin(), c.s.out.begin() + static_cast<std::ptrdiff_t>(sent));
   }
 
-  socket_fd listener_;
-  std::uint64_t token_;
+  handshake_acceptor acceptor_;
+  store_book book_;
   int rank_;
-  std::vector<conn> conns_;
-  std::map<std::string, std::vector<std::uint8_t>> data_;
-};
-
-/// A blocking client of the store; every call waits at most until the deadline given at construction.
-class store_client {
- public:
-  /// Connects to `host:port` (retrying with backoff until `connect_deadline`) and authenticates with `token`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank,
-               clock::time_point connect_deadline, std::chrono::milliseconds timeout)
-      : rank_(rank), timeout_(timeout), where_(host + ":" + std::to_string(port)) {
-    fd_ = connect_with_retry(host, port, connect_deadline, rank, "the rendezvous store (rank 0)",
-                             "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
-                             "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    const store_hello hello{store_magic, 1, token};
-    check(send_all(fd_.get(), &hello, sizeof hello, deadline()), "handshake");
-    std::uint8_t ok = 0;
-    check(recv_all(fd_.get(), &ok, 1, deadline()), "handshake");
-  }
-
-  /// Stores `value` under `key`.
-  void set(const std::string& key, const std::vector<std::uint8_t>& value) {
-    request(store_cmd::set, key, value.data(), value.size());
-    std::uint8_t ok = 0;
-    check(recv_all(fd_.get(), &ok, 1, deadline()), "set '" + key + "'");
-  }
-  /// The value under `key`, waiting until some rank sets it.
-  std::vector<std::uint8_t> get(const std::string& key) {
-    request(store_cmd::get, key, nullptr, 0);
-    std::uint64_t n = 0;
-    check(recv_all(fd_.get(), &n, 8, deadline()), "get '" + key + "'");
-    if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
-    std::vector<std::uint8_t> value(n);
-    check(recv_all(fd_.get(), value.data(), n, deadline()), "get '" + key + "'");
-    return value;
-  }
-  /// Waits until `key` is set.
-  void wait(const std::string& key) { (void)get(key); }
-  /// Adds `delta` to the integer under `key` (0 when unset) and returns the new value.
-  std::int64_t add(const std::string& key, std::int64_t delta) {
-    request(store_cmd::add, key, &delta, 8);
-    std::int64_t now = 0;
-    check(recv_all(fd_.get(), &now, 8, deadline()), "add '" + key + "'");
-    return now;
-  }
-  /// The local address of the connection: the interface that reaches rank 0.
-  [[nodiscard]] std::string local_host() const { return local_endpoint(fd_.get()).host; }
-
- private:
-  [[nodiscard]] clock::time_point deadline() const { return clock::now() + timeout_; }
-
-  void request(store_cmd cmd, const std::string& key, const void* value, std::size_t n) {
-    store_request r{cmd, {}, static_cast<std::uint32_t>(key.size()), n};
-    check(send_all(fd_.get(), &r, sizeof r, deadline()), "request");
-    check(send_all(fd_.get(), key.data(), key.size(), deadline()), "request");
-    if (n > 0) check(send_all(fd_.get(), value, n, deadline()), "request");
-  }
-
-  void check(io_status s, const std::string& what) const {
-    if (s == io_status::ok) return;
-    if (s == io_status::timed_out)
-      throw timeout_error("the rendezvous store at " + where_ + " did not answer " + what + " within " +
-                              std::to_string(timeout_.count()) +
-                              " ms: some rank has not started or is stuck; check every rank's log, or raise the "
-                              "timeout (DDP_TIMEOUT_MS)",
-                          rank_);
-    throw peer_lost("the rendezvous store at " + where_ + " closed the connection during " + what +
-                        ": rank 0 exited, or refused this rank's job token (every rank needs the same DDP_TOKEN)",
-                    rank_, 0);
-  }
-
-  socket_fd fd_;
-  int rank_;
-  std::chrono::milliseconds timeout_;
-  std::string where_;
+  std::vector<std::unique_ptr<conn>> conns_;
 };
 
 }  // namespace ddp::tcp::detail
@@ -3222,6 +3391,10 @@ inline void execute(channel& ch) {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/algorithms.hpp>
+// ---- begin <ddp/comm/tcp/config.hpp>
+/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
+
+
 
 namespace ddp::tcp {
 
@@ -3239,9 +3412,137 @@ struct config {
   /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
   /// (process_vm_readv); false sends every byte through the sockets.
   bool same_host_copy = true;
+  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
+  std::size_t max_pending_handshakes = 64;
 };
 
-namespace detail {
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
+/// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+  constexpr long long max_ms = 1LL << 40;
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+    cfg.connect_timeout = std::chrono::milliseconds(*ms);
+  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+    cfg.socket_buffer_bytes = static_cast<int>(*b);
+  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                        "1 to copy large frames between ranks on one host directly, 0 to send "
+                                        "them through the sockets"))
+    cfg.same_host_copy = *c == 1;
+  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
+                                         "the time in milliseconds a new connection to the store or a mesh port "
+                                         "gets to send its handshake"))
+    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
+  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
+                                        "the number of connections still in their handshake that the store and "
+                                        "each mesh port keep at once"))
+    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
+  return cfg;
+}
+
+}  // namespace ddp::tcp
+// ---- end <ddp/comm/tcp/config.hpp>
+// ---- begin <ddp/comm/tcp/rendezvous.hpp>
+/// \file The rendezvous of a TCP job: every rank joins rank 0's store, claims its rank, publishes its mesh
+/// address, connects to every lower rank and accepts every higher one (all handshakes at once, strangers
+/// refused), learns which peers' memory it can read, and hands the mesh to its progress engine.
+
+
+#include <random>
+
+// ---- begin <ddp/comm/tcp/store_client.hpp>
+/// \file A rank's blocking client of the rendezvous store (set/get/wait/add); every call ends by the
+/// rendezvous deadline.
+
+
+
+namespace ddp::tcp::detail {
+
+/// A blocking client of the store; connecting and every call end by the deadline given at construction.
+class store_client {
+ public:
+  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `deadline`.
+  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline)
+      : rank_(rank), deadline_(deadline), where_(host + ":" + std::to_string(port)) {
+    fd_ = connect_with_retry(host, port, deadline, rank, "the rendezvous store (rank 0)",
+                             "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
+                             "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
+    const store_hello hello{store_magic, 1, token};
+    check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
+    std::uint8_t ok = 0;
+    check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
+  }
+
+  /// Stores `value` under `key`.
+  void set(const std::string& key, const std::vector<std::uint8_t>& value) {
+    request(store_cmd::set, key, value.data(), value.size());
+    std::uint8_t ok = 0;
+    check(recv_all(fd_.get(), &ok, 1, deadline_), "set '" + key + "'");
+  }
+  /// The value under `key`, waiting until some rank sets it.
+  std::vector<std::uint8_t> get(const std::string& key) {
+    request(store_cmd::get, key, nullptr, 0);
+    std::uint64_t n = 0;
+    check(recv_all(fd_.get(), &n, 8, deadline_), "get '" + key + "'");
+    if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
+    std::vector<std::uint8_t> value(n);
+    check(recv_all(fd_.get(), value.data(), n, deadline_), "get '" + key + "'");
+    return value;
+  }
+  /// Waits until `key` is set.
+  void wait(const std::string& key) { (void)get(key); }
+  /// Adds `delta` to the integer under `key` (0 when unset; wraps around) and returns the new value.
+  std::int64_t add(const std::string& key, std::int64_t delta) {
+    request(store_cmd::add, key, &delta, 8);
+    std::int64_t now = 0;
+    check(recv_all(fd_.get(), &now, 8, deadline_), "add '" + key + "'");
+    return now;
+  }
+  /// The local address of the connection: the interface that reaches rank 0.
+  [[nodiscard]] std::string local_host() const { return local_endpoint(fd_.get()).host; }
+
+ private:
+  void request(store_cmd cmd, const std::string& key, const void* value, std::size_t n) {
+    store_request r{cmd, {}, static_cast<std::uint32_t>(key.size()), n};
+    check(send_all(fd_.get(), &r, sizeof r, deadline_), "request");
+    check(send_all(fd_.get(), key.data(), key.size(), deadline_), "request");
+    if (n > 0) check(send_all(fd_.get(), value, n, deadline_), "request");
+  }
+
+  void check(io_status s, const std::string& what) const {
+    if (s == io_status::ok) return;
+    if (s == io_status::timed_out)
+      throw timeout_error("the rendezvous store at " + where_ + " did not answer " + what +
+                              " before the connect deadline: some rank has not started or is stuck; check every "
+                              "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          rank_);
+    throw peer_lost("the rendezvous store at " + where_ + " closed the connection during " + what +
+                        ": rank 0 exited, or refused this rank's job token (every rank needs the same DDP_TOKEN)",
+                    rank_, 0);
+  }
+
+  socket_fd fd_;
+  int rank_;
+  clock::time_point deadline_;
+  std::string where_;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/store_client.hpp>
+
+namespace ddp::tcp::detail {
 
 /// First message on a mesh connection, from the connecting (higher) rank.
 struct mesh_hello {
@@ -3253,27 +3554,87 @@ struct mesh_hello {
 };
 static_assert(sizeof(mesh_hello) == 24);
 
-/// A group identifier all members compute alike from (parent id, split number, color).
-inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
-  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
-  for (const std::uint64_t v : {a, b, c}) {
-    h = (h ^ v) * 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
+/// The handshake limits of `cfg`.
+inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
+
+/// The error of two processes started with the same rank.
+inline config_error joined_twice(const std::string& rank, int me) {
+  return config_error("rank " + rank + " joined twice: two processes of this job were started with RANK=" + rank +
+                          "; check RANK and WORLD_SIZE: every process needs its own RANK in 0..WORLD_SIZE-1",
+                      me);
+}
+
+/// Claims rank `me` in the store; a second process with the same rank fails and tells the others.
+inline void claim_rank(store_client& store, int me) {
+  if (store.add("ddp/rank/" + std::to_string(me), 1) == 1) return;
+  const std::string text = std::to_string(me);
+  store.set("ddp/twin", std::vector<std::uint8_t>(text.begin(), text.end()));
+  store.add("ddp/twins", 1);
+  throw joined_twice(text, me);
+}
+
+/// Throws when some process claimed a rank already taken (claim_rank); the waits of the rendezvous call it.
+inline void check_no_twin(store_client& store, int me) {
+  if (store.add("ddp/twins", 0) == 0) return;
+  const auto rank = store.get("ddp/twin");
+  throw joined_twice(std::string(rank.begin(), rank.end()), me);
+}
+
+/// Accepts every higher rank on `acceptor`, all handshakes at once; strangers are refused and the job goes on.
+inline void accept_peers(const config& cfg, store_client& store, std::uint64_t token, handshake_acceptor& acceptor,
+                         const std::string& where, std::vector<socket_fd>& peers, clock::time_point deadline) {
+  const int me = cfg.rank;
+  constexpr auto twin_check_every = std::chrono::milliseconds(100);
+  auto next_twin_check = clock::now();
+  std::vector<pollfd> fds;
+  for (int expected = cfg.size - 1 - me; expected > 0;) {
+    if (clock::now() >= deadline)
+      throw timeout_error("ranks above " + std::to_string(me) + " did not all connect to this rank's mesh port " +
+                              where + " before the connect deadline; start every rank, or raise the connect "
+                              "timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          me);
+    if (clock::now() >= next_twin_check) {
+      check_no_twin(store, me);
+      next_twin_check = clock::now() + twin_check_every;
+    }
+    fds.clear();
+    acceptor.fill(fds);
+    ::poll(fds.data(), fds.size(), poll_ms(std::min(deadline, next_twin_check)));
+    for (auto& a : acceptor.on_events(fds, 0)) {
+      mesh_hello got{};
+      std::memcpy(&got, a.hello.data(), sizeof got);
+      std::string why;
+      if (got.magic != mesh_hello{}.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+      else if (got.token != token) why = "wrong job token";
+      else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
+      else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
+        why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
+      else if (peers[got.rank].valid()) throw joined_twice(std::to_string(got.rank), me);
+      if (!why.empty()) {
+        acceptor.refuse(a.fd, a.from, why);
+        continue;
+      }
+      const std::uint8_t ok = 1;
+      if (send_all(a.fd.get(), &ok, 1, deadline) != io_status::ok) continue;
+      peers[got.rank] = std::move(a.fd);
+      --expected;
+    }
   }
-  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
 }
 
 /// Builds the full mesh: connects to every lower rank, accepts every higher one; strangers are refused.
 inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, std::uint64_t token,
                                          const std::string& host, clock::time_point deadline) {
   const int me = cfg.rank;
-  socket_fd listener = listen_on(host, 0, me, "the mesh");
-  const endpoint mine{host, local_endpoint(listener.get()).port};
+  handshake_acceptor acceptor(listen_on(host, 0, me, "the mesh"), sizeof(mesh_hello), limits_of(cfg), me,
+                              "the mesh port");
+  const endpoint mine{host, acceptor.port()};
   const std::string text = mine.str();
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{0x4d504444, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1, token};
+  const mesh_hello hello{mesh_hello{}.magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1,
+                         token};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -3284,45 +3645,19 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
                                       "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
     std::uint8_t ok = 0;
     if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
-        recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1)
+        recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
+      check_no_twin(store, me);  // a twin of this rank is why rank j refused, if there is one
       throw peer_lost("rank " + std::to_string(j) + " at " + where +
                           " refused the mesh handshake: give every rank the same DDP_TOKEN and WORLD_SIZE",
                       me, j);
+    }
     peers[static_cast<std::size_t>(j)] = std::move(fd);
   }
-  for (int expected = cfg.size - 1 - me; expected > 0;) {
-    pollfd pfd{listener.get(), POLLIN, 0};
-    if (::poll(&pfd, 1, poll_ms(deadline)) == 0)
-      throw timeout_error("ranks above " + std::to_string(me) + " did not all connect to this rank's mesh port " +
-                              mine.str() + " before the connect deadline; start every rank, or raise the connect "
-                              "timeout (DDP_CONNECT_TIMEOUT_MS)",
-                          me);
-    socket_fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (!fd.valid()) continue;
-    mesh_hello got{};
-    const auto status = recv_all(fd.get(), &got, sizeof got, std::min(deadline, clock::now() + std::chrono::seconds(2)));
-    std::string why;
-    if (status != io_status::ok) why = "no complete handshake within 2 s";
-    else if (got.magic != hello.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
-    else if (got.token != token) why = "wrong job token";
-    else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
-    else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size || peers[got.rank].valid())
-      why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
-    if (!why.empty()) {
-      log_line(me, "refused a connection to the mesh port from " + remote_endpoint(fd.get()).str() + ": " + why +
-                       " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
-      continue;
-    }
-    const std::uint8_t ok = 1;
-    if (send_all(fd.get(), &ok, 1, deadline) != io_status::ok) continue;
-    peers[got.rank] = std::move(fd);
-    --expected;
-  }
+  accept_peers(cfg, store, token, acceptor, text, peers, deadline);
   for (auto& p : peers)
     if (p.valid()) tune_data_socket(p.get(), cfg.socket_buffer_bytes);
   return peers;
 }
-
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
 /// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
 /// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
@@ -3368,6 +3703,58 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
+
+/// Joins the job `cfg` describes through rank 0's store and hands the mesh to `eng`; all by `deadline`.
+inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
+  store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  claim_rank(store, cfg.rank);
+  const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
+  if (cfg.rank == 0) {
+    const std::string name = interface_of(host);
+    log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
+                    std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
+                    (name.empty() ? "" : " (" + name + ")") +
+                    (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
+                                           : ""));
+  }
+  auto sockets = build_mesh(cfg, store, token, host, deadline);
+  auto memory = probe_memory(cfg, store);
+  if (cfg.rank == 0) {
+    const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
+    log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
+                    std::to_string(cfg.size - 1) +
+                    " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
+  }
+  eng.attach(std::move(sockets), std::move(memory));
+  // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
+  store.add("ddp/joined", 1);
+  while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
+    check_no_twin(store, 0);
+    if (clock::now() > deadline)
+      throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
+                          "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/rendezvous.hpp>
+
+namespace ddp::tcp {
+
+namespace detail {
+
+/// A group identifier all members compute alike from (parent id, split number, color).
+inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (const std::uint64_t v : {a, b, c}) {
+    h = (h ^ v) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+  }
+  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
+}
+
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
@@ -3387,7 +3774,8 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
     if (cfg.rank == 0 && cfg.size > 1)
-      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0);
+      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+                     detail::limits_of(cfg));
     engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::execute, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
@@ -3396,65 +3784,14 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline, cfg.timeout);
-    const std::string host = cfg.interface.empty() ? store.local_host() : detail::interface_address(cfg.interface, cfg.rank);
-    if (cfg.rank == 0) {
-      const std::string name = detail::interface_of(host);
-      detail::log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
-                              std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
-                              (name.empty() ? "" : " (" + name + ")") +
-                              (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
-                                                     : ""));
-    }
-    auto sockets = detail::build_mesh(cfg, store, token, host, deadline);
-    auto memory = detail::probe_memory(cfg, store);
-    if (cfg.rank == 0) {
-      const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
-      detail::log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) +
-                              " of its " + std::to_string(cfg.size - 1) +
-                              " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets "
-                              "carry the rest");
-    }
-    engine_->attach(std::move(sockets), std::move(memory));
-    // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
-    store.add("ddp/joined", 1);
-    while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
-      if (detail::clock::now() > deadline)
-        throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
-                            "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-                            0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    detail::join(cfg, *engine_, token, deadline);
   }
 
-  /// Reads the job from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-  /// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
-  /// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY.
-  static communicator from_env() { return communicator(config_from_env()); }
+  /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
+  static communicator from_env() { return communicator(tcp::config_from_env()); }
 
-  /// The config from_env() uses.
-  static config config_from_env() {
-    const env_config env = read_env_config();
-    config cfg;
-    cfg.rank = env.rank;
-    cfg.size = env.world_size;
-    cfg.master_addr = env.master_addr;
-    cfg.master_port = env.master_port;
-    if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
-    constexpr long long max_ms = 1LL << 40;
-    if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
-      cfg.timeout = std::chrono::milliseconds(*ms);
-    if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
-      cfg.connect_timeout = std::chrono::milliseconds(*ms);
-    if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
-    if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
-      cfg.socket_buffer_bytes = static_cast<int>(*b);
-    if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
-                                          "1 to copy large frames between ranks on one host directly, 0 to send "
-                                          "them through the sockets"))
-      cfg.same_host_copy = *c == 1;
-    return cfg;
-  }
+  /// The config from_env() uses (tcp::config_from_env()).
+  static config config_from_env() { return tcp::config_from_env(); }
 
   /// This process's rank in the group.
   [[nodiscard]] int rank() const { return group_->me; }

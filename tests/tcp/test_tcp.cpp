@@ -21,37 +21,18 @@
 
 #include "conformance/conformance.hpp"
 #include "support/run_ranks.hpp"
+#include "tcp/helpers.hpp"
 
 using namespace std::chrono_literals;
 using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
+using ddp::testing::tcp::contains;
+using ddp::testing::tcp::expect;
+using ddp::testing::tcp::free_port;
+using ddp::testing::tcp::job;
 
 namespace {
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-/// Fails the rank (exit 1 via the exception) unless `cond`.
-void expect(bool cond, const std::string& what) {
-  if (!cond) throw std::runtime_error("expectation failed: " + what);
-}
-
-/// A TCP port nobody listens on right now, for tests whose strangers must know the store's port.
-int free_port() {
-  auto fd = ddp::tcp::detail::listen_on("127.0.0.1", 0, -1, "a port probe");
-  return ddp::tcp::detail::local_endpoint(fd.get()).port;
-}
-
-/// Options of a job: whole-job limit, known port and token, extra variables.
-ddp::launch::spawn_options job(std::chrono::seconds limit, int port = 0,
-                               std::function<ddp::launch::env_list(int)> extra = {}) {
-  ddp::launch::spawn_options o;
-  o.timeout = limit;
-  o.port = static_cast<std::uint16_t>(port);
-  o.token = "tcp-tests";
-  o.extra_env = std::move(extra);
-  return o;
-}
 
 /// DDP_SAME_HOST_COPY per rank: "on" everywhere, "off" everywhere (every byte through the sockets, as
 /// between hosts), or "mixed" (rank 0 alone off: its peers must reach it through the sockets).
@@ -135,8 +116,8 @@ TEST_CASE("the store serves set get add and a blocking wait and refuses stranger
   d::engine server(0, 1, &d::execute,
                    d::store_server(d::listen_on("127.0.0.1", static_cast<std::uint16_t>(port), 0, "store"), token, 0));
   const auto deadline = d::clock::now() + 5s;
-  d::store_client a("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, deadline, 5s);
-  d::store_client b("127.0.0.1", static_cast<std::uint16_t>(port), token, 2, deadline, 5s);
+  d::store_client a("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, deadline);
+  d::store_client b("127.0.0.1", static_cast<std::uint16_t>(port), token, 2, deadline);
 
   std::thread waiter([&] {
     const auto v = b.get("late");  // parks until a sets it
@@ -159,7 +140,7 @@ TEST_CASE("the store serves set get add and a blocking wait and refuses stranger
     std::uint8_t byte = 0;
     CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 2s) == d::io_status::closed);
     CHECK_THROWS_AS(d::store_client("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("x"), 3,
-                                    d::clock::now() + 2s, 2s),
+                                    d::clock::now() + 2s),
                     ddp::peer_lost);
   }
   SECTION("garbage is refused, the store goes on") {
@@ -222,7 +203,7 @@ TEST_CASE("strangers on a mesh port during the rendezvous are refused and the jo
   std::thread stranger([port] {
     // Knows the store's token (it reads rank 0's mesh address) but not the mesh handshake's.
     d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
-                          d::clock::now() + 10s, 10s);
+                          d::clock::now() + 10s);
     const auto bytes = store.get("ddp/mesh/0");
     const std::string where(bytes.begin(), bytes.end());
     const auto colon = where.rfind(':');

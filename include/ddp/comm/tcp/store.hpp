@@ -1,14 +1,17 @@
 #pragma once
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
-/// Connections must open with the job token's hash; strangers and garbage are refused with one log line.
+/// The protocol (store_book) runs without sockets, so it can be tested and fuzzed from memory; the server
+/// reads at most what the next message needs, and nothing past the 16-byte handshake before it is checked.
 
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include <ddp/comm/tcp/accept.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 
@@ -36,244 +39,239 @@ struct store_request {
 };
 static_assert(sizeof(store_hello) == 16 && sizeof(store_request) == 16);
 
-/// The server side; rank 0's progress engine polls its descriptors and calls on_event().
+/// One client of the store as the protocol sees it: bytes received and not yet parsed, answers not yet sent.
+struct store_session {
+  std::vector<std::uint8_t> in;   ///< received, not yet parsed: at most one message
+  std::vector<std::uint8_t> out;  ///< answers not yet sent
+  bool authed = false;            ///< its handshake carried this job's token
+  bool parked = false;            ///< a get waits for `parked_key`
+  std::string parked_key;         ///< the key a parked get waits for
+  std::string refused;            ///< why the store closes it; empty while it behaves
+};
+
+/// The store's data and protocol, without sockets: sessions feed received bytes in and take answers out.
+class store_book {
+ public:
+  /// A book for the job whose token hashes to `token`.
+  explicit store_book(std::uint64_t token) : token_(token) {}
+
+  /// Bytes `s` must receive before its next message is complete; 0 while it waits for a key or is refused.
+  [[nodiscard]] static std::size_t wanted(const store_session& s) {
+    if (!s.refused.empty() || s.parked) return 0;
+    if (s.in.size() < sizeof(store_request)) return sizeof(store_request) - s.in.size();  // hello or header
+    store_request r;
+    std::memcpy(&r, s.in.data(), sizeof r);
+    return sizeof r + r.key_len + r.value_len - s.in.size();  // the header was checked when it arrived
+  }
+
+  /// Appends `n` received bytes to `s` and answers its complete messages (and any parked get they satisfy).
+  void feed(store_session& s, const std::uint8_t* data, std::size_t n) {
+    if (!s.refused.empty()) return;
+    s.in.insert(s.in.end(), data, data + n);
+    parse(s);
+  }
+
+  /// Forgets `s`, which is closing: it no longer waits for a key.
+  void close(store_session& s) {
+    std::erase(parked_, &s);
+    s.parked = false;
+  }
+
+  /// The number of keys stored.
+  [[nodiscard]] std::size_t keys() const { return data_.size(); }
+
+ private:
+  /// What is wrong with request header `r`, or "" when it is well-formed.
+  static std::string malformed(const store_request& r) {
+    if (r.cmd < store_cmd::set || r.cmd > store_cmd::add)
+      return "a request with unknown command " + std::to_string(static_cast<int>(r.cmd));
+    if (r.key_len > max_store_key)
+      return "a key of " + std::to_string(r.key_len) + " bytes (at most " + std::to_string(max_store_key) + ")";
+    if (r.value_len > max_store_value)
+      return "a value of " + std::to_string(r.value_len) + " bytes (at most " + std::to_string(max_store_value) + ")";
+    if (r.cmd == store_cmd::add && r.value_len != 8)
+      return "an add with a value of " + std::to_string(r.value_len) + " bytes (8 expected)";
+    if (r.cmd == store_cmd::get && r.value_len != 0)
+      return "a get with a value of " + std::to_string(r.value_len) + " bytes (none expected)";
+    return {};
+  }
+
+  void parse(store_session& s) {
+    std::size_t pos = 0;
+    while (s.refused.empty() && !s.parked && s.in.size() - pos >= sizeof(store_request)) {
+      if (!s.authed) {
+        store_hello h;
+        std::memcpy(&h, s.in.data() + pos, sizeof h);
+        pos += sizeof h;
+        if (h.magic != store_magic || h.version != 1) s.refused = "its first bytes are not a ddp handshake";
+        else if (h.token != token_) s.refused = "wrong job token";
+        s.authed = s.refused.empty();
+        if (s.authed) s.out.push_back(1);
+        continue;
+      }
+      store_request r;
+      std::memcpy(&r, s.in.data() + pos, sizeof r);
+      if (s.refused = malformed(r); !s.refused.empty()) break;
+      const std::size_t total = sizeof r + r.key_len + r.value_len;
+      if (s.in.size() - pos < total) break;
+      std::string key(reinterpret_cast<const char*>(s.in.data() + pos + sizeof r), r.key_len);
+      const std::uint8_t* value = s.in.data() + pos + sizeof r + r.key_len;
+      if (r.cmd == store_cmd::set) {
+        data_[key].assign(value, value + r.value_len);
+        s.out.push_back(1);
+      } else if (r.cmd == store_cmd::add) {
+        add(s, key, value);
+      } else if (!answer_get(s, key)) {
+        s.parked = true;
+        s.parked_key = key;
+        parked_.push_back(&s);
+      }
+      pos += total;
+      if (r.cmd != store_cmd::get) wake_parked(key);
+    }
+    s.in.erase(s.in.begin(), s.in.begin() + static_cast<std::ptrdiff_t>(pos));
+  }
+
+  void add(store_session& s, const std::string& key, const std::uint8_t* value) {
+    std::uint64_t delta = 0, now = 0;
+    std::memcpy(&delta, value, 8);
+    auto& slot = data_[key];
+    if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
+    now += delta;  // unsigned: wraps like two's complement instead of overflowing a signed integer
+    slot.resize(8);
+    std::memcpy(slot.data(), &now, 8);
+    append(s, &now, 8);
+  }
+
+  static void append(store_session& s, const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::uint8_t*>(p);
+    s.out.insert(s.out.end(), b, b + n);
+  }
+
+  bool answer_get(store_session& s, const std::string& key) {
+    const auto it = data_.find(key);
+    if (it == data_.end()) return false;
+    const std::uint64_t n = it->second.size();
+    append(s, &n, 8);
+    append(s, it->second.data(), it->second.size());
+    return true;
+  }
+
+  void wake_parked(const std::string& key) {
+    std::vector<store_session*> woken;
+    std::erase_if(parked_, [&](store_session* other) {
+      if (other->parked_key != key) return false;
+      woken.push_back(other);
+      return true;
+    });
+    for (store_session* other : woken) {
+      answer_get(*other, key);
+      other->parked = false;
+      other->parked_key.clear();
+      parse(*other);
+    }
+  }
+
+  std::uint64_t token_;
+  std::vector<store_session*> parked_;
+  std::map<std::string, std::vector<std::uint8_t>> data_;
+};
+
+/// The server side; rank 0's progress engine polls its descriptors and calls on_events().
 class store_server {
  public:
-  store_server(socket_fd listener, std::uint64_t token, int rank)
-      : listener_(std::move(listener)), token_(token), rank_(rank) {}
+  /// Serves the store on `listener` for the job whose token hashes to `token`.
+  store_server(socket_fd listener, std::uint64_t token, int rank, handshake_limits limits = {})
+      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(token), rank_(rank) {}
 
   /// The port it listens on.
-  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
+  [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
 
   /// Appends the descriptors to poll; `base` receives the index of the first one.
   void fill(std::vector<pollfd>& fds, std::size_t& base) const {
     base = fds.size();
-    fds.push_back({listener_.get(), POLLIN, 0});
-    for (const auto& c : conns_)
-      fds.push_back({c.fd.get(), static_cast<short>(POLLIN | (c.out.size() > c.out_off ? POLLOUT : 0)), 0});
+    acceptor_.fill(fds);
+    for (const auto& c : conns_) {
+      short ev = c->s.out.empty() ? POLLRDHUP : POLLRDHUP | POLLOUT;
+      if (store_book::wanted(c->s) > 0) ev = static_cast<short>(ev | POLLIN);
+      fds.push_back({c->fd.get(), ev, 0});
+    }
   }
 
   /// Handles the poll results of the descriptors fill() added at `base`.
   void on_events(const std::vector<pollfd>& fds, std::size_t base) {
-    const std::size_t known = conns_.size();
-    for (std::size_t i = 0; i < known; ++i) {
-      const short ev = fds[base + 1 + i].revents;
-      if (ev == 0) continue;
-      conn& c = conns_[i];
-      if (ev & POLLIN) read_from(c);
-      if (!c.dead && (ev & (POLLERR | POLLHUP)) && !(ev & POLLIN)) c.dead = true;
-      if (!c.dead) flush(c);
+    const std::size_t first = base + acceptor_.descriptors();
+    for (std::size_t i = 0; i < conns_.size() && first + i < fds.size(); ++i) {
+      const short ev = fds[first + i].revents;
+      if (ev & POLLIN) read_from(*conns_[i]);
+      else if (ev & (POLLERR | POLLHUP | POLLRDHUP)) conns_[i]->dead = true;  // gone while its get waits
     }
-    std::erase_if(conns_, [](const conn& c) { return c.dead; });
-    if (fds[base].revents & POLLIN) accept_all();
+    for (auto& a : acceptor_.on_events(fds, base)) {
+      auto c = std::make_unique<conn>(conn{std::move(a.fd), std::move(a.from), {}});
+      book_.feed(c->s, a.hello.data(), a.hello.size());
+      check(*c);
+      conns_.push_back(std::move(c));
+    }
+    for (auto& c : conns_)
+      if (!c->dead) flush(*c);  // also the answers a set or add gave to parked gets
+    std::erase_if(conns_, [this](const std::unique_ptr<conn>& c) {
+      if (c->dead) book_.close(c->s);
+      return c->dead;
+    });
   }
 
  private:
   struct conn {
     socket_fd fd;
     std::string from;
-    bool authed = false;
+    store_session s;
     bool dead = false;
-    std::vector<std::uint8_t> in;
-    std::vector<std::uint8_t> out;
-    std::size_t out_off = 0;
-    std::string parked;  ///< key a get waits for, empty when none
-    bool is_parked = false;
   };
-
-  void accept_all() {
-    while (true) {
-      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
-      conn c;
-      c.fd = socket_fd(fd);
-      c.from = remote_endpoint(fd).str();
-      conns_.push_back(std::move(c));
-    }
-  }
-
-  void refuse(conn& c, const std::string& why) {
-    log_line(rank_, "refused a connection to the store from " + c.from + ": " + why +
-                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
-    c.dead = true;
-  }
 
   void read_from(conn& c) {
     std::uint8_t buf[65536];
-    while (true) {
-      const ssize_t k = ::recv(c.fd.get(), buf, sizeof buf, MSG_DONTWAIT);
-      if (k > 0) { c.in.insert(c.in.end(), buf, buf + k); continue; }
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    for (int reads = 0; reads < 64 && !c.dead; ++reads) {  // bounded, so one client cannot starve the loop
+      const std::size_t want = std::min(store_book::wanted(c.s), sizeof buf);
+      if (want == 0) return;
+      const ssize_t k = ::recv(c.fd.get(), buf, want, MSG_DONTWAIT);
+      if (k > 0) {
+        book_.feed(c.s, buf, static_cast<std::size_t>(k));
+        check(c);
+        continue;
+      }
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
       if (k < 0 && errno == EINTR) continue;
-      if (!c.authed && !c.in.empty()) refuse(c, "it closed after a partial handshake");
       c.dead = true;
-      return;
     }
-    parse(c);
   }
 
-  void parse(conn& c) {
-    std::size_t pos = 0;
-    if (!c.authed) {
-      if (c.in.size() < sizeof(store_hello)) return;
-      store_hello h;
-      std::memcpy(&h, c.in.data(), sizeof h);
-      if (h.magic != store_magic || h.version != 1) return refuse(c, "its first bytes are not a ddp handshake");
-      if (h.token != token_) return refuse(c, "wrong job token");
-      c.authed = true;
-      pos = sizeof h;
-      c.out.push_back(1);
-    }
-    while (!c.is_parked && c.in.size() - pos >= sizeof(store_request)) {
-      store_request r;
-      std::memcpy(&r, c.in.data() + pos, sizeof r);
-      if (r.key_len > max_store_key || r.value_len > max_store_value || r.cmd < store_cmd::set ||
-          r.cmd > store_cmd::add || (r.cmd == store_cmd::add && r.value_len != 8))
-        return refuse(c, "malformed store request");
-      const std::size_t total = sizeof r + r.key_len + r.value_len;
-      if (c.in.size() - pos < total) break;
-      std::string key(reinterpret_cast<const char*>(c.in.data() + pos + sizeof r), r.key_len);
-      const std::uint8_t* value = c.in.data() + pos + sizeof r + r.key_len;
-      pos += total;
-      if (r.cmd == store_cmd::set) {
-        data_[key].assign(value, value + r.value_len);
-        c.out.push_back(1);
-        wake_parked(key);
-      } else if (r.cmd == store_cmd::add) {
-        std::int64_t delta = 0;
-        std::memcpy(&delta, value, 8);
-        auto& slot = data_[key];
-        std::int64_t now = 0;
-        if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
-        now += delta;
-        slot.resize(8);
-        std::memcpy(slot.data(), &now, 8);
-        append(c, &now, 8);
-        wake_parked(key);
-      } else if (!answer_get(c, key)) {
-        c.parked = std::move(key);
-        c.is_parked = true;
-      }
-    }
-    c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(pos));
-  }
-
-  static void append(conn& c, const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::uint8_t*>(p);
-    c.out.insert(c.out.end(), b, b + n);
-  }
-
-  bool answer_get(conn& c, const std::string& key) {
-    const auto it = data_.find(key);
-    if (it == data_.end()) return false;
-    const std::uint64_t n = it->second.size();
-    append(c, &n, 8);
-    append(c, it->second.data(), it->second.size());
-    return true;
-  }
-
-  void wake_parked(const std::string& key) {
-    for (auto& other : conns_)
-      if (other.is_parked && other.parked == key && answer_get(other, key)) {
-        other.is_parked = false;
-        other.parked.clear();
-        parse(other);
-        flush(other);
-      }
+  /// Closes `c` with one log line when the protocol refused it.
+  void check(conn& c) {
+    if (c.s.refused.empty()) return;
+    if (!c.s.authed) acceptor_.refuse(c.fd, c.from, c.s.refused);
+    else
+      log_line(rank_, "closed a store connection from " + c.from + " of this job: it sent " + c.s.refused +
+                          "; every rank must run the same ddp version; the job goes on");
+    c.dead = true;
   }
 
   static void flush(conn& c) {
-    while (c.out_off < c.out.size()) {
-      const ssize_t k = ::send(c.fd.get(), c.out.data() + c.out_off, c.out.size() - c.out_off,
-                               MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k > 0) { c.out_off += static_cast<std::size_t>(k); continue; }
+    std::size_t sent = 0;
+    while (sent < c.s.out.size()) {
+      const ssize_t k = ::send(c.fd.get(), c.s.out.data() + sent, c.s.out.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k > 0) { sent += static_cast<std::size_t>(k); continue; }
       if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
       c.dead = true;
-      return;
+      break;
     }
-    c.out.clear();
-    c.out_off = 0;
+    c.s.out.erase(c.s.out.begin(), c.s.out.begin() + static_cast<std::ptrdiff_t>(sent));
   }
 
-  socket_fd listener_;
-  std::uint64_t token_;
+  handshake_acceptor acceptor_;
+  store_book book_;
   int rank_;
-  std::vector<conn> conns_;
-  std::map<std::string, std::vector<std::uint8_t>> data_;
-};
-
-/// A blocking client of the store; every call waits at most until the deadline given at construction.
-class store_client {
- public:
-  /// Connects to `host:port` (retrying with backoff until `connect_deadline`) and authenticates with `token`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank,
-               clock::time_point connect_deadline, std::chrono::milliseconds timeout)
-      : rank_(rank), timeout_(timeout), where_(host + ":" + std::to_string(port)) {
-    fd_ = connect_with_retry(host, port, connect_deadline, rank, "the rendezvous store (rank 0)",
-                             "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
-                             "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    const store_hello hello{store_magic, 1, token};
-    check(send_all(fd_.get(), &hello, sizeof hello, deadline()), "handshake");
-    std::uint8_t ok = 0;
-    check(recv_all(fd_.get(), &ok, 1, deadline()), "handshake");
-  }
-
-  /// Stores `value` under `key`.
-  void set(const std::string& key, const std::vector<std::uint8_t>& value) {
-    request(store_cmd::set, key, value.data(), value.size());
-    std::uint8_t ok = 0;
-    check(recv_all(fd_.get(), &ok, 1, deadline()), "set '" + key + "'");
-  }
-  /// The value under `key`, waiting until some rank sets it.
-  std::vector<std::uint8_t> get(const std::string& key) {
-    request(store_cmd::get, key, nullptr, 0);
-    std::uint64_t n = 0;
-    check(recv_all(fd_.get(), &n, 8, deadline()), "get '" + key + "'");
-    if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
-    std::vector<std::uint8_t> value(n);
-    check(recv_all(fd_.get(), value.data(), n, deadline()), "get '" + key + "'");
-    return value;
-  }
-  /// Waits until `key` is set.
-  void wait(const std::string& key) { (void)get(key); }
-  /// Adds `delta` to the integer under `key` (0 when unset) and returns the new value.
-  std::int64_t add(const std::string& key, std::int64_t delta) {
-    request(store_cmd::add, key, &delta, 8);
-    std::int64_t now = 0;
-    check(recv_all(fd_.get(), &now, 8, deadline()), "add '" + key + "'");
-    return now;
-  }
-  /// The local address of the connection: the interface that reaches rank 0.
-  [[nodiscard]] std::string local_host() const { return local_endpoint(fd_.get()).host; }
-
- private:
-  [[nodiscard]] clock::time_point deadline() const { return clock::now() + timeout_; }
-
-  void request(store_cmd cmd, const std::string& key, const void* value, std::size_t n) {
-    store_request r{cmd, {}, static_cast<std::uint32_t>(key.size()), n};
-    check(send_all(fd_.get(), &r, sizeof r, deadline()), "request");
-    check(send_all(fd_.get(), key.data(), key.size(), deadline()), "request");
-    if (n > 0) check(send_all(fd_.get(), value, n, deadline()), "request");
-  }
-
-  void check(io_status s, const std::string& what) const {
-    if (s == io_status::ok) return;
-    if (s == io_status::timed_out)
-      throw timeout_error("the rendezvous store at " + where_ + " did not answer " + what + " within " +
-                              std::to_string(timeout_.count()) +
-                              " ms: some rank has not started or is stuck; check every rank's log, or raise the "
-                              "timeout (DDP_TIMEOUT_MS)",
-                          rank_);
-    throw peer_lost("the rendezvous store at " + where_ + " closed the connection during " + what +
-                        ": rank 0 exited, or refused this rank's job token (every rank needs the same DDP_TOKEN)",
-                    rank_, 0);
-  }
-
-  socket_fd fd_;
-  int rank_;
-  std::chrono::milliseconds timeout_;
-  std::string where_;
+  std::vector<std::unique_ptr<conn>> conns_;
 };
 
 }  // namespace ddp::tcp::detail

@@ -1,0 +1,67 @@
+#pragma once
+/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <ddp/comm/env.hpp>
+
+namespace ddp::tcp {
+
+/// Everything a rank needs to join a job over TCP.
+struct config {
+  int rank = 0;                                   ///< this process's rank, 0..size-1
+  int size = 1;                                   ///< number of ranks
+  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
+  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  std::string token;                              ///< job token; every rank must pass the same one
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
+  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
+  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
+  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
+  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
+  /// (process_vm_readv); false sends every byte through the sockets.
+  bool same_host_copy = true;
+  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
+  std::size_t max_pending_handshakes = 64;
+};
+
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
+/// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+  constexpr long long max_ms = 1LL << 40;
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+    cfg.connect_timeout = std::chrono::milliseconds(*ms);
+  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+    cfg.socket_buffer_bytes = static_cast<int>(*b);
+  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                        "1 to copy large frames between ranks on one host directly, 0 to send "
+                                        "them through the sockets"))
+    cfg.same_host_copy = *c == 1;
+  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
+                                         "the time in milliseconds a new connection to the store or a mesh port "
+                                         "gets to send its handshake"))
+    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
+  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
+                                        "the number of connections still in their handshake that the store and "
+                                        "each mesh port keep at once"))
+    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
+  return cfg;
+}
+
+}  // namespace ddp::tcp

@@ -1,0 +1,222 @@
+#pragma once
+/// \file The rendezvous of a TCP job: every rank joins rank 0's store, claims its rank, publishes its mesh
+/// address, connects to every lower rank and accepts every higher one (all handshakes at once, strangers
+/// refused), learns which peers' memory it can read, and hands the mesh to its progress engine.
+
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ddp/comm/tcp/accept.hpp>
+#include <ddp/comm/tcp/config.hpp>
+#include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/socket.hpp>
+#include <ddp/comm/tcp/store_client.hpp>
+#include <ddp/core/error.hpp>
+
+namespace ddp::tcp::detail {
+
+/// First message on a mesh connection, from the connecting (higher) rank.
+struct mesh_hello {
+  std::uint32_t magic = 0x4d504444;  // "DDPM"
+  std::uint32_t rank = 0;
+  std::uint32_t size = 0;
+  std::uint32_t version = 1;
+  std::uint64_t token = 0;
+};
+static_assert(sizeof(mesh_hello) == 24);
+
+/// The handshake limits of `cfg`.
+inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
+
+/// The error of two processes started with the same rank.
+inline config_error joined_twice(const std::string& rank, int me) {
+  return config_error("rank " + rank + " joined twice: two processes of this job were started with RANK=" + rank +
+                          "; check RANK and WORLD_SIZE: every process needs its own RANK in 0..WORLD_SIZE-1",
+                      me);
+}
+
+/// Claims rank `me` in the store; a second process with the same rank fails and tells the others.
+inline void claim_rank(store_client& store, int me) {
+  if (store.add("ddp/rank/" + std::to_string(me), 1) == 1) return;
+  const std::string text = std::to_string(me);
+  store.set("ddp/twin", std::vector<std::uint8_t>(text.begin(), text.end()));
+  store.add("ddp/twins", 1);
+  throw joined_twice(text, me);
+}
+
+/// Throws when some process claimed a rank already taken (claim_rank); the waits of the rendezvous call it.
+inline void check_no_twin(store_client& store, int me) {
+  if (store.add("ddp/twins", 0) == 0) return;
+  const auto rank = store.get("ddp/twin");
+  throw joined_twice(std::string(rank.begin(), rank.end()), me);
+}
+
+/// Accepts every higher rank on `acceptor`, all handshakes at once; strangers are refused and the job goes on.
+inline void accept_peers(const config& cfg, store_client& store, std::uint64_t token, handshake_acceptor& acceptor,
+                         const std::string& where, std::vector<socket_fd>& peers, clock::time_point deadline) {
+  const int me = cfg.rank;
+  constexpr auto twin_check_every = std::chrono::milliseconds(100);
+  auto next_twin_check = clock::now();
+  std::vector<pollfd> fds;
+  for (int expected = cfg.size - 1 - me; expected > 0;) {
+    if (clock::now() >= deadline)
+      throw timeout_error("ranks above " + std::to_string(me) + " did not all connect to this rank's mesh port " +
+                              where + " before the connect deadline; start every rank, or raise the connect "
+                              "timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          me);
+    if (clock::now() >= next_twin_check) {
+      check_no_twin(store, me);
+      next_twin_check = clock::now() + twin_check_every;
+    }
+    fds.clear();
+    acceptor.fill(fds);
+    ::poll(fds.data(), fds.size(), poll_ms(std::min(deadline, next_twin_check)));
+    for (auto& a : acceptor.on_events(fds, 0)) {
+      mesh_hello got{};
+      std::memcpy(&got, a.hello.data(), sizeof got);
+      std::string why;
+      if (got.magic != mesh_hello{}.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+      else if (got.token != token) why = "wrong job token";
+      else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
+      else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
+        why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
+      else if (peers[got.rank].valid()) throw joined_twice(std::to_string(got.rank), me);
+      if (!why.empty()) {
+        acceptor.refuse(a.fd, a.from, why);
+        continue;
+      }
+      const std::uint8_t ok = 1;
+      if (send_all(a.fd.get(), &ok, 1, deadline) != io_status::ok) continue;
+      peers[got.rank] = std::move(a.fd);
+      --expected;
+    }
+  }
+}
+
+/// Builds the full mesh: connects to every lower rank, accepts every higher one; strangers are refused.
+inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, std::uint64_t token,
+                                         const std::string& host, clock::time_point deadline) {
+  const int me = cfg.rank;
+  handshake_acceptor acceptor(listen_on(host, 0, me, "the mesh"), sizeof(mesh_hello), limits_of(cfg), me,
+                              "the mesh port");
+  const endpoint mine{host, acceptor.port()};
+  const std::string text = mine.str();
+  store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
+
+  std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
+  const mesh_hello hello{mesh_hello{}.magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1,
+                         token};
+  for (int j = 0; j < me; ++j) {
+    const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
+    const std::string where(bytes.begin(), bytes.end());
+    const auto colon = where.rfind(':');
+    const std::string peer_host = where.substr(0, colon);
+    const auto peer_port = static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1)));
+    socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
+                                      "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
+    std::uint8_t ok = 0;
+    if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+        recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
+      check_no_twin(store, me);  // a twin of this rank is why rank j refused, if there is one
+      throw peer_lost("rank " + std::to_string(j) + " at " + where +
+                          " refused the mesh handshake: give every rank the same DDP_TOKEN and WORLD_SIZE",
+                      me, j);
+    }
+    peers[static_cast<std::size_t>(j)] = std::move(fd);
+  }
+  accept_peers(cfg, store, token, acceptor, text, peers, deadline);
+  for (auto& p : peers)
+    if (p.valid()) tune_data_socket(p.get(), cfg.socket_buffer_bytes);
+  return peers;
+}
+/// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
+/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
+/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+  struct probe {
+    std::uint64_t pid = 0;
+    std::uint64_t address = 0;
+    std::uint64_t word = 0;
+  };
+  const auto n = static_cast<std::size_t>(cfg.size);
+  const auto me = static_cast<std::size_t>(cfg.rank);
+  const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
+  std::random_device random;
+  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
+  const probe mine{static_cast<std::uint64_t>(::getpid()),
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+  const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
+  store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
+  std::vector<peer_memory> peers(n);
+  std::vector<std::uint8_t> readable(n, 0);
+  for (std::size_t j = 0; j < n; ++j) {
+    if (j == me) continue;
+    const auto bytes = store.get(key("memory", j));
+    probe theirs;
+    if (bytes.size() != sizeof theirs)
+      throw error("rank " + std::to_string(j) + " published a malformed memory probe; every rank must run the same "
+                  "ddp version",
+                  cfg.rank);
+    std::memcpy(&theirs, bytes.data(), sizeof theirs);
+    if (!cfg.same_host_copy || theirs.address == 0) continue;
+    std::uint64_t seen = 0;
+    iovec local{&seen, sizeof seen};
+    iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof seen};
+    const auto pid = static_cast<::pid_t>(theirs.pid);
+    if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
+      continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
+    peers[j] = {pid, true, false};
+    readable[j] = 1;
+  }
+  store.set(key("memory_ok", me), readable);
+  for (std::size_t j = 0; j < n; ++j)
+    if (j != me) peers[j].reads_us = store.get(key("memory_ok", j)).at(me) == 1;
+  return peers;
+}
+
+
+/// Joins the job `cfg` describes through rank 0's store and hands the mesh to `eng`; all by `deadline`.
+inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
+  store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  claim_rank(store, cfg.rank);
+  const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
+  if (cfg.rank == 0) {
+    const std::string name = interface_of(host);
+    log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
+                    std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
+                    (name.empty() ? "" : " (" + name + ")") +
+                    (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
+                                           : ""));
+  }
+  auto sockets = build_mesh(cfg, store, token, host, deadline);
+  auto memory = probe_memory(cfg, store);
+  if (cfg.rank == 0) {
+    const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
+    log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
+                    std::to_string(cfg.size - 1) +
+                    " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
+  }
+  eng.attach(std::move(sockets), std::move(memory));
+  // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
+  store.add("ddp/joined", 1);
+  while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
+    check_no_twin(store, 0);
+    if (clock::now() > deadline)
+      throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
+                          "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace ddp::tcp::detail

@@ -1,0 +1,139 @@
+// The store's protocol (store_book) driven from memory: handshakes, requests, parked gets, malformed input,
+// how much a session may buffer, and `add` at the ends of the 64-bit range (built with UBSan).
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/tcp/store.hpp>
+
+namespace d = ddp::tcp::detail;
+
+namespace {
+
+constexpr std::uint64_t token = 0x1234;
+
+std::vector<std::uint8_t> hello(std::uint64_t t = token) {
+  const d::store_hello h{d::store_magic, 1, t};
+  std::vector<std::uint8_t> b(sizeof h);
+  std::memcpy(b.data(), &h, sizeof h);
+  return b;
+}
+
+std::vector<std::uint8_t> request(d::store_cmd cmd, const std::string& key, const void* value, std::size_t n) {
+  const d::store_request r{cmd, {}, static_cast<std::uint32_t>(key.size()), n};
+  std::vector<std::uint8_t> b(sizeof r);
+  std::memcpy(b.data(), &r, sizeof r);
+  b.insert(b.end(), key.begin(), key.end());
+  const auto* v = static_cast<const std::uint8_t*>(value);
+  b.insert(b.end(), v, v + n);
+  return b;
+}
+
+void feed(d::store_book& book, d::store_session& s, const std::vector<std::uint8_t>& bytes) {
+  book.feed(s, bytes.data(), bytes.size());
+}
+
+/// The session's answers, emptied.
+std::vector<std::uint8_t> take(d::store_session& s) { return std::exchange(s.out, {}); }
+
+std::int64_t add(d::store_book& book, d::store_session& s, const std::string& key, std::int64_t delta) {
+  feed(book, s, request(d::store_cmd::add, key, &delta, 8));
+  const auto out = take(s);
+  REQUIRE(out.size() == 8);
+  std::int64_t now = 0;
+  std::memcpy(&now, out.data(), 8);
+  return now;
+}
+
+}  // namespace
+
+TEST_CASE("the store protocol authenticates, answers set get add, and parks a get until the set", "[tcp][store]") {
+  d::store_book book(token);
+  d::store_session a, b;
+  feed(book, a, hello());
+  feed(book, b, hello());
+  CHECK(take(a) == std::vector<std::uint8_t>{1});
+  CHECK(take(b) == std::vector<std::uint8_t>{1});
+  feed(book, b, request(d::store_cmd::get, "late", nullptr, 0));
+  CHECK(b.parked);
+  CHECK(d::store_book::wanted(b) == 0);  // nothing is read from a parked session
+  const char value[] = "here";
+  feed(book, a, request(d::store_cmd::set, "late", value, 4));
+  CHECK(take(a) == std::vector<std::uint8_t>{1});
+  const auto got = take(b);
+  REQUIRE(got.size() == 12);
+  CHECK(std::string(got.begin() + 8, got.end()) == "here");
+  CHECK_FALSE(b.parked);
+  CHECK(add(book, a, "n", 5) == 5);
+  CHECK(add(book, b, "n", -2) == 3);
+}
+
+TEST_CASE("a session never wants more than its next message", "[tcp][store][limits]") {
+  d::store_book book(token);
+  d::store_session s;
+  CHECK(d::store_book::wanted(s) == sizeof(d::store_hello));
+  const auto h = hello();
+  book.feed(s, h.data(), 10);
+  CHECK(d::store_book::wanted(s) == sizeof(d::store_hello) - 10);
+  book.feed(s, h.data() + 10, h.size() - 10);
+  CHECK(d::store_book::wanted(s) == sizeof(d::store_request));
+  const auto r = request(d::store_cmd::set, "key", "value", 5);
+  book.feed(s, r.data(), sizeof(d::store_request));
+  CHECK(d::store_book::wanted(s) == 8);  // "key" and "value"
+  book.feed(s, r.data() + sizeof(d::store_request), 8);
+  CHECK(s.in.empty());
+  CHECK(d::store_book::wanted(s) == sizeof(d::store_request));
+}
+
+TEST_CASE("strangers and malformed requests are refused, each with its reason", "[tcp][store]") {
+  d::store_book book(token);
+  SECTION("a wrong token") {
+    d::store_session s;
+    feed(book, s, hello(token + 1));
+    CHECK(s.refused == "wrong job token");
+    CHECK_FALSE(s.authed);
+    CHECK(s.out.empty());
+  }
+  SECTION("garbage") {
+    d::store_session s;
+    const std::string junk = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    book.feed(s, reinterpret_cast<const std::uint8_t*>(junk.data()), junk.size());
+    CHECK(s.refused == "its first bytes are not a ddp handshake");
+    CHECK(d::store_book::wanted(s) == 0);
+  }
+  SECTION("a malformed request from a session of this job names what is wrong") {
+    d::store_session s;
+    feed(book, s, hello());
+    auto r = request(d::store_cmd::get, "k", nullptr, 0);
+    r[0] = 9;
+    feed(book, s, r);
+    CHECK(s.authed);
+    CHECK(s.refused == "a request with unknown command 9");
+  }
+  SECTION("a key over the limit is refused from its header, before any of it is buffered") {
+    d::store_session s;
+    feed(book, s, hello());
+    const d::store_request r{d::store_cmd::set, {}, d::max_store_key + 1, 0};
+    book.feed(s, reinterpret_cast<const std::uint8_t*>(&r), sizeof r);
+    CHECK(s.refused == "a key of 4097 bytes (at most 4096)");
+  }
+}
+
+TEST_CASE("add wraps around at the ends of the 64-bit range instead of overflowing", "[tcp][store]") {
+  d::store_book book(token);
+  d::store_session s;
+  feed(book, s, hello());
+  take(s);
+  constexpr auto max = std::numeric_limits<std::int64_t>::max();
+  constexpr auto min = std::numeric_limits<std::int64_t>::min();
+  CHECK(add(book, s, "n", max) == max);
+  CHECK(add(book, s, "n", 1) == min);
+  CHECK(add(book, s, "n", -1) == max);
+  CHECK(add(book, s, "m", min) == min);
+  CHECK(add(book, s, "m", min) == 0);
+}
