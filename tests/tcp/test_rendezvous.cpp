@@ -51,9 +51,9 @@ double cpu_seconds() {
 
 /// Rank 0's store served by an engine in this process, as in a job.
 struct served_store {
-  explicit served_store(std::uint64_t token)
+  explicit served_store(std::uint64_t token, d::handshake_limits limits = {})
       : port(static_cast<std::uint16_t>(free_port())),
-        server(0, 1, &d::execute, d::store_server(d::listen_on("127.0.0.1", port, 0, "store"), token, 0)) {}
+        server(0, 1, &d::execute, d::store_server(d::listen_on("127.0.0.1", port, 0, "store"), token, 0, limits)) {}
   std::uint16_t port;
   d::engine server;
 };
@@ -95,6 +95,21 @@ std::pair<std::string, bool> in_child(const std::function<std::string()>& body, 
   return {text, WIFEXITED(status) && WEXITSTATUS(status) == 0};
 }
 
+/// In a rank: joining the job must fail with `Error` within `seconds` (printed to stderr with the time taken).
+template <class Error>
+void join_fails_within(double seconds, const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto comm = ddp::tcp::communicator::from_env();
+  } catch (const Error& e) {
+    const auto took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "failed after %.3f s: %s\n", took, e.what());
+    expect(took < seconds, what);
+    return;
+  }
+  throw std::runtime_error("joined a job it should not have joined: " + what);
+}
+
 }  // namespace
 
 TEST_CASE("four 256 MiB floods before the handshake grow rank 0 by at most 32 MiB", "[tcp][store][limits]") {
@@ -129,6 +144,33 @@ TEST_CASE("four 256 MiB floods before the handshake grow rank 0 by at most 32 Mi
   for (const std::size_t bytes : sent) CHECK(bytes < flood);  // each flood was cut off, not swallowed
   d::store_client client("127.0.0.1", store.port, token, 1, d::clock::now() + 5s);
   CHECK(client.add("after the floods", 7) == 7);
+}
+
+TEST_CASE("a connection silent past the handshake deadline is closed, and the oldest goes past the cap",
+          "[tcp][store][limits]") {
+  const std::uint64_t token = d::token_hash("deadline-test");
+  served_store store(token, {.timeout = 300ms, .max_pending = 2});
+  const auto connect = [&] { return d::connect_with_retry("127.0.0.1", store.port, d::clock::now() + 5s, -1, "store", ""); };
+  std::uint8_t byte = 0;
+  SECTION("deadline") {
+    auto silent = connect();
+    const auto start = d::clock::now();
+    CHECK(d::recv_all(silent.get(), &byte, 1, start + 5s) == d::io_status::closed);
+    const double took = std::chrono::duration<double>(d::clock::now() - start).count();
+    CHECK(took >= 0.25);
+    CHECK(took < 2.0);
+  }
+  SECTION("cap") {
+    auto oldest = connect();
+    auto second = connect();
+    std::this_thread::sleep_for(100ms);  // both are in their handshake
+    auto third = connect();
+    const auto start = d::clock::now();
+    CHECK(d::recv_all(oldest.get(), &byte, 1, start + 5s) == d::io_status::closed);
+    CHECK(d::clock::now() - start < 250ms);  // closed by the cap, before its handshake deadline
+  }
+  d::store_client client("127.0.0.1", store.port, token, 1, d::clock::now() + 5s);
+  CHECK(client.add("still serving", 2) == 2);
 }
 
 TEST_CASE("a store out of file descriptors backs off instead of spinning, then recovers", "[tcp][store][limits]") {
@@ -250,18 +292,7 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
   });
   const auto rs = run_ranks(
       1,
-      [](int) {
-        const auto start = std::chrono::steady_clock::now();
-        try {
-          auto comm = ddp::tcp::communicator::from_env();
-        } catch (const ddp::timeout_error& e) {
-          const auto took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::fprintf(stderr, "failed after %.3f s: %s\n", took, e.what());
-          expect(took < 5.0, "the store read ended near the 1.5 s connect deadline");
-          return;
-        }
-        throw std::runtime_error("rank 0 joined a job whose rank 1 never published its memory probe");
-      },
+      [](int) { join_fails_within<ddp::timeout_error>(5.0, "the store read ended near the 1.5 s connect deadline"); },
       job(60s, port, [](int) {
         return ddp::launch::env_list{{"WORLD_SIZE", "2"}, {"DDP_CONNECT_TIMEOUT_MS", "1500"}, {"DDP_TIMEOUT_MS", "40000"}};
       }));
@@ -273,18 +304,7 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
 TEST_CASE("a rank started twice is reported as such within seconds", "[tcp][store]") {
   const auto rs = run_ranks(
       3,
-      [](int) {
-        const auto start = std::chrono::steady_clock::now();
-        try {
-          auto comm = ddp::tcp::communicator::from_env();
-        } catch (const ddp::error& e) {
-          const auto took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          std::fprintf(stderr, "failed after %.3f s: %s\n", took, e.what());
-          expect(took < 5.0, "the failure came within 5 s");
-          return;
-        }
-        throw std::runtime_error("joined a job in which two processes have RANK=1");
-      },
+      [](int) { join_fails_within<ddp::error>(5.0, "the failure came within 5 s"); },
       job(40s, 0, [](int rank) {
         ddp::launch::env_list env{{"DDP_CONNECT_TIMEOUT_MS", "15000"}};
         if (rank == 2) env.emplace_back("RANK", "1");
