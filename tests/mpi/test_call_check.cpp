@@ -69,8 +69,10 @@ TEST_CASE("call check: a mismatch of operation, count, dtype or root raises mism
           "[mpi][call_check]") {
   auto comm = checked_world();
   if (comm.size() == 1) {  // no second rank to differ from: the comparison itself, on a fabricated second rank
-    ddp::detail::call_info mine{collective::all_reduce, "all_reduce", ddp::reduce_op::sum, ddp::dtype::f32, 8};
-    ddp::detail::call_info theirs{collective::broadcast, "broadcast", std::nullopt, ddp::dtype::f32, 8, 0};
+    const ddp::detail::call_info mine{.kind = collective::all_reduce, .name = "all_reduce", .op = ddp::reduce_op::sum,
+                                      .type = ddp::dtype::f32, .count = 8};
+    const ddp::detail::call_info theirs{
+        .kind = collective::broadcast, .name = "broadcast", .type = ddp::dtype::f32, .count = 8, .peer = 0};
     const auto a = ddp::detail::fingerprint(mine), b = ddp::detail::fingerprint(theirs);
     std::vector<std::int64_t> all(a.begin(), a.end());
     all.insert(all.end(), b.begin(), b.end());
@@ -95,7 +97,8 @@ TEST_CASE("call check: a mismatch of operation, count, dtype or root raises mism
   }
   SECTION("count") {
     expect_mismatch(
-        comm, [&] { return comm.all_reduce(std::span<float>(f)); }, [&] { return comm.all_reduce(std::span<float>(f4)); },
+        comm, [&] { return comm.all_reduce(std::span<float>(f)); },
+        [&] { return comm.all_reduce(std::span<float>(f4)); },
         "all_reduce(sum) of 8 f32", "all_reduce(sum) of 4 f32");
   }
   SECTION("dtype") {

@@ -189,8 +189,9 @@ class collective_front : public object_collectives<Derived> {
 
   call_info open(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& t, int peer,
                  int tag = -1) {
-    call_info c{kind, name, op, t.type, t.size, peer, tag, std::nullopt, self().size(), Derived::duties.group};
-    if constexpr (Derived::duties.sequence) c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
+    call_info c{kind, name, op, t.type, t.size, peer, tag, std::nullopt, self().size(), Derived::duties.group, -1, {}};
+    if constexpr (Derived::duties.sequence)
+      c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
     if constexpr (requires { self().device(); }) c.device = self().device();
     return c;
   }

@@ -90,7 +90,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   static communicator from_env(config settings = {}) {
     static_assert(requires { sizeof(Rendezvous); },
                   "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
-                  "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the constructor.");
+                  "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
+                  "constructor.");
     return Rendezvous::join(settings);
   }
 

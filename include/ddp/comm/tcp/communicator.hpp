@@ -27,7 +27,6 @@
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/env.hpp>
 #include <ddp/comm/front_end.hpp>
-#include <ddp/comm/object.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/algorithms.hpp>
