@@ -39,5 +39,5 @@
 #endif
 
 #if defined(DDP_WITH_NCCL)
-#include <ddp/comm/nccl/communicator.hpp>
+#include <ddp/comm/nccl/from_env.hpp>
 #endif

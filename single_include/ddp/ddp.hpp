@@ -972,6 +972,7 @@ constexpr std::string_view to_string(collective c) noexcept {
 struct comm_stats {
   std::array<std::uint64_t, collective_count> bytes_sent{};  ///< payload bytes this rank sent, by operation
   std::array<std::uint64_t, collective_count> calls{};       ///< operations started, by operation
+  std::uint64_t call_checks = 0;  ///< cross-rank call checks exchanged (DDP_CHECK_COLLECTIVES=1), not counted above
 
   /// Bytes sent for operation `c`.
   [[nodiscard]] std::uint64_t bytes(collective c) const noexcept { return bytes_sent[static_cast<std::size_t>(c)]; }
@@ -990,12 +991,14 @@ class stats_counter {
  public:
   void add_call(collective c) noexcept { calls_[index(c)].fetch_add(1, std::memory_order_relaxed); }
   void add_bytes(collective c, std::uint64_t n) noexcept { bytes_[index(c)].fetch_add(n, std::memory_order_relaxed); }
+  void add_call_check() noexcept { call_checks_.fetch_add(1, std::memory_order_relaxed); }
   [[nodiscard]] comm_stats snapshot() const noexcept {
     comm_stats s;
     for (std::size_t i = 0; i < collective_count; ++i) {
       s.bytes_sent[i] = bytes_[i].load(std::memory_order_relaxed);
       s.calls[i] = calls_[i].load(std::memory_order_relaxed);
     }
+    s.call_checks = call_checks_.load(std::memory_order_relaxed);
     return s;
   }
   void reset() noexcept {
@@ -1003,12 +1006,14 @@ class stats_counter {
       bytes_[i].store(0, std::memory_order_relaxed);
       calls_[i].store(0, std::memory_order_relaxed);
     }
+    call_checks_.store(0, std::memory_order_relaxed);
   }
 
  private:
   static constexpr std::size_t index(collective c) noexcept { return static_cast<std::size_t>(c); }
   std::array<std::atomic<std::uint64_t>, collective_count> bytes_{};
   std::array<std::atomic<std::uint64_t>, collective_count> calls_{};
+  std::atomic<std::uint64_t> call_checks_{0};
 };
 
 }  // namespace detail
@@ -1365,7 +1370,134 @@ class object_collectives {
 /// rank 0, a full mesh of TCP connections authenticated by the job token, one progress thread, and
 /// asynchronous collectives that check every frame against the call (see docs/tcp.md).
 
+#include <climits>
 
+// ---- begin <ddp/comm/call.hpp>
+/// \file What one operation is: the description every backend's checks, messages and cross-rank call check use.
+
+
+
+namespace ddp::detail {
+
+/// One operation as the collective front end saw it: "all_reduce(sum) of 1024 f32 in an MPI group of 4 (sequence 17)".
+struct call_info {
+  collective kind = collective::barrier;
+  const char* name = "barrier";         ///< "all_reduce", ..., "send", "recv"
+  std::optional<reduce_op> op;          ///< the caller's operator (avg stays avg here)
+  dtype type = dtype::u8;
+  std::size_t count = 0;                ///< elements per rank: the same on every rank of a matching call
+  int peer = -1;                        ///< root, or the other rank of a send/recv; -1 where none
+  int tag = -1;                         ///< send/recv tag; -1 for collectives
+  std::optional<std::uint64_t> sequence;  ///< the group's count of operations before this one, where kept
+  int group_size = 1;
+  std::string_view group = "a group";   ///< "an MPI group", "an NCCL group", "a TCP group"
+  int device = -1;                      ///< the CUDA device of the group, -1 for host backends
+  raw_tensor average;                   ///< avg the backend finishes: divide this buffer by group_size when done
+
+  /// True for a recv (cancelled when dropped incomplete).
+  [[nodiscard]] bool receive() const noexcept { return std::string_view(name) == "recv"; }
+};
+
+/// The call alone, without its group: "broadcast of 8 f32 rooted at rank 1", "recv of 4 f32 from rank 0 tag 7".
+inline std::string describe_call(const call_info& c) {
+  std::string s = c.name;
+  if (c.op) s += "(" + std::string(to_string(*c.op)) + ")";
+  if (c.kind != collective::barrier) s += " of " + std::to_string(c.count) + " " + std::string(to_string(c.type));
+  if (c.kind == collective::send_recv)
+    s += (c.receive() ? " from rank " : " to rank ") + std::to_string(c.peer) + " tag " + std::to_string(c.tag);
+  else if (c.peer >= 0)
+    s += " rooted at rank " + std::to_string(c.peer);
+  return s;
+}
+
+/// The phrase naming an operation in messages, with its group, device and sequence number.
+inline std::string describe(const call_info& c) {
+  std::string s = describe_call(c) + " in " + std::string(c.group) + " of " + std::to_string(c.group_size);
+  if (c.device >= 0) s += " on cuda:" + std::to_string(c.device);
+  if (c.sequence) s += " (sequence " + std::to_string(*c.sequence) + ")";
+  return s;
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/call.hpp>
+// ---- begin <ddp/comm/front_end.hpp>
+/// \file The collective front end every backend shares: the public collective methods of ddp::communicator with
+/// the argument checks, the description of each operation, sequence numbers, statistics, avg and the opt-in
+/// cross-rank call check (DDP_CHECK_COLLECTIVES=1), calling the backend's launches.
+///
+/// A backend `B` derives from collective_front<B>, befriends it and implements, for checked arguments:
+///   launch_all_reduce(c, buffer, op), launch_reduce_scatter(c, in, out, op), launch_all_gather(c, in, out),
+///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
+///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
+///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
+/// rank(), size(), max_tag(), `static constexpr front_duties duties`, and front() (a front_state shared by the
+/// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
+
+
+// ---- begin <ddp/comm/call_check.hpp>
+/// \file The opt-in cross-rank call check (DDP_CHECK_COLLECTIVES=1): before each collective every rank shares the
+/// fields that must agree (operation, operator, dtype, count, root), so that ranks calling different collectives
+/// raise ddp::mismatch_error naming both calls at once instead of a timeout much later.
+
+
+
+namespace ddp::detail {
+
+/// True when the environment asks for the cross-rank call check (DDP_CHECK_COLLECTIVES=1; 0 or unset: off).
+inline bool call_check_requested() {
+  return env_integer("DDP_CHECK_COLLECTIVES", 0, 1,
+                     "1 to compare every collective's operation, dtype, count and root across the ranks before it "
+                     "runs (on every rank), or 0 for no check")
+             .value_or(0) == 1;
+}
+
+/// The fields of a collective that must agree on every rank, as the words one rank contributes to the check.
+using call_fingerprint = std::array<std::int64_t, 4>;
+
+/// Marks a word set as a fingerprint; anything else came from a rank running without the check.
+inline constexpr std::int64_t call_fingerprint_mark = 0x4444504343484b31;  // "DDPCCHK1"
+
+/// `c` as the words every rank compares.
+inline call_fingerprint fingerprint(const call_info& c) noexcept {
+  const auto op = c.op ? static_cast<std::int64_t>(*c.op) + 1 : 0;
+  return {static_cast<std::int64_t>(c.kind) | op << 8 | static_cast<std::int64_t>(c.type) << 16,
+          static_cast<std::int64_t>(c.count), c.peer, call_fingerprint_mark};
+}
+
+/// The call another rank described with `f` ("broadcast of 8 f32 rooted at rank 1"), or why it cannot be read.
+inline std::string describe_fingerprint(std::span<const std::int64_t, 4> f) {
+  const auto kind = static_cast<std::size_t>(f[0] & 0xff);
+  const auto op = static_cast<std::size_t>((f[0] >> 8) & 0xff);
+  const auto type = static_cast<std::size_t>((f[0] >> 16) & 0xff);
+  if (f[3] != call_fingerprint_mark || kind >= collective_count || op > 5 || type > static_cast<std::size_t>(dtype::u8))
+    return "no collective with the call check (it runs without DDP_CHECK_COLLECTIVES=1, or another ddp version)";
+  call_info c;
+  c.kind = static_cast<collective>(kind);
+  c.name = to_string(c.kind).data();
+  if (op != 0) c.op = static_cast<reduce_op>(op - 1);
+  c.type = static_cast<dtype>(type);
+  c.count = static_cast<std::size_t>(f[1]);
+  c.peer = static_cast<int>(f[2]);
+  return describe_call(c);
+}
+
+/// Throws ddp::mismatch_error on `rank` when a rank's fingerprint in `all` (size() of them, in rank order) differs
+/// from the one of `mine`, naming this rank's call and the first differing rank's.
+inline void compare_calls(const call_info& mine, std::span<const std::int64_t> all, int rank) {
+  const call_fingerprint ours = fingerprint(mine);
+  for (std::size_t r = 0; r * ours.size() < all.size(); ++r) {
+    const std::span<const std::int64_t, 4> theirs(all.data() + r * ours.size(), ours.size());
+    if (std::equal(theirs.begin(), theirs.end(), ours.begin())) continue;
+    throw mismatch_error(describe(mine) + ": rank " + std::to_string(r) + " called " + describe_fingerprint(theirs) +
+                             " where this rank called " + describe_call(mine) +
+                             "; every rank of the group must call the same collectives in the same order with the "
+                             "same counts, dtypes, operators and roots (found by DDP_CHECK_COLLECTIVES=1)",
+                         rank);
+  }
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/call_check.hpp>
 // ---- begin <ddp/comm/checks.hpp>
 /// \file The argument checks every backend makes before a collective, as messages: empty when the arguments
 /// are fine, else what is wrong and the fix. Each backend prefixes the call and the rank and throws.
@@ -1398,6 +1530,244 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/comm/checks.hpp>
+
+namespace ddp::detail {
+
+/// What the front end does for a backend beyond the argument checks; a backend that does a duty itself says false.
+struct front_duties {
+  std::string_view group = "a group";  ///< how messages name the group: "an MPI group"
+  bool sequence = true;                ///< number every operation (front_state::sequence)
+  bool stats = true;                   ///< count calls and the algorithm-independent payload bytes (front_state::stats)
+  bool average = true;                 ///< run avg as sum and have the launch divide call_info::average when done
+  bool call_check = true;              ///< exchange the call before each collective when front_state::call_check
+};
+
+/// The front end's state, shared by the copies of a group.
+struct front_state {
+  stats_counter stats;
+  std::atomic<std::uint64_t> sequence{0};
+  bool call_check = call_check_requested();  ///< DDP_CHECK_COLLECTIVES=1 when the group was made
+};
+
+/// The public collectives of a ddp::communicator, for backend `Derived` (see the file comment).
+template <class Derived>
+class collective_front : public object_collectives<Derived> {
+ public:
+  /// Reduces `buffer` in place across the group.
+  template <tensor T>
+  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
+    const raw_tensor b = as_raw(buffer);
+    call_info c = open(collective::all_reduce, "all_reduce", op, b, -1);
+    verify(c);
+    const reduce_op run = average(c, op, b);
+    return counted(c, share(b.bytes(), 2), self().launch_all_reduce(c, b, run));
+  }
+
+  /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
+  template <tensor In, tensor Out>
+  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    call_info c = open(collective::reduce_scatter, "reduce_scatter", op, out, -1);
+    same_type(c, in, out);
+    blocks(c, in.size, out.size, "input", "output");
+    verify(c);
+    const reduce_op run = average(c, op, out);
+    return counted(c, share(in.bytes(), 1), self().launch_reduce_scatter(c, in, out, run));
+  }
+
+  /// Gathers k elements from every rank into N·k elements, rank r's at block r.
+  template <tensor In, tensor Out>
+  work all_gather(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    call_info c = open(collective::all_gather, "all_gather", std::nullopt, in, -1);
+    same_type(c, in, out);
+    blocks(c, out.size, in.size, "output", "input");
+    verify(c);
+    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().launch_all_gather(c, in, out));
+  }
+
+  /// Copies root's `buffer` to every rank.
+  template <tensor T>
+  work broadcast(T&& buffer, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    call_info c = open(collective::broadcast, "broadcast", std::nullopt, b, root);
+    check_rank(c, root, "root");
+    verify(c);
+    const std::uint64_t sent = self().rank() == root && self().size() > 1 ? b.bytes() : 0;
+    return counted(c, sent, self().launch_broadcast(c, b));
+  }
+
+  /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
+  template <tensor T>
+  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
+    const raw_tensor b = as_raw(buffer);
+    call_info c = open(collective::reduce, "reduce", op, b, root);
+    check_rank(c, root, "root");
+    verify(c);
+    const bool at_root = self().rank() == root;
+    const reduce_op run = average(c, op, at_root ? b : raw_tensor{});
+    return counted(c, at_root ? 0 : b.bytes(), self().launch_reduce(c, b, run));
+  }
+
+  /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
+  template <tensor In, tensor Out>
+  work gather(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    call_info c = open(collective::gather, "gather", std::nullopt, in, root);
+    check_rank(c, root, "root");
+    const bool at_root = self().rank() == root;
+    if (at_root) {
+      same_type(c, in, out);
+      blocks(c, out.size, in.size, "output", "input");
+    }
+    verify(c);
+    return counted(c, at_root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+  }
+
+  /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
+  template <tensor In, tensor Out>
+  work scatter(In&& input, Out&& output, int root = 0) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    call_info c = open(collective::scatter, "scatter", std::nullopt, out, root);
+    check_rank(c, root, "root");
+    const bool at_root = self().rank() == root;
+    if (at_root) {
+      same_type(c, in, out);
+      blocks(c, in.size, out.size, "input", "output");
+    }
+    verify(c);
+    return counted(c, at_root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+  }
+
+  /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
+  template <tensor In, tensor Out>
+  work all_to_all(In&& input, Out&& output) {
+    const raw_tensor in = as_raw(input), out = as_raw(output);
+    call_info c = open(collective::all_to_all, "all_to_all", std::nullopt, in, -1);
+    same_type(c, in, out);
+    const auto n = static_cast<std::size_t>(self().size());
+    if (in.size != out.size || in.size % n != 0)
+      fail(c, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
+                  "; both must hold the same multiple of size()=" + std::to_string(n));
+    verify(c);
+    return counted(c, share(in.bytes(), 1), self().launch_all_to_all(c, in, out));
+  }
+
+  /// Completes once every rank of the group has entered the barrier.
+  work barrier() {
+    call_info c = open(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
+    verify(c);
+    return counted(c, 0, self().launch_barrier(c));
+  }
+
+  /// Sends `buffer` to rank `peer`, matched by the recv on `peer` with the same tag (0 ≤ tag ≤ max_tag()).
+  template <tensor T>
+  work send(T&& buffer, int peer, int tag = 0) {
+    const raw_tensor b = as_raw(buffer);
+    call_info c = open(collective::send_recv, "send", std::nullopt, b, peer, tag);
+    check_peer(c);
+    return counted(c, b.bytes(), self().launch_send(c, b));
+  }
+
+  /// Receives into `buffer` what rank `peer` sends with `tag`.
+  template <tensor T>
+  work recv(T&& buffer, int peer, int tag = 0) {
+    const raw_tensor b = as_raw(buffer);
+    call_info c = open(collective::send_recv, "recv", std::nullopt, b, peer, tag);
+    check_peer(c);
+    return counted(c, 0, self().launch_recv(c, b));
+  }
+
+ protected:
+  /// Throws ddp::error "<the call>: <what>" on this rank.
+  [[noreturn]] void fail(const call_info& c, const std::string& what) const {
+    throw error(describe(c) + ": " + what, self().rank());
+  }
+
+ private:
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+  const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  call_info open(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& t, int peer,
+                 int tag = -1) {
+    call_info c{kind, name, op, t.type, t.size, peer, tag, std::nullopt, self().size(), Derived::duties.group, -1, {}};
+    if constexpr (Derived::duties.sequence)
+      c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
+    if constexpr (requires { self().device(); }) c.device = self().device();
+    return c;
+  }
+
+  /// The opt-in cross-rank call check: every rank shares the call's fingerprint through the backend's own
+  /// all_gather (not counted in the statistics but in comm_stats::call_checks) and compares.
+  void verify(const call_info& c) {
+    if constexpr (Derived::duties.call_check) {
+      if (!self().front().call_check) return;
+      const call_fingerprint mine = fingerprint(c);
+      std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(self().size()));
+      call_info exchange = c;
+      exchange.kind = collective::all_gather;
+      exchange.name = "all_gather of the call check before";
+      exchange.op.reset();
+      const raw_tensor in = as_raw(std::span<const std::int64_t>(mine)), out = as_raw(std::span<std::int64_t>(all));
+      exchange.type = in.type;
+      exchange.count = in.size;
+      self().launch_all_gather(exchange, in, out).wait();
+      self().front().stats.add_call_check();
+      compare_calls(c, all, self().rank());
+    }
+  }
+
+  /// The operator to launch: avg becomes sum when the front end averages for the backend, and `target` (the
+  /// output this rank divides; empty where none) goes into the call.
+  reduce_op average(call_info& c, reduce_op op, const raw_tensor& target) const noexcept {
+    if constexpr (Derived::duties.average) {
+      if (op != reduce_op::avg) return op;
+      c.average = target;
+      return reduce_op::sum;
+    } else {
+      return op;
+    }
+  }
+
+  work counted(const call_info& c, std::uint64_t bytes_sent, work w) {
+    if constexpr (Derived::duties.stats) {
+      self().front().stats.add_call(c.kind);
+      self().front().stats.add_bytes(c.kind, bytes_sent);
+    }
+    return w;
+  }
+
+  /// (N-1)/N of `bytes`, times `factor`: what leaves a rank in a reduce-scatter (1) or all-reduce (2).
+  [[nodiscard]] std::uint64_t share(std::size_t bytes, std::uint64_t factor) const noexcept {
+    const auto n = static_cast<std::uint64_t>(self().size());
+    return factor * static_cast<std::uint64_t>(bytes) * (n - 1) / n;
+  }
+
+  void same_type(const call_info& c, const raw_tensor& a, const raw_tensor& b) const {
+    if (auto problem = dtype_problem(a, b); !problem.empty()) fail(c, problem);
+  }
+
+  /// `whole` must hold size() blocks of `block` elements.
+  void blocks(const call_info& c, std::size_t whole, std::size_t block, const char* whole_name,
+              const char* block_name) const {
+    if (auto problem = blocks_problem(whole, block, self().size(), whole_name, block_name); !problem.empty())
+      fail(c, problem);
+  }
+
+  void check_rank(const call_info& c, int r, const char* what) const {
+    if (auto problem = rank_problem(r, self().size(), what); !problem.empty()) fail(c, problem);
+  }
+
+  void check_peer(const call_info& c) const {
+    check_rank(c, c.peer, "peer");
+    if (c.tag < 0 || c.tag > self().max_tag())
+      fail(c, "tag " + std::to_string(c.tag) + " is outside 0.." + std::to_string(self().max_tag()) +
+                  "; pass a tag in that range");
+  }
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/front_end.hpp>
 // ---- begin <ddp/comm/tcp/algorithms.hpp>
 /// \file The collective algorithms of the TCP backend, run by the progress engine one call at a time.
 /// Small payloads take latency-optimal direct exchanges (one round); large ones take bandwidth-optimal
@@ -3041,6 +3411,32 @@ inline void engine::channel_run(call& c) {
 /// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
 
 
+// ---- begin <ddp/comm/average.hpp>
+/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
+/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float).
+
+
+
+namespace ddp::detail {
+
+/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
+inline void divide(const raw_tensor& t, int n) {
+  if (n == 1) return;
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_integral_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
+    } else {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    }
+  });
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/average.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3060,7 +3456,7 @@ void combine(T* dst, const T* a, const T* b, std::size_t n, F f) {
   }
 }
 
-/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg divides at the end.
+/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg_bytes divides at the end.
 template <class T>
 void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
   using A = accumulate_t<T>;
@@ -3073,20 +3469,6 @@ void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
   }
 }
 
-/// Divides n elements by `ranks` in place when op is avg (integers divide truncating).
-template <class T>
-void finish_avg(T* data, std::size_t n, reduce_op op, int ranks) {
-  if (op != reduce_op::avg || ranks == 1) return;
-  using A = accumulate_t<T>;
-  if constexpr (std::is_floating_point_v<A>) {
-    const A scale = A(1) / static_cast<A>(ranks);
-    for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<A>(data[i]) * scale);
-  } else {
-    const A d = static_cast<A>(ranks);
-    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<T>(data[i] / d);
-  }
-}
-
 /// Runtime-dtype dispatch of reduce_into over raw bytes.
 inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::size_t n, reduce_op op) {
   visit_dtype(t, [&](auto tag) {
@@ -3095,12 +3477,9 @@ inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::
   });
 }
 
-/// Runtime-dtype dispatch of finish_avg over raw bytes.
+/// Finishes avg on n elements: their sum divided by `ranks` as every backend averaging on the host does.
 inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, int ranks) {
-  visit_dtype(t, [&](auto tag) {
-    using T = decltype(tag);
-    finish_avg(static_cast<T*>(data), n, op, ranks);
-  });
+  if (op == reduce_op::avg) ddp::detail::divide(raw_tensor{data, n, t}, ranks);
 }
 
 }  // namespace ddp::tcp::detail
@@ -3758,7 +4137,7 @@ inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
-class communicator : public ddp::detail::object_collectives<communicator> {
+class communicator : public ddp::detail::collective_front<communicator> {
  public:
   /// Joins the job `cfg` describes: rendezvous at master_addr:master_port, then the full mesh.
   explicit communicator(const config& cfg) {
@@ -3827,123 +4206,75 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return communicator(engine_, std::move(child));
   }
 
-  /// Reduces `buf` across the group in place.
-  template <tensor T>
-  work all_reduce(T&& buf, reduce_op op = reduce_op::sum) {
-    const raw_tensor b = host(as_raw(buf), "all_reduce");
-    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
-  }
-  /// `in` holds size()*k elements; block r of the reduction lands in rank r's `out` (k elements).
-  template <tensor In, tensor Out>
-  work reduce_scatter(const In& in, Out&& out, reduce_op op = reduce_op::sum) {
-    const raw_tensor i = host(as_raw(in), "reduce_scatter"), o = host(as_raw(out), "reduce_scatter");
-    same_type(i, o, "reduce_scatter");
-    if (i.size != o.size * static_cast<std::size_t>(size()))
-      throw error("reduce_scatter needs an input of size() * output elements; got " + std::to_string(i.size) +
-                      " in and " + std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
-                  world_rank());
-    return start(collective::reduce_scatter, o.type, op, -1, o.size, i.data, o.data);
-  }
-  /// Each rank's `in` (k elements) lands in block r of every rank's `out` (size()*k elements).
-  template <tensor In, tensor Out>
-  work all_gather(const In& in, Out&& out) {
-    const raw_tensor i = host(as_raw(in), "all_gather"), o = host(as_raw(out), "all_gather");
-    same_type(i, o, "all_gather");
-    if (o.size != i.size * static_cast<std::size_t>(size()))
-      throw error("all_gather needs an output of size() * input elements; got " + std::to_string(i.size) + " in and " +
-                      std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
-                  world_rank());
-    return start(collective::all_gather, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
-  }
-  /// Copies root's `buf` to every rank.
-  template <tensor T>
-  work broadcast(T&& buf, int root = 0) {
-    const raw_tensor b = host(as_raw(buf), "broadcast");
-    check_rank(root, "broadcast root");
-    return start(collective::broadcast, b.type, reduce_op::sum, root, b.size, nullptr, b.data);
-  }
-  /// Reduces every rank's `buf` into root's `buf`; the other ranks' buffers are left unchanged.
-  template <tensor T>
-  work reduce(T&& buf, reduce_op op = reduce_op::sum, int root = 0) {
-    const raw_tensor b = host(as_raw(buf), "reduce");
-    check_rank(root, "reduce root");
-    return start(collective::reduce, b.type, op, root, b.size, nullptr, b.data);
-  }
-  /// Each rank's `in` (k elements) lands in block r of root's `out` (size()*k elements; unused elsewhere).
-  template <tensor In, tensor Out>
-  work gather(const In& in, Out&& out, int root = 0) {
-    const raw_tensor i = host(as_raw(in), "gather"), o = as_raw(out);
-    check_rank(root, "gather root");
-    if (rank() == root) {
-      same_type(i, host(o, "gather"), "gather");
-      if (o.size != i.size * static_cast<std::size_t>(size()))
-        throw error("gather needs an output of size() * input elements on the root; got " + std::to_string(i.size) +
-                        " in and " + std::to_string(o.size) + " out",
-                    world_rank());
-    }
-    return start(collective::gather, i.type, reduce_op::sum, root, i.size, i.data, o.data);
-  }
-  /// Block r of root's `in` (size()*k elements; unused elsewhere) lands in rank r's `out` (k elements).
-  template <tensor In, tensor Out>
-  work scatter(const In& in, Out&& out, int root = 0) {
-    const raw_tensor i = as_raw(in), o = host(as_raw(out), "scatter");
-    check_rank(root, "scatter root");
-    if (rank() == root) {
-      same_type(host(i, "scatter"), o, "scatter");
-      if (i.size != o.size * static_cast<std::size_t>(size()))
-        throw error("scatter needs an input of size() * output elements on the root; got " + std::to_string(i.size) +
-                        " in and " + std::to_string(o.size) + " out",
-                    world_rank());
-    }
-    return start(collective::scatter, o.type, reduce_op::sum, root, o.size, i.data, o.data);
-  }
-  /// Block p of `in` goes to rank p; block p of `out` comes from rank p (both size()*k elements).
-  template <tensor In, tensor Out>
-  work all_to_all(const In& in, Out&& out) {
-    const raw_tensor i = host(as_raw(in), "all_to_all"), o = host(as_raw(out), "all_to_all");
-    same_type(i, o, "all_to_all");
-    if (i.size != o.size || i.size % static_cast<std::size_t>(size()) != 0)
-      throw error("all_to_all needs input and output of the same size, a multiple of size(); got " +
-                      std::to_string(i.size) + " and " + std::to_string(o.size),
-                  world_rank());
-    return start(collective::all_to_all, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
-  }
-  /// Completes once every rank of the group has called it.
-  work barrier() { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
-  /// Sends `in` to rank `peer`; completes once written to the socket. Matched by peer's recv with the same tag.
-  template <tensor In>
-  work send(const In& in, int peer, int tag = 0) {
-    const raw_tensor i = host(as_raw(in), "send");
-    check_rank(peer, "send peer");
-    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag);
-  }
-  /// Receives into `out` what rank `peer` sends with the same tag (same count and dtype).
-  template <tensor Out>
-  work recv(Out&& out, int peer, int tag = 0) {
-    const raw_tensor o = host(as_raw(out), "recv");
-    check_rank(peer, "recv peer");
-    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag);
-  }
-
  private:
   communicator(std::shared_ptr<detail::engine> e, std::shared_ptr<detail::group> g)
       : engine_(std::move(e)), group_(std::move(g)) {}
 
   [[nodiscard]] int world_rank() const { return engine_->rank(); }
 
-  raw_tensor host(raw_tensor t, const char* op) const {
+  friend class ddp::detail::collective_front<communicator>;
+  using call = ddp::detail::call_info;
+
+  /// The front end checks the arguments; the engine numbers, counts and averages the operations and checks every
+  /// frame's header (operation, dtype, count, root, sequence) against the call, so no call check is exchanged.
+  static constexpr ddp::detail::front_duties duties{
+      .group = "a TCP group", .sequence = false, .stats = false, .average = false, .call_check = false};
+  [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+
+  /// ddp::tcp moves host memory only.
+  void host(const raw_tensor& t, const call& c) const {
     if (t.where.is_cuda())
-      throw error(std::string(op) + " got a buffer on " + t.where.to_string() +
-                      ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers",
-                  world_rank());
-    return t;
+      fail(c, "the buffer is on " + t.where.to_string() +
+                  ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
   }
-  void same_type(const raw_tensor& a, const raw_tensor& b, const char* op) const {
-    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty())
-      throw error(std::string(op) + ": " + problem, world_rank());
+
+  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    host(b, c);
+    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  void check_rank(int r, const char* what) const {
-    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) throw error(problem, world_rank());
+  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+    host(in, c);
+    host(out, c);
+    return start(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
+  }
+  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    host(out, c);
+    return start(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+  }
+  work launch_broadcast(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
+  }
+  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    host(b, c);
+    return start(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
+  }
+  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    if (rank() == c.peer) host(out, c);
+    return start(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
+  }
+  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(out, c);
+    if (rank() == c.peer) host(in, c);
+    return start(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
+  }
+  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    host(out, c);
+    return start(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+  }
+  work launch_barrier(const call&) { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
+  /// Completes once written to the socket.
+  work launch_send(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag);
+  }
+  /// The send must have the same count and dtype.
+  work launch_recv(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag);
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
@@ -7917,6 +8248,8 @@ inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, c
 /// completes faster, and return a completed ddp::work. Barrier, send and recv are always non-blocking.
 ///
 /// Conventions:
+/// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation and,
+///   with DDP_CHECK_COLLECTIVES=1, compares each collective across the ranks first; this file only launches.
 /// - avg is an MPI sum followed by a division by size() on this rank once the operation completes;
 ///   integer dtypes use integer division (truncation toward zero), bf16/f16 divide in float.
 /// - bf16 and f16 travel as user-defined 2-byte MPI datatypes; their sum/min/max/prod operators compute in
@@ -7928,6 +8261,18 @@ inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, c
 /// - Device (CUDA) buffers go straight to MPI when it is CUDA-aware (MPIX_Query_cuda_support(), checked at run
 ///   time) for every operation except avg and bf16/f16 reductions, which compute on the host; otherwise a device
 ///   buffer raises ddp::error (host staging comes with the CUDA backend).
+
+// ---- begin <ddp/comm/mpi/request.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_REQUEST_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_MPI_REQUEST_HPP
+/// \file One in-flight operation of ddp::mpi::communicator: an MPI request polled with MPI_Test, finishing avg on
+/// completion.
+
+// ---- begin <ddp/comm/mpi/group.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_GROUP_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_MPI_GROUP_HPP
+/// \file The MPI side of ddp::mpi::communicator: its settings, MPI's initialization, error handlers of borrowed
+/// communicators, and the group state every copy of a communicator shares.
 
 // ---- begin <ddp/comm/mpi/datatypes.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_DATATYPES_HPP
@@ -8047,27 +8392,12 @@ inline MPI_Op reduction(reduce_op op, dtype t) {
 // ---- end <ddp/comm/mpi/datatypes.hpp>
 
 #include <mpi.h>
-#if __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>
-#endif
 
-#include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <climits>
 #include <cstddef>
-#include <cstdint>
 #include <cstdlib>
-#include <exception>
 #include <map>
-#include <memory>
 #include <mutex>
-#include <optional>
-#include <string>
-#include <thread>
-#include <type_traits>
-#include <utility>
-#include <vector>
 
 
 namespace ddp::mpi {
@@ -8167,7 +8497,7 @@ class borrowed_error_handlers {
   }
 };
 
-/// The state every copy of a communicator shares: the MPI_Comm, its settings and its counters.
+/// The state every copy of a communicator shares: the MPI_Comm, its settings and the front end's state.
 struct group {
   group(MPI_Comm c, bool own, config settings) : comm(c), owned(own), cfg(settings) {
     check(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank", -1);
@@ -8193,59 +8523,35 @@ struct group {
   int rank = 0;
   int size = 1;
   int max_tag = 32767;  // the MPI standard's guaranteed minimum of MPI_TAG_UB
-  ddp::detail::stats_counter stats;
-  std::atomic<std::uint64_t> sequence{0};
+  ddp::detail::front_state front;  ///< statistics, sequence numbers and the call check of the collective front end
 };
 
-/// What an operation is, for messages: "all_reduce(sum) of 1024 f32 in an MPI group of 4 (sequence 17)".
-struct op_info {
-  collective kind = collective::barrier;
-  const char* name = "barrier";
-  std::optional<reduce_op> op;
-  dtype type = dtype::u8;
-  std::size_t count = 0;
-  int peer = -1;  ///< root, or the other rank of a send/recv
-  int tag = -1;
-  std::uint64_t sequence = 0;
-  int group_size = 1;
-  bool receive = false;  ///< a recv (cancelled when dropped incomplete)
-};
+}  // namespace detail
+}  // namespace ddp::mpi
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_GROUP_HPP
+// ---- end <ddp/comm/mpi/group.hpp>
 
-/// The phrase naming an operation in messages.
-inline std::string describe(const op_info& info) {
-  std::string s = info.name;
-  if (info.op) s += "(" + std::string(to_string(*info.op)) + ")";
-  if (info.kind != collective::barrier)
-    s += " of " + std::to_string(info.count) + " " + std::string(to_string(info.type));
-  if (info.kind == collective::send_recv)
-    s += (info.receive ? " from rank " : " to rank ") + std::to_string(info.peer) + " tag " + std::to_string(info.tag);
-  else if (info.peer >= 0)
-    s += " rooted at rank " + std::to_string(info.peer);
-  return s + " in an MPI group of " + std::to_string(info.group_size) + " (sequence " + std::to_string(info.sequence) +
-         ")";
-}
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+
+namespace ddp::mpi::detail {
 
 /// One operation from its call to its completion: what it is, and what must happen or stay alive until then.
 struct operation {
-  op_info info;
-  raw_tensor average;              ///< avg: divided by the group size on completion (empty otherwise)
+  ddp::detail::call_info info;     ///< what it is; info.average is divided by the group size on completion
   std::vector<std::byte> scratch;  ///< a copy of an input that overlaps the output, alive until done
 };
-
-/// Divides every element of `t` by `n`: integers truncate toward zero, bf16/f16 divide in float.
-inline void divide(const raw_tensor& t, int n) {
-  visit_dtype(t.type, [&](auto zero) {
-    using T = decltype(zero);
-    auto* p = static_cast<T*>(t.data);
-    if constexpr (std::is_integral_v<T>) {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-    } else if constexpr (std::is_floating_point_v<T>) {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
-    } else {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-    }
-  });
-}
 
 /// One in-flight MPI request; polled with MPI_Test.
 class request_state final : public ddp::detail::work_state {
@@ -8258,7 +8564,7 @@ class request_state final : public ddp::detail::work_state {
   /// MPI cannot cancel collectives (past the timeout a send's request is freed and a collective's abandoned).
   ~request_state() override {
     if (done_ || request == MPI_REQUEST_NULL || finalized()) return;
-    if (op_.info.receive) {
+    if (op_.info.receive()) {
       MPI_Cancel(&request);
       MPI_Wait(&request, MPI_STATUS_IGNORE);
       return;
@@ -8293,7 +8599,7 @@ class request_state final : public ddp::detail::work_state {
 
   [[nodiscard]] std::chrono::milliseconds timeout() const override { return group_->cfg.timeout; }
   [[nodiscard]] int rank() const override { return group_->rank; }
-  [[nodiscard]] std::string describe() const override { return detail::describe(op_.info); }
+  [[nodiscard]] std::string describe() const override { return ddp::detail::describe(op_.info); }
 
   MPI_Request request = MPI_REQUEST_NULL;  ///< the MPI request to poll
 
@@ -8314,7 +8620,7 @@ class request_state final : public ddp::detail::work_state {
       std::rethrow_exception(error_);
     }
     if (flag == 0) return false;
-    if (op_.average.size != 0) divide(op_.average, op_.info.group_size);
+    if (op_.info.average.size != 0) ddp::detail::divide(op_.info.average, op_.info.group_size);
     op_.scratch = {};
     done_ = true;
     return true;
@@ -8327,12 +8633,30 @@ class request_state final : public ddp::detail::work_state {
   std::exception_ptr error_;
 };
 
-}  // namespace detail
+}  // namespace ddp::mpi::detail
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_REQUEST_HPP
+// ---- end <ddp/comm/mpi/request.hpp>
+
+#include <mpi.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>
+#endif
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+
+namespace ddp::mpi {
 
 /// A group of MPI processes modelling ddp::communicator. Copies share the group; the last copy frees an
 /// MPI_Comm this library created (split); an MPI_Comm it was given returns errors while any communicator wraps it,
 /// and gets its own error handler back after the last one.
-class communicator : public ddp::detail::object_collectives<communicator> {
+class communicator : public ddp::detail::collective_front<communicator> {
  public:
   /// MPI_COMM_WORLD, initializing MPI (MPI_THREAD_MULTIPLE) on first use and finalizing it at exit.
   static communicator world(int& argc, char**& argv, config settings = {}) {
@@ -8358,7 +8682,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   /// The settings this group runs with.
   [[nodiscard]] const config& settings() const noexcept { return group_->cfg; }
   /// Bytes sent and operations started so far (see the file comment for the byte accounting).
-  [[nodiscard]] comm_stats stats() const noexcept { return group_->stats.snapshot(); }
+  [[nodiscard]] comm_stats stats() const noexcept { return group_->front.stats.snapshot(); }
 
   /// True when the MPI library reports CUDA support at run time (MPIX_Query_cuda_support).
   [[nodiscard]] static bool cuda_aware() noexcept {
@@ -8380,211 +8704,146 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return communicator(std::make_shared<detail::group>(out, true, group_->cfg));
   }
 
-  /// Reduces `buffer` in place across the group.
-  template <tensor T>
-  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
-    const raw_tensor b = as_raw(buffer);
-    auto o = start(collective::all_reduce, "all_reduce", op, b, -1);
-    device_check(o, b, op);
-    if (op == reduce_op::avg) o.average = b;
-    const int n = count_of(o, b.size);
-    return launch(std::move(o), share(b.bytes(), 2), b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data,
-                  n, detail::datatype(b.type), detail::reduction(op, b.type), group_->comm);
-  }
-
-  /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
-  template <tensor In, tensor Out>
-  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    auto o = start(collective::reduce_scatter, "reduce_scatter", op, out, -1);
-    same_type(o, in, out);
-    blocks(o, in.size, out.size, "input", "output");
-    device_check(o, in, op);
-    device_check(o, out, op);
-    if (op == reduce_op::avg) o.average = out;
-    const void* src = unaliased(o, in, out);
-    const int n = count_of(o, out.size);
-    return launch(std::move(o), share(in.bytes(), 1), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block,
-                  src, out.data, n, detail::datatype(out.type), detail::reduction(op, out.type), group_->comm);
-  }
-
-  /// Gathers k elements from every rank into N·k elements, rank r's at block r.
-  template <tensor In, tensor Out>
-  work all_gather(In&& input, Out&& output) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    auto o = start(collective::all_gather, "all_gather", std::nullopt, in, -1);
-    same_type(o, in, out);
-    blocks(o, out.size, in.size, "output", "input");
-    device_check(o, in, std::nullopt);
-    device_check(o, out, std::nullopt);
-    const void* src = unaliased(o, in, out);
-    const int n = count_of(o, in.size);
-    const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), static_cast<std::uint64_t>(size() - 1) * in.bytes(), out.bytes(), MPI_Allgather,
-                  MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
-  }
-
-  /// Copies root's `buffer` to every rank.
-  template <tensor T>
-  work broadcast(T&& buffer, int root = 0) {
-    const raw_tensor b = as_raw(buffer);
-    auto o = start(collective::broadcast, "broadcast", std::nullopt, b, root);
-    check_rank(o, root, "root");
-    device_check(o, b, std::nullopt);
-    const int n = count_of(o, b.size);
-    const std::uint64_t sent = rank() == root && size() > 1 ? b.bytes() : 0;
-    return launch(std::move(o), sent, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), root,
-                  group_->comm);
-  }
-
-  /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
-  template <tensor T>
-  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
-    const raw_tensor b = as_raw(buffer);
-    auto o = start(collective::reduce, "reduce", op, b, root);
-    check_rank(o, root, "root");
-    device_check(o, b, op);
-    const bool at_root = rank() == root;
-    if (op == reduce_op::avg && at_root) o.average = b;
-    const int n = count_of(o, b.size);
-    return launch(std::move(o), at_root ? 0 : b.bytes(), b.bytes(), MPI_Reduce, MPI_Ireduce,
-                  at_root ? MPI_IN_PLACE : b.data, at_root ? b.data : nullptr, n, detail::datatype(b.type),
-                  detail::reduction(op, b.type), root, group_->comm);
-  }
-
-  /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
-  template <tensor In, tensor Out>
-  work gather(In&& input, Out&& output, int root = 0) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    auto o = start(collective::gather, "gather", std::nullopt, in, root);
-    check_rank(o, root, "root");
-    const bool at_root = rank() == root;
-    device_check(o, in, std::nullopt);
-    const void* src = in.data;
-    if (at_root) {
-      same_type(o, in, out);
-      blocks(o, out.size, in.size, "output", "input");
-      device_check(o, out, std::nullopt);
-      src = unaliased(o, in, out);
-    }
-    const int n = count_of(o, in.size);
-    const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), at_root ? 0 : in.bytes(), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t,
-                  at_root ? out.data : nullptr, n, t, root, group_->comm);
-  }
-
-  /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
-  template <tensor In, tensor Out>
-  work scatter(In&& input, Out&& output, int root = 0) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    auto o = start(collective::scatter, "scatter", std::nullopt, out, root);
-    check_rank(o, root, "root");
-    const bool at_root = rank() == root;
-    device_check(o, out, std::nullopt);
-    const void* src = nullptr;
-    if (at_root) {
-      same_type(o, in, out);
-      blocks(o, in.size, out.size, "input", "output");
-      device_check(o, in, std::nullopt);
-      src = unaliased(o, in, out);
-    }
-    const int n = count_of(o, out.size);
-    const MPI_Datatype t = detail::datatype(out.type);
-    return launch(std::move(o), at_root ? share(in.bytes(), 1) : 0, group_bytes(out), MPI_Scatter, MPI_Iscatter, src,
-                  n, t, out.data, n, t, root, group_->comm);
-  }
-
-  /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
-  template <tensor In, tensor Out>
-  work all_to_all(In&& input, Out&& output) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    auto o = start(collective::all_to_all, "all_to_all", std::nullopt, in, -1);
-    same_type(o, in, out);
-    if (in.size != out.size || in.size % static_cast<std::size_t>(size()) != 0)
-      fail(o, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
-                  "; both must hold the same multiple of size()=" + std::to_string(size()));
-    device_check(o, in, std::nullopt);
-    device_check(o, out, std::nullopt);
-    const void* src = unaliased(o, in, out);
-    const int n = count_of(o, in.size / static_cast<std::size_t>(size()));
-    const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), share(in.bytes(), 1), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n,
-                  t, group_->comm);
-  }
-
-  /// Completes once every rank of the group has entered the barrier; always non-blocking, so it can time out.
-  work barrier() {
-    auto o = start(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
-    return post(std::move(o), 0, MPI_Ibarrier, group_->comm);
-  }
-
-  /// Sends `buffer` to rank `peer`; matched by the recv on `peer` with the same tag (0 ≤ tag ≤ MPI_TAG_UB).
-  template <tensor T>
-  work send(T&& buffer, int peer, int tag = 0) {
-    const raw_tensor b = as_raw(buffer);
-    auto o = start(collective::send_recv, "send", std::nullopt, b, peer, tag);
-    point_to_point_check(o, b, peer, tag);
-    const int n = count_of(o, b.size);
-    return post(std::move(o), b.bytes(), MPI_Isend, b.data, n, detail::datatype(b.type), peer, tag, group_->comm);
-  }
-
-  /// Receives into `buffer` what rank `peer` sends with `tag`; a bigger message is an error (MPI_ERR_TRUNCATE).
-  template <tensor T>
-  work recv(T&& buffer, int peer, int tag = 0) {
-    const raw_tensor b = as_raw(buffer);
-    auto o = start(collective::send_recv, "recv", std::nullopt, b, peer, tag);
-    o.info.receive = true;
-    point_to_point_check(o, b, peer, tag);
-    const int n = count_of(o, b.size);
-    return post(std::move(o), 0, MPI_Irecv, b.data, n, detail::datatype(b.type), peer, tag, group_->comm);
-  }
-
   /// True when a collective on `bytes` runs MPI's blocking call and completes on launch (config::eager_bytes).
   /// `bytes` is the buffer of all_reduce, broadcast and reduce, and the N·k-element side of reduce_scatter,
   /// all_gather, gather, scatter and all_to_all: the same on every rank, so every rank makes the same choice.
   [[nodiscard]] bool eager(std::size_t bytes) const noexcept { return bytes <= group_->cfg.eager_bytes; }
 
+  /// The largest tag send and recv accept (MPI_TAG_UB of this MPI).
+  [[nodiscard]] int max_tag() const noexcept { return group_->max_tag; }
+
  private:
+  friend class ddp::detail::collective_front<communicator>;
+  using call = ddp::detail::call_info;
+
+  /// The front end does every duty for MPI: sequence, statistics, avg (divided here on completion), call check.
+  static constexpr ddp::detail::front_duties duties{.group = "an MPI group"};
+
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
-  detail::operation start(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& b,
-                          int peer, int tag = -1) {
-    return {detail::op_info{kind, name, op, b.type, b.size, peer, tag,
-                            group_->sequence.fetch_add(1, std::memory_order_relaxed), group_->size},
-            {}, {}};
+  [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+
+  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    device_check(c, b);
+    const int n = count_of(c, b.size);
+    return launch({c, {}}, b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, n, detail::datatype(b.type),
+                  detail::reduction(op, b.type), group_->comm);
+  }
+
+  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+    device_check(c, in);
+    device_check(c, out);
+    detail::operation o{c, {}};
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(c, out.size);
+    return launch(std::move(o), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, out.data, n,
+                  detail::datatype(out.type), detail::reduction(op, out.type), group_->comm);
+  }
+
+  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    device_check(c, in);
+    device_check(c, out);
+    detail::operation o{c, {}};
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(c, in.size);
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), out.bytes(), MPI_Allgather, MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
+  }
+
+  work launch_broadcast(const call& c, const raw_tensor& b) {
+    device_check(c, b);
+    const int n = count_of(c, b.size);
+    return launch({c, {}}, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), c.peer, group_->comm);
+  }
+
+  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    device_check(c, b);
+    const bool at_root = rank() == c.peer;
+    const int n = count_of(c, b.size);
+    return launch({c, {}}, b.bytes(), MPI_Reduce, MPI_Ireduce, at_root ? MPI_IN_PLACE : b.data,
+                  at_root ? b.data : nullptr, n, detail::datatype(b.type), detail::reduction(op, b.type), c.peer,
+                  group_->comm);
+  }
+
+  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    const bool at_root = rank() == c.peer;
+    device_check(c, in);
+    detail::operation o{c, {}};
+    const void* src = in.data;
+    if (at_root) {
+      device_check(c, out);
+      src = unaliased(o, in, out);
+    }
+    const int n = count_of(c, in.size);
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t, at_root ? out.data : nullptr, n,
+                  t, c.peer, group_->comm);
+  }
+
+  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    const bool at_root = rank() == c.peer;
+    device_check(c, out);
+    detail::operation o{c, {}};
+    const void* src = nullptr;
+    if (at_root) {
+      device_check(c, in);
+      src = unaliased(o, in, out);
+    }
+    const int n = count_of(c, out.size);
+    const MPI_Datatype t = detail::datatype(out.type);
+    return launch(std::move(o), group_bytes(out), MPI_Scatter, MPI_Iscatter, src, n, t, out.data, n, t, c.peer,
+                  group_->comm);
+  }
+
+  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    device_check(c, in);
+    device_check(c, out);
+    detail::operation o{c, {}};
+    const void* src = unaliased(o, in, out);
+    const int n = count_of(c, in.size / static_cast<std::size_t>(size()));
+    const MPI_Datatype t = detail::datatype(in.type);
+    return launch(std::move(o), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n, t, group_->comm);
+  }
+
+  /// Always non-blocking, so it can time out.
+  work launch_barrier(const call& c) { return post({c, {}}, MPI_Ibarrier, group_->comm); }
+
+  work launch_send(const call& c, const raw_tensor& b) {
+    device_check(c, b);
+    const int n = count_of(c, b.size);
+    return post({c, {}}, MPI_Isend, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
+  }
+
+  /// A bigger message than `b` is an error (MPI_ERR_TRUNCATE).
+  work launch_recv(const call& c, const raw_tensor& b) {
+    device_check(c, b);
+    const int n = count_of(c, b.size);
+    return post({c, {}}, MPI_Irecv, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
   }
 
   /// Runs a collective on `bytes` (see eager()): eagerly as `blocking(args...)`, returning a completed work that
   /// carries its error if it failed, or as `nonblocking(args..., &request)` through post().
   template <class Blocking, class Nonblocking, class... Args>
-  work launch(detail::operation&& o, std::uint64_t bytes_sent, std::size_t bytes, Blocking blocking,
-              Nonblocking nonblocking, const Args&... args) {
-    if (!eager(bytes)) return post(std::move(o), bytes_sent, nonblocking, args...);
-    count(o.info.kind, bytes_sent);
+  work launch(detail::operation&& o, std::size_t bytes, Blocking blocking, Nonblocking nonblocking,
+              const Args&... args) {
+    if (!eager(bytes)) return post(std::move(o), nonblocking, args...);
     if (const int code = blocking(args...); code != MPI_SUCCESS) return failed(o.info, code);
-    if (o.average.size != 0) detail::divide(o.average, size());
+    if (o.info.average.size != 0) ddp::detail::divide(o.info.average, size());
     return work();
   }
 
-  /// Posts the non-blocking MPI call `nonblocking(args..., &request)`, counts it and wraps the request into a work.
+  /// Posts the non-blocking MPI call `nonblocking(args..., &request)` and wraps the request into a work.
   template <class Nonblocking, class... Args>
-  work post(detail::operation&& o, std::uint64_t bytes_sent, Nonblocking nonblocking, const Args&... args) {
-    const collective kind = o.info.kind;
+  work post(detail::operation&& o, Nonblocking nonblocking, const Args&... args) {
     auto s = std::make_shared<detail::request_state>(group_, std::move(o));
     if (const int code = nonblocking(args..., &s->request); code != MPI_SUCCESS)
       detail::check(code, s->describe(), rank());
-    count(kind, bytes_sent);
     return work(std::move(s));
   }
 
-  void count(collective kind, std::uint64_t bytes_sent) noexcept {
-    group_->stats.add_call(kind);
-    group_->stats.add_bytes(kind, bytes_sent);
-  }
-
   /// A completed work that raises the ddp::mpi_error of an eager call that returned `code`.
-  [[nodiscard]] work failed(const detail::op_info& info, int code) const {
-    const std::string what = detail::describe(info);
+  [[nodiscard]] work failed(const call& info, int code) const {
+    const std::string what = ddp::detail::describe(info);
     auto state = std::make_shared<ddp::detail::completion>(rank(), group_->cfg.timeout, what);
     try {
       detail::check(code, what, rank());
@@ -8594,60 +8853,27 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return work(std::move(state));
   }
 
-  /// (N-1)/N of `bytes`, times `factor`: what leaves a rank in a reduce-scatter (1) or all-reduce (2).
-  [[nodiscard]] std::uint64_t share(std::size_t bytes, std::uint64_t factor) const noexcept {
-    const auto n = static_cast<std::uint64_t>(size());
-    return factor * static_cast<std::uint64_t>(bytes) * (n - 1) / n;
-  }
-
   /// N times the bytes of the k-element `block`: the size of a gather or scatter, known on every rank.
   [[nodiscard]] std::size_t group_bytes(const raw_tensor& block) const noexcept {
     return block.bytes() * static_cast<std::size_t>(size());
   }
 
-  [[noreturn]] void fail(const detail::operation& o, const std::string& what) const {
-    throw error(detail::describe(o.info) + ": " + what, rank());
-  }
-
-  int count_of(const detail::operation& o, std::size_t n) const {
+  int count_of(const call& c, std::size_t n) const {
     if (n > static_cast<std::size_t>(INT_MAX))
-      fail(o, "MPI counts elements in an int; split the buffer into pieces of at most " + std::to_string(INT_MAX) +
+      fail(c, "MPI counts elements in an int; split the buffer into pieces of at most " + std::to_string(INT_MAX) +
                   " elements");
     return static_cast<int>(n);
   }
 
-  void same_type(const detail::operation& o, const raw_tensor& a, const raw_tensor& b) const {
-    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(o, problem);
-  }
-
-  /// `whole` must hold size() blocks of `block` elements.
-  void blocks(const detail::operation& o, std::size_t whole, std::size_t block, const char* whole_name,
-              const char* block_name) const {
-    if (auto problem = ddp::detail::blocks_problem(whole, block, size(), whole_name, block_name); !problem.empty())
-      fail(o, problem);
-  }
-
-  void check_rank(const detail::operation& o, int r, const char* what) const {
-    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(o, problem);
-  }
-
-  void point_to_point_check(const detail::operation& o, const raw_tensor& b, int peer, int tag) const {
-    check_rank(o, peer, "peer");
-    if (tag < 0 || tag > group_->max_tag)
-      fail(o, "tag " + std::to_string(tag) + " is outside 0.." + std::to_string(group_->max_tag) +
-                  " (MPI_TAG_UB of this MPI)");
-    device_check(o, b, std::nullopt);
-  }
-
   /// Device memory needs a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
-  void device_check(const detail::operation& o, const raw_tensor& b, std::optional<reduce_op> op) const {
+  void device_check(const call& c, const raw_tensor& b) const {
     if (!b.where.is_cuda()) return;
     if (!cuda_aware())
-      fail(o, "the buffer is on " + b.where.to_string() +
+      fail(c, "the buffer is on " + b.where.to_string() +
                   " but this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0); use a CUDA-aware Open MPI, "
                   "copy the buffer to host memory, or use ddp::nccl for device buffers");
-    if (op && (*op == reduce_op::avg || b.type == dtype::bf16 || b.type == dtype::f16))
-      fail(o, "avg and bf16/f16 reductions are computed on the host and the buffer is on " + b.where.to_string() +
+    if (c.op && (*c.op == reduce_op::avg || b.type == dtype::bf16 || b.type == dtype::f16))
+      fail(c, "avg and bf16/f16 reductions are computed on the host and the buffer is on " + b.where.to_string() +
                   "; reduce with sum in f32/f64 and scale on the device, or use ddp::nccl");
   }
 
@@ -8657,7 +8883,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     const auto* b = static_cast<const std::byte*>(out.data);
     if (in.bytes() == 0 || out.bytes() == 0 || a + in.bytes() <= b || b + out.bytes() <= a) return in.data;
     if (in.where.is_cuda())
-      fail(o, "input and output overlap in device memory; pass separate buffers");
+      fail(o.info, "input and output overlap in device memory; pass separate buffers");
     o.scratch.assign(a, a + in.bytes());
     return o.scratch.data();
   }
@@ -8682,13 +8908,20 @@ struct backend_traits<backend::mpi> {
 #endif
 
 #if defined(DDP_WITH_NCCL)
+// ---- begin <ddp/comm/nccl/from_env.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
+/// \file ddp::nccl::communicator::from_env(): the ncclUniqueId travels from rank 0 over ddp::tcp's rendezvous
+/// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the only NCCL header that includes the TCP backend.
+
 // ---- begin <ddp/comm/nccl/communicator.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 #define DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 /// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
 ///
 /// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
-///   the constructor, or through the TCP store with from_env(). The NCCL communicator is non-blocking, so
+///   the constructor, or through ddp::tcp's rendezvous with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
+///   communicator is non-blocking, so
 ///   initialization, split and every enqueue are bounded by config::timeout.
 /// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
 ///   config::compute_stream (default: the legacy default stream) through an event. ddp::work is backed by an
@@ -8704,26 +8937,24 @@ struct backend_traits<backend::mpi> {
 ///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
 ///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
 ///   posting order: sender and receiver must post matching messages between the same two waits.
-/// - stats() counts bytes as ddp::mpi does (algorithm-independent: all_reduce 2(N-1)/N·B, ...).
+/// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation (bytes
+///   as ddp::mpi counts them: algorithm-independent, all_reduce 2(N-1)/N·B, ...) and, with DDP_CHECK_COLLECTIVES=1,
+///   compares each collective across the ranks first; this file only launches.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include <algorithm>
 #include <array>
-#include <atomic>
-#include <chrono>
+#include <climits>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -8796,6 +9027,28 @@ constexpr ncclRedOp_t reduction(reduce_op op) noexcept {
 }  // namespace ddp::nccl::detail
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_ERROR_HPP
 // ---- end <ddp/comm/nccl/error.hpp>
+// ---- begin <ddp/comm/nccl/group.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_GROUP_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_NCCL_GROUP_HPP
+/// \file The NCCL side of ddp::nccl::communicator: its settings, the records and staging of an operation, and the
+/// group state every copy of a communicator shares (the ncclComm_t, its stream, abort on timeout or error).
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
 // ---- begin <ddp/cuda/buffer.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_BUFFER_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_BUFFER_HPP
@@ -9200,33 +9453,6 @@ struct argument {
   bool written = false;
 };
 
-/// What an operation is, for messages: "all_reduce(sum) of 1024 f32 in an NCCL group of 4 on cuda:0 (sequence 17)".
-struct op_info {
-  collective kind = collective::barrier;
-  const char* name = "barrier";
-  std::optional<reduce_op> op;
-  dtype type = dtype::u8;
-  std::size_t count = 0;
-  int peer = -1;  ///< root, or the other rank of a send/recv
-  int tag = -1;
-  std::uint64_t sequence = 0;
-  int group_size = 1;
-  int device = 0;
-
-  [[nodiscard]] std::string describe() const {
-    std::string s = name;
-    if (op) s += "(" + std::string(to_string(*op)) + ")";
-    if (kind != collective::barrier) s += " of " + std::to_string(count) + " " + std::string(to_string(type));
-    if (kind == collective::send_recv)
-      s += std::string(std::string_view(name) == "recv" ? " from rank " : " to rank ") + std::to_string(peer) +
-           " tag " + std::to_string(tag);
-    else if (peer >= 0)
-      s += " rooted at rank " + std::to_string(peer);
-    return s + " in an NCCL group of " + std::to_string(group_size) + " on cuda:" + std::to_string(device) +
-           " (sequence " + std::to_string(sequence) + ")";
-  }
-};
-
 /// Polls `comm` until a non-blocking call that returned `r` has taken effect; on an error or past `timeout` the
 /// communicator is aborted (`aborted` set) and ddp::nccl_error or ddp::timeout_error is thrown.
 inline void await_ready(ncclComm_t comm, ncclResult_t r, std::string_view what, int rank,
@@ -9266,7 +9492,7 @@ struct p2p_entry {
   std::string what;
 };
 
-/// The state every copy of a communicator shares: the ncclComm_t, its stream, settings, counters and p2p queue.
+/// The state every copy of a communicator shares: the ncclComm_t, its stream, settings, front-end state, p2p queue.
 class group {
  public:
   /// Joins the communicator `id` as `rank` of `size` (collective over the ranks holding `id`).
@@ -9379,9 +9605,35 @@ class group {
   cuda::event ready;                    ///< the compute stream's work before a collective (reused)
   std::vector<p2p_entry> queue;         ///< sends and recvs waiting for the next flush
   std::optional<cuda::device_buffer<std::int32_t>> barrier_word;
-  ddp::detail::stats_counter stats;
-  std::atomic<std::uint64_t> sequence{0};
+  ddp::detail::front_state front;       ///< statistics, sequence numbers and the call check of the front end
 };
+
+}  // namespace detail
+}  // namespace ddp::nccl
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_GROUP_HPP
+// ---- end <ddp/comm/nccl/group.hpp>
+// ---- begin <ddp/comm/nccl/operation.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
+#define DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
+/// \file One operation of ddp::nccl::communicator after its launch: staging host buffers in and out, the queued
+/// send/recv launched as one NCCL group, and the work state polled until the completion event fires.
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+
+namespace ddp::nccl::detail {
 
 /// Copies each staged host argument into a device scratch (stream-ordered) and fills `rec.pointers`.
 inline void stage_in(group& g, record& rec) {
@@ -9447,7 +9699,7 @@ inline void flush_locked(group& g) {
 /// One operation's completion: its event, its host copy-back, the communicator's health and the timeout.
 class op_state final : public ddp::detail::work_state {
  public:
-  op_state(std::shared_ptr<group> g, op_info info, std::shared_ptr<record> rec)
+  op_state(std::shared_ptr<group> g, ddp::detail::call_info info, std::shared_ptr<record> rec)
       : group_(std::move(g)), info_(info), rec_(std::move(rec)), started_(clock::now()) {}
 
   bool test() override {
@@ -9476,7 +9728,7 @@ class op_state final : public ddp::detail::work_state {
 
   [[nodiscard]] std::chrono::milliseconds timeout() const override { return group_->cfg.timeout; }
   [[nodiscard]] int rank() const override { return group_->rank; }
-  [[nodiscard]] std::string describe() const override { return info_.describe(); }
+  [[nodiscard]] std::string describe() const override { return ddp::detail::describe(info_); }
 
  private:
   /// One look at the operation; the caller holds mutex_.
@@ -9514,7 +9766,7 @@ class op_state final : public ddp::detail::work_state {
   }
 
   std::shared_ptr<group> group_;
-  op_info info_;
+  ddp::detail::call_info info_;
   std::shared_ptr<record> rec_;
   clock::time_point started_;
   std::mutex mutex_;
@@ -9522,11 +9774,20 @@ class op_state final : public ddp::detail::work_state {
   std::exception_ptr error_;
 };
 
+}  // namespace ddp::nccl::detail
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
+// ---- end <ddp/comm/nccl/operation.hpp>
+
+namespace ddp::nccl {
+
+namespace detail {
+/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp.
+struct env_rendezvous;
 }  // namespace detail
 
 /// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
 /// copy finalizes and destroys the NCCL communicator.
-class communicator : public ddp::detail::object_collectives<communicator> {
+class communicator : public ddp::detail::collective_front<communicator> {
  public:
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
@@ -9544,12 +9805,15 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
-  /// ddp-launch set them): the id travels over ddp::tcp's store; the device is config::device, else LOCAL_RANK
-  /// modulo the number of visible devices.
+  /// ddp-launch set them): the id travels over ddp::tcp's rendezvous; the device is config::device, else LOCAL_RANK
+  /// modulo the number of visible devices. Defined in <ddp/comm/nccl/from_env.hpp>, which brings ddp::tcp along.
+  template <class Rendezvous = detail::env_rendezvous>
   static communicator from_env(config settings = {}) {
-    if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
-    auto bootstrap = tcp::communicator::from_env();
-    return communicator(bootstrap, settings);
+    static_assert(requires { sizeof(Rendezvous); },
+                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
+                  "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
+                  "constructor.");
+    return Rendezvous::join(settings);
   }
 
   /// This rank in the group.
@@ -9565,7 +9829,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   /// The settings this group runs with.
   [[nodiscard]] const config& settings() const noexcept { return group_->cfg; }
   /// Bytes sent and operations started so far.
-  [[nodiscard]] comm_stats stats() const noexcept { return group_->stats.snapshot(); }
+  [[nodiscard]] comm_stats stats() const noexcept { return group_->front.stats.snapshot(); }
 
   /// Orders later operations (of every copy of this group) after the work queued on `s`.
   void set_compute_stream(cudaStream_t s) {
@@ -9594,89 +9858,70 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return communicator(std::make_shared<detail::group>(out, group_->cfg, group_->device, group_->rank));
   }
 
-  /// Reduces `buffer` in place across the group.
-  template <tensor T>
-  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
-    const raw_tensor b = as_raw(buffer);
-    const auto info = start(collective::all_reduce, "all_reduce", op, b, -1);
-    return launch(info, share(b.bytes(), 2), {{b, true, true}}, [&](const std::vector<void*>& p) {
+ private:
+  friend class ddp::detail::collective_front<communicator>;
+  using call = ddp::detail::call_info;
+
+  /// The front end numbers, counts and checks calls for NCCL; avg is NCCL's own (ncclAvg).
+  static constexpr ddp::detail::front_duties duties{.group = "an NCCL group", .average = false};
+
+  explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
+
+  [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+
+  work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+    return launch(info, {{b, true, true}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), group_->comm,
                            group_->stream());
     });
   }
 
-  /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
-  template <tensor In, tensor Out>
-  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    const auto info = start(collective::reduce_scatter, "reduce_scatter", op, out, -1);
-    same_type(info, in, out);
-    blocks(info, in.size, out.size, "input", "output");
+  work launch_reduce_scatter(const call& info, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     in_place_only(info, in, out, out, static_cast<std::size_t>(rank()) * out.bytes());
-    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return ncclReduceScatter(p[0], p[1], out.size, detail::datatype(out.type), detail::reduction(op), group_->comm,
                                group_->stream());
     });
   }
 
-  /// Gathers k elements from every rank into N·k elements, rank r's at block r.
-  template <tensor In, tensor Out>
-  work all_gather(In&& input, Out&& output) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    const auto info = start(collective::all_gather, "all_gather", std::nullopt, in, -1);
-    same_type(info, in, out);
-    blocks(info, out.size, in.size, "output", "input");
+  work launch_all_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
     in_place_only(info, out, in, in, static_cast<std::size_t>(rank()) * in.bytes());
-    return launch(info, static_cast<std::uint64_t>(size() - 1) * in.bytes(), {{in, true, false}, {out, false, true}},
+    return launch(info, {{in, true, false}, {out, false, true}},
                   [&](const std::vector<void*>& p) {
                     return ncclAllGather(p[0], p[1], in.size, detail::datatype(in.type), group_->comm,
                                          group_->stream());
                   });
   }
 
-  /// Copies root's `buffer` to every rank.
-  template <tensor T>
-  work broadcast(T&& buffer, int root = 0) {
-    const raw_tensor b = as_raw(buffer);
-    const auto info = start(collective::broadcast, "broadcast", std::nullopt, b, root);
-    check_rank(info, root, "root");
+  work launch_broadcast(const call& info, const raw_tensor& b) {
+    const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, at_root && size() > 1 ? b.bytes() : 0, {{b, at_root, !at_root}},
+    return launch(info, {{b, at_root, !at_root}},
                   [&](const std::vector<void*>& p) {
                     return ncclBroadcast(p[0], p[0], b.size, detail::datatype(b.type), root, group_->comm,
                                          group_->stream());
                   });
   }
 
-  /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
-  template <tensor T>
-  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
-    const raw_tensor b = as_raw(buffer);
-    const auto info = start(collective::reduce, "reduce", op, b, root);
-    check_rank(info, root, "root");
+  work launch_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+    const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, at_root ? 0 : b.bytes(), {{b, true, at_root}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{b, true, at_root}}, [&](const std::vector<void*>& p) {
       return ncclReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), root, group_->comm,
                         group_->stream());
     });
   }
 
-  /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
-  template <tensor In, tensor Out>
-  work gather(In&& input, Out&& output, int root = 0) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    const auto info = start(collective::gather, "gather", std::nullopt, in, root);
-    check_rank(info, root, "root");
-    const bool at_root = rank() == root;
-    if (!at_root) {
-      return launch(info, in.bytes(), {{in, true, false}}, [&](const std::vector<void*>& p) {
+  work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    const int root = info.peer;
+    if (rank() != root) {
+      return launch(info, {{in, true, false}}, [&](const std::vector<void*>& p) {
         return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
       });
     }
-    same_type(info, in, out);
-    blocks(info, out.size, in.size, "output", "input");
     disjoint(info, in, out);
-    return launch(info, 0, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         const auto type = detail::datatype(in.type);
         for (int r = 0; r < size(); ++r)
@@ -9689,22 +9934,15 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     });
   }
 
-  /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
-  template <tensor In, tensor Out>
-  work scatter(In&& input, Out&& output, int root = 0) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    const auto info = start(collective::scatter, "scatter", std::nullopt, out, root);
-    check_rank(info, root, "root");
-    const bool at_root = rank() == root;
-    if (!at_root) {
-      return launch(info, 0, {{out, false, true}}, [&](const std::vector<void*>& p) {
+  work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    const int root = info.peer;
+    if (rank() != root) {
+      return launch(info, {{out, false, true}}, [&](const std::vector<void*>& p) {
         return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
       });
     }
-    same_type(info, in, out);
-    blocks(info, in.size, out.size, "input", "output");
     disjoint(info, in, out);
-    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         const auto type = detail::datatype(out.type);
         for (int r = 0; r < size(); ++r)
@@ -9717,18 +9955,10 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     });
   }
 
-  /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
-  template <tensor In, tensor Out>
-  work all_to_all(In&& input, Out&& output) {
-    const raw_tensor in = as_raw(input), out = as_raw(output);
-    const auto info = start(collective::all_to_all, "all_to_all", std::nullopt, in, -1);
-    same_type(info, in, out);
-    if (in.size != out.size || in.size % static_cast<std::size_t>(size()) != 0)
-      fail(info, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
-                     "; both must hold the same multiple of size()=" + std::to_string(size()));
+  work launch_all_to_all(const call& info, const raw_tensor& in, const raw_tensor& out) {
     disjoint(info, in, out);
     const std::size_t k = in.size / static_cast<std::size_t>(size());
-    return launch(info, share(in.bytes(), 1), {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         const auto type = detail::datatype(in.type);
         for (int r = 0; r < size(); ++r) {
@@ -9744,43 +9974,24 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     });
   }
 
-  /// Completes once every rank of the group has entered the barrier (an all_reduce of one device word).
-  work barrier() {
-    const auto info = start(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
+  /// The barrier is an all_reduce of one device word.
+  work launch_barrier(const call& info) {
     {
       std::lock_guard lock(group_->mutex);
       if (!group_->barrier_word) group_->barrier_word.emplace(1, group_->device);
     }
     const raw_tensor word = group_->barrier_word->raw();
-    return launch(info, 0, {{word, false, false}}, [&](const std::vector<void*>& p) {
+    return launch(info, {{word, false, false}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], 1, ncclInt32, ncclSum, group_->comm, group_->stream());
     });
   }
 
-  /// Queues `buffer` for rank `peer`; launched with the other queued send/recv when one of them is waited for.
-  template <tensor T>
-  work send(T&& buffer, int peer, int tag = 0) {
-    return post_p2p(true, as_raw(buffer), peer, tag);
-  }
+  /// Queues `b` for rank c.peer; launched with the other queued send/recv when one of them is waited for.
+  work launch_send(const call& info, const raw_tensor& b) { return post_p2p(info, true, b); }
 
-  /// Queues a receive of what rank `peer` sends with `tag`; the sizes must match the send's.
-  template <tensor T>
-  work recv(T&& buffer, int peer, int tag = 0) {
-    return post_p2p(false, as_raw(buffer), peer, tag);
-  }
+  /// Queues a receive of what rank c.peer sends with c.tag; the sizes must match the send's.
+  work launch_recv(const call& info, const raw_tensor& b) { return post_p2p(info, false, b); }
 
- private:
-  explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
-
-  detail::op_info start(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& b, int peer,
-                        int tag = -1) const {
-    return {kind,           name, op, b.type, b.size, peer, tag, group_->sequence.fetch_add(1, std::memory_order_relaxed),
-            group_->size, group_->device};
-  }
-
-  [[noreturn]] void fail(const detail::op_info& info, const std::string& what) const {
-    throw error(info.describe() + ": " + what, rank());
-  }
 
   /// Runs `calls` between ncclGroupStart and ncclGroupEnd; the first failure wins.
   template <class Calls>
@@ -9798,27 +10009,24 @@ class communicator : public ddp::detail::object_collectives<communicator> {
 
   /// Prepares the arguments, orders the operation after the compute stream, issues `body` and records completion.
   template <class Body>
-  work launch(const detail::op_info& info, std::uint64_t bytes_sent, std::initializer_list<detail::argument> args,
-              Body&& body) {
+  work launch(const call& info, std::initializer_list<detail::argument> args, Body&& body) {
     auto rec = prepare(info, args);
     detail::group& g = *group_;
     {
       std::lock_guard lock(g.mutex);
-      g.alive_locked(info.describe());
+      g.alive_locked(ddp::detail::describe(info));
       const cuda::device_guard on(g.device);
       g.ready.record(g.cfg.compute_stream);
       g.ready.make_wait(g.stream());
       detail::stage_in(g, *rec);
-      g.settle(body(rec->pointers), info.describe());
+      g.settle(body(rec->pointers), ddp::detail::describe(info));
       detail::stage_out(g, *rec);
     }
-    g.stats.add_call(info.kind);
-    g.stats.add_bytes(info.kind, bytes_sent);
     return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
   }
 
   /// The record of an operation: device arguments checked and passed through, host arguments copied to pinned memory.
-  std::shared_ptr<detail::record> prepare(const detail::op_info& info, std::initializer_list<detail::argument> args) {
+  std::shared_ptr<detail::record> prepare(const call& info, std::initializer_list<detail::argument> args) {
     const cuda::device_guard on(group_->device);  // the completion event belongs to the communicator's device
     auto rec = std::make_shared<detail::record>(args.size());
     std::size_t index = 0;
@@ -9839,43 +10047,19 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return rec;
   }
 
-  work post_p2p(bool is_send, const raw_tensor& b, int peer, int tag) {
-    const auto info = start(collective::send_recv, is_send ? "send" : "recv", std::nullopt, b, peer, tag);
-    check_rank(info, peer, "peer");
-    if (tag < 0) fail(info, "tag " + std::to_string(tag) + " is negative; pass a tag >= 0");
+  work post_p2p(const call& info, bool is_send, const raw_tensor& b) {
     auto rec = prepare(info, {{b, is_send, !is_send}});
     detail::group& g = *group_;
+    const std::string what = ddp::detail::describe(info);
     {
       std::lock_guard lock(g.mutex);
-      g.alive_locked(info.describe());
+      g.alive_locked(what);
       const cuda::device_guard on(g.device);
       cuda::event ready;
       ready.record(g.cfg.compute_stream);
-      g.queue.push_back({is_send, peer, tag, b, rec, std::move(ready), info.describe()});
+      g.queue.push_back({is_send, info.peer, info.tag, b, rec, std::move(ready), what});
     }
-    g.stats.add_call(collective::send_recv);
-    g.stats.add_bytes(collective::send_recv, is_send ? b.bytes() : 0);
     return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
-  }
-
-  /// (N-1)/N of `bytes`, times `factor`: what leaves a rank in a reduce-scatter (1) or all-reduce (2).
-  [[nodiscard]] std::uint64_t share(std::size_t bytes, std::uint64_t factor) const noexcept {
-    const auto n = static_cast<std::uint64_t>(size());
-    return factor * static_cast<std::uint64_t>(bytes) * (n - 1) / n;
-  }
-
-  void same_type(const detail::op_info& info, const raw_tensor& a, const raw_tensor& b) const {
-    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty()) fail(info, problem);
-  }
-
-  void blocks(const detail::op_info& info, std::size_t whole, std::size_t part, const char* whole_name,
-              const char* part_name) const {
-    if (auto problem = ddp::detail::blocks_problem(whole, part, size(), whole_name, part_name); !problem.empty())
-      fail(info, problem);
-  }
-
-  void check_rank(const detail::op_info& info, int r, const char* what) const {
-    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) fail(info, problem);
   }
 
   static bool overlap(const raw_tensor& a, const raw_tensor& b) noexcept {
@@ -9885,12 +10069,12 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return x < y + b.bytes() && y < x + a.bytes();
   }
 
-  void disjoint(const detail::op_info& info, const raw_tensor& in, const raw_tensor& out) const {
+  void disjoint(const call& info, const raw_tensor& in, const raw_tensor& out) const {
     if (overlap(in, out)) fail(info, "input and output overlap in device memory; pass separate buffers");
   }
 
   /// Device buffers `whole` and `part` may overlap only as NCCL's in-place form: `part` at byte `offset` of `whole`.
-  void in_place_only(const detail::op_info& info, const raw_tensor& whole, const raw_tensor& part,
+  void in_place_only(const call& info, const raw_tensor& whole, const raw_tensor& part,
                      const raw_tensor& block_of, std::size_t offset) const {
     if (!overlap(whole, part)) return;
     if (static_cast<const std::byte*>(part.data) == static_cast<const std::byte*>(whole.data) + offset) return;
@@ -9916,5 +10100,20 @@ struct backend_traits<backend::nccl> {
 }  // namespace ddp
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 // ---- end <ddp/comm/nccl/communicator.hpp>
+
+namespace ddp::nccl::detail {
+
+/// Joins the job the environment describes, on config::device or else LOCAL_RANK modulo the visible devices.
+struct env_rendezvous {
+  static communicator join(config settings) {
+    if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
+    auto bootstrap = tcp::communicator::from_env();
+    return communicator(bootstrap, settings);
+  }
+};
+
+}  // namespace ddp::nccl::detail
+#endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
+// ---- end <ddp/comm/nccl/from_env.hpp>
 #endif
 // ---- end <ddp/ddp.hpp>

@@ -19,6 +19,7 @@
 #include <conformance/conformance.hpp>
 #include <ddp/comm/mpi/communicator.hpp>
 #include <ddp/comm/nccl/communicator.hpp>
+#include <ddp/comm/nccl/from_env.hpp>
 #include <ddp/cuda/buffer.hpp>
 #include <ddp/comm/backend.hpp>
 #include <ddp/comm/env.hpp>

@@ -30,6 +30,7 @@ constexpr std::string_view to_string(collective c) noexcept {
 struct comm_stats {
   std::array<std::uint64_t, collective_count> bytes_sent{};  ///< payload bytes this rank sent, by operation
   std::array<std::uint64_t, collective_count> calls{};       ///< operations started, by operation
+  std::uint64_t call_checks = 0;  ///< cross-rank call checks exchanged (DDP_CHECK_COLLECTIVES=1), not counted above
 
   /// Bytes sent for operation `c`.
   [[nodiscard]] std::uint64_t bytes(collective c) const noexcept { return bytes_sent[static_cast<std::size_t>(c)]; }
@@ -48,12 +49,14 @@ class stats_counter {
  public:
   void add_call(collective c) noexcept { calls_[index(c)].fetch_add(1, std::memory_order_relaxed); }
   void add_bytes(collective c, std::uint64_t n) noexcept { bytes_[index(c)].fetch_add(n, std::memory_order_relaxed); }
+  void add_call_check() noexcept { call_checks_.fetch_add(1, std::memory_order_relaxed); }
   [[nodiscard]] comm_stats snapshot() const noexcept {
     comm_stats s;
     for (std::size_t i = 0; i < collective_count; ++i) {
       s.bytes_sent[i] = bytes_[i].load(std::memory_order_relaxed);
       s.calls[i] = calls_[i].load(std::memory_order_relaxed);
     }
+    s.call_checks = call_checks_.load(std::memory_order_relaxed);
     return s;
   }
   void reset() noexcept {
@@ -61,12 +64,14 @@ class stats_counter {
       bytes_[i].store(0, std::memory_order_relaxed);
       calls_[i].store(0, std::memory_order_relaxed);
     }
+    call_checks_.store(0, std::memory_order_relaxed);
   }
 
  private:
   static constexpr std::size_t index(collective c) noexcept { return static_cast<std::size_t>(c); }
   std::array<std::atomic<std::uint64_t>, collective_count> bytes_{};
   std::array<std::atomic<std::uint64_t>, collective_count> calls_{};
+  std::atomic<std::uint64_t> call_checks_{0};
 };
 
 }  // namespace detail

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -16,9 +17,9 @@
 #include <vector>
 
 #include <ddp/comm/backend.hpp>
-#include <ddp/comm/checks.hpp>
+#include <ddp/comm/call.hpp>
 #include <ddp/comm/communicator.hpp>
-#include <ddp/comm/object.hpp>
+#include <ddp/comm/front_end.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/algorithms.hpp>
@@ -48,7 +49,7 @@ inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
-class communicator : public ddp::detail::object_collectives<communicator> {
+class communicator : public ddp::detail::collective_front<communicator> {
  public:
   /// Joins the job `cfg` describes: rendezvous at master_addr:master_port, then the full mesh.
   explicit communicator(const config& cfg) {
@@ -117,123 +118,75 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     return communicator(engine_, std::move(child));
   }
 
-  /// Reduces `buf` across the group in place.
-  template <tensor T>
-  work all_reduce(T&& buf, reduce_op op = reduce_op::sum) {
-    const raw_tensor b = host(as_raw(buf), "all_reduce");
-    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
-  }
-  /// `in` holds size()*k elements; block r of the reduction lands in rank r's `out` (k elements).
-  template <tensor In, tensor Out>
-  work reduce_scatter(const In& in, Out&& out, reduce_op op = reduce_op::sum) {
-    const raw_tensor i = host(as_raw(in), "reduce_scatter"), o = host(as_raw(out), "reduce_scatter");
-    same_type(i, o, "reduce_scatter");
-    if (i.size != o.size * static_cast<std::size_t>(size()))
-      throw error("reduce_scatter needs an input of size() * output elements; got " + std::to_string(i.size) +
-                      " in and " + std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
-                  world_rank());
-    return start(collective::reduce_scatter, o.type, op, -1, o.size, i.data, o.data);
-  }
-  /// Each rank's `in` (k elements) lands in block r of every rank's `out` (size()*k elements).
-  template <tensor In, tensor Out>
-  work all_gather(const In& in, Out&& out) {
-    const raw_tensor i = host(as_raw(in), "all_gather"), o = host(as_raw(out), "all_gather");
-    same_type(i, o, "all_gather");
-    if (o.size != i.size * static_cast<std::size_t>(size()))
-      throw error("all_gather needs an output of size() * input elements; got " + std::to_string(i.size) + " in and " +
-                      std::to_string(o.size) + " out for " + std::to_string(size()) + " ranks",
-                  world_rank());
-    return start(collective::all_gather, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
-  }
-  /// Copies root's `buf` to every rank.
-  template <tensor T>
-  work broadcast(T&& buf, int root = 0) {
-    const raw_tensor b = host(as_raw(buf), "broadcast");
-    check_rank(root, "broadcast root");
-    return start(collective::broadcast, b.type, reduce_op::sum, root, b.size, nullptr, b.data);
-  }
-  /// Reduces every rank's `buf` into root's `buf`; the other ranks' buffers are left unchanged.
-  template <tensor T>
-  work reduce(T&& buf, reduce_op op = reduce_op::sum, int root = 0) {
-    const raw_tensor b = host(as_raw(buf), "reduce");
-    check_rank(root, "reduce root");
-    return start(collective::reduce, b.type, op, root, b.size, nullptr, b.data);
-  }
-  /// Each rank's `in` (k elements) lands in block r of root's `out` (size()*k elements; unused elsewhere).
-  template <tensor In, tensor Out>
-  work gather(const In& in, Out&& out, int root = 0) {
-    const raw_tensor i = host(as_raw(in), "gather"), o = as_raw(out);
-    check_rank(root, "gather root");
-    if (rank() == root) {
-      same_type(i, host(o, "gather"), "gather");
-      if (o.size != i.size * static_cast<std::size_t>(size()))
-        throw error("gather needs an output of size() * input elements on the root; got " + std::to_string(i.size) +
-                        " in and " + std::to_string(o.size) + " out",
-                    world_rank());
-    }
-    return start(collective::gather, i.type, reduce_op::sum, root, i.size, i.data, o.data);
-  }
-  /// Block r of root's `in` (size()*k elements; unused elsewhere) lands in rank r's `out` (k elements).
-  template <tensor In, tensor Out>
-  work scatter(const In& in, Out&& out, int root = 0) {
-    const raw_tensor i = as_raw(in), o = host(as_raw(out), "scatter");
-    check_rank(root, "scatter root");
-    if (rank() == root) {
-      same_type(host(i, "scatter"), o, "scatter");
-      if (i.size != o.size * static_cast<std::size_t>(size()))
-        throw error("scatter needs an input of size() * output elements on the root; got " + std::to_string(i.size) +
-                        " in and " + std::to_string(o.size) + " out",
-                    world_rank());
-    }
-    return start(collective::scatter, o.type, reduce_op::sum, root, o.size, i.data, o.data);
-  }
-  /// Block p of `in` goes to rank p; block p of `out` comes from rank p (both size()*k elements).
-  template <tensor In, tensor Out>
-  work all_to_all(const In& in, Out&& out) {
-    const raw_tensor i = host(as_raw(in), "all_to_all"), o = host(as_raw(out), "all_to_all");
-    same_type(i, o, "all_to_all");
-    if (i.size != o.size || i.size % static_cast<std::size_t>(size()) != 0)
-      throw error("all_to_all needs input and output of the same size, a multiple of size(); got " +
-                      std::to_string(i.size) + " and " + std::to_string(o.size),
-                  world_rank());
-    return start(collective::all_to_all, i.type, reduce_op::sum, -1, i.size, i.data, o.data);
-  }
-  /// Completes once every rank of the group has called it.
-  work barrier() { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
-  /// Sends `in` to rank `peer`; completes once written to the socket. Matched by peer's recv with the same tag.
-  template <tensor In>
-  work send(const In& in, int peer, int tag = 0) {
-    const raw_tensor i = host(as_raw(in), "send");
-    check_rank(peer, "send peer");
-    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag);
-  }
-  /// Receives into `out` what rank `peer` sends with the same tag (same count and dtype).
-  template <tensor Out>
-  work recv(Out&& out, int peer, int tag = 0) {
-    const raw_tensor o = host(as_raw(out), "recv");
-    check_rank(peer, "recv peer");
-    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag);
-  }
-
  private:
   communicator(std::shared_ptr<detail::engine> e, std::shared_ptr<detail::group> g)
       : engine_(std::move(e)), group_(std::move(g)) {}
 
   [[nodiscard]] int world_rank() const { return engine_->rank(); }
 
-  raw_tensor host(raw_tensor t, const char* op) const {
+  friend class ddp::detail::collective_front<communicator>;
+  using call = ddp::detail::call_info;
+
+  /// The front end checks the arguments; the engine numbers, counts and averages the operations and checks every
+  /// frame's header (operation, dtype, count, root, sequence) against the call, so no call check is exchanged.
+  static constexpr ddp::detail::front_duties duties{
+      .group = "a TCP group", .sequence = false, .stats = false, .average = false, .call_check = false};
+  [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+
+  /// ddp::tcp moves host memory only.
+  void host(const raw_tensor& t, const call& c) const {
     if (t.where.is_cuda())
-      throw error(std::string(op) + " got a buffer on " + t.where.to_string() +
-                      ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers",
-                  world_rank());
-    return t;
+      fail(c, "the buffer is on " + t.where.to_string() +
+                  ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
   }
-  void same_type(const raw_tensor& a, const raw_tensor& b, const char* op) const {
-    if (auto problem = ddp::detail::dtype_problem(a, b); !problem.empty())
-      throw error(std::string(op) + ": " + problem, world_rank());
+
+  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    host(b, c);
+    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  void check_rank(int r, const char* what) const {
-    if (auto problem = ddp::detail::rank_problem(r, size(), what); !problem.empty()) throw error(problem, world_rank());
+  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+    host(in, c);
+    host(out, c);
+    return start(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
+  }
+  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    host(out, c);
+    return start(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+  }
+  work launch_broadcast(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
+  }
+  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+    host(b, c);
+    return start(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
+  }
+  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    if (rank() == c.peer) host(out, c);
+    return start(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
+  }
+  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(out, c);
+    if (rank() == c.peer) host(in, c);
+    return start(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
+  }
+  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    host(in, c);
+    host(out, c);
+    return start(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+  }
+  work launch_barrier(const call&) { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
+  /// Completes once written to the socket.
+  work launch_send(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag);
+  }
+  /// The send must have the same count and dtype.
+  work launch_recv(const call& c, const raw_tensor& b) {
+    host(b, c);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag);
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,

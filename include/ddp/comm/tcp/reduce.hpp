@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <ddp/comm/average.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/core/dtype.hpp>
+#include <ddp/core/tensor_traits.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -27,7 +29,7 @@ void combine(T* dst, const T* a, const T* b, std::size_t n, F f) {
   }
 }
 
-/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg divides at the end.
+/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg_bytes divides at the end.
 template <class T>
 void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
   using A = accumulate_t<T>;
@@ -40,20 +42,6 @@ void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
   }
 }
 
-/// Divides n elements by `ranks` in place when op is avg (integers divide truncating).
-template <class T>
-void finish_avg(T* data, std::size_t n, reduce_op op, int ranks) {
-  if (op != reduce_op::avg || ranks == 1) return;
-  using A = accumulate_t<T>;
-  if constexpr (std::is_floating_point_v<A>) {
-    const A scale = A(1) / static_cast<A>(ranks);
-    for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<A>(data[i]) * scale);
-  } else {
-    const A d = static_cast<A>(ranks);
-    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<T>(data[i] / d);
-  }
-}
-
 /// Runtime-dtype dispatch of reduce_into over raw bytes.
 inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::size_t n, reduce_op op) {
   visit_dtype(t, [&](auto tag) {
@@ -62,12 +50,9 @@ inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::
   });
 }
 
-/// Runtime-dtype dispatch of finish_avg over raw bytes.
+/// Finishes avg on n elements: their sum divided by `ranks` as every backend averaging on the host does.
 inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, int ranks) {
-  visit_dtype(t, [&](auto tag) {
-    using T = decltype(tag);
-    finish_avg(static_cast<T*>(data), n, op, ranks);
-  });
+  if (op == reduce_op::avg) ddp::detail::divide(raw_tensor{data, n, t}, ranks);
 }
 
 }  // namespace ddp::tcp::detail

@@ -1,0 +1,29 @@
+#pragma once
+/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
+/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float).
+
+#include <cstddef>
+#include <type_traits>
+
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/tensor_traits.hpp>
+
+namespace ddp::detail {
+
+/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
+inline void divide(const raw_tensor& t, int n) {
+  if (n == 1) return;
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_integral_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
+    } else {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    }
+  });
+}
+
+}  // namespace ddp::detail
