@@ -18,10 +18,14 @@ class DdpTestConan(ConanFile):
         self.requires(self.tested_reference_str)
 
     def build(self):
-        ddp = self.dependencies[self.tested_reference_str.split("/")[0]]
+        options = self.dependencies[self.tested_reference_str.split("/")[0]].options
+        components = ["launch"]
+        if str(options.with_mpi) != "False":
+            components.append("mpi")
+        if str(options.with_nccl) == "True":
+            components.append("nccl")
         cmake = CMake(self)
-        cmake.configure(variables={"TEST_MPI": ddp.options.with_mpi != False,  # noqa: E712 (an option value)
-                                   "TEST_NCCL": bool(ddp.options.with_nccl)})
+        cmake.configure(variables={"DDP_COMPONENTS": ";".join(components)})
         cmake.build()
 
     def test(self):
