@@ -1,6 +1,7 @@
-# Install rules and the CMake package: headers, the ddp::ddp (+ ddp::mpi, ddp::nccl) targets, the
-# ddp-launch program (exported as ddp::launch), ddpConfig.cmake and ddpConfigVersion.cmake.
-# Consumers: find_package(ddp 0.1 CONFIG REQUIRED [COMPONENTS mpi nccl]) (see docs/install.md).
+# Install rules and the CMake package: headers, the ddp::ddp and ddp::launch (+ ddp::mpi, ddp::nccl) targets,
+# the ddp-launch program (exported as ddp::ddp-launch), ddpConfig.cmake, ddpConfigVersion.cmake and the
+# modules they include. Consumers: find_package(ddp 0.1 CONFIG REQUIRED [COMPONENTS launch mpi nccl])
+# (see docs/install.md).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -9,7 +10,7 @@ set(DDP_INSTALL_CMAKEDIR ${CMAKE_INSTALL_DATADIR}/cmake/ddp
 
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/ddp DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 
-set(_ddp_exported ddp)
+set(_ddp_exported ddp ddp_launch)
 if(DDP_WITH_MPI)
   list(APPEND _ddp_exported ddp_mpi)
 endif()
@@ -17,7 +18,6 @@ if(DDP_WITH_NCCL)
   list(APPEND _ddp_exported ddp_nccl)
 endif()
 if(TARGET ddp-launch)
-  set_target_properties(ddp-launch PROPERTIES EXPORT_NAME launch)
   list(APPEND _ddp_exported ddp-launch)
 endif()
 install(TARGETS ${_ddp_exported} EXPORT ddpTargets
@@ -30,9 +30,8 @@ configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/ddpConfig.cmake.in
                               INSTALL_DESTINATION ${DDP_INSTALL_CMAKEDIR})
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/ddpConfigVersion.cmake
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMajorVersion ARCH_INDEPENDENT)
-set(_ddp_config_files ${PROJECT_BINARY_DIR}/ddpConfig.cmake ${PROJECT_BINARY_DIR}/ddpConfigVersion.cmake)
-if(DDP_WITH_NCCL)
-  list(APPEND _ddp_config_files ${CMAKE_CURRENT_LIST_DIR}/FindNCCL.cmake)
-endif()
-install(FILES ${_ddp_config_files} DESTINATION ${DDP_INSTALL_CMAKEDIR})
+install(FILES ${PROJECT_BINARY_DIR}/ddpConfig.cmake ${PROJECT_BINARY_DIR}/ddpConfigVersion.cmake
+              ${CMAKE_CURRENT_LIST_DIR}/ddpFindBackends.cmake ${CMAKE_CURRENT_LIST_DIR}/ddpComponents.cmake
+              ${CMAKE_CURRENT_LIST_DIR}/FindNCCL.cmake
+        DESTINATION ${DDP_INSTALL_CMAKEDIR})
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes single_include/ddp/ddp.hpp: include/ddp/ddp.hpp with every <ddp/...> header inlined once.
+"""Writes single_include/ddp/ddp.hpp: the umbrella headers (UMBRELLAS: training, checkpoints, logging, the
+launcher) with every <ddp/...> header inlined once, so the one file carries all a user of include/ includes.
 
 Deterministic (no timestamps, no absolute paths): the same headers give the same bytes. System
 includes stay as they are (repeats at top level are dropped). A header first met inside a
@@ -21,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "include"
 OUTPUT = ROOT / "single_include" / "ddp" / "ddp.hpp"
 REGENERATE = "python3 scripts/amalgamate.py"
+UMBRELLAS = ("ddp/ddp.hpp", "ddp/checkpoint.hpp", "ddp/log.hpp", "ddp/launch.hpp")
 
 DDP_INCLUDE = re.compile(r'^\s*#\s*include\s*<(ddp/[^>]+)>')
 SYSTEM_INCLUDE = re.compile(r'^\s*#\s*include\s*<([^>]+)>\s*$')
@@ -93,12 +95,14 @@ class Amalgamator:
         head = [
             "#pragma once",
             "// ddp: data-parallel training for any C++ model, as one header.",
-            "// Generated from include/ddp/ddp.hpp by scripts/amalgamate.py; do not edit.",
+            "// Generated from include/" + ", include/".join(UMBRELLAS),
+            "// by scripts/amalgamate.py; do not edit.",
             f"// Regenerate with: {REGENERATE}",
             "// The MPI and NCCL backends are compiled in when DDP_WITH_MPI / DDP_WITH_NCCL are defined",
             "// (the ddp::mpi and ddp::nccl CMake targets define them), exactly as with include/.",
         ]
-        self.inline("ddp/ddp.hpp")
+        for umbrella in UMBRELLAS:
+            self.inline(umbrella)
         if len(self.levels) != 1:
             sys.exit("amalgamate: unbalanced #if/#endif in the headers")
         return "\n".join(head + self.out) + "\n"

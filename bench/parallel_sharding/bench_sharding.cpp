@@ -29,9 +29,8 @@
 #include <string_view>
 #include <vector>
 
-#include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/ddp.hpp>
-#include <ddp/launch/spawn.hpp>
+#include <ddp/launch.hpp>
 
 namespace {
 

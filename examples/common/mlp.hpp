@@ -26,7 +26,7 @@ struct linear {
   [[nodiscard]] std::size_t out() const noexcept { return weight.shape()[0]; }
 };
 
-/// fc1 → ReLU → fc2 → ReLU → fc3 (logits). Visited by Boost.PFR as fc1.weight, fc1.bias, ...
+/// fc1 → ReLU → fc2 → ReLU → fc3 (logits). Visited by ddp's aggregate reflection (core/detail/reflect.hpp) as fc1.weight, fc1.bias, ...
 struct mlp {
   linear fc1, fc2, fc3;
 };

@@ -21,13 +21,9 @@
 
 #include <cblas.h>
 
+#include <ddp/checkpoint.hpp>
 #include <ddp/ddp.hpp>
-#include <ddp/checkpoint/checkpoint.hpp>
-#include <ddp/comm/tcp/communicator.hpp>
-#include <ddp/data/distributed_sampler.hpp>
-#include <ddp/data/metrics.hpp>
-#include <ddp/launch/log.hpp>
-#include <ddp/launch/progress.hpp>
+#include <ddp/log.hpp>
 
 #include "common/idx.hpp"
 #include "common/mlp.hpp"

@@ -1,6 +1,9 @@
 #pragma once
-/// \file The one include users need. Backends that need a library (MPI, NCCL) are included when
-/// their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI / DDP_WITH_NCCL.
+/// \file Training: models and parameters (core), communicators (comm), the data_parallel wrapper and its
+/// policies (parallel), optimizers (optim), the sampler and metric reduction (data). Backends that need a
+/// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
+/// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
+/// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
 
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
@@ -26,13 +29,6 @@
 
 #include <ddp/data/distributed_sampler.hpp>
 #include <ddp/data/metrics.hpp>
-
-#include <ddp/checkpoint/checkpoint.hpp>
-#include <ddp/checkpoint/safetensors.hpp>
-
-#include <ddp/launch/log.hpp>
-#include <ddp/launch/progress.hpp>
-#include <ddp/launch/spawn.hpp>
 
 #if defined(DDP_WITH_MPI)
 #include <ddp/comm/mpi/communicator.hpp>

@@ -1,10 +1,13 @@
-"""Conan 2 recipe for ddp, a C++20 header-only library (run from the repository root):
+"""Conan 2 recipe for ddp, a C++20 header-only library (from the repository root; see docs/install.md):
 
-    conan create packaging/conan -o "ddp/*:with_mpi=True"
+    conan create packaging/conan -s compiler.cppstd=gnu20 -o "ddp/*:with_mpi=system"
 
-The package carries the headers; the targets ddp::ddp, ddp::mpi and ddp::nccl come from Conan's
-CMakeDeps (find_package(ddp CONFIG REQUIRED)). NCCL and the CUDA runtime are taken from the system
-(CUDA Toolkit with NCCL, e.g. under /usr/local/cuda), as Conan Center has no NCCL package.
+One package serves every option combination (header-only: package_id clears settings and options). The
+options only shape package_info: the targets ddp::ddp (core + TCP backend), ddp::launch (the launcher API)
+and, when asked for, ddp::mpi and ddp::nccl, as components of find_package(ddp CONFIG REQUIRED). MPI comes
+from Conan (with_mpi=openmpi) or from the system (with_mpi=system, CMake's FindMPI); NCCL and the CUDA
+runtime come from the system's CUDA Toolkit (Conan Center has no NCCL), found when the consumer's CMake
+runs, by the FindNCCL.cmake and CUDAToolkit modules that the package's build module uses.
 """
 
 import os
@@ -14,8 +17,9 @@ from conan.errors import ConanInvalidConfiguration
 from conan.tools.build import check_min_cppstd
 from conan.tools.files import copy
 from conan.tools.layout import basic_layout
+from conan.tools.scm import Version
 
-required_conan_version = ">=2.0"
+required_conan_version = ">=2.0.9"
 
 
 class DdpConan(ConanFile):
@@ -26,63 +30,84 @@ class DdpConan(ConanFile):
     topics = ("distributed", "data-parallel", "deep-learning", "mpi", "nccl", "header-only")
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
-    options = {"with_mpi": [True, False], "with_nccl": [True, False]}
+    options = {"with_mpi": [False, "openmpi", "system"], "with_nccl": [True, False]}
     default_options = {"with_mpi": False, "with_nccl": False}
     no_copy_source = True
+
+    _cmake_modules = ("ddpConan.cmake", "ddpFindBackends.cmake", "ddpComponents.cmake", "FindNCCL.cmake")
 
     def export_sources(self):
         root = os.path.join(self.recipe_folder, "..", "..")
         copy(self, "include/*", src=root, dst=self.export_sources_folder)
         copy(self, "LICENSE", src=root, dst=self.export_sources_folder)
+        for module in self._cmake_modules:
+            copy(self, module, src=os.path.join(root, "cmake"), dst=os.path.join(self.export_sources_folder, "cmake"))
 
     def layout(self):
         basic_layout(self, src_folder=".")
 
     def requirements(self):
-        self.requires("nlohmann_json/3.11.3")
-        if self.options.with_mpi:
-            self.requires("openmpi/4.1.6")
+        self.requires("nlohmann_json/3.11.3", transitive_headers=True)
+        if self.options.with_mpi == "openmpi":
+            self.requires("openmpi/4.1.6", transitive_headers=True, transitive_libs=True)
 
     def package_id(self):
-        self.info.settings.clear()  # headers only; the options stay in the id (they change package_info)
+        self.info.clear()
 
     def validate(self):
-        check_min_cppstd(self, 20)
         if self.settings.os != "Linux":
-            raise ConanInvalidConfiguration("ddp needs POSIX sockets, fork and poll; it supports Linux")
+            raise ConanInvalidConfiguration(f"{self.ref} needs POSIX sockets, fork and poll; it supports Linux")
+        if self.settings.compiler.get_safe("cppstd"):
+            try:
+                check_min_cppstd(self, 20)
+            except ConanInvalidConfiguration as e:
+                raise ConanInvalidConfiguration(
+                    f"{e} Add -s compiler.cppstd=gnu20 to the command, or set compiler.cppstd=gnu20 in the "
+                    "profile (conan profile detect writes gnu17).") from e
+        if self.settings.compiler == "gcc" and Version(self.settings.compiler.version) < "12":
+            raise ConanInvalidConfiguration(f"{self.ref} needs g++ 12 or newer")
+        if self.options.with_nccl and self._nccl_header() is None:
+            raise ConanInvalidConfiguration(
+                "with_nccl takes NCCL from the system, and no nccl.h was found under NCCL_ROOT, CUDA_HOME, "
+                "CUDA_PATH, /usr/local/cuda or /usr; install NCCL or set NCCL_ROOT to its prefix")
+
+    @staticmethod
+    def _nccl_header():
+        """The system's nccl.h, where FindNCCL.cmake looks for it (and /usr, a distribution's package), or None."""
+        roots = [os.environ.get(v) for v in ("NCCL_ROOT", "CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda", "/usr"]
+        headers = (os.path.join(root, "include", "nccl.h") for root in roots if root)
+        return next((header for header in headers if os.path.isfile(header)), None)
 
     def package(self):
         copy(self, "*", src=os.path.join(self.source_folder, "include"),
              dst=os.path.join(self.package_folder, "include"))
+        copy(self, "*.cmake", src=os.path.join(self.source_folder, "cmake"),
+             dst=os.path.join(self.package_folder, "lib", "cmake", "ddp"))
         copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
 
     def package_info(self):
         self.cpp_info.set_property("cmake_file_name", "ddp")
+        # The aggregate of all components; ddp::ddp is the core component alone, as in ddp's own CMake package.
+        self.cpp_info.set_property("cmake_target_name", "ddp::all")
+        self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "ddp", "ddpConan.cmake")])
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
 
-        core = self.cpp_info.components["core"]
-        core.set_property("cmake_target_name", "ddp::ddp")
-        core.requires = ["nlohmann_json::nlohmann_json"]
+        def component(name, target, requires, defines=()):
+            c = self.cpp_info.components[name]
+            c.set_property("cmake_target_name", target)
+            c.requires = list(requires)
+            c.defines = list(defines)
+            c.bindirs = []
+            c.libdirs = []
+            return c
+
+        core = component("core", "ddp::ddp", ["nlohmann_json::nlohmann_json"])
         core.system_libs = ["pthread"]
-        core.bindirs = []
-        core.libdirs = []
-
-        if self.options.with_mpi:
-            mpi = self.cpp_info.components["mpi"]
-            mpi.set_property("cmake_target_name", "ddp::mpi")
-            mpi.requires = ["core", "openmpi::openmpi"]
-            mpi.defines = ["DDP_WITH_MPI=1"]
-            mpi.bindirs = []
-            mpi.libdirs = []
-
+        component("launch", "ddp::launch", ["core"])
+        if self.options.with_mpi == "openmpi":
+            component("mpi", "ddp::mpi", ["core", "openmpi::openmpi"], ["DDP_WITH_MPI=1"])
+        elif self.options.with_mpi == "system":
+            component("mpi", "ddp::mpi", ["core"], ["DDP_WITH_MPI=1"])  # MPI::MPI_C linked by ddpConan.cmake
         if self.options.with_nccl:
-            nccl = self.cpp_info.components["nccl"]
-            nccl.set_property("cmake_target_name", "ddp::nccl")
-            nccl.requires = ["core"]
-            nccl.defines = ["DDP_WITH_NCCL=1"]
-            cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-            nccl.includedirs = [os.path.join(cuda, "include")]
-            nccl.libdirs = [os.path.join(cuda, "lib64")]
-            nccl.system_libs = ["nccl", "cudart"]
-            nccl.bindirs = []
+            component("nccl", "ddp::nccl", ["core"], ["DDP_WITH_NCCL=1"])  # NCCL and cudart: ddpConan.cmake

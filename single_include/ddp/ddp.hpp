@@ -1,12 +1,16 @@
 #pragma once
 // ddp: data-parallel training for any C++ model, as one header.
-// Generated from include/ddp/ddp.hpp by scripts/amalgamate.py; do not edit.
+// Generated from include/ddp/ddp.hpp, include/ddp/checkpoint.hpp, include/ddp/log.hpp, include/ddp/launch.hpp
+// by scripts/amalgamate.py; do not edit.
 // Regenerate with: python3 scripts/amalgamate.py
 // The MPI and NCCL backends are compiled in when DDP_WITH_MPI / DDP_WITH_NCCL are defined
 // (the ddp::mpi and ddp::nccl CMake targets define them), exactly as with include/.
 // ---- begin <ddp/ddp.hpp>
-/// \file The one include users need. Backends that need a library (MPI, NCCL) are included when
-/// their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI / DDP_WITH_NCCL.
+/// \file Training: models and parameters (core), communicators (comm), the data_parallel wrapper and its
+/// policies (parallel), optimizers (optim), the sampler and metric reduction (data). Backends that need a
+/// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
+/// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
+/// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
 
 // ---- begin <ddp/core/device.hpp>
 /// \file Where memory lives: the host or a CUDA device.
@@ -6375,1869 +6379,6 @@ struct metric_sums {
 }  // namespace ddp
 // ---- end <ddp/data/metrics.hpp>
 
-// ---- begin <ddp/checkpoint/checkpoint.hpp>
-/// \file ddp::save / ddp::load: the full training state of a data_parallel model under any sharding policy
-/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<slot>"; the
-/// step count in the metadata as "optim.step") in one safetensors file that PyTorch reads. Rank 0 writes
-/// atomically; the other ranks stream it the ranges they hold, one range at a time, so no rank ever holds the
-/// whole model gathered. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
-/// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
-/// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
-
-#include <filesystem>
-
-// ---- begin <ddp/checkpoint/safetensors.hpp>
-/// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
-/// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
-/// data. ddp adds `__metadata__` entries "ddp.format" and "ddp.checksum" (64-bit FNV-1a of the data
-/// section, hex) and verifies the checksum on reading when present. Writes are atomic: a temporary file
-/// `path.tmp.<pid>` is written, flushed to disk, renamed over `path`, and the directory is flushed.
-
-#include <fstream>
-
-
-#include <nlohmann/json.hpp>
-
-
-namespace ddp::safetensors {
-
-/// Version of ddp's metadata conventions, stored as "ddp.format".
-inline constexpr std::string_view format_version = "1";
-/// Largest JSON header accepted on reading (the safetensors library's own bound).
-inline constexpr std::uint64_t max_header_bytes = 100'000'000;
-
-/// One named tensor to write: its dtype, shape and the bytes of its elements (row-major, little-endian).
-struct tensor_view {
-  std::string name;                 ///< key in the file ("fc1.weight")
-  ddp::dtype type = dtype::f32;     ///< element type
-  std::vector<std::size_t> shape;   ///< dimensions, outermost first (empty: a scalar)
-  std::span<const std::byte> bytes; ///< exactly numel(shape) * size_of(type) bytes
-};
-
-/// One tensor of a file that was read: the bytes point into the file's buffer.
-struct entry {
-  std::string name;                 ///< key in the file
-  ddp::dtype type = dtype::f32;     ///< element type
-  std::vector<std::size_t> shape;   ///< dimensions, outermost first
-  std::span<const std::byte> bytes; ///< the elements' bytes
-  /// Number of elements.
-  [[nodiscard]] std::size_t numel() const noexcept {
-    return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
-  }
-};
-
-/// The safetensors name of a dtype ("F32", "BF16", ...).
-constexpr std::string_view dtype_name(dtype t) noexcept {
-  switch (t) {
-    case dtype::f32: return "F32";
-    case dtype::f64: return "F64";
-    case dtype::bf16: return "BF16";
-    case dtype::f16: return "F16";
-    case dtype::i32: return "I32";
-    case dtype::i64: return "I64";
-    case dtype::u8: return "U8";
-  }
-  return "?";
-}
-
-/// The dtype of a safetensors name, or nothing for names ddp does not handle.
-inline std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
-  for (const dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16, dtype::i32, dtype::i64, dtype::u8})
-    if (dtype_name(t) == name) return t;
-  return std::nullopt;
-}
-
-namespace detail {
-
-/// 64-bit FNV-1a, continued from `h`.
-inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = 14695981039346656037ULL) noexcept {
-  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
-inline std::string hex(std::uint64_t v) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
-  return s;
-}
-
-inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
-  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
-}
-
-[[noreturn]] inline void fail(const std::filesystem::path& path, const std::string& what, const std::string& fix,
-                              int err = 0) {
-  throw io_error("safetensors file '" + path.string() + "': " + what + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") +
-                     "; " + fix,
-                 -1, err);
-}
-
-/// Writes all of `data` to `fd`, retrying short writes.
-inline void write_all(int fd, const std::byte* data, std::size_t size, const std::filesystem::path& path) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(path, "writing failed", "check free disk space and permissions", errno);
-    data += n;
-    size -= static_cast<std::size_t>(n);
-  }
-}
-
-}  // namespace detail
-
-/// Name, dtype and shape of one tensor, without its bytes: what the header of a file says about it.
-struct tensor_header {
-  std::string name;                ///< key in the file
-  ddp::dtype type = dtype::f32;    ///< element type
-  std::vector<std::size_t> shape;  ///< dimensions, outermost first
-  /// Bytes of its elements.
-  [[nodiscard]] std::size_t bytes() const { return detail::numel_of(shape) * size_of(type); }
-};
-
-namespace detail {
-
-/// A file written through a temporary `path.tmp.<pid>`: commit() flushes it to disk, renames it over `path`
-/// and flushes the directory; destroyed uncommitted, it removes the temporary file.
-class atomic_file {
- public:
-  explicit atomic_file(std::filesystem::path path)
-      : path_(std::move(path)), tmp_(path_.string() + ".tmp." + std::to_string(::getpid())) {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(tmp_, "cannot create the temporary file", "check that the directory exists and is writable", errno);
-  }
-  atomic_file(const atomic_file&) = delete;
-  atomic_file& operator=(const atomic_file&) = delete;
-  ~atomic_file() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  /// Appends `data`.
-  void write(std::span<const std::byte> data) { write_all(fd_, data.data(), data.size(), tmp_); }
-  /// Overwrites bytes at `offset` (already written).
-  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
-    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
-      fail(tmp_, "writing failed", "check free disk space and permissions", errno);
-  }
-  /// Flushes, renames the temporary file over the path, flushes the directory.
-  void commit() {
-    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed", "check the disk", errno);
-    ::close(fd_);
-    fd_ = -1;
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      fail(path_, "renaming the temporary file over it failed", "check permissions of the directory", errno);
-    committed_ = true;
-    sync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
-  }
-  /// Flushes a directory's entries (best effort: some file systems refuse fsync on directories).
-  static void sync_directory(const std::filesystem::path& dir) {
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  std::filesystem::path path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
-}  // namespace detail
-
-/// Writes a safetensors file tensor by tensor, so that no more than the bytes being appended need be in
-/// memory: the header (with a checksum placeholder) goes first, append() streams the data in header order,
-/// commit() records the checksum, checks the size and renames the file into place atomically.
-class writer {
- public:
-  /// Starts `path` (through a temporary file) for `tensors` in this order; adds "ddp.format" and "ddp.checksum"
-  /// to `metadata`. Throws ddp::io_error for repeated or reserved names and when the file cannot be created.
-  writer(const std::filesystem::path& path, std::span<const tensor_header> tensors,
-         const std::map<std::string, std::string>& metadata = {})
-      : file_(path) {
-    nlohmann::json header = nlohmann::json::object();
-    for (const auto& t : tensors) {
-      if (t.name == "__metadata__" || header.contains(t.name))
-        throw io_error("safetensors::write: tensor name '" + t.name + "' is reserved or repeated; give every tensor a "
-                       "unique name other than __metadata__");
-      header[t.name] = {{"dtype", dtype_name(t.type)}, {"shape", t.shape}, {"data_offsets", {size_, size_ + t.bytes()}}};
-      size_ += t.bytes();
-    }
-    nlohmann::json meta = nlohmann::json::object();
-    for (const auto& [k, v] : metadata) meta[k] = v;
-    meta["ddp.format"] = std::string(format_version);
-    meta["ddp.checksum"] = detail::hex(0);  // placeholder of the same width, patched by commit()
-    header["__metadata__"] = meta;
-    std::string text = header.dump();
-    text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned, as safetensors pads
-    checksum_at_ = 8 + text.find("\"ddp.checksum\":\"" + detail::hex(0) + "\"") + 16;  // JSON escapes quotes in values
-    std::byte length[8];
-    for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
-    file_.write(length);
-    file_.write(std::as_bytes(std::span(text)));
-  }
-
-  /// Appends the next bytes of the data section (tensors in header order, a tensor in any number of pieces).
-  void append(std::span<const std::byte> bytes) {
-    if (written_ + bytes.size() > size_)
-      throw io_error("safetensors::writer: appending " + std::to_string(bytes.size()) + " bytes after " +
-                     std::to_string(written_) + " overflows the " + std::to_string(size_) +
-                     " bytes the header declares; append exactly the declared tensors' bytes");
-    file_.write(bytes);
-    checksum_ = detail::fnv1a(bytes, checksum_);
-    written_ += bytes.size();
-  }
-
-  /// Writes the checksum into the header and moves the file into place; throws unless every byte was appended.
-  void commit() {
-    if (written_ != size_)
-      throw io_error("safetensors::writer: " + std::to_string(written_) + " of the " + std::to_string(size_) +
-                     " declared bytes were appended; append every tensor before commit()");
-    const std::string hex = detail::hex(checksum_);
-    file_.write_at(checksum_at_, std::as_bytes(std::span(hex)));
-    file_.commit();
-  }
-
-  /// The 64-bit FNV-1a of the bytes appended so far (the whole data section after commit()).
-  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
-  /// Bytes of the data section declared by the header.
-  [[nodiscard]] std::uint64_t data_bytes() const noexcept { return size_; }
-
- private:
-  detail::atomic_file file_;
-  std::uint64_t size_ = 0, written_ = 0, checksum_at_ = 0;
-  std::uint64_t checksum_ = 14695981039346656037ULL;
-};
-
-/// Writes `tensors` (in this order) and `metadata` to `path` atomically (temporary file, fsync, rename, fsync of
-/// the directory); adds "ddp.format" and "ddp.checksum" to the metadata. Throws ddp::io_error on failure.
-inline void write(const std::filesystem::path& path, std::span<const tensor_view> tensors,
-                  const std::map<std::string, std::string>& metadata = {}) {
-  std::vector<tensor_header> headers;
-  for (const auto& t : tensors) {
-    headers.push_back({t.name, t.type, t.shape});
-    if (t.bytes.size() != headers.back().bytes())
-      throw io_error("safetensors::write: tensor '" + t.name + "' has " + std::to_string(t.bytes.size()) +
-                     " bytes but its shape and dtype need " + std::to_string(headers.back().bytes()) +
-                     "; pass matching shape and data");
-  }
-  writer w(path, headers, metadata);
-  for (const auto& t : tensors) w.append(t.bytes);
-  w.commit();
-}
-
-/// Where one tensor lies in a file's data section, besides its name, dtype and shape.
-struct located_header : tensor_header {
-  std::uint64_t begin = 0;  ///< first byte in the data section
-};
-
-namespace detail {
-
-inline const std::string& rewrite_fix() {
-  static const std::string fix = "write the file again (a checkpoint: resume from an older one)";
-  return fix;
-}
-
-/// Parses and validates the JSON header `text` of a file whose data section holds `data_size` bytes: dtypes,
-/// shapes, offsets in range, contiguous, covering the data section. Returns the tensors in file order.
-inline std::vector<located_header> parse_header(const std::filesystem::path& path, std::string_view text,
-                                                std::uint64_t data_size, std::map<std::string, std::string>& metadata) {
-  const std::string& rewrite = rewrite_fix();
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, std::string("corrupt: the JSON header does not parse (") + e.what() + ")", rewrite);
-  }
-  if (!header.is_object()) fail(path, "corrupt: the JSON header is not an object", rewrite);
-  std::vector<located_header> found;
-  for (const auto& [name, value] : header.items()) {
-    if (name == "__metadata__") {
-      if (!value.is_object()) fail(path, "corrupt: __metadata__ is not an object of strings", rewrite);
-      for (const auto& [k, v] : value.items()) {
-        if (!v.is_string()) fail(path, "corrupt: __metadata__ entry '" + k + "' is not a string", rewrite);
-        metadata[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    const auto bad = [&](const std::string& why) { fail(path, "corrupt: tensor '" + name + "' " + why, rewrite); };
-    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
-      bad("lacks dtype, shape or data_offsets");
-    const auto& dt = value["dtype"];
-    const auto type = dt.is_string() ? dtype_from_name(dt.get<std::string>()) : std::nullopt;
-    if (!type)
-      fail(path, "tensor '" + name + "' has dtype " + dt.dump() + ", which ddp does not read",
-           "convert it to F32, F64, BF16, F16, I32, I64 or U8 before loading");
-    located_header e;
-    e.name = name;
-    e.type = *type;
-    if (!value["shape"].is_array()) bad("has a shape that is not an array");
-    for (const auto& d : value["shape"]) {
-      if (!d.is_number_unsigned()) bad("has a shape with a negative or non-integer dimension");
-      e.shape.push_back(d.get<std::size_t>());
-    }
-    const auto& off = value["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      bad("has data_offsets that are not two unsigned integers");
-    const auto begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
-    if (begin > end || end > data_size)
-      fail(path, "truncated or corrupt: tensor '" + name + "' spans bytes [" + std::to_string(begin) + ", " +
-                     std::to_string(end) + ") of a data section of " + std::to_string(data_size) + " bytes",
-           rewrite);
-    if (end - begin != e.bytes())
-      bad("has " + std::to_string(end - begin) + " bytes but shape and dtype need " + std::to_string(e.bytes()));
-    e.begin = begin;
-    found.push_back(std::move(e));
-  }
-  std::sort(found.begin(), found.end(), [](const located_header& a, const located_header& b) { return a.begin < b.begin; });
-  std::uint64_t expect = 0;
-  for (const auto& e : found) {
-    if (e.begin != expect)
-      fail(path, "corrupt: tensor '" + e.name + "' starts at byte " + std::to_string(e.begin) +
-                     " of the data section but the previous tensor ends at " + std::to_string(expect) +
-                     " (tensors must be contiguous, without gaps or overlaps)",
-           rewrite);
-    expect = e.begin + e.bytes();
-  }
-  if (expect != data_size)
-    fail(path, "corrupt: " + std::to_string(data_size - expect) + " bytes follow the last tensor (the file has trailing data)",
-         rewrite);
-  return found;
-}
-
-/// Throws unless `actual` equals the checksum the metadata records (files without one pass).
-inline void check_checksum(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata,
-                           std::uint64_t actual) {
-  const auto it = metadata.find("ddp.checksum");
-  if (it != metadata.end() && hex(actual) != it->second)
-    fail(path, "corrupt: the data section's checksum is " + hex(actual) + " but the header records " + it->second +
-                   " (the tensor bytes were damaged after writing)",
-         rewrite_fix());
-}
-
-/// Reads the 8-byte length and the header text at the start of `fd`; returns the header and the data size.
-inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size) {
-  if (size < 8)
-    fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length", rewrite_fix());
-  std::uint8_t length[8];
-  if (::pread(fd, length, 8, 0) != 8) fail(path, "reading failed", "check the disk and the file's permissions", errno);
-  std::uint64_t header_len = 0;
-  for (int i = 0; i < 8; ++i) header_len |= static_cast<std::uint64_t>(length[i]) << (8 * i);
-  if (header_len > max_header_bytes)
-    fail(path, "corrupt: the header claims " + std::to_string(header_len) + " bytes (more than " +
-                   std::to_string(max_header_bytes) + "); this is not a safetensors file or its start is damaged",
-         rewrite_fix());
-  if (header_len > size - 8)
-    fail(path, "truncated: the header claims " + std::to_string(header_len) + " bytes but only " +
-                   std::to_string(size - 8) + " follow the length field",
-         rewrite_fix());
-  std::string text(header_len, '\0');
-  if (::pread(fd, text.data(), header_len, 8) != static_cast<ssize_t>(header_len))
-    fail(path, "reading failed", "check the disk and the file's permissions", errno);
-  return {std::move(text), size - 8 - header_len};
-}
-
-}  // namespace detail
-
-/// A safetensors file opened for reading piece by piece: the header is read and validated at once (as
-/// file::read does), the data stays on disk until read() asks for a range of a tensor.
-class reader {
- public:
-  /// Opens `path` and validates its header; throws ddp::io_error saying what is wrong and what to do.
-  static reader open(const std::filesystem::path& path) {
-    reader r;
-    r.path_ = path;
-    r.fd_ = std::shared_ptr<int>(new int(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), [](int* fd) {
-      if (*fd >= 0) ::close(*fd);
-      delete fd;
-    });
-    if (*r.fd_ < 0) detail::fail(path, "cannot be opened", "check the path (does the file exist? is it readable?)", errno);
-    const off_t size = ::lseek(*r.fd_, 0, SEEK_END);
-    if (size < 0) detail::fail(path, "reading failed", "check the disk and the file's permissions", errno);
-    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size));
-    r.data_at_ = static_cast<std::uint64_t>(size) - data_size;
-    r.entries_ = detail::parse_header(path, text, data_size, r.metadata_);
-    return r;
-  }
-
-  /// Reads the whole data section once and throws ddp::io_error unless it matches the recorded checksum.
-  void verify_checksum() const {
-    std::vector<std::byte> chunk(std::size_t{1} << 20);
-    std::uint64_t h = 14695981039346656037ULL, at = data_at_;
-    const std::uint64_t end = data_at_ + (entries_.empty() ? 0 : entries_.back().begin + entries_.back().bytes());
-    while (at < end) {
-      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), end - at));
-      read_bytes(at, std::span(chunk).first(n));
-      h = detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
-      at += n;
-    }
-    detail::check_checksum(path_, metadata_, h);
-  }
-
-  /// Copies bytes [offset, offset + out.size()) of tensor `t` into `out`.
-  void read(const located_header& t, std::uint64_t offset, std::span<std::byte> out) const {
-    if (offset + out.size() > t.bytes())
-      throw io_error("safetensors::reader: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + out.size()) +
-                     ") lie outside tensor '" + t.name + "' of " + std::to_string(t.bytes()) + " bytes in '" +
-                     path_.string() + "'; read within the tensor");
-    read_bytes(data_at_ + t.begin + offset, out);
-  }
-
-  /// The tensors in file order (ascending offsets).
-  [[nodiscard]] const std::vector<located_header>& entries() const noexcept { return entries_; }
-  /// The tensor named `name`, or nullptr.
-  [[nodiscard]] const located_header* find(std::string_view name) const noexcept {
-    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const auto& e) { return e.name == name; });
-    return it == entries_.end() ? nullptr : &*it;
-  }
-  /// The `__metadata__` string map (empty when absent).
-  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
-  /// The path the file was opened from.
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
-
- private:
-  void read_bytes(std::uint64_t at, std::span<std::byte> out) const {
-    while (!out.empty()) {
-      const ssize_t n = ::pread(*fd_, out.data(), out.size(), static_cast<off_t>(at));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0)
-        detail::fail(path_, n == 0 ? "truncated: it ended while being read" : "reading failed",
-                     n == 0 ? detail::rewrite_fix() : "check the disk and the file's permissions", n == 0 ? 0 : errno);
-      out = out.subspan(static_cast<std::size_t>(n));
-      at += static_cast<std::uint64_t>(n);
-    }
-  }
-
-  std::filesystem::path path_;
-  std::shared_ptr<int> fd_;
-  std::uint64_t data_at_ = 0;
-  std::vector<located_header> entries_;
-  std::map<std::string, std::string> metadata_;
-};
-
-/// A safetensors file read into memory and validated: header bound, JSON, dtypes, offsets in range and
-/// contiguous, sizes equal to shape × dtype, and the checksum when the file carries one.
-class file {
- public:
-  /// Reads and validates `path`; throws ddp::io_error saying what is wrong and what to do.
-  static file read(const std::filesystem::path& path) {
-    const auto r = reader::open(path);
-    file f;
-    f.path_ = path;
-    f.metadata_ = r.metadata();
-    std::uint64_t total = 0;
-    for (const auto& e : r.entries()) total += e.bytes();
-    f.buffer_.resize(total);
-    for (const auto& e : r.entries()) {
-      const auto bytes = std::span(f.buffer_).subspan(e.begin, e.bytes());
-      r.read(e, 0, bytes);
-      f.entries_.push_back({e.name, e.type, e.shape, bytes});
-    }
-    detail::check_checksum(path, f.metadata_, detail::fnv1a(f.buffer_));
-    return f;
-  }
-
-  /// The tensors in file order (ascending offsets).
-  [[nodiscard]] const std::vector<entry>& entries() const noexcept { return entries_; }
-  /// The tensor named `name`, or nullptr.
-  [[nodiscard]] const entry* find(std::string_view name) const noexcept {
-    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const entry& e) { return e.name == name; });
-    return it == entries_.end() ? nullptr : &*it;
-  }
-  /// The `__metadata__` string map (empty when absent).
-  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
-  /// The path the file was read from.
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
-
- private:
-  std::filesystem::path path_;
-  std::vector<std::byte> buffer_;  // the data section
-  std::vector<entry> entries_;
-  std::map<std::string, std::string> metadata_;
-};
-
-}  // namespace ddp::safetensors
-// ---- end <ddp/checkpoint/safetensors.hpp>
-// ---- begin <ddp/checkpoint/sharded.hpp>
-/// \file ddp::save_sharded / ddp::load_sharded: the training state as a directory with one safetensors part per
-/// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
-/// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
-/// ranges, each part's checksum, the metadata). The directory is written as `<dir>.tmp.<pid>` and moved into
-/// place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
-/// at one world size (or policy) loads at another. The directory must be visible to every rank.
-
-#include <cstdio>
-#include <sstream>
-#include <system_error>
-
-
-
-// ---- begin <ddp/checkpoint/state.hpp>
-/// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
-/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<slot>"), the pieces of
-/// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
-/// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
-
-#include <variant>
-
-
-namespace ddp {
-
-/// Free-form string metadata stored beside the tensors (such as {"epoch", "3"}).
-using checkpoint_metadata = std::map<std::string, std::string>;
-
-namespace detail {
-
-/// A contiguous range of elements of a state tensor held by one rank.
-struct held_range {
-  int rank = 0;           ///< the rank holding it
-  std::size_t start = 0;  ///< first element within the tensor (flattened, row-major)
-  std::size_t numel = 0;  ///< elements
-};
-
-/// A range of a state tensor in this rank's memory (writable: loading fills it).
-struct state_piece {
-  std::size_t tensor = 0;  ///< index into training_state::tensors
-  std::size_t start = 0;   ///< first element within the tensor
-  std::size_t numel = 0;   ///< elements
-  std::byte* data = nullptr;
-};
-
-/// What a rank tells the others about one of its pieces.
-struct piece_description {
-  std::string name;
-  dtype type = dtype::f32;
-  std::uint64_t start = 0;
-  std::uint64_t numel = 0;
-};
-
-/// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
-struct training_state {
-  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
-  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the model's
-  std::vector<state_piece> mine;                    ///< this rank's pieces
-  std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
-  std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
-
-  /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
-  [[nodiscard]] std::byte* at(std::size_t tensor, std::size_t start, std::size_t numel) const {
-    for (const auto& p : mine)
-      if (p.tensor == tensor && p.start <= start && start + numel <= p.start + p.numel)
-        return p.data + (start - p.start) * size_of(tensors[tensor].type);
-    throw error("checkpoint: this rank holds no piece with elements [" + std::to_string(start) + ", " +
-                std::to_string(start + numel) + ") of '" + tensors[tensor].name +
-                "'; this is a bug in ddp's checkpoint code, please report it");
-  }
-};
-
-inline std::string describe(dtype t, const std::vector<std::size_t>& shape) {
-  std::string s = std::string(to_string(t)) + " [";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-/// The lowest rank holding each element of a tensor of `numel` elements, as ascending merged ranges.
-inline std::vector<held_range> lowest_holders(const std::vector<held_range>& holders, std::size_t numel,
-                                              const std::string& name) {
-  std::vector<std::size_t> points{0, numel};
-  for (const auto& h : holders) points.insert(points.end(), {h.start, h.start + h.numel});
-  std::sort(points.begin(), points.end());
-  points.erase(std::unique(points.begin(), points.end()), points.end());
-  std::vector<held_range> out;
-  std::size_t last_piece = holders.size();
-  for (std::size_t i = 0; i + 1 < points.size() && points[i + 1] <= numel; ++i) {
-    const std::size_t a = points[i], b = points[i + 1];
-    std::size_t best = holders.size();  // the piece of the lowest rank holding [a, b)
-    for (std::size_t h = 0; h < holders.size(); ++h)
-      if (holders[h].start <= a && b <= holders[h].start + holders[h].numel &&
-          (best == holders.size() || holders[h].rank < holders[best].rank))
-        best = h;
-    if (best == holders.size())
-      throw error("checkpoint: no rank holds elements [" + std::to_string(a) + ", " + std::to_string(b) + ") of '" +
-                  name + "'; this is a bug in ddp's checkpoint code, please report it");
-    // Ranges merge only within one piece: a rank's adjacent pieces (from two buffers) are not adjacent in memory.
-    if (!out.empty() && last_piece == best && out.back().start + out.back().numel == a)
-      out.back().numel += b - a;
-    else
-      out.push_back({holders[best].rank, a, b - a});
-    last_piece = best;
-  }
-  return out;
-}
-
-/// Collects the training state of `dp` (and `opt`'s, unless Opt is void; its state is allocated first) and
-/// tells every rank where every piece lives. Collective.
-template <class DP, class Opt>
-training_state collect_state(DP& dp, Opt* opt) {
-  training_state st;
-  std::map<std::string, std::size_t> index;
-  dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-    if (p.device().is_cuda())
-      throw config_error("checkpoint: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
-                             "; checkpoints handle host parameters, copy CUDA parameters to the host first",
-                         dp.rank());
-    index[std::string(name)] = st.tensors.size();
-    st.tensors.push_back({std::string(name), dtype_v<E>, p.shape()});
-  });
-  st.parameters = st.tensors.size();
-
-  std::vector<piece_description> described;
-  std::vector<std::byte*> data;
-  for (const auto& b : dp.owned_buffers())
-    for (const auto& seg : b.segments) {
-      described.push_back({seg.name, b.values.type, seg.start, seg.numel});
-      data.push_back(static_cast<std::byte*>(b.values.data) + seg.offset * size_of(b.values.type));
-    }
-  if constexpr (!std::is_void_v<Opt>) {
-    dp.attach(*opt);
-    opt->for_each_state([&](const std::string& name, raw_tensor view, const optim::flat_segment& seg) {
-      described.push_back({"optim." + name, view.type, seg.start, view.size});
-      data.push_back(static_cast<std::byte*>(view.data));
-    });
-  }
-  const auto everyone = all_gather_object(dp.comm(), described);
-
-  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
-  std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
-  std::map<std::string, std::size_t> extent;  // elements of each state tensor: the end of its last piece
-  for (const auto& rank_pieces : everyone)
-    for (const auto& d : rank_pieces) {
-      if (!d.name.starts_with("optim.")) continue;
-      extent[d.name] = std::max<std::size_t>(extent[d.name], d.start + d.numel);
-      const std::string state_name = d.name.substr(6);
-      const auto dot = state_name.rfind('.');  // "<parameter>.<slot>": the state takes the parameter's shape
-      const auto it = dot == std::string::npos ? index.end() : index.find(state_name.substr(0, dot));
-      state[{it == index.end() ? st.parameters : it->second, d.name}] = {d.name, d.type, {}};
-    }
-  for (auto& [key, header] : state) {
-    const std::size_t numel = extent[header.name];
-    const bool like_parameter = key.first < st.parameters && safetensors::detail::numel_of(st.tensors[key.first].shape) == numel;
-    header.shape = like_parameter ? st.tensors[key.first].shape : std::vector<std::size_t>{numel};
-    index[header.name] = st.tensors.size();
-    st.tensors.push_back(std::move(header));
-  }
-
-  st.holders.resize(st.tensors.size());
-  for (std::size_t r = 0; r < everyone.size(); ++r)
-    for (const auto& d : everyone[r]) st.holders[index.at(d.name)].push_back({static_cast<int>(r), d.start, d.numel});
-  for (std::size_t i = 0; i < described.size(); ++i)
-    st.mine.push_back({index.at(described[i].name), described[i].start, described[i].numel, data[i]});
-  for (std::size_t t = 0; t < st.tensors.size(); ++t)
-    st.cover.push_back(lowest_holders(st.holders[t], safetensors::detail::numel_of(st.tensors[t].shape), st.tensors[t].name));
-  return st;
-}
-
-/// Compares the tensors a checkpoint holds (`found`, from `source`) with the expected ones; returns "" when
-/// they agree, else what differs and how to fix it. Optimizer entries are ignored when `ignore_optimizer`.
-template <class Found>
-std::string compare_state(const std::string& source, const Found& found,
-                          std::span<const safetensors::tensor_header> expected, bool ignore_optimizer) {
-  std::string missing, extra, mismatched;
-  std::size_t n_missing = 0, n_extra = 0, n_mismatched = 0;
-  std::map<std::string_view, const safetensors::tensor_header*> in_file, in_model;
-  for (const auto& e : found) in_file[e.name] = &e;
-  for (const auto& t : expected) {
-    in_model[t.name] = &t;
-    const auto it = in_file.find(t.name);
-    if (it == in_file.end()) {
-      if (n_missing++ == 0) missing = "'" + t.name + "' (" + describe(t.type, t.shape) + ")";
-    } else if (it->second->type != t.type || it->second->shape != t.shape) {
-      if (n_mismatched++ == 0)
-        mismatched = "'" + t.name + "' is " + describe(it->second->type, it->second->shape) + " in the file but " +
-                     describe(t.type, t.shape) + " in the model";
-    }
-  }
-  for (const auto& e : found)
-    if (!in_model.contains(e.name) && !(ignore_optimizer && e.name.starts_with("optim.")))
-      if (n_extra++ == 0) extra = "'" + e.name + "'";
-  if (n_missing + n_extra + n_mismatched == 0) return {};
-  std::string what = "checkpoint '" + source + "' does not match the model and optimizer:";
-  if (n_missing) what += " " + std::to_string(n_missing) + " tensor(s) missing from the file, first " + missing + ";";
-  if (n_extra) what += " " + std::to_string(n_extra) + " tensor(s) in the file that the model lacks, first " + extra + ";";
-  if (n_mismatched) what += " " + std::to_string(n_mismatched) + " with another dtype or shape, first " + mismatched + ";";
-  return what + " load it into the model (and optimizer type) that saved it";
-}
-
-/// Runs steps while none has failed and keeps the first ddp::error one threw (later steps are skipped), so that
-/// a rank keeps taking part in the collectives of a save or load after its own work failed.
-struct first_failure {
-  std::exception_ptr failure;  ///< the first error thrown, or null
-  /// Runs `f` unless a previous step failed; catches what it throws.
-  template <class F>
-  void run(F&& f) {
-    if (failure) return;
-    try {
-      f();
-    } catch (const error&) {
-      failure = std::current_exception();
-    }
-  }
-  /// "" or "rank <rank>: <message of the first error>".
-  [[nodiscard]] std::string message(int rank) const {
-    if (!failure) return {};
-    try {
-      std::rethrow_exception(failure);
-    } catch (const error& e) {
-      return "rank " + std::to_string(rank) + ": " + e.message();
-    }
-  }
-};
-
-/// Makes every rank throw what `failure` holds on rank 0 (same type family, same text), or return when it is
-/// empty. Collective: it is also the barrier where the other ranks wait for rank 0.
-template <class Comm>
-void share_rank0_outcome(Comm& comm, const std::exception_ptr& failure) {
-  std::vector<std::string> outcome;  // {kind, message}: empty when rank 0 succeeded
-  if (comm.rank() == 0 && failure) {
-    try {
-      std::rethrow_exception(failure);
-    } catch (const mismatch_error& e) {
-      outcome = {"mismatch", e.message()};
-    } catch (const io_error& e) {
-      outcome = {"io", e.message()};
-    } catch (const error& e) {
-      outcome = {"error", e.message()};
-    }
-  }
-  broadcast_object(comm, outcome, 0);
-  if (outcome.empty()) return;
-  const std::string text = comm.rank() == 0 ? outcome[1] : outcome[1] + " (reported by rank 0)";
-  if (outcome[0] == "mismatch") throw mismatch_error(text, comm.rank());
-  if (outcome[0] == "io") throw io_error(text, comm.rank());
-  throw error(text, comm.rank());
-}
-
-/// Runs `f` on rank 0 and makes every rank throw what it threw (a ddp::error), or return.
-template <class Comm, class F>
-void on_rank0_then_share(Comm& comm, F&& f) {
-  first_failure rank0;
-  if (comm.rank() == 0) rank0.run(f);
-  share_rank0_outcome(comm, rank0.failure);
-}
-
-/// Every rank passes what went wrong on it ("" for nothing, else first_failure::message); when any rank
-/// failed, every rank throws ddp::io_error with the first failed rank's message. Collective.
-template <class Comm>
-void agree_on_failure(Comm& comm, const std::string& mine) {
-  const auto all = all_gather_object(comm, mine);
-  const auto first = std::find_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
-  if (first == all.end()) return;
-  const auto failed = std::count_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
-  throw io_error(*first + (failed > 1 ? " (and " + std::to_string(failed - 1) + " more rank(s) failed)" : ""),
-                 comm.rank());
-}
-
-/// Sets `opt`'s step count from the "optim.step" metadata of the checkpoint at `source` (nothing when Opt is
-/// void); throws ddp::mismatch_error when the checkpoint has none. Every rank sees the same metadata.
-template <class Opt>
-void restore_step_count(const std::filesystem::path& source, const checkpoint_metadata& meta, Opt* opt, int rank) {
-  if constexpr (!std::is_void_v<Opt>) {
-    const auto it = meta.find("optim.step");
-    if (it == meta.end())
-      throw mismatch_error("checkpoint '" + source.string() + "' has no optim.step metadata (it was saved without "
-                           "an optimizer); load it without the optimizer argument to take only the parameters",
-                           rank);
-    opt->set_step_count(std::stoull(it->second));
-  }
-}
-
-/// The parameters of one unit (a top-level field of the model), as a part data_parallel::gather accepts.
-struct unit_parameters {
-  std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
-                           parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
-      members;
-  /// Visits the members (names are not needed by gather).
-  template <class F>
-  void visit_parameters(F&& f) {
-    for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
-  }
-};
-
-/// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it.
-/// Nothing to do under replicate, where the pieces are the parameters. Collective.
-template <class DP>
-void refresh_parameters(DP& dp, const training_state& st) {
-  if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
-    std::vector<unit_parameters> units;
-    std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
-    std::string last_unit;
-    std::size_t t = 0;
-    dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-      const auto unit = name.substr(0, name.find('.'));
-      if (units.empty() || unit != last_unit) {
-        units.emplace_back();
-        members.emplace_back();
-        last_unit = std::string(unit);
-      }
-      units.back().members.emplace_back(&p);
-      members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
-    });
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      auto scope = dp.gather(units[u]);
-      for (const auto& [tensor, full] : members[u]) {
-        const std::size_t width = size_of(st.tensors[tensor].type);
-        for (const auto& c : st.cover[tensor]) {
-          std::byte* dst = full + c.start * width;
-          if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
-          dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
-        }
-      }
-    }
-  }
-}
-
-}  // namespace detail
-}  // namespace ddp
-// ---- end <ddp/checkpoint/state.hpp>
-
-namespace ddp {
-
-namespace detail {
-
-/// Format of the manifest, stored as "format".
-inline constexpr std::string_view sharded_format = "ddp.sharded/1";
-
-/// File name of rank r's part in a checkpoint of n ranks.
-inline std::string part_name(int r, int n) {
-  char name[64];
-  std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, n);
-  return name;
-}
-
-/// Key of a range inside a part: "fc1.weight[0:35]" (flattened elements [0, 35) of fc1.weight).
-inline std::string piece_key(const std::string& tensor, std::size_t start, std::size_t numel) {
-  return tensor + "[" + std::to_string(start) + ":" + std::to_string(start + numel) + "]";
-}
-
-/// What a part's writer reports to rank 0 for the manifest.
-struct part_report {
-  std::string checksum;         ///< the part's ddp.checksum
-  std::uint64_t data_bytes = 0;  ///< bytes of its data section
-};
-
-/// A manifest, read and validated.
-struct sharded_manifest {
-  /// A range of a tensor in a part.
-  struct range {
-    std::size_t part = 0, start = 0, numel = 0;
-  };
-  /// A part file.
-  struct part {
-    std::string file, checksum;
-    std::uint64_t data_bytes = 0;
-  };
-  int world_size = 0;
-  checkpoint_metadata metadata;
-  std::vector<safetensors::tensor_header> tensors;
-  std::vector<std::vector<range>> ranges;  // per tensor, ascending and covering it exactly
-  std::vector<part> parts;
-};
-
-[[noreturn]] inline void corrupt_manifest(const std::filesystem::path& path, const std::string& what) {
-  throw io_error("sharded checkpoint manifest '" + path.string() + "': corrupt: " + what +
-                     "; save the checkpoint again (or resume from an older one)",
-                 -1);
-}
-
-/// Parses the manifest text read from `path`; throws ddp::io_error naming the path for anything malformed.
-inline sharded_manifest parse_manifest(const std::filesystem::path& path, const std::string& text) {
-  sharded_manifest m;
-  try {
-    const auto j = nlohmann::json::parse(text);
-    if (j.at("format").get<std::string>() != sharded_format)
-      corrupt_manifest(path, "its format is '" + j.at("format").get<std::string>() + "', not '" +
-                                 std::string(sharded_format) + "'");
-    m.world_size = j.at("world_size").get<int>();
-    m.metadata = j.at("metadata").get<checkpoint_metadata>();
-    std::map<std::string, std::size_t> index;
-    for (const auto& t : j.at("tensors")) {
-      const auto type = safetensors::dtype_from_name(t.at("dtype").get<std::string>());
-      if (!type) corrupt_manifest(path, "tensor " + t.dump() + " has an unknown dtype");
-      index[t.at("name").get<std::string>()] = m.tensors.size();
-      m.tensors.push_back({t.at("name").get<std::string>(), *type, t.at("shape").get<std::vector<std::size_t>>()});
-    }
-    m.ranges.resize(m.tensors.size());
-    for (const auto& p : j.at("parts")) {
-      const auto file = p.at("file").get<std::string>();
-      if (file.empty() || std::filesystem::path(file).filename().string() != file)
-        corrupt_manifest(path, "part file name '" + file + "' is not a plain file name");
-      for (const auto& r : p.at("ranges")) {
-        const auto it = index.find(r.at("tensor").get<std::string>());
-        if (it == index.end()) corrupt_manifest(path, "a range names tensor '" + r.at("tensor").get<std::string>() + "', which it does not list");
-        m.ranges[it->second].push_back({m.parts.size(), r.at("start").get<std::size_t>(), r.at("numel").get<std::size_t>()});
-      }
-      m.parts.push_back({file, p.at("checksum").get<std::string>(), p.at("data_bytes").get<std::uint64_t>()});
-    }
-  } catch (const nlohmann::json::exception& e) {
-    corrupt_manifest(path, std::string("it does not parse as a ddp manifest (") + e.what() + ")");
-  }
-  if (m.world_size <= 0 || static_cast<std::size_t>(m.world_size) != m.parts.size())
-    corrupt_manifest(path, "world_size " + std::to_string(m.world_size) + " but " + std::to_string(m.parts.size()) + " parts");
-  for (std::size_t t = 0; t < m.tensors.size(); ++t) {
-    auto& ranges = m.ranges[t];
-    std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
-    std::size_t end = 0;
-    bool exact = true;  // ascending, without gaps or overlaps, up to the last element
-    for (const auto& r : ranges) {
-      exact = exact && r.start == end;
-      end = r.start + r.numel;
-    }
-    if (!exact || end != safetensors::detail::numel_of(m.tensors[t].shape))
-      corrupt_manifest(path, "the ranges of '" + m.tensors[t].name + "' do not cover its elements exactly once");
-  }
-  return m;
-}
-
-/// The manifest of `dir` as text; throws ddp::io_error naming the path when it cannot be read.
-inline std::string read_manifest_text(const std::filesystem::path& dir) {
-  const auto path = dir / "manifest.json";
-  std::ifstream in(path);
-  if (!in)
-    throw io_error("sharded checkpoint '" + dir.string() + "': '" + path.string() + "' cannot be opened; check the "
-                   "path (is it a directory written by ddp::save_sharded? is it visible to rank 0?)",
-                   -1);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-/// Throws unless `dir` is absent, an empty directory or a sharded checkpoint: what save_sharded may replace.
-inline void check_replaceable(const std::filesystem::path& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::exists(dir, ec)) return;
-  if (!fs::is_directory(dir, ec) || (!fs::is_empty(dir, ec) && !fs::exists(dir / "manifest.json", ec)))
-    throw io_error("save_sharded: '" + dir.string() + "' exists and is not a sharded checkpoint (no manifest.json), "
-                   "so it is not replaced; choose another directory or remove it",
-                   -1);
-}
-
-/// Moves the complete directory `tmp` to `dir`: a rename, or an atomic exchange with the checkpoint already
-/// there, which is then removed.
-inline void install_directory(const std::filesystem::path& tmp, const std::filesystem::path& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const bool replacing = fs::exists(dir, ec);
-  const int rc = replacing ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE)
-                           : ::rename(tmp.c_str(), dir.c_str());
-  if (rc != 0)
-    throw io_error("save_sharded: moving '" + tmp.string() + "' to '" + dir.string() + "' failed (" +
-                       std::generic_category().message(errno) + "); check permissions of the parent directory and "
-                       "that the file system supports renameat2",
-                   -1, errno);
-  if (replacing) fs::remove_all(tmp, ec);  // the previous checkpoint, now under the temporary name
-  safetensors::detail::atomic_file::sync_directory(dir.has_parent_path() ? dir.parent_path() : fs::path("."));
-}
-
-template <class DP, class Opt>
-checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, Opt* opt) {
-  const auto st = collect_state(dp, opt);
-  auto& comm = dp.comm();
-  const int me = comm.rank();
-  const auto manifest_path = dir / "manifest.json";
-  std::string text;
-  on_rank0_then_share(comm, [&] {
-    text = read_manifest_text(dir);
-    const auto m = parse_manifest(manifest_path, text);
-    const auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
-    if (!problem.empty()) throw mismatch_error(problem, 0);
-  });
-  broadcast_object(comm, text, 0);
-  const auto m = parse_manifest(manifest_path, text);
-  std::map<std::string, std::size_t> index;
-  for (std::size_t t = 0; t < m.tensors.size(); ++t) index[m.tensors[t].name] = t;
-
-  // Every range of a part that overlaps a piece this rank holds.
-  struct copy {
-    std::size_t part;
-    std::size_t tensor;       // index into the manifest's tensors
-    std::string key;
-    std::size_t numel;        // elements of the range in the part
-    std::uint64_t offset;     // first byte to read inside the range
-    std::span<std::byte> to;  // where the bytes go
-  };
-  std::vector<copy> copies;
-  for (const auto& p : st.mine) {
-    const auto& tensor = st.tensors[p.tensor];
-    const std::size_t width = size_of(tensor.type);
-    for (const auto& r : m.ranges[index.at(tensor.name)]) {
-      const std::size_t lo = std::max(p.start, r.start), hi = std::min(p.start + p.numel, r.start + r.numel);
-      if (lo < hi)
-        copies.push_back({r.part, index.at(tensor.name), piece_key(tensor.name, r.start, r.numel), r.numel, (lo - r.start) * width,
-                          {p.data + (lo - p.start) * width, (hi - lo) * width}});
-    }
-  }
-  // Open and verify every part needed before changing anything, then read.
-  std::map<std::size_t, safetensors::reader> parts;
-  first_failure failed;
-  failed.run([&] {
-    for (const auto& c : copies) {
-      if (!parts.contains(c.part)) {
-        const auto& part = m.parts[c.part];
-        auto r = safetensors::reader::open(dir / part.file);
-        r.verify_checksum();
-        const auto it = r.metadata().find("ddp.checksum");
-        if (it == r.metadata().end() || it->second != part.checksum)
-          throw io_error("sharded checkpoint part '" + (dir / part.file).string() + "' has checksum " +
-                         (it == r.metadata().end() ? std::string("(none)") : it->second) + " but the manifest records " +
-                         part.checksum + ": it comes from another save; save the checkpoint again (or resume from an "
-                         "older one)");
-        parts.emplace(c.part, std::move(r));
-      }
-      const auto* e = parts.at(c.part).find(c.key);
-      if (e == nullptr || e->type != m.tensors[c.tensor].type ||
-          e->shape != std::vector<std::size_t>{c.numel})
-        throw io_error("sharded checkpoint part '" + (dir / m.parts[c.part].file).string() + "' lacks '" + c.key +
-                       "' (or holds it with another dtype or shape), which the manifest places there; save the "
-                       "checkpoint again (or resume from an older one)");
-    }
-  });
-  agree_on_failure(comm, failed.message(me));
-  failed.run([&] {
-    for (const auto& c : copies) {
-      const auto& r = parts.at(c.part);
-      r.read(*r.find(c.key), c.offset, c.to);
-    }
-  });
-  agree_on_failure(comm, failed.message(me));
-  refresh_parameters(dp, st);
-  restore_step_count(manifest_path, m.metadata, opt, me);
-  return m.metadata;
-}
-
-}  // namespace detail
-
-/// Saves the training state of `dp` and `opt` as the directory `dir` (created, or replaced when it holds a
-/// sharded checkpoint): each rank writes the ranges it holds (under hybrid, replicas are written once) as
-/// `rank-<r>-of-<n>.safetensors`; rank 0 writes `manifest.json` with `metadata`, then moves the directory into
-/// place. Collective; a failure on any rank is thrown on every rank.
-template <class DP, class Opt>
-void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
-  namespace fs = std::filesystem;
-  const auto st = detail::collect_state(dp, &opt);
-  auto& comm = dp.comm();
-  const int me = comm.rank(), n = comm.size();
-  std::string tmp = dir.string() + ".tmp." + std::to_string(::getpid());
-  broadcast_object(comm, tmp, 0);
-  detail::on_rank0_then_share(comm, [&] {
-    detail::check_replaceable(dir);
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fs::create_directories(tmp, ec);
-    if (ec)
-      throw io_error("save_sharded: cannot create '" + tmp + "' (" + ec.message() + "); check that the parent "
-                     "directory exists or can be created and is writable", 0, ec.value());
-  });
-
-  std::vector<safetensors::tensor_header> headers;
-  std::vector<std::span<const std::byte>> bytes;
-  for (std::size_t t = 0; t < st.tensors.size(); ++t)
-    for (const auto& c : st.cover[t])
-      if (c.rank == me) {
-        headers.push_back({detail::piece_key(st.tensors[t].name, c.start, c.numel), st.tensors[t].type, {c.numel}});
-        bytes.emplace_back(st.at(t, c.start, c.numel), c.numel * size_of(st.tensors[t].type));
-      }
-  detail::part_report report;
-  detail::first_failure failed;
-  failed.run([&] {
-    safetensors::writer w(fs::path(tmp) / detail::part_name(me, n), headers,
-                          {{"ddp.rank", std::to_string(me)}, {"ddp.world_size", std::to_string(n)}});
-    for (const auto& b : bytes) w.append(b);
-    w.commit();
-    report = {safetensors::detail::hex(w.checksum()), w.data_bytes()};
-  });
-  try {
-    detail::agree_on_failure(comm, failed.message(me));
-  } catch (const error&) {
-    std::error_code ec;
-    if (me == 0) fs::remove_all(tmp, ec);
-    throw;
-  }
-  const auto reports = all_gather_object(comm, report);
-  detail::on_rank0_then_share(comm, [&] {
-    nlohmann::json tensors = nlohmann::json::array(), parts = nlohmann::json::array();
-    for (const auto& t : st.tensors)
-      tensors.push_back({{"name", t.name}, {"dtype", safetensors::dtype_name(t.type)}, {"shape", t.shape}});
-    for (int r = 0; r < n; ++r) {
-      nlohmann::json ranges = nlohmann::json::array();
-      for (std::size_t t = 0; t < st.tensors.size(); ++t)
-        for (const auto& c : st.cover[t])
-          if (c.rank == r) ranges.push_back({{"tensor", st.tensors[t].name}, {"start", c.start}, {"numel", c.numel}});
-      const auto& rep = reports[static_cast<std::size_t>(r)];
-      parts.push_back({{"file", detail::part_name(r, n)}, {"rank", r}, {"checksum", rep.checksum},
-                       {"data_bytes", rep.data_bytes}, {"ranges", std::move(ranges)}});
-    }
-    auto meta = metadata;
-    meta["optim.step"] = std::to_string(opt.step_count());
-    meta["ddp.world_size"] = std::to_string(n);
-    const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
-                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)}};
-    try {
-      const std::string text = manifest.dump(1);
-      safetensors::detail::atomic_file file(fs::path(tmp) / "manifest.json");
-      file.write(std::as_bytes(std::span(text)));
-      file.commit();
-      detail::install_directory(tmp, dir);
-    } catch (const error&) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      throw;
-    }
-  });
-}
-
-/// Loads what save_sharded() wrote — at any world size and under any sharding policy — into `dp`'s parameters
-/// and `opt`'s state and step count: each rank reads the ranges overlapping what it holds, after verifying the
-/// parts it needs (checksums, the manifest's ranges). A missing, truncated or corrupt part, or a manifest that
-/// does not match the model, throws on every rank (ddp::io_error / ddp::mismatch_error naming the file and
-/// the rank). Returns the metadata. Collective.
-template <class DP, class Opt>
-checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt) {
-  return detail::load_sharded_impl(dir, dp, &opt);
-}
-
-/// Loads only the parameters of a sharded checkpoint (its optimizer ranges are not read). Collective.
-template <class DP>
-checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp) {
-  return detail::load_sharded_impl(dir, dp, static_cast<void*>(nullptr));
-}
-
-}  // namespace ddp
-// ---- end <ddp/checkpoint/sharded.hpp>
-
-namespace ddp {
-
-namespace detail {
-
-template <class DP, class Opt>
-void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata) {
-  const auto st = collect_state(dp, &opt);
-  auto& comm = dp.comm();
-  const int me = comm.rank();
-  std::optional<safetensors::writer> out;
-  first_failure rank0;  // rank 0 keeps receiving after a failed write, so no sender is left waiting
-  if (me == 0)
-    rank0.run([&] {
-      auto meta = metadata;
-      meta["optim.step"] = std::to_string(opt.step_count());
-      meta["ddp.world_size"] = std::to_string(dp.world_size());
-      out.emplace(path, st.tensors, meta);
-    });
-  std::vector<std::byte> buffer;
-  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
-    const dtype type = st.tensors[t].type;
-    for (const auto& c : st.cover[t]) {
-      const std::size_t bytes = c.numel * size_of(type);
-      if (me == 0 && c.rank == 0) {
-        rank0.run([&] { out->append({st.at(t, c.start, c.numel), bytes}); });
-      } else if (me == 0) {
-        buffer.resize(bytes);
-        comm.recv(raw_tensor{buffer.data(), c.numel, type, device::cpu()}, c.rank).wait();
-        rank0.run([&] { out->append({buffer.data(), bytes}); });
-      } else if (c.rank == me) {
-        comm.send(raw_tensor{st.at(t, c.start, c.numel), c.numel, type, device::cpu()}, 0).wait();
-      }
-    }
-  }
-  if (me == 0) rank0.run([&] { out->commit(); });
-  share_rank0_outcome(comm, rank0.failure);
-}
-
-template <class DP, class Opt>
-checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* opt) {
-  const auto st = collect_state(dp, opt);
-  auto& comm = dp.comm();
-  const int me = comm.rank();
-  std::optional<safetensors::reader> in;
-  std::vector<std::string> meta_flat;  // key, value, key, value, ...
-  on_rank0_then_share(comm, [&] {
-    in.emplace(safetensors::reader::open(path));
-    const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
-    if (!problem.empty()) throw mismatch_error(problem, 0);
-    in->verify_checksum();
-    for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
-  });
-  first_failure rank0;  // rank 0 keeps sending after a failed read, so no receiver is left waiting
-  std::vector<std::byte> buffer;
-  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
-    const dtype type = st.tensors[t].type;
-    const std::size_t numel = safetensors::detail::numel_of(st.tensors[t].shape), width = size_of(type);
-    const auto* entry = me == 0 ? in->find(st.tensors[t].name) : nullptr;
-    const auto& holders = st.holders[t];
-    const bool everywhere = holders.size() == static_cast<std::size_t>(comm.size()) &&
-                            std::all_of(holders.begin(), holders.end(), [&](const held_range& h) { return h.numel == numel; });
-    if (everywhere && numel > 0) {
-      std::byte* mine = st.at(t, 0, numel);
-      if (me == 0) rank0.run([&] { in->read(*entry, 0, {mine, numel * width}); });
-      comm.broadcast(raw_tensor{mine, numel, type, device::cpu()}, 0).wait();
-      continue;
-    }
-    for (const auto& h : holders) {
-      if (me == 0 && h.rank == 0) {
-        rank0.run([&] { in->read(*entry, h.start * width, {st.at(t, h.start, h.numel), h.numel * width}); });
-      } else if (me == 0) {
-        buffer.resize(h.numel * width);
-        rank0.run([&] { in->read(*entry, h.start * width, buffer); });
-        comm.send(raw_tensor{buffer.data(), h.numel, type, device::cpu()}, h.rank).wait();
-      } else if (h.rank == me) {
-        comm.recv(raw_tensor{st.at(t, h.start, h.numel), h.numel, type, device::cpu()}, 0).wait();
-      }
-    }
-  }
-  share_rank0_outcome(comm, rank0.failure);
-  refresh_parameters(dp, st);
-  broadcast_object(comm, meta_flat, 0);
-  checkpoint_metadata meta;
-  for (std::size_t i = 0; i + 1 < meta_flat.size(); i += 2) meta[meta_flat[i]] = meta_flat[i + 1];
-  restore_step_count(path, meta, opt, me);
-  return meta;
-}
-
-}  // namespace detail
-
-/// Saves the parameters of `dp` and the state of `opt` to `path` (one safetensors file, any sharding policy):
-/// rank 0 writes to a temporary file and renames it, the other ranks stream it the ranges they hold.
-/// `metadata` is stored too. Collective: every rank calls it; a failure is thrown on every rank.
-template <class DP, class Opt>
-void save(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
-  detail::save_full(path, dp, opt, metadata);
-}
-
-/// Loads what save() wrote (at any world size, under any policy) into `dp`'s parameters and `opt`'s state (and
-/// step count) on every rank; rank 0 reads and verifies names, shapes, dtypes and the checksum, then sends each
-/// rank its ranges. Throws ddp::io_error for an unreadable file and ddp::mismatch_error naming the first
-/// missing, extra and differing tensor, on every rank. Returns the metadata. Collective.
-template <class DP, class Opt>
-checkpoint_metadata load(const std::filesystem::path& path, DP& dp, Opt& opt) {
-  return detail::load_full(path, dp, &opt);
-}
-
-/// Loads only the parameters (optimizer entries in the file are ignored), e.g. for evaluation. Collective.
-template <class DP>
-checkpoint_metadata load(const std::filesystem::path& path, DP& dp) {
-  return detail::load_full(path, dp, static_cast<void*>(nullptr));
-}
-
-}  // namespace ddp
-// ---- end <ddp/checkpoint/checkpoint.hpp>
-
-// ---- begin <ddp/launch/log.hpp>
-/// \file Rank-0-only logging: `ddp::logger log{comm}; log.info("epoch ", e, " loss ", loss);` prints on rank 0
-/// and is silent elsewhere, unless DDP_LOG_ALL_RANKS=1, where every rank prints with a "[rank r]" prefix.
-/// Arguments are streamed with operator<<; each message is written as one line in one call, so lines of
-/// different ranks sharing a terminal do not interleave mid-line.
-
-
-namespace ddp {
-
-/// A logger that knows its rank: info() on rank 0 only (or on every rank with DDP_LOG_ALL_RANKS=1), warn() always.
-class logger {
- public:
-  /// A logger for `rank`; `out` receives info lines (stdout by default), warnings go to stderr.
-  explicit logger(int rank, std::FILE* out = stdout) : rank_(rank), out_(out) {
-    const char* all = std::getenv("DDP_LOG_ALL_RANKS");  // NOLINT(concurrency-mt-unsafe): read once
-    all_ranks_ = all != nullptr && std::string_view(all) == "1";
-  }
-  /// A logger for the rank of `comm` (any ddp::communicator, or anything with rank()).
-  template <class Comm>
-    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
-  explicit logger(const Comm& comm, std::FILE* out = stdout) : logger(comm.rank(), out) {}
-
-  /// True when info() prints on this rank.
-  [[nodiscard]] bool enabled() const noexcept { return rank_ == 0 || all_ranks_; }
-  /// This logger's rank.
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-
-  /// Prints the streamed `args` as one line, on rank 0 only (every rank with DDP_LOG_ALL_RANKS=1).
-  template <class... Args>
-  void info(Args&&... args) const {
-    if (enabled()) write(out_, compose(std::forward<Args>(args)...));
-  }
-  /// Prints the streamed `args` as one line on stderr, on every rank, prefixed with the rank.
-  template <class... Args>
-  void warn(Args&&... args) const {
-    write(stderr, "[rank " + std::to_string(rank_) + "] warning: " + compose_raw(std::forward<Args>(args)...));
-  }
-
- private:
-  template <class... Args>
-  static std::string compose_raw(Args&&... args) {
-    std::ostringstream s;
-    (s << ... << std::forward<Args>(args));
-    return s.str();
-  }
-  template <class... Args>
-  std::string compose(Args&&... args) const {
-    return (all_ranks_ ? "[rank " + std::to_string(rank_) + "] " : std::string()) + compose_raw(std::forward<Args>(args)...);
-  }
-  static void write(std::FILE* to, std::string line) {
-    line += '\n';
-    std::fwrite(line.data(), 1, line.size(), to);
-    std::fflush(to);
-  }
-
-  int rank_;
-  std::FILE* out_;
-  bool all_ranks_ = false;
-};
-
-}  // namespace ddp
-// ---- end <ddp/launch/log.hpp>
-// ---- begin <ddp/launch/progress.hpp>
-/// \file A progress bar for training loops, drawn by rank 0 only: step/total, loss, samples/s and ETA.
-/// On a terminal it redraws one line with '\r'; otherwise (logs, pipes) it prints a plain line every
-/// tenth of the way and at the end, so log files stay readable.
-
-
-
-namespace ddp {
-
-/// Progress of one loop of `total` steps (an epoch), shown on rank 0 and silent on the others.
-class progress_bar {
- public:
-  using clock = std::chrono::steady_clock;  ///< time source
-
-  /// A bar titled `label` for `total` steps, drawn when `rank` is 0, on `out` (stderr by default).
-  progress_bar(int rank, std::size_t total, std::string label, std::FILE* out = stderr)
-      : enabled_(rank == 0), tty_(enabled_ && ::isatty(::fileno(out)) == 1), total_(total), label_(std::move(label)),
-        out_(out), start_(clock::now()), last_draw_(start_) {}
-  /// A bar for the rank of `comm`.
-  template <class Comm>
-    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
-  progress_bar(const Comm& comm, std::size_t total, std::string label, std::FILE* out = stderr)
-      : progress_bar(comm.rank(), total, std::move(label), out) {}
-  progress_bar(const progress_bar&) = delete;
-  progress_bar& operator=(const progress_bar&) = delete;
-  /// Ends the line on a terminal if finish() was not called.
-  ~progress_bar() { if (tty_ && !finished_ && step_ > 0) std::fputc('\n', out_); }
-
-  /// One more step done, which processed `samples` samples (all ranks together, or this rank's: say so in the
-  /// label) with loss `loss` (shown as a running mean over the loop).
-  void step(double loss, std::size_t samples) {
-    ++step_;
-    samples_ += samples;
-    loss_sum_ += loss;
-    if (!enabled_) return;
-    const auto now = clock::now();
-    if (tty_) {
-      if (now - last_draw_ >= std::chrono::milliseconds(100) || step_ == total_) draw(now, '\r');
-    } else if (total_ > 0 && (step_ * 10 / total_ != (step_ - 1) * 10 / total_) && step_ != total_) {
-      draw(now, '\n');
-    }
-  }
-  /// Draws the final state and ends the line.
-  void finish() {
-    if (!enabled_ || finished_) return;
-    finished_ = true;
-    draw(clock::now(), tty_ ? '\r' : '\n');
-    if (tty_) std::fputc('\n', out_);
-    std::fflush(out_);
-  }
-
-  /// Steps done so far.
-  [[nodiscard]] std::size_t steps() const noexcept { return step_; }
-  /// Mean of the losses passed to step().
-  [[nodiscard]] double mean_loss() const noexcept { return step_ ? loss_sum_ / static_cast<double>(step_) : 0.0; }
-  /// Samples per second since construction.
-  [[nodiscard]] double samples_per_second() const noexcept {
-    const double s = std::chrono::duration<double>(clock::now() - start_).count();
-    return s > 0 ? static_cast<double>(samples_) / s : 0.0;
-  }
-  /// The line as drawn now ("label 120/469 [=====>    ] loss 0.4321 | 12345 samples/s | ETA 0:12").
-  [[nodiscard]] std::string line() const { return render(clock::now()); }
-
- private:
-  static std::string clock_text(double seconds) {
-    const auto s = static_cast<long long>(seconds + 0.5);
-    char buf[32];
-    if (s >= 3600)
-      std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
-    else
-      std::snprintf(buf, sizeof buf, "%lld:%02lld", s / 60, s % 60);
-    return buf;
-  }
-  std::string render(clock::time_point now) const {
-    const double elapsed = std::chrono::duration<double>(now - start_).count();
-    constexpr std::size_t width = 24;
-    const std::size_t filled = total_ ? std::min(width, step_ * width / total_) : width;
-    std::string bar(filled, '=');
-    if (filled < width) bar += '>' + std::string(width - filled - 1, ' ');
-    const double rate = elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0;
-    const double eta = step_ > 0 && total_ > step_ ? elapsed / static_cast<double>(step_) * static_cast<double>(total_ - step_) : 0.0;
-    char buf[160];
-    std::snprintf(buf, sizeof buf, " %zu/%zu [%s] loss %.4f | %.0f samples/s | %s %s", step_, total_, bar.c_str(),
-                  mean_loss(), rate, step_ >= total_ ? "took" : "ETA", clock_text(step_ >= total_ ? elapsed : eta).c_str());
-    return label_ + buf;
-  }
-  void draw(clock::time_point now, char end) {
-    last_draw_ = now;
-    std::string text = render(now);
-    if (end == '\r') {
-      text = '\r' + text + "\x1b[K";  // clear what a longer previous line left
-    } else {
-      text += '\n';
-    }
-    std::fwrite(text.data(), 1, text.size(), out_);
-    std::fflush(out_);
-  }
-
-  bool enabled_;
-  bool tty_;
-  std::size_t total_;
-  std::string label_;
-  std::FILE* out_;
-  clock::time_point start_;
-  clock::time_point last_draw_;
-  std::size_t step_ = 0;
-  std::size_t samples_ = 0;
-  double loss_sum_ = 0;
-  bool finished_ = false;
-};
-
-}  // namespace ddp
-// ---- end <ddp/launch/progress.hpp>
-// ---- begin <ddp/launch/spawn.hpp>
-/// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
-/// this host with torchrun's environment set, forwards or captures their output line by line, stops
-/// the others when one fails, and reports how every rank ended.
-
-#include <signal.h>
-#include <sys/wait.h>
-
-#include <csignal>
-#include <initializer_list>
-#include <iostream>
-
-
-namespace ddp::launch {
-
-/// A system call of the launcher itself failed (fork, pipe, socket); native_code() is errno.
-class launch_error : public ddp::error {
- public:
-  using error::error;
-};
-
-/// A rank of a spawned job failed; rank() is the rank that failed first, native_code() its exit status
-/// as a shell reports it (the exit code, or 128 + signal).
-class job_failed : public ddp::error {
- public:
-  using error::error;
-};
-
-/// What happens to the ranks' stdout and stderr.
-enum class output_mode {
-  forward,  ///< every line goes to the launcher's own stdout/stderr, prefixed with "[rank R] "
-  capture,  ///< stdout and stderr of each rank are kept, in order, in rank_status::output
-};
-
-/// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
-using env_list = std::vector<std::pair<std::string, std::string>>;
-
-/// How to start a job; every field has a working default.
-struct spawn_options {
-  std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
-  std::string master_addr = "127.0.0.1";       ///< MASTER_ADDR
-  std::string token;                           ///< DDP_TOKEN; empty: the launcher's own, else 128 random bits
-  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
-  std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
-  output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
-  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
-  std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
-  /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
-  /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
-  const volatile std::sig_atomic_t* interrupt = nullptr;
-};
-
-/// How one rank ended.
-struct rank_status {
-  int rank = 0;                     ///< the rank
-  int exit_code = -1;               ///< its exit code, -1 when a signal ended it
-  int signal = 0;                   ///< the signal that ended it, 0 when it exited
-  bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
-  bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
-  std::string output;               ///< its stdout and stderr (output_mode::capture only)
-
-  /// Exited with status 0.
-  [[nodiscard]] bool ok() const noexcept { return exit_code == 0; }
-  /// The status as a shell reports it: the exit code, or 128 + signal.
-  [[nodiscard]] int shell_status() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
-  /// "exit code 3", "signal 9 (Killed)".
-  [[nodiscard]] std::string describe() const {
-    if (unknown_status)
-      return "an unknown status (waitpid failed with ECHILD; do not set SIGCHLD to SIG_IGN while spawning)";
-    if (signal == 0) return "exit code " + std::to_string(exit_code);
-    return "signal " + std::to_string(signal) + " (" + ::strsignal(signal) + ")";
-  }
-};
-
-/// The outcome of a job: every rank's status and which one failed first.
-struct spawn_result {
-  std::vector<rank_status> ranks;  ///< indexed by rank
-  int first_failed = -1;           ///< the rank that failed first, -1 when none did
-  bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
-  int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
-  std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
-  std::string token;               ///< the DDP_TOKEN the ranks got
-
-  /// Every rank exited with status 0.
-  [[nodiscard]] bool ok() const noexcept {
-    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
-           std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
-  }
-  /// The job's status as a program should exit with: 0; the first failing rank's shell status;
-  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
-  [[nodiscard]] int exit_status() const noexcept {
-    if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
-    if (timed_out) return 124;
-    if (interrupted_by != 0) return 128 + interrupted_by;
-    return 0;
-  }
-  /// One paragraph for humans: what failed first and how every other rank ended.
-  [[nodiscard]] std::string describe() const {
-    std::string s;
-    if (first_failed >= 0)
-      s = "rank " + std::to_string(first_failed) + " failed first with " +
-          ranks[static_cast<std::size_t>(first_failed)].describe();
-    else if (timed_out)
-      s = "the job did not finish within its timeout and was stopped";
-    else if (interrupted_by != 0)
-      s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
-    else
-      s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
-    if (ok()) return s;
-    for (const auto& r : ranks) {
-      if (r.rank == first_failed) continue;
-      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
-      if (r.stopped_by_launcher) s += " (stopped by the launcher)";
-    }
-    return s;
-  }
-  /// Throws ddp::launch::job_failed with describe() unless ok().
-  void throw_if_failed() const {
-    if (ok()) return;
-    throw job_failed(describe() + "; see the ranks' output above for the cause", first_failed, exit_status());
-  }
-};
-
-namespace detail {
-
-[[noreturn]] inline void throw_errno(const std::string& what) {
-  const int code = errno;
-  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
-                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
-                     -1, code);
-}
-
-/// A TCP port free on every interface right now (bind port 0, read it back, close).
-inline std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("open a socket to find a free port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    const int code = errno;
-    ::close(fd);
-    errno = code;
-    throw_errno("bind a socket to port 0 to find a free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-/// 128 random bits as 32 hex digits.
-inline std::string random_token() {
-  std::random_device rd;
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < 4; ++i) {
-    const std::uint32_t w = rd();
-    for (int b = 28; b >= 0; b -= 4) s += digits[(w >> b) & 0xFU];
-  }
-  return s;
-}
-
-/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
-inline void write_all(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t k = ::write(fd, data.data(), data.size());
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return;
-    data.remove_prefix(static_cast<std::size_t>(k));
-  }
-}
-
-/// One pipe from a rank: where its bytes go and the unfinished line.
-struct stream {
-  int rank = 0;
-  int fd = -1;         ///< read end, -1 once closed
-  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
-  std::string pending; ///< forward: bytes after the last newline
-};
-
-/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
-inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
-  if (s.target < 0) {
-    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
-    return;
-  }
-  s.pending.append(data, n);
-  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
-  std::string out;
-  std::size_t start = 0;
-  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
-    out += prefix;
-    out.append(s.pending, start, nl + 1 - start);
-    start = nl + 1;
-  }
-  s.pending.erase(0, start);
-  write_all(s.target, out);
-}
-
-/// The rank closed the stream: a last line without a newline still goes out, with one.
-inline void finish(stream& s) {
-  if (s.fd >= 0) ::close(s.fd);
-  s.fd = -1;
-  if (s.target >= 0 && !s.pending.empty()) {
-    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
-    s.pending.clear();
-  }
-}
-
-/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte.
-inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks) {
-  std::vector<pollfd> fds;
-  std::vector<std::size_t> which;
-  for (std::size_t i = 0; i < streams.size(); ++i)
-    if (streams[i].fd >= 0) {
-      fds.push_back({streams[i].fd, POLLIN, 0});
-      which.push_back(i);
-    }
-  if (fds.empty()) {
-    if (wait_ms > 0) ::poll(nullptr, 0, wait_ms);
-    return;
-  }
-  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
-  char buf[16384];
-  for (std::size_t k = 0; k < fds.size(); ++k) {
-    if (fds[k].revents == 0) continue;
-    stream& s = streams[which[k]];
-    const ssize_t got = ::read(s.fd, buf, sizeof buf);
-    if (got > 0)
-      deliver(s, buf, static_cast<std::size_t>(got), ranks);
-    else if (got == 0 || errno != EINTR)
-      finish(s);
-  }
-}
-
-/// The child's side after fork: environment, output pipes, body, exit status.
-[[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
-                                   const std::string& token, int out_fd, int err_fd,
-                                   const std::vector<stream>& parent_ends, const std::function<void(int)>& body) {
-  for (const auto& s : parent_ends)
-    if (s.fd >= 0) ::close(s.fd);
-  // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
-  // stops ranks with SIGTERM and reports crashes by their signal.
-  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
-  sigset_t none;
-  sigemptyset(&none);
-  ::sigprocmask(SIG_SETMASK, &none, nullptr);
-  ::dup2(out_fd, STDOUT_FILENO);
-  ::dup2(err_fd, STDERR_FILENO);
-  if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
-  if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
-  const std::string r = std::to_string(rank);
-  const std::string w = std::to_string(n);
-  ::setenv("RANK", r.c_str(), 1);
-  ::setenv("WORLD_SIZE", w.c_str(), 1);
-  ::setenv("LOCAL_RANK", r.c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
-  ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
-  ::setenv("MASTER_PORT", port.c_str(), 1);
-  ::setenv("DDP_TOKEN", token.c_str(), 1);
-  int code = 0;
-  try {
-    if (o.extra_env)
-      for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
-    body(rank);
-  } catch (const std::exception& e) {
-    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
-    code = 1;
-  } catch (...) {
-    std::cerr << "rank " << rank
-              << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
-                 "reported above, or a thrown non-std type)\n";
-    code = 1;
-  }
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);
-  ::_exit(code);  // no atexit handlers: they belong to the parent's copy of the program
-}
-
-/// Records how `pid` ended in `r` from a waitpid status.
-inline void record(rank_status& r, int status) {
-  if (WIFEXITED(status)) {
-    r.exit_code = WEXITSTATUS(status);
-  } else if (WIFSIGNALED(status)) {
-    r.signal = WTERMSIG(status);
-  }
-}
-
-}  // namespace detail
-
-/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
-/// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
-/// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
-/// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
-/// and so do all after options.timeout.
-/// Throws ddp::config_error for bad arguments and ddp::launch::launch_error when fork or pipe fails.
-inline spawn_result spawn(int n, const std::function<void(int rank)>& body, const spawn_options& options = {}) {
-  using clock = std::chrono::steady_clock;
-  if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
-  if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
-  spawn_result result;
-  result.port = options.port != 0 ? options.port : detail::free_port();
-  if (!options.token.empty()) {
-    result.token = options.token;
-  } else if (const char* inherited = std::getenv("DDP_TOKEN"); inherited != nullptr && *inherited != '\0') {
-    result.token = inherited;
-  } else {
-    result.token = detail::random_token();
-  }
-  const std::string port = std::to_string(result.port);
-  result.ranks.resize(static_cast<std::size_t>(n));
-  std::vector<pid_t> pids(static_cast<std::size_t>(n), -1);
-  std::vector<detail::stream> streams;
-  const bool forward = options.output == output_mode::forward;
-
-  // Stops every rank still running: SIGTERM now, SIGKILL once the grace period is over.
-  std::optional<clock::time_point> kill_at;
-  const auto stop_all = [&] {
-    if (kill_at) return;
-    for (std::size_t r = 0; r < pids.size(); ++r)
-      if (pids[r] > 0) {
-        ::kill(pids[r], SIGTERM);
-        result.ranks[r].stopped_by_launcher = true;
-      }
-    kill_at = clock::now() + options.grace;
-  };
-
-  // A pipe or fork failed while starting rank r: kill the ranks already started, reap them, throw.
-  const auto abandon = [&](const std::string& what, std::initializer_list<int> fds) {
-    const int code = errno;
-    for (int fd : fds)
-      if (fd >= 0) ::close(fd);
-    for (pid_t p : pids)
-      if (p > 0) ::kill(p, SIGKILL);
-    for (auto& s : streams) detail::finish(s);
-    for (pid_t p : pids)
-      if (p > 0) ::waitpid(p, nullptr, 0);
-    errno = code;
-    detail::throw_errno(what);
-  };
-
-  std::cout.flush();
-  std::cerr.flush();
-  std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
-  for (int r = 0; r < n; ++r) {
-    result.ranks[static_cast<std::size_t>(r)].rank = r;
-    int out[2] = {-1, -1};
-    int err[2] = {-1, -1};
-    if (::pipe2(out, O_CLOEXEC) != 0 || (forward && ::pipe2(err, O_CLOEXEC) != 0))
-      abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1]});
-    if (!forward) err[1] = out[1];
-    const pid_t pid = ::fork();
-    if (pid < 0) abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
-    if (pid == 0) {
-      if (err[0] >= 0) ::close(err[0]);
-      ::close(out[0]);
-      detail::run_child(r, n, options, port, result.token, out[1], err[1], streams, body);
-    }
-    pids[static_cast<std::size_t>(r)] = pid;
-    ::close(out[1]);
-    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
-    if (forward) {
-      ::close(err[1]);
-      streams.push_back({r, err[0], STDERR_FILENO, {}});
-    }
-  }
-
-  const auto deadline =
-      options.timeout.count() > 0 ? std::optional<clock::time_point>(clock::now() + options.timeout) : std::nullopt;
-  int running = n;
-  constexpr int tick_ms = 20;  // how often exits, deadlines and interrupts are looked at
-  while (running > 0) {
-    detail::pump(streams, tick_ms, result.ranks);
-    if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
-      result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
-      stop_all();
-    }
-    for (std::size_t r = 0; r < pids.size(); ++r) {
-      if (pids[r] <= 0) continue;
-      int status = 0;
-      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
-      if (got == 0 || (got < 0 && errno != ECHILD)) continue;
-      pids[r] = -1;
-      --running;
-      if (got < 0)
-        result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
-      else
-        detail::record(result.ranks[r], status);
-      if (!result.ranks[r].ok() && !result.ranks[r].stopped_by_launcher && result.first_failed < 0 &&
-          !result.timed_out && result.interrupted_by == 0) {
-        result.first_failed = static_cast<int>(r);
-        if (options.stop_on_failure) stop_all();
-      }
-    }
-    const auto now = clock::now();
-    if (deadline && now >= *deadline && running > 0 && !result.timed_out && !kill_at) {
-      result.timed_out = true;
-      stop_all();
-    }
-    if (kill_at && now >= *kill_at)
-      for (pid_t p : pids)
-        if (p > 0) ::kill(p, SIGKILL);
-  }
-  // Everyone has exited: take what is left in the pipes (a grandchild holding a pipe open gets 200 ms).
-  const auto drain_until = clock::now() + std::chrono::milliseconds(200);
-  while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
-         clock::now() < drain_until)
-    detail::pump(streams, tick_ms, result.ranks);
-  for (auto& s : streams) detail::finish(s);
-  return result;
-}
-
-/// Spawns `n` copies of the program argv[0] (looked up in PATH) with arguments argv[1..], each with
-/// the ranks' environment; a program that cannot be started exits 127 with the reason on its stderr.
-inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, const spawn_options& options = {}) {
-  if (argv.empty() || argv.front().empty())
-    throw ddp::config_error("spawn_program needs a program to run; pass its name and arguments");
-  return spawn(
-      n,
-      [&argv](int) {
-        std::vector<char*> args;
-        args.reserve(argv.size() + 1);
-        for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-        args.push_back(nullptr);
-        ::execvp(args[0], args.data());
-        const int code = errno;
-        const std::string msg = "cannot run '" + argv.front() + "': " + std::strerror(code) +
-                                "; check the program's name, PATH and permissions\n";
-        detail::write_all(STDERR_FILENO, msg);
-        ::_exit(127);
-      },
-      options);
-}
-
-}  // namespace ddp::launch
-// ---- end <ddp/launch/spawn.hpp>
-
 #if defined(DDP_WITH_MPI)
 // ---- begin <ddp/comm/mpi/communicator.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
@@ -10117,3 +8258,1881 @@ struct env_rendezvous {
 // ---- end <ddp/comm/nccl/from_env.hpp>
 #endif
 // ---- end <ddp/ddp.hpp>
+// ---- begin <ddp/checkpoint.hpp>
+/// \file Checkpoints: full (ddp::save / ddp::load, one safetensors file PyTorch reads) and sharded
+/// (ddp::save_sharded / ddp::load_sharded, a part per rank plus a manifest), and the safetensors
+/// reader and writer underneath. Needs nlohmann_json, which the ddp::ddp target links.
+
+// ---- begin <ddp/checkpoint/checkpoint.hpp>
+/// \file ddp::save / ddp::load: the full training state of a data_parallel model under any sharding policy
+/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<slot>"; the
+/// step count in the metadata as "optim.step") in one safetensors file that PyTorch reads. Rank 0 writes
+/// atomically; the other ranks stream it the ranges they hold, one range at a time, so no rank ever holds the
+/// whole model gathered. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
+/// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
+/// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
+
+#include <filesystem>
+
+// ---- begin <ddp/checkpoint/safetensors.hpp>
+/// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
+/// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
+/// data. ddp adds `__metadata__` entries "ddp.format" and "ddp.checksum" (64-bit FNV-1a of the data
+/// section, hex) and verifies the checksum on reading when present. Writes are atomic: a temporary file
+/// `path.tmp.<pid>` is written, flushed to disk, renamed over `path`, and the directory is flushed.
+
+#include <fstream>
+
+
+#include <nlohmann/json.hpp>
+
+
+namespace ddp::safetensors {
+
+/// Version of ddp's metadata conventions, stored as "ddp.format".
+inline constexpr std::string_view format_version = "1";
+/// Largest JSON header accepted on reading (the safetensors library's own bound).
+inline constexpr std::uint64_t max_header_bytes = 100'000'000;
+
+/// One named tensor to write: its dtype, shape and the bytes of its elements (row-major, little-endian).
+struct tensor_view {
+  std::string name;                 ///< key in the file ("fc1.weight")
+  ddp::dtype type = dtype::f32;     ///< element type
+  std::vector<std::size_t> shape;   ///< dimensions, outermost first (empty: a scalar)
+  std::span<const std::byte> bytes; ///< exactly numel(shape) * size_of(type) bytes
+};
+
+/// One tensor of a file that was read: the bytes point into the file's buffer.
+struct entry {
+  std::string name;                 ///< key in the file
+  ddp::dtype type = dtype::f32;     ///< element type
+  std::vector<std::size_t> shape;   ///< dimensions, outermost first
+  std::span<const std::byte> bytes; ///< the elements' bytes
+  /// Number of elements.
+  [[nodiscard]] std::size_t numel() const noexcept {
+    return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+  }
+};
+
+/// The safetensors name of a dtype ("F32", "BF16", ...).
+constexpr std::string_view dtype_name(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return "F32";
+    case dtype::f64: return "F64";
+    case dtype::bf16: return "BF16";
+    case dtype::f16: return "F16";
+    case dtype::i32: return "I32";
+    case dtype::i64: return "I64";
+    case dtype::u8: return "U8";
+  }
+  return "?";
+}
+
+/// The dtype of a safetensors name, or nothing for names ddp does not handle.
+inline std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
+  for (const dtype t : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16, dtype::i32, dtype::i64, dtype::u8})
+    if (dtype_name(t) == name) return t;
+  return std::nullopt;
+}
+
+namespace detail {
+
+/// 64-bit FNV-1a, continued from `h`.
+inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = 14695981039346656037ULL) noexcept {
+  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+inline std::string hex(std::uint64_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
+  return s;
+}
+
+inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
+}
+
+[[noreturn]] inline void fail(const std::filesystem::path& path, const std::string& what, const std::string& fix,
+                              int err = 0) {
+  throw io_error("safetensors file '" + path.string() + "': " + what + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") +
+                     "; " + fix,
+                 -1, err);
+}
+
+/// Writes all of `data` to `fd`, retrying short writes.
+inline void write_all(int fd, const std::byte* data, std::size_t size, const std::filesystem::path& path) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(path, "writing failed", "check free disk space and permissions", errno);
+    data += n;
+    size -= static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace detail
+
+/// Name, dtype and shape of one tensor, without its bytes: what the header of a file says about it.
+struct tensor_header {
+  std::string name;                ///< key in the file
+  ddp::dtype type = dtype::f32;    ///< element type
+  std::vector<std::size_t> shape;  ///< dimensions, outermost first
+  /// Bytes of its elements.
+  [[nodiscard]] std::size_t bytes() const { return detail::numel_of(shape) * size_of(type); }
+};
+
+namespace detail {
+
+/// A file written through a temporary `path.tmp.<pid>`: commit() flushes it to disk, renames it over `path`
+/// and flushes the directory; destroyed uncommitted, it removes the temporary file.
+class atomic_file {
+ public:
+  explicit atomic_file(std::filesystem::path path)
+      : path_(std::move(path)), tmp_(path_.string() + ".tmp." + std::to_string(::getpid())) {
+    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail(tmp_, "cannot create the temporary file", "check that the directory exists and is writable", errno);
+  }
+  atomic_file(const atomic_file&) = delete;
+  atomic_file& operator=(const atomic_file&) = delete;
+  ~atomic_file() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  /// Appends `data`.
+  void write(std::span<const std::byte> data) { write_all(fd_, data.data(), data.size(), tmp_); }
+  /// Overwrites bytes at `offset` (already written).
+  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
+    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
+      fail(tmp_, "writing failed", "check free disk space and permissions", errno);
+  }
+  /// Flushes, renames the temporary file over the path, flushes the directory.
+  void commit() {
+    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed", "check the disk", errno);
+    ::close(fd_);
+    fd_ = -1;
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      fail(path_, "renaming the temporary file over it failed", "check permissions of the directory", errno);
+    committed_ = true;
+    sync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
+  }
+  /// Flushes a directory's entries (best effort: some file systems refuse fsync on directories).
+  static void sync_directory(const std::filesystem::path& dir) {
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+
+ private:
+  std::filesystem::path path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace detail
+
+/// Writes a safetensors file tensor by tensor, so that no more than the bytes being appended need be in
+/// memory: the header (with a checksum placeholder) goes first, append() streams the data in header order,
+/// commit() records the checksum, checks the size and renames the file into place atomically.
+class writer {
+ public:
+  /// Starts `path` (through a temporary file) for `tensors` in this order; adds "ddp.format" and "ddp.checksum"
+  /// to `metadata`. Throws ddp::io_error for repeated or reserved names and when the file cannot be created.
+  writer(const std::filesystem::path& path, std::span<const tensor_header> tensors,
+         const std::map<std::string, std::string>& metadata = {})
+      : file_(path) {
+    nlohmann::json header = nlohmann::json::object();
+    for (const auto& t : tensors) {
+      if (t.name == "__metadata__" || header.contains(t.name))
+        throw io_error("safetensors::write: tensor name '" + t.name + "' is reserved or repeated; give every tensor a "
+                       "unique name other than __metadata__");
+      header[t.name] = {{"dtype", dtype_name(t.type)}, {"shape", t.shape}, {"data_offsets", {size_, size_ + t.bytes()}}};
+      size_ += t.bytes();
+    }
+    nlohmann::json meta = nlohmann::json::object();
+    for (const auto& [k, v] : metadata) meta[k] = v;
+    meta["ddp.format"] = std::string(format_version);
+    meta["ddp.checksum"] = detail::hex(0);  // placeholder of the same width, patched by commit()
+    header["__metadata__"] = meta;
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned, as safetensors pads
+    checksum_at_ = 8 + text.find("\"ddp.checksum\":\"" + detail::hex(0) + "\"") + 16;  // JSON escapes quotes in values
+    std::byte length[8];
+    for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
+    file_.write(length);
+    file_.write(std::as_bytes(std::span(text)));
+  }
+
+  /// Appends the next bytes of the data section (tensors in header order, a tensor in any number of pieces).
+  void append(std::span<const std::byte> bytes) {
+    if (written_ + bytes.size() > size_)
+      throw io_error("safetensors::writer: appending " + std::to_string(bytes.size()) + " bytes after " +
+                     std::to_string(written_) + " overflows the " + std::to_string(size_) +
+                     " bytes the header declares; append exactly the declared tensors' bytes");
+    file_.write(bytes);
+    checksum_ = detail::fnv1a(bytes, checksum_);
+    written_ += bytes.size();
+  }
+
+  /// Writes the checksum into the header and moves the file into place; throws unless every byte was appended.
+  void commit() {
+    if (written_ != size_)
+      throw io_error("safetensors::writer: " + std::to_string(written_) + " of the " + std::to_string(size_) +
+                     " declared bytes were appended; append every tensor before commit()");
+    const std::string hex = detail::hex(checksum_);
+    file_.write_at(checksum_at_, std::as_bytes(std::span(hex)));
+    file_.commit();
+  }
+
+  /// The 64-bit FNV-1a of the bytes appended so far (the whole data section after commit()).
+  [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
+  /// Bytes of the data section declared by the header.
+  [[nodiscard]] std::uint64_t data_bytes() const noexcept { return size_; }
+
+ private:
+  detail::atomic_file file_;
+  std::uint64_t size_ = 0, written_ = 0, checksum_at_ = 0;
+  std::uint64_t checksum_ = 14695981039346656037ULL;
+};
+
+/// Writes `tensors` (in this order) and `metadata` to `path` atomically (temporary file, fsync, rename, fsync of
+/// the directory); adds "ddp.format" and "ddp.checksum" to the metadata. Throws ddp::io_error on failure.
+inline void write(const std::filesystem::path& path, std::span<const tensor_view> tensors,
+                  const std::map<std::string, std::string>& metadata = {}) {
+  std::vector<tensor_header> headers;
+  for (const auto& t : tensors) {
+    headers.push_back({t.name, t.type, t.shape});
+    if (t.bytes.size() != headers.back().bytes())
+      throw io_error("safetensors::write: tensor '" + t.name + "' has " + std::to_string(t.bytes.size()) +
+                     " bytes but its shape and dtype need " + std::to_string(headers.back().bytes()) +
+                     "; pass matching shape and data");
+  }
+  writer w(path, headers, metadata);
+  for (const auto& t : tensors) w.append(t.bytes);
+  w.commit();
+}
+
+/// Where one tensor lies in a file's data section, besides its name, dtype and shape.
+struct located_header : tensor_header {
+  std::uint64_t begin = 0;  ///< first byte in the data section
+};
+
+namespace detail {
+
+inline const std::string& rewrite_fix() {
+  static const std::string fix = "write the file again (a checkpoint: resume from an older one)";
+  return fix;
+}
+
+/// Parses and validates the JSON header `text` of a file whose data section holds `data_size` bytes: dtypes,
+/// shapes, offsets in range, contiguous, covering the data section. Returns the tensors in file order.
+inline std::vector<located_header> parse_header(const std::filesystem::path& path, std::string_view text,
+                                                std::uint64_t data_size, std::map<std::string, std::string>& metadata) {
+  const std::string& rewrite = rewrite_fix();
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, std::string("corrupt: the JSON header does not parse (") + e.what() + ")", rewrite);
+  }
+  if (!header.is_object()) fail(path, "corrupt: the JSON header is not an object", rewrite);
+  std::vector<located_header> found;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      if (!value.is_object()) fail(path, "corrupt: __metadata__ is not an object of strings", rewrite);
+      for (const auto& [k, v] : value.items()) {
+        if (!v.is_string()) fail(path, "corrupt: __metadata__ entry '" + k + "' is not a string", rewrite);
+        metadata[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    const auto bad = [&](const std::string& why) { fail(path, "corrupt: tensor '" + name + "' " + why, rewrite); };
+    if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets"))
+      bad("lacks dtype, shape or data_offsets");
+    const auto& dt = value["dtype"];
+    const auto type = dt.is_string() ? dtype_from_name(dt.get<std::string>()) : std::nullopt;
+    if (!type)
+      fail(path, "tensor '" + name + "' has dtype " + dt.dump() + ", which ddp does not read",
+           "convert it to F32, F64, BF16, F16, I32, I64 or U8 before loading");
+    located_header e;
+    e.name = name;
+    e.type = *type;
+    if (!value["shape"].is_array()) bad("has a shape that is not an array");
+    for (const auto& d : value["shape"]) {
+      if (!d.is_number_unsigned()) bad("has a shape with a negative or non-integer dimension");
+      e.shape.push_back(d.get<std::size_t>());
+    }
+    const auto& off = value["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      bad("has data_offsets that are not two unsigned integers");
+    const auto begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
+    if (begin > end || end > data_size)
+      fail(path, "truncated or corrupt: tensor '" + name + "' spans bytes [" + std::to_string(begin) + ", " +
+                     std::to_string(end) + ") of a data section of " + std::to_string(data_size) + " bytes",
+           rewrite);
+    if (end - begin != e.bytes())
+      bad("has " + std::to_string(end - begin) + " bytes but shape and dtype need " + std::to_string(e.bytes()));
+    e.begin = begin;
+    found.push_back(std::move(e));
+  }
+  std::sort(found.begin(), found.end(), [](const located_header& a, const located_header& b) { return a.begin < b.begin; });
+  std::uint64_t expect = 0;
+  for (const auto& e : found) {
+    if (e.begin != expect)
+      fail(path, "corrupt: tensor '" + e.name + "' starts at byte " + std::to_string(e.begin) +
+                     " of the data section but the previous tensor ends at " + std::to_string(expect) +
+                     " (tensors must be contiguous, without gaps or overlaps)",
+           rewrite);
+    expect = e.begin + e.bytes();
+  }
+  if (expect != data_size)
+    fail(path, "corrupt: " + std::to_string(data_size - expect) + " bytes follow the last tensor (the file has trailing data)",
+         rewrite);
+  return found;
+}
+
+/// Throws unless `actual` equals the checksum the metadata records (files without one pass).
+inline void check_checksum(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata,
+                           std::uint64_t actual) {
+  const auto it = metadata.find("ddp.checksum");
+  if (it != metadata.end() && hex(actual) != it->second)
+    fail(path, "corrupt: the data section's checksum is " + hex(actual) + " but the header records " + it->second +
+                   " (the tensor bytes were damaged after writing)",
+         rewrite_fix());
+}
+
+/// Reads the 8-byte length and the header text at the start of `fd`; returns the header and the data size.
+inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size) {
+  if (size < 8)
+    fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length", rewrite_fix());
+  std::uint8_t length[8];
+  if (::pread(fd, length, 8, 0) != 8) fail(path, "reading failed", "check the disk and the file's permissions", errno);
+  std::uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i) header_len |= static_cast<std::uint64_t>(length[i]) << (8 * i);
+  if (header_len > max_header_bytes)
+    fail(path, "corrupt: the header claims " + std::to_string(header_len) + " bytes (more than " +
+                   std::to_string(max_header_bytes) + "); this is not a safetensors file or its start is damaged",
+         rewrite_fix());
+  if (header_len > size - 8)
+    fail(path, "truncated: the header claims " + std::to_string(header_len) + " bytes but only " +
+                   std::to_string(size - 8) + " follow the length field",
+         rewrite_fix());
+  std::string text(header_len, '\0');
+  if (::pread(fd, text.data(), header_len, 8) != static_cast<ssize_t>(header_len))
+    fail(path, "reading failed", "check the disk and the file's permissions", errno);
+  return {std::move(text), size - 8 - header_len};
+}
+
+}  // namespace detail
+
+/// A safetensors file opened for reading piece by piece: the header is read and validated at once (as
+/// file::read does), the data stays on disk until read() asks for a range of a tensor.
+class reader {
+ public:
+  /// Opens `path` and validates its header; throws ddp::io_error saying what is wrong and what to do.
+  static reader open(const std::filesystem::path& path) {
+    reader r;
+    r.path_ = path;
+    r.fd_ = std::shared_ptr<int>(new int(::open(path.c_str(), O_RDONLY | O_CLOEXEC)), [](int* fd) {
+      if (*fd >= 0) ::close(*fd);
+      delete fd;
+    });
+    if (*r.fd_ < 0) detail::fail(path, "cannot be opened", "check the path (does the file exist? is it readable?)", errno);
+    const off_t size = ::lseek(*r.fd_, 0, SEEK_END);
+    if (size < 0) detail::fail(path, "reading failed", "check the disk and the file's permissions", errno);
+    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size));
+    r.data_at_ = static_cast<std::uint64_t>(size) - data_size;
+    r.entries_ = detail::parse_header(path, text, data_size, r.metadata_);
+    return r;
+  }
+
+  /// Reads the whole data section once and throws ddp::io_error unless it matches the recorded checksum.
+  void verify_checksum() const {
+    std::vector<std::byte> chunk(std::size_t{1} << 20);
+    std::uint64_t h = 14695981039346656037ULL, at = data_at_;
+    const std::uint64_t end = data_at_ + (entries_.empty() ? 0 : entries_.back().begin + entries_.back().bytes());
+    while (at < end) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), end - at));
+      read_bytes(at, std::span(chunk).first(n));
+      h = detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
+      at += n;
+    }
+    detail::check_checksum(path_, metadata_, h);
+  }
+
+  /// Copies bytes [offset, offset + out.size()) of tensor `t` into `out`.
+  void read(const located_header& t, std::uint64_t offset, std::span<std::byte> out) const {
+    if (offset + out.size() > t.bytes())
+      throw io_error("safetensors::reader: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + out.size()) +
+                     ") lie outside tensor '" + t.name + "' of " + std::to_string(t.bytes()) + " bytes in '" +
+                     path_.string() + "'; read within the tensor");
+    read_bytes(data_at_ + t.begin + offset, out);
+  }
+
+  /// The tensors in file order (ascending offsets).
+  [[nodiscard]] const std::vector<located_header>& entries() const noexcept { return entries_; }
+  /// The tensor named `name`, or nullptr.
+  [[nodiscard]] const located_header* find(std::string_view name) const noexcept {
+    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const auto& e) { return e.name == name; });
+    return it == entries_.end() ? nullptr : &*it;
+  }
+  /// The `__metadata__` string map (empty when absent).
+  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  /// The path the file was opened from.
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  void read_bytes(std::uint64_t at, std::span<std::byte> out) const {
+    while (!out.empty()) {
+      const ssize_t n = ::pread(*fd_, out.data(), out.size(), static_cast<off_t>(at));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        detail::fail(path_, n == 0 ? "truncated: it ended while being read" : "reading failed",
+                     n == 0 ? detail::rewrite_fix() : "check the disk and the file's permissions", n == 0 ? 0 : errno);
+      out = out.subspan(static_cast<std::size_t>(n));
+      at += static_cast<std::uint64_t>(n);
+    }
+  }
+
+  std::filesystem::path path_;
+  std::shared_ptr<int> fd_;
+  std::uint64_t data_at_ = 0;
+  std::vector<located_header> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+/// A safetensors file read into memory and validated: header bound, JSON, dtypes, offsets in range and
+/// contiguous, sizes equal to shape × dtype, and the checksum when the file carries one.
+class file {
+ public:
+  /// Reads and validates `path`; throws ddp::io_error saying what is wrong and what to do.
+  static file read(const std::filesystem::path& path) {
+    const auto r = reader::open(path);
+    file f;
+    f.path_ = path;
+    f.metadata_ = r.metadata();
+    std::uint64_t total = 0;
+    for (const auto& e : r.entries()) total += e.bytes();
+    f.buffer_.resize(total);
+    for (const auto& e : r.entries()) {
+      const auto bytes = std::span(f.buffer_).subspan(e.begin, e.bytes());
+      r.read(e, 0, bytes);
+      f.entries_.push_back({e.name, e.type, e.shape, bytes});
+    }
+    detail::check_checksum(path, f.metadata_, detail::fnv1a(f.buffer_));
+    return f;
+  }
+
+  /// The tensors in file order (ascending offsets).
+  [[nodiscard]] const std::vector<entry>& entries() const noexcept { return entries_; }
+  /// The tensor named `name`, or nullptr.
+  [[nodiscard]] const entry* find(std::string_view name) const noexcept {
+    const auto it = std::find_if(entries_.begin(), entries_.end(), [&](const entry& e) { return e.name == name; });
+    return it == entries_.end() ? nullptr : &*it;
+  }
+  /// The `__metadata__` string map (empty when absent).
+  [[nodiscard]] const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  /// The path the file was read from.
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  std::vector<std::byte> buffer_;  // the data section
+  std::vector<entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace ddp::safetensors
+// ---- end <ddp/checkpoint/safetensors.hpp>
+// ---- begin <ddp/checkpoint/sharded.hpp>
+/// \file ddp::save_sharded / ddp::load_sharded: the training state as a directory with one safetensors part per
+/// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
+/// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
+/// ranges, each part's checksum, the metadata). The directory is written as `<dir>.tmp.<pid>` and moved into
+/// place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// at one world size (or policy) loads at another. The directory must be visible to every rank.
+
+#include <cstdio>
+#include <sstream>
+#include <system_error>
+
+
+
+// ---- begin <ddp/checkpoint/state.hpp>
+/// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
+/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<slot>"), the pieces of
+/// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
+/// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
+
+#include <variant>
+
+
+namespace ddp {
+
+/// Free-form string metadata stored beside the tensors (such as {"epoch", "3"}).
+using checkpoint_metadata = std::map<std::string, std::string>;
+
+namespace detail {
+
+/// A contiguous range of elements of a state tensor held by one rank.
+struct held_range {
+  int rank = 0;           ///< the rank holding it
+  std::size_t start = 0;  ///< first element within the tensor (flattened, row-major)
+  std::size_t numel = 0;  ///< elements
+};
+
+/// A range of a state tensor in this rank's memory (writable: loading fills it).
+struct state_piece {
+  std::size_t tensor = 0;  ///< index into training_state::tensors
+  std::size_t start = 0;   ///< first element within the tensor
+  std::size_t numel = 0;   ///< elements
+  std::byte* data = nullptr;
+};
+
+/// What a rank tells the others about one of its pieces.
+struct piece_description {
+  std::string name;
+  dtype type = dtype::f32;
+  std::uint64_t start = 0;
+  std::uint64_t numel = 0;
+};
+
+/// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
+struct training_state {
+  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
+  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the model's
+  std::vector<state_piece> mine;                    ///< this rank's pieces
+  std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
+  std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
+
+  /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
+  [[nodiscard]] std::byte* at(std::size_t tensor, std::size_t start, std::size_t numel) const {
+    for (const auto& p : mine)
+      if (p.tensor == tensor && p.start <= start && start + numel <= p.start + p.numel)
+        return p.data + (start - p.start) * size_of(tensors[tensor].type);
+    throw error("checkpoint: this rank holds no piece with elements [" + std::to_string(start) + ", " +
+                std::to_string(start + numel) + ") of '" + tensors[tensor].name +
+                "'; this is a bug in ddp's checkpoint code, please report it");
+  }
+};
+
+inline std::string describe(dtype t, const std::vector<std::size_t>& shape) {
+  std::string s = std::string(to_string(t)) + " [";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+/// The lowest rank holding each element of a tensor of `numel` elements, as ascending merged ranges.
+inline std::vector<held_range> lowest_holders(const std::vector<held_range>& holders, std::size_t numel,
+                                              const std::string& name) {
+  std::vector<std::size_t> points{0, numel};
+  for (const auto& h : holders) points.insert(points.end(), {h.start, h.start + h.numel});
+  std::sort(points.begin(), points.end());
+  points.erase(std::unique(points.begin(), points.end()), points.end());
+  std::vector<held_range> out;
+  std::size_t last_piece = holders.size();
+  for (std::size_t i = 0; i + 1 < points.size() && points[i + 1] <= numel; ++i) {
+    const std::size_t a = points[i], b = points[i + 1];
+    std::size_t best = holders.size();  // the piece of the lowest rank holding [a, b)
+    for (std::size_t h = 0; h < holders.size(); ++h)
+      if (holders[h].start <= a && b <= holders[h].start + holders[h].numel &&
+          (best == holders.size() || holders[h].rank < holders[best].rank))
+        best = h;
+    if (best == holders.size())
+      throw error("checkpoint: no rank holds elements [" + std::to_string(a) + ", " + std::to_string(b) + ") of '" +
+                  name + "'; this is a bug in ddp's checkpoint code, please report it");
+    // Ranges merge only within one piece: a rank's adjacent pieces (from two buffers) are not adjacent in memory.
+    if (!out.empty() && last_piece == best && out.back().start + out.back().numel == a)
+      out.back().numel += b - a;
+    else
+      out.push_back({holders[best].rank, a, b - a});
+    last_piece = best;
+  }
+  return out;
+}
+
+/// Collects the training state of `dp` (and `opt`'s, unless Opt is void; its state is allocated first) and
+/// tells every rank where every piece lives. Collective.
+template <class DP, class Opt>
+training_state collect_state(DP& dp, Opt* opt) {
+  training_state st;
+  std::map<std::string, std::size_t> index;
+  dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
+    if (p.device().is_cuda())
+      throw config_error("checkpoint: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
+                             "; checkpoints handle host parameters, copy CUDA parameters to the host first",
+                         dp.rank());
+    index[std::string(name)] = st.tensors.size();
+    st.tensors.push_back({std::string(name), dtype_v<E>, p.shape()});
+  });
+  st.parameters = st.tensors.size();
+
+  std::vector<piece_description> described;
+  std::vector<std::byte*> data;
+  for (const auto& b : dp.owned_buffers())
+    for (const auto& seg : b.segments) {
+      described.push_back({seg.name, b.values.type, seg.start, seg.numel});
+      data.push_back(static_cast<std::byte*>(b.values.data) + seg.offset * size_of(b.values.type));
+    }
+  if constexpr (!std::is_void_v<Opt>) {
+    dp.attach(*opt);
+    opt->for_each_state([&](const std::string& name, raw_tensor view, const optim::flat_segment& seg) {
+      described.push_back({"optim." + name, view.type, seg.start, view.size});
+      data.push_back(static_cast<std::byte*>(view.data));
+    });
+  }
+  const auto everyone = all_gather_object(dp.comm(), described);
+
+  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
+  std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
+  std::map<std::string, std::size_t> extent;  // elements of each state tensor: the end of its last piece
+  for (const auto& rank_pieces : everyone)
+    for (const auto& d : rank_pieces) {
+      if (!d.name.starts_with("optim.")) continue;
+      extent[d.name] = std::max<std::size_t>(extent[d.name], d.start + d.numel);
+      const std::string state_name = d.name.substr(6);
+      const auto dot = state_name.rfind('.');  // "<parameter>.<slot>": the state takes the parameter's shape
+      const auto it = dot == std::string::npos ? index.end() : index.find(state_name.substr(0, dot));
+      state[{it == index.end() ? st.parameters : it->second, d.name}] = {d.name, d.type, {}};
+    }
+  for (auto& [key, header] : state) {
+    const std::size_t numel = extent[header.name];
+    const bool like_parameter = key.first < st.parameters && safetensors::detail::numel_of(st.tensors[key.first].shape) == numel;
+    header.shape = like_parameter ? st.tensors[key.first].shape : std::vector<std::size_t>{numel};
+    index[header.name] = st.tensors.size();
+    st.tensors.push_back(std::move(header));
+  }
+
+  st.holders.resize(st.tensors.size());
+  for (std::size_t r = 0; r < everyone.size(); ++r)
+    for (const auto& d : everyone[r]) st.holders[index.at(d.name)].push_back({static_cast<int>(r), d.start, d.numel});
+  for (std::size_t i = 0; i < described.size(); ++i)
+    st.mine.push_back({index.at(described[i].name), described[i].start, described[i].numel, data[i]});
+  for (std::size_t t = 0; t < st.tensors.size(); ++t)
+    st.cover.push_back(lowest_holders(st.holders[t], safetensors::detail::numel_of(st.tensors[t].shape), st.tensors[t].name));
+  return st;
+}
+
+/// Compares the tensors a checkpoint holds (`found`, from `source`) with the expected ones; returns "" when
+/// they agree, else what differs and how to fix it. Optimizer entries are ignored when `ignore_optimizer`.
+template <class Found>
+std::string compare_state(const std::string& source, const Found& found,
+                          std::span<const safetensors::tensor_header> expected, bool ignore_optimizer) {
+  std::string missing, extra, mismatched;
+  std::size_t n_missing = 0, n_extra = 0, n_mismatched = 0;
+  std::map<std::string_view, const safetensors::tensor_header*> in_file, in_model;
+  for (const auto& e : found) in_file[e.name] = &e;
+  for (const auto& t : expected) {
+    in_model[t.name] = &t;
+    const auto it = in_file.find(t.name);
+    if (it == in_file.end()) {
+      if (n_missing++ == 0) missing = "'" + t.name + "' (" + describe(t.type, t.shape) + ")";
+    } else if (it->second->type != t.type || it->second->shape != t.shape) {
+      if (n_mismatched++ == 0)
+        mismatched = "'" + t.name + "' is " + describe(it->second->type, it->second->shape) + " in the file but " +
+                     describe(t.type, t.shape) + " in the model";
+    }
+  }
+  for (const auto& e : found)
+    if (!in_model.contains(e.name) && !(ignore_optimizer && e.name.starts_with("optim.")))
+      if (n_extra++ == 0) extra = "'" + e.name + "'";
+  if (n_missing + n_extra + n_mismatched == 0) return {};
+  std::string what = "checkpoint '" + source + "' does not match the model and optimizer:";
+  if (n_missing) what += " " + std::to_string(n_missing) + " tensor(s) missing from the file, first " + missing + ";";
+  if (n_extra) what += " " + std::to_string(n_extra) + " tensor(s) in the file that the model lacks, first " + extra + ";";
+  if (n_mismatched) what += " " + std::to_string(n_mismatched) + " with another dtype or shape, first " + mismatched + ";";
+  return what + " load it into the model (and optimizer type) that saved it";
+}
+
+/// Runs steps while none has failed and keeps the first ddp::error one threw (later steps are skipped), so that
+/// a rank keeps taking part in the collectives of a save or load after its own work failed.
+struct first_failure {
+  std::exception_ptr failure;  ///< the first error thrown, or null
+  /// Runs `f` unless a previous step failed; catches what it throws.
+  template <class F>
+  void run(F&& f) {
+    if (failure) return;
+    try {
+      f();
+    } catch (const error&) {
+      failure = std::current_exception();
+    }
+  }
+  /// "" or "rank <rank>: <message of the first error>".
+  [[nodiscard]] std::string message(int rank) const {
+    if (!failure) return {};
+    try {
+      std::rethrow_exception(failure);
+    } catch (const error& e) {
+      return "rank " + std::to_string(rank) + ": " + e.message();
+    }
+  }
+};
+
+/// Makes every rank throw what `failure` holds on rank 0 (same type family, same text), or return when it is
+/// empty. Collective: it is also the barrier where the other ranks wait for rank 0.
+template <class Comm>
+void share_rank0_outcome(Comm& comm, const std::exception_ptr& failure) {
+  std::vector<std::string> outcome;  // {kind, message}: empty when rank 0 succeeded
+  if (comm.rank() == 0 && failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const mismatch_error& e) {
+      outcome = {"mismatch", e.message()};
+    } catch (const io_error& e) {
+      outcome = {"io", e.message()};
+    } catch (const error& e) {
+      outcome = {"error", e.message()};
+    }
+  }
+  broadcast_object(comm, outcome, 0);
+  if (outcome.empty()) return;
+  const std::string text = comm.rank() == 0 ? outcome[1] : outcome[1] + " (reported by rank 0)";
+  if (outcome[0] == "mismatch") throw mismatch_error(text, comm.rank());
+  if (outcome[0] == "io") throw io_error(text, comm.rank());
+  throw error(text, comm.rank());
+}
+
+/// Runs `f` on rank 0 and makes every rank throw what it threw (a ddp::error), or return.
+template <class Comm, class F>
+void on_rank0_then_share(Comm& comm, F&& f) {
+  first_failure rank0;
+  if (comm.rank() == 0) rank0.run(f);
+  share_rank0_outcome(comm, rank0.failure);
+}
+
+/// Every rank passes what went wrong on it ("" for nothing, else first_failure::message); when any rank
+/// failed, every rank throws ddp::io_error with the first failed rank's message. Collective.
+template <class Comm>
+void agree_on_failure(Comm& comm, const std::string& mine) {
+  const auto all = all_gather_object(comm, mine);
+  const auto first = std::find_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
+  if (first == all.end()) return;
+  const auto failed = std::count_if(all.begin(), all.end(), [](const std::string& s) { return !s.empty(); });
+  throw io_error(*first + (failed > 1 ? " (and " + std::to_string(failed - 1) + " more rank(s) failed)" : ""),
+                 comm.rank());
+}
+
+/// Sets `opt`'s step count from the "optim.step" metadata of the checkpoint at `source` (nothing when Opt is
+/// void); throws ddp::mismatch_error when the checkpoint has none. Every rank sees the same metadata.
+template <class Opt>
+void restore_step_count(const std::filesystem::path& source, const checkpoint_metadata& meta, Opt* opt, int rank) {
+  if constexpr (!std::is_void_v<Opt>) {
+    const auto it = meta.find("optim.step");
+    if (it == meta.end())
+      throw mismatch_error("checkpoint '" + source.string() + "' has no optim.step metadata (it was saved without "
+                           "an optimizer); load it without the optimizer argument to take only the parameters",
+                           rank);
+    opt->set_step_count(std::stoull(it->second));
+  }
+}
+
+/// The parameters of one unit (a top-level field of the model), as a part data_parallel::gather accepts.
+struct unit_parameters {
+  std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
+                           parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
+      members;
+  /// Visits the members (names are not needed by gather).
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
+  }
+};
+
+/// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
+/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it.
+/// Nothing to do under replicate, where the pieces are the parameters. Collective.
+template <class DP>
+void refresh_parameters(DP& dp, const training_state& st) {
+  if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
+    std::vector<unit_parameters> units;
+    std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
+    std::string last_unit;
+    std::size_t t = 0;
+    dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
+      const auto unit = name.substr(0, name.find('.'));
+      if (units.empty() || unit != last_unit) {
+        units.emplace_back();
+        members.emplace_back();
+        last_unit = std::string(unit);
+      }
+      units.back().members.emplace_back(&p);
+      members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
+    });
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      auto scope = dp.gather(units[u]);
+      for (const auto& [tensor, full] : members[u]) {
+        const std::size_t width = size_of(st.tensors[tensor].type);
+        for (const auto& c : st.cover[tensor]) {
+          std::byte* dst = full + c.start * width;
+          if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
+          dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/checkpoint/state.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// Format of the manifest, stored as "format".
+inline constexpr std::string_view sharded_format = "ddp.sharded/1";
+
+/// File name of rank r's part in a checkpoint of n ranks.
+inline std::string part_name(int r, int n) {
+  char name[64];
+  std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", r, n);
+  return name;
+}
+
+/// Key of a range inside a part: "fc1.weight[0:35]" (flattened elements [0, 35) of fc1.weight).
+inline std::string piece_key(const std::string& tensor, std::size_t start, std::size_t numel) {
+  return tensor + "[" + std::to_string(start) + ":" + std::to_string(start + numel) + "]";
+}
+
+/// What a part's writer reports to rank 0 for the manifest.
+struct part_report {
+  std::string checksum;         ///< the part's ddp.checksum
+  std::uint64_t data_bytes = 0;  ///< bytes of its data section
+};
+
+/// A manifest, read and validated.
+struct sharded_manifest {
+  /// A range of a tensor in a part.
+  struct range {
+    std::size_t part = 0, start = 0, numel = 0;
+  };
+  /// A part file.
+  struct part {
+    std::string file, checksum;
+    std::uint64_t data_bytes = 0;
+  };
+  int world_size = 0;
+  checkpoint_metadata metadata;
+  std::vector<safetensors::tensor_header> tensors;
+  std::vector<std::vector<range>> ranges;  // per tensor, ascending and covering it exactly
+  std::vector<part> parts;
+};
+
+[[noreturn]] inline void corrupt_manifest(const std::filesystem::path& path, const std::string& what) {
+  throw io_error("sharded checkpoint manifest '" + path.string() + "': corrupt: " + what +
+                     "; save the checkpoint again (or resume from an older one)",
+                 -1);
+}
+
+/// Parses the manifest text read from `path`; throws ddp::io_error naming the path for anything malformed.
+inline sharded_manifest parse_manifest(const std::filesystem::path& path, const std::string& text) {
+  sharded_manifest m;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    if (j.at("format").get<std::string>() != sharded_format)
+      corrupt_manifest(path, "its format is '" + j.at("format").get<std::string>() + "', not '" +
+                                 std::string(sharded_format) + "'");
+    m.world_size = j.at("world_size").get<int>();
+    m.metadata = j.at("metadata").get<checkpoint_metadata>();
+    std::map<std::string, std::size_t> index;
+    for (const auto& t : j.at("tensors")) {
+      const auto type = safetensors::dtype_from_name(t.at("dtype").get<std::string>());
+      if (!type) corrupt_manifest(path, "tensor " + t.dump() + " has an unknown dtype");
+      index[t.at("name").get<std::string>()] = m.tensors.size();
+      m.tensors.push_back({t.at("name").get<std::string>(), *type, t.at("shape").get<std::vector<std::size_t>>()});
+    }
+    m.ranges.resize(m.tensors.size());
+    for (const auto& p : j.at("parts")) {
+      const auto file = p.at("file").get<std::string>();
+      if (file.empty() || std::filesystem::path(file).filename().string() != file)
+        corrupt_manifest(path, "part file name '" + file + "' is not a plain file name");
+      for (const auto& r : p.at("ranges")) {
+        const auto it = index.find(r.at("tensor").get<std::string>());
+        if (it == index.end()) corrupt_manifest(path, "a range names tensor '" + r.at("tensor").get<std::string>() + "', which it does not list");
+        m.ranges[it->second].push_back({m.parts.size(), r.at("start").get<std::size_t>(), r.at("numel").get<std::size_t>()});
+      }
+      m.parts.push_back({file, p.at("checksum").get<std::string>(), p.at("data_bytes").get<std::uint64_t>()});
+    }
+  } catch (const nlohmann::json::exception& e) {
+    corrupt_manifest(path, std::string("it does not parse as a ddp manifest (") + e.what() + ")");
+  }
+  if (m.world_size <= 0 || static_cast<std::size_t>(m.world_size) != m.parts.size())
+    corrupt_manifest(path, "world_size " + std::to_string(m.world_size) + " but " + std::to_string(m.parts.size()) + " parts");
+  for (std::size_t t = 0; t < m.tensors.size(); ++t) {
+    auto& ranges = m.ranges[t];
+    std::sort(ranges.begin(), ranges.end(), [](const auto& a, const auto& b) { return a.start < b.start; });
+    std::size_t end = 0;
+    bool exact = true;  // ascending, without gaps or overlaps, up to the last element
+    for (const auto& r : ranges) {
+      exact = exact && r.start == end;
+      end = r.start + r.numel;
+    }
+    if (!exact || end != safetensors::detail::numel_of(m.tensors[t].shape))
+      corrupt_manifest(path, "the ranges of '" + m.tensors[t].name + "' do not cover its elements exactly once");
+  }
+  return m;
+}
+
+/// The manifest of `dir` as text; throws ddp::io_error naming the path when it cannot be read.
+inline std::string read_manifest_text(const std::filesystem::path& dir) {
+  const auto path = dir / "manifest.json";
+  std::ifstream in(path);
+  if (!in)
+    throw io_error("sharded checkpoint '" + dir.string() + "': '" + path.string() + "' cannot be opened; check the "
+                   "path (is it a directory written by ddp::save_sharded? is it visible to rank 0?)",
+                   -1);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// Throws unless `dir` is absent, an empty directory or a sharded checkpoint: what save_sharded may replace.
+inline void check_replaceable(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return;
+  if (!fs::is_directory(dir, ec) || (!fs::is_empty(dir, ec) && !fs::exists(dir / "manifest.json", ec)))
+    throw io_error("save_sharded: '" + dir.string() + "' exists and is not a sharded checkpoint (no manifest.json), "
+                   "so it is not replaced; choose another directory or remove it",
+                   -1);
+}
+
+/// Moves the complete directory `tmp` to `dir`: a rename, or an atomic exchange with the checkpoint already
+/// there, which is then removed.
+inline void install_directory(const std::filesystem::path& tmp, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool replacing = fs::exists(dir, ec);
+  const int rc = replacing ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE)
+                           : ::rename(tmp.c_str(), dir.c_str());
+  if (rc != 0)
+    throw io_error("save_sharded: moving '" + tmp.string() + "' to '" + dir.string() + "' failed (" +
+                       std::generic_category().message(errno) + "); check permissions of the parent directory and "
+                       "that the file system supports renameat2",
+                   -1, errno);
+  if (replacing) fs::remove_all(tmp, ec);  // the previous checkpoint, now under the temporary name
+  safetensors::detail::atomic_file::sync_directory(dir.has_parent_path() ? dir.parent_path() : fs::path("."));
+}
+
+template <class DP, class Opt>
+checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, Opt* opt) {
+  const auto st = collect_state(dp, opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  const auto manifest_path = dir / "manifest.json";
+  std::string text;
+  on_rank0_then_share(comm, [&] {
+    text = read_manifest_text(dir);
+    const auto m = parse_manifest(manifest_path, text);
+    const auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    if (!problem.empty()) throw mismatch_error(problem, 0);
+  });
+  broadcast_object(comm, text, 0);
+  const auto m = parse_manifest(manifest_path, text);
+  std::map<std::string, std::size_t> index;
+  for (std::size_t t = 0; t < m.tensors.size(); ++t) index[m.tensors[t].name] = t;
+
+  // Every range of a part that overlaps a piece this rank holds.
+  struct copy {
+    std::size_t part;
+    std::size_t tensor;       // index into the manifest's tensors
+    std::string key;
+    std::size_t numel;        // elements of the range in the part
+    std::uint64_t offset;     // first byte to read inside the range
+    std::span<std::byte> to;  // where the bytes go
+  };
+  std::vector<copy> copies;
+  for (const auto& p : st.mine) {
+    const auto& tensor = st.tensors[p.tensor];
+    const std::size_t width = size_of(tensor.type);
+    for (const auto& r : m.ranges[index.at(tensor.name)]) {
+      const std::size_t lo = std::max(p.start, r.start), hi = std::min(p.start + p.numel, r.start + r.numel);
+      if (lo < hi)
+        copies.push_back({r.part, index.at(tensor.name), piece_key(tensor.name, r.start, r.numel), r.numel, (lo - r.start) * width,
+                          {p.data + (lo - p.start) * width, (hi - lo) * width}});
+    }
+  }
+  // Open and verify every part needed before changing anything, then read.
+  std::map<std::size_t, safetensors::reader> parts;
+  first_failure failed;
+  failed.run([&] {
+    for (const auto& c : copies) {
+      if (!parts.contains(c.part)) {
+        const auto& part = m.parts[c.part];
+        auto r = safetensors::reader::open(dir / part.file);
+        r.verify_checksum();
+        const auto it = r.metadata().find("ddp.checksum");
+        if (it == r.metadata().end() || it->second != part.checksum)
+          throw io_error("sharded checkpoint part '" + (dir / part.file).string() + "' has checksum " +
+                         (it == r.metadata().end() ? std::string("(none)") : it->second) + " but the manifest records " +
+                         part.checksum + ": it comes from another save; save the checkpoint again (or resume from an "
+                         "older one)");
+        parts.emplace(c.part, std::move(r));
+      }
+      const auto* e = parts.at(c.part).find(c.key);
+      if (e == nullptr || e->type != m.tensors[c.tensor].type ||
+          e->shape != std::vector<std::size_t>{c.numel})
+        throw io_error("sharded checkpoint part '" + (dir / m.parts[c.part].file).string() + "' lacks '" + c.key +
+                       "' (or holds it with another dtype or shape), which the manifest places there; save the "
+                       "checkpoint again (or resume from an older one)");
+    }
+  });
+  agree_on_failure(comm, failed.message(me));
+  failed.run([&] {
+    for (const auto& c : copies) {
+      const auto& r = parts.at(c.part);
+      r.read(*r.find(c.key), c.offset, c.to);
+    }
+  });
+  agree_on_failure(comm, failed.message(me));
+  refresh_parameters(dp, st);
+  restore_step_count(manifest_path, m.metadata, opt, me);
+  return m.metadata;
+}
+
+}  // namespace detail
+
+/// Saves the training state of `dp` and `opt` as the directory `dir` (created, or replaced when it holds a
+/// sharded checkpoint): each rank writes the ranges it holds (under hybrid, replicas are written once) as
+/// `rank-<r>-of-<n>.safetensors`; rank 0 writes `manifest.json` with `metadata`, then moves the directory into
+/// place. Collective; a failure on any rank is thrown on every rank.
+template <class DP, class Opt>
+void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
+  namespace fs = std::filesystem;
+  const auto st = detail::collect_state(dp, &opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank(), n = comm.size();
+  std::string tmp = dir.string() + ".tmp." + std::to_string(::getpid());
+  broadcast_object(comm, tmp, 0);
+  detail::on_rank0_then_share(comm, [&] {
+    detail::check_replaceable(dir);
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    if (ec)
+      throw io_error("save_sharded: cannot create '" + tmp + "' (" + ec.message() + "); check that the parent "
+                     "directory exists or can be created and is writable", 0, ec.value());
+  });
+
+  std::vector<safetensors::tensor_header> headers;
+  std::vector<std::span<const std::byte>> bytes;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t)
+    for (const auto& c : st.cover[t])
+      if (c.rank == me) {
+        headers.push_back({detail::piece_key(st.tensors[t].name, c.start, c.numel), st.tensors[t].type, {c.numel}});
+        bytes.emplace_back(st.at(t, c.start, c.numel), c.numel * size_of(st.tensors[t].type));
+      }
+  detail::part_report report;
+  detail::first_failure failed;
+  failed.run([&] {
+    safetensors::writer w(fs::path(tmp) / detail::part_name(me, n), headers,
+                          {{"ddp.rank", std::to_string(me)}, {"ddp.world_size", std::to_string(n)}});
+    for (const auto& b : bytes) w.append(b);
+    w.commit();
+    report = {safetensors::detail::hex(w.checksum()), w.data_bytes()};
+  });
+  try {
+    detail::agree_on_failure(comm, failed.message(me));
+  } catch (const error&) {
+    std::error_code ec;
+    if (me == 0) fs::remove_all(tmp, ec);
+    throw;
+  }
+  const auto reports = all_gather_object(comm, report);
+  detail::on_rank0_then_share(comm, [&] {
+    nlohmann::json tensors = nlohmann::json::array(), parts = nlohmann::json::array();
+    for (const auto& t : st.tensors)
+      tensors.push_back({{"name", t.name}, {"dtype", safetensors::dtype_name(t.type)}, {"shape", t.shape}});
+    for (int r = 0; r < n; ++r) {
+      nlohmann::json ranges = nlohmann::json::array();
+      for (std::size_t t = 0; t < st.tensors.size(); ++t)
+        for (const auto& c : st.cover[t])
+          if (c.rank == r) ranges.push_back({{"tensor", st.tensors[t].name}, {"start", c.start}, {"numel", c.numel}});
+      const auto& rep = reports[static_cast<std::size_t>(r)];
+      parts.push_back({{"file", detail::part_name(r, n)}, {"rank", r}, {"checksum", rep.checksum},
+                       {"data_bytes", rep.data_bytes}, {"ranges", std::move(ranges)}});
+    }
+    auto meta = metadata;
+    meta["optim.step"] = std::to_string(opt.step_count());
+    meta["ddp.world_size"] = std::to_string(n);
+    const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
+                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)}};
+    try {
+      const std::string text = manifest.dump(1);
+      safetensors::detail::atomic_file file(fs::path(tmp) / "manifest.json");
+      file.write(std::as_bytes(std::span(text)));
+      file.commit();
+      detail::install_directory(tmp, dir);
+    } catch (const error&) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+  });
+}
+
+/// Loads what save_sharded() wrote — at any world size and under any sharding policy — into `dp`'s parameters
+/// and `opt`'s state and step count: each rank reads the ranges overlapping what it holds, after verifying the
+/// parts it needs (checksums, the manifest's ranges). A missing, truncated or corrupt part, or a manifest that
+/// does not match the model, throws on every rank (ddp::io_error / ddp::mismatch_error naming the file and
+/// the rank). Returns the metadata. Collective.
+template <class DP, class Opt>
+checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt) {
+  return detail::load_sharded_impl(dir, dp, &opt);
+}
+
+/// Loads only the parameters of a sharded checkpoint (its optimizer ranges are not read). Collective.
+template <class DP>
+checkpoint_metadata load_sharded(const std::filesystem::path& dir, DP& dp) {
+  return detail::load_sharded_impl(dir, dp, static_cast<void*>(nullptr));
+}
+
+}  // namespace ddp
+// ---- end <ddp/checkpoint/sharded.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+template <class DP, class Opt>
+void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata) {
+  const auto st = collect_state(dp, &opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  std::optional<safetensors::writer> out;
+  first_failure rank0;  // rank 0 keeps receiving after a failed write, so no sender is left waiting
+  if (me == 0)
+    rank0.run([&] {
+      auto meta = metadata;
+      meta["optim.step"] = std::to_string(opt.step_count());
+      meta["ddp.world_size"] = std::to_string(dp.world_size());
+      out.emplace(path, st.tensors, meta);
+    });
+  std::vector<std::byte> buffer;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
+    const dtype type = st.tensors[t].type;
+    for (const auto& c : st.cover[t]) {
+      const std::size_t bytes = c.numel * size_of(type);
+      if (me == 0 && c.rank == 0) {
+        rank0.run([&] { out->append({st.at(t, c.start, c.numel), bytes}); });
+      } else if (me == 0) {
+        buffer.resize(bytes);
+        comm.recv(raw_tensor{buffer.data(), c.numel, type, device::cpu()}, c.rank).wait();
+        rank0.run([&] { out->append({buffer.data(), bytes}); });
+      } else if (c.rank == me) {
+        comm.send(raw_tensor{st.at(t, c.start, c.numel), c.numel, type, device::cpu()}, 0).wait();
+      }
+    }
+  }
+  if (me == 0) rank0.run([&] { out->commit(); });
+  share_rank0_outcome(comm, rank0.failure);
+}
+
+template <class DP, class Opt>
+checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* opt) {
+  const auto st = collect_state(dp, opt);
+  auto& comm = dp.comm();
+  const int me = comm.rank();
+  std::optional<safetensors::reader> in;
+  std::vector<std::string> meta_flat;  // key, value, key, value, ...
+  on_rank0_then_share(comm, [&] {
+    in.emplace(safetensors::reader::open(path));
+    const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    if (!problem.empty()) throw mismatch_error(problem, 0);
+    in->verify_checksum();
+    for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
+  });
+  first_failure rank0;  // rank 0 keeps sending after a failed read, so no receiver is left waiting
+  std::vector<std::byte> buffer;
+  for (std::size_t t = 0; t < st.tensors.size(); ++t) {
+    const dtype type = st.tensors[t].type;
+    const std::size_t numel = safetensors::detail::numel_of(st.tensors[t].shape), width = size_of(type);
+    const auto* entry = me == 0 ? in->find(st.tensors[t].name) : nullptr;
+    const auto& holders = st.holders[t];
+    const bool everywhere = holders.size() == static_cast<std::size_t>(comm.size()) &&
+                            std::all_of(holders.begin(), holders.end(), [&](const held_range& h) { return h.numel == numel; });
+    if (everywhere && numel > 0) {
+      std::byte* mine = st.at(t, 0, numel);
+      if (me == 0) rank0.run([&] { in->read(*entry, 0, {mine, numel * width}); });
+      comm.broadcast(raw_tensor{mine, numel, type, device::cpu()}, 0).wait();
+      continue;
+    }
+    for (const auto& h : holders) {
+      if (me == 0 && h.rank == 0) {
+        rank0.run([&] { in->read(*entry, h.start * width, {st.at(t, h.start, h.numel), h.numel * width}); });
+      } else if (me == 0) {
+        buffer.resize(h.numel * width);
+        rank0.run([&] { in->read(*entry, h.start * width, buffer); });
+        comm.send(raw_tensor{buffer.data(), h.numel, type, device::cpu()}, h.rank).wait();
+      } else if (h.rank == me) {
+        comm.recv(raw_tensor{st.at(t, h.start, h.numel), h.numel, type, device::cpu()}, 0).wait();
+      }
+    }
+  }
+  share_rank0_outcome(comm, rank0.failure);
+  refresh_parameters(dp, st);
+  broadcast_object(comm, meta_flat, 0);
+  checkpoint_metadata meta;
+  for (std::size_t i = 0; i + 1 < meta_flat.size(); i += 2) meta[meta_flat[i]] = meta_flat[i + 1];
+  restore_step_count(path, meta, opt, me);
+  return meta;
+}
+
+}  // namespace detail
+
+/// Saves the parameters of `dp` and the state of `opt` to `path` (one safetensors file, any sharding policy):
+/// rank 0 writes to a temporary file and renames it, the other ranks stream it the ranges they hold.
+/// `metadata` is stored too. Collective: every rank calls it; a failure is thrown on every rank.
+template <class DP, class Opt>
+void save(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
+  detail::save_full(path, dp, opt, metadata);
+}
+
+/// Loads what save() wrote (at any world size, under any policy) into `dp`'s parameters and `opt`'s state (and
+/// step count) on every rank; rank 0 reads and verifies names, shapes, dtypes and the checksum, then sends each
+/// rank its ranges. Throws ddp::io_error for an unreadable file and ddp::mismatch_error naming the first
+/// missing, extra and differing tensor, on every rank. Returns the metadata. Collective.
+template <class DP, class Opt>
+checkpoint_metadata load(const std::filesystem::path& path, DP& dp, Opt& opt) {
+  return detail::load_full(path, dp, &opt);
+}
+
+/// Loads only the parameters (optimizer entries in the file are ignored), e.g. for evaluation. Collective.
+template <class DP>
+checkpoint_metadata load(const std::filesystem::path& path, DP& dp) {
+  return detail::load_full(path, dp, static_cast<void*>(nullptr));
+}
+
+}  // namespace ddp
+// ---- end <ddp/checkpoint/checkpoint.hpp>
+// ---- end <ddp/checkpoint.hpp>
+// ---- begin <ddp/log.hpp>
+/// \file Output of a training job: ddp::logger (rank 0 speaks for the job) and ddp::progress_bar
+/// (step, loss, samples/s and ETA, drawn by rank 0).
+
+// ---- begin <ddp/launch/log.hpp>
+/// \file Rank-0-only logging: `ddp::logger log{comm}; log.info("epoch ", e, " loss ", loss);` prints on rank 0
+/// and is silent elsewhere, unless DDP_LOG_ALL_RANKS=1, where every rank prints with a "[rank r]" prefix.
+/// Arguments are streamed with operator<<; each message is written as one line in one call, so lines of
+/// different ranks sharing a terminal do not interleave mid-line.
+
+
+namespace ddp {
+
+/// A logger that knows its rank: info() on rank 0 only (or on every rank with DDP_LOG_ALL_RANKS=1), warn() always.
+class logger {
+ public:
+  /// A logger for `rank`; `out` receives info lines (stdout by default), warnings go to stderr.
+  explicit logger(int rank, std::FILE* out = stdout) : rank_(rank), out_(out) {
+    const char* all = std::getenv("DDP_LOG_ALL_RANKS");  // NOLINT(concurrency-mt-unsafe): read once
+    all_ranks_ = all != nullptr && std::string_view(all) == "1";
+  }
+  /// A logger for the rank of `comm` (any ddp::communicator, or anything with rank()).
+  template <class Comm>
+    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
+  explicit logger(const Comm& comm, std::FILE* out = stdout) : logger(comm.rank(), out) {}
+
+  /// True when info() prints on this rank.
+  [[nodiscard]] bool enabled() const noexcept { return rank_ == 0 || all_ranks_; }
+  /// This logger's rank.
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+  /// Prints the streamed `args` as one line, on rank 0 only (every rank with DDP_LOG_ALL_RANKS=1).
+  template <class... Args>
+  void info(Args&&... args) const {
+    if (enabled()) write(out_, compose(std::forward<Args>(args)...));
+  }
+  /// Prints the streamed `args` as one line on stderr, on every rank, prefixed with the rank.
+  template <class... Args>
+  void warn(Args&&... args) const {
+    write(stderr, "[rank " + std::to_string(rank_) + "] warning: " + compose_raw(std::forward<Args>(args)...));
+  }
+
+ private:
+  template <class... Args>
+  static std::string compose_raw(Args&&... args) {
+    std::ostringstream s;
+    (s << ... << std::forward<Args>(args));
+    return s.str();
+  }
+  template <class... Args>
+  std::string compose(Args&&... args) const {
+    return (all_ranks_ ? "[rank " + std::to_string(rank_) + "] " : std::string()) + compose_raw(std::forward<Args>(args)...);
+  }
+  static void write(std::FILE* to, std::string line) {
+    line += '\n';
+    std::fwrite(line.data(), 1, line.size(), to);
+    std::fflush(to);
+  }
+
+  int rank_;
+  std::FILE* out_;
+  bool all_ranks_ = false;
+};
+
+}  // namespace ddp
+// ---- end <ddp/launch/log.hpp>
+// ---- begin <ddp/launch/progress.hpp>
+/// \file A progress bar for training loops, drawn by rank 0 only: step/total, loss, samples/s and ETA.
+/// On a terminal it redraws one line with '\r'; otherwise (logs, pipes) it prints a plain line every
+/// tenth of the way and at the end, so log files stay readable.
+
+
+
+namespace ddp {
+
+/// Progress of one loop of `total` steps (an epoch), shown on rank 0 and silent on the others.
+class progress_bar {
+ public:
+  using clock = std::chrono::steady_clock;  ///< time source
+
+  /// A bar titled `label` for `total` steps, drawn when `rank` is 0, on `out` (stderr by default).
+  progress_bar(int rank, std::size_t total, std::string label, std::FILE* out = stderr)
+      : enabled_(rank == 0), tty_(enabled_ && ::isatty(::fileno(out)) == 1), total_(total), label_(std::move(label)),
+        out_(out), start_(clock::now()), last_draw_(start_) {}
+  /// A bar for the rank of `comm`.
+  template <class Comm>
+    requires requires(const Comm& c) { { c.rank() } -> std::convertible_to<int>; }
+  progress_bar(const Comm& comm, std::size_t total, std::string label, std::FILE* out = stderr)
+      : progress_bar(comm.rank(), total, std::move(label), out) {}
+  progress_bar(const progress_bar&) = delete;
+  progress_bar& operator=(const progress_bar&) = delete;
+  /// Ends the line on a terminal if finish() was not called.
+  ~progress_bar() { if (tty_ && !finished_ && step_ > 0) std::fputc('\n', out_); }
+
+  /// One more step done, which processed `samples` samples (all ranks together, or this rank's: say so in the
+  /// label) with loss `loss` (shown as a running mean over the loop).
+  void step(double loss, std::size_t samples) {
+    ++step_;
+    samples_ += samples;
+    loss_sum_ += loss;
+    if (!enabled_) return;
+    const auto now = clock::now();
+    if (tty_) {
+      if (now - last_draw_ >= std::chrono::milliseconds(100) || step_ == total_) draw(now, '\r');
+    } else if (total_ > 0 && (step_ * 10 / total_ != (step_ - 1) * 10 / total_) && step_ != total_) {
+      draw(now, '\n');
+    }
+  }
+  /// Draws the final state and ends the line.
+  void finish() {
+    if (!enabled_ || finished_) return;
+    finished_ = true;
+    draw(clock::now(), tty_ ? '\r' : '\n');
+    if (tty_) std::fputc('\n', out_);
+    std::fflush(out_);
+  }
+
+  /// Steps done so far.
+  [[nodiscard]] std::size_t steps() const noexcept { return step_; }
+  /// Mean of the losses passed to step().
+  [[nodiscard]] double mean_loss() const noexcept { return step_ ? loss_sum_ / static_cast<double>(step_) : 0.0; }
+  /// Samples per second since construction.
+  [[nodiscard]] double samples_per_second() const noexcept {
+    const double s = std::chrono::duration<double>(clock::now() - start_).count();
+    return s > 0 ? static_cast<double>(samples_) / s : 0.0;
+  }
+  /// The line as drawn now ("label 120/469 [=====>    ] loss 0.4321 | 12345 samples/s | ETA 0:12").
+  [[nodiscard]] std::string line() const { return render(clock::now()); }
+
+ private:
+  static std::string clock_text(double seconds) {
+    const auto s = static_cast<long long>(seconds + 0.5);
+    char buf[32];
+    if (s >= 3600)
+      std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+    else
+      std::snprintf(buf, sizeof buf, "%lld:%02lld", s / 60, s % 60);
+    return buf;
+  }
+  std::string render(clock::time_point now) const {
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    constexpr std::size_t width = 24;
+    const std::size_t filled = total_ ? std::min(width, step_ * width / total_) : width;
+    std::string bar(filled, '=');
+    if (filled < width) bar += '>' + std::string(width - filled - 1, ' ');
+    const double rate = elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0;
+    const double eta = step_ > 0 && total_ > step_ ? elapsed / static_cast<double>(step_) * static_cast<double>(total_ - step_) : 0.0;
+    char buf[160];
+    std::snprintf(buf, sizeof buf, " %zu/%zu [%s] loss %.4f | %.0f samples/s | %s %s", step_, total_, bar.c_str(),
+                  mean_loss(), rate, step_ >= total_ ? "took" : "ETA", clock_text(step_ >= total_ ? elapsed : eta).c_str());
+    return label_ + buf;
+  }
+  void draw(clock::time_point now, char end) {
+    last_draw_ = now;
+    std::string text = render(now);
+    if (end == '\r') {
+      text = '\r' + text + "\x1b[K";  // clear what a longer previous line left
+    } else {
+      text += '\n';
+    }
+    std::fwrite(text.data(), 1, text.size(), out_);
+    std::fflush(out_);
+  }
+
+  bool enabled_;
+  bool tty_;
+  std::size_t total_;
+  std::string label_;
+  std::FILE* out_;
+  clock::time_point start_;
+  clock::time_point last_draw_;
+  std::size_t step_ = 0;
+  std::size_t samples_ = 0;
+  double loss_sum_ = 0;
+  bool finished_ = false;
+};
+
+}  // namespace ddp
+// ---- end <ddp/launch/progress.hpp>
+// ---- end <ddp/log.hpp>
+// ---- begin <ddp/launch.hpp>
+/// \file The launcher API (CMake target ddp::launch): ddp::launch::spawn runs a function in N forked
+/// ranks with torchrun's environment, ddp::launch::spawn_program N copies of a program (what the
+/// ddp-launch program does).
+
+// ---- begin <ddp/launch/spawn.hpp>
+/// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
+/// this host with torchrun's environment set, forwards or captures their output line by line, stops
+/// the others when one fails, and reports how every rank ended.
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <csignal>
+#include <initializer_list>
+#include <iostream>
+
+
+namespace ddp::launch {
+
+/// A system call of the launcher itself failed (fork, pipe, socket); native_code() is errno.
+class launch_error : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// A rank of a spawned job failed; rank() is the rank that failed first, native_code() its exit status
+/// as a shell reports it (the exit code, or 128 + signal).
+class job_failed : public ddp::error {
+ public:
+  using error::error;
+};
+
+/// What happens to the ranks' stdout and stderr.
+enum class output_mode {
+  forward,  ///< every line goes to the launcher's own stdout/stderr, prefixed with "[rank R] "
+  capture,  ///< stdout and stderr of each rank are kept, in order, in rank_status::output
+};
+
+/// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
+using env_list = std::vector<std::pair<std::string, std::string>>;
+
+/// How to start a job; every field has a working default.
+struct spawn_options {
+  std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
+  std::string master_addr = "127.0.0.1";       ///< MASTER_ADDR
+  std::string token;                           ///< DDP_TOKEN; empty: the launcher's own, else 128 random bits
+  std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
+  std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
+  output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
+  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
+  /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
+  /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
+  const volatile std::sig_atomic_t* interrupt = nullptr;
+};
+
+/// How one rank ended.
+struct rank_status {
+  int rank = 0;                     ///< the rank
+  int exit_code = -1;               ///< its exit code, -1 when a signal ended it
+  int signal = 0;                   ///< the signal that ended it, 0 when it exited
+  bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
+  bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::string output;               ///< its stdout and stderr (output_mode::capture only)
+
+  /// Exited with status 0.
+  [[nodiscard]] bool ok() const noexcept { return exit_code == 0; }
+  /// The status as a shell reports it: the exit code, or 128 + signal.
+  [[nodiscard]] int shell_status() const noexcept { return signal != 0 ? 128 + signal : exit_code; }
+  /// "exit code 3", "signal 9 (Killed)".
+  [[nodiscard]] std::string describe() const {
+    if (unknown_status)
+      return "an unknown status (waitpid failed with ECHILD; do not set SIGCHLD to SIG_IGN while spawning)";
+    if (signal == 0) return "exit code " + std::to_string(exit_code);
+    return "signal " + std::to_string(signal) + " (" + ::strsignal(signal) + ")";
+  }
+};
+
+/// The outcome of a job: every rank's status and which one failed first.
+struct spawn_result {
+  std::vector<rank_status> ranks;  ///< indexed by rank
+  int first_failed = -1;           ///< the rank that failed first, -1 when none did
+  bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
+  int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
+  std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
+  std::string token;               ///< the DDP_TOKEN the ranks got
+
+  /// Every rank exited with status 0.
+  [[nodiscard]] bool ok() const noexcept {
+    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
+           std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
+  }
+  /// The job's status as a program should exit with: 0; the first failing rank's shell status;
+  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
+  [[nodiscard]] int exit_status() const noexcept {
+    if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
+    if (timed_out) return 124;
+    if (interrupted_by != 0) return 128 + interrupted_by;
+    return 0;
+  }
+  /// One paragraph for humans: what failed first and how every other rank ended.
+  [[nodiscard]] std::string describe() const {
+    std::string s;
+    if (first_failed >= 0)
+      s = "rank " + std::to_string(first_failed) + " failed first with " +
+          ranks[static_cast<std::size_t>(first_failed)].describe();
+    else if (timed_out)
+      s = "the job did not finish within its timeout and was stopped";
+    else if (interrupted_by != 0)
+      s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
+    else
+      s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
+    if (ok()) return s;
+    for (const auto& r : ranks) {
+      if (r.rank == first_failed) continue;
+      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
+      if (r.stopped_by_launcher) s += " (stopped by the launcher)";
+    }
+    return s;
+  }
+  /// Throws ddp::launch::job_failed with describe() unless ok().
+  void throw_if_failed() const {
+    if (ok()) return;
+    throw job_failed(describe() + "; see the ranks' output above for the cause", first_failed, exit_status());
+  }
+};
+
+namespace detail {
+
+[[noreturn]] inline void throw_errno(const std::string& what) {
+  const int code = errno;
+  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
+                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
+                     -1, code);
+}
+
+/// A TCP port free on every interface right now (bind port 0, read it back, close).
+inline std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    const int code = errno;
+    ::close(fd);
+    errno = code;
+    throw_errno("bind a socket to port 0 to find a free port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// 128 random bits as 32 hex digits.
+inline std::string random_token() {
+  std::random_device rd;
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < 4; ++i) {
+    const std::uint32_t w = rd();
+    for (int b = 28; b >= 0; b -= 4) s += digits[(w >> b) & 0xFU];
+  }
+  return s;
+}
+
+/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
+inline void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t k = ::write(fd, data.data(), data.size());
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return;
+    data.remove_prefix(static_cast<std::size_t>(k));
+  }
+}
+
+/// One pipe from a rank: where its bytes go and the unfinished line.
+struct stream {
+  int rank = 0;
+  int fd = -1;         ///< read end, -1 once closed
+  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
+  std::string pending; ///< forward: bytes after the last newline
+};
+
+/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
+inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
+  if (s.target < 0) {
+    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
+    return;
+  }
+  s.pending.append(data, n);
+  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  std::string out;
+  std::size_t start = 0;
+  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
+    out += prefix;
+    out.append(s.pending, start, nl + 1 - start);
+    start = nl + 1;
+  }
+  s.pending.erase(0, start);
+  write_all(s.target, out);
+}
+
+/// The rank closed the stream: a last line without a newline still goes out, with one.
+inline void finish(stream& s) {
+  if (s.fd >= 0) ::close(s.fd);
+  s.fd = -1;
+  if (s.target >= 0 && !s.pending.empty()) {
+    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
+    s.pending.clear();
+  }
+}
+
+/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte.
+inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks) {
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    if (streams[i].fd >= 0) {
+      fds.push_back({streams[i].fd, POLLIN, 0});
+      which.push_back(i);
+    }
+  if (fds.empty()) {
+    if (wait_ms > 0) ::poll(nullptr, 0, wait_ms);
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
+  char buf[16384];
+  for (std::size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    stream& s = streams[which[k]];
+    const ssize_t got = ::read(s.fd, buf, sizeof buf);
+    if (got > 0)
+      deliver(s, buf, static_cast<std::size_t>(got), ranks);
+    else if (got == 0 || errno != EINTR)
+      finish(s);
+  }
+}
+
+/// The child's side after fork: environment, output pipes, body, exit status.
+[[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
+                                   const std::string& token, int out_fd, int err_fd,
+                                   const std::vector<stream>& parent_ends, const std::function<void(int)>& body) {
+  for (const auto& s : parent_ends)
+    if (s.fd >= 0) ::close(s.fd);
+  // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
+  // stops ranks with SIGTERM and reports crashes by their signal.
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(out_fd, STDOUT_FILENO);
+  ::dup2(err_fd, STDERR_FILENO);
+  if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
+  if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
+  const std::string r = std::to_string(rank);
+  const std::string w = std::to_string(n);
+  ::setenv("RANK", r.c_str(), 1);
+  ::setenv("WORLD_SIZE", w.c_str(), 1);
+  ::setenv("LOCAL_RANK", r.c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+  ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+  ::setenv("MASTER_PORT", port.c_str(), 1);
+  ::setenv("DDP_TOKEN", token.c_str(), 1);
+  int code = 0;
+  try {
+    if (o.extra_env)
+      for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
+    body(rank);
+  } catch (const std::exception& e) {
+    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
+    code = 1;
+  } catch (...) {
+    std::cerr << "rank " << rank
+              << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
+                 "reported above, or a thrown non-std type)\n";
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  ::_exit(code);  // no atexit handlers: they belong to the parent's copy of the program
+}
+
+/// Records how `pid` ended in `r` from a waitpid status.
+inline void record(rank_status& r, int status) {
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signal = WTERMSIG(status);
+  }
+}
+
+}  // namespace detail
+
+/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
+/// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
+/// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
+/// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
+/// and so do all after options.timeout.
+/// Throws ddp::config_error for bad arguments and ddp::launch::launch_error when fork or pipe fails.
+inline spawn_result spawn(int n, const std::function<void(int rank)>& body, const spawn_options& options = {}) {
+  using clock = std::chrono::steady_clock;
+  if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
+  if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
+  spawn_result result;
+  result.port = options.port != 0 ? options.port : detail::free_port();
+  if (!options.token.empty()) {
+    result.token = options.token;
+  } else if (const char* inherited = std::getenv("DDP_TOKEN"); inherited != nullptr && *inherited != '\0') {
+    result.token = inherited;
+  } else {
+    result.token = detail::random_token();
+  }
+  const std::string port = std::to_string(result.port);
+  result.ranks.resize(static_cast<std::size_t>(n));
+  std::vector<pid_t> pids(static_cast<std::size_t>(n), -1);
+  std::vector<detail::stream> streams;
+  const bool forward = options.output == output_mode::forward;
+
+  // Stops every rank still running: SIGTERM now, SIGKILL once the grace period is over.
+  std::optional<clock::time_point> kill_at;
+  const auto stop_all = [&] {
+    if (kill_at) return;
+    for (std::size_t r = 0; r < pids.size(); ++r)
+      if (pids[r] > 0) {
+        ::kill(pids[r], SIGTERM);
+        result.ranks[r].stopped_by_launcher = true;
+      }
+    kill_at = clock::now() + options.grace;
+  };
+
+  // A pipe or fork failed while starting rank r: kill the ranks already started, reap them, throw.
+  const auto abandon = [&](const std::string& what, std::initializer_list<int> fds) {
+    const int code = errno;
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    for (pid_t p : pids)
+      if (p > 0) ::kill(p, SIGKILL);
+    for (auto& s : streams) detail::finish(s);
+    for (pid_t p : pids)
+      if (p > 0) ::waitpid(p, nullptr, 0);
+    errno = code;
+    detail::throw_errno(what);
+  };
+
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
+  for (int r = 0; r < n; ++r) {
+    result.ranks[static_cast<std::size_t>(r)].rank = r;
+    int out[2] = {-1, -1};
+    int err[2] = {-1, -1};
+    if (::pipe2(out, O_CLOEXEC) != 0 || (forward && ::pipe2(err, O_CLOEXEC) != 0))
+      abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1]});
+    if (!forward) err[1] = out[1];
+    const pid_t pid = ::fork();
+    if (pid < 0) abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
+    if (pid == 0) {
+      if (err[0] >= 0) ::close(err[0]);
+      ::close(out[0]);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], streams, body);
+    }
+    pids[static_cast<std::size_t>(r)] = pid;
+    ::close(out[1]);
+    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
+    if (forward) {
+      ::close(err[1]);
+      streams.push_back({r, err[0], STDERR_FILENO, {}});
+    }
+  }
+
+  const auto deadline =
+      options.timeout.count() > 0 ? std::optional<clock::time_point>(clock::now() + options.timeout) : std::nullopt;
+  int running = n;
+  constexpr int tick_ms = 20;  // how often exits, deadlines and interrupts are looked at
+  while (running > 0) {
+    detail::pump(streams, tick_ms, result.ranks);
+    if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
+      result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
+      stop_all();
+    }
+    for (std::size_t r = 0; r < pids.size(); ++r) {
+      if (pids[r] <= 0) continue;
+      int status = 0;
+      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
+      if (got == 0 || (got < 0 && errno != ECHILD)) continue;
+      pids[r] = -1;
+      --running;
+      if (got < 0)
+        result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
+      else
+        detail::record(result.ranks[r], status);
+      if (!result.ranks[r].ok() && !result.ranks[r].stopped_by_launcher && result.first_failed < 0 &&
+          !result.timed_out && result.interrupted_by == 0) {
+        result.first_failed = static_cast<int>(r);
+        if (options.stop_on_failure) stop_all();
+      }
+    }
+    const auto now = clock::now();
+    if (deadline && now >= *deadline && running > 0 && !result.timed_out && !kill_at) {
+      result.timed_out = true;
+      stop_all();
+    }
+    if (kill_at && now >= *kill_at)
+      for (pid_t p : pids)
+        if (p > 0) ::kill(p, SIGKILL);
+  }
+  // Everyone has exited: take what is left in the pipes (a grandchild holding a pipe open gets 200 ms).
+  const auto drain_until = clock::now() + std::chrono::milliseconds(200);
+  while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
+         clock::now() < drain_until)
+    detail::pump(streams, tick_ms, result.ranks);
+  for (auto& s : streams) detail::finish(s);
+  return result;
+}
+
+/// Spawns `n` copies of the program argv[0] (looked up in PATH) with arguments argv[1..], each with
+/// the ranks' environment; a program that cannot be started exits 127 with the reason on its stderr.
+inline spawn_result spawn_program(int n, const std::vector<std::string>& argv, const spawn_options& options = {}) {
+  if (argv.empty() || argv.front().empty())
+    throw ddp::config_error("spawn_program needs a program to run; pass its name and arguments");
+  return spawn(
+      n,
+      [&argv](int) {
+        std::vector<char*> args;
+        args.reserve(argv.size() + 1);
+        for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+        args.push_back(nullptr);
+        ::execvp(args[0], args.data());
+        const int code = errno;
+        const std::string msg = "cannot run '" + argv.front() + "': " + std::strerror(code) +
+                                "; check the program's name, PATH and permissions\n";
+        detail::write_all(STDERR_FILENO, msg);
+        ::_exit(127);
+      },
+      options);
+}
+
+}  // namespace ddp::launch
+// ---- end <ddp/launch/spawn.hpp>
+// ---- end <ddp/launch.hpp>

@@ -1,5 +1,5 @@
-# Overlay port building the ddp checkout it lives in:
-#   vcpkg install ddp[mpi] --overlay-ports=<checkout>/packaging/vcpkg/ports
+# Overlay port building the ddp checkout it lives in (see docs/install.md):
+#   vcpkg install "ddp[mpi]" --overlay-ports=<checkout>/packaging/vcpkg/ports --binarysource=clear
 # For a registry, replace SOURCE_PATH with vcpkg_from_github(OUT_SOURCE_PATH SOURCE_PATH REPO ... REF v${VERSION} ...).
 get_filename_component(SOURCE_PATH "${CMAKE_CURRENT_LIST_DIR}/../../../.." ABSOLUTE)
 
@@ -23,8 +23,10 @@ vcpkg_cmake_configure(
     -DDDP_BUILD_BENCH=OFF
 )
 vcpkg_cmake_install()
-# share/cmake/ddp -> share/ddp; the exported ddp::launch is pointed at tools/ddp/ddp-launch.
+# share/cmake/ddp -> share/ddp; the exported ddp::ddp-launch is pointed at tools/ddp/ddp-launch.
 vcpkg_cmake_config_fixup(CONFIG_PATH share/cmake/ddp)
 vcpkg_copy_tools(TOOL_NAMES ddp-launch AUTO_CLEAN)
 
+file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/share/doc")  # the LICENSE copy of ddp's install rules: copyright below
+file(INSTALL "${CMAKE_CURRENT_LIST_DIR}/usage" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
 vcpkg_install_copyright(FILE_LIST "${SOURCE_PATH}/LICENSE")
