@@ -18,16 +18,16 @@ namespace ddp::detail {
 struct call_info {
   collective kind = collective::barrier;
   const char* name = "barrier";         ///< "all_reduce", ..., "send", "recv"
-  std::optional<reduce_op> op;          ///< the caller's operator (avg stays avg here)
+  std::optional<reduce_op> op{};        ///< the caller's operator (avg stays avg here)
   dtype type = dtype::u8;
   std::size_t count = 0;                ///< elements per rank: the same on every rank of a matching call
   int peer = -1;                        ///< root, or the other rank of a send/recv; -1 where none
   int tag = -1;                         ///< send/recv tag; -1 for collectives
-  std::optional<std::uint64_t> sequence;  ///< the group's count of operations before this one, where kept
+  std::optional<std::uint64_t> sequence{};  ///< the group's count of operations before this one, where kept
   int group_size = 1;
   std::string_view group = "a group";   ///< "an MPI group", "an NCCL group", "a TCP group"
   int device = -1;                      ///< the CUDA device of the group, -1 for host backends
-  raw_tensor average;                   ///< avg the backend finishes: divide this buffer by group_size when done
+  raw_tensor average{};                 ///< avg the backend finishes: divide this buffer by group_size when done
 
   /// True for a recv (cancelled when dropped incomplete).
   [[nodiscard]] bool receive() const noexcept { return std::string_view(name) == "recv"; }
