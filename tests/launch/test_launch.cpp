@@ -234,7 +234,7 @@ TEST_CASE("forwarded output is prefixed line by line, a last partial line includ
   CHECK_FALSE(contains(out, "\nline"));
 }
 
-TEST_CASE("spawn_program runs a program per rank; a missing one exits 127 with the reason", "[launch]") {
+TEST_CASE("spawn_program runs a program per rank, and a missing one exits 127 with the reason", "[launch]") {
   auto o = captured();
   o.stop_on_failure = false;  // rank 0 runs to its end
   const auto r = dl::spawn_program(2, {"/bin/sh", "-c", "echo $RANK/$WORLD_SIZE; exit $RANK"}, o);
@@ -325,7 +325,7 @@ TEST_CASE("the rank killed first is blamed, never a peer that failed because it 
     const double took = since(t0);
     slowest = std::max(slowest, took);
     const auto& killed = r.ranks[static_cast<std::size_t>(victim)];
-    if (r.first_failed != victim || r.exit_status() != 128 + SIGKILL || killed.stopped_by_launcher || took > 5.0) {
+    if (r.first_failed != victim || r.exit_status() != 128 + SIGKILL || killed.stopped_by_launcher || took > 10.0) {
       if (wrong++ == 0)
         first_wrong = "trial " + std::to_string(t) + ", victim " + std::to_string(victim) + ", " +
                       std::to_string(took) + " s: " + ddp::testing::all_output(r);
