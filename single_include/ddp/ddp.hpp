@@ -9708,6 +9708,15 @@ class progress_bar {
 #include <initializer_list>
 #include <iostream>
 
+// ---- begin <ddp/launch/exit_order.hpp>
+/// \file The launcher's errors and the order in which its ranks' exits began, for blaming the rank
+/// that failed first rather than a peer that failed because it died.
+
+#include <sys/epoll.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+
+
 
 namespace ddp::launch {
 
@@ -9716,6 +9725,140 @@ class launch_error : public ddp::error {
  public:
   using error::error;
 };
+
+namespace detail {
+
+[[noreturn]] inline void throw_errno(const std::string& what) {
+  const int code = errno;
+  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
+                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
+                     -1, code);
+}
+
+/// Which ranks' exits have begun, in the kernel's order. Each rank holds the write end of a pipe of its
+/// own (its "sentinel") at the highest descriptor it may open: a process's descriptors are released
+/// from the highest down when it exits, so the sentinel closes before the rank's sockets do, and thus
+/// before any peer can see it die. The launcher's epoll instance reports the sentinels' hang-ups in
+/// the order they happened, however late it looks. SIGCHLD is blocked in the calling thread and read
+/// from a signalfd in the same epoll set, so the launcher also wakes as soon as a rank can be reaped.
+class exit_order {
+ public:
+  explicit exit_order(int n) : began_(static_cast<std::size_t>(n), 0), sentinels_(static_cast<std::size_t>(n), -1) {
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    if (const int code = ::pthread_sigmask(SIG_BLOCK, &chld, &saved_); code != 0) {
+      errno = code;
+      throw_errno("block SIGCHLD to watch the ranks' exits");
+    }
+    epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    signals_ = ::signalfd(-1, &chld, SFD_NONBLOCK | SFD_CLOEXEC);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = signals_key;
+    if (epoll_ < 0 || signals_ < 0 || ::epoll_ctl(epoll_, EPOLL_CTL_ADD, signals_, &ev) != 0) {
+      const int code = errno;
+      release();
+      errno = code;
+      throw_errno("open an epoll instance and a signalfd to watch the ranks' exits");
+    }
+  }
+  exit_order(const exit_order&) = delete;
+  exit_order& operator=(const exit_order&) = delete;
+  ~exit_order() { release(); }
+
+  /// Readable when a rank's exit began or a rank can be reaped.
+  [[nodiscard]] int fd() const noexcept { return epoll_; }
+
+  /// A new sentinel pipe for `rank`: the launcher watches its read end; returns the write end (close-on-exec,
+  /// for the child to place with place_sentinel and for the parent to close after the fork), or -1 on error.
+  int open_sentinel(int rank) {
+    int p[2] = {-1, -1};
+    if (::pipe2(p, O_CLOEXEC) != 0) return -1;
+    epoll_event ev{};
+    ev.events = EPOLLIN;  // a hang-up is always reported
+    ev.data.u64 = static_cast<std::uint64_t>(rank);
+    if (::epoll_ctl(epoll_, EPOLL_CTL_ADD, p[0], &ev) != 0) {
+      const int code = errno;
+      ::close(p[0]);
+      ::close(p[1]);
+      errno = code;
+      return -1;
+    }
+    sentinels_[static_cast<std::size_t>(rank)] = p[0];
+    return p[1];
+  }
+
+  /// In the child: moves the sentinel to the highest descriptor the rank may open (at most 65535), kept
+  /// across exec; the launcher's own descriptors of this class are closed.
+  void place_sentinel(int write_end) const noexcept {
+    rlimit lim{};
+    const rlim_t cap = 65536;
+    const rlim_t top = ::getrlimit(RLIMIT_NOFILE, &lim) == 0 ? std::min(lim.rlim_cur, cap) : 1024;
+    const int high = static_cast<int>(top) - 1;
+    if (high > write_end && ::dup2(write_end, high) == high) ::close(write_end);
+    ::close(epoll_);
+    ::close(signals_);
+    for (int fd : sentinels_)
+      if (fd >= 0) ::close(fd);
+  }
+
+  /// Takes the events that are ready: every sentinel that hung up gets the next number, in the order the
+  /// kernel queued them; pending SIGCHLDs are consumed (they only wake the launcher).
+  void update() {
+    epoll_event events[64];
+    for (int got = 64; got == 64;) {
+      got = ::epoll_wait(epoll_, events, 64, 0);
+      for (int k = 0; k < got; ++k) {
+        if (events[k].data.u64 == signals_key) {
+          signalfd_siginfo si{};
+          while (::read(signals_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+          }
+          continue;
+        }
+        const auto r = static_cast<std::size_t>(events[k].data.u64);
+        if ((events[k].events & (EPOLLHUP | EPOLLERR)) == 0) continue;  // bytes written to a sentinel: ignored
+        ::epoll_ctl(epoll_, EPOLL_CTL_DEL, sentinels_[r], nullptr);
+        ::close(sentinels_[r]);
+        sentinels_[r] = -1;
+        if (began_[r] == 0) began_[r] = ++count_;
+      }
+    }
+  }
+
+  /// Rank r was reaped: an exit whose sentinel never hung up (a child of the rank still holds it)
+  /// is numbered now.
+  void reaped(int r) {
+    if (began_[static_cast<std::size_t>(r)] == 0) began_[static_cast<std::size_t>(r)] = ++count_;
+  }
+
+  /// The position of rank r's exit among those begun so far (1 first), 0 while it has not begun.
+  [[nodiscard]] std::uint64_t began(int r) const noexcept { return began_[static_cast<std::size_t>(r)]; }
+
+ private:
+  static constexpr std::uint64_t signals_key = ~std::uint64_t{0};
+
+  void release() noexcept {
+    for (int& fd : sentinels_)
+      if (fd >= 0) ::close(std::exchange(fd, -1));
+    if (signals_ >= 0) ::close(signals_);
+    if (epoll_ >= 0) ::close(epoll_);
+    ::pthread_sigmask(SIG_SETMASK, &saved_, nullptr);
+  }
+
+  std::vector<std::uint64_t> began_;
+  std::vector<int> sentinels_;
+  std::uint64_t count_ = 0;
+  int epoll_ = -1;
+  int signals_ = -1;
+  sigset_t saved_{};
+};
+
+}  // namespace detail
+}  // namespace ddp::launch
+// ---- end <ddp/launch/exit_order.hpp>
+
+namespace ddp::launch {
 
 /// A rank of a spawned job failed; rank() is the rank that failed first, native_code() its exit status
 /// as a shell reports it (the exit code, or 128 + signal).
@@ -9821,13 +9964,6 @@ struct spawn_result {
 
 namespace detail {
 
-[[noreturn]] inline void throw_errno(const std::string& what) {
-  const int code = errno;
-  throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
-                         "; check the process and file-descriptor limits (ulimit -u, ulimit -n)",
-                     -1, code);
-}
-
 /// A TCP port free on every interface right now (bind port 0, read it back, close).
 inline std::uint16_t free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -9906,24 +10042,23 @@ inline void finish(stream& s) {
   }
 }
 
-/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte.
-inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks) {
+/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte or
+/// for `wake_fd` (when >= 0) to become readable; the caller reads `wake_fd` itself.
+inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks, int wake_fd = -1) {
   std::vector<pollfd> fds;
   std::vector<std::size_t> which;
+  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
+  const std::size_t first_stream = fds.size();
   for (std::size_t i = 0; i < streams.size(); ++i)
     if (streams[i].fd >= 0) {
       fds.push_back({streams[i].fd, POLLIN, 0});
       which.push_back(i);
     }
-  if (fds.empty()) {
-    if (wait_ms > 0) ::poll(nullptr, 0, wait_ms);
-    return;
-  }
   if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
   char buf[16384];
-  for (std::size_t k = 0; k < fds.size(); ++k) {
+  for (std::size_t k = first_stream; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
-    stream& s = streams[which[k]];
+    stream& s = streams[which[k - first_stream]];
     const ssize_t got = ::read(s.fd, buf, sizeof buf);
     if (got > 0)
       deliver(s, buf, static_cast<std::size_t>(got), ranks);
@@ -9934,10 +10069,12 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
 
 /// The child's side after fork: environment, output pipes, body, exit status.
 [[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
-                                   const std::string& token, int out_fd, int err_fd,
-                                   const std::vector<stream>& parent_ends, const std::function<void(int)>& body) {
+                                   const std::string& token, int out_fd, int err_fd, const exit_order& exits,
+                                   int sentinel, const std::vector<stream>& parent_ends,
+                                   const std::function<void(int)>& body) {
   for (const auto& s : parent_ends)
     if (s.fd >= 0) ::close(s.fd);
+  exits.place_sentinel(sentinel);
   // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
   // stops ranks with SIGTERM and reports crashes by their signal.
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
@@ -9993,7 +10130,9 @@ inline void record(rank_status& r, int status) {
 /// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
 /// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
 /// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
-/// and so do all after options.timeout.
+/// and so do all after options.timeout. The rank blamed is the failed one whose exit began first in
+/// the kernel's order (see detail::exit_order; SIGCHLD is blocked in the calling thread while spawn
+/// runs), never a peer that failed because it had died.
 /// Throws ddp::config_error for bad arguments and ddp::launch::launch_error when fork or pipe fails.
 inline spawn_result spawn(int n, const std::function<void(int rank)>& body, const spawn_options& options = {}) {
   using clock = std::chrono::steady_clock;
@@ -10013,6 +10152,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   std::vector<pid_t> pids(static_cast<std::size_t>(n), -1);
   std::vector<detail::stream> streams;
   const bool forward = options.output == output_mode::forward;
+  detail::exit_order exits(n);  // before the first fork, so that no exit goes unseen
 
   // Stops every rank still running: SIGTERM now, SIGKILL once the grace period is over.
   std::optional<clock::time_point> kill_at;
@@ -10021,7 +10161,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) {
         ::kill(pids[r], SIGTERM);
-        result.ranks[r].stopped_by_launcher = true;
+        result.ranks[r].stopped_by_launcher = exits.began(static_cast<int>(r)) == 0;  // not already ending
       }
     kill_at = clock::now() + options.grace;
   };
@@ -10050,14 +10190,19 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     if (::pipe2(out, O_CLOEXEC) != 0 || (forward && ::pipe2(err, O_CLOEXEC) != 0))
       abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1]});
     if (!forward) err[1] = out[1];
+    const int sentinel = exits.open_sentinel(r);
+    if (sentinel < 0)
+      abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
     const pid_t pid = ::fork();
-    if (pid < 0) abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
+    if (pid < 0)
+      abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1, sentinel});
     if (pid == 0) {
       if (err[0] >= 0) ::close(err[0]);
       ::close(out[0]);
-      detail::run_child(r, n, options, port, result.token, out[1], err[1], streams, body);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], exits, sentinel, streams, body);
     }
     pids[static_cast<std::size_t>(r)] = pid;
+    ::close(sentinel);
     ::close(out[1]);
     streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
     if (forward) {
@@ -10066,35 +10211,54 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     }
   }
 
-  const auto deadline =
-      options.timeout.count() > 0 ? std::optional<clock::time_point>(clock::now() + options.timeout) : std::nullopt;
+  const auto deadline = options.timeout.count() > 0 ? clock::now() + options.timeout : clock::time_point::max();
   int running = n;
-  constexpr int tick_ms = 20;  // how often exits, deadlines and interrupts are looked at
+  // Reaps rank r if it has exited.
+  const auto reap = [&](std::size_t r) {
+    int status = 0;
+    const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
+    if (got == 0 || (got < 0 && errno != ECHILD)) return;
+    pids[r] = -1;
+    --running;
+    exits.update();  // its sentinel hung up before it could be reaped: number it, and any earlier, first
+    exits.reaped(static_cast<int>(r));
+    if (got < 0)
+      result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
+    else
+      detail::record(result.ranks[r], status);
+  };
+  // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
+  // exit began before it has been reaped too (it may have failed as well), or a second after.
+  std::optional<clock::time_point> blame_by;
+  const auto blame = [&](clock::time_point now) {
+    if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
+    int first = -1;
+    for (int r = 0; r < n; ++r)
+      if (pids[static_cast<std::size_t>(r)] < 0 && !result.ranks[static_cast<std::size_t>(r)].ok() &&
+          (first < 0 || exits.began(r) < exits.began(first)))
+        first = r;
+    if (first < 0) return;
+    if (!blame_by) blame_by = now + std::chrono::seconds(1);
+    for (int r = 0; r < n; ++r)
+      if (pids[static_cast<std::size_t>(r)] > 0 && exits.began(r) != 0 && exits.began(r) < exits.began(first) &&
+          now < *blame_by)
+        return;
+    result.first_failed = first;
+  };
+  constexpr int tick_ms = 20;  // how often deadlines, interrupts and exits without a SIGCHLD are looked at
   while (running > 0) {
-    detail::pump(streams, tick_ms, result.ranks);
+    detail::pump(streams, tick_ms, result.ranks, exits.fd());
     if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
       result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
       stop_all();
     }
-    for (std::size_t r = 0; r < pids.size(); ++r) {
-      if (pids[r] <= 0) continue;
-      int status = 0;
-      const pid_t got = ::waitpid(pids[r], &status, WNOHANG);
-      if (got == 0 || (got < 0 && errno != ECHILD)) continue;
-      pids[r] = -1;
-      --running;
-      if (got < 0)
-        result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
-      else
-        detail::record(result.ranks[r], status);
-      if (!result.ranks[r].ok() && !result.ranks[r].stopped_by_launcher && result.first_failed < 0 &&
-          !result.timed_out && result.interrupted_by == 0) {
-        result.first_failed = static_cast<int>(r);
-        if (options.stop_on_failure) stop_all();
-      }
-    }
+    exits.update();  // first: every rank reaped below has its exit numbered
+    for (std::size_t r = 0; r < pids.size(); ++r)
+      if (pids[r] > 0) reap(r);
+    blame(clock::now());
+    if (result.first_failed >= 0 && options.stop_on_failure) stop_all();
     const auto now = clock::now();
-    if (deadline && now >= *deadline && running > 0 && !result.timed_out && !kill_at) {
+    if (now >= deadline && running > 0 && !result.timed_out && !kill_at) {
       result.timed_out = true;
       stop_all();
     }

@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -13,6 +14,7 @@
 #include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/launch/spawn.hpp>
 
+#include "kill_trial.hpp"
 #include "support/run_ranks.hpp"
 
 using namespace std::chrono_literals;
@@ -22,12 +24,15 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-/// Runs ddp-launch with `args` (output captured, a 20 s limit, SIGTERM to it after `timeout`).
-dl::rank_status ddp_launch(std::vector<std::string> args, std::chrono::milliseconds timeout = 20s) {
+/// Runs ddp-launch with `args` and `env` added to its environment (output captured, SIGTERM to it after
+/// `timeout`).
+dl::rank_status ddp_launch(std::vector<std::string> args, std::chrono::milliseconds timeout = 20s,
+                           dl::env_list env = {}) {
   args.insert(args.begin(), DDP_LAUNCH_EXE);
   dl::spawn_options o;
   o.output = dl::output_mode::capture;
   o.timeout = timeout;
+  o.extra_env = [env = std::move(env)](int) { return env; };
   o.grace = 10s;  // ddp-launch stops its own ranks when signalled: give it the time to do so
   return dl::spawn_program(1, args, o).ranks[0];
 }
@@ -150,4 +155,29 @@ TEST_CASE("ddp-launch: a ddp::tcp job started by ddp-launch finds its peers from
     const auto k = std::to_string(rank);
     CHECK(contains(r.output, "[rank " + k + "] rank " + k + " of 3: sum 6 6\n"));
   }
+}
+
+TEST_CASE("ddp-launch: the rank killed first is blamed and its status is the exit status", "[launch][ddp-launch][kill]") {
+  const int trials = kill_trial::trials(40);
+  int wrong = 0;
+  double slowest = 0;
+  std::string first_wrong;
+  for (int t = 0; t < trials; ++t) {
+    const auto victim = std::to_string(1 + t % 3);  // a survivor of a lower rank always exists
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = ddp_launch({"-n", "4", "--timeout", "20", DDP_KILL_TRIAL_RANK_EXE}, 30s,
+                              {{"DDP_KILL_VICTIM", victim}});
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    slowest = std::max(slowest, took);
+    if (r.exit_code != 128 + SIGKILL || !contains(r.output, "ddp-launch: rank " + victim + " failed first with signal 9") ||
+        contains(r.output, "rank " + victim + ": signal 9 (Killed) (stopped by the launcher)") || took > 10.0) {
+      if (wrong++ == 0)
+        first_wrong = "trial " + std::to_string(t) + ", victim " + victim + ", " + std::to_string(took) + " s, " +
+                      r.describe() + ":\n" + r.output;
+    }
+  }
+  std::cout << "ddp-launch kill trials: " << trials << ", wrong blames or slow: " << wrong << ", slowest " << slowest
+            << " s\n";
+  INFO(first_wrong);
+  CHECK(wrong == 0);
 }

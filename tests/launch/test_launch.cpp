@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 
 #include <ddp/launch/spawn.hpp>
 
+#include "kill_trial.hpp"
 #include "support/run_ranks.hpp"
 
 using namespace std::chrono_literals;
@@ -232,7 +234,7 @@ TEST_CASE("forwarded output is prefixed line by line, a last partial line includ
   CHECK_FALSE(contains(out, "\nline"));
 }
 
-TEST_CASE("spawn_program runs a program per rank; a missing one exits 127 with the reason", "[launch]") {
+TEST_CASE("spawn_program runs a program per rank, and a missing one exits 127 with the reason", "[launch]") {
   auto o = captured();
   o.stop_on_failure = false;  // rank 0 runs to its end
   const auto r = dl::spawn_program(2, {"/bin/sh", "-c", "echo $RANK/$WORLD_SIZE; exit $RANK"}, o);
@@ -308,4 +310,29 @@ TEST_CASE("when a pipe cannot be made, the ranks already started are killed and 
   REQUIRE(outer.ok());
   CHECK(contains(outer.ranks[0].output, "1 1 ddp: the launcher could not create a pipe for rank "));
   CHECK(contains(outer.ranks[0].output, "Too many open files; check the process and file-descriptor limits"));
+}
+
+TEST_CASE("the rank killed first is blamed, never a peer that failed because it died", "[launch][kill]") {
+  constexpr int n = 4;
+  const int trials = kill_trial::trials(40);
+  int wrong = 0;
+  double slowest = 0;
+  std::string first_wrong;
+  for (int t = 0; t < trials; ++t) {
+    const int victim = 1 + t % (n - 1);  // a survivor of a lower rank always exists
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto r = dl::spawn(n, [victim](int rank) { kill_trial::run_rank(rank, n, victim); }, captured(20s));
+    const double took = since(t0);
+    slowest = std::max(slowest, took);
+    const auto& killed = r.ranks[static_cast<std::size_t>(victim)];
+    if (r.first_failed != victim || r.exit_status() != 128 + SIGKILL || killed.stopped_by_launcher || took > 10.0) {
+      if (wrong++ == 0)
+        first_wrong = "trial " + std::to_string(t) + ", victim " + std::to_string(victim) + ", " +
+                      std::to_string(took) + " s: " + ddp::testing::all_output(r);
+    }
+  }
+  std::cout << "spawn kill trials: " << trials << ", wrong blames or slow: " << wrong << ", slowest " << slowest
+            << " s\n";
+  INFO(first_wrong);
+  CHECK(wrong == 0);
 }
