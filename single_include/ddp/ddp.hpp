@@ -8277,20 +8277,260 @@ struct env_rendezvous {
 // ---- begin <ddp/checkpoint/safetensors.hpp>
 /// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
 /// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
-/// data. ddp adds `__metadata__` entries "ddp.format" and "ddp.checksum" (64-bit FNV-1a of the data
-/// section, hex) and verifies the checksum on reading when present. Writes are atomic: a temporary file
-/// `path.tmp.<pid>` is written, flushed to disk, renamed over `path`, and the directory is flushed.
+/// data. ddp adds `__metadata__` entries "ddp.format" ("2") and "ddp.checksum": the checksum of the whole file
+/// (<ddp/checkpoint/checksum.hpp>: length, header and data, the checksum's own digits counted as '0'), verified on
+/// reading; files of format "1" carry a checksum of the data section only, still verified. Writes are atomic
+/// (<ddp/checkpoint/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
+/// directory is flushed; stale temporaries of killed saves to `path` are removed first.
 
-#include <fstream>
 
 
 #include <nlohmann/json.hpp>
 
+// ---- begin <ddp/checkpoint/atomic_file.hpp>
+/// \file Atomic replacement of a checkpoint file or directory, and removal of what killed saves left behind.
+///
+/// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
+/// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
+/// (the temporary renamed into place, or removed). Before it starts, a save removes the stale temporaries of the
+/// same target: entries `<target>.tmp.<id>` and `<target>.tmp.<id>.lock` (id: digits, optionally `.` and hex
+/// digits) whose lock file is absent or can be locked — their saver is dead, since the kernel drops a process's
+/// locks when it dies. Nothing depends on the pid in the name (pids are reused, and differ between hosts); a lock
+/// file rather than the temporary itself is locked because a directory cannot be locked over NFS (which emulates
+/// flock with POSIX locks on files), so files and directories take one path. A cleaner takes the lock, checks the
+/// name still leads to the file it locked, and only then removes; a saver checks the same after taking its lock,
+/// and picks another name when a cleaner removed its claim in between.
+
+#include <set>
+#include <system_error>
+
+#include <sys/file.h>
+#include <sys/stat.h>
+
+// ---- begin <ddp/checkpoint/checksum.hpp>
+/// \file The checksum of ddp's checkpoint files: 64-bit FNV-1a (hex, 16 digits), taken over every byte of a file
+/// including the text that records it. A "sealed" text holds its own checksum: the 16 digits after a marker such as
+/// `"ddp.checksum":"` count as sixteen '0' when the checksum is taken, so a writer puts '0's there, hashes the
+/// bytes as written and then writes the digits in their place. FNV-1a detects every change of a single byte (each
+/// step, xor then multiplication by an odd prime, is a bijection of the state), so any flipped bit is caught.
+
+
+namespace ddp::detail {
+
+/// FNV-1a's offset basis: the checksum of nothing.
+inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ULL;
+/// What a sealed text holds in place of its checksum's digits while the checksum is taken.
+inline constexpr std::string_view unsealed_digits = "0000000000000000";
+
+/// 64-bit FNV-1a of `data`, continued from `h`.
+inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = fnv1a_basis) noexcept {
+  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+/// 64-bit FNV-1a of the characters of `text`, continued from `h`.
+inline std::uint64_t fnv1a(std::string_view text, std::uint64_t h = fnv1a_basis) noexcept {
+  return fnv1a(std::as_bytes(std::span(text.data(), text.size())), h);
+}
+
+/// `v` as 16 lower-case hex digits.
+inline std::string hex(std::uint64_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
+  return s;
+}
+
+/// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
+/// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.
+inline std::size_t find_seal(std::string_view text, std::string_view marker) noexcept {
+  const std::size_t at = text.find(marker);
+  if (at == std::string_view::npos || text.find(marker, at + 1) != std::string_view::npos) return std::string_view::npos;
+  const std::size_t digits = at + marker.size();
+  return digits + 17 <= text.size() && text[digits + 16] == '"' ? digits : std::string_view::npos;
+}
+
+/// FNV-1a of `text`, continued from `h`, with its 16 characters at `seal` counted as unsealed_digits.
+inline std::uint64_t fnv1a_sealed(std::string_view text, std::size_t seal, std::uint64_t h = fnv1a_basis) noexcept {
+  h = fnv1a(text.substr(0, seal), h);
+  h = fnv1a(unsealed_digits, h);
+  return fnv1a(text.substr(seal + unsealed_digits.size()), h);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/checkpoint/checksum.hpp>
+
+namespace ddp::detail {
+
+/// Throws ddp::io_error "<kind> '<path>': <what> (<errno text>); <fix>".
+[[noreturn]] inline void fail_on(std::string_view kind, const std::filesystem::path& path, const std::string& what,
+                                 const std::string& fix, int err = 0) {
+  throw io_error(std::string(kind) + " '" + path.string() + "': " + what +
+                     (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") + "; " + fix,
+                 -1, err);
+}
+
+/// The directory holding `path` ("." for a bare name).
+inline std::filesystem::path parent_of(const std::filesystem::path& path) {
+  return path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+}
+
+/// Flushes a directory's entries to disk (what makes a rename in it survive a power loss). A file system that
+/// cannot sync directories (fsync fails with EINVAL) is let through; any other failure throws ddp::io_error.
+inline void sync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail_on("directory", dir, "cannot be opened to flush its entries", "check its permissions", errno);
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL) fail_on("directory", dir, "flushing its entries failed", "check the disk", err);
+}
+
+/// Whether the open file `fd` is the file `path` names now (same device and inode).
+inline bool names_same_file(int fd, const std::filesystem::path& path) noexcept {
+  struct stat a {}, b {};
+  return ::fstat(fd, &a) == 0 && ::lstat(path.c_str(), &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+/// Whether `id` is what follows "<target>.tmp." in a temporary's name: digits, optionally '.' and hex digits.
+inline bool is_temp_id(std::string_view id) noexcept {
+  const auto dot = id.find('.');
+  const auto pid = id.substr(0, dot);
+  const auto all_of = [](std::string_view s, std::string_view set) { return !s.empty() && s.find_first_not_of(set) == s.npos; };
+  return all_of(pid, "0123456789") && (dot == id.npos || all_of(id.substr(dot + 1), "0123456789abcdef"));
+}
+
+/// Removes the temporaries of `target` left by dead saves (see the file comment); those of live saves stay. Best
+/// effort: what cannot be removed is left for a later save.
+inline void remove_stale_temps(const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  const fs::path dir = parent_of(target);
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::set<std::string> ids;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    std::string_view name = file;
+    if (!name.starts_with(prefix)) continue;
+    name.remove_prefix(prefix.size());
+    if (name.ends_with(".lock")) name.remove_suffix(5);
+    if (is_temp_id(name)) ids.emplace(name);
+  }
+  for (const auto& id : ids) {
+    const fs::path temp = dir / (prefix + id), lock = dir / (prefix + id + ".lock");
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) fs::remove_all(temp, ec);  // no lock file: an earlier ddp's temporary, or an orphan
+      continue;
+    }
+    if (::flock(fd, LOCK_SH | LOCK_NB) == 0 && names_same_file(fd, lock)) {  // its saver is dead
+      fs::remove_all(temp, ec);
+      ::unlink(lock.c_str());
+    }
+    ::close(fd);
+  }
+}
+
+/// A fresh temporary name beside `target`, claimed by an exclusive flock on its lock file for this object's life;
+/// the destructor removes the lock file (after the owner renamed or removed the temporary).
+class temp_claim {
+ public:
+  /// Claims a name; throws ddp::io_error when the lock file cannot be created.
+  explicit temp_claim(const std::filesystem::path& target) {
+    std::random_device entropy;
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      const std::uint64_t tag = (std::uint64_t{entropy()} << 32) | entropy();
+      temp_ = target.string() + ".tmp." + std::to_string(::getpid()) + "." + hex(tag);
+      lock_ = temp_.string() + ".lock";
+      fd_ = ::open(lock_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd_ < 0 && errno == EEXIST) continue;
+      if (fd_ < 0)
+        fail_on("checkpoint file", temp_, "cannot create the lock file of the temporary",
+                "check that the directory exists and is writable", errno);
+      int rc = 0;
+      while ((rc = ::flock(fd_, LOCK_EX)) != 0 && errno == EINTR) {
+      }
+      if (rc == 0 && names_same_file(fd_, lock_)) return;
+      ::close(fd_);  // a cleaner took the new lock file for a stale one and removed it: try another name
+      fd_ = -1;
+    }
+    fail_on("checkpoint file", target, "no temporary name could be claimed in 16 attempts",
+            "check that no other program removes files in its directory");
+  }
+  temp_claim(const temp_claim&) = delete;
+  temp_claim& operator=(const temp_claim&) = delete;
+  ~temp_claim() {
+    ::unlink(lock_.c_str());
+    ::close(fd_);
+  }
+  /// The claimed temporary name (not created by the claim).
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return temp_; }
+
+ private:
+  std::filesystem::path temp_, lock_;
+  int fd_ = -1;
+};
+
+/// A file written through a claimed temporary beside `path` (stale temporaries of `path` are removed first):
+/// commit() flushes it to disk, renames it over `path` and flushes the directory; destroyed uncommitted, it
+/// removes the temporary.
+class atomic_file {
+ public:
+  /// Creates the temporary; throws ddp::io_error when it cannot.
+  explicit atomic_file(std::filesystem::path path)
+      : path_((remove_stale_temps(path), std::move(path))), claim_(path_) {
+    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      fail_on("checkpoint file", claim_.path(), "cannot create the temporary file",
+              "check that the directory exists and is writable", errno);
+  }
+  atomic_file(const atomic_file&) = delete;
+  atomic_file& operator=(const atomic_file&) = delete;
+  ~atomic_file() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(claim_.path().c_str());
+  }
+  /// Appends `data`, retrying short writes.
+  void write(std::span<const std::byte> data) {
+    while (!data.empty()) {
+      const ssize_t n = ::write(fd_, data.data(), data.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
+      data = data.subspan(static_cast<std::size_t>(n));
+    }
+  }
+  /// Overwrites bytes at `offset` (already written).
+  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
+    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
+      fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
+  }
+  /// Flushes the file, renames it over the path, flushes the directory.
+  void commit() {
+    if (::fsync(fd_) != 0) fail_on("checkpoint file", claim_.path(), "fsync failed", "check the disk", errno);
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    if (rc != 0) fail_on("checkpoint file", claim_.path(), "closing failed", "check the disk", errno);
+    if (::rename(claim_.path().c_str(), path_.c_str()) != 0)
+      fail_on("checkpoint file", path_, "renaming the temporary file over it failed",
+              "check permissions of the directory", errno);
+    committed_ = true;
+    sync_directory(parent_of(path_));
+  }
+
+ private:
+  std::filesystem::path path_;
+  temp_claim claim_;  // released after the destructor's body removed an uncommitted temporary
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/checkpoint/atomic_file.hpp>
 
 namespace ddp::safetensors {
 
-/// Version of ddp's metadata conventions, stored as "ddp.format".
-inline constexpr std::string_view format_version = "1";
+/// Version of ddp's metadata conventions, stored as "ddp.format": "2", the checksum covers the whole file ("1":
+/// the data section only; still read).
+inline constexpr std::string_view format_version = "2";
 /// Largest JSON header accepted on reading (the safetensors library's own bound).
 inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 
@@ -8337,18 +8577,8 @@ inline std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
 
 namespace detail {
 
-/// 64-bit FNV-1a, continued from `h`.
-inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = 14695981039346656037ULL) noexcept {
-  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
-inline std::string hex(std::uint64_t v) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
-  return s;
-}
+/// Where a ddp header's checksum digits follow (nlohmann's compact dump writes no spaces).
+inline constexpr std::string_view checksum_marker = "\"ddp.checksum\":\"";
 
 inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
@@ -8356,20 +8586,7 @@ inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
 
 [[noreturn]] inline void fail(const std::filesystem::path& path, const std::string& what, const std::string& fix,
                               int err = 0) {
-  throw io_error("safetensors file '" + path.string() + "': " + what + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") +
-                     "; " + fix,
-                 -1, err);
-}
-
-/// Writes all of `data` to `fd`, retrying short writes.
-inline void write_all(int fd, const std::byte* data, std::size_t size, const std::filesystem::path& path) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(path, "writing failed", "check free disk space and permissions", errno);
-    data += n;
-    size -= static_cast<std::size_t>(n);
-  }
+  ddp::detail::fail_on("safetensors file", path, what, fix, err);
 }
 
 }  // namespace detail
@@ -8383,60 +8600,10 @@ struct tensor_header {
   [[nodiscard]] std::size_t bytes() const { return detail::numel_of(shape) * size_of(type); }
 };
 
-namespace detail {
-
-/// A file written through a temporary `path.tmp.<pid>`: commit() flushes it to disk, renames it over `path`
-/// and flushes the directory; destroyed uncommitted, it removes the temporary file.
-class atomic_file {
- public:
-  explicit atomic_file(std::filesystem::path path)
-      : path_(std::move(path)), tmp_(path_.string() + ".tmp." + std::to_string(::getpid())) {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(tmp_, "cannot create the temporary file", "check that the directory exists and is writable", errno);
-  }
-  atomic_file(const atomic_file&) = delete;
-  atomic_file& operator=(const atomic_file&) = delete;
-  ~atomic_file() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  /// Appends `data`.
-  void write(std::span<const std::byte> data) { write_all(fd_, data.data(), data.size(), tmp_); }
-  /// Overwrites bytes at `offset` (already written).
-  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
-    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
-      fail(tmp_, "writing failed", "check free disk space and permissions", errno);
-  }
-  /// Flushes, renames the temporary file over the path, flushes the directory.
-  void commit() {
-    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed", "check the disk", errno);
-    ::close(fd_);
-    fd_ = -1;
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      fail(path_, "renaming the temporary file over it failed", "check permissions of the directory", errno);
-    committed_ = true;
-    sync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
-  }
-  /// Flushes a directory's entries (best effort: some file systems refuse fsync on directories).
-  static void sync_directory(const std::filesystem::path& dir) {
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  std::filesystem::path path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
-}  // namespace detail
-
 /// Writes a safetensors file tensor by tensor, so that no more than the bytes being appended need be in
-/// memory: the header (with a checksum placeholder) goes first, append() streams the data in header order,
-/// commit() records the checksum, checks the size and renames the file into place atomically.
+/// memory: the header (with '0's for the checksum's digits) goes first, append() streams the data in header order,
+/// commit() writes the checksum of all the bytes in place of the '0's, checks the size and renames the file into
+/// place atomically.
 class writer {
  public:
   /// Starts `path` (through a temporary file) for `tensors` in this order; adds "ddp.format" and "ddp.checksum"
@@ -8455,15 +8622,17 @@ class writer {
     nlohmann::json meta = nlohmann::json::object();
     for (const auto& [k, v] : metadata) meta[k] = v;
     meta["ddp.format"] = std::string(format_version);
-    meta["ddp.checksum"] = detail::hex(0);  // placeholder of the same width, patched by commit()
+    meta["ddp.checksum"] = std::string(ddp::detail::unsealed_digits);  // replaced by commit()
     header["__metadata__"] = meta;
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned, as safetensors pads
-    checksum_at_ = 8 + text.find("\"ddp.checksum\":\"" + detail::hex(0) + "\"") + 16;  // JSON escapes quotes in values
+    checksum_at_ = 8 + ddp::detail::find_seal(text, detail::checksum_marker);  // JSON escapes quotes in values
     std::byte length[8];
     for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
-    file_.write(length);
-    file_.write(std::as_bytes(std::span(text)));
+    for (const auto bytes : {std::span<const std::byte>(length), std::as_bytes(std::span(text))}) {
+      file_.write(bytes);
+      checksum_ = ddp::detail::fnv1a(bytes, checksum_);
+    }
   }
 
   /// Appends the next bytes of the data section (tensors in header order, a tensor in any number of pieces).
@@ -8473,7 +8642,7 @@ class writer {
                      std::to_string(written_) + " overflows the " + std::to_string(size_) +
                      " bytes the header declares; append exactly the declared tensors' bytes");
     file_.write(bytes);
-    checksum_ = detail::fnv1a(bytes, checksum_);
+    checksum_ = ddp::detail::fnv1a(bytes, checksum_);
     written_ += bytes.size();
   }
 
@@ -8482,24 +8651,25 @@ class writer {
     if (written_ != size_)
       throw io_error("safetensors::writer: " + std::to_string(written_) + " of the " + std::to_string(size_) +
                      " declared bytes were appended; append every tensor before commit()");
-    const std::string hex = detail::hex(checksum_);
+    const std::string hex = ddp::detail::hex(checksum_);
     file_.write_at(checksum_at_, std::as_bytes(std::span(hex)));
     file_.commit();
   }
 
-  /// The 64-bit FNV-1a of the bytes appended so far (the whole data section after commit()).
+  /// The checksum of the bytes written so far (after commit(): the file's, as its "ddp.checksum" records it).
   [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
   /// Bytes of the data section declared by the header.
   [[nodiscard]] std::uint64_t data_bytes() const noexcept { return size_; }
 
  private:
-  detail::atomic_file file_;
+  ddp::detail::atomic_file file_;
   std::uint64_t size_ = 0, written_ = 0, checksum_at_ = 0;
-  std::uint64_t checksum_ = 14695981039346656037ULL;
+  std::uint64_t checksum_ = ddp::detail::fnv1a_basis;
 };
 
 /// Writes `tensors` (in this order) and `metadata` to `path` atomically (temporary file, fsync, rename, fsync of
-/// the directory); adds "ddp.format" and "ddp.checksum" to the metadata. Throws ddp::io_error on failure.
+/// the directory; stale temporaries of `path` removed first); adds "ddp.format" and "ddp.checksum" to the
+/// metadata. Throws ddp::io_error on failure.
 inline void write(const std::filesystem::path& path, std::span<const tensor_view> tensors,
                   const std::map<std::string, std::string>& metadata = {}) {
   std::vector<tensor_header> headers;
@@ -8594,21 +8764,47 @@ inline std::vector<located_header> parse_header(const std::filesystem::path& pat
   return found;
 }
 
-/// Throws unless `actual` equals the checksum the metadata records (files without one pass).
-inline void check_checksum(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata,
-                           std::uint64_t actual) {
-  const auto it = metadata.find("ddp.checksum");
-  if (it != metadata.end() && hex(actual) != it->second)
-    fail(path, "corrupt: the data section's checksum is " + hex(actual) + " but the header records " + it->second +
-                   " (the tensor bytes were damaged after writing)",
+/// What a file's checksum covers and what it should be: `basis` is the checksum of the bytes before the data
+/// section that it covers, `recorded` the value its header records (none for files of other writers).
+struct checksum_plan {
+  std::optional<std::string> recorded;
+  std::uint64_t basis = ddp::detail::fnv1a_basis;
+};
+
+/// The checksum plan of a file whose 8-byte length field holds `length` and whose header is `text`, given its
+/// metadata: format "2" covers length and header (the digits counted as '0'), "1" the data only. Throws
+/// ddp::io_error for an unknown format, or a ddp.checksum without a format or without its place in the header.
+inline checksum_plan plan_checksum(const std::filesystem::path& path, std::span<const std::byte> length,
+                                   std::string_view text, const std::map<std::string, std::string>& metadata) {
+  const auto format = metadata.find("ddp.format"), recorded = metadata.find("ddp.checksum");
+  if (format == metadata.end() && recorded == metadata.end()) return {};  // another writer's file: no checksum
+  if (format == metadata.end() || recorded == metadata.end())
+    fail(path, "corrupt: its metadata has ddp.format or ddp.checksum but not both", rewrite_fix());
+  if (format->second == "1") return {recorded->second, ddp::detail::fnv1a_basis};
+  if (format->second != format_version)
+    fail(path, "its ddp.format is '" + format->second + "', which this ddp does not know (it knows 1 and " +
+                   std::string(format_version) + ")",
+         "read it with the ddp version that wrote it, or " + rewrite_fix());
+  const std::size_t seal = ddp::detail::find_seal(text, checksum_marker);
+  if (seal == std::string_view::npos || text.substr(seal, 16) != recorded->second)
+    fail(path, "corrupt: the header's ddp.checksum entry is not where ddp writes it", rewrite_fix());
+  return {recorded->second, ddp::detail::fnv1a_sealed(text, seal, ddp::detail::fnv1a(length))};
+}
+
+/// Throws unless `actual` equals the checksum the plan records (files without one pass).
+inline void check_checksum(const std::filesystem::path& path, const checksum_plan& plan, std::uint64_t actual) {
+  if (plan.recorded && ddp::detail::hex(actual) != *plan.recorded)
+    fail(path, "corrupt: its checksum is " + ddp::detail::hex(actual) + " but the header records " + *plan.recorded +
+                   " (the file was damaged after writing)",
          rewrite_fix());
 }
 
-/// Reads the 8-byte length and the header text at the start of `fd`; returns the header and the data size.
-inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size) {
+/// Reads the 8-byte length (into `length`) and the header text at the start of `fd`; returns the header and the
+/// data size.
+inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size,
+                                                         std::uint8_t (&length)[8]) {
   if (size < 8)
     fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length", rewrite_fix());
-  std::uint8_t length[8];
   if (::pread(fd, length, 8, 0) != 8) fail(path, "reading failed", "check the disk and the file's permissions", errno);
   std::uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<std::uint64_t>(length[i]) << (8 * i);
@@ -8643,24 +8839,32 @@ class reader {
     if (*r.fd_ < 0) detail::fail(path, "cannot be opened", "check the path (does the file exist? is it readable?)", errno);
     const off_t size = ::lseek(*r.fd_, 0, SEEK_END);
     if (size < 0) detail::fail(path, "reading failed", "check the disk and the file's permissions", errno);
-    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size));
+    std::uint8_t length[8];
+    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size), length);
     r.data_at_ = static_cast<std::uint64_t>(size) - data_size;
     r.entries_ = detail::parse_header(path, text, data_size, r.metadata_);
+    r.checksum_ = detail::plan_checksum(path, std::as_bytes(std::span(length)), text, r.metadata_);
     return r;
   }
 
-  /// Reads the whole data section once and throws ddp::io_error unless it matches the recorded checksum.
+  /// Reads the whole data section once and throws ddp::io_error unless the file matches its recorded checksum.
   void verify_checksum() const {
+    if (!checksum_.recorded) return;
     std::vector<std::byte> chunk(std::size_t{1} << 20);
-    std::uint64_t h = 14695981039346656037ULL, at = data_at_;
+    std::uint64_t h = checksum_.basis, at = data_at_;
     const std::uint64_t end = data_at_ + (entries_.empty() ? 0 : entries_.back().begin + entries_.back().bytes());
     while (at < end) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), end - at));
       read_bytes(at, std::span(chunk).first(n));
-      h = detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
+      h = ddp::detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
       at += n;
     }
-    detail::check_checksum(path_, metadata_, h);
+    detail::check_checksum(path_, checksum_, h);
+  }
+
+  /// Throws ddp::io_error unless `data`, the file's whole data section already read, matches the recorded checksum.
+  void verify_checksum(std::span<const std::byte> data) const {
+    detail::check_checksum(path_, checksum_, ddp::detail::fnv1a(data, checksum_.basis));
   }
 
   /// Copies bytes [offset, offset + out.size()) of tensor `t` into `out`.
@@ -8702,6 +8906,7 @@ class reader {
   std::uint64_t data_at_ = 0;
   std::vector<located_header> entries_;
   std::map<std::string, std::string> metadata_;
+  detail::checksum_plan checksum_;
 };
 
 /// A safetensors file read into memory and validated: header bound, JSON, dtypes, offsets in range and
@@ -8722,7 +8927,7 @@ class file {
       r.read(e, 0, bytes);
       f.entries_.push_back({e.name, e.type, e.shape, bytes});
     }
-    detail::check_checksum(path, f.metadata_, detail::fnv1a(f.buffer_));
+    r.verify_checksum(f.buffer_);
     return f;
   }
 
@@ -8751,13 +8956,13 @@ class file {
 /// \file ddp::save_sharded / ddp::load_sharded: the training state as a directory with one safetensors part per
 /// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
 /// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
-/// ranges, each part's checksum, the metadata). The directory is written as `<dir>.tmp.<pid>` and moved into
-/// place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// ranges, each part's checksum, the metadata, and its own checksum). The directory is written under a temporary
+/// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
 #include <cstdio>
+#include <fstream>
 #include <sstream>
-#include <system_error>
 
 
 
@@ -9026,7 +9231,14 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
       throw mismatch_error("checkpoint '" + source.string() + "' has no optim.step metadata (it was saved without "
                            "an optimizer); load it without the optimizer argument to take only the parameters",
                            rank);
-    opt->set_step_count(std::stoull(it->second));
+    std::uint64_t step = 0;
+    const auto* end = it->second.data() + it->second.size();
+    const auto [stop, ec] = std::from_chars(it->second.data(), end, step);
+    if (ec != std::errc{} || stop != end)
+      throw io_error("checkpoint '" + source.string() + "' has optim.step '" + it->second + "', which is not a step "
+                     "count; save it again (or resume from an older checkpoint)",
+                     rank);
+    opt->set_step_count(step);
   }
 }
 
@@ -9084,8 +9296,11 @@ namespace ddp {
 
 namespace detail {
 
-/// Format of the manifest, stored as "format".
-inline constexpr std::string_view sharded_format = "ddp.sharded/1";
+/// Format of the manifest, stored as "format": "/2" carries "manifest_checksum", the checksum of the manifest's
+/// text (its own digits counted as '0'); "/1" (without it) is still read.
+inline constexpr std::string_view sharded_format = "ddp.sharded/2";
+/// Where the manifest's checksum digits follow (nlohmann's indented dump writes ": ").
+inline constexpr std::string_view manifest_marker = "\"manifest_checksum\": \"";
 
 /// File name of rank r's part in a checkpoint of n ranks.
 inline std::string part_name(int r, int n) {
@@ -9134,9 +9349,17 @@ inline sharded_manifest parse_manifest(const std::filesystem::path& path, const 
   sharded_manifest m;
   try {
     const auto j = nlohmann::json::parse(text);
-    if (j.at("format").get<std::string>() != sharded_format)
-      corrupt_manifest(path, "its format is '" + j.at("format").get<std::string>() + "', not '" +
-                                 std::string(sharded_format) + "'");
+    const auto format = j.at("format").get<std::string>();
+    if (format != sharded_format && format != "ddp.sharded/1")
+      corrupt_manifest(path, "its format is '" + format + "', not '" + std::string(sharded_format) + "'");
+    if (format == sharded_format) {
+      const auto seal = find_seal(text, manifest_marker);
+      if (seal == std::string::npos) corrupt_manifest(path, "its manifest_checksum is not where ddp writes it");
+      const auto actual = hex(fnv1a_sealed(text, seal));
+      if (actual != text.substr(seal, 16))
+        corrupt_manifest(path, "its checksum is " + actual + " but it records " + text.substr(seal, 16) +
+                                   " (it was damaged after writing)");
+    }
     m.world_size = j.at("world_size").get<int>();
     m.metadata = j.at("metadata").get<checkpoint_metadata>();
     std::map<std::string, std::size_t> index;
@@ -9216,7 +9439,7 @@ inline void install_directory(const std::filesystem::path& tmp, const std::files
                        "that the file system supports renameat2",
                    -1, errno);
   if (replacing) fs::remove_all(tmp, ec);  // the previous checkpoint, now under the temporary name
-  safetensors::detail::atomic_file::sync_directory(dir.has_parent_path() ? dir.parent_path() : fs::path("."));
+  sync_directory(parent_of(dir));
 }
 
 template <class DP, class Opt>
@@ -9300,24 +9523,30 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
 /// Saves the training state of `dp` and `opt` as the directory `dir` (created, or replaced when it holds a
 /// sharded checkpoint): each rank writes the ranges it holds (under hybrid, replicas are written once) as
 /// `rank-<r>-of-<n>.safetensors`; rank 0 writes `manifest.json` with `metadata`, then moves the directory into
-/// place. Collective; a failure on any rank is thrown on every rank.
+/// place. Rank 0 first removes the temporary directories that killed saves to `dir` left. Collective; a failure
+/// on any rank is thrown on every rank.
 template <class DP, class Opt>
 void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
   namespace fs = std::filesystem;
   const auto st = detail::collect_state(dp, &opt);
   auto& comm = dp.comm();
   const int me = comm.rank(), n = comm.size();
-  std::string tmp = dir.string() + ".tmp." + std::to_string(::getpid());
-  broadcast_object(comm, tmp, 0);
+  std::optional<detail::temp_claim> claim;  // rank 0's, held until the directory is in place or removed
+  std::string tmp;
   detail::on_rank0_then_share(comm, [&] {
     detail::check_replaceable(dir);
     std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fs::create_directories(tmp, ec);
+    fs::create_directories(detail::parent_of(dir), ec);
+    detail::remove_stale_temps(dir);
+    if (!ec) claim.emplace(dir);
+    if (!ec) fs::create_directory(claim->path(), ec);
     if (ec)
-      throw io_error("save_sharded: cannot create '" + tmp + "' (" + ec.message() + "); check that the parent "
-                     "directory exists or can be created and is writable", 0, ec.value());
+      throw io_error("save_sharded: cannot create a temporary directory beside '" + dir.string() + "' (" +
+                     ec.message() + "); check that the parent directory exists or can be created and is writable",
+                     0, ec.value());
+    tmp = claim->path().string();
   });
+  broadcast_object(comm, tmp, 0);
 
   std::vector<safetensors::tensor_header> headers;
   std::vector<std::span<const std::byte>> bytes;
@@ -9334,7 +9563,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
                           {{"ddp.rank", std::to_string(me)}, {"ddp.world_size", std::to_string(n)}});
     for (const auto& b : bytes) w.append(b);
     w.commit();
-    report = {safetensors::detail::hex(w.checksum()), w.data_bytes()};
+    report = {detail::hex(w.checksum()), w.data_bytes()};
   });
   try {
     detail::agree_on_failure(comm, failed.message(me));
@@ -9361,10 +9590,13 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
     meta["optim.step"] = std::to_string(opt.step_count());
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
-                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)}};
+                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)},
+                                     {"manifest_checksum", detail::unsealed_digits}};
+    std::string text = manifest.dump(1);
+    const auto seal = detail::find_seal(text, detail::manifest_marker);
+    text.replace(seal, detail::unsealed_digits.size(), detail::hex(detail::fnv1a(text)));
     try {
-      const std::string text = manifest.dump(1);
-      safetensors::detail::atomic_file file(fs::path(tmp) / "manifest.json");
+      detail::atomic_file file(fs::path(tmp) / "manifest.json");
       file.write(std::as_bytes(std::span(text)));
       file.commit();
       detail::install_directory(tmp, dir);
@@ -9442,9 +9674,9 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   std::vector<std::string> meta_flat;  // key, value, key, value, ...
   on_rank0_then_share(comm, [&] {
     in.emplace(safetensors::reader::open(path));
+    in->verify_checksum();  // first: a damaged header is an io_error, never taken for another model
     const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
     if (!problem.empty()) throw mismatch_error(problem, 0);
-    in->verify_checksum();
     for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
   });
   first_failure rank0;  // rank 0 keeps sending after a failed read, so no receiver is left waiting

@@ -1,5 +1,5 @@
 """Reads a safetensors file written by ddp with PyTorch (no `safetensors` package: the format is parsed here with
-json + torch.frombuffer), checks ddp's checksum, loads the parameters into a torch MLP with strict names, and writes
+json + torch.frombuffer), checks ddp's checksum (format 2: the whole file, its own 16 digits counted as '0'), loads the parameters into a torch MLP with strict names, and writes
 a second file the PyTorch way (no ddp metadata) holding each tensor transformed (floats: 2x+1, integers: x+1).
 
 usage: torch_interop.py IN.safetensors OUT.safetensors
@@ -26,7 +26,7 @@ def read(path):
         t = torch.frombuffer(bytearray(data[begin:end]), dtype=DTYPES[info["dtype"]]) if end > begin else \
             torch.empty(0, dtype=DTYPES[info["dtype"]])
         tensors[name] = t.reshape(info["shape"])
-    return tensors, meta, data
+    return tensors, meta, blob
 
 
 def fnv1a(data):
@@ -34,6 +34,14 @@ def fnv1a(data):
     for b in data:
         h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
     return "%016x" % h
+
+
+def sealed(blob):
+    """The file's bytes with the 16 digits of its ddp.checksum read as '0', as ddp takes the checksum."""
+    marker = b'"ddp.checksum":"'
+    at = blob.index(marker) + len(marker)
+    assert blob.find(marker, at) < 0, "ddp.checksum appears twice"
+    return blob[:at] + b"0" * 16 + blob[at + 16:]
 
 
 def write(path, tensors, meta):
@@ -52,8 +60,9 @@ def write(path, tensors, meta):
 
 
 def main():
-    tensors, meta, data = read(sys.argv[1])
-    assert meta["ddp.checksum"] == fnv1a(data), "ddp.checksum differs from FNV-1a of the data section"
+    tensors, meta, blob = read(sys.argv[1])
+    assert meta["ddp.format"] == "2", "expected ddp's format 2, found " + meta["ddp.format"]
+    assert meta["ddp.checksum"] == fnv1a(sealed(blob)), "ddp.checksum differs from FNV-1a of the file"
     params = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
     if "fc1.weight" in params:  # a checkpoint of the test MLP: PyTorch loads it by name, strictly
         fc1, fc2 = params["fc1.weight"].shape, params["fc2.weight"].shape

@@ -73,9 +73,9 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   std::vector<std::string> meta_flat;  // key, value, key, value, ...
   on_rank0_then_share(comm, [&] {
     in.emplace(safetensors::reader::open(path));
+    in->verify_checksum();  // first: a damaged header is an io_error, never taken for another model
     const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
     if (!problem.empty()) throw mismatch_error(problem, 0);
-    in->verify_checksum();
     for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
   });
   first_failure rank0;  // rank 0 keeps sending after a failed read, so no receiver is left waiting

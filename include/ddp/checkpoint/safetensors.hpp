@@ -1,17 +1,17 @@
 #pragma once
 /// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
 /// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range, then the
-/// data. ddp adds `__metadata__` entries "ddp.format" and "ddp.checksum" (64-bit FNV-1a of the data
-/// section, hex) and verifies the checksum on reading when present. Writes are atomic: a temporary file
-/// `path.tmp.<pid>` is written, flushed to disk, renamed over `path`, and the directory is flushed.
+/// data. ddp adds `__metadata__` entries "ddp.format" ("2") and "ddp.checksum": the checksum of the whole file
+/// (<ddp/checkpoint/checksum.hpp>: length, header and data, the checksum's own digits counted as '0'), verified on
+/// reading; files of format "1" carry a checksum of the data section only, still verified. Writes are atomic
+/// (<ddp/checkpoint/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
+/// directory is flushed; stale temporaries of killed saves to `path` are removed first.
 
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -28,13 +28,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include <ddp/checkpoint/atomic_file.hpp>
+#include <ddp/checkpoint/checksum.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::safetensors {
 
-/// Version of ddp's metadata conventions, stored as "ddp.format".
-inline constexpr std::string_view format_version = "1";
+/// Version of ddp's metadata conventions, stored as "ddp.format": "2", the checksum covers the whole file ("1":
+/// the data section only; still read).
+inline constexpr std::string_view format_version = "2";
 /// Largest JSON header accepted on reading (the safetensors library's own bound).
 inline constexpr std::uint64_t max_header_bytes = 100'000'000;
 
@@ -81,18 +84,8 @@ inline std::optional<dtype> dtype_from_name(std::string_view name) noexcept {
 
 namespace detail {
 
-/// 64-bit FNV-1a, continued from `h`.
-inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = 14695981039346656037ULL) noexcept {
-  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
-inline std::string hex(std::uint64_t v) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
-  return s;
-}
+/// Where a ddp header's checksum digits follow (nlohmann's compact dump writes no spaces).
+inline constexpr std::string_view checksum_marker = "\"ddp.checksum\":\"";
 
 inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), std::size_t{1}, std::multiplies<>{});
@@ -100,20 +93,7 @@ inline std::size_t numel_of(const std::vector<std::size_t>& shape) {
 
 [[noreturn]] inline void fail(const std::filesystem::path& path, const std::string& what, const std::string& fix,
                               int err = 0) {
-  throw io_error("safetensors file '" + path.string() + "': " + what + (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") +
-                     "; " + fix,
-                 -1, err);
-}
-
-/// Writes all of `data` to `fd`, retrying short writes.
-inline void write_all(int fd, const std::byte* data, std::size_t size, const std::filesystem::path& path) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(path, "writing failed", "check free disk space and permissions", errno);
-    data += n;
-    size -= static_cast<std::size_t>(n);
-  }
+  ddp::detail::fail_on("safetensors file", path, what, fix, err);
 }
 
 }  // namespace detail
@@ -127,60 +107,10 @@ struct tensor_header {
   [[nodiscard]] std::size_t bytes() const { return detail::numel_of(shape) * size_of(type); }
 };
 
-namespace detail {
-
-/// A file written through a temporary `path.tmp.<pid>`: commit() flushes it to disk, renames it over `path`
-/// and flushes the directory; destroyed uncommitted, it removes the temporary file.
-class atomic_file {
- public:
-  explicit atomic_file(std::filesystem::path path)
-      : path_(std::move(path)), tmp_(path_.string() + ".tmp." + std::to_string(::getpid())) {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail(tmp_, "cannot create the temporary file", "check that the directory exists and is writable", errno);
-  }
-  atomic_file(const atomic_file&) = delete;
-  atomic_file& operator=(const atomic_file&) = delete;
-  ~atomic_file() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  /// Appends `data`.
-  void write(std::span<const std::byte> data) { write_all(fd_, data.data(), data.size(), tmp_); }
-  /// Overwrites bytes at `offset` (already written).
-  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
-    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
-      fail(tmp_, "writing failed", "check free disk space and permissions", errno);
-  }
-  /// Flushes, renames the temporary file over the path, flushes the directory.
-  void commit() {
-    if (::fsync(fd_) != 0) fail(tmp_, "fsync failed", "check the disk", errno);
-    ::close(fd_);
-    fd_ = -1;
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      fail(path_, "renaming the temporary file over it failed", "check permissions of the directory", errno);
-    committed_ = true;
-    sync_directory(path_.has_parent_path() ? path_.parent_path() : std::filesystem::path("."));
-  }
-  /// Flushes a directory's entries (best effort: some file systems refuse fsync on directories).
-  static void sync_directory(const std::filesystem::path& dir) {
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  std::filesystem::path path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
-}  // namespace detail
-
 /// Writes a safetensors file tensor by tensor, so that no more than the bytes being appended need be in
-/// memory: the header (with a checksum placeholder) goes first, append() streams the data in header order,
-/// commit() records the checksum, checks the size and renames the file into place atomically.
+/// memory: the header (with '0's for the checksum's digits) goes first, append() streams the data in header order,
+/// commit() writes the checksum of all the bytes in place of the '0's, checks the size and renames the file into
+/// place atomically.
 class writer {
  public:
   /// Starts `path` (through a temporary file) for `tensors` in this order; adds "ddp.format" and "ddp.checksum"
@@ -199,15 +129,17 @@ class writer {
     nlohmann::json meta = nlohmann::json::object();
     for (const auto& [k, v] : metadata) meta[k] = v;
     meta["ddp.format"] = std::string(format_version);
-    meta["ddp.checksum"] = detail::hex(0);  // placeholder of the same width, patched by commit()
+    meta["ddp.checksum"] = std::string(ddp::detail::unsealed_digits);  // replaced by commit()
     header["__metadata__"] = meta;
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');  // the data section starts 8-byte aligned, as safetensors pads
-    checksum_at_ = 8 + text.find("\"ddp.checksum\":\"" + detail::hex(0) + "\"") + 16;  // JSON escapes quotes in values
+    checksum_at_ = 8 + ddp::detail::find_seal(text, detail::checksum_marker);  // JSON escapes quotes in values
     std::byte length[8];
     for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((text.size() >> (8 * i)) & 0xff);
-    file_.write(length);
-    file_.write(std::as_bytes(std::span(text)));
+    for (const auto bytes : {std::span<const std::byte>(length), std::as_bytes(std::span(text))}) {
+      file_.write(bytes);
+      checksum_ = ddp::detail::fnv1a(bytes, checksum_);
+    }
   }
 
   /// Appends the next bytes of the data section (tensors in header order, a tensor in any number of pieces).
@@ -217,7 +149,7 @@ class writer {
                      std::to_string(written_) + " overflows the " + std::to_string(size_) +
                      " bytes the header declares; append exactly the declared tensors' bytes");
     file_.write(bytes);
-    checksum_ = detail::fnv1a(bytes, checksum_);
+    checksum_ = ddp::detail::fnv1a(bytes, checksum_);
     written_ += bytes.size();
   }
 
@@ -226,24 +158,25 @@ class writer {
     if (written_ != size_)
       throw io_error("safetensors::writer: " + std::to_string(written_) + " of the " + std::to_string(size_) +
                      " declared bytes were appended; append every tensor before commit()");
-    const std::string hex = detail::hex(checksum_);
+    const std::string hex = ddp::detail::hex(checksum_);
     file_.write_at(checksum_at_, std::as_bytes(std::span(hex)));
     file_.commit();
   }
 
-  /// The 64-bit FNV-1a of the bytes appended so far (the whole data section after commit()).
+  /// The checksum of the bytes written so far (after commit(): the file's, as its "ddp.checksum" records it).
   [[nodiscard]] std::uint64_t checksum() const noexcept { return checksum_; }
   /// Bytes of the data section declared by the header.
   [[nodiscard]] std::uint64_t data_bytes() const noexcept { return size_; }
 
  private:
-  detail::atomic_file file_;
+  ddp::detail::atomic_file file_;
   std::uint64_t size_ = 0, written_ = 0, checksum_at_ = 0;
-  std::uint64_t checksum_ = 14695981039346656037ULL;
+  std::uint64_t checksum_ = ddp::detail::fnv1a_basis;
 };
 
 /// Writes `tensors` (in this order) and `metadata` to `path` atomically (temporary file, fsync, rename, fsync of
-/// the directory); adds "ddp.format" and "ddp.checksum" to the metadata. Throws ddp::io_error on failure.
+/// the directory; stale temporaries of `path` removed first); adds "ddp.format" and "ddp.checksum" to the
+/// metadata. Throws ddp::io_error on failure.
 inline void write(const std::filesystem::path& path, std::span<const tensor_view> tensors,
                   const std::map<std::string, std::string>& metadata = {}) {
   std::vector<tensor_header> headers;
@@ -338,21 +271,47 @@ inline std::vector<located_header> parse_header(const std::filesystem::path& pat
   return found;
 }
 
-/// Throws unless `actual` equals the checksum the metadata records (files without one pass).
-inline void check_checksum(const std::filesystem::path& path, const std::map<std::string, std::string>& metadata,
-                           std::uint64_t actual) {
-  const auto it = metadata.find("ddp.checksum");
-  if (it != metadata.end() && hex(actual) != it->second)
-    fail(path, "corrupt: the data section's checksum is " + hex(actual) + " but the header records " + it->second +
-                   " (the tensor bytes were damaged after writing)",
+/// What a file's checksum covers and what it should be: `basis` is the checksum of the bytes before the data
+/// section that it covers, `recorded` the value its header records (none for files of other writers).
+struct checksum_plan {
+  std::optional<std::string> recorded;
+  std::uint64_t basis = ddp::detail::fnv1a_basis;
+};
+
+/// The checksum plan of a file whose 8-byte length field holds `length` and whose header is `text`, given its
+/// metadata: format "2" covers length and header (the digits counted as '0'), "1" the data only. Throws
+/// ddp::io_error for an unknown format, or a ddp.checksum without a format or without its place in the header.
+inline checksum_plan plan_checksum(const std::filesystem::path& path, std::span<const std::byte> length,
+                                   std::string_view text, const std::map<std::string, std::string>& metadata) {
+  const auto format = metadata.find("ddp.format"), recorded = metadata.find("ddp.checksum");
+  if (format == metadata.end() && recorded == metadata.end()) return {};  // another writer's file: no checksum
+  if (format == metadata.end() || recorded == metadata.end())
+    fail(path, "corrupt: its metadata has ddp.format or ddp.checksum but not both", rewrite_fix());
+  if (format->second == "1") return {recorded->second, ddp::detail::fnv1a_basis};
+  if (format->second != format_version)
+    fail(path, "its ddp.format is '" + format->second + "', which this ddp does not know (it knows 1 and " +
+                   std::string(format_version) + ")",
+         "read it with the ddp version that wrote it, or " + rewrite_fix());
+  const std::size_t seal = ddp::detail::find_seal(text, checksum_marker);
+  if (seal == std::string_view::npos || text.substr(seal, 16) != recorded->second)
+    fail(path, "corrupt: the header's ddp.checksum entry is not where ddp writes it", rewrite_fix());
+  return {recorded->second, ddp::detail::fnv1a_sealed(text, seal, ddp::detail::fnv1a(length))};
+}
+
+/// Throws unless `actual` equals the checksum the plan records (files without one pass).
+inline void check_checksum(const std::filesystem::path& path, const checksum_plan& plan, std::uint64_t actual) {
+  if (plan.recorded && ddp::detail::hex(actual) != *plan.recorded)
+    fail(path, "corrupt: its checksum is " + ddp::detail::hex(actual) + " but the header records " + *plan.recorded +
+                   " (the file was damaged after writing)",
          rewrite_fix());
 }
 
-/// Reads the 8-byte length and the header text at the start of `fd`; returns the header and the data size.
-inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size) {
+/// Reads the 8-byte length (into `length`) and the header text at the start of `fd`; returns the header and the
+/// data size.
+inline std::pair<std::string, std::uint64_t> read_header(int fd, const std::filesystem::path& path, std::uint64_t size,
+                                                         std::uint8_t (&length)[8]) {
   if (size < 8)
     fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length", rewrite_fix());
-  std::uint8_t length[8];
   if (::pread(fd, length, 8, 0) != 8) fail(path, "reading failed", "check the disk and the file's permissions", errno);
   std::uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<std::uint64_t>(length[i]) << (8 * i);
@@ -387,24 +346,32 @@ class reader {
     if (*r.fd_ < 0) detail::fail(path, "cannot be opened", "check the path (does the file exist? is it readable?)", errno);
     const off_t size = ::lseek(*r.fd_, 0, SEEK_END);
     if (size < 0) detail::fail(path, "reading failed", "check the disk and the file's permissions", errno);
-    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size));
+    std::uint8_t length[8];
+    auto [text, data_size] = detail::read_header(*r.fd_, path, static_cast<std::uint64_t>(size), length);
     r.data_at_ = static_cast<std::uint64_t>(size) - data_size;
     r.entries_ = detail::parse_header(path, text, data_size, r.metadata_);
+    r.checksum_ = detail::plan_checksum(path, std::as_bytes(std::span(length)), text, r.metadata_);
     return r;
   }
 
-  /// Reads the whole data section once and throws ddp::io_error unless it matches the recorded checksum.
+  /// Reads the whole data section once and throws ddp::io_error unless the file matches its recorded checksum.
   void verify_checksum() const {
+    if (!checksum_.recorded) return;
     std::vector<std::byte> chunk(std::size_t{1} << 20);
-    std::uint64_t h = 14695981039346656037ULL, at = data_at_;
+    std::uint64_t h = checksum_.basis, at = data_at_;
     const std::uint64_t end = data_at_ + (entries_.empty() ? 0 : entries_.back().begin + entries_.back().bytes());
     while (at < end) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), end - at));
       read_bytes(at, std::span(chunk).first(n));
-      h = detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
+      h = ddp::detail::fnv1a(std::span<const std::byte>(chunk).first(n), h);
       at += n;
     }
-    detail::check_checksum(path_, metadata_, h);
+    detail::check_checksum(path_, checksum_, h);
+  }
+
+  /// Throws ddp::io_error unless `data`, the file's whole data section already read, matches the recorded checksum.
+  void verify_checksum(std::span<const std::byte> data) const {
+    detail::check_checksum(path_, checksum_, ddp::detail::fnv1a(data, checksum_.basis));
   }
 
   /// Copies bytes [offset, offset + out.size()) of tensor `t` into `out`.
@@ -446,6 +413,7 @@ class reader {
   std::uint64_t data_at_ = 0;
   std::vector<located_header> entries_;
   std::map<std::string, std::string> metadata_;
+  detail::checksum_plan checksum_;
 };
 
 /// A safetensors file read into memory and validated: header bound, JSON, dtypes, offsets in range and
@@ -466,7 +434,7 @@ class file {
       r.read(e, 0, bytes);
       f.entries_.push_back({e.name, e.type, e.shape, bytes});
     }
-    detail::check_checksum(path, f.metadata_, detail::fnv1a(f.buffer_));
+    r.verify_checksum(f.buffer_);
     return f;
   }
 

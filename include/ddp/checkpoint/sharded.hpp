@@ -2,8 +2,8 @@
 /// \file ddp::save_sharded / ddp::load_sharded: the training state as a directory with one safetensors part per
 /// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
 /// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
-/// ranges, each part's checksum, the metadata). The directory is written as `<dir>.tmp.<pid>` and moved into
-/// place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// ranges, each part's checksum, the metadata, and its own checksum). The directory is written under a temporary
+/// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
 #include <cstddef>
@@ -21,10 +21,11 @@
 #include <vector>
 
 #include <fcntl.h>
-#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
+#include <ddp/checkpoint/atomic_file.hpp>
+#include <ddp/checkpoint/checksum.hpp>
 #include <ddp/checkpoint/safetensors.hpp>
 #include <ddp/checkpoint/state.hpp>
 #include <ddp/comm/object.hpp>
@@ -35,8 +36,11 @@ namespace ddp {
 
 namespace detail {
 
-/// Format of the manifest, stored as "format".
-inline constexpr std::string_view sharded_format = "ddp.sharded/1";
+/// Format of the manifest, stored as "format": "/2" carries "manifest_checksum", the checksum of the manifest's
+/// text (its own digits counted as '0'); "/1" (without it) is still read.
+inline constexpr std::string_view sharded_format = "ddp.sharded/2";
+/// Where the manifest's checksum digits follow (nlohmann's indented dump writes ": ").
+inline constexpr std::string_view manifest_marker = "\"manifest_checksum\": \"";
 
 /// File name of rank r's part in a checkpoint of n ranks.
 inline std::string part_name(int r, int n) {
@@ -85,9 +89,17 @@ inline sharded_manifest parse_manifest(const std::filesystem::path& path, const 
   sharded_manifest m;
   try {
     const auto j = nlohmann::json::parse(text);
-    if (j.at("format").get<std::string>() != sharded_format)
-      corrupt_manifest(path, "its format is '" + j.at("format").get<std::string>() + "', not '" +
-                                 std::string(sharded_format) + "'");
+    const auto format = j.at("format").get<std::string>();
+    if (format != sharded_format && format != "ddp.sharded/1")
+      corrupt_manifest(path, "its format is '" + format + "', not '" + std::string(sharded_format) + "'");
+    if (format == sharded_format) {
+      const auto seal = find_seal(text, manifest_marker);
+      if (seal == std::string::npos) corrupt_manifest(path, "its manifest_checksum is not where ddp writes it");
+      const auto actual = hex(fnv1a_sealed(text, seal));
+      if (actual != text.substr(seal, 16))
+        corrupt_manifest(path, "its checksum is " + actual + " but it records " + text.substr(seal, 16) +
+                                   " (it was damaged after writing)");
+    }
     m.world_size = j.at("world_size").get<int>();
     m.metadata = j.at("metadata").get<checkpoint_metadata>();
     std::map<std::string, std::size_t> index;
@@ -167,7 +179,7 @@ inline void install_directory(const std::filesystem::path& tmp, const std::files
                        "that the file system supports renameat2",
                    -1, errno);
   if (replacing) fs::remove_all(tmp, ec);  // the previous checkpoint, now under the temporary name
-  safetensors::detail::atomic_file::sync_directory(dir.has_parent_path() ? dir.parent_path() : fs::path("."));
+  sync_directory(parent_of(dir));
 }
 
 template <class DP, class Opt>
@@ -251,24 +263,30 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
 /// Saves the training state of `dp` and `opt` as the directory `dir` (created, or replaced when it holds a
 /// sharded checkpoint): each rank writes the ranges it holds (under hybrid, replicas are written once) as
 /// `rank-<r>-of-<n>.safetensors`; rank 0 writes `manifest.json` with `metadata`, then moves the directory into
-/// place. Collective; a failure on any rank is thrown on every rank.
+/// place. Rank 0 first removes the temporary directories that killed saves to `dir` left. Collective; a failure
+/// on any rank is thrown on every rank.
 template <class DP, class Opt>
 void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
   namespace fs = std::filesystem;
   const auto st = detail::collect_state(dp, &opt);
   auto& comm = dp.comm();
   const int me = comm.rank(), n = comm.size();
-  std::string tmp = dir.string() + ".tmp." + std::to_string(::getpid());
-  broadcast_object(comm, tmp, 0);
+  std::optional<detail::temp_claim> claim;  // rank 0's, held until the directory is in place or removed
+  std::string tmp;
   detail::on_rank0_then_share(comm, [&] {
     detail::check_replaceable(dir);
     std::error_code ec;
-    fs::remove_all(tmp, ec);
-    fs::create_directories(tmp, ec);
+    fs::create_directories(detail::parent_of(dir), ec);
+    detail::remove_stale_temps(dir);
+    if (!ec) claim.emplace(dir);
+    if (!ec) fs::create_directory(claim->path(), ec);
     if (ec)
-      throw io_error("save_sharded: cannot create '" + tmp + "' (" + ec.message() + "); check that the parent "
-                     "directory exists or can be created and is writable", 0, ec.value());
+      throw io_error("save_sharded: cannot create a temporary directory beside '" + dir.string() + "' (" +
+                     ec.message() + "); check that the parent directory exists or can be created and is writable",
+                     0, ec.value());
+    tmp = claim->path().string();
   });
+  broadcast_object(comm, tmp, 0);
 
   std::vector<safetensors::tensor_header> headers;
   std::vector<std::span<const std::byte>> bytes;
@@ -285,7 +303,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
                           {{"ddp.rank", std::to_string(me)}, {"ddp.world_size", std::to_string(n)}});
     for (const auto& b : bytes) w.append(b);
     w.commit();
-    report = {safetensors::detail::hex(w.checksum()), w.data_bytes()};
+    report = {detail::hex(w.checksum()), w.data_bytes()};
   });
   try {
     detail::agree_on_failure(comm, failed.message(me));
@@ -312,10 +330,13 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
     meta["optim.step"] = std::to_string(opt.step_count());
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
-                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)}};
+                                     {"tensors", std::move(tensors)}, {"parts", std::move(parts)},
+                                     {"manifest_checksum", detail::unsealed_digits}};
+    std::string text = manifest.dump(1);
+    const auto seal = detail::find_seal(text, detail::manifest_marker);
+    text.replace(seal, detail::unsealed_digits.size(), detail::hex(detail::fnv1a(text)));
     try {
-      const std::string text = manifest.dump(1);
-      safetensors::detail::atomic_file file(fs::path(tmp) / "manifest.json");
+      detail::atomic_file file(fs::path(tmp) / "manifest.json");
       file.write(std::as_bytes(std::span(text)));
       file.commit();
       detail::install_directory(tmp, dir);

@@ -5,6 +5,7 @@
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
 #include <algorithm>
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -284,7 +286,14 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
       throw mismatch_error("checkpoint '" + source.string() + "' has no optim.step metadata (it was saved without "
                            "an optimizer); load it without the optimizer argument to take only the parameters",
                            rank);
-    opt->set_step_count(std::stoull(it->second));
+    std::uint64_t step = 0;
+    const auto* end = it->second.data() + it->second.size();
+    const auto [stop, ec] = std::from_chars(it->second.data(), end, step);
+    if (ec != std::errc{} || stop != end)
+      throw io_error("checkpoint '" + source.string() + "' has optim.step '" + it->second + "', which is not a step "
+                     "count; save it again (or resume from an older checkpoint)",
+                     rank);
+    opt->set_step_count(step);
   }
 }
 
