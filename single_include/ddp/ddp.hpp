@@ -1043,13 +1043,36 @@ class work_state {
   [[nodiscard]] virtual int rank() const = 0;
   /// A phrase naming the operation, such as "all_reduce of 1024 f32 (sequence 17)".
   [[nodiscard]] virtual std::string describe() const = 0;
+  /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
+  [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+};
+
+/// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
+/// it only after a stall, so the fast path never touches it; wait() reads it when it times out.
+class stall_note {
+ public:
+  /// Publishes what the engine waits for now (empty: nothing, or it moves again).
+  void set(std::string text) {
+    std::lock_guard lock(mutex_);
+    text_ = std::move(text);
+  }
+  /// What the engine waits for, as last published.
+  [[nodiscard]] std::string get() const {
+    std::lock_guard lock(mutex_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string text_;
 };
 
 /// A work_state completed from another thread (a progress engine) with finish() or fail().
 class completion : public work_state {
  public:
-  completion(int rank, std::chrono::milliseconds timeout, std::string what)
-      : rank_(rank), timeout_(timeout), what_(std::move(what)) {}
+  completion(int rank, std::chrono::milliseconds timeout, std::string what,
+             std::shared_ptr<const stall_note> note = nullptr)
+      : rank_(rank), timeout_(timeout), what_(std::move(what)), note_(std::move(note)) {}
 
   /// Marks the operation complete.
   void finish() {
@@ -1073,6 +1096,7 @@ class completion : public work_state {
   [[nodiscard]] std::chrono::milliseconds timeout() const override { return timeout_; }
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] std::string describe() const override { return what_; }
+  [[nodiscard]] std::string waiting_for() const override { return note_ ? note_->get() : std::string(); }
 
  private:
   bool settled() const {
@@ -1086,6 +1110,7 @@ class completion : public work_state {
   int rank_;
   std::chrono::milliseconds timeout_;
   std::string what_;
+  std::shared_ptr<const stall_note> note_;
 };
 
 }  // namespace detail
@@ -1101,11 +1126,14 @@ class work {
   void wait() {
     if (!state_ || state_->test()) return;  // done already: no clock reading on the fast path
     const auto limit = state_->timeout();
-    if (!state_->wait_until(detail::work_state::clock::now() + limit))
-      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) +
-                              " ms: a peer is stuck, dead or calling a different collective; check every rank's "
+    if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
+      const std::string who = state_->waiting_for();
+      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
+                              (who.empty() ? std::string() : ", waiting for " + who) +
+                              ": a peer is stuck, dead or calling a different collective; check every rank's "
                               "log, or raise the timeout in the communicator's config",
                           state_->rank());
+    }
   }
   /// Waits at most `d`; true once done, false if still running. Throws the operation's error.
   template <class Rep, class Period>
@@ -1368,7 +1396,6 @@ class object_collectives {
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <random>
 #include <thread>
 
 // ---- begin <ddp/comm/checks.hpp>
@@ -1423,6 +1450,7 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 #include <sys/types.h>
 
 #include <deque>
+#include <random>
 
 // ---- begin <ddp/comm/tcp/frame.hpp>
 /// \file The wire format of the mesh: every message is a fixed header followed by a bounded payload.
@@ -1438,6 +1466,9 @@ inline constexpr std::uint32_t frame_magic = 0x46504444;  // "DDPF"
 inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message
 inline constexpr std::uint8_t op_bye = 201;    ///< the sender closed its communicator
 inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of the receiver's remote frames
+/// The sender has waited a while in the call this header describes (its op in `flags`), so a receiver in
+/// another call at the same step raises mismatch_error instead of waiting for the timeout.
+inline constexpr std::uint8_t op_waiting = 203;
 inline constexpr std::uint64_t max_abort_text = 4096;
 
 /// Kinds of error an abort frame carries, so the receiver raises the same type.
@@ -1486,6 +1517,7 @@ inline std::string describe(const frame_header& h) {
   if (h.op == op_abort) return "an abort notice";
   if (h.op == op_bye) return "a goodbye (it closed its communicator)";
   if (h.op == op_ack) return "an acknowledgement of a same-host copy";
+  if (h.op == op_waiting) return "a notice that it waits";
   if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
   const auto c = static_cast<collective>(h.op);
   std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
@@ -2023,9 +2055,14 @@ struct group {
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
 
+/// Which side of a point-to-point transfer a call is; collectives are neither. Told explicitly, never
+/// guessed from the buffers (an empty send has no data pointer).
+enum class p2p : std::uint8_t { none, send, recv };
+
 /// One queued call: what the engine executes, in submission order.
 struct call {
   collective kind{};
+  p2p side = p2p::none;
   dtype type = dtype::f32;
   reduce_op op = reduce_op::sum;
   int root = -1;               ///< root, or peer for send/recv
@@ -2070,7 +2107,14 @@ struct peer_memory {
   ::pid_t pid = 0;         ///< the peer's process id, as this rank sees it
   bool readable = false;   ///< this rank can copy from the peer's memory
   bool reads_us = false;   ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
 };
+
+/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
+/// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
+/// mismatch_error at once.
+inline constexpr std::chrono::milliseconds stall_notice_after{250};
 
 class channel;
 /// Runs one call's algorithm on the engine thread (ddp::tcp::detail::execute in algorithms.hpp).
@@ -2081,6 +2125,8 @@ class engine {
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : rank_(rank), size_(size), exec_(exec), store_(std::move(store)) {
+    std::random_device random;
+    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -2131,6 +2177,11 @@ class engine {
 
   [[nodiscard]] int rank() const { return rank_; }
   [[nodiscard]] int size() const { return size_; }
+  /// The word peers on this host read after each copy from this process: it changes once when the engine
+  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
+  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
+  [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
 
  private:
   friend class channel;
@@ -2182,6 +2233,8 @@ class engine {
     char* expect_dest = nullptr;
     peer_memory memory;
     remote_block remote{};         ///< the remote frame being received
+    frame_header waiting;          ///< the call it said it waits in (op_waiting), if heard_waiting
+    bool heard_waiting = false;
     std::uint64_t unacked = 0;     ///< remote frames sent to it and not yet copied
     bool closed = false;    ///< end of stream seen, or a goodbye
     bool said_bye = false;  ///< it closed its communicator in an orderly way
@@ -2270,6 +2323,7 @@ class engine {
         point_to_point(c);
       } else {
         channel_run(c);
+        finished_ = header_of(c, 0);
         c.done->finish();
       }
     } catch (...) {
@@ -2278,6 +2332,8 @@ class engine {
       c.done->fail(e);
     }
     current_ = nullptr;
+    if (noted_) note_->set({});
+    noted_ = false;
   }
 
   void channel_run(call& c);
@@ -2286,11 +2342,11 @@ class engine {
   void point_to_point(call& c) {
     const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
     const frame_header h = header_of(c, c.count * size_of(c.type));
-    if (c.in != nullptr && world_peer != rank_) {
+    if (c.side == p2p::send && world_peer != rank_) {
       c.grp->stats.add_bytes(c.kind, h.length);
       return post(world_peer, h, c.in, c.done);
     }
-    if (c.in != nullptr) {  // to itself
+    if (c.side == p2p::send) {  // to itself
       peer& self = peers_[static_cast<std::size_t>(rank_)];
       if (const auto r = find_recv(self, h); r != self.recvs.end()) {
         check_p2p(*r, h, rank_);
@@ -2386,17 +2442,39 @@ class engine {
     if (p.remote.bytes != p.expect.length) {
       frame_header got = p.got;
       got.length = p.remote.bytes;
-      throw_mismatch(world_peer, got);
+      throw_mismatch(world_peer, p.expect, got);
     }
-    for (std::size_t done = 0; done < p.remote.bytes;) {
-      iovec local{p.expect_dest + done, p.remote.bytes - done};
-      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(p.remote.address + done)),
-                   p.remote.bytes - done};
-      const ssize_t k = ::process_vm_readv(p.memory.pid, &local, 1, &remote, 1, 0);
+    // One call reads the data, then the peer's live word: had the peer aborted and released the buffer
+    // before the copy ended, the word read after it shows so, and the bytes are discarded.
+    std::uint64_t live = 0;
+    const std::size_t total = p.remote.bytes + sizeof live;
+    for (std::size_t done = 0; done < total;) {
+      iovec local[2];
+      iovec remote[2];
+      int n = 0;
+      if (done < p.remote.bytes) {
+        local[n] = {p.expect_dest + done, p.remote.bytes - done};
+        remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(p.remote.address + done)), p.remote.bytes - done};
+      }
+      const std::size_t word_done = done > p.remote.bytes ? done - p.remote.bytes : 0;
+      local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(p.memory.live_address + word_done)),
+                     sizeof live - word_done};
+      const ssize_t k = ::process_vm_readv(p.memory.pid, local, static_cast<unsigned long>(n), remote,
+                                           static_cast<unsigned long>(n), 0);
       if (k < 0 && errno == EINTR) continue;
       const int code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      if (k <= 0) throw lost(world_peer, code, "copying from its memory failed (" + errno_text(code) + ")");
+      if (k <= 0) {
+        raise_abort_behind(world_peer);  // it aborted and released the buffer: its notice says why
+        throw lost(world_peer, code, "copying from its memory failed (" + errno_text(code) + ")");
+      }
       done += static_cast<std::size_t>(k);
+    }
+    if (live != p.memory.live_value) {
+      raise_abort_behind(world_peer);
+      throw error(label(world_peer) + " aborted " + what_now() + " while this rank copied its data, and its abort "
+                      "notice did not arrive within 2 s; check that rank's log for the first error",
+                  rank_);
     }
     frame_header ack;
     ack.op = op_ack;
@@ -2501,6 +2579,14 @@ class engine {
       p.header_got = 0;
       return on_close(world_peer, "it closed its communicator", 0);
     }
+    if (h.op == op_waiting) {
+      p.waiting = h;
+      p.waiting.op = h.flags;
+      p.waiting.flags = 0;
+      p.heard_waiting = true;
+      p.header_got = 0;
+      return;
+    }
     if (h.op == op_ack) {
       if (p.unacked == 0)
         throw error(label(world_peer) + " acknowledged a copy this rank never offered; the stream is corrupt", rank_);
@@ -2602,13 +2688,42 @@ class engine {
     const auto& p = peers_[static_cast<std::size_t>(world_peer)];
     const bool remote = (p.got.flags & frame_remote) != 0;
     if (!same_call(p.expect, p.got) || p.got.length != (remote ? sizeof(remote_block) : p.expect.length))
-      throw_mismatch(world_peer, p.got);
+      throw_mismatch(world_peer, p.expect, p.got);
   }
 
-  /// The mismatch_error naming this rank's call and the frame `got` the peer sent instead.
-  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& got) const {
-    const frame_header& want = peers_[static_cast<std::size_t>(world_peer)].expect;
-    throw mismatch_error(label(rank_) + " called " + describe(want) + ", " + label(world_peer) + " sent " +
+  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
+  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
+  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
+  void check_same_step() const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers_.size(); ++r) {
+      const peer& p = peers_[r];
+      if (p.parked && other(p.got)) throw_mismatch(static_cast<int>(r), mine, p.got);
+      if (p.heard_waiting && other(p.waiting)) throw_mismatch(static_cast<int>(r), mine, p.waiting, " waits in ");
+    }
+  }
+
+  /// After a stall: tells every peer of the group which call this rank waits in, and publishes whom it waits for.
+  void notice_stall() {
+    frame_header h = header_of(*current_, 0);
+    h.flags = h.op;
+    h.op = op_waiting;
+    for (const int member : current_->grp->members) {
+      const peer& p = peers_[static_cast<std::size_t>(member)];
+      if (member != rank_ && p.fd.valid() && !p.closed) post(member, h, nullptr, nullptr);
+    }
+    note_->set(waiting_list());
+    noted_ = true;
+  }
+
+  /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
+  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& want, const frame_header& got,
+                                   const char* how = " sent ") const {
+    // A frame of this rank's previous step: both calls of that step went through (each only sent).
+    const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
+    throw mismatch_error(label(rank_) + " called " + describe(want) +
+                             (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) + how +
                              describe(got) +
                              (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
                                                          " bytes where " + std::to_string(want.length) +
@@ -2619,6 +2734,23 @@ class engine {
                          rank_);
   }
 
+  /// Looks behind the frame just received for the peer's abort notice (2 s at most, skipping the frames
+  /// it wrote before aborting) and raises it; returns if the stream ends or holds none.
+  void raise_abort_behind(int world_peer) {
+    const int fd = peers_[static_cast<std::size_t>(world_peer)].fd.get();
+    const auto limit = clock::now() + std::chrono::seconds(2);
+    char sink[4096];
+    frame_header h;
+    while (recv_all(fd, &h, sizeof h, limit) == io_status::ok && h.magic == frame_magic && h.op != op_bye) {
+      if (h.op == op_abort) raise_abort(world_peer, h);
+      for (std::uint64_t left = h.length; left > 0;) {
+        const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
+        if (recv_all(fd, sink, k, limit) != io_status::ok) return;
+        left -= k;
+      }
+    }
+  }
+
   [[noreturn]] void raise_abort(int world_peer, const frame_header& h) {
     std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
     if (h.length > max_abort_text ||
@@ -2626,7 +2758,9 @@ class engine {
                  clock::now() + std::chrono::seconds(2)) != io_status::ok)
       text = "(its message was lost)";
     peers_[static_cast<std::size_t>(world_peer)].closed = true;
-    const std::string msg = label(world_peer) + " aborted " + what_now() + ": " + text;
+    const std::string msg = label(world_peer) + " aborted " +
+                            (current_ != nullptr ? what_now() : std::string("while this rank ran no operation")) +
+                            ": " + text;
     switch (static_cast<abort_kind>(h.flags)) {
       case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.root);
       case abort_kind::mismatch: throw mismatch_error(msg, rank_);
@@ -2639,6 +2773,7 @@ class engine {
   /// Runs the poll loop until `done()`; throws on peer loss, mismatch, timeout or destruction.
   template <class Done>
   void pump(Done done) {
+    bool stall_noticed = false;
     while (true) {
       bool moved = true;
       while (moved && !done()) {
@@ -2652,8 +2787,11 @@ class engine {
         if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].closed)
           throw lost(static_cast<int>(r), 0, peers_[r].said_bye ? "it closed its communicator" : "its connection is closed");
       if (done()) return;
+      check_same_step();
       build_poll_set();
-      const int rc = ::poll(fds_.data(), fds_.size(), poll_ms(deadline_));
+      const int until_deadline = poll_ms(deadline_);
+      const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
+      const int rc = ::poll(fds_.data(), fds_.size(), may_stall ? static_cast<int>(stall_notice_after.count()) : until_deadline);
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
@@ -2665,15 +2803,25 @@ class engine {
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
+      if (rc == 0 && may_stall) {
+        stall_noticed = true;
+        notice_stall();
+      }
       if (rc == 0 && clock::now() >= deadline_) throw timed_out();
     }
   }
 
-  timeout_error timed_out() const {
+  /// The ranks the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list() const {
     std::string waiting;
     for (std::size_t r = 0; r < peers_.size(); ++r)
       if (peers_[r].expecting || peers_[r].tx_pending() || peers_[r].unacked > 0)
         waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
+  }
+
+  timeout_error timed_out() const {
+    const std::string waiting = waiting_list();
     return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
                              " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
                              ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
@@ -2686,6 +2834,7 @@ class engine {
   /// Completes frames already half written (so the stream stays parseable), drops the rest, sends
   /// every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
+    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     abort_kind kind = abort_kind::other;
     int lost_rank = -1;
@@ -2780,6 +2929,12 @@ class engine {
   std::exception_ptr poisoned_;
   call* current_ = nullptr;
   clock::time_point deadline_{};
+  std::atomic<std::uint64_t> live_{0};
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
+  bool noted_ = false;
+  frame_header finished_;  ///< the last collective this rank completed, named when a peer's frame of it arrives late
   struct scratch_buffer {
     std::unique_ptr<char[]> data;
     std::size_t size = 0;
@@ -3324,9 +3479,11 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
 }
 
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
-/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
-inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
+/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
+/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
+                                             const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -3335,10 +3492,8 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
-  std::random_device random;
-  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -3359,7 +3514,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
     const auto pid = static_cast<::pid_t>(theirs.pid);
     if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
       continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
-    peers[j] = {pid, true, false};
+    peers[j] = {pid, true, false, theirs.address, theirs.word};
     readable[j] = 1;
   }
   store.set(key("memory_ok", me), readable);
@@ -3407,7 +3562,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
                                                      : ""));
     }
     auto sockets = detail::build_mesh(cfg, store, token, host, deadline);
-    auto memory = detail::probe_memory(cfg, store);
+    auto memory = detail::probe_memory(cfg, store, engine_->live_word());
     if (cfg.rank == 0) {
       const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
       detail::log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) +
@@ -3578,14 +3733,14 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   work send(const In& in, int peer, int tag = 0) {
     const raw_tensor i = host(as_raw(in), "send");
     check_rank(peer, "send peer");
-    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag);
+    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag, detail::p2p::send);
   }
   /// Receives into `out` what rank `peer` sends with the same tag (same count and dtype).
   template <tensor Out>
   work recv(Out&& out, int peer, int tag = 0) {
     const raw_tensor o = host(as_raw(out), "recv");
     check_rank(peer, "recv peer");
-    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag);
+    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag, detail::p2p::recv);
   }
 
  private:
@@ -3610,9 +3765,10 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0) {
+             int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
+    c.side = side;
     c.type = type;
     c.op = op;
     c.root = root;
@@ -3626,10 +3782,11 @@ class communicator : public ddp::detail::object_collectives<communicator> {
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
-      if (kind == collective::send_recv)
-        what = (in != nullptr ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
-               " with tag " + std::to_string(tag) + (in != nullptr ? " to rank " : " from rank ") + std::to_string(root);
-      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what));
+      const bool sends = side == detail::p2p::send;
+      if (side != detail::p2p::none)
+        what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
+               " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
+      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       work w(c.done);
       engine_->submit_locked(std::move(c));
       engine_->wake();

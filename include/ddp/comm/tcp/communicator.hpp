@@ -8,13 +8,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -137,9 +137,11 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
 }
 
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
-/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
-inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
+/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
+/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
+                                             const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -148,10 +150,8 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
-  std::random_device random;
-  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -172,7 +172,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
     const auto pid = static_cast<::pid_t>(theirs.pid);
     if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
       continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
-    peers[j] = {pid, true, false};
+    peers[j] = {pid, true, false, theirs.address, theirs.word};
     readable[j] = 1;
   }
   store.set(key("memory_ok", me), readable);
@@ -220,7 +220,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
                                                      : ""));
     }
     auto sockets = detail::build_mesh(cfg, store, token, host, deadline);
-    auto memory = detail::probe_memory(cfg, store);
+    auto memory = detail::probe_memory(cfg, store, engine_->live_word());
     if (cfg.rank == 0) {
       const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
       detail::log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) +
@@ -391,14 +391,14 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   work send(const In& in, int peer, int tag = 0) {
     const raw_tensor i = host(as_raw(in), "send");
     check_rank(peer, "send peer");
-    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag);
+    return start(collective::send_recv, i.type, reduce_op::sum, peer, i.size, i.data, nullptr, tag, detail::p2p::send);
   }
   /// Receives into `out` what rank `peer` sends with the same tag (same count and dtype).
   template <tensor Out>
   work recv(Out&& out, int peer, int tag = 0) {
     const raw_tensor o = host(as_raw(out), "recv");
     check_rank(peer, "recv peer");
-    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag);
+    return start(collective::send_recv, o.type, reduce_op::sum, peer, o.size, nullptr, o.data, tag, detail::p2p::recv);
   }
 
  private:
@@ -423,9 +423,10 @@ class communicator : public ddp::detail::object_collectives<communicator> {
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0) {
+             int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
+    c.side = side;
     c.type = type;
     c.op = op;
     c.root = root;
@@ -439,10 +440,11 @@ class communicator : public ddp::detail::object_collectives<communicator> {
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
-      if (kind == collective::send_recv)
-        what = (in != nullptr ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
-               " with tag " + std::to_string(tag) + (in != nullptr ? " to rank " : " from rank ") + std::to_string(root);
-      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what));
+      const bool sends = side == detail::p2p::send;
+      if (side != detail::p2p::none)
+        what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
+               " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
+      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       work w(c.done);
       engine_->submit_locked(std::move(c));
       engine_->wake();

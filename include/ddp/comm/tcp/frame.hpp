@@ -17,6 +17,9 @@ inline constexpr std::uint32_t frame_magic = 0x46504444;  // "DDPF"
 inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message
 inline constexpr std::uint8_t op_bye = 201;    ///< the sender closed its communicator
 inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of the receiver's remote frames
+/// The sender has waited a while in the call this header describes (its op in `flags`), so a receiver in
+/// another call at the same step raises mismatch_error instead of waiting for the timeout.
+inline constexpr std::uint8_t op_waiting = 203;
 inline constexpr std::uint64_t max_abort_text = 4096;
 
 /// Kinds of error an abort frame carries, so the receiver raises the same type.
@@ -65,6 +68,7 @@ inline std::string describe(const frame_header& h) {
   if (h.op == op_abort) return "an abort notice";
   if (h.op == op_bye) return "a goodbye (it closed its communicator)";
   if (h.op == op_ack) return "an acknowledgement of a same-host copy";
+  if (h.op == op_waiting) return "a notice that it waits";
   if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
   const auto c = static_cast<collective>(h.op);
   std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
