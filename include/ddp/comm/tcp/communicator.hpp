@@ -30,6 +30,8 @@
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/algorithms.hpp>
 #include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
 #include <ddp/comm/work.hpp>
@@ -56,16 +58,6 @@ struct config {
 
 namespace detail {
 
-/// First message on a mesh connection, from the connecting (higher) rank.
-struct mesh_hello {
-  std::uint32_t magic = 0x4d504444;  // "DDPM"
-  std::uint32_t rank = 0;
-  std::uint32_t size = 0;
-  std::uint32_t version = 1;
-  std::uint64_t token = 0;
-};
-static_assert(sizeof(mesh_hello) == 24);
-
 /// A group identifier all members compute alike from (parent id, split number, color).
 inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
   std::uint64_t h = 0x9e3779b97f4a7c15ULL;
@@ -86,7 +78,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{0x4d504444, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1, token};
+  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version, token};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -116,7 +108,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     const auto status = recv_all(fd.get(), &got, sizeof got, std::min(deadline, clock::now() + std::chrono::seconds(2)));
     std::string why;
     if (status != io_status::ok) why = "no complete handshake within 2 s";
-    else if (got.magic != hello.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+    else if (got.magic != hello.magic || got.version != mesh_version) why = "its first bytes are not a ddp mesh handshake";
     else if (got.token != token) why = "wrong job token";
     else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
     else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size || peers[got.rank].valid())
@@ -201,7 +193,7 @@ class communicator : public ddp::detail::object_collectives<communicator> {
     std::optional<detail::store_server> server;
     if (cfg.rank == 0 && cfg.size > 1)
       server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0);
-    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::execute, std::move(server));
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
