@@ -1052,13 +1052,36 @@ class work_state {
   [[nodiscard]] virtual int rank() const = 0;
   /// A phrase naming the operation, such as "all_reduce of 1024 f32 (sequence 17)".
   [[nodiscard]] virtual std::string describe() const = 0;
+  /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
+  [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+};
+
+/// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
+/// it only after a stall, so the fast path never touches it; wait() reads it when it times out.
+class stall_note {
+ public:
+  /// Publishes what the engine waits for now (empty: nothing, or it moves again).
+  void set(std::string text) {
+    std::lock_guard lock(mutex_);
+    text_ = std::move(text);
+  }
+  /// What the engine waits for, as last published.
+  [[nodiscard]] std::string get() const {
+    std::lock_guard lock(mutex_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string text_;
 };
 
 /// A work_state completed from another thread (a progress engine) with finish() or fail().
 class completion : public work_state {
  public:
-  completion(int rank, std::chrono::milliseconds timeout, std::string what)
-      : rank_(rank), timeout_(timeout), what_(std::move(what)) {}
+  completion(int rank, std::chrono::milliseconds timeout, std::string what,
+             std::shared_ptr<const stall_note> note = nullptr)
+      : rank_(rank), timeout_(timeout), what_(std::move(what)), note_(std::move(note)) {}
 
   /// Marks the operation complete.
   void finish() {
@@ -1082,6 +1105,7 @@ class completion : public work_state {
   [[nodiscard]] std::chrono::milliseconds timeout() const override { return timeout_; }
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] std::string describe() const override { return what_; }
+  [[nodiscard]] std::string waiting_for() const override { return note_ ? note_->get() : std::string(); }
 
  private:
   bool settled() const {
@@ -1095,6 +1119,7 @@ class completion : public work_state {
   int rank_;
   std::chrono::milliseconds timeout_;
   std::string what_;
+  std::shared_ptr<const stall_note> note_;
 };
 
 }  // namespace detail
@@ -1110,11 +1135,14 @@ class work {
   void wait() {
     if (!state_ || state_->test()) return;  // done already: no clock reading on the fast path
     const auto limit = state_->timeout();
-    if (!state_->wait_until(detail::work_state::clock::now() + limit))
-      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) +
-                              " ms: a peer is stuck, dead or calling a different collective; check every rank's "
+    if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
+      const std::string who = state_->waiting_for();
+      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
+                              (who.empty() ? std::string() : ", waiting for " + who) +
+                              ": a peer is stuck, dead or calling a different collective; check every rank's "
                               "log, or raise the timeout in the communicator's config",
                           state_->rank());
+    }
   }
   /// Waits at most `d`; true once done, false if still running. Throws the operation's error.
   template <class Rep, class Period>
@@ -1779,59 +1807,87 @@ class collective_front : public object_collectives<Derived> {
 /// and chains (broadcast, reduce). Sends go out of the caller's buffers without copies.
 
 
-// ---- begin <ddp/comm/tcp/engine.hpp>
-/// \file The progress engine: ONE background thread per job that owns the mesh sockets (non-blocking),
-/// runs the queued calls in call order, and sleeps in poll() when idle. Sends are queued per peer and
-/// drained by the same poll loop, so a call never blocks on its own sends; receives check every frame's
-/// header against the call. Errors abort the call, notify the peers with an abort frame, and poison the
-/// engine so later calls fail at once with the same error. Between ranks on one host, large collective
-/// frames carry only the address of their data, which the receiver copies straight out of the sender's
-/// memory (process_vm_readv: one copy instead of the socket's two) and acknowledges.
+// ---- begin <ddp/comm/tcp/channel.hpp>
+/// \file What a collective's algorithm sees of the engine while it executes one call: group ranks, frames
+/// to and from them, scratch memory. It speaks group ranks; the engine speaks world ranks.
 
-#include <sys/eventfd.h>
-#include <sys/types.h>
-#include <sys/uio.h>
 
-#include <deque>
-#include <thread>
+// ---- begin <ddp/comm/tcp/call.hpp>
+/// \file What the TCP engine executes: groups (the world or a split of it) and the calls queued on them,
+/// and the frame header each call's frames carry.
 
-// ---- begin <ddp/comm/tcp/frame.hpp>
-/// \file The wire format of the mesh: every message is a fixed header followed by a bounded payload.
-/// A receiver checks the header against the call it is executing, so ranks that call different
-/// collectives fail with ddp::mismatch_error instead of corrupting each other's buffers.
+
+// ---- begin <ddp/comm/tcp/protocol.hpp>
+/// \file The wire protocol of the mesh, in one place: the handshake a connecting rank sends, and the frames
+/// every message travels in (a fixed header, then a bounded payload). A receiver checks each header against
+/// the call it is executing, so ranks that call different collectives fail with ddp::mismatch_error instead
+/// of corrupting each other's buffers. The store's own messages are defined in store.hpp.
 
 
 
 namespace ddp::tcp::detail {
 
-inline constexpr std::uint32_t frame_magic = 0x46504444;  // "DDPF"
-/// Control frames, outside the collective numbering.
-inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message
+// ---- the mesh handshake -----------------------------------------------------------------------------
+
+inline constexpr std::uint32_t mesh_magic = 0x4d504444;  ///< "DDPM": first bytes on a mesh connection
+inline constexpr std::uint32_t mesh_version = 1;         ///< bumped whenever the frames change incompatibly
+
+/// First message on a mesh connection, from the connecting (higher) rank; answered by one byte, 1 if accepted.
+struct mesh_hello {
+  std::uint32_t magic = mesh_magic;
+  std::uint32_t rank = 0;
+  std::uint32_t size = 0;
+  std::uint32_t version = mesh_version;
+  std::uint64_t token = 0;  ///< hash of the job token
+};
+static_assert(sizeof(mesh_hello) == 24, "ddp: the mesh handshake must stay 24 bytes; it is the wire format.");
+
+// ---- frames ----------------------------------------------------------------------------------------
+
+inline constexpr std::uint32_t frame_magic = 0x46504444;  ///< "DDPF": first bytes of every frame
+
+/// Control frames, numbered outside ddp::collective.
+inline constexpr std::uint8_t op_abort = 200;  ///< the sender failed; payload: its message; flags: abort_kind
 inline constexpr std::uint8_t op_bye = 201;    ///< the sender closed its communicator
 inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of the receiver's remote frames
-inline constexpr std::uint64_t max_abort_text = 4096;
+/// The sender has waited a while in the call this header describes (its op in `flags`), so a receiver in
+/// another call at the same step raises mismatch_error instead of waiting for the timeout.
+inline constexpr std::uint8_t op_waiting = 203;
+
+inline constexpr std::uint64_t max_abort_text = 4096;           ///< longest abort message carried
+inline constexpr std::uint64_t max_frame_bytes = std::uint64_t{1} << 40;  ///< longer payloads mean a corrupt stream
 
 /// Kinds of error an abort frame carries, so the receiver raises the same type.
 enum class abort_kind : std::uint8_t { other, peer_lost, mismatch, timeout };
 
+/// Flag of a collective frame whose payload is a remote_block: the receiver, on the same host, copies
+/// the data straight out of the sender's memory (process_vm_readv) and answers with an op_ack frame.
+inline constexpr std::uint8_t frame_remote = 1;
+
 /// The header of every frame (40 bytes, host byte order: the mesh connects ranks of one architecture).
 struct frame_header {
   std::uint32_t magic = frame_magic;
-  std::uint8_t op = 0;        ///< ddp::collective, op_abort or op_bye
+  std::uint8_t op = 0;        ///< ddp::collective, or a control op (op_abort, op_bye, op_ack, op_waiting)
   std::uint8_t type = 0;      ///< ddp::dtype
   std::uint8_t reduce = 0;    ///< ddp::reduce_op (0 where none applies)
-  std::uint8_t flags = 0;     ///< abort_kind for op_abort; frame_remote for a collective frame
-  std::int32_t root = -1;     ///< root, peer tag (send/recv) or lost rank (abort); -1 where none
+  std::uint8_t flags = 0;     ///< abort_kind (op_abort), frame_remote (collectives), the call's op (op_waiting)
+  union {                     // one word, named by the frame's kind; -1 where none applies
+    std::int32_t root = -1;   ///< broadcast, reduce, gather, scatter: the root's group rank
+    std::int32_t tag;         ///< send/recv: the tag both sides matched on
+    std::int32_t lost_rank;   ///< op_abort of kind peer_lost: the world rank that was lost
+  };
   std::uint32_t group = 0;    ///< the group's identifier (split gives each subgroup its own)
-  std::uint64_t seq = 0;      ///< the call's sequence number in its group (per pair for send/recv)
+  std::uint64_t seq = 0;      ///< the call's sequence number in its group (0 for send/recv, matched by tag)
   std::uint64_t count = 0;    ///< the call's element count
   std::uint64_t length = 0;   ///< payload bytes following this header
 };
 static_assert(sizeof(frame_header) == 40, "ddp: the frame header must stay 40 bytes; it is the wire format.");
 
-/// Flag of a collective frame whose payload is a remote_block: the receiver, on the same host, copies
-/// the data straight out of the sender's memory (process_vm_readv) and answers with an op_ack frame.
-inline constexpr std::uint8_t frame_remote = 1;
+/// An abort frame's header and its message (header.length bytes), ready to send.
+struct abort_notice {
+  frame_header header;
+  std::string text;
+};
 
 /// Where a remote frame's data lies in the sender's address space.
 struct remote_block {
@@ -1852,11 +1908,24 @@ constexpr bool has_root(std::uint8_t op) {
          op == static_cast<std::uint8_t>(collective::gather) || op == static_cast<std::uint8_t>(collective::scatter);
 }
 
+/// Why a header cannot start a well-formed frame, or nullptr: wrong magic, unknown op, or a payload length
+/// its kind cannot have. The receiver checks this before it reads a payload byte.
+inline const char* malformed(const frame_header& h) {
+  if (h.magic != frame_magic) return "bytes that are not a ddp frame";
+  if (h.op == op_abort) return h.length > max_abort_text ? "an abort notice longer than its limit" : nullptr;
+  if (h.op == op_bye || h.op == op_ack || h.op == op_waiting)
+    return h.length != 0 ? "a control frame with a payload" : nullptr;
+  if (h.op >= collective_count) return "a frame of unknown kind";
+  if ((h.flags & frame_remote) != 0 && h.length != sizeof(remote_block)) return "a remote frame of the wrong length";
+  return h.length > max_frame_bytes ? "a frame longer than the frame limit" : nullptr;
+}
+
 /// "all_reduce(sum) of 1024 f32 (seq 17)", "broadcast of 8 f32 from root 1 (seq 3)", "send of 4 i32 with tag 7 (seq 0)".
 inline std::string describe(const frame_header& h) {
   if (h.op == op_abort) return "an abort notice";
   if (h.op == op_bye) return "a goodbye (it closed its communicator)";
   if (h.op == op_ack) return "an acknowledgement of a same-host copy";
+  if (h.op == op_waiting) return "a notice that it waits";
   if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
   const auto c = static_cast<collective>(h.op);
   std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
@@ -1864,7 +1933,7 @@ inline std::string describe(const frame_header& h) {
   if (c != collective::barrier)
     s += " of " + std::to_string(h.count) + " " + std::string(to_string(static_cast<dtype>(h.type)));
   if (has_root(h.op)) s += " from root " + std::to_string(h.root);
-  if (c == collective::send_recv) s += " with tag " + std::to_string(h.root);
+  if (c == collective::send_recv) s += " with tag " + std::to_string(h.tag);
   return s + " (seq " + std::to_string(h.seq) + ")";
 }
 
@@ -1875,13 +1944,232 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 }
 
 }  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/frame.hpp>
+// ---- end <ddp/comm/tcp/protocol.hpp>
+
+namespace ddp::tcp::detail {
+
+/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
+struct group {
+  std::vector<int> members;  ///< world rank of each group rank
+  int me = 0;                ///< this process's group rank
+  std::uint32_t id = 0;      ///< identifier carried in every frame
+  std::chrono::milliseconds timeout{};
+  std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
+  std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
+  ddp::detail::stats_counter stats;
+
+  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
+};
+
+/// Which side of a point-to-point transfer a call is; collectives are neither. Told explicitly, never
+/// guessed from the buffers (an empty send has no data pointer).
+enum class p2p : std::uint8_t { none, send, recv };
+
+/// One queued call: what the engine executes, in submission order.
+struct call {
+  collective kind{};
+  p2p side = p2p::none;
+  dtype type = dtype::f32;
+  reduce_op op = reduce_op::sum;
+  int root = -1;            ///< root, or peer for send/recv
+  std::int32_t tag = 0;     ///< send/recv tag
+  std::uint64_t count = 0;  ///< the count frames carry
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::shared_ptr<group> grp;
+  std::uint64_t seq = 0;
+  std::shared_ptr<ddp::detail::completion> done;
+};
+
+/// The header every frame of `c` carries, with payload `length`.
+inline frame_header header_of(const call& c, std::uint64_t length) {
+  frame_header h;
+  h.op = static_cast<std::uint8_t>(c.kind);
+  h.type = static_cast<std::uint8_t>(c.type);
+  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
+  if (has_root(h.op)) h.root = c.root;
+  if (c.kind == collective::send_recv) h.tag = c.tag;
+  h.group = c.grp->id;
+  h.seq = c.seq;
+  h.count = c.count;
+  h.length = length;
+  return h;
+}
+
+/// One receive the current call waits for.
+struct recv_part {
+  int peer = 0;  ///< group rank
+  void* dest = nullptr;
+  std::size_t bytes = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/call.hpp>
+// ---- begin <ddp/comm/tcp/engine.hpp>
+/// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
+/// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
+/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
+/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+
+#include <sys/eventfd.h>
+
+#include <deque>
+#include <random>
+#include <thread>
+
+// ---- begin <ddp/comm/tcp/engine_errors.hpp>
+/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
+/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+
+
+// ---- begin <ddp/comm/tcp/frame_reader.hpp>
+/// \file The receiving half of a peer stream: a state machine that cuts a byte stream into frames. It reads
+/// a header, stops while its owner decides where the payload goes (a collective frame waits there for its
+/// call), reads the payload straight into that place, and starts over. It never blocks and never allocates:
+/// the bytes come from a read function (a non-blocking socket, or memory in tests and the fuzz target).
+///
+///   header --40 bytes, well formed--> holding --accept(dest)--> payload --length bytes--> header
+///   header --a goodbye--> said_bye;   any --end of stream or read error--> closed
+///   header --malformed header--> corrupt   (holding with a zero length: accept() goes straight to header)
+
+#include <sys/types.h>
+
+#include <cerrno>
+
+
+namespace ddp::tcp::detail {
+
+/// Where a peer stream's reader stands.
+enum class read_state : std::uint8_t {
+  header,    ///< reading a frame header (header_bytes() of 40 so far)
+  holding,   ///< a whole, well-formed header is here; its payload waits for accept()
+  payload,   ///< reading the accepted frame's payload into its destination
+  said_bye,  ///< the peer said goodbye (op_bye): it closed its communicator; nothing more is read
+  closed,    ///< end of stream or a read error: nothing more is read
+  corrupt,   ///< a malformed header arrived (malformed() says why): the stream cannot be trusted
+};
+
+/// What one call of frame_reader::advance() ended with.
+enum class read_event : std::uint8_t {
+  blocked,  ///< no more bytes now (or the reader is holding a header): poll and come back
+  header,   ///< a whole header: inspect header(), then accept() it or keep holding
+  payload,  ///< the accepted frame's payload is complete (header() still describes it)
+  ended,    ///< the stream ended: said_bye, closed or corrupt
+};
+
+class frame_reader {
+ public:
+  [[nodiscard]] read_state state() const { return state_; }
+  /// The header being read, held or whose payload is being read.
+  [[nodiscard]] const frame_header& header() const { return header_; }
+  /// Bytes of the current header read so far (state header).
+  [[nodiscard]] std::size_t header_bytes() const { return header_got_; }
+  /// True when part of a frame has arrived and the rest has not: an end of stream now loses data.
+  [[nodiscard]] bool mid_frame() const {
+    if (ended()) return cut_;
+    return (state_ == read_state::header && header_got_ > 0) || state_ == read_state::holding ||
+           state_ == read_state::payload;
+  }
+  /// True once nothing more will be read.
+  [[nodiscard]] bool ended() const {
+    return state_ == read_state::said_bye || state_ == read_state::closed || state_ == read_state::corrupt;
+  }
+  /// The errno of the read that closed the stream (0: an orderly end of stream).
+  [[nodiscard]] int error_code() const { return error_; }
+
+  /// holding -> payload: the payload (header().length bytes) goes to `dest`. A zero-length frame completes
+  /// at once (the next advance() reports its payload event).
+  void accept(char* dest) {
+    dest_ = dest;
+    payload_got_ = 0;
+    state_ = read_state::payload;
+  }
+
+  /// Marks the stream ended from outside (the owner read an abort notice itself, or gave up on the peer).
+  void close() { state_ = read_state::closed; }
+
+  /// Reads until an event: `read(buf, n)` returns bytes read (> 0), 0 at end of stream, or -1 with errno
+  /// (EAGAIN: no bytes now). `moved` is set when any byte arrived.
+  template <class Read>
+  read_event advance(Read&& read, bool& moved) {
+    while (true) {
+      switch (state_) {
+        case read_state::holding: return read_event::blocked;
+        case read_state::said_bye:
+        case read_state::closed:
+        case read_state::corrupt: return read_event::ended;
+        case read_state::header:
+          if (!take(read, reinterpret_cast<char*>(&header_) + header_got_, sizeof(frame_header) - header_got_,
+                    header_got_, moved))
+            return ended() ? read_event::ended : read_event::blocked;
+          if (header_got_ < sizeof(frame_header)) continue;
+          header_got_ = 0;
+          if (malformed(header_) != nullptr) {
+            state_ = read_state::corrupt;
+            return read_event::ended;
+          }
+          if (header_.op == op_bye) {
+            state_ = read_state::said_bye;
+            return read_event::ended;
+          }
+          state_ = read_state::holding;
+          return read_event::header;
+        case read_state::payload:
+          if (payload_got_ == header_.length) {
+            state_ = read_state::header;
+            return read_event::payload;
+          }
+          if (!take(read, dest_ + payload_got_, static_cast<std::size_t>(header_.length - payload_got_), payload_got_,
+                    moved))
+            return ended() ? read_event::ended : read_event::blocked;
+          continue;
+      }
+    }
+  }
+
+ private:
+  /// One read of at most `want` bytes into `where`; false when none arrived (blocked or ended).
+  template <class Read>
+  bool take(Read& read, char* where, std::size_t want, auto& got, bool& moved) {
+    while (true) {
+      const ssize_t k = read(where, want);
+      if (k > 0) {
+        got += static_cast<std::size_t>(k);
+        moved = true;
+        return true;
+      }
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+      error_ = k < 0 ? errno : 0;
+      cut_ = state_ == read_state::payload || header_got_ > 0;
+      state_ = read_state::closed;
+      return false;
+    }
+  }
+
+  read_state state_ = read_state::header;
+  frame_header header_;
+  std::size_t header_got_ = 0;
+  char* dest_ = nullptr;
+  std::uint64_t payload_got_ = 0;
+  int error_ = 0;
+  bool cut_ = false;  ///< the stream ended inside a frame
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/frame_reader.hpp>
+// ---- begin <ddp/comm/tcp/matching.hpp>
+/// \file Point-to-point matching, per peer: a recv waits for the first send with its group and tag, in
+/// posting order; a send that arrives first is kept (a stray) until its recv comes. A recv that no send
+/// matches before its deadline is withdrawn, so a late frame becomes a stray and never writes into the
+/// abandoned buffer.
+
+
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
 
 #include <arpa/inet.h>
-#include <cerrno>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <netdb.h>
@@ -2105,6 +2393,529 @@ inline void log_line(int rank, const std::string& text) {
 }
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/socket.hpp>
+
+namespace ddp::tcp::detail {
+
+/// A recv waiting for its send.
+struct posted_recv {
+  std::uint32_t group = 0;
+  std::int32_t tag = 0;
+  frame_header want;  ///< the header its send must carry (count and dtype)
+  char* dest = nullptr;
+  std::shared_ptr<ddp::detail::completion> done;
+  clock::time_point deadline{};  ///< past it the recv fails and forgets its buffer
+  std::chrono::milliseconds timeout{};
+};
+
+/// A send frame that arrived before its recv.
+struct stray_frame {
+  frame_header hdr;
+  std::vector<char> data;
+};
+
+/// True when a send's frame `got` fits the recv `r` (same count and dtype).
+inline bool fits(const posted_recv& r, const frame_header& got) {
+  return got.type == r.want.type && got.count == r.want.count;
+}
+
+/// The recvs posted for one peer and the sends it made that no recv has taken yet.
+class mailbox {
+ public:
+  /// Posts a recv behind the others.
+  void post(posted_recv r) { recvs_.push_back(std::move(r)); }
+
+  /// Removes and returns the oldest recv for the send `h` (same group and tag), if any.
+  [[nodiscard]] std::optional<posted_recv> take_recv(const frame_header& h) {
+    const auto it = std::find_if(recvs_.begin(), recvs_.end(),
+                                 [&](const posted_recv& r) { return r.group == h.group && r.tag == h.tag; });
+    if (it == recvs_.end()) return std::nullopt;
+    std::optional<posted_recv> r(std::move(*it));
+    recvs_.erase(it);
+    return r;
+  }
+
+  /// Keeps a send no recv has taken yet.
+  void keep(stray_frame s) { strays_.push_back(std::move(s)); }
+
+  /// Removes and returns the oldest stray send of `group` with `tag`, if any.
+  [[nodiscard]] std::optional<stray_frame> take_stray(std::uint32_t group, std::int32_t tag) {
+    const auto it = std::find_if(strays_.begin(), strays_.end(),
+                                 [&](const stray_frame& s) { return s.hdr.group == group && s.hdr.tag == tag; });
+    if (it == strays_.end()) return std::nullopt;
+    std::optional<stray_frame> s(std::move(*it));
+    strays_.erase(it);
+    return s;
+  }
+
+  /// True while recvs wait.
+  [[nodiscard]] bool waiting() const { return !recvs_.empty(); }
+
+  /// The earliest deadline of the recvs posted, or time_point::max().
+  [[nodiscard]] clock::time_point next_deadline() const {
+    auto first = clock::time_point::max();
+    for (const auto& r : recvs_) first = std::min(first, r.deadline);
+    return first;
+  }
+
+  /// Withdraws the recvs whose deadline has passed at `now`, failing each with `error(recv)`.
+  template <class MakeError>
+  void expire(clock::time_point now, MakeError error) {
+    std::erase_if(recvs_, [&](const posted_recv& r) {
+      if (r.deadline > now) return false;
+      r.done->fail(error(r));
+      return true;
+    });
+  }
+
+  /// Fails every posted recv with `e` and forgets them.
+  void fail_all(const std::exception_ptr& e) {
+    for (auto& r : recvs_) r.done->fail(e);
+    recvs_.clear();
+  }
+
+ private:
+  std::deque<posted_recv> recvs_;
+  std::deque<stray_frame> strays_;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/matching.hpp>
+
+namespace ddp::tcp::detail {
+
+class engine_errors {
+ protected:
+  engine_errors(int rank, int size) : rank_(rank), size_(size) {}
+
+  /// The rank label errors use: the group rank, plus the world rank inside a subgroup.
+  [[nodiscard]] std::string label(int world_rank) const {
+    if (current_ == nullptr) return "rank " + std::to_string(world_rank);
+    const auto& m = current_->grp->members;
+    for (std::size_t i = 0; i < m.size(); ++i)
+      if (m[i] == world_rank)
+        return "rank " + std::to_string(i) +
+               (m.size() == static_cast<std::size_t>(size_) ? "" : " (world rank " + std::to_string(world_rank) + ")");
+    return "world rank " + std::to_string(world_rank);
+  }
+  [[nodiscard]] std::string what_now() const {
+    return current_ != nullptr ? describe(header_of(*current_, 0)) : std::string("a point-to-point transfer");
+  }
+
+  /// How a peer's stream ended, for peer_lost.
+  [[nodiscard]] static std::string farewell(const frame_reader& in) {
+    if (in.state() == read_state::said_bye) return "it closed its communicator";
+    if (in.error_code() != 0) return "receiving from it failed (" + errno_text(in.error_code()) + ")";
+    return "it closed the connection or died";
+  }
+
+  [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
+    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
+                         ". Check that rank's log for the first error; the job cannot continue without it",
+                     rank_, world_peer, code);
+  }
+
+  /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
+  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& want, const frame_header& got,
+                                   const char* how = " sent ") const {
+    // A frame of this rank's previous step: both calls of that step went through (each only sent).
+    const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
+    throw mismatch_error(label(rank_) + " called " + describe(want) +
+                             (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
+                             how + describe(got) +
+                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
+                                                         " bytes where " + std::to_string(want.length) +
+                                                         " were expected"
+                                                   : std::string()) +
+                             "; every rank must call the same collectives in the same order with the same counts, "
+                             "dtypes, operators and roots",
+                         rank_);
+  }
+
+  [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
+    return mismatch_error(label(rank_) + " called recv of " + std::to_string(r.want.count) + " " +
+                              std::string(to_string(static_cast<dtype>(r.want.type))) + " with tag " +
+                              std::to_string(r.tag) + ", " + label(world_peer) + " sent " + describe(got) +
+                              "; a send and its recv must have the same count and dtype",
+                          rank_);
+  }
+
+  [[nodiscard]] std::exception_ptr recv_expired(const posted_recv& x, int world_peer) const {
+    return std::make_exception_ptr(timeout_error(
+        "recv of " + std::to_string(x.want.count) + " " + std::string(to_string(static_cast<dtype>(x.want.type))) +
+            " with tag " + std::to_string(x.tag) + " from " + label(world_peer) + " found no matching send within " +
+            std::to_string(x.timeout.count()) + " ms; check that the peer sends with the same tag, or raise the timeout",
+        rank_));
+  }
+
+  [[nodiscard]] error corrupt_stream(int world_peer, const char* why) const {
+    return error(label(world_peer) + " sent " + why + (current_ != nullptr ? " during " + what_now() : std::string()) +
+                     "; every rank must run the same ddp version, and nothing else may write to the mesh sockets",
+                 rank_);
+  }
+  [[nodiscard]] error unreadable(int world_peer) const {
+    return error(label(world_peer) + " sent the address of its data, but this rank cannot read that process's "
+                                     "memory; every rank must run the same ddp version",
+                 rank_);
+  }
+  [[nodiscard]] error abandoned_copy(int world_peer) const {
+    return error(label(world_peer) + " aborted " + what_now() + " while this rank copied its data, and its abort "
+                                     "notice did not arrive within 2 s; check that rank's log for the first error",
+                 rank_);
+  }
+  [[nodiscard]] peer_lost cancelled() const {
+    return peer_lost(what_now() + " was cancelled because its communicator was destroyed; wait() for every "
+                                  "operation before the communicator goes out of scope",
+                     rank_, rank_);
+  }
+  [[nodiscard]] std::exception_ptr destroyed() const {
+    return std::make_exception_ptr(
+        error("the communicator was destroyed before this operation ran; wait() for every operation before the "
+              "communicator goes out of scope",
+              rank_));
+  }
+  [[nodiscard]] timeout_error timed_out(const std::string& waiting) const {
+    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
+                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
+                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
+                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
+                         rank_);
+  }
+
+  /// The abort frame that tells the peers of `e`, with the error's kind so they raise the same type.
+  [[nodiscard]] static abort_notice notice_of(const std::exception_ptr& e) {
+    abort_notice n;
+    n.header.op = op_abort;
+    auto kind = abort_kind::other;
+    try {
+      std::rethrow_exception(e);
+    } catch (const peer_lost& x) {
+      kind = abort_kind::peer_lost;
+      n.header.lost_rank = x.peer();
+      n.text = x.what();
+    } catch (const mismatch_error& x) {
+      kind = abort_kind::mismatch;
+      n.text = x.what();
+    } catch (const timeout_error& x) {
+      kind = abort_kind::timeout;
+      n.text = x.what();
+    } catch (const std::exception& x) {
+      n.text = x.what();
+    }
+    n.text.resize(std::min<std::size_t>(n.text.size(), max_abort_text));
+    n.header.flags = static_cast<std::uint8_t>(kind);
+    n.header.length = n.text.size();
+    return n;
+  }
+
+  /// Reads the abort frame `h` announced on `fd` and raises the error it carries.
+  [[noreturn]] void raise_abort(int world_peer, const frame_header& h, int fd) const {
+    std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
+    if (h.length > max_abort_text || recv_all(fd, text.data(), text.size(), clock::now() + std::chrono::seconds(2)) != io_status::ok)
+      text = "(its message was lost)";
+    const std::string msg = label(world_peer) + " aborted " +
+                            (current_ != nullptr ? what_now() : std::string("while this rank ran no operation")) +
+                            ": " + text;
+    switch (static_cast<abort_kind>(h.flags)) {
+      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.lost_rank);
+      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
+      case abort_kind::timeout: throw timeout_error(msg, rank_);
+      case abort_kind::other: break;
+    }
+    throw error(msg, rank_);
+  }
+
+  /// Looks behind the frame just received on `fd` for the peer's abort notice (2 s at most, skipping the
+  /// frames it wrote before aborting) and raises it; returns if the stream ends or holds none.
+  void raise_abort_behind(int world_peer, int fd) const {
+    const auto limit = clock::now() + std::chrono::seconds(2);
+    char sink[4096];
+    frame_header h;
+    while (recv_all(fd, &h, sizeof h, limit) == io_status::ok && malformed(h) == nullptr && h.op != op_bye) {
+      if (h.op == op_abort) raise_abort(world_peer, h, fd);
+      for (std::uint64_t left = h.length; left > 0;) {
+        const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
+        if (recv_all(fd, sink, k, limit) != io_status::ok) return;
+        left -= k;
+      }
+    }
+  }
+
+  int rank_;
+  int size_;
+  const call* current_ = nullptr;  ///< the call executing now, or nullptr
+  frame_header finished_;          ///< the last collective this rank completed, named when a peer's frame of it arrives late
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/engine_errors.hpp>
+// ---- begin <ddp/comm/tcp/frame_writer.hpp>
+/// \file The sending half of a peer stream: a queue of frames written with sendmsg as the socket accepts
+/// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
+/// already half written is completed, so the peer can still parse the abort notice behind it.
+
+#include <sys/uio.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// One queued frame.
+struct tx_item {
+  frame_header hdr;
+  const char* data = nullptr;
+  std::size_t sent = 0;                           ///< bytes of header + payload already written
+  std::shared_ptr<ddp::detail::completion> done;  ///< finished when written (point-to-point sends)
+  remote_block where{};                           ///< a remote frame's payload
+  [[nodiscard]] std::size_t total() const { return sizeof(frame_header) + hdr.length; }
+  [[nodiscard]] const char* payload() const {
+    return (hdr.flags & frame_remote) != 0 ? reinterpret_cast<const char*>(&where) : data;
+  }
+};
+
+class frame_writer {
+ public:
+  /// True while frames wait to be written.
+  [[nodiscard]] bool pending() const { return head_ < queue_.size(); }
+
+  /// Queues a frame; `data` (hdr.length bytes) must stay valid until it is written.
+  void push(tx_item item) { queue_.push_back(std::move(item)); }
+
+  /// Writes what the socket `fd` accepts; true if bytes moved. Returns the errno of a failed write in
+  /// `failure` (0 when none); finished frames complete their `done`.
+  bool write_some(int fd, int& failure) {
+    bool moved = false;
+    failure = 0;
+    while (pending()) {
+      tx_item& t = queue_[head_];
+      iovec iov[2];
+      int n = 0;
+      if (t.sent < sizeof(frame_header))
+        iov[n++] = {reinterpret_cast<char*>(&t.hdr) + t.sent, sizeof(frame_header) - t.sent};
+      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+      if (t.hdr.length > payload_done)
+        iov[n++] = {const_cast<char*>(t.payload()) + payload_done, t.hdr.length - payload_done};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<std::size_t>(n);
+      const ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) failure = errno;
+        break;
+      }
+      moved = moved || k > 0;
+      t.sent += static_cast<std::size_t>(k);
+      if (t.sent < t.total()) break;
+      if (t.done) t.done->finish();
+      t.done.reset();
+      if (++head_ == queue_.size()) clear();
+    }
+    return moved;
+  }
+
+  /// On abort: completes the frame already half written (blocking until `limit`), fails the completions of
+  /// every frame still queued with `e`, and empties the queue. False if the stream was left mid-frame.
+  bool abandon(int fd, std::exception_ptr e, clock::time_point limit) {
+    bool clean = true;
+    if (pending() && queue_[head_].sent > 0) {
+      const tx_item& t = queue_[head_];
+      const std::size_t header_left = t.sent < sizeof(frame_header) ? sizeof(frame_header) - t.sent : 0;
+      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+      clean = send_all(fd, reinterpret_cast<const char*>(&t.hdr) + (sizeof(frame_header) - header_left), header_left,
+                       limit) == io_status::ok &&
+              send_all(fd, t.payload() + payload_done, t.hdr.length - payload_done, limit) == io_status::ok;
+    }
+    for (std::size_t i = head_; i < queue_.size(); ++i)
+      if (queue_[i].done) queue_[i].done->fail(e);
+    clear();
+    return clean;
+  }
+
+  /// True when the stream stands between frames (nothing half written).
+  [[nodiscard]] bool at_boundary() const { return !pending() || queue_[head_].sent == 0; }
+
+ private:
+  void clear() {
+    queue_.clear();
+    head_ = 0;
+  }
+  std::vector<tx_item> queue_;
+  std::size_t head_ = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/frame_writer.hpp>
+// ---- begin <ddp/comm/tcp/peer.hpp>
+/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
+/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
+
+
+// ---- begin <ddp/comm/tcp/same_host.hpp>
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+
+
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/same_host.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Where the payload being read from a peer goes.
+enum class target : std::uint8_t {
+  control,     ///< nowhere: a control frame (no payload)
+  collective,  ///< the executing call's expected destination, or `remote` for a remote frame
+  posted,      ///< the recv its send matched
+  stray,       ///< a buffer of its own, until the recv is posted
+};
+
+struct peer {
+  socket_fd fd;
+  frame_writer out;
+  frame_reader in;
+  peer_memory memory;
+  mailbox mail;
+  target into = target::control;
+  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
+  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+  bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
+  frame_header expect;
+  char* expect_dest = nullptr;
+  remote_block remote{};                ///< the remote frame being received
+  std::uint64_t unacked = 0;            ///< remote frames sent to it and not yet copied
+  std::optional<frame_header> waiting;  ///< the call it last said it waits in (op_waiting)
+
+  /// Its stream may be read now: a collective frame's header waits there until its call expects it.
+  [[nodiscard]] bool readable() const {
+    return fd.valid() && !in.ended() && (in.state() != read_state::holding || expecting);
+  }
+  /// Frames to it are still queued, or copies of remote frames it has not acknowledged.
+  [[nodiscard]] bool sending() const { return out.pending() || unacked > 0; }
+  /// The executing call cannot end before this peer does something.
+  [[nodiscard]] bool awaited() const { return expecting || sending(); }
+  /// The executing call expects the next collective frame from this peer to carry `h`, its payload for `dest`.
+  void await(const frame_header& h, char* dest) {
+    expecting = true;
+    expect = h;
+    expect_dest = dest;
+  }
+
+  /// On abort: forgets what the call expects and the copies it offered; fails every recv with `e`.
+  void fail(const std::exception_ptr& e) {
+    expecting = false;
+    unacked = 0;
+    mail.fail_all(e);
+    if (matched) matched->done->fail(e);
+    matched.reset();
+  }
+
+  /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
+  /// behind it (until `limit`), so the peer can parse it.
+  void abort(const std::exception_ptr& e, const abort_notice& notice, clock::time_point limit) {
+    fail(e);
+    if (!fd.valid()) return;
+    const bool open = !in.ended();
+    if (!out.abandon(fd.get(), e, open ? limit : clock::now()) || !open) return;
+    if (send_all(fd.get(), &notice.header, sizeof notice.header, limit) == io_status::ok)
+      send_all(fd.get(), notice.text.data(), notice.text.size(), limit);
+  }
+
+  /// On destruction: fails the queued frames with `gone`, says goodbye where asked and the stream is at a
+  /// frame boundary, drains what the peer sent and closes.
+  void close(const std::exception_ptr& gone, bool say_bye) {
+    if (!fd.valid()) return;
+    const auto limit = clock::now() + std::chrono::milliseconds(100);
+    if (out.abandon(fd.get(), gone, limit) && say_bye) {
+      frame_header bye;
+      bye.op = op_bye;
+      send_all(fd.get(), &bye, sizeof bye, limit);
+    }
+    char sink[4096];
+    while (::recv(fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
+    }
+    fd.reset();
+  }
+};
+
+/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
+class scratch_space {
+ public:
+  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
+  char* get(int which, std::size_t bytes) {
+    auto& s = buffers_[which];
+    if (s.size < bytes) {
+      s.data.reset();  // free first, so the peak is the new size, not both
+      s.data.reset(new char[bytes]);
+      s.size = bytes;
+    }
+    return s.data.get();
+  }
+
+ private:
+  struct buffer {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  buffer buffers_[2];
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/peer.hpp>
 // ---- begin <ddp/comm/tcp/store.hpp>
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
@@ -2553,84 +3364,28 @@ class store_server {
 
 namespace ddp::tcp::detail {
 
-/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
-struct group {
-  std::vector<int> members;  ///< world rank of each group rank
-  int me = 0;                ///< this process's group rank
-  std::uint32_t id = 0;      ///< identifier carried in every frame
-  std::chrono::milliseconds timeout{};
-  std::uint64_t next_seq = 0;             ///< guarded by the engine's queue mutex
-  std::uint64_t splits = 0;               ///< splits made from this group, for the children's ids
-  ddp::detail::stats_counter stats;
+/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
+/// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
+/// mismatch_error at once.
+inline constexpr std::chrono::milliseconds stall_notice_after{250};
 
-  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
-};
+class engine;
+/// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
+using executor = void (*)(engine&, call&);
 
-/// One queued call: what the engine executes, in submission order.
-struct call {
-  collective kind{};
-  dtype type = dtype::f32;
-  reduce_op op = reduce_op::sum;
-  int root = -1;               ///< root, or peer for send/recv
-  std::int32_t tag = 0;        ///< send/recv tag
-  std::uint64_t count = 0;     ///< the count frames carry
-  const void* in = nullptr;
-  void* out = nullptr;
-  std::size_t in_count = 0;
-  std::size_t out_count = 0;
-  std::shared_ptr<group> grp;
-  std::uint64_t seq = 0;
-  std::shared_ptr<ddp::detail::completion> done;
-};
-
-/// The header every frame of `c` carries, with payload `length`.
-inline frame_header header_of(const call& c, std::uint64_t length) {
-  frame_header h;
-  h.op = static_cast<std::uint8_t>(c.kind);
-  h.type = static_cast<std::uint8_t>(c.type);
-  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
-  h.root = has_root(h.op) ? c.root : (c.kind == collective::send_recv ? c.tag : -1);
-  h.group = c.grp->id;
-  h.seq = c.seq;
-  h.count = c.count;
-  h.length = length;
-  return h;
-}
-
-/// One receive the current call waits for.
-struct recv_part {
-  int peer = 0;        ///< group rank
-  void* dest = nullptr;
-  std::size_t bytes = 0;
-};
-
-/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
-/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
-inline constexpr std::size_t remote_min_bytes = 512 << 10;
-
-/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
-struct peer_memory {
-  ::pid_t pid = 0;         ///< the peer's process id, as this rank sees it
-  bool readable = false;   ///< this rank can copy from the peer's memory
-  bool reads_us = false;   ///< the peer can copy from this rank's memory: send it remote frames
-};
-
-class channel;
-/// Runs one call's algorithm on the engine thread (ddp::tcp::detail::execute in algorithms.hpp).
-using executor = void (*)(channel&);
-
-class engine {
+class engine : engine_errors {
  public:
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
-      : rank_(rank), size_(size), exec_(exec), store_(std::move(store)) {
+      : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
+    std::random_device random;
+    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
     thread_ = std::thread([this] { loop(); });
   }
   engine(const engine&) = delete;
-  engine& operator=(const engine&) = delete;
 
   /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
   ~engine() {
@@ -2653,15 +3408,6 @@ class engine {
     wake();
   }
 
-  /// Queues `c` behind the calls already submitted; the mutex also orders sequence numbers.
-  void submit(call c) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(c));
-    }
-    wake();
-  }
-
   /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
   std::mutex& queue_mutex() { return mutex_; }
   /// Queues `c` while the caller already holds queue_mutex().
@@ -2669,70 +3415,46 @@ class engine {
   /// Wakes the engine thread from poll.
   void wake() {
     const std::uint64_t one = 1;
-    [[maybe_unused]] const auto n = ::write(wake_.get(), &one, sizeof one);
+    if (::write(wake_.get(), &one, sizeof one) < 0) return;  // EAGAIN: the counter is full, a wake-up is pending
   }
 
   [[nodiscard]] int rank() const { return rank_; }
-  [[nodiscard]] int size() const { return size_; }
+  /// The word peers on this host read after each copy from this process: it changes once when the engine
+  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
+  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
+  [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
+
+  // ---- what a collective's algorithm uses (through ddp::tcp::detail::channel), on the engine thread ----
+
+  /// Posts a collective frame: its data itself, or, where the peer can read this process, a remote frame
+  /// with the data's address (`data` must then stay unchanged until the peer's op_ack).
+  void send_collective(int world_peer, frame_header h, const void* data) {
+    auto& p = at(world_peer);
+    if (h.length < remote_min_bytes || !p.memory.reads_us) return post(world_peer, h, data, nullptr);
+    const remote_block where{reinterpret_cast<std::uintptr_t>(data), h.length};
+    h.flags = frame_remote;
+    h.length = sizeof(remote_block);
+    p.out.push({h, nullptr, 0, nullptr, where});
+    ++p.unacked;
+    write_some(world_peer);
+  }
+  /// The executing call expects its next frame from `world_peer` to carry `h`, its payload landing at `dest`.
+  void expect(int world_peer, const frame_header& h, void* dest) { at(world_peer).await(h, static_cast<char*>(dest)); }
+  /// Runs the poll loop until every expected frame has arrived.
+  void receive_expected() {
+    pump([&] { return std::none_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.expecting; }); });
+  }
+  /// Runs the poll loop until every queued frame is written and every remote frame acknowledged.
+  void flush() {
+    pump([&] { return std::none_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.sending(); }); });
+  }
+  /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
+  /// its contents, so steady state allocates and touches no new memory.
+  char* scratch(int which, std::size_t bytes) { return scratch_.get(which, bytes); }
 
  private:
-  friend class channel;
-
-  struct tx_item {
-    frame_header hdr;
-    const char* data = nullptr;
-    std::size_t sent = 0;  ///< bytes of header + payload already written
-    std::shared_ptr<ddp::detail::completion> done;  ///< finished when written (point-to-point sends)
-    remote_block where{};  ///< a remote frame's payload
-    [[nodiscard]] std::size_t total() const { return sizeof(frame_header) + hdr.length; }
-    [[nodiscard]] const char* payload() const {
-      return (hdr.flags & frame_remote) != 0 ? reinterpret_cast<const char*>(&where) : data;
-    }
-  };
-  /// A recv waiting for its send.
-  struct posted_recv {
-    std::uint32_t group = 0;
-    std::int32_t tag = 0;
-    frame_header want;
-    char* dest = nullptr;
-    std::shared_ptr<ddp::detail::completion> done;
-    clock::time_point deadline{};  ///< past it the recv fails and forgets its buffer
-    std::chrono::milliseconds timeout{};
-  };
-  /// A point-to-point frame that arrived before its recv.
-  struct stray_frame {
-    frame_header hdr;
-    std::vector<char> data;
-  };
-  enum class target : std::uint8_t { collective, posted, stray };
-  struct peer {
-    socket_fd fd;
-    std::vector<tx_item> tx;
-    std::size_t tx_head = 0;
-    // the reader: always reads point-to-point frames; a collective frame waits ("parked") for its call
-    frame_header got;
-    std::size_t header_got = 0;
-    bool parked = false;
-    bool in_payload = false;
-    target into = target::collective;
-    char* dest = nullptr;
-    std::size_t payload_got = 0;
-    posted_recv matched;
-    std::vector<char> stray_buf;
-    // what the executing call expects next from this peer
-    bool expecting = false;
-    frame_header expect;
-    char* expect_dest = nullptr;
-    peer_memory memory;
-    remote_block remote{};         ///< the remote frame being received
-    std::uint64_t unacked = 0;     ///< remote frames sent to it and not yet copied
-    bool closed = false;    ///< end of stream seen, or a goodbye
-    bool said_bye = false;  ///< it closed its communicator in an orderly way
-    std::deque<posted_recv> recvs;
-    std::deque<stray_frame> strays;
-    [[nodiscard]] bool tx_pending() const { return tx_head < tx.size(); }
-    [[nodiscard]] bool readable() const { return fd.valid() && !closed && (!parked || expecting); }
-  };
+  peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
 
   // ---- the thread -------------------------------------------------------------------------
 
@@ -2769,14 +3491,16 @@ class engine {
   /// Sleeps in poll until woken, serving the store, reading point-to-point frames and draining sends.
   void idle_wait() {
     const std::size_t peer_base = build_poll_set();
-    const int rc = ::poll(fds_.data(), fds_.size(), next_recv_deadline());
+    auto first = clock::time_point::max();
+    for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
+    const int rc = ::poll(fds_.data(), fds_.size(), first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1));
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
     if (store_) store_->on_events(fds_, store_base_);
     for (std::size_t r = 0; r < peers_.size(); ++r) {
       if (fds_[peer_base + r].revents == 0) continue;
-      if (peers_[r].tx_pending()) write_some(static_cast<int>(r));
+      if (peers_[r].out.pending()) write_some(static_cast<int>(r));
       if (peers_[r].readable()) read_some(static_cast<int>(r));
     }
   }
@@ -2789,7 +3513,7 @@ class engine {
     const std::size_t base = fds_.size();
     for (const auto& p : peers_) {
       short ev = 0;
-      if (!poisoned_ && p.tx_pending()) ev |= POLLOUT;
+      if (!poisoned_ && p.out.pending()) ev |= POLLOUT;
       if (!poisoned_ && p.readable()) ev |= POLLIN;
       fds_.push_back({ev != 0 ? p.fd.get() : -1, ev, 0});
     }
@@ -2798,21 +3522,19 @@ class engine {
 
   void drain_wake() {
     std::uint64_t n = 0;
-    [[maybe_unused]] const auto k = ::read(wake_.get(), &n, sizeof n);
+    if (::read(wake_.get(), &n, sizeof n) < 0) return;  // EAGAIN: another wake-up drained it
   }
 
   void run(call& c) {
-    if (poisoned_) {
-      c.done->fail(poisoned_);
-      return;
-    }
+    if (poisoned_) return c.done->fail(poisoned_);
     current_ = &c;
     deadline_ = clock::now() + c.grp->timeout;
     try {
-      if (c.kind == collective::send_recv) {
+      if (c.side != p2p::none) {
         point_to_point(c);
       } else {
-        channel_run(c);
+        exec_(*this, c);
+        finished_ = header_of(c, 0);
         c.done->finish();
       }
     } catch (...) {
@@ -2821,467 +3543,246 @@ class engine {
       c.done->fail(e);
     }
     current_ = nullptr;
+    if (noted_) note_->set({});
+    noted_ = false;
   }
-
-  void channel_run(call& c);
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
   void point_to_point(call& c) {
     const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
     const frame_header h = header_of(c, c.count * size_of(c.type));
-    if (c.in != nullptr && world_peer != rank_) {
+    peer& p = at(world_peer);
+    if (c.side == p2p::send && world_peer != rank_) {
       c.grp->stats.add_bytes(c.kind, h.length);
       return post(world_peer, h, c.in, c.done);
     }
-    if (c.in != nullptr) {  // to itself
-      peer& self = peers_[static_cast<std::size_t>(rank_)];
-      if (const auto r = find_recv(self, h); r != self.recvs.end()) {
-        check_p2p(*r, h, rank_);
-        std::memcpy(r->dest, c.in, h.length);
-        r->done->finish();
-        self.recvs.erase(r);
-      } else {
-        self.strays.push_back({h, std::vector<char>(static_cast<const char*>(c.in), static_cast<const char*>(c.in) + h.length)});
-      }
+    if (c.side == p2p::send) {  // to itself
+      const auto* in = static_cast<const char*>(c.in);
+      if (auto r = p.mail.take_recv(h)) deliver(*r, h, in, rank_);
+      else p.mail.keep({h, std::vector<char>(in, in + h.length)});
       return c.done->finish();
     }
-    peer& p = peers_[static_cast<std::size_t>(world_peer)];
-    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout,
-                     c.grp->timeout};
-    for (auto it = p.strays.begin(); it != p.strays.end(); ++it)
-      if (it->hdr.group == h.group && it->hdr.root == c.tag) {
-        check_p2p(want, it->hdr, world_peer);
-        std::memcpy(want.dest, it->data.data(), h.length);
-        p.strays.erase(it);
-        return c.done->finish();
-      }
-    if (p.closed) throw lost(world_peer, 0, p.said_bye ? "it closed its communicator" : "its connection is closed");
-    p.recvs.push_back(std::move(want));
+    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout, c.grp->timeout};
+    if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
+    if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
+    p.mail.post(std::move(want));
   }
 
-  /// poll()'s timeout while idle: until the earliest posted recv expires, or forever.
-  int next_recv_deadline() const {
-    auto first = clock::time_point::max();
-    for (const auto& p : peers_)
-      for (const auto& r : p.recvs) first = std::min(first, r.deadline);
-    return first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
+  /// Completes the recv `r` with the send `got` whose payload is `data`.
+  void deliver(const posted_recv& r, const frame_header& got, const char* data, int world_peer) {
+    if (!fits(r, got)) throw p2p_mismatch(r, got, world_peer);
+    if (got.length > 0) std::memcpy(r.dest, data, got.length);
+    r.done->finish();
   }
 
-  /// Fails the recvs no send matched within the timeout; a late frame then becomes a stray, so the
-  /// caller's buffer is never written after its wait() gave up.
+  /// Fails the recvs no send matched within the timeout.
   void expire_recvs() {
     const auto now = clock::now();
     for (std::size_t r = 0; r < peers_.size(); ++r)
-      std::erase_if(peers_[r].recvs, [&](const posted_recv& x) {
-        if (x.deadline > now) return false;
-        x.done->fail(std::make_exception_ptr(timeout_error(
-            "recv of " + std::to_string(x.want.count) + " " + std::string(to_string(static_cast<dtype>(x.want.type))) +
-                " with tag " + std::to_string(x.tag) + " from " + label(static_cast<int>(r)) + " found no matching send within " +
-                std::to_string(x.timeout.count()) + " ms; check that the peer sends with the same tag, or raise the timeout",
-            rank_)));
-        return true;
-      });
+      peers_[r].mail.expire(now, [&](const posted_recv& x) { return recv_expired(x, static_cast<int>(r)); });
   }
-
-  /// The oldest recv posted for this frame's group and tag, or end().
-  static std::deque<posted_recv>::iterator find_recv(peer& p, const frame_header& h) {
-    return std::find_if(p.recvs.begin(), p.recvs.end(),
-                        [&](const posted_recv& r) { return r.group == h.group && r.tag == h.root; });
-  }
-
-  void check_p2p(const posted_recv& r, const frame_header& got, int world_peer) const {
-    if (got.type != r.want.type || got.count != r.want.count)
-      throw mismatch_error(label(rank_) + " called recv of " + std::to_string(r.want.count) + " " +
-                               std::string(to_string(static_cast<dtype>(r.want.type))) + " with tag " +
-                               std::to_string(r.tag) + ", " + label(world_peer) + " sent " + describe(got) +
-                               "; a send and its recv must have the same count and dtype",
-                           rank_);
-  }
-
-  // ---- transfers ---------------------------------------------------------------------------
 
   void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    p.tx.push_back({h, static_cast<const char*>(data), 0, std::move(done)});
+    at(world_peer).out.push({h, static_cast<const char*>(data), 0, std::move(done)});
     write_some(world_peer);  // most small frames leave at once, before any poll
   }
 
-  /// Posts a collective frame: its data itself, or, where the peer can read this process, a remote frame
-  /// with the data's address (`data` must then stay unchanged until the peer's op_ack).
-  void post_collective(int world_peer, frame_header h, const void* data) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    if (h.length < remote_min_bytes || !p.memory.reads_us) return post(world_peer, h, data, nullptr);
-    const remote_block where{reinterpret_cast<std::uintptr_t>(data), h.length};
-    h.flags = frame_remote;
-    h.length = sizeof(remote_block);
-    p.tx.push_back({h, nullptr, 0, nullptr, where});
-    ++p.unacked;
-    write_some(world_peer);
+  /// Writes what the peer's socket accepts; true if bytes moved.
+  bool write_some(int world_peer) {
+    auto& p = at(world_peer);
+    int failure = 0;
+    const bool moved = p.out.write_some(p.fd.get(), failure);
+    if (failure != 0) throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
+    return moved;
+  }
+
+  /// Reads what the peer has sent, frame by frame; true if bytes moved.
+  bool read_some(int world_peer) {
+    auto& p = at(world_peer);
+    const int fd = p.fd.get();
+    const auto from_socket = [fd](char* buf, std::size_t n) { return ::recv(fd, buf, n, MSG_DONTWAIT); };
+    bool moved = false;
+    while (p.readable()) {
+      if (p.in.state() == read_state::holding) accept_collective(world_peer);
+      const read_event ev = p.in.advance(from_socket, moved);
+      if (ev == read_event::blocked) break;
+      if (ev == read_event::ended) on_end(world_peer);
+      else if (ev == read_event::header) dispatch(world_peer);
+      else finish_payload(world_peer);
+    }
+    return moved;
+  }
+
+  /// The stream ended: fatal if anything is expected from the peer, else remembered for later calls.
+  void on_end(int world_peer) {
+    auto& p = at(world_peer);
+    if (p.in.state() == read_state::corrupt) throw corrupt_stream(world_peer, malformed(p.in.header()));
+    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0)
+      throw lost(world_peer, p.in.error_code(), farewell(p.in));
+  }
+
+  /// A whole header arrived: route the frame.
+  void dispatch(int world_peer) {
+    auto& p = at(world_peer);
+    const frame_header& h = p.in.header();
+    p.into = target::control;
+    switch (h.op) {
+      case op_abort: p.in.close(); raise_abort(world_peer, h, p.fd.get());
+      case op_waiting:
+        p.waiting = h;
+        p.waiting->op = h.flags;
+        p.waiting->flags = 0;
+        return p.in.accept(nullptr);
+      case op_ack:
+        if (p.unacked == 0) throw corrupt_stream(world_peer, "an acknowledgement of a copy this rank never offered");
+        --p.unacked;
+        return p.in.accept(nullptr);
+      default: break;
+    }
+    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) return;  // a collective frame: held for its call
+    if (auto r = p.mail.take_recv(h)) {
+      if (!fits(*r, h)) throw p2p_mismatch(*r, h, world_peer);
+      p.matched = std::move(r);
+      p.into = target::posted;
+      return p.in.accept(p.matched->dest);
+    }
+    p.stray_buf.resize(h.length);
+    p.into = target::stray;
+    p.in.accept(p.stray_buf.data());
+  }
+
+  /// The executing call expects the held collective frame: check it, then receive its payload.
+  void accept_collective(int world_peer) {
+    auto& p = at(world_peer);
+    const frame_header& got = p.in.header();
+    const bool remote = (got.flags & frame_remote) != 0;
+    if (!same_call(p.expect, got) || (!remote && got.length != p.expect.length)) throw_mismatch(world_peer, p.expect, got);
+    p.into = target::collective;
+    p.in.accept(remote ? reinterpret_cast<char*>(&p.remote) : p.expect_dest);
+  }
+
+  void finish_payload(int world_peer) {
+    auto& p = at(world_peer);
+    switch (p.into) {
+      case target::control: break;
+      case target::collective:
+        if ((p.in.header().flags & frame_remote) != 0) copy_remote(world_peer);
+        p.expecting = false;
+        break;
+      case target::posted:
+        p.matched->done->finish();
+        p.matched.reset();
+        break;
+      case target::stray:  // its recv may have been posted while the payload was arriving
+        if (auto r = p.mail.take_recv(p.in.header())) deliver(*r, p.in.header(), p.stray_buf.data(), world_peer);
+        else p.mail.keep({p.in.header(), std::move(p.stray_buf)});
+        p.stray_buf = {};
+        break;
+    }
+    p.into = target::control;
   }
 
   /// Copies a remote frame's data out of the peer's memory into the expected destination, then acknowledges it.
   void copy_remote(int world_peer) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    if (!p.memory.readable)
-      throw error(label(world_peer) + " sent the address of its data, but this rank cannot read that process's "
-                      "memory; every rank must run the same ddp version",
-                  rank_);
+    auto& p = at(world_peer);
+    if (!p.memory.readable) throw unreadable(world_peer);
     if (p.remote.bytes != p.expect.length) {
-      frame_header got = p.got;
+      frame_header got = p.in.header();
       got.length = p.remote.bytes;
-      throw_mismatch(world_peer, got);
+      throw_mismatch(world_peer, p.expect, got);
     }
-    for (std::size_t done = 0; done < p.remote.bytes;) {
-      iovec local{p.expect_dest + done, p.remote.bytes - done};
-      iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(p.remote.address + done)),
-                   p.remote.bytes - done};
-      const ssize_t k = ::process_vm_readv(p.memory.pid, &local, 1, &remote, 1, 0);
-      if (k < 0 && errno == EINTR) continue;
-      const int code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      if (k <= 0) throw lost(world_peer, code, "copying from its memory failed (" + errno_text(code) + ")");
-      done += static_cast<std::size_t>(k);
+    int code = 0;
+    const copy_result result = copy_from_peer(p.memory, p.remote, p.expect_dest, code);
+    if (result != copy_result::copied) {
+      raise_abort_behind(world_peer, p.fd.get());  // it aborted and released the buffer: its notice says why
+      if (result == copy_result::failed) throw lost(world_peer, code, "copying from its memory failed (" + errno_text(code) + ")");
+      throw abandoned_copy(world_peer);
     }
     frame_header ack;
     ack.op = op_ack;
     post(world_peer, ack, nullptr, nullptr);
   }
 
-  /// Writes what the peer's socket accepts; true if bytes moved.
-  bool write_some(int world_peer) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    bool moved = false;
-    while (p.tx_pending()) {
-      tx_item& t = p.tx[p.tx_head];
-      iovec iov[2];
-      int n = 0;
-      if (t.sent < sizeof(frame_header))
-        iov[n++] = {reinterpret_cast<char*>(&t.hdr) + t.sent, sizeof(frame_header) - t.sent};
-      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
-      if (t.hdr.length > payload_done)
-        iov[n++] = {const_cast<char*>(t.payload()) + payload_done, t.hdr.length - payload_done};
-      msghdr msg{};
-      msg.msg_iov = iov;
-      msg.msg_iovlen = static_cast<std::size_t>(n);
-      const ssize_t k = n == 0 ? 0 : ::sendmsg(p.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-        throw lost(world_peer, errno, "sending to it failed (" + errno_text(errno) + ")");
-      }
-      moved = moved || k > 0;
-      t.sent += static_cast<std::size_t>(k);
-      if (t.sent < t.total()) break;
-      if (t.done) t.done->finish();
-      t.done.reset();
-      if (++p.tx_head == p.tx.size()) {
-        p.tx.clear();
-        p.tx_head = 0;
-      }
-    }
-    return moved;
-  }
-
-  /// Reads what the peer has sent, frame by frame; true if bytes moved. Point-to-point frames go to
-  /// their recv (or are kept as strays); a collective frame waits until the executing call expects it.
-  bool read_some(int world_peer) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    bool moved = false;
-    while (p.readable()) {
-      if (!p.in_payload && p.parked) {
-        accept_collective(world_peer);
-        continue;
-      }
-      char* where = nullptr;
-      std::size_t want = 0;
-      if (!p.in_payload) {
-        where = reinterpret_cast<char*>(&p.got) + p.header_got;
-        want = sizeof(frame_header) - p.header_got;
-      } else {
-        where = p.dest + p.payload_got;
-        want = p.got.length - p.payload_got;
-      }
-      if (want > 0) {
-        const ssize_t k = ::recv(p.fd.get(), where, want, MSG_DONTWAIT);
-        if (k < 0) {
-          if (errno == EINTR) continue;
-          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-          on_close(world_peer, "receiving from it failed (" + errno_text(errno) + ")", errno);
-          break;
-        }
-        if (k == 0) {
-          on_close(world_peer, "it closed the connection or died", 0);
-          break;
-        }
-        moved = true;
-        (p.in_payload ? p.payload_got : p.header_got) += static_cast<std::size_t>(k);
-      }
-      if (!p.in_payload && p.header_got == sizeof(frame_header)) dispatch(world_peer);
-      else if (p.in_payload && p.payload_got == p.got.length) finish_payload(p);
-    }
-    return moved;
-  }
-
-  /// End of stream: fatal if anything is expected from the peer, else remembered for later calls.
-  void on_close(int world_peer, const std::string& how, int code) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    p.closed = true;
-    if (p.expecting || p.in_payload || !p.recvs.empty() || p.header_got > 0 || p.unacked > 0)
-      throw lost(world_peer, code, p.said_bye ? "it closed its communicator" : how);
-  }
-
-  /// A whole header arrived: route the frame.
-  void dispatch(int world_peer) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    const frame_header& h = p.got;
-    if (h.magic != frame_magic)
-      throw error(label(world_peer) + " sent bytes that are not a ddp frame" +
-                      (current_ != nullptr ? " during " + what_now() : std::string()) +
-                      "; every rank must run the same ddp version, and nothing else may write to the mesh sockets",
-                  rank_);
-    if (h.op == op_abort) raise_abort(world_peer, h);
-    if (h.op == op_bye) {
-      p.said_bye = true;
-      p.header_got = 0;
-      return on_close(world_peer, "it closed its communicator", 0);
-    }
-    if (h.op == op_ack) {
-      if (p.unacked == 0)
-        throw error(label(world_peer) + " acknowledged a copy this rank never offered; the stream is corrupt", rank_);
-      --p.unacked;
-      p.header_got = 0;
-      return;
-    }
-    if (h.op >= collective_count)
-      throw error(label(world_peer) + " sent a frame of unknown kind " + std::to_string(h.op) +
-                      "; every rank must run the same ddp version",
-                  rank_);
-    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) {
-      p.parked = true;
-      if (p.expecting) accept_collective(world_peer);
-      return;
-    }
-    p.in_payload = true;
-    p.payload_got = 0;
-    if (const auto r = find_recv(p, h); r != p.recvs.end()) {
-      check_p2p(*r, h, world_peer);
-      p.matched = std::move(*r);
-      p.recvs.erase(r);
-      p.into = target::posted;
-      p.dest = p.matched.dest;
-    } else {
-      if (h.length > (std::uint64_t{1} << 40))
-        throw error(label(world_peer) + " announced a send of " + std::to_string(h.length) +
-                        " bytes, beyond the frame limit; the stream is corrupt",
-                    rank_);
-      p.stray_buf.resize(h.length);
-      p.into = target::stray;
-      p.dest = p.stray_buf.data();
-    }
-    if (h.length == 0) finish_payload(p);
-  }
-
-  /// The executing call expects the parked collective frame: check it, then receive its payload.
-  void accept_collective(int world_peer) {
-    auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    check_header(world_peer);
-    p.parked = false;
-    p.in_payload = true;
-    p.into = target::collective;
-    p.dest = (p.got.flags & frame_remote) != 0 ? reinterpret_cast<char*>(&p.remote) : p.expect_dest;
-    p.payload_got = 0;
-    if (p.got.length == 0) finish_payload(p);
-  }
-
-  void finish_payload(peer& p) {
-    p.in_payload = false;
-    p.header_got = 0;
-    switch (p.into) {
-      case target::collective:
-        if ((p.got.flags & frame_remote) != 0) copy_remote(static_cast<int>(&p - peers_.data()));
-        p.expecting = false;
-        break;
-      case target::posted:
-        p.matched.done->finish();
-        p.matched = {};
-        break;
-      case target::stray:
-        // Its recv may have been posted while the payload was arriving.
-        if (const auto r = find_recv(p, p.got); r != p.recvs.end()) {
-          check_p2p(*r, p.got, static_cast<int>(&p - peers_.data()));
-          std::memcpy(r->dest, p.stray_buf.data(), p.got.length);
-          r->done->finish();
-          p.recvs.erase(r);
-        } else {
-          p.strays.push_back({p.got, std::move(p.stray_buf)});
-        }
-        p.stray_buf = {};
-        break;
-    }
-  }
-
-  /// The rank label errors use: the group rank, plus the world rank inside a subgroup.
-  [[nodiscard]] std::string label(int world_rank) const {
-    if (current_ == nullptr) return "rank " + std::to_string(world_rank);
-    const auto& m = current_->grp->members;
-    for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i] == world_rank)
-        return "rank " + std::to_string(i) +
-               (m.size() == static_cast<std::size_t>(size_) ? "" : " (world rank " + std::to_string(world_rank) + ")");
-    return "world rank " + std::to_string(world_rank);
-  }
-  [[nodiscard]] std::string what_now() const {
-    return current_ != nullptr ? describe(header_of(*current_, 0)) : std::string("a point-to-point transfer");
-  }
-
-  [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
-    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
-                         ". Check that rank's log for the first error; the job cannot continue without it",
-                     rank_, world_peer, code);
-  }
-
-  /// Raises mismatch_error unless the parked frame belongs to the executing call with the expected length
-  /// (a remote frame's length is checked once its remote_block has arrived).
-  void check_header(int world_peer) {
-    const auto& p = peers_[static_cast<std::size_t>(world_peer)];
-    const bool remote = (p.got.flags & frame_remote) != 0;
-    if (!same_call(p.expect, p.got) || p.got.length != (remote ? sizeof(remote_block) : p.expect.length))
-      throw_mismatch(world_peer, p.got);
-  }
-
-  /// The mismatch_error naming this rank's call and the frame `got` the peer sent instead.
-  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& got) const {
-    const frame_header& want = peers_[static_cast<std::size_t>(world_peer)].expect;
-    throw mismatch_error(label(rank_) + " called " + describe(want) + ", " + label(world_peer) + " sent " +
-                             describe(got) +
-                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
-                                                         " bytes where " + std::to_string(want.length) +
-                                                         " were expected"
-                                                   : std::string()) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         rank_);
-  }
-
-  [[noreturn]] void raise_abort(int world_peer, const frame_header& h) {
-    std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
-    if (h.length > max_abort_text ||
-        recv_all(peers_[static_cast<std::size_t>(world_peer)].fd.get(), text.data(), text.size(),
-                 clock::now() + std::chrono::seconds(2)) != io_status::ok)
-      text = "(its message was lost)";
-    peers_[static_cast<std::size_t>(world_peer)].closed = true;
-    const std::string msg = label(world_peer) + " aborted " + what_now() + ": " + text;
-    switch (static_cast<abort_kind>(h.flags)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.root);
-      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
-      case abort_kind::timeout: throw timeout_error(msg, rank_);
-      case abort_kind::other: break;
-    }
-    throw error(msg, rank_);
-  }
-
   /// Runs the poll loop until `done()`; throws on peer loss, mismatch, timeout or destruction.
   template <class Done>
   void pump(Done done) {
+    bool stall_noticed = false;
     while (true) {
       bool moved = true;
       while (moved && !done()) {
         moved = false;
         for (std::size_t r = 0; r < peers_.size(); ++r) {
-          if (peers_[r].tx_pending()) moved = write_some(static_cast<int>(r)) || moved;
+          if (peers_[r].out.pending()) moved = write_some(static_cast<int>(r)) || moved;
           if (peers_[r].readable()) moved = read_some(static_cast<int>(r)) || moved;
         }
       }
       for (std::size_t r = 0; r < peers_.size(); ++r)
-        if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].closed)
-          throw lost(static_cast<int>(r), 0, peers_[r].said_bye ? "it closed its communicator" : "its connection is closed");
+        if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].in.ended())
+          throw lost(static_cast<int>(r), 0, farewell(peers_[r].in));
       if (done()) return;
+      check_same_step();
       build_poll_set();
-      const int rc = ::poll(fds_.data(), fds_.size(), poll_ms(deadline_));
+      const int until_deadline = poll_ms(deadline_);
+      const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
+      const int rc = ::poll(fds_.data(), fds_.size(), may_stall ? static_cast<int>(stall_notice_after.count()) : until_deadline);
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
         std::lock_guard lock(mutex_);
-        if (stop_)  // to the peers, this rank is lost
-          throw peer_lost(what_now() + " was cancelled because its communicator was destroyed; wait() for every "
-                                       "operation before the communicator goes out of scope",
-                          rank_, rank_);
+        if (stop_) throw cancelled();  // to the peers, this rank is lost
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
-      if (rc == 0 && clock::now() >= deadline_) throw timed_out();
+      if (rc == 0 && may_stall) {
+        stall_noticed = true;
+        notice_stall();
+      }
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list());
     }
   }
 
-  timeout_error timed_out() const {
+  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
+  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
+  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
+  void check_same_step() const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers_.size(); ++r) {
+      const peer& p = peers_[r];
+      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
+      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+    }
+  }
+
+  /// After a stall: tells every peer of the group which call this rank waits in, and publishes whom it waits for.
+  void notice_stall() {
+    frame_header h = header_of(*current_, 0);
+    h.flags = h.op;
+    h.op = op_waiting;
+    for (const int member : current_->grp->members)
+      if (member != rank_ && at(member).fd.valid() && !at(member).in.ended()) post(member, h, nullptr, nullptr);
+    note_->set(waiting_list());
+    noted_ = true;
+  }
+
+  /// The ranks the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list() const {
     std::string waiting;
     for (std::size_t r = 0; r < peers_.size(); ++r)
-      if (peers_[r].expecting || peers_[r].tx_pending() || peers_[r].unacked > 0)
-        waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
-    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
-                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
-                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                         rank_);
+      if (peers_[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
   }
 
-  // ---- failure -----------------------------------------------------------------------------
+  // ---- failure and shutdown ----------------------------------------------------------------
 
-  /// Completes frames already half written (so the stream stays parseable), drops the rest, sends
-  /// every peer an abort frame carrying the error, and poisons the engine.
+  /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
+  /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
+    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
-    abort_kind kind = abort_kind::other;
-    int lost_rank = -1;
-    std::string text;
-    try {
-      std::rethrow_exception(e);
-    } catch (const peer_lost& x) {
-      kind = abort_kind::peer_lost;
-      lost_rank = x.peer();
-      text = x.what();
-    } catch (const mismatch_error& x) {
-      kind = abort_kind::mismatch;
-      text = x.what();
-    } catch (const timeout_error& x) {
-      kind = abort_kind::timeout;
-      text = x.what();
-    } catch (const std::exception& x) {
-      text = x.what();
-    }
-    text.resize(std::min<std::size_t>(text.size(), max_abort_text));
+    const abort_notice notice = notice_of(e);
     const auto limit = clock::now() + std::chrono::seconds(1);
-    for (std::size_t r = 0; r < peers_.size(); ++r) {
-      auto& p = peers_[r];
-      p.expecting = false;
-      p.unacked = 0;
-      for (auto& posted : p.recvs) posted.done->fail(e);
-      p.recvs.clear();
-      if (p.in_payload && p.into == target::posted) p.matched.done->fail(e);
-      if (!p.fd.valid() || p.closed) continue;
-      bool clean = true;
-      if (p.tx_pending()) {
-        tx_item& t = p.tx[p.tx_head];
-        if (t.sent > 0) {
-          const std::size_t header_left = t.sent < sizeof(frame_header) ? sizeof(frame_header) - t.sent : 0;
-          const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
-          clean = send_all(p.fd.get(), reinterpret_cast<const char*>(&t.hdr) + (sizeof(frame_header) - header_left),
-                           header_left, limit) == io_status::ok &&
-                  send_all(p.fd.get(), t.payload() + payload_done, t.hdr.length - payload_done, limit) == io_status::ok;
-        }
-        for (std::size_t i = p.tx_head; i < p.tx.size(); ++i)
-          if (p.tx[i].done) p.tx[i].done->fail(e);
-        p.tx.clear();
-        p.tx_head = 0;
-      }
-      if (!clean) continue;
-      frame_header h;
-      h.op = op_abort;
-      h.flags = static_cast<std::uint8_t>(kind);
-      h.root = lost_rank;
-      h.length = text.size();
-      if (send_all(p.fd.get(), &h, sizeof h, limit) == io_status::ok)
-        send_all(p.fd.get(), text.data(), text.size(), limit);
-    }
+    for (auto& p : peers_) p.abort(e, notice, limit);
   }
 
   /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
@@ -3291,29 +3792,11 @@ class engine {
       std::lock_guard lock(mutex_);
       left.swap(queue_);
     }
-    const auto gone = std::make_exception_ptr(
-        error("the communicator was destroyed before this operation ran; wait() for every operation before the "
-              "communicator goes out of scope",
-              rank_));
+    const auto gone = destroyed();
     for (auto& c : left) c.done->fail(gone);
-    for (auto& p : peers_) {
-      if (!p.fd.valid()) continue;
-      for (std::size_t i = p.tx_head; i < p.tx.size(); ++i)
-        if (p.tx[i].done) p.tx[i].done->fail(gone);
-      if (!poisoned_ && !(p.tx_pending() && p.tx[p.tx_head].sent > 0)) {
-        frame_header bye;
-        bye.op = op_bye;
-        send_all(p.fd.get(), &bye, sizeof bye, clock::now() + std::chrono::milliseconds(100));
-      }
-      char sink[4096];
-      while (::recv(p.fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
-      }
-      p.fd.reset();
-    }
+    for (auto& p : peers_) p.close(gone, !poisoned_);
   }
 
-  int rank_;
-  int size_;
   executor exec_;
   std::optional<store_server> store_;
   std::size_t store_base_ = 0;
@@ -3321,13 +3804,13 @@ class engine {
   std::vector<peer> peers_;
   std::vector<pollfd> fds_;
   std::exception_ptr poisoned_;
-  call* current_ = nullptr;
   clock::time_point deadline_{};
-  struct scratch_buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  scratch_buffer scratch_[2];
+  std::atomic<std::uint64_t> live_{0};
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
+  bool noted_ = false;
+  scratch_space scratch_;
 
   std::mutex mutex_;
   std::deque<call> queue_;
@@ -3338,7 +3821,11 @@ class engine {
   std::thread thread_;
 };
 
-/// What an algorithm sees of the engine while it executes one call: group ranks, frames, scratch.
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/engine.hpp>
+
+namespace ddp::tcp::detail {
+
 class channel {
  public:
   channel(engine& e, call& c) : e_(e), c_(c), g_(*c.grp) {}
@@ -3353,8 +3840,8 @@ class channel {
   /// Queues a frame of `bytes` payload to group rank `to`; `data` must stay valid and unchanged until
   /// flush() (a peer on this host may copy it straight from this process's memory until then).
   void send(int to, const void* data, std::size_t bytes) {
-    c_.grp->stats.add_bytes(c_.kind, bytes);
-    e_.post_collective(world(to), header_of(c_, bytes), data);
+    g_.stats.add_bytes(c_.kind, bytes);
+    e_.send_collective(world(to), header_of(c_, bytes), data);
   }
   /// Receives the next frame from group rank `from` into `dest` (exactly `bytes`), sends progressing meanwhile.
   void recv(int from, void* dest, std::size_t bytes) {
@@ -3363,38 +3850,15 @@ class channel {
   }
   /// Receives one frame from each listed peer (each at most once), in whatever order they arrive.
   void recv_all(std::span<const recv_part> parts) {
-    for (const auto& part : parts) {
-      auto& p = e_.peers_[static_cast<std::size_t>(world(part.peer))];
-      p.expecting = true;
-      p.expect = header_of(c_, part.bytes);
-      p.expect_dest = static_cast<char*>(part.dest);
-    }
-    e_.pump([&] {
-      for (const auto& part : parts)
-        if (e_.peers_[static_cast<std::size_t>(world(part.peer))].expecting) return false;
-      return true;
-    });
+    for (const auto& part : parts) e_.expect(world(part.peer), header_of(c_, part.bytes), part.dest);
+    e_.receive_expected();
   }
   /// Waits until every queued frame is written and every peer has copied the data of its remote frames.
-  void flush() {
-    e_.pump([&] {
-      for (const auto& p : e_.peers_)
-        if (p.tx_pending() || p.unacked > 0) return false;
-      return true;
-    });
-  }
+  void flush() { e_.flush(); }
   /// A scratch buffer (two of them: 0 and 1) of at least `bytes`, held by the engine and reused by every
   /// later call: it only grows, uninitialized, so steady state allocates and touches no new memory.
   /// Growing discards the contents.
-  char* scratch(int which, std::size_t bytes) {
-    auto& s = e_.scratch_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
-  }
+  char* scratch(int which, std::size_t bytes) { return e_.scratch(which, bytes); }
 
  private:
   [[nodiscard]] int world(int group_rank) const { return g_.members[static_cast<std::size_t>(group_rank)]; }
@@ -3403,13 +3867,8 @@ class channel {
   group& g_;
 };
 
-inline void engine::channel_run(call& c) {
-  channel ch(*this, c);
-  exec_(ch);
-}
-
 }  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/engine.hpp>
+// ---- end <ddp/comm/tcp/channel.hpp>
 // ---- begin <ddp/comm/tcp/reduce.hpp>
 /// \file Element-wise reduction kernels of the TCP backend: dst = a (op) b over n elements, for every
 /// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
@@ -3756,7 +4215,7 @@ inline void barrier(channel& ch) {
   ch.flush();
 }
 
-/// Runs the collective `ch` describes; the engine's executor.
+/// Runs the collective `ch` describes.
 inline void execute(channel& ch) {
   switch (ch.what().kind) {
     case collective::all_reduce: return all_reduce(ch);
@@ -3770,6 +4229,12 @@ inline void execute(channel& ch) {
     case collective::barrier: return barrier(ch);
     case collective::send_recv: break;  // the engine matches sends and recvs itself
   }
+}
+
+/// The engine's executor: runs collective call `c` on the engine thread.
+inline void run_collective(engine& e, call& c) {
+  channel ch(e, c);
+  execute(ch);
 }
 
 }  // namespace ddp::tcp::detail
@@ -3843,7 +4308,6 @@ inline config config_from_env() {
 /// refused), learns which peers' memory it can read, and hands the mesh to its progress engine.
 
 
-#include <random>
 
 // ---- begin <ddp/comm/tcp/store_client.hpp>
 /// \file A rank's blocking client of the rendezvous store (set/get/wait/add); every call ends by the
@@ -3927,16 +4391,6 @@ class store_client {
 
 namespace ddp::tcp::detail {
 
-/// First message on a mesh connection, from the connecting (higher) rank.
-struct mesh_hello {
-  std::uint32_t magic = 0x4d504444;  // "DDPM"
-  std::uint32_t rank = 0;
-  std::uint32_t size = 0;
-  std::uint32_t version = 1;
-  std::uint64_t token = 0;
-};
-static_assert(sizeof(mesh_hello) == 24);
-
 /// The handshake limits of `cfg`.
 inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
 
@@ -3987,7 +4441,7 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
       mesh_hello got{};
       std::memcpy(&got, a.hello.data(), sizeof got);
       std::string why;
-      if (got.magic != mesh_hello{}.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+      if (got.magic != mesh_magic || got.version != mesh_version) why = "its first bytes are not a ddp mesh handshake";
       else if (got.token != token) why = "wrong job token";
       else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
       else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
@@ -4016,7 +4470,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{mesh_hello{}.magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1,
+  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
                          token};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
@@ -4042,9 +4496,11 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   return peers;
 }
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
-/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
-inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
+/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
+/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
+                                             const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -4053,10 +4509,8 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
-  std::random_device random;
-  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -4077,7 +4531,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
     const auto pid = static_cast<::pid_t>(theirs.pid);
     if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
       continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
-    peers[j] = {pid, true, false};
+    peers[j] = {pid, true, false, theirs.address, theirs.word};
     readable[j] = 1;
   }
   store.set(key("memory_ok", me), readable);
@@ -4101,7 +4555,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store);
+  auto memory = probe_memory(cfg, store, eng.live_word());
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
@@ -4159,7 +4613,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     if (cfg.rank == 0 && cfg.size > 1)
       server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
                      detail::limits_of(cfg));
-    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::execute, std::move(server));
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
@@ -4273,18 +4727,21 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// Completes once written to the socket.
   work launch_send(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
+                 detail::p2p::send);
   }
   /// The send must have the same count and dtype.
   work launch_recv(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
+                 detail::p2p::recv);
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0) {
+             int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
+    c.side = side;
     c.type = type;
     c.op = op;
     c.root = root;
@@ -4298,10 +4755,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
-      if (kind == collective::send_recv)
-        what = (in != nullptr ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
-               " with tag " + std::to_string(tag) + (in != nullptr ? " to rank " : " from rank ") + std::to_string(root);
-      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what));
+      const bool sends = side == detail::p2p::send;
+      if (side != detail::p2p::none)
+        what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
+               " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
+      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       work w(c.done);
       engine_->submit_locked(std::move(c));
       engine_->wake();

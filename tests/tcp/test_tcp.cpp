@@ -113,7 +113,7 @@ TEST_CASE("the store serves set get add and a blocking wait and refuses stranger
   const int port = free_port();
   const std::uint64_t token = d::token_hash("store-test");
   // Rank 0's engine serves the store from its poll loop, as in a job.
-  d::engine server(0, 1, &d::execute,
+  d::engine server(0, 1, &d::run_collective,
                    d::store_server(d::listen_on("127.0.0.1", static_cast<std::uint16_t>(port), 0, "store"), token, 0));
   const auto deadline = d::clock::now() + 5s;
   d::store_client a("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, deadline);

@@ -31,13 +31,36 @@ class work_state {
   [[nodiscard]] virtual int rank() const = 0;
   /// A phrase naming the operation, such as "all_reduce of 1024 f32 (sequence 17)".
   [[nodiscard]] virtual std::string describe() const = 0;
+  /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
+  [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+};
+
+/// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
+/// it only after a stall, so the fast path never touches it; wait() reads it when it times out.
+class stall_note {
+ public:
+  /// Publishes what the engine waits for now (empty: nothing, or it moves again).
+  void set(std::string text) {
+    std::lock_guard lock(mutex_);
+    text_ = std::move(text);
+  }
+  /// What the engine waits for, as last published.
+  [[nodiscard]] std::string get() const {
+    std::lock_guard lock(mutex_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string text_;
 };
 
 /// A work_state completed from another thread (a progress engine) with finish() or fail().
 class completion : public work_state {
  public:
-  completion(int rank, std::chrono::milliseconds timeout, std::string what)
-      : rank_(rank), timeout_(timeout), what_(std::move(what)) {}
+  completion(int rank, std::chrono::milliseconds timeout, std::string what,
+             std::shared_ptr<const stall_note> note = nullptr)
+      : rank_(rank), timeout_(timeout), what_(std::move(what)), note_(std::move(note)) {}
 
   /// Marks the operation complete.
   void finish() {
@@ -61,6 +84,7 @@ class completion : public work_state {
   [[nodiscard]] std::chrono::milliseconds timeout() const override { return timeout_; }
   [[nodiscard]] int rank() const override { return rank_; }
   [[nodiscard]] std::string describe() const override { return what_; }
+  [[nodiscard]] std::string waiting_for() const override { return note_ ? note_->get() : std::string(); }
 
  private:
   bool settled() const {
@@ -74,6 +98,7 @@ class completion : public work_state {
   int rank_;
   std::chrono::milliseconds timeout_;
   std::string what_;
+  std::shared_ptr<const stall_note> note_;
 };
 
 }  // namespace detail
@@ -89,11 +114,14 @@ class work {
   void wait() {
     if (!state_ || state_->test()) return;  // done already: no clock reading on the fast path
     const auto limit = state_->timeout();
-    if (!state_->wait_until(detail::work_state::clock::now() + limit))
-      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) +
-                              " ms: a peer is stuck, dead or calling a different collective; check every rank's "
+    if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
+      const std::string who = state_->waiting_for();
+      throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
+                              (who.empty() ? std::string() : ", waiting for " + who) +
+                              ": a peer is stuck, dead or calling a different collective; check every rank's "
                               "log, or raise the timeout in the communicator's config",
                           state_->rank());
+    }
   }
   /// Waits at most `d`; true once done, false if still running. Throws the operation's error.
   template <class Rep, class Period>

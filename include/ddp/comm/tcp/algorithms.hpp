@@ -10,7 +10,7 @@
 #include <cstring>
 #include <vector>
 
-#include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/channel.hpp>
 #include <ddp/comm/tcp/reduce.hpp>
 
 namespace ddp::tcp::detail {
@@ -280,7 +280,7 @@ inline void barrier(channel& ch) {
   ch.flush();
 }
 
-/// Runs the collective `ch` describes; the engine's executor.
+/// Runs the collective `ch` describes.
 inline void execute(channel& ch) {
   switch (ch.what().kind) {
     case collective::all_reduce: return all_reduce(ch);
@@ -294,6 +294,12 @@ inline void execute(channel& ch) {
     case collective::barrier: return barrier(ch);
     case collective::send_recv: break;  // the engine matches sends and recvs itself
   }
+}
+
+/// The engine's executor: runs collective call `c` on the engine thread.
+inline void run_collective(engine& e, call& c) {
+  channel ch(e, c);
+  execute(ch);
 }
 
 }  // namespace ddp::tcp::detail

@@ -67,7 +67,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     if (cfg.rank == 0 && cfg.size > 1)
       server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
                      detail::limits_of(cfg));
-    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::execute, std::move(server));
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
@@ -181,18 +181,21 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// Completes once written to the socket.
   work launch_send(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
+                 detail::p2p::send);
   }
   /// The send must have the same count and dtype.
   work launch_recv(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag);
+    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
+                 detail::p2p::recv);
   }
 
   work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0) {
+             int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
+    c.side = side;
     c.type = type;
     c.op = op;
     c.root = root;
@@ -206,10 +209,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
-      if (kind == collective::send_recv)
-        what = (in != nullptr ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
-               " with tag " + std::to_string(tag) + (in != nullptr ? " to rank " : " from rank ") + std::to_string(root);
-      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what));
+      const bool sends = side == detail::p2p::send;
+      if (side != detail::p2p::none)
+        what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
+               " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
+      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       work w(c.done);
       engine_->submit_locked(std::move(c));
       engine_->wake();

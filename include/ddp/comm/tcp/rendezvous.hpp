@@ -7,11 +7,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,21 +18,12 @@
 #include <ddp/comm/tcp/accept.hpp>
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
-
-/// First message on a mesh connection, from the connecting (higher) rank.
-struct mesh_hello {
-  std::uint32_t magic = 0x4d504444;  // "DDPM"
-  std::uint32_t rank = 0;
-  std::uint32_t size = 0;
-  std::uint32_t version = 1;
-  std::uint64_t token = 0;
-};
-static_assert(sizeof(mesh_hello) == 24);
 
 /// The handshake limits of `cfg`.
 inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
@@ -85,7 +75,7 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
       mesh_hello got{};
       std::memcpy(&got, a.hello.data(), sizeof got);
       std::string why;
-      if (got.magic != mesh_hello{}.magic || got.version != 1) why = "its first bytes are not a ddp mesh handshake";
+      if (got.magic != mesh_magic || got.version != mesh_version) why = "its first bytes are not a ddp mesh handshake";
       else if (got.token != token) why = "wrong job token";
       else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
       else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
@@ -114,7 +104,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{mesh_hello{}.magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), 1,
+  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
                          token};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
@@ -140,9 +130,11 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   return peers;
 }
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address of a random word; a peer that reads the word back with process_vm_readv runs
-/// on this host as this user. Ranks with same_host_copy off publish no address and read nobody.
-inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store) {
+/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
+/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
+/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
+                                             const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -151,10 +143,8 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
-  std::random_device random;
-  const auto word = std::make_unique<std::uint64_t>((std::uint64_t{random()} << 32) ^ random());
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(word.get()) : 0, *word};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -175,7 +165,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
     const auto pid = static_cast<::pid_t>(theirs.pid);
     if (::process_vm_readv(pid, &local, 1, &remote, 1, 0) != static_cast<ssize_t>(sizeof seen) || seen != theirs.word)
       continue;  // another host, another user, or a kernel that forbids it: the sockets carry everything
-    peers[j] = {pid, true, false};
+    peers[j] = {pid, true, false, theirs.address, theirs.word};
     readable[j] = 1;
   }
   store.set(key("memory_ok", me), readable);
@@ -199,7 +189,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store);
+  auto memory = probe_memory(cfg, store, eng.live_word());
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +

@@ -1,0 +1,74 @@
+#pragma once
+/// \file What the TCP engine executes: groups (the world or a split of it) and the calls queued on them,
+/// and the frame header each call's frames carry.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ddp/comm/reduce_op.hpp>
+#include <ddp/comm/stats.hpp>
+#include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/work.hpp>
+#include <ddp/core/dtype.hpp>
+
+namespace ddp::tcp::detail {
+
+/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
+struct group {
+  std::vector<int> members;  ///< world rank of each group rank
+  int me = 0;                ///< this process's group rank
+  std::uint32_t id = 0;      ///< identifier carried in every frame
+  std::chrono::milliseconds timeout{};
+  std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
+  std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
+  ddp::detail::stats_counter stats;
+
+  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
+};
+
+/// Which side of a point-to-point transfer a call is; collectives are neither. Told explicitly, never
+/// guessed from the buffers (an empty send has no data pointer).
+enum class p2p : std::uint8_t { none, send, recv };
+
+/// One queued call: what the engine executes, in submission order.
+struct call {
+  collective kind{};
+  p2p side = p2p::none;
+  dtype type = dtype::f32;
+  reduce_op op = reduce_op::sum;
+  int root = -1;            ///< root, or peer for send/recv
+  std::int32_t tag = 0;     ///< send/recv tag
+  std::uint64_t count = 0;  ///< the count frames carry
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::shared_ptr<group> grp;
+  std::uint64_t seq = 0;
+  std::shared_ptr<ddp::detail::completion> done;
+};
+
+/// The header every frame of `c` carries, with payload `length`.
+inline frame_header header_of(const call& c, std::uint64_t length) {
+  frame_header h;
+  h.op = static_cast<std::uint8_t>(c.kind);
+  h.type = static_cast<std::uint8_t>(c.type);
+  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
+  if (has_root(h.op)) h.root = c.root;
+  if (c.kind == collective::send_recv) h.tag = c.tag;
+  h.group = c.grp->id;
+  h.seq = c.seq;
+  h.count = c.count;
+  h.length = length;
+  return h;
+}
+
+/// One receive the current call waits for.
+struct recv_part {
+  int peer = 0;  ///< group rank
+  void* dest = nullptr;
+  std::size_t bytes = 0;
+};
+
+}  // namespace ddp::tcp::detail

@@ -1,0 +1,121 @@
+#pragma once
+/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
+/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/tcp/frame_reader.hpp>
+#include <ddp/comm/tcp/frame_writer.hpp>
+#include <ddp/comm/tcp/matching.hpp>
+#include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/socket.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Where the payload being read from a peer goes.
+enum class target : std::uint8_t {
+  control,     ///< nowhere: a control frame (no payload)
+  collective,  ///< the executing call's expected destination, or `remote` for a remote frame
+  posted,      ///< the recv its send matched
+  stray,       ///< a buffer of its own, until the recv is posted
+};
+
+struct peer {
+  socket_fd fd;
+  frame_writer out;
+  frame_reader in;
+  peer_memory memory;
+  mailbox mail;
+  target into = target::control;
+  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
+  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+  bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
+  frame_header expect;
+  char* expect_dest = nullptr;
+  remote_block remote{};                ///< the remote frame being received
+  std::uint64_t unacked = 0;            ///< remote frames sent to it and not yet copied
+  std::optional<frame_header> waiting;  ///< the call it last said it waits in (op_waiting)
+
+  /// Its stream may be read now: a collective frame's header waits there until its call expects it.
+  [[nodiscard]] bool readable() const {
+    return fd.valid() && !in.ended() && (in.state() != read_state::holding || expecting);
+  }
+  /// Frames to it are still queued, or copies of remote frames it has not acknowledged.
+  [[nodiscard]] bool sending() const { return out.pending() || unacked > 0; }
+  /// The executing call cannot end before this peer does something.
+  [[nodiscard]] bool awaited() const { return expecting || sending(); }
+  /// The executing call expects the next collective frame from this peer to carry `h`, its payload for `dest`.
+  void await(const frame_header& h, char* dest) {
+    expecting = true;
+    expect = h;
+    expect_dest = dest;
+  }
+
+  /// On abort: forgets what the call expects and the copies it offered; fails every recv with `e`.
+  void fail(const std::exception_ptr& e) {
+    expecting = false;
+    unacked = 0;
+    mail.fail_all(e);
+    if (matched) matched->done->fail(e);
+    matched.reset();
+  }
+
+  /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
+  /// behind it (until `limit`), so the peer can parse it.
+  void abort(const std::exception_ptr& e, const abort_notice& notice, clock::time_point limit) {
+    fail(e);
+    if (!fd.valid()) return;
+    const bool open = !in.ended();
+    if (!out.abandon(fd.get(), e, open ? limit : clock::now()) || !open) return;
+    if (send_all(fd.get(), &notice.header, sizeof notice.header, limit) == io_status::ok)
+      send_all(fd.get(), notice.text.data(), notice.text.size(), limit);
+  }
+
+  /// On destruction: fails the queued frames with `gone`, says goodbye where asked and the stream is at a
+  /// frame boundary, drains what the peer sent and closes.
+  void close(const std::exception_ptr& gone, bool say_bye) {
+    if (!fd.valid()) return;
+    const auto limit = clock::now() + std::chrono::milliseconds(100);
+    if (out.abandon(fd.get(), gone, limit) && say_bye) {
+      frame_header bye;
+      bye.op = op_bye;
+      send_all(fd.get(), &bye, sizeof bye, limit);
+    }
+    char sink[4096];
+    while (::recv(fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
+    }
+    fd.reset();
+  }
+};
+
+/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
+class scratch_space {
+ public:
+  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
+  char* get(int which, std::size_t bytes) {
+    auto& s = buffers_[which];
+    if (s.size < bytes) {
+      s.data.reset();  // free first, so the peak is the new size, not both
+      s.data.reset(new char[bytes]);
+      s.size = bytes;
+    }
+    return s.data.get();
+  }
+
+ private:
+  struct buffer {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  buffer buffers_[2];
+};
+
+}  // namespace ddp::tcp::detail

@@ -1,0 +1,68 @@
+#pragma once
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+
+#include <ddp/comm/tcp/protocol.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
