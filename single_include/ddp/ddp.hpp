@@ -3696,7 +3696,8 @@ struct archetype_communicator {
   template <class T> work recv(T&& t, int peer, int tag);
   [[nodiscard]] comm_stats stats() const;
 };
-static_assert(communicator<archetype_communicator>);
+static_assert(communicator<archetype_communicator>,
+              "ddp: archetype_communicator must declare every operation ddp::communicator requires; add the missing one.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/archetype.hpp>
@@ -4325,6 +4326,10 @@ struct bucket {
   std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
 };
 
+/// Where a bucket may begin: anywhere in its arena (replicate), or never across the start of a unit (the
+/// sharded strategies, so that unsharding a unit gathers whole buckets).
+enum class bucket_cut : std::uint8_t { anywhere, within_units };
+
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
 struct bucket_plan {
   std::vector<bucket> buckets;                        ///< launch order: reverse visit order
@@ -4334,16 +4339,16 @@ struct bucket_plan {
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
 /// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
 /// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
-/// shards, and with `by_unit` no bucket crosses the start of a unit, so gathering a unit gathers whole buckets.
+/// shards, and with bucket_cut::within_units no bucket crosses the start of a unit.
 inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
-                                std::size_t multiple = 1, bool by_unit = false) {
+                                std::size_t multiple = 1, bucket_cut cut = bucket_cut::anywhere) {
   bucket_plan plan;
   const auto arenas = layout.arenas();
   const auto slots = layout.slots();
   for (std::size_t a = 0; a < arenas.size(); ++a) {
     const std::size_t width = size_of(arenas[a].type);
     std::vector<std::size_t> unit_starts{0};
-    if (by_unit)
+    if (cut == bucket_cut::within_units)
       for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
         if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
           unit_starts.push_back(slots[arenas[a].params[k]].offset);
@@ -4694,6 +4699,12 @@ class step_state {
 
 namespace ddp::detail {
 
+/// Which idle buffers unit_pool::trim frees.
+enum class pool_trim : std::uint8_t {
+  untaken,   ///< those nobody took since the previous trim (steady state keeps what steps use)
+  all_idle,  ///< every idle buffer (the lowest memory between steps)
+};
+
 /// A pool of per-unit buffers, each one byte range per arena.
 class unit_pool {
  public:
@@ -4723,10 +4734,10 @@ class unit_pool {
   }
   /// The bytes of buffer `id` for arena `a`.
   [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
-  /// Frees the idle buffers nobody took since the previous trim (every idle buffer when `all`).
-  void trim(bool all = false) noexcept {
+  /// Frees the idle buffers `which` names.
+  void trim(pool_trim which) noexcept {
     for (auto& b : buffers_) {
-      if (!b.busy && (all || !b.taken_since_trim)) b = buffer{};
+      if (!b.busy && (which == pool_trim::all_idle || !b.taken_since_trim)) b = buffer{};
       b.taken_since_trim = false;
     }
   }
@@ -4790,6 +4801,12 @@ struct unit_extent {
 
 inline constexpr std::size_t no_buffer = std::numeric_limits<std::size_t>::max();
 
+/// Where a sharded strategy keeps the values the optimizer steps.
+enum class owned_value_home : std::uint8_t {
+  value_arena,  ///< the rank's blocks of the value arena (shard_grad_op: the full parameters stay whole)
+  own_copy,     ///< a persistent copy of the blocks (full_shard: the arena holds no values)
+};
+
 /// Bucket `b`'s sharded bookkeeping: its owned block and where its reduce-scatter writes.
 struct shard_bucket {
   owned_block block;        ///< the owned block
@@ -4813,13 +4830,13 @@ class sharded_core {
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
                std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
-               bool values_in_arena)
+               owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        keep_buffers_(options.keep_unit_buffers), values_in_arena_(values_in_arena) {
+        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(values_in_arena_ ? 0 : a.numel / n * size_of(a.type));
+      own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
       own_grads_.emplace_back(a.numel / n * size_of(a.type));
       received_.emplace_back();
     }
@@ -4830,7 +4847,7 @@ class sharded_core {
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       const std::size_t w = size_of(a.type);
-      if (!values_in_arena_)
+      if (values_ == owned_value_home::own_copy)
         std::copy_n(a.values.data() + buckets_[b].block.begin * w, buckets_[b].block.length * w,
                     own_values_[plan_.buckets[b].arena].data() + buckets_[b].block.shard * w);
       optimizer_.push_back(owned_buffer(b));
@@ -4949,13 +4966,13 @@ class sharded_core {
 
   /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
-  void hold(std::size_t u) {
+  void open_scope(std::size_t u) {
     state_.open_scope(u);
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
   /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
   /// reported) or once its reduce-scatters have read it.
-  void let_go(std::size_t u) {
+  void close_scope(std::size_t u) {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
   }
 
@@ -4979,8 +4996,8 @@ class sharded_core {
   }
   /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
   void trim_pools() noexcept {
-    values_pool_.trim(!keep_buffers_);
-    grads_pool_.trim(!keep_buffers_);
+    values_pool_.trim(trim_);
+    grads_pool_.trim(trim_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
   void release_arena_values() noexcept {
@@ -5013,7 +5030,7 @@ class sharded_core {
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
   void hold_gradients(std::size_t u) {
-    reclaim();
+    release_read_gradients();
     state_.move_grads(u, grad_phase::held, {grad_phase::released});
     pooled_[u].grads = grads_pool_.take(sizes(u));
     zero_gradients(u);
@@ -5027,7 +5044,7 @@ class sharded_core {
     bind_unit(u);
   }
   /// Releases the gradient storage of units no scope holds whose reduce-scatters have all read it.
-  void reclaim() {
+  void release_read_gradients() {
     for (std::size_t u = 0; u < pooled_.size(); ++u) {
       const auto& rec = state_.unit(u);
       if (rec.grads != grad_phase::reported || rec.scopes > 0) continue;
@@ -5081,7 +5098,7 @@ class sharded_core {
   /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
-    if (!values_in_arena_) return shard_view(own_values_, b);
+    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b);
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
     return a.value_view(buckets_[b].block.begin, buckets_[b].block.length);
   }
@@ -5114,8 +5131,8 @@ class sharded_core {
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
-  bool values_in_arena_;                                // owned values are blocks of the value arena
+  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  owned_value_home values_;                             // where the owned values live
 };
 
 }  // namespace ddp::detail
@@ -5180,14 +5197,16 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options, false),
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
+                           owned_value_home::own_copy),
         reshard_(options.reshard_after_forward) {
     this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options, false),
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
+                           owned_value_home::own_copy),
         reshard_(options.reshard_after_forward) {
     this->release_arena_values();
   }
@@ -5199,7 +5218,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
-      this->hold(u);
+      this->open_scope(u);
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
@@ -5214,7 +5233,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// and releases its gradient storage once its gradients are reduced.
   void release(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
-      this->let_go(u);
+      this->close_scope(u);
       if (this->state().unit(u).scopes == 0 && reshard_) reshard(u);
     }
   }
@@ -5301,12 +5320,13 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
            const data_parallel_options& options)
       : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
-                           true) {}
+                           owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -5318,11 +5338,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
   void acquire(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->hold(u);
+    for (const std::size_t u : units) this->open_scope(u);
   }
   /// Ends a use of the units.
   void release(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->let_go(u);
+    for (const std::size_t u : units) this->close_scope(u);
   }
   /// Parameters are whole in the value arena already.
   void unshard_model() {}
@@ -5502,14 +5522,17 @@ class data_parallel {
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
                 "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
-  static_assert(detail::sharding_strategy<strategy_type, communicator_type>);
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+                "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
+                "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
   data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
       : model_(model), comm_(std::move(comm)), options_(std::move(options)),
         multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded)),
+                                  strategy_type::sharded ? detail::bucket_cut::within_units
+                                                         : detail::bucket_cut::anywhere)),
         state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());

@@ -84,9 +84,9 @@ TEST_CASE("bucket planner: sharded buckets hold multiples of N and never cross a
   net m = make_net();
   ddp::detail::parameter_layout layout(m, 4);  // N = 4: units start at 0, 8, 16; the arena is 20 long
   REQUIRE(layout.arenas()[0].numel == 20);
-  const auto plan = ddp::detail::plan_buckets(layout, 32, 16, 4, true);
+  const auto plan = ddp::detail::plan_buckets(layout, 32, 16, 4, ddp::detail::bucket_cut::within_units);
   REQUIRE(ranges(plan) == std::vector<bucket_range>{{16, 20, 2}, {8, 16, 1}, {0, 8, 0}});
-  const auto cut = ddp::detail::plan_buckets(layout, 24, 24, 4, true);  // 6 floats round down to 4
+  const auto cut = ddp::detail::plan_buckets(layout, 24, 24, 4, ddp::detail::bucket_cut::within_units);  // 6 floats: 4
   REQUIRE(ranges(cut) == std::vector<bucket_range>{{16, 20, 2}, {12, 16, 1}, {8, 12, 1}, {4, 8, 0}, {0, 4, 0}});
 }
 
@@ -103,11 +103,11 @@ TEST_CASE("unit pool: the smallest idle buffer that fits, reuse, trim", "[step]"
   pool.give(small);
   pool.give(large);
   REQUIRE(pool.take(std::vector<std::size_t>{10, 3}) != small);  // fits neither: a new buffer
-  pool.trim();  // every buffer was taken since the last trim: all stay
+  pool.trim(ddp::detail::pool_trim::untaken);  // every buffer was taken since the last trim: all stay
   REQUIRE(pool.bytes() == 48 + 96 + 64);
-  pool.trim();  // none taken since: the idle ones go, the busy one stays
+  pool.trim(ddp::detail::pool_trim::untaken);  // none taken since: the idle ones go, the busy one stays
   REQUIRE(pool.bytes() == 64);
-  pool.trim(true);
+  pool.trim(ddp::detail::pool_trim::all_idle);
   REQUIRE(pool.bytes() == 64);
 }
 

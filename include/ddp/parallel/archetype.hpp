@@ -28,6 +28,7 @@ struct archetype_communicator {
   template <class T> work recv(T&& t, int peer, int tag);
   [[nodiscard]] comm_stats stats() const;
 };
-static_assert(communicator<archetype_communicator>);
+static_assert(communicator<archetype_communicator>,
+              "ddp: archetype_communicator must declare every operation ddp::communicator requires; add the missing one.");
 
 }  // namespace ddp::detail

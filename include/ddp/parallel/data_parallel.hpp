@@ -89,14 +89,17 @@ class data_parallel {
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
                 "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
-  static_assert(detail::sharding_strategy<strategy_type, communicator_type>);
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+                "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
+                "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
   data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
       : model_(model), comm_(std::move(comm)), options_(std::move(options)),
         multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded)),
+                                  strategy_type::sharded ? detail::bucket_cut::within_units
+                                                         : detail::bucket_cut::anywhere)),
         state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());

@@ -33,14 +33,16 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options, false),
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
+                           owned_value_home::own_copy),
         reshard_(options.reshard_after_forward) {
     this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options, false),
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
+                           owned_value_home::own_copy),
         reshard_(options.reshard_after_forward) {
     this->release_arena_values();
   }
@@ -52,7 +54,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
-      this->hold(u);
+      this->open_scope(u);
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
@@ -67,7 +69,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// and releases its gradient storage once its gradients are reduced.
   void release(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
-      this->let_go(u);
+      this->close_scope(u);
       if (this->state().unit(u).scopes == 0 && reshard_) reshard(u);
     }
   }

@@ -29,12 +29,13 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
            const data_parallel_options& options)
       : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
-                           true) {}
+                           owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -46,11 +47,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
   void acquire(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->hold(u);
+    for (const std::size_t u : units) this->open_scope(u);
   }
   /// Ends a use of the units.
   void release(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->let_go(u);
+    for (const std::size_t u : units) this->close_scope(u);
   }
   /// Parameters are whole in the value arena already.
   void unshard_model() {}

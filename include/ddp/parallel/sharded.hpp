@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <span>
@@ -61,6 +62,12 @@ struct unit_extent {
 
 inline constexpr std::size_t no_buffer = std::numeric_limits<std::size_t>::max();
 
+/// Where a sharded strategy keeps the values the optimizer steps.
+enum class owned_value_home : std::uint8_t {
+  value_arena,  ///< the rank's blocks of the value arena (shard_grad_op: the full parameters stay whole)
+  own_copy,     ///< a persistent copy of the blocks (full_shard: the arena holds no values)
+};
+
 /// Bucket `b`'s sharded bookkeeping: its owned block and where its reduce-scatter writes.
 struct shard_bucket {
   owned_block block;        ///< the owned block
@@ -84,13 +91,13 @@ class sharded_core {
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
                std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
-               bool values_in_arena)
+               owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        keep_buffers_(options.keep_unit_buffers), values_in_arena_(values_in_arena) {
+        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(values_in_arena_ ? 0 : a.numel / n * size_of(a.type));
+      own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
       own_grads_.emplace_back(a.numel / n * size_of(a.type));
       received_.emplace_back();
     }
@@ -101,7 +108,7 @@ class sharded_core {
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       const std::size_t w = size_of(a.type);
-      if (!values_in_arena_)
+      if (values_ == owned_value_home::own_copy)
         std::copy_n(a.values.data() + buckets_[b].block.begin * w, buckets_[b].block.length * w,
                     own_values_[plan_.buckets[b].arena].data() + buckets_[b].block.shard * w);
       optimizer_.push_back(owned_buffer(b));
@@ -220,13 +227,13 @@ class sharded_core {
 
   /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
-  void hold(std::size_t u) {
+  void open_scope(std::size_t u) {
     state_.open_scope(u);
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
   /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
   /// reported) or once its reduce-scatters have read it.
-  void let_go(std::size_t u) {
+  void close_scope(std::size_t u) {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
   }
 
@@ -250,8 +257,8 @@ class sharded_core {
   }
   /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
   void trim_pools() noexcept {
-    values_pool_.trim(!keep_buffers_);
-    grads_pool_.trim(!keep_buffers_);
+    values_pool_.trim(trim_);
+    grads_pool_.trim(trim_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
   void release_arena_values() noexcept {
@@ -284,7 +291,7 @@ class sharded_core {
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
   void hold_gradients(std::size_t u) {
-    reclaim();
+    release_read_gradients();
     state_.move_grads(u, grad_phase::held, {grad_phase::released});
     pooled_[u].grads = grads_pool_.take(sizes(u));
     zero_gradients(u);
@@ -298,7 +305,7 @@ class sharded_core {
     bind_unit(u);
   }
   /// Releases the gradient storage of units no scope holds whose reduce-scatters have all read it.
-  void reclaim() {
+  void release_read_gradients() {
     for (std::size_t u = 0; u < pooled_.size(); ++u) {
       const auto& rec = state_.unit(u);
       if (rec.grads != grad_phase::reported || rec.scopes > 0) continue;
@@ -352,7 +359,7 @@ class sharded_core {
   /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
-    if (!values_in_arena_) return shard_view(own_values_, b);
+    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b);
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
     return a.value_view(buckets_[b].block.begin, buckets_[b].block.length);
   }
@@ -385,8 +392,8 @@ class sharded_core {
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
-  bool values_in_arena_;                                // owned values are blocks of the value arena
+  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  owned_value_home values_;                             // where the owned values live
 };
 
 }  // namespace ddp::detail
