@@ -4790,13 +4790,161 @@ struct backend_traits<backend::tcp> {
 /// Policies may be given in any order; a missing category takes its default.
 
 
+// ---- begin <ddp/parallel/comm_hooks.hpp>
+/// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
+/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: launch(bucket)
+/// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
+/// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
+/// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
+/// fp16_compress_hook divide by the world size, round into a reused half-precision buffer, all-reduce the sum
+/// in that dtype and widen the result back (PyTorch's compression hooks).
+
+
+// ---- begin <ddp/parallel/archetype.hpp>
+/// \file ddp::detail::archetype_communicator: the least type that models ddp::communicator (declarations only,
+/// never called), so the parallel room can check its concepts (comm_hook, sharding_strategy) with a static_assert
+/// beside each type that models them, without naming a backend.
+
+
+namespace ddp::detail {
+
+/// Declares every operation of ddp::communicator over any tensor; used only in unevaluated concept checks.
+struct archetype_communicator {
+  [[nodiscard]] int rank() const;
+  [[nodiscard]] int size() const;
+  archetype_communicator split(int color, int key);
+  template <class T> work all_reduce(T&& t, reduce_op op);
+  template <class I, class O> work reduce_scatter(I&& in, O&& out, reduce_op op);
+  template <class I, class O> work all_gather(I&& in, O&& out);
+  template <class T> work broadcast(T&& t, int root);
+  template <class T> work reduce(T&& t, reduce_op op, int root);
+  template <class I, class O> work gather(I&& in, O&& out, int root);
+  template <class I, class O> work scatter(I&& in, O&& out, int root);
+  template <class I, class O> work all_to_all(I&& in, O&& out);
+  work barrier();
+  template <class T> work send(T&& t, int peer, int tag);
+  template <class T> work recv(T&& t, int peer, int tag);
+  [[nodiscard]] comm_stats stats() const;
+};
+static_assert(communicator<archetype_communicator>,
+              "ddp: archetype_communicator must declare every operation ddp::communicator requires; add the missing one.");
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/archetype.hpp>
+
+namespace ddp {
+
+namespace detail {
+struct hook_category {};
+}  // namespace detail
+
+/// The policy_category of a comm hook: `using policy_category = ddp::comm_hook_policy;`.
+using comm_hook_policy = detail::hook_category;
+
+/// One bucket as a comm hook sees it: its gradients (host memory, one dtype) and the group reducing them.
+template <class Comm>
+struct bucket_gradients {
+  raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
+  Comm& comm;         ///< the group (the world under replicate)
+  std::size_t index;  ///< the bucket's place in launch order, the same every step (for per-bucket state)
+
+  /// Number of ranks the gradients are averaged over.
+  [[nodiscard]] int world_size() const { return comm.size(); }
+  /// The gradients' element type.
+  [[nodiscard]] dtype type() const noexcept { return grads.type; }
+  /// The gradients as elements of type T (T must match type()).
+  template <element T>
+  [[nodiscard]] std::span<T> elements() const noexcept {
+    return {static_cast<T*>(grads.data), grads.size};
+  }
+};
+
+/// A comm hook over communicator Comm: launch starts a bucket's reduction, complete finishes it.
+template <class H, class Comm = detail::archetype_communicator>
+concept comm_hook = std::default_initializable<H> && std::same_as<typename H::policy_category, comm_hook_policy> &&
+                    requires(H& h, const bucket_gradients<Comm>& b) {
+                      { h.launch(b) } -> std::same_as<work>;
+                      h.complete(b);
+                    };
+
+/// Gradients travel in their own dtype, averaged by the all-reduce.
+struct plain_hook {
+  using policy_category = comm_hook_policy;
+  /// Starts the average of the bucket across the group.
+  template <class Comm>
+  work launch(const bucket_gradients<Comm>& b) {
+    return b.comm.all_reduce(b.grads, reduce_op::avg);
+  }
+  /// Nothing to undo once the reduction is done.
+  template <class Comm>
+  void complete(const bucket_gradients<Comm>& /*b*/) {}
+};
+static_assert(comm_hook<plain_hook>);
+
+namespace detail {
+
+/// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (so sums of large values
+/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
+/// Half buffer per bucket, made on the bucket's first launch.
+template <class Half>
+class compress_hook {
+ public:
+  using policy_category = comm_hook_policy;
+  template <class Comm>
+  work launch(const bucket_gradients<Comm>& b) {
+    if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
+    auto& half = scratch(b);
+    const double scale = 1.0 / b.world_size();
+    visit_typed(b, [&](auto g) {
+      for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(g[i] * scale));
+    });
+    return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
+  }
+  template <class Comm>
+  void complete(const bucket_gradients<Comm>& b) {
+    if (!compressed(b.type())) return;
+    const auto& half = scratch(b);
+    visit_typed(b, [&](auto g) {
+      using T = typename decltype(g)::value_type;
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
+    });
+  }
+
+ private:
+  static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
+  template <class Comm>
+  std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
+    if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
+    scratch_[b.index].resize(b.grads.size);
+    return scratch_[b.index];
+  }
+  template <class Comm, class F>
+  static void visit_typed(const bucket_gradients<Comm>& b, F&& f) {
+    if (b.type() == dtype::f64)
+      f(b.template elements<double>());
+    else
+      f(b.template elements<float>());
+  }
+  std::vector<std::vector<Half>> scratch_;  // per bucket index
+};
+
+}  // namespace detail
+
+/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
+struct bf16_compress_hook : detail::compress_hook<bfloat16> {};
+static_assert(comm_hook<bf16_compress_hook>);
+/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
+struct fp16_compress_hook : detail::compress_hook<float16> {};
+static_assert(comm_hook<fp16_compress_hook>);
+
+}  // namespace ddp
+// ---- end <ddp/parallel/comm_hooks.hpp>
 
 namespace ddp {
 
 namespace detail {
 struct sharding_category {};
 struct bucket_category {};
-struct hook_category {};
 }  // namespace detail
 
 /// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
@@ -4823,13 +4971,6 @@ struct bucket_bytes {
   static constexpr std::size_t first = First;        ///< bytes of the first bucket
 };
 
-/// Gradients travel in their own dtype.
-struct plain_hook { using policy_category = detail::hook_category; };
-/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
-struct bf16_compress_hook { using policy_category = detail::hook_category; };
-/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
-struct fp16_compress_hook { using policy_category = detail::hook_category; };
-
 namespace detail {
 
 template <class P>
@@ -4840,7 +4981,8 @@ constexpr bool check_policy() {
   static_assert(policy<P>,
                 "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
                 "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
-                "ddp::bucket_bytes<N> or a hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook).");
+                "ddp::bucket_bytes<N> or a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
+                "own type with `using policy_category = ddp::comm_hook_policy;`).");
   return true;
 }
 
@@ -5314,6 +5456,10 @@ struct bucket {
   std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
 };
 
+/// Where a bucket may begin: anywhere in its arena (replicate), or never across the start of a unit (the
+/// sharded strategies, so that unsharding a unit gathers whole buckets).
+enum class bucket_cut : std::uint8_t { anywhere, within_units };
+
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
 struct bucket_plan {
   std::vector<bucket> buckets;                        ///< launch order: reverse visit order
@@ -5323,16 +5469,16 @@ struct bucket_plan {
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
 /// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
 /// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
-/// shards, and with `by_unit` no bucket crosses the start of a unit, so gathering a unit gathers whole buckets.
+/// shards, and with bucket_cut::within_units no bucket crosses the start of a unit.
 inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
-                                std::size_t multiple = 1, bool by_unit = false) {
+                                std::size_t multiple = 1, bucket_cut cut = bucket_cut::anywhere) {
   bucket_plan plan;
   const auto arenas = layout.arenas();
   const auto slots = layout.slots();
   for (std::size_t a = 0; a < arenas.size(); ++a) {
     const std::size_t width = size_of(arenas[a].type);
     std::vector<std::size_t> unit_starts{0};
-    if (by_unit)
+    if (cut == bucket_cut::within_units)
       for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
         if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
           unit_starts.push_back(slots[arenas[a].params[k]].offset);
@@ -5363,87 +5509,6 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/bucket_planner.hpp>
-// ---- begin <ddp/parallel/comm_hooks.hpp>
-/// \file What the comm hook policies do to a bucket: plain_hook all-reduces it with the average;
-/// bf16_compress_hook and fp16_compress_hook divide by the world size, round into a reused half-precision
-/// buffer, all-reduce the sum in that dtype and widen the result back (PyTorch's compression hooks).
-
-
-
-namespace ddp::detail {
-
-/// A hook's behaviour; specialized for each hook policy.
-template <class Hook>
-struct hook_impl {
-  static_assert(dependent_false<Hook>,
-                "ddp::data_parallel: unknown comm hook; use ddp::plain_hook, ddp::bf16_compress_hook or "
-                "ddp::fp16_compress_hook.");
-};
-
-/// Gradients are averaged in their own dtype.
-template <>
-struct hook_impl<plain_hook> {
-  explicit hook_impl(const parameter_layout&) {}
-  /// Starts the average of `grads` (elements [begin, ...) of arena `a`) across the group.
-  template <class Comm>
-  work launch(Comm& comm, raw_tensor grads, std::size_t /*a*/, std::size_t /*begin*/) {
-    return comm.all_reduce(grads, reduce_op::avg);
-  }
-  /// Nothing to undo once the reduction is done.
-  void complete(raw_tensor /*grads*/, std::size_t /*a*/, std::size_t /*begin*/) {}
-};
-
-/// Gradients of f32/f64 arenas travel as Half: pre-divided by the world size (so sums of large values
-/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are.
-template <class Half>
-struct compress_hook {
-  explicit compress_hook(const parameter_layout& layout) : scratch_(layout.arenas().size()) {
-    for (std::size_t a = 0; a < layout.arenas().size(); ++a) {
-      const dtype t = layout.arenas()[a].type;
-      if (t == dtype::f32 || t == dtype::f64) scratch_[a].resize(layout.arenas()[a].numel);
-    }
-  }
-  template <class Comm>
-  work launch(Comm& comm, raw_tensor grads, std::size_t a, std::size_t begin) {
-    if (scratch_[a].empty()) return comm.all_reduce(grads, reduce_op::avg);
-    const std::span<Half> half(scratch_[a].data() + begin, grads.size);
-    const double scale = 1.0 / comm.size();
-    visit_typed(grads, [&](auto* g) {
-      for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(g[i] * scale));
-    });
-    return comm.all_reduce(half, reduce_op::sum);
-  }
-  void complete(raw_tensor grads, std::size_t a, std::size_t begin) {
-    if (scratch_[a].empty()) return;
-    const Half* half = scratch_[a].data() + begin;
-    visit_typed(grads, [&](auto* g) {
-      using T = std::remove_pointer_t<decltype(g)>;
-      for (std::size_t i = 0; i < grads.size; ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
-    });
-  }
-
- private:
-  template <class F>
-  static void visit_typed(raw_tensor t, F&& f) {
-    if (t.type == dtype::f64)
-      f(static_cast<double*>(t.data));
-    else
-      f(static_cast<float*>(t.data));
-  }
-  std::vector<std::vector<Half>> scratch_;  // per arena; empty where gradients travel uncompressed
-};
-
-template <>
-struct hook_impl<bf16_compress_hook> : compress_hook<bfloat16> {
-  using compress_hook::compress_hook;
-};
-template <>
-struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
-  using compress_hook::compress_hook;
-};
-
-}  // namespace ddp::detail
-// ---- end <ddp/parallel/comm_hooks.hpp>
 // ---- begin <ddp/parallel/full_shard.hpp>
 /// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
 /// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
@@ -5465,8 +5530,11 @@ struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
 /// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
 /// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
-/// block across the replica group too; that all-reduce starts when the next bucket is launched, so it
-/// overlaps the rest of the backward.
+/// block across the replica group too: that all-reduce is chained once the block's reduce-scatter is seen
+/// complete, polled (never waited for) whenever a later bucket launches, else at the waiting point in
+/// finish_gradients, so it overlaps the rest of the backward and reduce() never blocks. The phases of
+/// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
+/// step_state.
 ///
 /// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
 /// its blocks of the value arena, and after each step every bucket is all-gathered in place; full_shard keeps a
@@ -5475,6 +5543,281 @@ struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
 
 #include <limits>
 
+// ---- begin <ddp/parallel/step_state.hpp>
+/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
+/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
+/// of its full-gradient storage (released → held → reported) and its open gather scopes; per slot whether it
+/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
+
+#include <initializer_list>
+
+
+namespace ddp::detail {
+
+/// Where a synchronized backward stands.
+enum class step_phase : std::uint8_t {
+  idle,       ///< no gradient reported since the last step (or since zero_grad after finish_gradients)
+  reporting,  ///< gradients are being reported and buckets launched
+  finished,   ///< finish_gradients() completed: every bucket is reduced, step() may run
+};
+/// Where one bucket's reduction stands in the step.
+enum class bucket_phase : std::uint8_t {
+  waiting,   ///< parameters still to report, or an earlier bucket still to launch
+  launched,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
+  chained,   ///< hybrid: the reduce-scatter completed and the cross-group all-reduce is in flight
+  reduced,   ///< its gradients are final for this step
+};
+/// Where a unit's parameter values stand (shard_grad_op and replicate keep every unit unsharded).
+enum class unit_phase : std::uint8_t {
+  sharded,     ///< only the owned blocks exist
+  unsharding,  ///< all-gathers into its pooled buffer are in flight (a gather scope or a prefetch)
+  unsharded,   ///< the full values are present
+};
+/// Where a unit's full-gradient storage stands (the sharded strategies).
+enum class grad_phase : std::uint8_t {
+  released,  ///< no storage: its parameters' gradients point at zero pages
+  held,      ///< a pooled buffer, zero or already reduced: nothing pending
+  reported,  ///< gradients were reported into it and its buckets are not all reduced
+};
+
+/// The phase's name, for messages.
+constexpr const char* to_string(step_phase p) noexcept {
+  constexpr const char* names[] = {"idle", "reporting", "finished"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(bucket_phase p) noexcept {
+  constexpr const char* names[] = {"waiting", "launched", "chained", "reduced"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(unit_phase p) noexcept {
+  constexpr const char* names[] = {"sharded", "unsharding", "unsharded"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(grad_phase p) noexcept {
+  constexpr const char* names[] = {"released", "held", "reported"};
+  return names[static_cast<int>(p)];
+}
+
+/// One bucket in the step.
+struct bucket_record {
+  bucket_phase phase = bucket_phase::waiting;  ///< where its reduction stands
+  std::size_t pending = 0;                     ///< parameters still to report in this step
+  work reduction;                              ///< launched: its all-reduce or reduce-scatter
+  work average;                                ///< chained: hybrid's cross-group all-reduce
+};
+/// One unit in the step.
+struct unit_record {
+  unit_phase values = unit_phase::unsharded;     ///< its parameter values
+  grad_phase grads = grad_phase::released;       ///< its full-gradient storage
+  int scopes = 0;                                ///< open gather scopes on it
+  std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
+};
+
+/// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
+class step_state {
+ public:
+  /// Buckets of `plan`, `slots` parameters, `units` units starting in phase `values`; `rank` for messages.
+  step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
+      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
+    for (auto& u : units_) u.values = values;
+    unit_buckets_.resize(units);
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) unit_buckets_[plan.buckets[b].unit].push_back(b);
+  }
+  step_state(const step_state&) = delete;
+  step_state& operator=(const step_state&) = delete;
+  ~step_state() { settle(); }
+
+  /// Waits for every operation still in flight and drops their handles and errors (for destructors, which
+  /// report nothing); the phases stay as they are.
+  void settle() noexcept {
+    const auto quietly = [](work& w) {
+      try { w.wait(); } catch (...) {}  // NOLINT: a destructor reports nothing
+      w = work{};
+    };
+    for (auto& b : buckets_) {
+      quietly(b.reduction);
+      quietly(b.average);
+    }
+    for (auto& u : units_)
+      for (auto& w : u.gathers) quietly(w);
+  }
+
+  // ---- the step ----
+  /// Where the step stands.
+  [[nodiscard]] step_phase phase() const noexcept { return phase_; }
+  /// idle or finished → reporting: every bucket waits for its parameters again; `unused` slots count as reported.
+  void begin(std::span<const char> unused) {
+    expect_step(phase_ != step_phase::reporting, "begin a step", "idle or finished");
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto& r = buckets_[b];
+      if (r.phase == bucket_phase::launched || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
+      r.phase = bucket_phase::waiting;
+      r.pending = plan_.buckets[b].params.size();
+    }
+    std::fill(reported_.begin(), reported_.end(), 0);
+    next_ = 0;
+    phase_ = step_phase::reporting;
+    for (std::size_t s = 0; s < unused.size(); ++s)
+      if (unused[s]) report(s);
+  }
+  /// Notes slot `s`'s report; false when it already reported in this step.
+  bool report(std::size_t s) {
+    expect_step(phase_ == step_phase::reporting, "report a gradient", "reporting");
+    if (reported_[s]) return false;
+    reported_[s] = 1;
+    for (const std::size_t b : plan_.of_param[s]) --buckets_[b].pending;
+    return true;
+  }
+  /// Whether slot `s` reported in this step.
+  [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
+  /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
+  [[nodiscard]] std::optional<std::size_t> next_ready() const noexcept {
+    if (phase_ != step_phase::reporting || next_ == buckets_.size() || buckets_[next_].pending > 0) return std::nullopt;
+    return next_;
+  }
+  /// Buckets launched in this step (a prefix of the plan).
+  [[nodiscard]] std::size_t launched() const noexcept { return next_; }
+  /// reporting → finished: every bucket must be reduced.
+  void finish() {
+    expect_step(phase_ == step_phase::reporting, "finish the gradients", "reporting");
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::reduced);
+    phase_ = step_phase::finished;
+  }
+  /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
+  void abandon() {
+    for (std::size_t b = 0; b < next_; ++b)
+      if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::waiting);
+    phase_ = step_phase::idle;
+  }
+  /// finished → idle (the optimizer stepped, or the gradients were zeroed).
+  void end() noexcept {
+    if (phase_ == step_phase::finished) phase_ = step_phase::idle;
+  }
+
+  // ---- buckets ----
+  /// Bucket `b`'s record.
+  [[nodiscard]] const bucket_record& bucket(std::size_t b) const noexcept { return buckets_[b]; }
+  /// waiting → launched with its reduction `w`; `b` must be the next bucket in plan order.
+  void launch(std::size_t b, work w) {
+    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::launched);
+    move_bucket(b, bucket_phase::launched, bucket_phase::waiting);
+    buckets_[b].reduction = std::move(w);
+    ++next_;
+  }
+  /// launched → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
+  void chain(std::size_t b, work w) {
+    move_bucket(b, bucket_phase::chained, bucket_phase::launched);
+    buckets_[b].reduction = work{};
+    buckets_[b].average = std::move(w);
+  }
+  /// Waits for bucket `b`'s reduction (launched) or cross-group average (chained).
+  void wait(std::size_t b) {
+    auto& r = buckets_[b];
+    (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
+  }
+  /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
+  [[nodiscard]] bool scattered(std::size_t b) {
+    const auto p = buckets_[b].phase;
+    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::launched && buckets_[b].reduction.done());
+  }
+  /// launched or chained → reduced, once waited for.
+  void complete(std::size_t b) {
+    const auto p = buckets_[b].phase;
+    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::launched);
+    buckets_[b].reduction = work{};
+    buckets_[b].average = work{};
+  }
+
+  // ---- units ----
+  /// Unit `u`'s record.
+  [[nodiscard]] const unit_record& unit(std::size_t u) const noexcept { return units_[u]; }
+  /// Number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
+  /// Unit `u`'s buckets, in launch order.
+  [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
+  /// Whether every bucket of unit `u` is out of flight (reduced, or not launched in this step).
+  [[nodiscard]] bool unit_settled(std::size_t u) const noexcept {
+    for (const std::size_t b : unit_buckets_[u])
+      if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
+    return true;
+  }
+  /// A gather scope opens on unit `u`.
+  void open_scope(std::size_t u) noexcept { ++units_[u].scopes; }
+  /// A gather scope on unit `u` closes; true when it was the last one.
+  bool close_scope(std::size_t u) {
+    if (units_[u].scopes == 0)
+      fail("unit " + std::to_string(u) + " has no open gather scope to close");
+    return --units_[u].scopes == 0;
+  }
+  /// sharded → unsharding with its all-gathers `gathers` in flight.
+  void unshard(std::size_t u, std::vector<work> gathers) {
+    move_unit(u, unit_phase::unsharding, unit_phase::sharded);
+    units_[u].gathers = std::move(gathers);
+  }
+  /// unsharding → unsharded, waiting for its all-gathers.
+  void unsharded(std::size_t u) {
+    move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
+    wait_all(units_[u].gathers);
+    units_[u].gathers.clear();
+  }
+  /// unsharded → sharded: the full values are freed.
+  void reshard(std::size_t u) { move_unit(u, unit_phase::sharded, unit_phase::unsharded); }
+  /// Moves unit `u`'s gradient storage to `to` from `from` (one of the phases named), else raises.
+  void move_grads(std::size_t u, grad_phase to, std::initializer_list<grad_phase> from) {
+    const grad_phase now = units_[u].grads;
+    if (std::find(from.begin(), from.end(), now) == from.end())
+      fail("the gradient storage of unit " + std::to_string(u) + " cannot go from " + to_string(now) + " to " +
+           to_string(to));
+    units_[u].grads = to;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
+                "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
+                "calls that led here)", rank_);
+  }
+  void expect_step(bool ok, const char* action, const char* expected) const {
+    if (!ok)
+      throw error(std::string("data_parallel: cannot ") + action + " while the step is " + to_string(phase_) +
+                  " (it must be " + expected + "); call zero_grad(), the backward's gradient_ready(p), "
+                  "finish_gradients() and step(opt) in this order", rank_);
+  }
+  /// Bucket `b` goes to `to`; it must be in `from`.
+  void move_bucket(std::size_t b, bucket_phase to, bucket_phase from) {
+    if (buckets_[b].phase != from) bad_move(b, to);
+    buckets_[b].phase = to;
+  }
+  [[noreturn]] void bad_move(std::size_t b, bucket_phase to) const {
+    std::string why;
+    if (to == bucket_phase::launched && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
+    else if (to == bucket_phase::launched && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
+    fail("bucket " + std::to_string(b) + " cannot go from " + to_string(buckets_[b].phase) + " to " + to_string(to) + why);
+  }
+  void move_unit(std::size_t u, unit_phase to, unit_phase from) {
+    if (units_[u].values != from)
+      fail("unit " + std::to_string(u) + " cannot go from " + to_string(units_[u].values) + " to " + to_string(to));
+    units_[u].values = to;
+  }
+
+  const bucket_plan& plan_;
+  std::vector<bucket_record> buckets_;
+  std::vector<unit_record> units_;
+  std::vector<std::vector<std::size_t>> unit_buckets_;
+  std::vector<char> reported_;  // per slot
+  std::size_t next_ = 0;        // the next bucket to launch
+  step_phase phase_ = step_phase::idle;
+  int rank_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/step_state.hpp>
 // ---- begin <ddp/parallel/unit_pool.hpp>
 /// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
 /// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
@@ -5485,6 +5828,12 @@ struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
 
 
 namespace ddp::detail {
+
+/// Which idle buffers unit_pool::trim frees.
+enum class pool_trim : std::uint8_t {
+  untaken,   ///< those nobody took since the previous trim (steady state keeps what steps use)
+  all_idle,  ///< every idle buffer (the lowest memory between steps)
+};
 
 /// A pool of per-unit buffers, each one byte range per arena.
 class unit_pool {
@@ -5515,10 +5864,10 @@ class unit_pool {
   }
   /// The bytes of buffer `id` for arena `a`.
   [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
-  /// Frees the idle buffers nobody took since the previous trim (every idle buffer when `all`).
-  void trim(bool all = false) noexcept {
+  /// Frees the idle buffers `which` names.
+  void trim(pool_trim which) noexcept {
     for (auto& b : buffers_) {
-      if (!b.busy && (all || !b.taken_since_trim)) b = buffer{};
+      if (!b.busy && (which == pool_trim::all_idle || !b.taken_since_trim)) b = buffer{};
       b.taken_since_trim = false;
     }
   }
@@ -5582,124 +5931,132 @@ struct unit_extent {
 
 inline constexpr std::size_t no_buffer = std::numeric_limits<std::size_t>::max();
 
+/// Where a sharded strategy keeps the values the optimizer steps.
+enum class owned_value_home : std::uint8_t {
+  value_arena,  ///< the rank's blocks of the value arena (shard_grad_op: the full parameters stay whole)
+  own_copy,     ///< a persistent copy of the blocks (full_shard: the arena holds no values)
+};
+
+/// Bucket `b`'s sharded bookkeeping: its owned block and where its reduce-scatter writes.
+struct shard_bucket {
+  owned_block block;        ///< the owned block
+  bool owned_zero = true;   ///< the owned gradients are zero (since zero_grad)
+  bool direct = true;       ///< this step's reduce-scatter writes straight into the owned gradients
+};
+/// Unit `u`'s pooled buffers (unit_pool ids), or no_buffer.
+struct unit_buffers {
+  std::size_t values = no_buffer;  ///< full_shard: its gathered values
+  std::size_t grads = no_buffer;   ///< its full gradients
+};
+
 /// Reduce-scatter, sharded gradients and optimizer state, all-gather, and the units' pooled buffers: the
 /// machinery of the sharded strategies. `shard` is the group parameters are sharded over; `replica`
-/// (hybrid) the group the shards are replicated over; `policy` names the strategy in messages.
+/// (hybrid) the group the shards are replicated over; `policy` names the strategy in messages. The phases of
+/// buckets and units live in the step_state it is given.
 template <class Comm>
 class sharded_core {
  public:
-  sharded_core(parameter_layout& layout, const bucket_plan& plan, Comm shard, std::optional<Comm> replica,
-               const char* policy, const data_parallel_options& options, bool values_in_arena)
-      : layout_(layout), plan_(plan), shard_(std::move(shard)), replica_(std::move(replica)),
+  static constexpr bool sharded = true;
+
+  sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
+               std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
+               owned_value_home values)
+      : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        keep_buffers_(options.keep_unit_buffers), values_in_arena_(values_in_arena) {
+        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(values_in_arena_ ? 0 : a.numel / n * size_of(a.type));
+      own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
       own_grads_.emplace_back(a.numel / n * size_of(a.type));
       received_.emplace_back();
     }
     for (const auto& b : plan_.buckets) {
       const std::size_t length = (b.end - b.begin) / n;
-      blocks_.push_back({.begin = b.begin + r * length, .length = length, .shard = b.begin / n});
+      buckets_.push_back({.block = {.begin = b.begin + r * length, .length = length, .shard = b.begin / n}});
     }
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       const std::size_t w = size_of(a.type);
-      if (!values_in_arena_)
-        std::copy_n(a.values.data() + blocks_[b].begin * w, blocks_[b].length * w,
-                    own_values_[plan_.buckets[b].arena].data() + blocks_[b].shard * w);
-      buffers_.push_back(owned_buffer(b));
+      if (values_ == owned_value_home::own_copy)
+        std::copy_n(a.values.data() + buckets_[b].block.begin * w, buckets_[b].block.length * w,
+                    own_values_[plan_.buckets[b].arena].data() + buckets_[b].block.shard * w);
+      optimizer_.push_back(owned_buffer(b));
     }
     const std::size_t units = layout_.units().size();
-    unit_buckets_.resize(units);
     unit_slots_.resize(units);
     extents_.assign(units, std::vector<unit_extent>(layout_.arenas().size()));
     for (std::size_t s = 0; s < layout_.slots().size(); ++s) unit_slots_[layout_.slots()[s].unit].push_back(s);
-    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-      const auto& bk = plan_.buckets[b];
-      unit_buckets_[bk.unit].push_back(b);
+    for (const auto& bk : plan_.buckets) {
       auto& e = extents_[bk.unit][bk.arena];
       e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
     }
-    value_buffer_.assign(units, no_buffer);
-    grad_buffer_.assign(units, no_buffer);
-    holders_.assign(units, 0);
-    reported_.assign(units, 0);
-    direct_.assign(plan_.buckets.size(), 1);
-    fresh_.assign(plan_.buckets.size(), 1);
-    launched_.assign(plan_.buckets.size(), 0);
-    averaging_.assign(plan_.buckets.size(), 0);
-    scattered_.resize(plan_.buckets.size());
-    averaged_.resize(plan_.buckets.size());
-    for (auto& a : layout_.arenas()) a.grads.release(0, a.grads.size());  // parked gradients: zero pages
+    pooled_.resize(units);
+    for (auto& a : layout_.arenas()) a.grads.release(0, a.grads.size());  // released gradients: zero pages
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
-  /// Waits for the operations in flight and points every parameter back at the arenas (copying the values
-  /// of gathered units there), so the layout can hand the model its values.
+  /// Points every parameter back at the arenas, copying the values of gathered units there, so the layout can
+  /// hand the model its values (the owner settled the operations in flight first). Local: no collective.
   ~sharded_core() {
-    for (auto* works : {&scattered_, &averaged_})
-      for (auto& w : *works) try { w.wait(); } catch (...) {}  // NOLINT: no throw from a destructor
-    for (std::size_t u = 0; u < holders_.size(); ++u) {
-      if (value_buffer_[u] != no_buffer) {
+    for (std::size_t u = 0; u < pooled_.size(); ++u) {
+      if (pooled_[u].values != no_buffer) {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
           const auto& e = extents_[u][a];
           const std::size_t w = size_of(layout_.arenas()[a].type);
-          std::copy_n(values_pool_.data(value_buffer_[u], a), (e.end - e.begin) * w,
+          std::copy_n(values_pool_.data(pooled_[u].values, a), (e.end - e.begin) * w,
                       layout_.arenas()[a].values.data() + e.begin * w);
         }
       }
-      value_buffer_[u] = grad_buffer_[u] = no_buffer;
+      pooled_[u] = unit_buffers{};
       bind_unit(u);
     }
   }
 
-  static constexpr bool sharded = true;
-
-  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope); notes it.
+  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope): held or
+  /// reported → reported.
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
-    if (grad_buffer_[s.unit] == no_buffer)
+    if (state_.unit(s.unit).grads == grad_phase::released)
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
                       "unit's forward and backward in auto g = dp.gather(model." + layout_.units()[s.unit] + ")",
                   shard_.rank());
-    reported_[s.unit] = 1;
+    state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
 
-  /// Starts the reduce-scatter (average) of bucket `b`; under hybrid, also the cross-group average of the
-  /// bucket launched before it (whose reduce-scatter is then waited for: every rank issues the same sequence).
+  /// Bucket `b` waiting → launched: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
+  /// whose reduce-scatter has completed by now (polled, in plan order) chains its cross-group average:
+  /// reduce() never blocks.
   template <class Hook>
-  work reduce(Hook& /*hook*/, std::size_t b) {
-    static_assert(std::is_same_v<Hook, hook_impl<plain_hook>>,
-                  "ddp::data_parallel: the compression hooks work with ddp::replicate only; drop the hook or "
-                  "use replicate.");
-    const auto& bk = plan_.buckets[b];
-    if (grad_buffer_[bk.unit] == no_buffer) {  // no report reached this unit: its gradients are zero
-      hold_gradients(bk.unit);
-      reported_[bk.unit] = 1;
-    }
-    direct_[b] = fresh_[b];
-    fresh_[b] = 0;
-    launched_[b] = 1;
-    scattered_[b] = shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg);
-    if (replica_ && b > 0 && launched_[b - 1] && !averaging_[b - 1]) start_average(b - 1);
-    return scattered_[b];
+  void reduce(Hook& /*hook*/, std::size_t b) {
+    static_assert(std::is_same_v<Hook, plain_hook>,
+                  "ddp::data_parallel: the compression hooks and user comm hooks work with ddp::replicate only; "
+                  "drop the hook or use replicate.");
+    const std::size_t u = plan_.buckets[b].unit;
+    if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);  // no report reached it: zero gradients
+    state_.move_grads(u, grad_phase::reported, {grad_phase::held, grad_phase::reported});  // read until reduced
+    auto& sb = buckets_[b];
+    sb.direct = sb.owned_zero;
+    sb.owned_zero = false;
+    if (b == 0) chained_ = 0;  // a new step
+    state_.launch(b, shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
+    if (replica_)
+      while (chained_ < b && state_.scattered(chained_)) chain(chained_++);
   }
-  /// Bucket `b`'s reduce-scatter is done: finish its cross-group average (hybrid), add the receive buffer
-  /// into the owned gradients unless it went there directly; the unit's gradient buffer goes back to the
-  /// pool once all of its buckets are done and no scope holds it.
+  /// Waits for bucket `b` (under hybrid: its reduce-scatter, then its cross-group average, chained now if
+  /// polling did not) → reduced; adds the receive buffer into the owned gradients unless the reduce-scatter
+  /// wrote there directly. Once all of its unit's buckets are reduced the unit's gradient storage is zeroed
+  /// (a scope still holds it) or released.
   template <class Hook>
   void reduced(Hook& /*hook*/, std::size_t b) {
-    if (replica_) {
-      if (!averaging_[b]) start_average(b);
-      averaged_[b].wait();
-      averaged_[b] = work{};
-      averaging_[b] = 0;
-    }
-    if (!direct_[b]) {
+    if (replica_)
+      for (; chained_ <= b; ++chained_) {
+        state_.wait(chained_);
+        chain(chained_);
+      }
+    state_.wait(b);
+    if (!buckets_[b].direct) {
       const raw_tensor in = received(b), acc = owned_grads(b);
       visit_dtype(in.type, [&]<class T>(T) {
         const T* src = static_cast<const T*>(in.data);
@@ -5707,26 +6064,26 @@ class sharded_core {
         for (std::size_t i = 0; i < in.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
       });
     }
-    scattered_[b] = work{};
-    launched_[b] = 0;
+    state_.complete(b);
     const std::size_t u = plan_.buckets[b].unit;
-    if (std::none_of(unit_buckets_[u].begin(), unit_buckets_[u].end(), [&](std::size_t k) { return launched_[k]; })) {
-      reported_[u] = 0;
-      if (holders_[u] > 0)
-        zero_gradients(u);  // a scope still holds the unit: its next backward starts from zero
-      else if (grad_buffer_[u] != no_buffer)
-        let_go_gradients(u);
+    if (state_.unit_settled(u) && state_.unit(u).grads == grad_phase::reported) {
+      if (state_.unit(u).scopes > 0) {  // a scope still holds the unit: its next backward starts from zero
+        zero_gradients(u);
+        state_.move_grads(u, grad_phase::held, {grad_phase::reported});
+      } else {
+        release_gradients(u);
+      }
     }
   }
-  /// Zeroes the owned gradients and the full gradients of the units in use.
+  /// Zeroes the owned gradients and the full gradients of the units holding storage.
   void zero_grad() noexcept {
     for (auto& g : own_grads_) std::fill_n(g.data(), g.size(), std::byte{0});
-    std::fill(fresh_.begin(), fresh_.end(), 1);
-    for (std::size_t u = 0; u < grad_buffer_.size(); ++u)
-      if (grad_buffer_[u] != no_buffer) zero_gradients(u);
+    for (auto& sb : buckets_) sb.owned_zero = true;
+    for (std::size_t u = 0; u < pooled_.size(); ++u)
+      if (pooled_[u].grads != no_buffer) zero_gradients(u);
   }
   /// One flat buffer per bucket: the owned values and gradients with the parameter pieces in them.
-  [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
+  [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return optimizer_; }
   /// The group parameters are sharded over.
   [[nodiscard]] const Comm& shard_group() const noexcept { return shard_; }
   /// hybrid: the group shards are replicated over.
@@ -5734,34 +6091,32 @@ class sharded_core {
 
  protected:
   [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
-  [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }
-  [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
-  [[nodiscard]] std::size_t units() const noexcept { return holders_.size(); }
-  [[nodiscard]] int holders(std::size_t u) const noexcept { return holders_[u]; }
-  [[nodiscard]] bool has_gradients(std::size_t u) const noexcept { return grad_buffer_[u] != no_buffer; }
+  [[nodiscard]] step_state& state() noexcept { return state_; }
+  [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }
 
-  /// A gather scope begins on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
+  /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
-  void hold(std::size_t u) {
-    if (holders_[u]++ == 0 && grad_buffer_[u] == no_buffer) hold_gradients(u);
+  void open_scope(std::size_t u) {
+    state_.open_scope(u);
+    if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
-  /// A gather scope on unit `u` ends: with no scope left, its gradient storage goes back to the pool now
-  /// (nothing reported) or when its reduce-scatters have read it.
-  void let_go(std::size_t u) {
-    if (--holders_[u] == 0 && !reported_[u]) let_go_gradients(u);
+  /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
+  /// reported) or once its reduce-scatters have read it.
+  void close_scope(std::size_t u) {
+    if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
   }
 
   /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until gathered).
   void take_values(std::size_t u) {
-    if (value_buffer_[u] != no_buffer) return;
-    value_buffer_[u] = values_pool_.take(sizes(u));
+    if (pooled_[u].values != no_buffer) return;
+    pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
-  /// Unit `u`'s values buffer goes back to the pool; its parameters point at their (zero) arena place.
+  /// Unit `u`'s values buffer goes back to the pool; its parameters point at their arena place.
   void give_values(std::size_t u) {
-    if (value_buffer_[u] == no_buffer) return;
-    values_pool_.give(value_buffer_[u]);
-    value_buffer_[u] = no_buffer;
+    if (pooled_[u].values == no_buffer) return;
+    values_pool_.give(pooled_[u].values);
+    pooled_[u].values = no_buffer;
     bind_unit(u);
   }
   /// Starts refilling bucket `b`'s full values (in the unit's pooled buffer, else in the arena) from every
@@ -5771,11 +6126,11 @@ class sharded_core {
   }
   /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
   void trim_pools() noexcept {
-    values_pool_.trim(!keep_buffers_);
-    grads_pool_.trim(!keep_buffers_);
+    values_pool_.trim(trim_);
+    grads_pool_.trim(trim_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
-  void park_values() noexcept {
+  void release_arena_values() noexcept {
     for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
   }
 
@@ -5796,31 +6151,35 @@ class sharded_core {
       const auto& p = layout_.slots()[s];
       const auto& a = layout_.arenas()[p.arena];
       const std::size_t w = size_of(p.type), at = p.offset - extents_[u][p.arena].begin;
-      std::byte* values = value_buffer_[u] == no_buffer ? a.values.data() + p.offset * w
-                                                        : values_pool_.data(value_buffer_[u], p.arena) + at * w;
-      std::byte* grads = grad_buffer_[u] == no_buffer ? a.grads.data() + p.offset * w
-                                                      : grads_pool_.data(grad_buffer_[u], p.arena) + at * w;
+      std::byte* values = pooled_[u].values == no_buffer ? a.values.data() + p.offset * w
+                                                         : values_pool_.data(pooled_[u].values, p.arena) + at * w;
+      std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
+                                                       : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
       p.rebind(p.object, values, grads);
     }
   }
+  /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
   void hold_gradients(std::size_t u) {
-    reclaim();
-    grad_buffer_[u] = grads_pool_.take(sizes(u));
+    release_read_gradients();
+    state_.move_grads(u, grad_phase::held, {grad_phase::released});
+    pooled_[u].grads = grads_pool_.take(sizes(u));
     zero_gradients(u);
     bind_unit(u);
   }
-  void let_go_gradients(std::size_t u) {
-    grads_pool_.give(grad_buffer_[u]);
-    grad_buffer_[u] = no_buffer;
+  /// held or reported → released: the buffer goes back to the pool.
+  void release_gradients(std::size_t u) {
+    state_.move_grads(u, grad_phase::released, {grad_phase::held, grad_phase::reported});
+    grads_pool_.give(pooled_[u].grads);
+    pooled_[u].grads = no_buffer;
     bind_unit(u);
   }
-  /// Gives back the gradient buffers of units no scope holds whose reduce-scatters have all completed.
-  void reclaim() {
-    for (std::size_t u = 0; u < holders_.size(); ++u) {
-      if (grad_buffer_[u] == no_buffer || holders_[u] > 0 || !reported_[u]) continue;
-      const bool read = std::all_of(unit_buckets_[u].begin(), unit_buckets_[u].end(),
-                                    [&](std::size_t k) { return launched_[k] && scattered_[k].done(); });
-      if (read) let_go_gradients(u);
+  /// Releases the gradient storage of units no scope holds whose reduce-scatters have all read it.
+  void release_read_gradients() {
+    for (std::size_t u = 0; u < pooled_.size(); ++u) {
+      const auto& rec = state_.unit(u);
+      if (rec.grads != grad_phase::reported || rec.scopes > 0) continue;
+      const auto bs = state_.unit_buckets(u);
+      if (std::all_of(bs.begin(), bs.end(), [&](std::size_t k) { return state_.scattered(k); })) release_gradients(u);
     }
   }
   void zero_gradients(std::size_t u) {
@@ -5829,39 +6188,37 @@ class sharded_core {
       std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
     }
   }
-  void start_average(std::size_t b) {
-    scattered_[b].wait();
-    averaged_[b] = replica_->all_reduce(output(b), reduce_op::avg);
-    averaging_[b] = 1;
-  }
+  /// Bucket `b` launched → chained: its reduce-scatter is done, its cross-group average starts.
+  void chain(std::size_t b) { state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg)); }
 
   [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
     const auto& e = extents_[u][a];
-    return {grads_pool_.data(grad_buffer_[u], a), e.end - e.begin, layout_.arenas()[a].type, device::cpu()};
+    return {grads_pool_.data(pooled_[u].grads, a), e.end - e.begin, layout_.arenas()[a].type, device::cpu()};
   }
   /// Bucket `b`'s full gradients inside its unit's gradient buffer.
   [[nodiscard]] raw_tensor gradient_view(std::size_t b) const {
     const auto& bk = plan_.buckets[b];
     const std::size_t w = size_of(layout_.arenas()[bk.arena].type);
-    return {grads_pool_.data(grad_buffer_[bk.unit], bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
+    return {grads_pool_.data(pooled_[bk.unit].grads, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
             bk.end - bk.begin, layout_.arenas()[bk.arena].type, device::cpu()};
   }
   /// Bucket `b`'s full values: in its unit's pooled buffer when it has one, else in the arena.
   [[nodiscard]] raw_tensor value_view(std::size_t b) const {
     const auto& bk = plan_.buckets[b];
     const auto& a = layout_.arenas()[bk.arena];
-    if (value_buffer_[bk.unit] == no_buffer) return a.value_view(bk.begin, bk.end - bk.begin);
+    if (pooled_[bk.unit].values == no_buffer) return a.value_view(bk.begin, bk.end - bk.begin);
     const std::size_t w = size_of(a.type);
-    return {values_pool_.data(value_buffer_[bk.unit], bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
+    return {values_pool_.data(pooled_[bk.unit].values, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
             bk.end - bk.begin, a.type, device::cpu()};
   }
   [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b) const {
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
     const std::size_t w = size_of(a.type);
-    return {store[plan_.buckets[b].arena].data() + blocks_[b].shard * w, blocks_[b].length, a.type, device::cpu()};
+    const auto& block = buckets_[b].block;
+    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, a.type, device::cpu()};
   }
   /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
-  [[nodiscard]] raw_tensor output(std::size_t b) { return direct_[b] ? owned_grads(b) : received(b); }
+  [[nodiscard]] raw_tensor output(std::size_t b) { return buckets_[b].direct ? owned_grads(b) : received(b); }
   [[nodiscard]] raw_tensor received(std::size_t b) {
     const std::size_t a = plan_.buckets[b].arena;
     if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
@@ -5871,14 +6228,14 @@ class sharded_core {
   /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
-    if (!values_in_arena_) return shard_view(own_values_, b);
+    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b);
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
-    return a.value_view(blocks_[b].begin, blocks_[b].length);
+    return a.value_view(buckets_[b].block.begin, buckets_[b].block.length);
   }
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
     optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
-    const std::size_t lo = blocks_[b].begin, hi = lo + blocks_[b].length;
+    const std::size_t lo = buckets_[b].block.begin, hi = lo + buckets_[b].block.length;
     for (const std::size_t s : plan_.buckets[b].params) {
       const auto& p = layout_.slots()[s];
       const std::size_t from = std::max(lo, p.offset), to = std::min(hi, p.offset + p.numel);
@@ -5889,47 +6246,33 @@ class sharded_core {
 
   parameter_layout& layout_;
   const bucket_plan& plan_;
+  step_state& state_;                                   // the phases of buckets and units
   Comm shard_;
   std::optional<Comm> replica_;
-  std::vector<owned_block> blocks_;                     // per bucket
+  std::vector<shard_bucket> buckets_;                   // per bucket
   std::vector<aligned_bytes> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
   std::vector<aligned_bytes> own_grads_;                // per arena: the accumulated owned gradients
   std::vector<aligned_bytes> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
-  std::vector<optim::flat_buffer> buffers_;             // per bucket, for the optimizer
-  std::vector<std::vector<std::size_t>> unit_buckets_;  // per unit: its buckets
+  std::vector<optim::flat_buffer> optimizer_;           // per bucket, for the optimizer
   std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
   std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena
+  std::vector<unit_buffers> pooled_;                    // per unit: its pooled buffers
   unit_pool values_pool_;                               // full_shard's gathered units
   unit_pool grads_pool_;                                // the units' full gradients
-  std::vector<std::size_t> value_buffer_;               // per unit: its values buffer, or no_buffer
-  std::vector<std::size_t> grad_buffer_;                // per unit: its gradient buffer, or no_buffer
-  std::vector<int> holders_;                            // per unit: open gather scopes
-  std::vector<char> reported_;                          // per unit: gradients reported, buckets not all reduced
-  std::vector<char> direct_;                            // per bucket: reduce-scattered straight into the owned gradients
-  std::vector<char> fresh_;                             // per bucket: the owned gradients are zero
-  std::vector<char> launched_;                          // per bucket: reduce-scatter started, not yet reduced()
-  std::vector<work> scattered_;                         // per bucket: its reduce-scatter
-  std::vector<work> averaged_;                          // per bucket: hybrid's cross-group average
-  std::vector<char> averaging_;                         // per bucket: that average has started
+  std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  bool keep_buffers_;                                   // data_parallel_options::keep_unit_buffers
-  bool values_in_arena_;                                // owned values are blocks of the value arena
+  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  owned_value_home values_;                             // where the owned values live
 };
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/sharded.hpp>
 // ---- begin <ddp/parallel/strategy.hpp>
-/// \file The strategy a sharding policy selects: how a bucket is reduced, what the optimizer steps over,
-/// what happens after the step and around a unit's use. Each sharding policy specializes strategy in
-/// its own header. A strategy provides:
-///   strategy(parameter_layout&, const bucket_plan&, Comm, const data_parallel_options&)  (collective)
-///   static std::size_t multiple(const Comm&, const data_parallel_options&)  padding of the arenas
-///   static constexpr bool sharded                        gradients are reduced even under no_sync
-///   work reduce(Hook&, b) / void reduced(Hook&, b)       a bucket's reduction and its completion
-///   optimizer_buffers(), after_step(), zero_grad()
-///   acquire(units) / release(units)                      a gather scope opens / closes on units
-///   on_report(slot)                                      checks (and notes) a gradient report
-///   finalize()                                           collective, before the layout hands values back
+/// \file The strategy a sharding policy selects: how a bucket is reduced, what the optimizer steps over, what
+/// happens after the step and around a unit's use. Each sharding policy specializes strategy in its own header,
+/// and a static_assert beside it checks that it models sharding_strategy. data_parallel owns the step_state;
+/// the strategy moves the buckets and units through it.
+
 
 
 namespace ddp::detail {
@@ -5942,6 +6285,35 @@ struct strategy {
                 "ddp::full_shard or ddp::hybrid<ddp::full_shard or ddp::shard_grad_op>.");
 };
 
+/// What data_parallel asks of a strategy S over communicator Comm:
+///   S(layout, plan, state, comm, options)     collective; `multiple(comm, options)` pads the arenas first
+///   sharded                                   gradients are reduced even under no_sync (the sharded ones)
+///   initial_units                             the unit phase the strategy starts in
+///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
+///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
+///   acquire(units) / release(units)           a gather scope opens / closes on units
+///   on_report(slot)                           checks (and notes) a gradient report
+///   optimizer_buffers(), after_step(), zero_grad()
+///   unshard_model()                           collective: the model's parameters hold the full values
+template <class S, class Comm>
+concept sharding_strategy =
+    std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const data_parallel_options&> &&
+    requires(S& s, const S& cs, const Comm& comm, const data_parallel_options& o, plain_hook& hook, std::size_t i,
+             std::span<const std::size_t> units) {
+      { S::multiple(comm, o) } -> std::same_as<std::size_t>;
+      { S::sharded } -> std::convertible_to<bool>;
+      { S::initial_units } -> std::convertible_to<unit_phase>;
+      { s.reduce(hook, i) } -> std::same_as<void>;
+      { s.reduced(hook, i) } -> std::same_as<void>;
+      s.acquire(units);
+      s.release(units);
+      s.on_report(i);
+      { cs.optimizer_buffers() } -> std::same_as<const std::vector<optim::flat_buffer>&>;
+      s.after_step();
+      s.zero_grad();
+      s.unshard_model();
+    };
+
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/strategy.hpp>
 
@@ -5949,114 +6321,115 @@ namespace ddp::detail {
 
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
+  static constexpr unit_phase initial_units = unit_phase::sharded;
   static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "full_shard", options, false) {
-    setup(options);
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
+           const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
+                           owned_value_home::own_copy),
+        reshard_(options.reshard_after_forward) {
+    this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "full_shard", options, false) {
-    setup(options);
-  }
-  strategy(const strategy&) = delete;
-  strategy& operator=(const strategy&) = delete;
-  ~strategy() {
-    for (auto& unit : in_flight_)
-      for (auto& w : unit) try { w.wait(); } catch (...) {}  // NOLINT: no throw from a destructor
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
+                           owned_value_home::own_copy),
+        reshard_(options.reshard_after_forward) {
+    this->release_arena_values();
   }
 
-  /// Makes the units' full parameters available (gathering, or waiting for a prefetch) with gradient
-  /// storage, then prefetches the next unit in the direction of travel. Collective over the shard group,
-  /// in the same order on every rank.
+  /// Unshards the units (gathering, or waiting for a prefetch) and gives them gradient storage, then
+  /// prefetches the next unit in the direction of travel. Collective over the shard group, in the same order
+  /// on every rank.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
-      if (this->holders(u) == 0 && !resident_[u]) {
-        if (in_flight_[u].empty()) launch(u);
-        finish(u);
-      }
-      this->hold(u);
+      if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      this->open_scope(u);
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
     if (last_ && *last_ != u) {
       const bool forward = u > *last_;
-      if (forward && u + 1 < this->units()) prefetch(u + 1);
+      if (forward && u + 1 < this->state().units()) prefetch(u + 1);
       if (!forward && u > 0) prefetch(u - 1);
     }
     last_ = u;
   }
-  /// Ends a use of the units; a unit no scope holds any more gives its values buffer back (when resharding
-  /// after forward) and its gradient buffer once its gradients are reduced.
+  /// Ends a use of the units; a unit no scope holds any more is resharded (when resharding after forward)
+  /// and releases its gradient storage once its gradients are reduced.
   void release(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
-      this->let_go(u);
-      if (this->holders(u) == 0 && reshard_) drop(u);
+      this->close_scope(u);
+      if (this->state().unit(u).scopes == 0 && reshard_) reshard(u);
     }
   }
-  /// The owned blocks changed: wait for prefetches and drop every gathered unit (the next scope re-gathers);
-  /// then free the pooled buffers this step did not need.
+  /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
+  /// unit still held is gathered again in place; then the pooled buffers this step did not need are freed.
   void after_step() {
-    for (std::size_t u = 0; u < this->units(); ++u) {
-      if (!in_flight_[u].empty()) finish(u);
-      if (this->holders(u) == 0) {
-        drop(u);
-      } else {  // a scope still open across the step sees the updated values
-        launch(u);
-        finish(u);
+    for (std::size_t u = 0; u < this->state().units(); ++u) {
+      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).scopes == 0) {
+        reshard(u);
+      } else if (this->state().unit(u).values == unit_phase::unsharded) {  // a scope open across the step
+        this->state().reshard(u);
+        unshard(u);
+        this->state().unsharded(u);
       }
     }
     this->trim_pools();
   }
-  /// Collective: gathers every bucket into the value arena and points every parameter there, so the model
-  /// keeps its trained values once the wrapper is gone.
-  void finalize() {
-    for (std::size_t u = 0; u < this->units(); ++u) drop(u);
+  /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
+  /// model's own parameters hold the full values (also once the wrapper is gone). No gather scope may be open.
+  void unshard_model() {
+    for (std::size_t u = 0; u < this->state().units(); ++u) {
+      if (this->state().unit(u).scopes > 0)
+        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside a gather scope; close every "
+                    "dp.gather(...) scope before unsharding the whole model", this->shard_group().rank());
+      reshard(u);
+    }
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
     wait_all(works);
   }
 
  private:
-  void setup(const data_parallel_options& options) {
-    reshard_ = options.reshard_after_forward;
-    resident_.assign(this->units(), 0);
-    in_flight_.resize(this->units());
-    this->park_values();
-  }
-  void launch(std::size_t u) {
+  /// sharded → unsharding: a pooled buffer and the all-gathers of the unit's buckets into it.
+  void unshard(std::size_t u) {
     this->take_values(u);
-    for (const std::size_t b : this->unit_buckets(u)) in_flight_[u].push_back(this->gather_bucket(b));
-  }
-  void finish(std::size_t u) {
-    wait_all(in_flight_[u]);
-    in_flight_[u].clear();
-    resident_[u] = 1;
+    std::vector<work> gathers;
+    for (const std::size_t b : this->state().unit_buckets(u)) gathers.push_back(this->gather_bucket(b));
+    this->state().unshard(u, std::move(gathers));
   }
   void prefetch(std::size_t u) {
-    if (!resident_[u] && in_flight_[u].empty()) launch(u);
+    if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
   }
-  void drop(std::size_t u) {
-    if (!in_flight_[u].empty()) finish(u);
-    this->give_values(u);
-    resident_[u] = 0;
+  /// → sharded: waits for gathers in flight, gives the values buffer back.
+  void reshard(std::size_t u) {
+    if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+    if (this->state().unit(u).values == unit_phase::unsharded) {
+      this->give_values(u);
+      this->state().reshard(u);
+    }
   }
 
   bool reshard_ = true;
-  std::vector<char> resident_;                // per unit: full parameters present
-  std::vector<std::vector<work>> in_flight_;  // per unit: gathers under way (prefetch)
-  std::optional<std::size_t> last_;           // the unit gathered last (direction of travel)
+  std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
 };
+static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator>,
+              "ddp: the full_shard strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/full_shard.hpp>
 // ---- begin <ddp/parallel/hybrid.hpp>
 /// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
 /// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
-/// averaged across the groups (over the ranks holding the same block), built on split().
+/// averaged across the groups (over the ranks holding the same block), built on split(). That average is
+/// chained without blocking the backward: sharded_core::reduce polls earlier buckets and starts it for those
+/// whose reduce-scatter completed; the rest start at the waiting point in finish_gradients.
 
 
 // ---- begin <ddp/parallel/shard_grad_op.hpp>
@@ -6071,15 +6444,19 @@ namespace ddp::detail {
 
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
+  static constexpr unit_phase initial_units = unit_phase::unsharded;
   static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
-  /// hybrid: shards over `shard`, replicas over `replica`.
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options, true) {}
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
+  /// hybrid: shards over `shard`, replicas over `replica`.
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
+           const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -6091,15 +6468,17 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
   void acquire(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->hold(u);
+    for (const std::size_t u : units) this->open_scope(u);
   }
   /// Ends a use of the units.
   void release(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->let_go(u);
+    for (const std::size_t u : units) this->close_scope(u);
   }
   /// Parameters are whole in the value arena already.
-  void finalize() {}
+  void unshard_model() {}
 };
+static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator>,
+              "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/shard_grad_op.hpp>
@@ -6122,8 +6501,9 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
                          comm.rank());
     return static_cast<std::size_t>(g);
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : strategy(layout, plan, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
+           const data_parallel_options& options)
+      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
 
  private:
   /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
@@ -6133,10 +6513,13 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
     Comm replica = comm.split(comm.rank() % g, comm.rank());
     return {std::move(shard), std::move(replica)};
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, std::pair<Comm, Comm> g,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, std::pair<Comm, Comm> g,
            const data_parallel_options& options)
-      : strategy<Inner, Comm>(layout, plan, std::move(g.first), std::move(g.second), options) {}
+      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), options) {}
 };
+static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator> &&
+                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator>,
+              "ddp: the hybrid strategies must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/hybrid.hpp>
@@ -6164,22 +6547,24 @@ inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layo
 template <class Comm>
 struct strategy<replicate, Comm> {
   static constexpr bool sharded = false;
+  static constexpr unit_phase initial_units = unit_phase::unsharded;
   static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
 
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
-      : layout_(layout), plan_(plan), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
+           const data_parallel_options& /*options*/)
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
 
-  /// Starts the all-reduce of bucket `b` through the hook.
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook.
   template <class Hook>
-  work reduce(Hook& hook, std::size_t b) {
-    const auto& bk = plan_.buckets[b];
-    return hook.launch(comm_, layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  void reduce(Hook& hook, std::size_t b) {
+    state_.launch(b, hook.launch(gradients(b)));
   }
-  /// Bucket `b`'s reduction has completed: the hook writes the averaged gradients back.
+  /// Waits for bucket `b`'s all-reduce; the hook writes the averaged gradients back; → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    const auto& bk = plan_.buckets[b];
-    hook.complete(layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+    state_.wait(b);
+    hook.complete(gradients(b));
+    state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
@@ -6195,14 +6580,23 @@ struct strategy<replicate, Comm> {
   /// Every gradient may be reported at any time.
   void on_report(std::size_t /*slot*/) const {}
   /// The model holds its values already.
-  void finalize() {}
+  void unshard_model() {}
 
  private:
+  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    return {layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), comm_, b};
+  }
+
   parameter_layout& layout_;
   const bucket_plan& plan_;
+  step_state& state_;
   Comm comm_;
   std::vector<optim::flat_buffer> buffers_;
 };
+
+static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
+              "ddp: the replicate strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/replicate.hpp>
@@ -6253,15 +6647,23 @@ class data_parallel {
   using model_type = Model;                                                        ///< the wrapped model
   using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
   using sharding = typename policy::sharding;                                      ///< the sharding policy
+  using hook_type = typename policy::hook;                                         ///< the comm hook
   static_assert(communicator<communicator_type>);
+  static_assert(comm_hook<hook_type, communicator_type>,
+                "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
+                "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+                "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
+                "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
   data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
       : model_(model), comm_(std::move(comm)), options_(std::move(options)),
         multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded)),
-        hook_(layout_) {
+                                  strategy_type::sharded ? detail::bucket_cut::within_units
+                                                         : detail::bucket_cut::anywhere)),
+        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
@@ -6275,20 +6677,15 @@ class data_parallel {
     }
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-    strategy_.emplace(layout_, plan_, comm_, options_);
-    reported_.assign(layout_.slots().size(), 0);
-    pending_.resize(plan_.buckets.size());
-    works_.resize(plan_.buckets.size());
+    strategy_.emplace(layout_, plan_, state_, comm_, options_);
   }
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
-  /// Waits for reductions in flight. Under full_shard it first gathers every unit (collective, skipped
-  /// while an exception unwinds) so the model keeps its trained values once the arenas are gone.
-  ~data_parallel() {
-    for (std::size_t b = 0; b < launched_; ++b) try { works_[b].wait(); } catch (...) {}  // NOLINT: no throw from a destructor
-    if (strategy_ && std::uncaught_exceptions() == 0)
-      try { strategy_->finalize(); } catch (...) {}  // NOLINT: a lost peer leaves the released units zero
-  }
+  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
+  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
+  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// model.
+  ~data_parallel() { state_.settle(); }
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
   template <element E>
@@ -6298,74 +6695,87 @@ class data_parallel {
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
     const auto slot = static_cast<std::size_t>(i);
+    check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    open_step();
-    if (reported_[slot])
+    if (state_.phase() != detail::step_phase::reporting) state_.begin(unused_);
+    if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
-    mark_ready(slot);
     launch_ready();
   }
 
   /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
-  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated).
+  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
+  /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    open_step();
-    struct close_step {
-      data_parallel* self;
-      ~close_step() { self->step_open_ = false; }
-    } closer{this};
-    if (launched_ < plan_.buckets.size()) {
+    no_sync_unclosed_ = false;
+    if (state_.phase() == detail::step_phase::finished) return;
+    if (state_.phase() == detail::step_phase::idle) state_.begin(unused_);
+    if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
-      for (std::size_t s = 0; s < reported_.size(); ++s)
-        if (!reported_[s] && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+        if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
       if (options_.error_on_missing) {
-        wait_launched();
+        reduce_launched();
+        state_.abandon();
         std::string names;
         for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
         throw error("finish_gradients: parameter(s) " + names + " did not report a gradient in this step; call "
                     "dp.gradient_ready(p) for each in the backward, or list them in "
                     "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
       }
-      for (std::size_t s = 0; s < reported_.size(); ++s)
-        if (!reported_[s]) mark_ready(s);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) state_.report(s);
       launch_ready();
     }
-    wait_launched();
+    reduce_launched();
+    state_.finish();
   }
 
-  /// RAII guard returned by no_sync(): while alive, gradients accumulate without a step. Under
-  /// replicate they accumulate locally without communication; under the sharding strategies each
-  /// micro-batch is reduce-scattered into the sharded gradients when the guard ends (memory stays sharded).
+  /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
+  /// accumulate locally without communication; under the sharding strategies each micro-batch is
+  /// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
+  /// it at the end of the span. The destructor issues no collective: it only ends the span.
   class [[nodiscard]] no_sync_guard {
    public:
-    explicit no_sync_guard(data_parallel& dp) : dp_(&dp), unwinding_(std::uncaught_exceptions()) {
-      ++dp_->no_sync_depth_;
-    }
+    explicit no_sync_guard(data_parallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
     no_sync_guard(const no_sync_guard&) = delete;
     no_sync_guard& operator=(const no_sync_guard&) = delete;
-    ~no_sync_guard() noexcept(!strategy_type::sharded) {
-      --dp_->no_sync_depth_;
-      if constexpr (strategy_type::sharded)
-        if (std::uncaught_exceptions() == unwinding_) dp_->finish_gradients();
+    /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
+    void close() {
+      if (!dp_) return;
+      data_parallel& dp = *dp_;
+      end_span();
+      if constexpr (strategy_type::sharded) dp.finish_gradients();
+    }
+    /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
+    /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
+    ~no_sync_guard() {
+      if (!dp_) return;
+      if (strategy_type::sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
+      end_span();
     }
 
    private:
+    void end_span() noexcept {
+      --dp_->no_sync_depth_;
+      dp_ = nullptr;
+    }
     data_parallel* dp_;
-    int unwinding_;
   };
-  /// Starts a gradient-accumulation scope (see no_sync_guard); the next synchronized backward reduces
-  /// the accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
+  /// Starts a gradient-accumulation span (see no_sync_guard); the next synchronized backward reduces the
+  /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
-    if (step_open_)
+    check_no_sync_closed("no_sync");
+    if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
     return no_sync_guard(*this);
   }
 
-  /// finish_gradients(), then one optimizer step over the flat arenas (or the owned shards).
+  /// finish_gradients() (unless it ran already for this backward), then one optimizer step over the flat
+  /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
     if (no_sync_depth_ > 0)
@@ -6374,6 +6784,7 @@ class data_parallel {
     finish_gradients();
     opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
     strategy_->after_step();
+    state_.end();
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -6381,9 +6792,17 @@ class data_parallel {
     opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
   }
 
-  /// Sets every gradient to zero.
-  void zero_grad() noexcept { strategy_->zero_grad(); }
+  /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
+  void zero_grad() noexcept {
+    strategy_->zero_grad();
+    state_.end();
+  }
 
+  /// Collective under full_shard: all-gathers every unit into the model's own parameters, so they hold the
+  /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
+  /// last step, outside every gather scope; later steps do not update those values (call it again). Under
+  /// replicate and shard_grad_op the parameters are whole already and it does nothing.
+  void unshard_model() { strategy_->unshard_model(); }
   /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
   class [[nodiscard]] gather_guard {
    public:
@@ -6436,6 +6855,8 @@ class data_parallel {
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The comm hook this wrapper reduces buckets through (hooks may keep state).
+  [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
   /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
@@ -6456,32 +6877,18 @@ class data_parallel {
   }
 
  private:
-  void open_step() {
-    if (step_open_) return;
-    step_open_ = true;
-    launched_ = 0;
-    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) pending_[b] = plan_.buckets[b].params.size();
-    std::fill(reported_.begin(), reported_.end(), 0);
-    for (std::size_t s = 0; s < unused_.size(); ++s)
-      if (unused_[s]) mark_ready(s);
-  }
-  void mark_ready(std::size_t slot) {
-    reported_[slot] = 1;
-    for (const std::size_t b : plan_.of_param[slot]) --pending_[b];
-  }
   void launch_ready() {
-    while (launched_ < plan_.buckets.size() && pending_[launched_] == 0) {
-      works_[launched_] = strategy_->reduce(hook_, launched_);
-      ++launched_;
-    }
+    while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
-  void wait_launched() {
-    for (std::size_t b = 0; b < launched_; ++b) {
-      works_[b].wait();
-      works_[b] = work{};
-      strategy_->reduced(hook_, b);
-    }
-    launched_ = 0;
+  /// Waits for the launched buckets in plan order; each becomes reduced.
+  void reduce_launched() {
+    for (std::size_t b = 0; b < state_.launched(); ++b)
+      if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
+  }
+  void check_no_sync_closed(const char* where) const {
+    if (no_sync_unclosed_)
+      throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
+                  "at the end of the span (or dp.finish_gradients() now)", rank());
   }
 
   Model& model_;
@@ -6490,15 +6897,12 @@ class data_parallel {
   std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
-  detail::hook_impl<typename policy::hook> hook_;
+  hook_type hook_;
+  detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
-  std::vector<char> reported_;              // per slot: reported in the open step
-  std::vector<std::size_t> pending_;        // per bucket: slots still to report
-  std::vector<work> works_;                 // per bucket: its reduction in flight
-  std::size_t launched_ = 0;                // buckets launched in the open step (a prefix of the plan)
-  bool step_open_ = false;                  // a synchronized backward has begun
-  int no_sync_depth_ = 0;                   // live no_sync guards
+  int no_sync_depth_ = 0;                   // open no_sync spans
+  bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
 
 }  // namespace ddp
@@ -10395,7 +10799,6 @@ class progress_bar {
 #include <sys/wait.h>
 
 #include <csignal>
-#include <initializer_list>
 #include <iostream>
 
 // ---- begin <ddp/launch/exit_order.hpp>

@@ -114,12 +114,14 @@ void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
           const std::size_t a = count * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro);
           const std::size_t b = count * static_cast<std::size_t>(m + 1) / static_cast<std::size_t>(micro);
           forward_backward(model, mine.slice(a, b - a), scale, report, scope);
+          guard.close();  // sharded: completes this micro-batch's reduce-scatters
         }
         const std::size_t last = count * static_cast<std::size_t>(micro - 1) / static_cast<std::size_t>(micro);
         forward_backward(model, mine.slice(last, count - last), scale, report, scope);
         dp.step(opt);
       }
     });
+    dp.unshard_model();  // full_shard: the model's own parameters take the trained values
   }
   mlp want = reference_training(k);
   require_close(model, want, tol, how);

@@ -12,6 +12,23 @@ using namespace ddp_test;
 using ddp::backend::tcp;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
 
+/// A user comm hook: all-reduces each bucket's sum and divides by the world size itself (the average, by
+/// another route), counting the buckets it completed (per-hook state).
+struct sum_then_scale_hook {
+  using policy_category = ddp::comm_hook_policy;
+  std::size_t completed = 0;
+  template <class Comm>
+  ddp::work launch(const ddp::bucket_gradients<Comm>& b) {
+    return b.comm.all_reduce(b.grads, ddp::reduce_op::sum);
+  }
+  template <class Comm>
+  void complete(const ddp::bucket_gradients<Comm>& b) {
+    for (float& g : b.template elements<float>()) g /= static_cast<float>(b.world_size());
+    ++completed;
+  }
+};
+static_assert(ddp::comm_hook<sum_then_scale_hook, ddp::tcp::communicator>);
+
 /// Runs `body(comm)` on n = 1..4 ranks, each in its own job.
 template <class F>
 void on_1_to_4_ranks(F body) {
@@ -38,6 +55,18 @@ TEST_CASE("tcp replicate: no_sync accumulation and the bf16/fp16 hooks", "[equiv
                                                           closeness::per_tensor);
     check_equivalence<tcp, tiny, ddp::fp16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, 1,
                                                           closeness::per_tensor);
+  });
+}
+TEST_CASE("tcp replicate: a user comm hook (sum, then scale) equals one process and keeps its state", "[equivalence]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<tcp, tiny, sum_then_scale_hook>(comm, optimizer_kind::sgd_momentum, 1e-5);
+    check_equivalence<tcp, tiny, sum_then_scale_hook>(comm, optimizer_kind::adamw, 1e-5);
+    mlp model = make_mlp(1);
+    ddp::data_parallel<mlp, tcp, tiny, sum_then_scale_hook> dp{model, comm};
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    forward_backward(model, make_batch(0, 4), 1.0F, report);
+    dp.finish_gradients();
+    REQUIRE(dp.comm_hook().completed == dp.bucket_count());
   });
 }
 TEST_CASE("tcp replicate: missing report, declared unused, broadcast", "[errors]") {

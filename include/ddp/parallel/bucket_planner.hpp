@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <iterator>
 #include <span>
 #include <tuple>
@@ -25,6 +26,10 @@ struct bucket {
   std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
 };
 
+/// Where a bucket may begin: anywhere in its arena (replicate), or never across the start of a unit (the
+/// sharded strategies, so that unsharding a unit gathers whole buckets).
+enum class bucket_cut : std::uint8_t { anywhere, within_units };
+
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
 struct bucket_plan {
   std::vector<bucket> buckets;                        ///< launch order: reverse visit order
@@ -34,16 +39,16 @@ struct bucket_plan {
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
 /// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
 /// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
-/// shards, and with `by_unit` no bucket crosses the start of a unit, so gathering a unit gathers whole buckets.
+/// shards, and with bucket_cut::within_units no bucket crosses the start of a unit.
 inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
-                                std::size_t multiple = 1, bool by_unit = false) {
+                                std::size_t multiple = 1, bucket_cut cut = bucket_cut::anywhere) {
   bucket_plan plan;
   const auto arenas = layout.arenas();
   const auto slots = layout.slots();
   for (std::size_t a = 0; a < arenas.size(); ++a) {
     const std::size_t width = size_of(arenas[a].type);
     std::vector<std::size_t> unit_starts{0};
-    if (by_unit)
+    if (cut == bucket_cut::within_units)
       for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
         if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
           unit_starts.push_back(slots[arenas[a].params[k]].offset);

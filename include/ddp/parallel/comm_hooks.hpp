@@ -1,8 +1,13 @@
 #pragma once
-/// \file What the comm hook policies do to a bucket: plain_hook all-reduces it with the average;
-/// bf16_compress_hook and fp16_compress_hook divide by the world size, round into a reused half-precision
-/// buffer, all-reduce the sum in that dtype and widen the result back (PyTorch's compression hooks).
+/// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
+/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: launch(bucket)
+/// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
+/// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
+/// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
+/// fp16_compress_hook divide by the world size, round into a reused half-precision buffer, all-reduce the sum
+/// in that dtype and widen the result back (PyTorch's compression hooks).
 
+#include <concepts>
 #include <cstddef>
 #include <span>
 #include <type_traits>
@@ -12,79 +17,111 @@
 #include <ddp/comm/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
-#include <ddp/parallel/arena.hpp>
-#include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/archetype.hpp>
 
-namespace ddp::detail {
+namespace ddp {
 
-/// A hook's behaviour; specialized for each hook policy.
-template <class Hook>
-struct hook_impl {
-  static_assert(dependent_false<Hook>,
-                "ddp::data_parallel: unknown comm hook; use ddp::plain_hook, ddp::bf16_compress_hook or "
-                "ddp::fp16_compress_hook.");
+namespace detail {
+struct hook_category {};
+}  // namespace detail
+
+/// The policy_category of a comm hook: `using policy_category = ddp::comm_hook_policy;`.
+using comm_hook_policy = detail::hook_category;
+
+/// One bucket as a comm hook sees it: its gradients (host memory, one dtype) and the group reducing them.
+template <class Comm>
+struct bucket_gradients {
+  raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
+  Comm& comm;         ///< the group (the world under replicate)
+  std::size_t index;  ///< the bucket's place in launch order, the same every step (for per-bucket state)
+
+  /// Number of ranks the gradients are averaged over.
+  [[nodiscard]] int world_size() const { return comm.size(); }
+  /// The gradients' element type.
+  [[nodiscard]] dtype type() const noexcept { return grads.type; }
+  /// The gradients as elements of type T (T must match type()).
+  template <element T>
+  [[nodiscard]] std::span<T> elements() const noexcept {
+    return {static_cast<T*>(grads.data), grads.size};
+  }
 };
 
-/// Gradients are averaged in their own dtype.
-template <>
-struct hook_impl<plain_hook> {
-  explicit hook_impl(const parameter_layout&) {}
-  /// Starts the average of `grads` (elements [begin, ...) of arena `a`) across the group.
+/// A comm hook over communicator Comm: launch starts a bucket's reduction, complete finishes it.
+template <class H, class Comm = detail::archetype_communicator>
+concept comm_hook = std::default_initializable<H> && std::same_as<typename H::policy_category, comm_hook_policy> &&
+                    requires(H& h, const bucket_gradients<Comm>& b) {
+                      { h.launch(b) } -> std::same_as<work>;
+                      h.complete(b);
+                    };
+
+/// Gradients travel in their own dtype, averaged by the all-reduce.
+struct plain_hook {
+  using policy_category = comm_hook_policy;
+  /// Starts the average of the bucket across the group.
   template <class Comm>
-  work launch(Comm& comm, raw_tensor grads, std::size_t /*a*/, std::size_t /*begin*/) {
-    return comm.all_reduce(grads, reduce_op::avg);
+  work launch(const bucket_gradients<Comm>& b) {
+    return b.comm.all_reduce(b.grads, reduce_op::avg);
   }
   /// Nothing to undo once the reduction is done.
-  void complete(raw_tensor /*grads*/, std::size_t /*a*/, std::size_t /*begin*/) {}
-};
-
-/// Gradients of f32/f64 arenas travel as Half: pre-divided by the world size (so sums of large values
-/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are.
-template <class Half>
-struct compress_hook {
-  explicit compress_hook(const parameter_layout& layout) : scratch_(layout.arenas().size()) {
-    for (std::size_t a = 0; a < layout.arenas().size(); ++a) {
-      const dtype t = layout.arenas()[a].type;
-      if (t == dtype::f32 || t == dtype::f64) scratch_[a].resize(layout.arenas()[a].numel);
-    }
-  }
   template <class Comm>
-  work launch(Comm& comm, raw_tensor grads, std::size_t a, std::size_t begin) {
-    if (scratch_[a].empty()) return comm.all_reduce(grads, reduce_op::avg);
-    const std::span<Half> half(scratch_[a].data() + begin, grads.size);
-    const double scale = 1.0 / comm.size();
-    visit_typed(grads, [&](auto* g) {
+  void complete(const bucket_gradients<Comm>& /*b*/) {}
+};
+static_assert(comm_hook<plain_hook>);
+
+namespace detail {
+
+/// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (so sums of large values
+/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
+/// Half buffer per bucket, made on the bucket's first launch.
+template <class Half>
+class compress_hook {
+ public:
+  using policy_category = comm_hook_policy;
+  template <class Comm>
+  work launch(const bucket_gradients<Comm>& b) {
+    if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
+    auto& half = scratch(b);
+    const double scale = 1.0 / b.world_size();
+    visit_typed(b, [&](auto g) {
       for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(g[i] * scale));
     });
-    return comm.all_reduce(half, reduce_op::sum);
+    return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
   }
-  void complete(raw_tensor grads, std::size_t a, std::size_t begin) {
-    if (scratch_[a].empty()) return;
-    const Half* half = scratch_[a].data() + begin;
-    visit_typed(grads, [&](auto* g) {
-      using T = std::remove_pointer_t<decltype(g)>;
-      for (std::size_t i = 0; i < grads.size; ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
+  template <class Comm>
+  void complete(const bucket_gradients<Comm>& b) {
+    if (!compressed(b.type())) return;
+    const auto& half = scratch(b);
+    visit_typed(b, [&](auto g) {
+      using T = typename decltype(g)::value_type;
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
     });
   }
 
  private:
-  template <class F>
-  static void visit_typed(raw_tensor t, F&& f) {
-    if (t.type == dtype::f64)
-      f(static_cast<double*>(t.data));
-    else
-      f(static_cast<float*>(t.data));
+  static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
+  template <class Comm>
+  std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
+    if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
+    scratch_[b.index].resize(b.grads.size);
+    return scratch_[b.index];
   }
-  std::vector<std::vector<Half>> scratch_;  // per arena; empty where gradients travel uncompressed
+  template <class Comm, class F>
+  static void visit_typed(const bucket_gradients<Comm>& b, F&& f) {
+    if (b.type() == dtype::f64)
+      f(b.template elements<double>());
+    else
+      f(b.template elements<float>());
+  }
+  std::vector<std::vector<Half>> scratch_;  // per bucket index
 };
 
-template <>
-struct hook_impl<bf16_compress_hook> : compress_hook<bfloat16> {
-  using compress_hook::compress_hook;
-};
-template <>
-struct hook_impl<fp16_compress_hook> : compress_hook<float16> {
-  using compress_hook::compress_hook;
-};
+}  // namespace detail
 
-}  // namespace ddp::detail
+/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
+struct bf16_compress_hook : detail::compress_hook<bfloat16> {};
+static_assert(comm_hook<bf16_compress_hook>);
+/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
+struct fp16_compress_hook : detail::compress_hook<float16> {};
+static_assert(comm_hook<fp16_compress_hook>);
+
+}  // namespace ddp

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <optional>
 #include <span>
 #include <string>
@@ -36,6 +35,7 @@
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/replicate.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
+#include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp {
@@ -84,15 +84,23 @@ class data_parallel {
   using model_type = Model;                                                        ///< the wrapped model
   using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
   using sharding = typename policy::sharding;                                      ///< the sharding policy
+  using hook_type = typename policy::hook;                                         ///< the comm hook
   static_assert(communicator<communicator_type>);
+  static_assert(comm_hook<hook_type, communicator_type>,
+                "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
+                "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+                "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
+                "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
   data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
       : model_(model), comm_(std::move(comm)), options_(std::move(options)),
         multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded)),
-        hook_(layout_) {
+                                  strategy_type::sharded ? detail::bucket_cut::within_units
+                                                         : detail::bucket_cut::anywhere)),
+        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
@@ -106,20 +114,15 @@ class data_parallel {
     }
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-    strategy_.emplace(layout_, plan_, comm_, options_);
-    reported_.assign(layout_.slots().size(), 0);
-    pending_.resize(plan_.buckets.size());
-    works_.resize(plan_.buckets.size());
+    strategy_.emplace(layout_, plan_, state_, comm_, options_);
   }
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
-  /// Waits for reductions in flight. Under full_shard it first gathers every unit (collective, skipped
-  /// while an exception unwinds) so the model keeps its trained values once the arenas are gone.
-  ~data_parallel() {
-    for (std::size_t b = 0; b < launched_; ++b) try { works_[b].wait(); } catch (...) {}  // NOLINT: no throw from a destructor
-    if (strategy_ && std::uncaught_exceptions() == 0)
-      try { strategy_->finalize(); } catch (...) {}  // NOLINT: a lost peer leaves the released units zero
-  }
+  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
+  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
+  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// model.
+  ~data_parallel() { state_.settle(); }
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
   template <element E>
@@ -129,74 +132,87 @@ class data_parallel {
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
     const auto slot = static_cast<std::size_t>(i);
+    check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    open_step();
-    if (reported_[slot])
+    if (state_.phase() != detail::step_phase::reporting) state_.begin(unused_);
+    if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
-    mark_ready(slot);
     launch_ready();
   }
 
   /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
-  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated).
+  /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
+  /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    open_step();
-    struct close_step {
-      data_parallel* self;
-      ~close_step() { self->step_open_ = false; }
-    } closer{this};
-    if (launched_ < plan_.buckets.size()) {
+    no_sync_unclosed_ = false;
+    if (state_.phase() == detail::step_phase::finished) return;
+    if (state_.phase() == detail::step_phase::idle) state_.begin(unused_);
+    if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
-      for (std::size_t s = 0; s < reported_.size(); ++s)
-        if (!reported_[s] && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+        if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
       if (options_.error_on_missing) {
-        wait_launched();
+        reduce_launched();
+        state_.abandon();
         std::string names;
         for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
         throw error("finish_gradients: parameter(s) " + names + " did not report a gradient in this step; call "
                     "dp.gradient_ready(p) for each in the backward, or list them in "
                     "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
       }
-      for (std::size_t s = 0; s < reported_.size(); ++s)
-        if (!reported_[s]) mark_ready(s);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) state_.report(s);
       launch_ready();
     }
-    wait_launched();
+    reduce_launched();
+    state_.finish();
   }
 
-  /// RAII guard returned by no_sync(): while alive, gradients accumulate without a step. Under
-  /// replicate they accumulate locally without communication; under the sharding strategies each
-  /// micro-batch is reduce-scattered into the sharded gradients when the guard ends (memory stays sharded).
+  /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
+  /// accumulate locally without communication; under the sharding strategies each micro-batch is
+  /// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
+  /// it at the end of the span. The destructor issues no collective: it only ends the span.
   class [[nodiscard]] no_sync_guard {
    public:
-    explicit no_sync_guard(data_parallel& dp) : dp_(&dp), unwinding_(std::uncaught_exceptions()) {
-      ++dp_->no_sync_depth_;
-    }
+    explicit no_sync_guard(data_parallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
     no_sync_guard(const no_sync_guard&) = delete;
     no_sync_guard& operator=(const no_sync_guard&) = delete;
-    ~no_sync_guard() noexcept(!strategy_type::sharded) {
-      --dp_->no_sync_depth_;
-      if constexpr (strategy_type::sharded)
-        if (std::uncaught_exceptions() == unwinding_) dp_->finish_gradients();
+    /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
+    void close() {
+      if (!dp_) return;
+      data_parallel& dp = *dp_;
+      end_span();
+      if constexpr (strategy_type::sharded) dp.finish_gradients();
+    }
+    /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
+    /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
+    ~no_sync_guard() {
+      if (!dp_) return;
+      if (strategy_type::sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
+      end_span();
     }
 
    private:
+    void end_span() noexcept {
+      --dp_->no_sync_depth_;
+      dp_ = nullptr;
+    }
     data_parallel* dp_;
-    int unwinding_;
   };
-  /// Starts a gradient-accumulation scope (see no_sync_guard); the next synchronized backward reduces
-  /// the accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
+  /// Starts a gradient-accumulation span (see no_sync_guard); the next synchronized backward reduces the
+  /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
-    if (step_open_)
+    check_no_sync_closed("no_sync");
+    if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
     return no_sync_guard(*this);
   }
 
-  /// finish_gradients(), then one optimizer step over the flat arenas (or the owned shards).
+  /// finish_gradients() (unless it ran already for this backward), then one optimizer step over the flat
+  /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
     if (no_sync_depth_ > 0)
@@ -205,6 +221,7 @@ class data_parallel {
     finish_gradients();
     opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
     strategy_->after_step();
+    state_.end();
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -212,9 +229,17 @@ class data_parallel {
     opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
   }
 
-  /// Sets every gradient to zero.
-  void zero_grad() noexcept { strategy_->zero_grad(); }
+  /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
+  void zero_grad() noexcept {
+    strategy_->zero_grad();
+    state_.end();
+  }
 
+  /// Collective under full_shard: all-gathers every unit into the model's own parameters, so they hold the
+  /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
+  /// last step, outside every gather scope; later steps do not update those values (call it again). Under
+  /// replicate and shard_grad_op the parameters are whole already and it does nothing.
+  void unshard_model() { strategy_->unshard_model(); }
   /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
   class [[nodiscard]] gather_guard {
    public:
@@ -267,6 +292,8 @@ class data_parallel {
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The comm hook this wrapper reduces buckets through (hooks may keep state).
+  [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
   /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
@@ -287,32 +314,18 @@ class data_parallel {
   }
 
  private:
-  void open_step() {
-    if (step_open_) return;
-    step_open_ = true;
-    launched_ = 0;
-    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) pending_[b] = plan_.buckets[b].params.size();
-    std::fill(reported_.begin(), reported_.end(), 0);
-    for (std::size_t s = 0; s < unused_.size(); ++s)
-      if (unused_[s]) mark_ready(s);
-  }
-  void mark_ready(std::size_t slot) {
-    reported_[slot] = 1;
-    for (const std::size_t b : plan_.of_param[slot]) --pending_[b];
-  }
   void launch_ready() {
-    while (launched_ < plan_.buckets.size() && pending_[launched_] == 0) {
-      works_[launched_] = strategy_->reduce(hook_, launched_);
-      ++launched_;
-    }
+    while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
-  void wait_launched() {
-    for (std::size_t b = 0; b < launched_; ++b) {
-      works_[b].wait();
-      works_[b] = work{};
-      strategy_->reduced(hook_, b);
-    }
-    launched_ = 0;
+  /// Waits for the launched buckets in plan order; each becomes reduced.
+  void reduce_launched() {
+    for (std::size_t b = 0; b < state_.launched(); ++b)
+      if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
+  }
+  void check_no_sync_closed(const char* where) const {
+    if (no_sync_unclosed_)
+      throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
+                  "at the end of the span (or dp.finish_gradients() now)", rank());
   }
 
   Model& model_;
@@ -321,15 +334,12 @@ class data_parallel {
   std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
-  detail::hook_impl<typename policy::hook> hook_;
+  hook_type hook_;
+  detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
-  std::vector<char> reported_;              // per slot: reported in the open step
-  std::vector<std::size_t> pending_;        // per bucket: slots still to report
-  std::vector<work> works_;                 // per bucket: its reduction in flight
-  std::size_t launched_ = 0;                // buckets launched in the open step (a prefix of the plan)
-  bool step_open_ = false;                  // a synchronized backward has begun
-  int no_sync_depth_ = 0;                   // live no_sync guards
+  int no_sync_depth_ = 0;                   // open no_sync spans
+  bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
 
 }  // namespace ddp

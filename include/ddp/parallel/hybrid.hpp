@@ -1,7 +1,9 @@
 #pragma once
 /// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
 /// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
-/// averaged across the groups (over the ranks holding the same block), built on split().
+/// averaged across the groups (over the ranks holding the same block), built on split(). That average is
+/// chained without blocking the backward: sharded_core::reduce polls earlier buckets and starts it for those
+/// whose reduce-scatter completed; the rest start at the waiting point in finish_gradients.
 
 #include <cstddef>
 #include <string>
@@ -9,12 +11,14 @@
 
 #include <ddp/comm/env.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/full_shard.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
+#include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp::detail {
@@ -35,8 +39,9 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
                          comm.rank());
     return static_cast<std::size_t>(g);
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : strategy(layout, plan, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
+           const data_parallel_options& options)
+      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
 
  private:
   /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
@@ -46,9 +51,12 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
     Comm replica = comm.split(comm.rank() % g, comm.rank());
     return {std::move(shard), std::move(replica)};
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, std::pair<Comm, Comm> g,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, std::pair<Comm, Comm> g,
            const data_parallel_options& options)
-      : strategy<Inner, Comm>(layout, plan, std::move(g.first), std::move(g.second), options) {}
+      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), options) {}
 };
+static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator> &&
+                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator>,
+              "ddp: the hybrid strategies must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

@@ -6,13 +6,13 @@
 #include <type_traits>
 
 #include <ddp/comm/backend.hpp>
+#include <ddp/parallel/comm_hooks.hpp>
 
 namespace ddp {
 
 namespace detail {
 struct sharding_category {};
 struct bucket_category {};
-struct hook_category {};
 }  // namespace detail
 
 /// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
@@ -39,13 +39,6 @@ struct bucket_bytes {
   static constexpr std::size_t first = First;        ///< bytes of the first bucket
 };
 
-/// Gradients travel in their own dtype.
-struct plain_hook { using policy_category = detail::hook_category; };
-/// Gradients are cast to bfloat16 for the reduction and back (half the bytes).
-struct bf16_compress_hook { using policy_category = detail::hook_category; };
-/// Gradients are scaled, cast to float16 for the reduction and back (half the bytes).
-struct fp16_compress_hook { using policy_category = detail::hook_category; };
-
 namespace detail {
 
 template <class P>
@@ -56,7 +49,8 @@ constexpr bool check_policy() {
   static_assert(policy<P>,
                 "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
                 "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
-                "ddp::bucket_bytes<N> or a hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook).");
+                "ddp::bucket_bytes<N> or a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
+                "own type with `using policy_category = ddp::comm_hook_policy;`).");
   return true;
 }
 

@@ -8,10 +8,13 @@
 
 #include <ddp/comm/work.hpp>
 #include <ddp/optim/flat.hpp>
+#include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp::detail {
@@ -32,22 +35,24 @@ inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layo
 template <class Comm>
 struct strategy<replicate, Comm> {
   static constexpr bool sharded = false;
+  static constexpr unit_phase initial_units = unit_phase::unsharded;
   static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
 
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& /*options*/)
-      : layout_(layout), plan_(plan), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
+           const data_parallel_options& /*options*/)
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
 
-  /// Starts the all-reduce of bucket `b` through the hook.
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook.
   template <class Hook>
-  work reduce(Hook& hook, std::size_t b) {
-    const auto& bk = plan_.buckets[b];
-    return hook.launch(comm_, layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+  void reduce(Hook& hook, std::size_t b) {
+    state_.launch(b, hook.launch(gradients(b)));
   }
-  /// Bucket `b`'s reduction has completed: the hook writes the averaged gradients back.
+  /// Waits for bucket `b`'s all-reduce; the hook writes the averaged gradients back; → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    const auto& bk = plan_.buckets[b];
-    hook.complete(layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), bk.arena, bk.begin);
+    state_.wait(b);
+    hook.complete(gradients(b));
+    state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
@@ -63,13 +68,22 @@ struct strategy<replicate, Comm> {
   /// Every gradient may be reported at any time.
   void on_report(std::size_t /*slot*/) const {}
   /// The model holds its values already.
-  void finalize() {}
+  void unshard_model() {}
 
  private:
+  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b) {
+    const auto& bk = plan_.buckets[b];
+    return {layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), comm_, b};
+  }
+
   parameter_layout& layout_;
   const bucket_plan& plan_;
+  step_state& state_;
   Comm comm_;
   std::vector<optim::flat_buffer> buffers_;
 };
+
+static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
+              "ddp: the replicate strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

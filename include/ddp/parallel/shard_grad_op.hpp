@@ -10,26 +10,32 @@
 #include <vector>
 
 #include <ddp/comm/work.hpp>
+#include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/sharded.hpp>
+#include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp::detail {
 
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
+  static constexpr unit_phase initial_units = unit_phase::unsharded;
   static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm comm, const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(comm), std::nullopt, "shard_grad_op", options, true) {}
-  /// hybrid: shards over `shard`, replicas over `replica`.
-  strategy(parameter_layout& layout, const bucket_plan& plan, Comm shard, Comm replica,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, std::move(shard), std::move(replica), "shard_grad_op", options, true) {}
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
+  /// hybrid: shards over `shard`, replicas over `replica`.
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
+           const data_parallel_options& options)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
+                           owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -41,14 +47,16 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
   void acquire(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->hold(u);
+    for (const std::size_t u : units) this->open_scope(u);
   }
   /// Ends a use of the units.
   void release(std::span<const std::size_t> units) {
-    for (const std::size_t u : units) this->let_go(u);
+    for (const std::size_t u : units) this->close_scope(u);
   }
   /// Parameters are whole in the value arena already.
-  void finalize() {}
+  void unshard_model() {}
 };
+static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator>,
+              "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

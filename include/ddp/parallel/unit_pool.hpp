@@ -15,6 +15,12 @@
 
 namespace ddp::detail {
 
+/// Which idle buffers unit_pool::trim frees.
+enum class pool_trim : std::uint8_t {
+  untaken,   ///< those nobody took since the previous trim (steady state keeps what steps use)
+  all_idle,  ///< every idle buffer (the lowest memory between steps)
+};
+
 /// A pool of per-unit buffers, each one byte range per arena.
 class unit_pool {
  public:
@@ -44,10 +50,10 @@ class unit_pool {
   }
   /// The bytes of buffer `id` for arena `a`.
   [[nodiscard]] std::byte* data(std::size_t id, std::size_t a) const noexcept { return buffers_[id].parts[a].data(); }
-  /// Frees the idle buffers nobody took since the previous trim (every idle buffer when `all`).
-  void trim(bool all = false) noexcept {
+  /// Frees the idle buffers `which` names.
+  void trim(pool_trim which) noexcept {
     for (auto& b : buffers_) {
-      if (!b.busy && (all || !b.taken_since_trim)) b = buffer{};
+      if (!b.busy && (which == pool_trim::all_idle || !b.taken_since_trim)) b = buffer{};
       b.taken_since_trim = false;
     }
   }

@@ -1,0 +1,284 @@
+#pragma once
+/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
+/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
+/// of its full-gradient storage (released → held → reported) and its open gather scopes; per slot whether it
+/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/work.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+
+namespace ddp::detail {
+
+/// Where a synchronized backward stands.
+enum class step_phase : std::uint8_t {
+  idle,       ///< no gradient reported since the last step (or since zero_grad after finish_gradients)
+  reporting,  ///< gradients are being reported and buckets launched
+  finished,   ///< finish_gradients() completed: every bucket is reduced, step() may run
+};
+/// Where one bucket's reduction stands in the step.
+enum class bucket_phase : std::uint8_t {
+  waiting,   ///< parameters still to report, or an earlier bucket still to launch
+  launched,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
+  chained,   ///< hybrid: the reduce-scatter completed and the cross-group all-reduce is in flight
+  reduced,   ///< its gradients are final for this step
+};
+/// Where a unit's parameter values stand (shard_grad_op and replicate keep every unit unsharded).
+enum class unit_phase : std::uint8_t {
+  sharded,     ///< only the owned blocks exist
+  unsharding,  ///< all-gathers into its pooled buffer are in flight (a gather scope or a prefetch)
+  unsharded,   ///< the full values are present
+};
+/// Where a unit's full-gradient storage stands (the sharded strategies).
+enum class grad_phase : std::uint8_t {
+  released,  ///< no storage: its parameters' gradients point at zero pages
+  held,      ///< a pooled buffer, zero or already reduced: nothing pending
+  reported,  ///< gradients were reported into it and its buckets are not all reduced
+};
+
+/// The phase's name, for messages.
+constexpr const char* to_string(step_phase p) noexcept {
+  constexpr const char* names[] = {"idle", "reporting", "finished"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(bucket_phase p) noexcept {
+  constexpr const char* names[] = {"waiting", "launched", "chained", "reduced"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(unit_phase p) noexcept {
+  constexpr const char* names[] = {"sharded", "unsharding", "unsharded"};
+  return names[static_cast<int>(p)];
+}
+/// The phase's name, for messages.
+constexpr const char* to_string(grad_phase p) noexcept {
+  constexpr const char* names[] = {"released", "held", "reported"};
+  return names[static_cast<int>(p)];
+}
+
+/// One bucket in the step.
+struct bucket_record {
+  bucket_phase phase = bucket_phase::waiting;  ///< where its reduction stands
+  std::size_t pending = 0;                     ///< parameters still to report in this step
+  work reduction;                              ///< launched: its all-reduce or reduce-scatter
+  work average;                                ///< chained: hybrid's cross-group all-reduce
+};
+/// One unit in the step.
+struct unit_record {
+  unit_phase values = unit_phase::unsharded;     ///< its parameter values
+  grad_phase grads = grad_phase::released;       ///< its full-gradient storage
+  int scopes = 0;                                ///< open gather scopes on it
+  std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
+};
+
+/// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
+class step_state {
+ public:
+  /// Buckets of `plan`, `slots` parameters, `units` units starting in phase `values`; `rank` for messages.
+  step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
+      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
+    for (auto& u : units_) u.values = values;
+    unit_buckets_.resize(units);
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) unit_buckets_[plan.buckets[b].unit].push_back(b);
+  }
+  step_state(const step_state&) = delete;
+  step_state& operator=(const step_state&) = delete;
+  ~step_state() { settle(); }
+
+  /// Waits for every operation still in flight and drops their handles and errors (for destructors, which
+  /// report nothing); the phases stay as they are.
+  void settle() noexcept {
+    const auto quietly = [](work& w) {
+      try { w.wait(); } catch (...) {}  // NOLINT: a destructor reports nothing
+      w = work{};
+    };
+    for (auto& b : buckets_) {
+      quietly(b.reduction);
+      quietly(b.average);
+    }
+    for (auto& u : units_)
+      for (auto& w : u.gathers) quietly(w);
+  }
+
+  // ---- the step ----
+  /// Where the step stands.
+  [[nodiscard]] step_phase phase() const noexcept { return phase_; }
+  /// idle or finished → reporting: every bucket waits for its parameters again; `unused` slots count as reported.
+  void begin(std::span<const char> unused) {
+    expect_step(phase_ != step_phase::reporting, "begin a step", "idle or finished");
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto& r = buckets_[b];
+      if (r.phase == bucket_phase::launched || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
+      r.phase = bucket_phase::waiting;
+      r.pending = plan_.buckets[b].params.size();
+    }
+    std::fill(reported_.begin(), reported_.end(), 0);
+    next_ = 0;
+    phase_ = step_phase::reporting;
+    for (std::size_t s = 0; s < unused.size(); ++s)
+      if (unused[s]) report(s);
+  }
+  /// Notes slot `s`'s report; false when it already reported in this step.
+  bool report(std::size_t s) {
+    expect_step(phase_ == step_phase::reporting, "report a gradient", "reporting");
+    if (reported_[s]) return false;
+    reported_[s] = 1;
+    for (const std::size_t b : plan_.of_param[s]) --buckets_[b].pending;
+    return true;
+  }
+  /// Whether slot `s` reported in this step.
+  [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
+  /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
+  [[nodiscard]] std::optional<std::size_t> next_ready() const noexcept {
+    if (phase_ != step_phase::reporting || next_ == buckets_.size() || buckets_[next_].pending > 0) return std::nullopt;
+    return next_;
+  }
+  /// Buckets launched in this step (a prefix of the plan).
+  [[nodiscard]] std::size_t launched() const noexcept { return next_; }
+  /// reporting → finished: every bucket must be reduced.
+  void finish() {
+    expect_step(phase_ == step_phase::reporting, "finish the gradients", "reporting");
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::reduced);
+    phase_ = step_phase::finished;
+  }
+  /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
+  void abandon() {
+    for (std::size_t b = 0; b < next_; ++b)
+      if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::waiting);
+    phase_ = step_phase::idle;
+  }
+  /// finished → idle (the optimizer stepped, or the gradients were zeroed).
+  void end() noexcept {
+    if (phase_ == step_phase::finished) phase_ = step_phase::idle;
+  }
+
+  // ---- buckets ----
+  /// Bucket `b`'s record.
+  [[nodiscard]] const bucket_record& bucket(std::size_t b) const noexcept { return buckets_[b]; }
+  /// waiting → launched with its reduction `w`; `b` must be the next bucket in plan order.
+  void launch(std::size_t b, work w) {
+    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::launched);
+    move_bucket(b, bucket_phase::launched, bucket_phase::waiting);
+    buckets_[b].reduction = std::move(w);
+    ++next_;
+  }
+  /// launched → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
+  void chain(std::size_t b, work w) {
+    move_bucket(b, bucket_phase::chained, bucket_phase::launched);
+    buckets_[b].reduction = work{};
+    buckets_[b].average = std::move(w);
+  }
+  /// Waits for bucket `b`'s reduction (launched) or cross-group average (chained).
+  void wait(std::size_t b) {
+    auto& r = buckets_[b];
+    (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
+  }
+  /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
+  [[nodiscard]] bool scattered(std::size_t b) {
+    const auto p = buckets_[b].phase;
+    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::launched && buckets_[b].reduction.done());
+  }
+  /// launched or chained → reduced, once waited for.
+  void complete(std::size_t b) {
+    const auto p = buckets_[b].phase;
+    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::launched);
+    buckets_[b].reduction = work{};
+    buckets_[b].average = work{};
+  }
+
+  // ---- units ----
+  /// Unit `u`'s record.
+  [[nodiscard]] const unit_record& unit(std::size_t u) const noexcept { return units_[u]; }
+  /// Number of units.
+  [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
+  /// Unit `u`'s buckets, in launch order.
+  [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
+  /// Whether every bucket of unit `u` is out of flight (reduced, or not launched in this step).
+  [[nodiscard]] bool unit_settled(std::size_t u) const noexcept {
+    for (const std::size_t b : unit_buckets_[u])
+      if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
+    return true;
+  }
+  /// A gather scope opens on unit `u`.
+  void open_scope(std::size_t u) noexcept { ++units_[u].scopes; }
+  /// A gather scope on unit `u` closes; true when it was the last one.
+  bool close_scope(std::size_t u) {
+    if (units_[u].scopes == 0)
+      fail("unit " + std::to_string(u) + " has no open gather scope to close");
+    return --units_[u].scopes == 0;
+  }
+  /// sharded → unsharding with its all-gathers `gathers` in flight.
+  void unshard(std::size_t u, std::vector<work> gathers) {
+    move_unit(u, unit_phase::unsharding, unit_phase::sharded);
+    units_[u].gathers = std::move(gathers);
+  }
+  /// unsharding → unsharded, waiting for its all-gathers.
+  void unsharded(std::size_t u) {
+    move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
+    wait_all(units_[u].gathers);
+    units_[u].gathers.clear();
+  }
+  /// unsharded → sharded: the full values are freed.
+  void reshard(std::size_t u) { move_unit(u, unit_phase::sharded, unit_phase::unsharded); }
+  /// Moves unit `u`'s gradient storage to `to` from `from` (one of the phases named), else raises.
+  void move_grads(std::size_t u, grad_phase to, std::initializer_list<grad_phase> from) {
+    const grad_phase now = units_[u].grads;
+    if (std::find(from.begin(), from.end(), now) == from.end())
+      fail("the gradient storage of unit " + std::to_string(u) + " cannot go from " + to_string(now) + " to " +
+           to_string(to));
+    units_[u].grads = to;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
+                "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
+                "calls that led here)", rank_);
+  }
+  void expect_step(bool ok, const char* action, const char* expected) const {
+    if (!ok)
+      throw error(std::string("data_parallel: cannot ") + action + " while the step is " + to_string(phase_) +
+                  " (it must be " + expected + "); call zero_grad(), the backward's gradient_ready(p), "
+                  "finish_gradients() and step(opt) in this order", rank_);
+  }
+  /// Bucket `b` goes to `to`; it must be in `from`.
+  void move_bucket(std::size_t b, bucket_phase to, bucket_phase from) {
+    if (buckets_[b].phase != from) bad_move(b, to);
+    buckets_[b].phase = to;
+  }
+  [[noreturn]] void bad_move(std::size_t b, bucket_phase to) const {
+    std::string why;
+    if (to == bucket_phase::launched && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
+    else if (to == bucket_phase::launched && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
+    fail("bucket " + std::to_string(b) + " cannot go from " + to_string(buckets_[b].phase) + " to " + to_string(to) + why);
+  }
+  void move_unit(std::size_t u, unit_phase to, unit_phase from) {
+    if (units_[u].values != from)
+      fail("unit " + std::to_string(u) + " cannot go from " + to_string(units_[u].values) + " to " + to_string(to));
+    units_[u].values = to;
+  }
+
+  const bucket_plan& plan_;
+  std::vector<bucket_record> buckets_;
+  std::vector<unit_record> units_;
+  std::vector<std::vector<std::size_t>> unit_buckets_;
+  std::vector<char> reported_;  // per slot
+  std::size_t next_ = 0;        // the next bucket to launch
+  step_phase phase_ = step_phase::idle;
+  int rank_;
+};
+
+}  // namespace ddp::detail

@@ -1,0 +1,355 @@
+// The step in one process: the bucket planner, the unit pool, every phase transition of step_state (an illegal
+// one raises ddp::error), and the exact sequence of collectives each policy issues, seen through a recording
+// loopback communicator (replicate, shard_grad_op, full_shard with prefetch, hybrid, no_sync, several buckets).
+#include <catch2/catch.hpp>
+
+#include <string>
+#include <vector>
+
+#include <ddp/optim/sgd.hpp>
+#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/data_parallel.hpp>
+#include <ddp/parallel/step_state.hpp>
+#include <ddp/parallel/unit_pool.hpp>
+
+#include "recording_comm.hpp"
+
+namespace {
+
+using strings = std::vector<std::string>;
+using ddp_test::recording_backend;
+using ddp_test::recording_comm;
+
+struct layer {
+  ddp::parameter<float> w, b;
+};
+/// Three units of 4 + 2, 4 + 2 and 2 + 2 floats: slots fc1.w 0, fc1.b 1, fc2.w 2, fc2.b 3, fc3.w 4, fc3.b 5.
+struct net {
+  layer fc1, fc2, fc3;
+};
+net make_net() {
+  auto p = [](std::vector<std::size_t> shape) {
+    ddp::parameter<float> out(shape);
+    for (std::size_t i = 0; i < out.numel(); ++i) out.value()[i] = 0.25F * static_cast<float>(i + 1);
+    return out;
+  };
+  return {{p({2, 2}), p({2})}, {p({2, 2}), p({2})}, {p({1, 2}), p({2})}};
+}
+using four_floats = ddp::bucket_bytes<16, 16>;
+
+struct bucket_range {
+  std::size_t begin, end, unit;
+  bool operator==(const bucket_range&) const = default;
+};
+std::vector<bucket_range> ranges(const ddp::detail::bucket_plan& plan) {
+  std::vector<bucket_range> out;
+  for (const auto& b : plan.buckets) out.push_back({b.begin, b.end, b.unit});
+  return out;
+}
+
+/// A backward over `layers` (indices into fc1, fc2, fc3), last layer first, each inside a gather scope,
+/// reporting bias then weight.
+template <class DP>
+void backward(DP& dp, net& m, std::vector<int> layers) {
+  layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
+  for (const int l : layers) {
+    auto g = dp.gather(*all[l]);
+    for (auto* p : {&all[l]->b, &all[l]->w}) {
+      for (auto& x : p->grad()) x += 1.0F;
+      dp.gradient_ready(*p);
+    }
+  }
+}
+/// Opens and closes a gather scope on each layer in `layers` (a forward).
+template <class DP>
+void forward(DP& dp, net& m, std::vector<int> layers) {
+  layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
+  for (const int l : layers) auto g = dp.gather(*all[l]);
+}
+
+}  // namespace
+
+TEST_CASE("bucket planner: reverse visit order, first bucket smaller, boundaries inside parameters", "[step]") {
+  net m = make_net();
+  ddp::detail::parameter_layout layout(m);
+  const auto plan = ddp::detail::plan_buckets(layout, 16, 8);
+  // 16 floats from the end: 2 first, then 4 each; [10, 14) spans fc2.b and fc3.w, [2, 6) starts inside fc1.w
+  REQUIRE(ranges(plan) == std::vector<bucket_range>{{14, 16, 2}, {10, 14, 2}, {6, 10, 1}, {2, 6, 0}, {0, 2, 0}});
+  REQUIRE(plan.of_param[0] == std::vector<std::size_t>{3, 4});  // fc1.w [0, 4) overlaps [2, 6) and [0, 2)
+  REQUIRE(plan.of_param[4] == std::vector<std::size_t>{1});      // fc3.w [12, 14)
+  REQUIRE(plan.buckets[1].params == std::vector<std::size_t>{3, 4});
+}
+
+TEST_CASE("bucket planner: sharded buckets hold multiples of N and never cross a unit", "[step]") {
+  net m = make_net();
+  ddp::detail::parameter_layout layout(m, 4);  // N = 4: units start at 0, 8, 16; the arena is 20 long
+  REQUIRE(layout.arenas()[0].numel == 20);
+  const auto plan = ddp::detail::plan_buckets(layout, 32, 16, 4, ddp::detail::bucket_cut::within_units);
+  REQUIRE(ranges(plan) == std::vector<bucket_range>{{16, 20, 2}, {8, 16, 1}, {0, 8, 0}});
+  const auto cut = ddp::detail::plan_buckets(layout, 24, 24, 4, ddp::detail::bucket_cut::within_units);  // 6 floats: 4
+  REQUIRE(ranges(cut) == std::vector<bucket_range>{{16, 20, 2}, {12, 16, 1}, {8, 12, 1}, {4, 8, 0}, {0, 4, 0}});
+}
+
+TEST_CASE("unit pool: the smallest idle buffer that fits, reuse, trim", "[step]") {
+  ddp::detail::unit_pool pool({4, 8});  // f32 and f64 arenas
+  const std::size_t small = pool.take(std::vector<std::size_t>{10, 1});
+  REQUIRE(pool.bytes() == 48);
+  const std::size_t large = pool.take(std::vector<std::size_t>{20, 2});
+  REQUIRE(large != small);
+  pool.give(large);
+  pool.give(small);
+  REQUIRE(pool.take(std::vector<std::size_t>{5, 1}) == small);  // fits both: the smaller
+  REQUIRE(pool.take(std::vector<std::size_t>{5, 1}) == large);  // the smaller is busy
+  pool.give(small);
+  pool.give(large);
+  REQUIRE(pool.take(std::vector<std::size_t>{10, 3}) != small);  // fits neither: a new buffer
+  pool.trim(ddp::detail::pool_trim::untaken);  // every buffer was taken since the last trim: all stay
+  REQUIRE(pool.bytes() == 48 + 96 + 64);
+  pool.trim(ddp::detail::pool_trim::untaken);  // none taken since: the idle ones go, the busy one stays
+  REQUIRE(pool.bytes() == 64);
+  pool.trim(ddp::detail::pool_trim::all_idle);
+  REQUIRE(pool.bytes() == 64);
+}
+
+TEST_CASE("step state: every legal transition, and each illegal one raises a ddp::error naming it", "[step]") {
+  using namespace ddp::detail;
+  net m = make_net();
+  parameter_layout layout(m);
+  const auto plan = plan_buckets(layout, 16, 8);  // 5 buckets
+  step_state st(plan, 6, 3, unit_phase::sharded, 3);
+  const auto raises = [](auto&& f, const std::string& text) {
+    try {
+      f();
+      FAIL("no error for: " << text);
+    } catch (const ddp::error& e) {
+      INFO(e.what());
+      REQUIRE(e.rank() == 3);
+      REQUIRE_THAT(e.what(), Catch::Contains(text));
+    }
+  };
+  REQUIRE(st.phase() == step_phase::idle);
+  raises([&] { st.report(5); }, "cannot report a gradient while the step is idle");
+  raises([&] { st.finish(); }, "cannot finish the gradients while the step is idle");
+
+  const std::vector<char> unused{0, 0, 0, 0, 0, 0};
+  st.begin(unused);
+  REQUIRE(st.phase() == step_phase::reporting);
+  raises([&] { st.begin(unused); }, "cannot begin a step while the step is reporting");
+  REQUIRE(!st.next_ready());
+  REQUIRE(st.report(5));
+  REQUIRE(!st.report(5));  // twice: the caller names the parameter
+  REQUIRE(st.next_ready() == std::size_t{0});
+  raises([&] { st.launch(1, ddp::work{}); }, "bucket 1 cannot go from waiting to launched out of plan order (bucket 0 is next)");
+  raises([&] { st.complete(0); }, "bucket 0 cannot go from waiting to reduced");
+  raises([&] { st.chain(0, ddp::work{}); }, "bucket 0 cannot go from waiting to chained");
+  st.launch(0, ddp::work{});
+  REQUIRE(st.bucket(0).phase == bucket_phase::launched);
+  REQUIRE(st.launched() == 1);
+  REQUIRE(st.scattered(0));  // a default work is complete
+  REQUIRE(!st.unit_settled(2));
+  st.chain(0, ddp::work{});
+  REQUIRE(st.bucket(0).phase == bucket_phase::chained);
+  raises([&] { st.chain(0, ddp::work{}); }, "bucket 0 cannot go from chained to chained");
+  raises([&] { st.finish(); }, "bucket 0 cannot go from chained to reduced");
+  st.wait(0);
+  st.complete(0);
+  REQUIRE(st.bucket(0).phase == bucket_phase::reduced);
+  raises([&] { st.complete(0); }, "bucket 0 cannot go from reduced to reduced");
+  for (std::size_t s = 0; s < 5; ++s) REQUIRE(st.report(s));
+  for (std::size_t b = 1; b < 5; ++b) {
+    REQUIRE(st.next_ready() == b);
+    st.launch(b, ddp::work{});
+  }
+  REQUIRE(!st.next_ready());
+  raises([&] { st.finish(); }, "bucket 1 cannot go from launched to reduced");
+  raises([&] { st.abandon(); }, "bucket 1 cannot go from launched to waiting");
+  for (std::size_t b = 1; b < 5; ++b) st.complete(b);
+  REQUIRE(st.unit_settled(2));
+  st.finish();
+  REQUIRE(st.phase() == step_phase::finished);
+  st.end();
+  REQUIRE(st.phase() == step_phase::idle);
+  st.begin(unused);  // every bucket waits again
+  REQUIRE(st.bucket(3).phase == bucket_phase::waiting);
+  REQUIRE(!st.reported(0));
+
+  // units: sharded → unsharding → unsharded → sharded
+  REQUIRE(st.unit(1).values == unit_phase::sharded);
+  raises([&] { st.unsharded(1); }, "unit 1 cannot go from sharded to unsharded");
+  raises([&] { st.reshard(1); }, "unit 1 cannot go from sharded to sharded");
+  st.unshard(1, {});
+  REQUIRE(st.unit(1).values == unit_phase::unsharding);
+  raises([&] { st.unshard(1, {}); }, "unit 1 cannot go from unsharding to unsharding");
+  st.unsharded(1);
+  REQUIRE(st.unit(1).values == unit_phase::unsharded);
+  st.reshard(1);
+  REQUIRE(st.unit(1).values == unit_phase::sharded);
+  // gradient storage: released → held → reported → held → released
+  raises([&] { st.move_grads(1, grad_phase::reported, {grad_phase::held}); },
+         "gradient storage of unit 1 cannot go from released to reported");
+  st.move_grads(1, grad_phase::held, {grad_phase::released});
+  st.move_grads(1, grad_phase::reported, {grad_phase::held});
+  st.move_grads(1, grad_phase::held, {grad_phase::reported});
+  st.move_grads(1, grad_phase::released, {grad_phase::held, grad_phase::reported});
+  REQUIRE(st.unit(1).grads == grad_phase::released);
+  // scopes
+  raises([&] { st.close_scope(2); }, "unit 2 has no open gather scope to close");
+  st.open_scope(2);
+  st.open_scope(2);
+  REQUIRE(!st.close_scope(2));
+  REQUIRE(st.close_scope(2));
+}
+
+TEST_CASE("recorded: replicate all-reduces each bucket as it completes; no_sync sends nothing; step after "
+          "finish_gradients", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  {
+    ddp::data_parallel<net, recording_backend, four_floats> dp{m, comm};
+    REQUIRE(log.calls() == strings{"world all_gather 1>2 i64 #0", "wait #0", "world broadcast 16 f32 #1", "wait #1"});
+    log.clear();
+    dp.zero_grad();
+    {
+      auto guard = dp.no_sync();
+      backward(dp, m, {2, 1, 0});
+      guard.close();
+    }
+    REQUIRE(log.calls().empty());
+    backward(dp, m, {2, 1, 0});  // fc3 completes [12, 16); fc2 [8, 12) and [4, 8) once fc1.b is in; fc1 [0, 4)
+    REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
+                                   "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3"});
+    dp.finish_gradients();
+    dp.step(opt);  // legal after finish_gradients: steps the same gradients, no second reduction
+    REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
+                                   "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3", "wait #0", "wait #1",
+                                   "wait #2", "wait #3"});
+    REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 2.0));  // two accumulated backwards, averaged over equal ranks
+    log.clear();
+    dp.unshard_model();
+  }
+  REQUIRE(log.calls().empty());  // neither unshard_model nor the destructor communicates under replicate
+}
+
+TEST_CASE("recorded: shard_grad_op reduce-scatters each bucket, then all-gathers every bucket after the step",
+          "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<net, recording_backend, four_floats, ddp::shard_grad_op> dp{m, comm};
+  REQUIRE(dp.bucket_count() == 5);  // [12, 16) | [8, 12) [6, 8) | [2, 6) [0, 2): no bucket crosses a unit
+  log.clear();
+  forward(dp, m, {0, 1, 2});
+  REQUIRE(log.calls().empty());
+  backward(dp, m, {2, 1, 0});
+  REQUIRE(log.calls() == strings{"world reduce_scatter 4>2 f32 #0", "world reduce_scatter 4>2 f32 #1",
+                                 "world reduce_scatter 2>1 f32 #2", "world reduce_scatter 4>2 f32 #3",
+                                 "world reduce_scatter 2>1 f32 #4"});
+  log.clear();
+  dp.step(opt);
+  REQUIRE(log.calls() == strings{"wait #0", "wait #1", "wait #2", "wait #3", "wait #4",
+                                 "world all_gather 2>4 f32 #0", "world all_gather 2>4 f32 #1",
+                                 "world all_gather 1>2 f32 #2", "world all_gather 2>4 f32 #3",
+                                 "world all_gather 1>2 f32 #4", "wait #0", "wait #1", "wait #2", "wait #3", "wait #4"});
+}
+
+TEST_CASE("recorded: full_shard unshards each unit in its scope, prefetches the next in the direction of travel, "
+          "and communicates only when asked", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  {
+    ddp::data_parallel<net, recording_backend, four_floats, ddp::full_shard> dp{m, comm};
+    log.clear();
+    forward(dp, m, {0, 1, 2});
+    REQUIRE(log.calls() == strings{"world all_gather 2>4 f32 #0", "world all_gather 1>2 f32 #1", "wait #0", "wait #1",
+                                   "world all_gather 2>4 f32 #2", "world all_gather 1>2 f32 #3", "wait #2", "wait #3",
+                                   "world all_gather 2>4 f32 #4",  // fc3 prefetched while fc2 is in use
+                                   "wait #4"});
+    log.clear();
+    backward(dp, m, {2, 1, 0});
+    REQUIRE(log.calls() == strings{"world all_gather 2>4 f32 #0", "wait #0", "world reduce_scatter 4>2 f32 #1",
+                                   "world all_gather 2>4 f32 #2", "world all_gather 1>2 f32 #3", "wait #2", "wait #3",
+                                   "world all_gather 2>4 f32 #4", "world all_gather 1>2 f32 #5",  // fc1 prefetched
+                                   "world reduce_scatter 4>2 f32 #6", "world reduce_scatter 2>1 f32 #7", "wait #4",
+                                   "wait #5", "world reduce_scatter 4>2 f32 #8", "world reduce_scatter 2>1 f32 #9"});
+    log.clear();
+    dp.step(opt);
+    REQUIRE(log.calls() == strings{"wait #1", "wait #6", "wait #7", "wait #8", "wait #9"});
+    log.clear();
+    dp.unshard_model();
+    REQUIRE(log.calls() == strings{"world all_gather 2>4 f32 #0", "world all_gather 2>4 f32 #1",
+                                   "world all_gather 1>2 f32 #2", "world all_gather 2>4 f32 #3",
+                                   "world all_gather 1>2 f32 #4", "wait #0", "wait #1", "wait #2", "wait #3", "wait #4"});
+    log.clear();
+  }
+  REQUIRE(log.calls().empty());  // the destructor issues no collective
+}
+
+TEST_CASE("recorded: hybrid chains each cross-group all-reduce once its reduce-scatter is done, never blocking "
+          "the backward", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 4);
+  auto& log = comm.log();
+  log.plan_split("shard", 2, 0);
+  log.plan_split("replica", 2, 0);
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<net, recording_backend, four_floats, ddp::hybrid<ddp::shard_grad_op>> dp{
+      m, comm, {.hybrid_group_size = 2}};
+  log.clear();
+  backward(dp, m, {2});
+  log.complete_all();  // the network delivers fc3's reduce-scatter during fc2's backward
+  backward(dp, m, {1, 0});
+  REQUIRE(log.calls() == strings{"shard reduce_scatter 4>2 f32 #0", "shard reduce_scatter 4>2 f32 #1",
+                                 "replica all_reduce 2 f32 #2",  // chained by the next launch's poll, no wait
+                                 "shard reduce_scatter 2>1 f32 #3", "shard reduce_scatter 4>2 f32 #4",
+                                 "shard reduce_scatter 2>1 f32 #5"});
+  log.clear();
+  dp.finish_gradients();  // the waiting point chains the rest
+  REQUIRE(log.calls() == strings{"wait #2", "wait #1", "replica all_reduce 2 f32 #0", "wait #0", "wait #3",
+                                 "replica all_reduce 1 f32 #1", "wait #1", "wait #4", "replica all_reduce 2 f32 #2",
+                                 "wait #2", "wait #5", "replica all_reduce 1 f32 #3", "wait #3"});
+  log.clear();
+  dp.step(opt);
+  REQUIRE(log.calls().size() == 10);  // after the step: every bucket all-gathered in the shard group, waited for
+  REQUIRE(log.calls()[0] == "shard all_gather 2>4 f32 #0");
+}
+
+TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed by close(); an unclosed span is "
+          "named", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<net, recording_backend, four_floats, ddp::shard_grad_op> dp{m, comm};
+  log.clear();
+  {
+    auto guard = dp.no_sync();
+    backward(dp, m, {2});
+    REQUIRE(log.calls() == strings{"world reduce_scatter 4>2 f32 #0"});
+    backward(dp, m, {1, 0});
+    guard.close();
+  }
+  REQUIRE(log.calls().size() == 10);  // 5 reduce-scatters, then close() waits for each
+  REQUIRE(log.calls()[5] == "wait #0");
+  {
+    auto guard = dp.no_sync();
+    backward(dp, m, {2, 1, 0});
+  }  // no close(): the destructor sends nothing and waits for nothing
+  REQUIRE(log.calls().size() == 15);
+  try {
+    backward(dp, m, {1});
+    FAIL("a gradient after an unclosed no_sync span was accepted");
+  } catch (const ddp::error& e) {
+    REQUIRE_THAT(e.what(), Catch::Contains("ended without close()") && Catch::Contains("guard.close()"));
+  }
+  REQUIRE(log.calls().size() == 15);
+  dp.finish_gradients();  // the way out: completes the span's micro-batch
+  REQUIRE(log.calls().size() == 20);
+  backward(dp, m, {2, 1, 0});
+  dp.step(opt);  // 5 reduce-scatters, their waits, then 5 all-gathers and their waits
+  REQUIRE(log.calls().size() == 40);
+}
