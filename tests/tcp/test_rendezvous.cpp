@@ -53,7 +53,7 @@ double cpu_seconds() {
 struct served_store {
   explicit served_store(std::uint64_t token, d::handshake_limits limits = {})
       : port(static_cast<std::uint16_t>(free_port())),
-        server(0, 1, &d::execute, d::store_server(d::listen_on("127.0.0.1", port, 0, "store"), token, 0, limits)) {}
+        server(0, 1, &d::run_collective, d::store_server(d::listen_on("127.0.0.1", port, 0, "store"), token, 0, limits)) {}
   std::uint16_t port;
   d::engine server;
 };
