@@ -264,8 +264,9 @@ class engine : engine_errors {
     auto& p = at(world_peer);
     int failure = 0;
     const bool moved = p.out.write_some(p.fd.get(), failure);
-    if (failure != 0) throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
-    return moved;
+    if (failure == 0) return moved;
+    if (current_ != nullptr && current_->side == p2p::none) check_same_step();  // a frame shows a mismatch: say so
+    throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
   }
 
   /// Reads what the peer has sent, frame by frame; true if bytes moved.
