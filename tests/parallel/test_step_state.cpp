@@ -289,8 +289,8 @@ TEST_CASE("recorded: full_shard unshards each unit in its scope, prefetches the 
   REQUIRE(log.calls().empty());  // the destructor issues no collective
 }
 
-TEST_CASE("recorded: hybrid chains each cross-group all-reduce once its reduce-scatter is done, never blocking "
-          "the backward", "[step]") {
+TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next bucket launches, at the same point "
+          "of the call sequence on every rank", "[step]") {
   net m = make_net();
   recording_comm comm(0, 4);
   auto& log = comm.log();
@@ -303,15 +303,17 @@ TEST_CASE("recorded: hybrid chains each cross-group all-reduce once its reduce-s
   backward(dp, m, {2});
   log.complete_all();  // the network delivers fc3's reduce-scatter during fc2's backward
   backward(dp, m, {1, 0});
+  // Each launch chains the previous bucket, waiting for its reduce-scatter where the network has not delivered
+  // it: never a choice by timing, which would order the two groups' collectives differently on different ranks.
   REQUIRE(log.calls() == strings{"shard reduce_scatter 4>2 f32 #0", "shard reduce_scatter 4>2 f32 #1",
-                                 "replica all_reduce 2 f32 #2",  // chained by the next launch's poll, no wait
-                                 "shard reduce_scatter 2>1 f32 #3", "shard reduce_scatter 4>2 f32 #4",
-                                 "shard reduce_scatter 2>1 f32 #5"});
+                                 "replica all_reduce 2 f32 #2",  // #0 delivered already: no wait
+                                 "shard reduce_scatter 2>1 f32 #3", "wait #1", "replica all_reduce 2 f32 #4",
+                                 "shard reduce_scatter 4>2 f32 #5", "wait #3", "replica all_reduce 1 f32 #6",
+                                 "shard reduce_scatter 2>1 f32 #7", "wait #5", "replica all_reduce 2 f32 #8"});
   log.clear();
-  dp.finish_gradients();  // the waiting point chains the rest
-  REQUIRE(log.calls() == strings{"wait #2", "wait #1", "replica all_reduce 2 f32 #0", "wait #0", "wait #3",
-                                 "replica all_reduce 1 f32 #1", "wait #1", "wait #4", "replica all_reduce 2 f32 #2",
-                                 "wait #2", "wait #5", "replica all_reduce 1 f32 #3", "wait #3"});
+  dp.finish_gradients();  // waits for the chained averages in plan order, then chains the last bucket
+  REQUIRE(log.calls() == strings{"wait #2", "wait #4", "wait #6", "wait #8", "wait #7", "replica all_reduce 1 f32 #0",
+                                 "wait #0"});
   log.clear();
   dp.step(opt);
   REQUIRE(log.calls().size() == 10);  // after the step: every bucket all-gathered in the shard group, waited for

@@ -10,9 +10,11 @@
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
 /// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
 /// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
-/// block across the replica group too: that all-reduce is chained once the block's reduce-scatter is seen
-/// complete, polled (never waited for) whenever a later bucket launches, else at the waiting point in
-/// finish_gradients, so it overlaps the rest of the backward and reduce() never blocks. The phases of
+/// block across the replica group too: that all-reduce is chained when the next bucket launches (after
+/// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
+/// every rank by construction: choosing it by polling completion would order the shard and replica groups'
+/// collectives differently on different ranks, and a transport that runs a rank's collectives one at a time
+/// (ddp::tcp's engine) then deadlocks across the overlapping groups. The phases of
 /// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
 /// step_state.
 ///
@@ -157,8 +159,8 @@ class sharded_core {
   }
 
   /// Bucket `b` waiting → launched: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
-  /// whose reduce-scatter has completed by now (polled, in plan order) chains its cross-group average:
-  /// reduce() never blocks.
+  /// then chains its cross-group average, in plan order, once its reduce-scatter is done (waited for here:
+  /// the order of collectives must not depend on timing, see the file comment).
   template <class Hook>
   void reduce(Hook& /*hook*/, std::size_t b) {
     static_assert(std::is_same_v<Hook, plain_hook>,
@@ -173,7 +175,10 @@ class sharded_core {
     if (b == 0) chained_ = 0;  // a new step
     state_.launch(b, shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
     if (replica_)
-      while (chained_ < b && state_.scattered(chained_)) chain(chained_++);
+      for (; chained_ < b; ++chained_) {
+        state_.wait(chained_);
+        chain(chained_);
+      }
   }
   /// Waits for bucket `b` (under hybrid: its reduce-scatter, then its cross-group average, chained now if
   /// polling did not) → reduced; adds the receive buffer into the owned gradients unless the reduce-scatter
