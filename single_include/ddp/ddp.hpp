@@ -1256,6 +1256,8 @@ class work_state {
   [[nodiscard]] virtual std::string describe() const = 0;
   /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
   [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+  /// Called once when wait() times out: what else the message should say (the flight recorder's view).
+  virtual std::string diagnosis() { return {}; }
 };
 
 /// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
@@ -1327,6 +1329,16 @@ class completion : public work_state {
 }  // namespace detail
 
 /// Handle of an asynchronous operation. A default-constructed work is already complete.
+class work;
+
+namespace detail {
+/// The state inside a work handle, for the front end that wraps it.
+struct work_access {
+  static std::shared_ptr<work_state>& state(work& w) noexcept;
+};
+}  // namespace detail
+
+/// Handle of an asynchronous operation. A default-constructed work is already complete.
 class work {
  public:
   work() = default;
@@ -1339,10 +1351,12 @@ class work {
     const auto limit = state_->timeout();
     if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
       const std::string who = state_->waiting_for();
+      const std::string record = state_->diagnosis();
       throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
                               (who.empty() ? std::string() : ", waiting for " + who) +
                               ": a peer is stuck, dead or calling a different collective; check every rank's "
-                              "log, or raise the timeout in the communicator's config",
+                              "log, or raise the timeout in the communicator's config" +
+                              (record.empty() ? std::string() : " (" + record + ")"),
                           state_->rank());
     }
   }
@@ -1357,8 +1371,11 @@ class work {
   [[nodiscard]] bool done() { return !state_ || state_->test(); }
 
  private:
+  friend struct detail::work_access;
   std::shared_ptr<detail::work_state> state_;
 };
+
+inline std::shared_ptr<detail::work_state>& detail::work_access::state(work& w) noexcept { return w.state_; }
 
 /// Waits for every handle in `works`, in order.
 inline void wait_all(std::span<work> works) {
@@ -1605,6 +1622,7 @@ class object_collectives {
 /// asynchronous collectives that check every frame against the call (see docs/tcp.md).
 
 #include <climits>
+#include <cstdio>
 
 // ---- begin <ddp/comm/call.hpp>
 /// \file What one operation is: the description every backend's checks, messages and cross-rank call check use.
@@ -1664,7 +1682,7 @@ inline std::string describe(const call_info& c) {
 ///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
 ///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
 ///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
-/// rank(), size(), max_tag(), `static constexpr front_duties duties`, and front() (a front_state shared by the
+/// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
 /// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
 
 
@@ -1764,6 +1782,210 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/comm/checks.hpp>
+// ---- begin <ddp/comm/flight_recorder.hpp>
+/// \file The flight recorder: each group keeps its last K collectives (call, sequence, state, times). When an
+/// operation fails or times out, the rank writes what it knows to DDP_FLIGHT_RECORDER_DIR (ddp-launch sets
+/// one per job and reads every rank's record when the job fails) and the timeout's message names the first
+/// sequence this rank has not seen complete. DDP_FLIGHT_RECORDER=K sets the entries kept (default 1024, 0 off).
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+
+namespace ddp::detail {
+
+/// Where a recorded operation stands.
+enum class flight_state : std::uint8_t { launched, completed, failed };
+
+/// "launched", "completed", "failed".
+constexpr std::string_view to_string(flight_state s) noexcept {
+  return s == flight_state::launched ? "launched" : s == flight_state::completed ? "completed" : "failed";
+}
+
+/// One collective of a group, as the recorder keeps it.
+struct flight_entry {
+  using clock = std::chrono::steady_clock;
+  std::uint64_t sequence = 0;           ///< the group's count of collectives before this one
+  call_info call{};                     ///< what was called
+  flight_state state = flight_state::launched;
+  clock::time_point launched{};         ///< when it was launched
+  std::optional<clock::time_point> settled{};  ///< when this rank saw it complete or fail
+};
+
+/// The last K collectives of one group on this rank (thread-safe).
+class flight_recorder {
+ public:
+  using clock = flight_entry::clock;
+
+  /// Keeps `capacity` entries; `label` names the group in the record's file name (the same on every rank).
+  flight_recorder(std::size_t capacity, std::string label) : ring_(capacity), label_(std::move(label)) {}
+
+  /// Entries kept per group: DDP_FLIGHT_RECORDER (default 1024; 0 turns the recorder off).
+  static std::size_t capacity_from_env() {
+    return static_cast<std::size_t>(env_integer("DDP_FLIGHT_RECORDER", 0, 1 << 20, "the flight recorder's entries per group")
+                                        .value_or(1024));
+  }
+
+  /// Records the launch of `c` (collectives only); returns its sequence number.
+  std::uint64_t launch(const call_info& c) {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t seq = next_++;
+    ring_[seq % ring_.size()] = {seq, c, flight_state::launched, clock::now(), std::nullopt};
+    return seq;
+  }
+  /// This rank saw operation `seq` complete (ok) or fail.
+  void settle(std::uint64_t seq, bool ok) {
+    std::lock_guard lock(mutex_);
+    auto& e = ring_[seq % ring_.size()];
+    if (e.sequence != seq || e.state != flight_state::launched) return;  // overwritten, or settled already
+    e.state = ok ? flight_state::completed : flight_state::failed;
+    e.settled = clock::now();
+  }
+
+  /// "sequence 42 (all_reduce(sum) of 1024 f32, launched 5.0 s ago) is the first this rank has not seen
+  /// complete; the last complete is 41"; empty when every recorded operation completed.
+  [[nodiscard]] std::string first_incomplete() const {
+    std::lock_guard lock(mutex_);
+    const flight_entry* first = nullptr;
+    for (const auto& e : ordered())
+      if (e->state != flight_state::completed) {
+        first = e;
+        break;
+      }
+    if (first == nullptr) return {};
+    const double ago = std::chrono::duration<double>(clock::now() - first->launched).count();
+    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", launched " +
+                    seconds(ago) + " ago) is the first this rank has not seen complete";
+    return s;
+  }
+
+  /// Writes every entry to DDP_FLIGHT_RECORDER_DIR/flight.rank<R>.group<label>.txt, once (the first failure
+  /// is the one worth keeping); returns the path, or empty when no directory is set or it was written before.
+  std::string dump(int rank, int size, std::string_view reason) {
+    const char* dir = std::getenv("DDP_FLIGHT_RECORDER_DIR");
+    if (dir == nullptr || *dir == '\0') return {};
+    std::string text;
+    {
+      std::lock_guard lock(mutex_);
+      if (dumped_) return {};
+      dumped_ = true;
+      const auto now = clock::now();
+      text = "# ddp flight recorder: rank " + std::to_string(rank) + " of " + std::to_string(size) + ", group " +
+             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tlaunched_s_ago\tsettled_s_ago\tcall\n";
+      for (const auto* e : ordered()) {
+        const double launched = std::chrono::duration<double>(now - e->launched).count();
+        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(launched, false) +
+                "\t" + (e->settled ? seconds(std::chrono::duration<double>(now - *e->settled).count(), false) : "-") +
+                "\t" + describe_call(e->call) + "\n";
+      }
+    }
+    const std::filesystem::path path =
+        std::filesystem::path(dir) / ("flight.rank" + std::to_string(rank) + ".group" + label_ + ".txt");
+    const auto temporary = path.string() + ".tmp." + std::to_string(::getpid());
+    {
+      std::ofstream out(temporary, std::ios::trunc);
+      out << text;
+      if (!out) return {};
+    }
+    std::error_code ec;
+    std::filesystem::rename(temporary, path, ec);
+    if (ec) {
+      std::filesystem::remove(temporary, ec);
+      return {};
+    }
+    return path.string();
+  }
+
+ private:
+  /// The entries in sequence order (oldest kept first); the caller holds the mutex.
+  [[nodiscard]] std::vector<const flight_entry*> ordered() const {
+    std::vector<const flight_entry*> out;
+    const std::uint64_t kept = std::min<std::uint64_t>(next_, ring_.size());
+    for (std::uint64_t s = next_ - kept; s < next_; ++s) out.push_back(&ring_[s % ring_.size()]);
+    return out;
+  }
+  static std::string seconds(double s, bool unit = true) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, unit ? "%.1f s" : "%.3f", s);
+    return buf;
+  }
+
+  mutable std::mutex mutex_;
+  std::vector<flight_entry> ring_;
+  std::string label_;
+  std::uint64_t next_ = 0;
+  bool dumped_ = false;
+};
+
+/// A work_state that tells the flight recorder when its operation completes or fails.
+class recorded_work final : public work_state {
+ public:
+  recorded_work(std::shared_ptr<work_state> inner, std::shared_ptr<flight_recorder> recorder, std::uint64_t seq,
+                int size)
+      : inner_(std::move(inner)), recorder_(std::move(recorder)), seq_(seq), size_(size) {}
+
+  bool test() override { return observe([&] { return inner_->test(); }); }
+  bool wait_until(clock::time_point deadline) override { return observe([&] { return inner_->wait_until(deadline); }); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  [[nodiscard]] int rank() const override { return inner_->rank(); }
+  [[nodiscard]] std::string describe() const override { return inner_->describe(); }
+  [[nodiscard]] std::string waiting_for() const override { return inner_->waiting_for(); }
+  std::string diagnosis() override {
+    std::string s = recorder_->first_incomplete();
+    const auto path = recorder_->dump(rank(), size_, "timeout in " + describe());
+    if (!path.empty()) s += (s.empty() ? "" : "; ") + std::string("flight record in ") + path;
+    return s.empty() ? s : "flight recorder: " + s;
+  }
+
+ private:
+  template <class F>
+  bool observe(F&& f) {
+    try {
+      const bool done = f();
+      if (done) recorder_->settle(seq_, true);
+      return done;
+    } catch (const std::exception& e) {
+      recorder_->settle(seq_, false);
+      const auto path = recorder_->dump(rank(), size_, e.what());
+      if (!path.empty()) std::fprintf(stderr, "ddp: rank %d wrote its flight record to %s\n", rank(), path.c_str());
+      throw;
+    }
+  }
+
+  std::shared_ptr<work_state> inner_;
+  std::shared_ptr<flight_recorder> recorder_;
+  std::uint64_t seq_;
+  int size_;
+};
+
+/// A recorder for a new group (none when DDP_FLIGHT_RECORDER=0).
+inline std::shared_ptr<flight_recorder> make_flight_recorder(std::string label) {
+  const auto capacity = flight_recorder::capacity_from_env();
+  return capacity == 0 ? nullptr : std::make_shared<flight_recorder>(capacity, std::move(label));
+}
+
+/// `w` (the launch of collective `c` in a group of `size`), recorded in `recorder`.
+inline work record(const std::shared_ptr<flight_recorder>& recorder, const call_info& c, int size, work w) {
+  const std::uint64_t seq = recorder->launch(c);
+  auto& state = work_access::state(w);
+  if (!state) {
+    recorder->settle(seq, true);
+    return w;
+  }
+  return work(std::make_shared<recorded_work>(std::move(state), recorder, seq, size));
+}
+
+/// A label for a group of a backend without group identifiers: its rank in this process's creation order,
+/// the same on every rank of an SPMD program.
+inline std::string next_group_label() {
+  static std::atomic<std::uint64_t> created{0};
+  return "g" + std::to_string(created.fetch_add(1));
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/flight_recorder.hpp>
 
 namespace ddp::detail {
 
@@ -1779,6 +2001,7 @@ struct front_duties {
 /// The front end's state, shared by the copies of a group.
 struct front_state {
   stats_counter stats;
+  std::shared_ptr<flight_recorder> flight = make_flight_recorder(next_group_label());  ///< the group's last collectives
   std::atomic<std::uint64_t> sequence{0};
   bool call_check = call_check_requested();  ///< DDP_CHECK_COLLECTIVES=1 when the group was made
 };
@@ -1968,6 +2191,8 @@ class collective_front : public object_collectives<Derived> {
       self().front().stats.add_call(c.kind);
       self().front().stats.add_bytes(c.kind, bytes_sent);
     }
+    if (c.kind != collective::send_recv)
+      if (const auto& recorder = self().flight()) return record(recorder, c, self().size(), std::move(w));
     return w;
   }
 
@@ -2159,6 +2384,7 @@ struct group {
   std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
   std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
   ddp::detail::stats_counter stats;
+  std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
@@ -2379,7 +2605,6 @@ class frame_reader {
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 
 namespace ddp::tcp::detail {
@@ -4802,6 +5027,13 @@ inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
   return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
 }
 
+/// The group's name in flight record files: its identifier in hex, the same on every member.
+inline std::string group_label(std::uint32_t id) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", id);
+  return buf;
+}
+
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
@@ -4828,6 +5060,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
     group_->timeout = cfg.timeout;
+    group_->flight = ddp::detail::make_flight_recorder(detail::group_label(group_->id));
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
@@ -4867,6 +5100,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
     child->timeout = group_->timeout;
+    child->flight = ddp::detail::make_flight_recorder(detail::group_label(child->id));
     for (std::size_t i = 0; i < ranks.size(); ++i) {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
@@ -4888,6 +5122,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   static constexpr ddp::detail::front_duties duties{
       .group = "a TCP group", .sequence = false, .stats = false, .average = false, .call_check = false};
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->flight; }
 
   /// ddp::tcp moves host memory only.
   void host(const raw_tensor& t, const call& c) const {
@@ -8088,6 +8323,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
 
   work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
@@ -9234,6 +9470,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
 
   work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
@@ -9497,7 +9734,6 @@ struct env_rendezvous {
 /// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
 /// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
 
-#include <filesystem>
 
 // ---- begin <ddp/checkpoint/safetensors.hpp>
 /// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
@@ -10185,8 +10421,6 @@ class file {
 /// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
-#include <cstdio>
-#include <fstream>
 #include <sstream>
 
 
@@ -11142,6 +11376,181 @@ class progress_bar {
 #include <csignal>
 #include <iostream>
 
+// ---- begin <ddp/launch/binding.hpp>
+/// \file Rank binding for the local launcher: which CPUs each rank may run on (like mpirun's --bind-to).
+///
+/// The machine's topology is read from /sys (hardware threads grouped into physical cores, cores into
+/// NUMA nodes), limited to the CPUs the launcher itself may use (its affinity: taskset, cgroups, a batch
+/// system's allocation). `core` gives each rank a contiguous block of whole physical cores (hyperthreads
+/// stay with their core) when there are at least as many cores as ranks, and binds nothing otherwise, since
+/// pinning oversubscribed ranks only makes them wait on each other; `numa` gives each rank the CPUs of one
+/// NUMA node (ranks spread over the nodes in blocks, several ranks sharing a node when there are more ranks
+/// than nodes).
+
+#include <sched.h>
+
+
+
+namespace ddp::launch {
+
+/// How ranks are bound to CPUs.
+enum class bind_mode {
+  none,  ///< every rank may run anywhere the launcher may
+  core,  ///< each rank gets its own whole physical cores (the default when ranks <= cores)
+  numa,  ///< each rank gets the CPUs of one NUMA node
+};
+
+/// One hardware thread (logical CPU) and where it sits.
+struct cpu_place {
+  int cpu = 0;   ///< the logical CPU number
+  int core = 0;  ///< its physical core (hardware threads of one core share it), unique across packages
+  int node = 0;  ///< its NUMA node
+};
+
+/// The CPUs ranks may be bound to.
+using topology = std::vector<cpu_place>;
+
+/// The CPUs of each rank (empty: not bound) and one line telling what was chosen.
+struct binding_plan {
+  std::vector<std::vector<int>> cpus;  ///< per rank, ascending
+  std::string summary;                 ///< e.g. "bound to cores: rank 0 on CPUs 0-1, rank 1 on CPUs 2-3"
+};
+
+namespace detail {
+
+/// "0-3,8,10-11": Linux's CPU list format.
+inline std::vector<int> parse_cpu_list(std::string_view text) {
+  std::vector<int> out;
+  std::stringstream in{std::string(text)};
+  std::string part;
+  while (std::getline(in, part, ',')) {
+    part.erase(std::remove_if(part.begin(), part.end(), [](char c) { return c == ' ' || c == '\n'; }), part.end());
+    if (part.empty()) continue;
+    const auto dash = part.find('-');
+    const int lo = std::stoi(part.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
+    for (int c = lo; c <= hi; ++c) out.push_back(c);
+  }
+  return out;
+}
+
+/// The inverse of parse_cpu_list for an ascending list.
+inline std::string format_cpu_list(const std::vector<int>& cpus) {
+  std::string out;
+  for (std::size_t i = 0; i < cpus.size();) {
+    std::size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    out += std::to_string(cpus[i]);
+    if (j > i) {
+      out += '-';
+      out += std::to_string(cpus[j]);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+inline std::string read_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+/// Blocks of `items` for `n` ranks: rank r gets items [r*k/n, (r+1)*k/n) — sizes differ by at most one.
+template <class T>
+std::vector<std::vector<T>> split_in_blocks(const std::vector<T>& items, int n) {
+  std::vector<std::vector<T>> out(static_cast<std::size_t>(n));
+  const std::size_t k = items.size(), ranks = static_cast<std::size_t>(n);
+  for (std::size_t r = 0; r < ranks; ++r)
+    out[r].assign(items.begin() + static_cast<long>(r * k / ranks), items.begin() + static_cast<long>((r + 1) * k / ranks));
+  return out;
+}
+
+}  // namespace detail
+
+/// The CPUs this process may run on, with their cores and NUMA nodes read from /sys.
+inline topology read_topology() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof allowed, &allowed) != 0) return {};
+  std::vector<int> node_of(CPU_SETSIZE, 0);
+  for (int node = 0; node < 4096; ++node) {
+    const std::string list = detail::read_line("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+    if (list.empty()) {
+      if (node > 0 && detail::read_line("/sys/devices/system/node/node" + std::to_string(node + 1) + "/cpulist").empty())
+        break;  // node numbers may have holes; two missing in a row end the scan
+      continue;
+    }
+    for (const int c : detail::parse_cpu_list(list))
+      if (c >= 0 && c < CPU_SETSIZE) node_of[static_cast<std::size_t>(c)] = node;
+  }
+  topology t;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &allowed)) continue;
+    const std::string base = "/sys/devices/system/cpu/cpu" + std::to_string(c) + "/topology/";
+    // The first hardware thread of the core names it: unique across packages, unlike core_id.
+    const auto siblings = detail::parse_cpu_list(detail::read_line(base + "thread_siblings_list"));
+    t.push_back({c, siblings.empty() ? c : siblings.front(), node_of[static_cast<std::size_t>(c)]});
+  }
+  return t;
+}
+
+/// Which CPUs each of `n` ranks gets under `mode` on `machine`.
+inline binding_plan plan_binding(bind_mode mode, int n, const topology& machine) {
+  if (n < 1) throw config_error("plan_binding needs at least one rank, got n = " + std::to_string(n));
+  binding_plan plan;
+  plan.cpus.resize(static_cast<std::size_t>(n));
+  std::vector<int> groups;  // cores (core) or nodes (numa), in the order of their first CPU
+  for (const auto& p : machine) {
+    const int g = mode == bind_mode::numa ? p.node : p.core;
+    if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
+  }
+  const char* what = mode == bind_mode::numa ? "NUMA nodes" : "cores";
+  if (mode == bind_mode::none) {
+    plan.summary = "not binding ranks (--bind none)";
+    return plan;
+  }
+  const std::size_t can_take = mode == bind_mode::numa ? machine.size() : groups.size();
+  if (machine.empty() || static_cast<std::size_t>(n) > can_take) {
+    plan.summary = "not binding ranks: " + std::to_string(n) + " ranks on " + std::to_string(can_take) + " " +
+                   (mode == bind_mode::numa ? "CPUs" : what) + " would share them (oversubscribed)";
+    return plan;
+  }
+  // numa: every rank gets a whole node (ranks in blocks over the nodes); core: a block of whole cores.
+  const auto blocks = mode == bind_mode::numa ? std::vector<std::vector<int>>{} : detail::split_in_blocks(groups, n);
+  plan.summary = std::string("bound to ") + what + ":";
+  for (int r = 0; r < n; ++r) {
+    const auto rank = static_cast<std::size_t>(r);
+    std::set<int> mine;
+    if (mode == bind_mode::numa)
+      mine.insert(groups[rank * groups.size() / static_cast<std::size_t>(n)]);
+    else
+      mine.insert(blocks[rank].begin(), blocks[rank].end());
+    for (const auto& p : machine)
+      if (mine.count(mode == bind_mode::numa ? p.node : p.core)) plan.cpus[rank].push_back(p.cpu);
+    std::sort(plan.cpus[rank].begin(), plan.cpus[rank].end());
+    plan.summary += r ? ", rank " : " rank ";
+    plan.summary += std::to_string(r);
+    plan.summary += " on CPUs ";
+    plan.summary += detail::format_cpu_list(plan.cpus[rank]);
+  }
+  return plan;
+}
+
+/// Binds the calling process to `cpus` (nothing when empty); false when the kernel refused.
+inline bool bind_to(const std::vector<int>& cpus) noexcept {
+  if (cpus.empty()) return true;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (const int c : cpus)
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+  return ::sched_setaffinity(0, sizeof set, &set) == 0;
+}
+
+}  // namespace ddp::launch
+// ---- end <ddp/launch/binding.hpp>
 // ---- begin <ddp/launch/exit_order.hpp>
 /// \file The launcher's errors and the order in which its ranks' exits began, for blaming the rank
 /// that failed first rather than a peer that failed because it died.
@@ -11318,8 +11727,12 @@ struct spawn_options {
   std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
   std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
   output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
-  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  bool stop_on_failure = true;                 ///< stop the other ranks once one fails (after `settle`)
+  /// After a rank failed, how long the others may run on before they are stopped: time to see the failure
+  /// themselves (peer_lost within 0.1 s) and write their flight records.
+  std::chrono::milliseconds settle{0};
   std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
+  std::vector<std::vector<int>> cpus;          ///< per rank, the CPUs it is bound to (none or empty: not bound)
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
   /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
   const volatile std::sig_atomic_t* interrupt = nullptr;
@@ -11521,6 +11934,9 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
   if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
   const std::string r = std::to_string(rank);
   const std::string w = std::to_string(n);
+  if (static_cast<std::size_t>(rank) < o.cpus.size() && !bind_to(o.cpus[static_cast<std::size_t>(rank)]))
+    std::cerr << "rank " << rank << " could not be bound to its CPUs (" << std::strerror(errno)
+              << "); it runs unbound\n";
   ::setenv("RANK", r.c_str(), 1);
   ::setenv("WORLD_SIZE", w.c_str(), 1);
   ::setenv("LOCAL_RANK", r.c_str(), 1);
@@ -11664,6 +12080,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
   std::optional<clock::time_point> blame_by;
+  std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
   const auto blame = [&](clock::time_point now) {
     if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
     int first = -1;
@@ -11690,8 +12107,11 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) reap(r);
     blame(clock::now());
-    if (result.first_failed >= 0 && options.stop_on_failure) stop_all();
     const auto now = clock::now();
+    if (result.first_failed >= 0 && options.stop_on_failure) {
+      if (!stop_at) stop_at = now + options.settle;
+      if (now >= *stop_at) stop_all();
+    }
     if (now >= deadline && running > 0 && !result.timed_out && !kill_at) {
       result.timed_out = true;
       stop_all();
