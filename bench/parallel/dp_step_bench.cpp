@@ -1,9 +1,10 @@
 // Step time of ddp::data_parallel (replicate) on the MLP 784-2048-2048-10, batch 64 per rank, SGD with momentum,
 // OpenBLAS on one thread. Driven by run_data_parallel.py beside PyTorch DDP; prints one JSON line on rank 0.
 //
-//   dp_step_bench --backend tcp|mpi [--steps S] [--warmup W] [--batch B] [--bucket-mib 25|4|1]
+//   dp_step_bench --backend tcp|mpi [--steps S] [--warmup W] [--batch B] [--bucket-mib 25|4|1] [--deterministic]
 //
-// --bucket-mib picks the bucket capacity (first bucket 1 MiB, as PyTorch; 25 is PyTorch's default).
+// --bucket-mib picks the bucket capacity (first bucket 1 MiB, as PyTorch; 25 is PyTorch's default);
+// --deterministic sums gradients in rank order (data_parallel_options::deterministic).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,13 +30,14 @@ struct settings {
   int warmup = 5;
   std::size_t batch = 64;
   int bucket_mib = 25;
+  bool deterministic = false;
 };
 
 template <class Backend, class Buckets>
 int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   constexpr std::size_t in = 784, hidden = 2048, classes = 10;
   example::mlp model = example::make_mlp(in, hidden, hidden, classes, 7);
-  ddp::data_parallel<example::mlp, Backend, Buckets> dp{model, comm};
+  ddp::data_parallel<example::mlp, Backend, Buckets> dp{model, comm, {.deterministic = s.deterministic}};
   ddp::optim::sgd opt({.lr = 0.01, .momentum = 0.9});
   std::mt19937_64 rng(static_cast<std::uint64_t>(comm.rank()) + 1);
   std::vector<float> x(s.batch * in);
@@ -76,9 +78,9 @@ int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   if (comm.rank() == 0)
     std::printf("{\"impl\": \"ddp\", \"backend\": \"%s\", \"world\": %d, \"batch\": %zu, \"steps\": %d, "
                 "\"median_ms\": %.3f, \"mean_ms\": %.3f, \"forward_backward_ms\": %.3f, \"step_call_ms\": %.3f, "
-                "\"bucket_mib\": %d, \"buckets\": %zu}\n",
+                "\"bucket_mib\": %d, \"buckets\": %zu, \"deterministic\": %s}\n",
                 s.backend.c_str(), comm.size(), s.batch, s.steps, median, mean, compute, finish, s.bucket_mib,
-                dp.bucket_count());
+                dp.bucket_count(), s.deterministic ? "true" : "false");
   return 0;
 }
 
@@ -99,14 +101,20 @@ int main(int argc, char** argv) {
   openblas_set_num_threads(1);
   try {
     settings s;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; ++i) {
       const std::string_view a = argv[i];
-      if (a == "--backend") s.backend = argv[i + 1];
-      else if (a == "--steps") s.steps = std::atoi(argv[i + 1]);
-      else if (a == "--warmup") s.warmup = std::atoi(argv[i + 1]);
-      else if (a == "--batch") s.batch = static_cast<std::size_t>(std::atol(argv[i + 1]));
-      else if (a == "--bucket-mib") s.bucket_mib = std::atoi(argv[i + 1]);
-      else throw ddp::config_error("unknown argument '" + std::string(a) + "'; use --backend, --steps, --warmup, --batch, --bucket-mib");
+      if (a == "--deterministic") {
+        s.deterministic = true;
+        continue;
+      }
+      if (i + 1 >= argc) throw ddp::config_error("'" + std::string(a) + "' needs a value");
+      const char* v = argv[++i];
+      if (a == "--backend") s.backend = v;
+      else if (a == "--steps") s.steps = std::atoi(v);
+      else if (a == "--warmup") s.warmup = std::atoi(v);
+      else if (a == "--batch") s.batch = static_cast<std::size_t>(std::atol(v));
+      else if (a == "--bucket-mib") s.bucket_mib = std::atoi(v);
+      else throw ddp::config_error("unknown argument '" + std::string(a) + "'; use --backend, --steps, --warmup, --batch, --bucket-mib, --deterministic");
     }
     if (s.steps < 1) throw ddp::config_error("--steps must be at least 1");
     if (s.backend == "mpi") {

@@ -308,3 +308,84 @@ void check_leaf_binding(Comm comm) {
 }
 
 }  // namespace ddp_test
+
+namespace ddp_test {
+
+/// Deterministic reduction in one process: each of `n` ranks' gradients computed alone, summed in rank order
+/// ((g0 + g1) + g2 ...) and averaged as ddp's host code averages, then the optimizer; the bits N ranks with
+/// data_parallel_options::deterministic must reproduce under every policy, backend and bucket size.
+inline mlp deterministic_reference(optimizer_kind k, int n, std::size_t h2 = h2_dim) {
+  mlp m = make_mlp(1, h2);
+  with_optimizer(k, [&](auto& opt) {
+    const auto buffers = per_parameter_buffers(m);
+    for (int s = 0; s < steps; ++s) {
+      const batch whole = make_batch(static_cast<std::uint64_t>(s), global_batch);
+      std::vector<std::vector<float>> sum;
+      for (int r = 0; r < n; ++r) {
+        zero_grad(m);
+        const auto [begin, count] = shard_of(r, n);
+        forward_backward(m, whole.slice(begin, count), static_cast<float>(n) / global_batch, [](auto&) {});
+        std::size_t i = 0;
+        ddp::visit_parameters(m, [&](std::string_view, ddp::parameter<float>& p) {
+          if (r == 0) sum.emplace_back(p.grad().begin(), p.grad().end());
+          else
+            for (std::size_t e = 0; e < p.numel(); ++e) sum[i][e] = sum[i][e] + p.grad()[e];
+          ++i;
+        });
+      }
+      std::size_t i = 0;
+      ddp::visit_parameters(m, [&](std::string_view, ddp::parameter<float>& p) {
+        std::copy(sum[i].begin(), sum[i].end(), p.grad().begin());
+        ddp::detail::divide(ddp::raw_tensor::of(p.grad()), n);
+        ++i;
+      });
+      opt.step(buffers);
+    }
+  });
+  return m;
+}
+
+/// N ranks with data_parallel_options::deterministic under policies Ps end with exactly the bits of
+/// deterministic_reference (hybrid: the same bits with one bucket and with many, as its sums nest by group).
+/// A wide `h2` makes buckets beyond 64 KiB, where ddp::tcp's all-reduce runs a ring that sums in another order.
+template <class... Ps, class Comm>
+void check_deterministic(Comm comm, optimizer_kind k, ddp::data_parallel_options options = {},
+                         std::size_t h2 = h2_dim) {
+  options.deterministic = true;
+  const auto train = [&]<class... Qs>() {
+    mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()), h2);
+    {
+      ddp::data_parallel<mlp, Qs...> dp{model, comm, options};
+      auto scope = [&](auto& l) { return dp.gather(l); };
+      const auto [begin, count] = shard_of(comm.rank(), comm.size());
+      const float scale = static_cast<float>(comm.size()) / global_batch;
+      with_optimizer(k, [&](auto& opt) {
+        for (int s = 0; s < steps; ++s) {
+          dp.zero_grad();
+          forward_backward(model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), scale,
+                           [&](auto& p) { dp.gradient_ready(p); }, scope);
+          dp.step(opt);
+        }
+      });
+      dp.unshard_model();
+    }
+    std::vector<float> bits;
+    ddp::visit_parameters(model, [&](std::string_view, ddp::parameter<float>& p) {
+      bits.insert(bits.end(), p.value().begin(), p.value().end());
+    });
+    return bits;
+  };
+  const auto many = train.template operator()<Ps..., ddp::bucket_bytes<200, 60>>();
+  const auto one = train.template operator()<Ps...>();
+  REQUIRE(many == one);  // bucket size changes no bit
+  if (options.hybrid_group_size == 0 || options.hybrid_group_size == comm.size() || options.hybrid_group_size == 1) {
+    mlp want = deterministic_reference(k, comm.size(), h2);
+    std::vector<float> expected;
+    ddp::visit_parameters(want, [&](std::string_view, ddp::parameter<float>& p) {
+      expected.insert(expected.end(), p.value().begin(), p.value().end());
+    });
+    REQUIRE(many == expected);  // the bits of one process summing in rank order
+  }
+}
+
+}  // namespace ddp_test

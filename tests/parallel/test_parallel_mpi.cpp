@@ -69,3 +69,12 @@ TEST_CASE("mpi hybrid: 2x2 groups (1 per group at odd N) equal one process", "[s
 TEST_CASE("mpi full_shard: a gradient of an ungathered unit is misuse", "[sharding]") {
   check_full_shard_misuse<mpi>(world());
 }
+TEST_CASE("mpi deterministic reduction: the bits of one process summing in rank order, every policy and bucket size",
+          "[determinism]") {
+  auto comm = world();
+  check_deterministic<mpi>(comm, optimizer_kind::sgd_momentum);
+  check_deterministic<mpi>(comm, optimizer_kind::adamw);
+  check_deterministic<mpi, ddp::shard_grad_op>(comm, optimizer_kind::adamw);
+  check_deterministic<mpi, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
+  check_deterministic<mpi, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, hybrid_groups(comm.size()));
+}

@@ -122,3 +122,17 @@ TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same
     check_unit_errors<tcp>(comm);
   });
 }
+TEST_CASE("tcp deterministic reduction: the bits of one process summing in rank order, every policy and bucket size",
+          "[determinism]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_deterministic<tcp>(comm, optimizer_kind::sgd_momentum);
+    check_deterministic<tcp>(comm, optimizer_kind::adamw, {}, 3000);  // 156 KiB buckets: ring all-reduces
+    check_deterministic<tcp, ddp::shard_grad_op>(comm, optimizer_kind::adamw);
+    check_deterministic<tcp, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
+    check_deterministic<tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, hybrid_groups(comm.size()));
+    mlp model = make_mlp(1);
+    ddp::data_parallel<mlp, tcp, ddp::bf16_compress_hook> dp{model, comm, {.deterministic = true}};
+    REQUIRE_THROWS_WITH(forward_backward(model, make_batch(0, 4), 1.0F, [&](auto& p) { dp.gradient_ready(p); }),
+                        Catch::Contains("deterministic reduction sums in rank order itself"));
+  });
+}

@@ -3,6 +3,7 @@
 /// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
 
 #include <cstddef>
+#include <type_traits>
 #include <span>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/options.hpp>
+#include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
@@ -39,19 +41,32 @@ struct strategy<replicate, Comm> {
   static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& /*options*/)
-      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+           const data_parallel_options& options)
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
+        deterministic_(options.deterministic) {}
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook.
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
-    state_.launch(b, hook.launch(gradients(b)));
+    if (deterministic_) {
+      if constexpr (!std::is_same_v<Hook, plain_hook>)
+        throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
+                           "through a comm hook; drop the hook or set data_parallel_options::deterministic = false",
+                           comm_.rank());
+      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
+    } else {
+      state_.launch(b, hook.launch(gradients(b)));
+    }
   }
-  /// Waits for bucket `b`'s all-reduce; the hook writes the averaged gradients back; → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged
+  /// gradients back; → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
-    hook.complete(gradients(b));
+    if (deterministic_)
+      ordered_.average_into(b, gradients(b).grads, comm_.size());
+    else
+      hook.complete(gradients(b));
     state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.
@@ -81,6 +96,8 @@ struct strategy<replicate, Comm> {
   step_state& state_;
   Comm comm_;
   std::vector<optim::flat_buffer> buffers_;
+  bool deterministic_;
+  ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 
 static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,

@@ -43,6 +43,7 @@
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/options.hpp>
+#include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/unit_pool.hpp>
@@ -96,7 +97,8 @@ class sharded_core {
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
+        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
+        deterministic_(options.deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
@@ -173,7 +175,8 @@ class sharded_core {
     sb.direct = sb.owned_zero;
     sb.owned_zero = false;
     if (b == 0) chained_ = 0;  // a new step
-    state_.launch(b, shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
+    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, gradient_view(b))
+                                    : shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
         state_.wait(chained_);
@@ -192,6 +195,7 @@ class sharded_core {
         chain(chained_);
       }
     state_.wait(b);
+    if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) {
       const raw_tensor in = received(b), acc = owned_grads(b);
       visit_dtype(in.type, [&]<class T>(T) {
@@ -325,7 +329,14 @@ class sharded_core {
     }
   }
   /// Bucket `b` launched → chained: its reduce-scatter is done, its cross-group average starts.
-  void chain(std::size_t b) { state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg)); }
+  void chain(std::size_t b) {
+    if (deterministic_) {
+      scattered_.average_into(b, output(b), shard_.size());
+      state_.chain(b, replicated_.gather_all(*replica_, b, output(b)));
+    } else {
+      state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg));
+    }
+  }
 
   [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
     const auto& e = extents_[u][a];
@@ -399,6 +410,9 @@ class sharded_core {
   const char* policy_;                                  // the strategy's name, for messages
   pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
+  bool deterministic_;                                  // sum in rank order (data_parallel_options::deterministic)
+  ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
+  ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
 };
 
 }  // namespace ddp::detail

@@ -1,0 +1,60 @@
+#pragma once
+/// \file Deterministic reduction (data_parallel_options::deterministic): every element is summed in rank order,
+/// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
+/// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
+/// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
+/// times more beyond); the sum then runs where the operation completes.
+
+#include <cstddef>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include <ddp/comm/average.hpp>
+#include <ddp/comm/work.hpp>
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/tensor_traits.hpp>
+#include <ddp/parallel/arena.hpp>
+
+namespace ddp::detail {
+
+/// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
+class ordered_reduction {
+ public:
+  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
+  template <class Comm>
+  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
+    return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
+  }
+  /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).
+  template <class Comm>
+  work exchange(Comm& comm, std::size_t key, const raw_tensor& whole) {
+    return comm.all_to_all(whole, scratch(key, whole, 1));
+  }
+  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block).
+  void average_into(std::size_t key, const raw_tensor& out, int n) const {
+    const std::byte* blocks = scratch_[key].data();
+    visit_dtype(out.type, [&](auto zero) {
+      using T = decltype(zero);
+      const T* in = reinterpret_cast<const T*>(blocks);
+      T* dst = static_cast<T*>(out.data);
+      std::copy_n(in, out.size, dst);
+      for (int j = 1; j < n; ++j) {
+        const T* block = in + static_cast<std::size_t>(j) * out.size;
+        for (std::size_t i = 0; i < out.size; ++i) dst[i] = static_cast<T>(dst[i] + block[i]);
+      }
+    });
+    divide(out, n);
+  }
+
+ private:
+  raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
+    if (scratch_.size() <= key) scratch_.resize(key + 1);
+    const std::size_t bytes = like.bytes() * times;
+    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
+    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
+  }
+  std::vector<aligned_bytes> scratch_;
+};
+
+}  // namespace ddp::detail
