@@ -5753,6 +5753,11 @@ struct data_parallel_options {
   bool keep_unit_buffers = true;
   /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
   int hybrid_group_size = 0;
+  /// Sum every gradient element in rank order on the host (parallel/ordered_reduction.hpp), so training is
+  /// bitwise reproducible across runs, backends and bucket sizes at one world size; the collectives then only
+  /// move bytes (an all_gather instead of an all-reduce: N/2 times the bytes beyond N = 2). Works with every
+  /// sharding policy and the plain hook.
+  bool deterministic = false;
 };
 
 }  // namespace ddp
@@ -6090,6 +6095,58 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 
 #include <limits>
 
+// ---- begin <ddp/parallel/ordered_reduction.hpp>
+/// \file Deterministic reduction (data_parallel_options::deterministic): every element is summed in rank order,
+/// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
+/// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
+/// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
+/// times more beyond); the sum then runs where the operation completes.
+
+
+
+namespace ddp::detail {
+
+/// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
+class ordered_reduction {
+ public:
+  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
+  template <class Comm>
+  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
+    return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
+  }
+  /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).
+  template <class Comm>
+  work exchange(Comm& comm, std::size_t key, const raw_tensor& whole) {
+    return comm.all_to_all(whole, scratch(key, whole, 1));
+  }
+  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block).
+  void average_into(std::size_t key, const raw_tensor& out, int n) const {
+    const std::byte* blocks = scratch_[key].data();
+    visit_dtype(out.type, [&](auto zero) {
+      using T = decltype(zero);
+      const T* in = reinterpret_cast<const T*>(blocks);
+      T* dst = static_cast<T*>(out.data);
+      std::copy_n(in, out.size, dst);
+      for (int j = 1; j < n; ++j) {
+        const T* block = in + static_cast<std::size_t>(j) * out.size;
+        for (std::size_t i = 0; i < out.size; ++i) dst[i] = static_cast<T>(dst[i] + block[i]);
+      }
+    });
+    divide(out, n);
+  }
+
+ private:
+  raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
+    if (scratch_.size() <= key) scratch_.resize(key + 1);
+    const std::size_t bytes = like.bytes() * times;
+    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
+    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
+  }
+  std::vector<aligned_bytes> scratch_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/ordered_reduction.hpp>
 // ---- begin <ddp/parallel/step_state.hpp>
 /// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
@@ -6510,7 +6567,8 @@ class sharded_core {
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
+        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
+        deterministic_(options.deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
@@ -6587,7 +6645,8 @@ class sharded_core {
     sb.direct = sb.owned_zero;
     sb.owned_zero = false;
     if (b == 0) chained_ = 0;  // a new step
-    state_.launch(b, shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
+    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, gradient_view(b))
+                                    : shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
         state_.wait(chained_);
@@ -6606,6 +6665,7 @@ class sharded_core {
         chain(chained_);
       }
     state_.wait(b);
+    if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) {
       const raw_tensor in = received(b), acc = owned_grads(b);
       visit_dtype(in.type, [&]<class T>(T) {
@@ -6739,7 +6799,14 @@ class sharded_core {
     }
   }
   /// Bucket `b` launched → chained: its reduce-scatter is done, its cross-group average starts.
-  void chain(std::size_t b) { state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg)); }
+  void chain(std::size_t b) {
+    if (deterministic_) {
+      scattered_.average_into(b, output(b), shard_.size());
+      state_.chain(b, replicated_.gather_all(*replica_, b, output(b)));
+    } else {
+      state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg));
+    }
+  }
 
   [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
     const auto& e = extents_[u][a];
@@ -6813,6 +6880,9 @@ class sharded_core {
   const char* policy_;                                  // the strategy's name, for messages
   pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
+  bool deterministic_;                                  // sum in rank order (data_parallel_options::deterministic)
+  ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
+  ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
 };
 
 }  // namespace ddp::detail
@@ -7101,19 +7171,32 @@ struct strategy<replicate, Comm> {
   static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& /*options*/)
-      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
+           const data_parallel_options& options)
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
+        deterministic_(options.deterministic) {}
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook.
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
-    state_.launch(b, hook.launch(gradients(b)));
+    if (deterministic_) {
+      if constexpr (!std::is_same_v<Hook, plain_hook>)
+        throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
+                           "through a comm hook; drop the hook or set data_parallel_options::deterministic = false",
+                           comm_.rank());
+      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
+    } else {
+      state_.launch(b, hook.launch(gradients(b)));
+    }
   }
-  /// Waits for bucket `b`'s all-reduce; the hook writes the averaged gradients back; → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged
+  /// gradients back; → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
-    hook.complete(gradients(b));
+    if (deterministic_)
+      ordered_.average_into(b, gradients(b).grads, comm_.size());
+    else
+      hook.complete(gradients(b));
     state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.
@@ -7143,6 +7226,8 @@ struct strategy<replicate, Comm> {
   step_state& state_;
   Comm comm_;
   std::vector<optim::flat_buffer> buffers_;
+  bool deterministic_;
+  ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 
 static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
