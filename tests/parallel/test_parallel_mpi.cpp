@@ -1,5 +1,6 @@
 // data_parallel over the MPI backend; registered at NP 1..4 (the [multi] cases need two ranks or more).
 #include <chrono>
+#include <type_traits>
 
 #include <catch2/catch.hpp>
 
@@ -11,6 +12,8 @@ namespace {
 using namespace ddp_test;
 using ddp::backend::mpi;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+static_assert(std::is_same_v<ddp::backend_of_t<ddp::mpi::communicator>, mpi>);  // dp{model, comm} deduces backend::mpi
 
 ddp::mpi::communicator world() { return ddp::mpi::communicator::world({.timeout = std::chrono::seconds(30)}); }
 }  // namespace

@@ -1,5 +1,7 @@
 // data_parallel over the TCP backend: every scenario at N = 1..4 forked ranks (run_ranks: a 60 s job
 // timeout, and every collective times out at 45 s so a hang fails instead of blocking).
+#include <type_traits>
+
 #include <catch2/catch.hpp>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -28,6 +30,7 @@ struct sum_then_scale_hook {
   }
 };
 static_assert(ddp::comm_hook<sum_then_scale_hook, ddp::tcp::communicator>);
+static_assert(std::is_same_v<ddp::backend_of_t<ddp::tcp::communicator>, tcp>);  // dp{model, comm} deduces backend::tcp
 
 /// Runs `body(comm)` on n = 1..4 ranks, each in its own job.
 template <class F>

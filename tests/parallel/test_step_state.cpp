@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/optim/sgd.hpp>
@@ -354,4 +355,33 @@ TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed
   backward(dp, m, {2, 1, 0});
   dp.step(opt);  // 5 reduce-scatters, their waits, then 5 all-gathers and their waits
   REQUIRE(log.calls().size() == 40);
+}
+
+TEST_CASE("deduction: the backend from the communicator's type, the policies from values in any order, options "
+          "last; the explicit spelling still works", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  {
+    ddp::data_parallel dp{m, comm};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend>>);
+  }
+  {
+    ddp::data_parallel dp{m, comm, ddp::full_shard{}, four_floats{}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend, ddp::full_shard, four_floats>>);
+    REQUIRE(dp.bucket_count() == 5);
+  }
+  {
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::shard_grad_op{}, ddp::data_parallel_options{.unit_depth = 2}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend, four_floats, ddp::shard_grad_op>>);
+    REQUIRE(dp.units().size() == 6);
+  }
+  {
+    ddp::data_parallel dp{m, comm, {.unit_depth = 2}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend>>);
+    REQUIRE(dp.units().size() == 6);
+  }
+  {  // explicit policies, values given for some of them in another order
+    ddp::data_parallel<net, ddp::full_shard, recording_backend, four_floats> dp{m, comm, four_floats{}, ddp::full_shard{}};
+    REQUIRE(dp.bucket_count() == 5);
+  }
 }

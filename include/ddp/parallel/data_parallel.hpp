@@ -93,14 +93,46 @@ class data_parallel {
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
+  // The constructors take std::type_identity_t<Model>& so that the deduction guides below, not the
+  // constructors, deduce the backend and the policies of `ddp::data_parallel dp{model, comm, ...};`.
+
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
-  data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
-      : model_(model), comm_(std::move(comm)), options_(std::move(options)),
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, data_parallel_options options = {})
+      : data_parallel(values_given{}, model, std::move(comm), sharding{}, hook_type{}, std::move(options)) {}
+  /// The same with policy values, in any order, each of one of this wrapper's policy types (the sharding
+  /// policy's settings and the comm hook's state are taken from them), then optionally data_parallel_options.
+  template <detail::policy P, class... Rest>
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, P first, Rest... rest)
+      : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
+                      detail::value_of<hook_type>(first, rest...), detail::value_of<data_parallel_options>(rest...)) {
+    static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
+                   (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
+                    std::is_same_v<Rest, data_parallel_options>)),
+                  "ddp::data_parallel: a constructor argument is neither one of this wrapper's policies nor "
+                  "ddp::data_parallel_options; pass values of the policy types the wrapper names, or let "
+                  "`ddp::data_parallel dp{model, comm, policies...};` deduce the wrapper from them.");
+    static_assert(detail::options_last<Rest...>(),
+                  "ddp::data_parallel: ddp::data_parallel_options must be the last constructor argument, given once; "
+                  "move it after the policy values.");
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
+  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
+  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// model.
+  ~data_parallel() { state_.settle(); }
+
+ private:
+  struct values_given {};
+  data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
+                hook_type hook, data_parallel_options options)
+      : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
         multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
-        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
+        hook_(std::move(hook)), state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
@@ -116,13 +148,8 @@ class data_parallel {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
     strategy_.emplace(layout_, plan_, state_, comm_, options_);
   }
-  data_parallel(const data_parallel&) = delete;
-  data_parallel& operator=(const data_parallel&) = delete;
-  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
-  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
-  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
-  /// model.
-  ~data_parallel() { state_.settle(); }
+
+ public:
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
   template <element E>
@@ -331,6 +358,7 @@ class data_parallel {
   Model& model_;
   communicator_type comm_;
   data_parallel_options options_;
+  sharding sharding_;                       // the sharding policy's value (its settings)
   std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
@@ -341,5 +369,20 @@ class data_parallel {
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
+
+/// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type
+/// (ddp::backend_of) and the other policies from the values given, in any order.
+template <class Model, class Comm, detail::policy... Ps>
+data_parallel(Model&, Comm, Ps...) -> data_parallel<Model, backend_of_t<Comm>, Ps...>;
+/// The same, with data_parallel_options last (at most one policy of each of the three other categories).
+template <class Model, class Comm>
+data_parallel(Model&, Comm, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>>;
+template <class Model, class Comm, detail::policy P1>
+data_parallel(Model&, Comm, P1, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2>
+data_parallel(Model&, Comm, P1, P2, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1, P2>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3>
+data_parallel(Model&, Comm, P1, P2, P3, data_parallel_options)
+    -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3>;
 
 }  // namespace ddp

@@ -7,6 +7,7 @@
 
 #include <ddp/comm/backend.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/options.hpp>
 
 namespace ddp {
 
@@ -70,6 +71,32 @@ template <class Category, class Default, class P, class... Ps>
 struct pick<Category, Default, P, Ps...> {
   using type = std::conditional_t<in_category<Category, P>() == 1, P, typename pick<Category, Default, Ps...>::type>;
 };
+
+/// T is one of Ts.
+template <class T, class... Ts>
+concept one_of = (std::is_same_v<T, Ts> || ...);
+
+/// The first of `args` of type T, else T{} (a wrapper's constructor arguments: policy values, options).
+template <class T>
+T value_of() {
+  return T{};
+}
+template <class T, class A, class... Rest>
+T value_of(const A& first, const Rest&... rest) {
+  if constexpr (std::is_same_v<A, T>)
+    return first;
+  else
+    return value_of<T>(rest...);
+}
+
+/// data_parallel_options, if among Args, comes last and once (checked by data_parallel's constructor).
+template <class... Args>
+constexpr bool options_last() {
+  constexpr std::size_t n = sizeof...(Args);
+  std::size_t count = 0, at = 0, i = 0;
+  ((std::is_same_v<Args, data_parallel_options> ? (++count, at = i++) : i++), ...);
+  return count == 0 || (count == 1 && at + 1 == n);
+}
 
 }  // namespace detail
 
