@@ -93,14 +93,15 @@ inline void require_close(mlp& got, mlp& want, double tol, closeness how) {
   });
 }
 
-/// N ranks with policies Ps give the reference's parameters; `micro` > 1 accumulates that many
-/// micro-batches per step, all but the last under no_sync.
+/// N ranks with policies Ps (the sharding policy's value `sharding`) give the reference's parameters;
+/// `micro` > 1 accumulates that many micro-batches per step, all but the last under no_sync.
 template <class... Ps, class Comm>
 void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
-                       closeness how = closeness::per_element, ddp::data_parallel_options options = {}) {
+                       closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
+                       ddp::data_parallel_options options = {}) {
   mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   {  // the model is compared after the wrapper is gone: it must hand the trained values back
-    ddp::data_parallel<mlp, Ps...> dp{model, comm, options};
+    ddp::data_parallel<mlp, Ps...> dp{model, comm, sharding, options};
     auto scope = [&](linear& l) { return dp.gather(l); };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const float scale = static_cast<float>(comm.size()) / global_batch;
@@ -208,10 +209,9 @@ void check_broadcast(Comm comm) {
 namespace ddp_test {
 
 /// hybrid groups: 2 ranks a group where the world is even (2×2 at N = 4), else 1 (pure replication of shards).
-inline ddp::data_parallel_options hybrid_groups(int world) {
-  ddp::data_parallel_options o;
-  o.hybrid_group_size = world % 2 == 0 ? 2 : 1;
-  return o;
+template <class Inner>
+ddp::hybrid<Inner> hybrid_groups(int world) {
+  return {.group_size = world % 2 == 0 ? 2 : 1};
 }
 
 /// Sharding units finer than the top-level fields: one per parameter (unit_depth 2), or fc2 as one unit and

@@ -65,9 +65,11 @@ TEST_CASE("mpi sharded no_sync accumulates into sharded gradients", "[sharding]"
 TEST_CASE("mpi hybrid: 2x2 groups (1 per group at odd N) equal one process", "[sharding]") {
   auto comm = world();
   check_equivalence<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
-                                                             closeness::per_element, hybrid_groups(comm.size()));
+                                                             closeness::per_element,
+                                                               hybrid_groups<ddp::full_shard>(comm.size()));
   check_equivalence<mpi, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
-                                                                closeness::per_element, hybrid_groups(comm.size()));
+                                                                closeness::per_element,
+                                                                  hybrid_groups<ddp::shard_grad_op>(comm.size()));
 }
 TEST_CASE("mpi full_shard: a gradient of an ungathered unit is misuse", "[sharding]") {
   check_full_shard_misuse<mpi>(world());

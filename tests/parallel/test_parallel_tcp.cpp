@@ -93,22 +93,25 @@ TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync e
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2);
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 3);
     check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
-                                                               closeness::per_element, hybrid_groups(comm.size()));
+                                                               closeness::per_element,
+                                                               hybrid_groups<ddp::full_shard>(comm.size()));
     check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
-                                                                  closeness::per_element, hybrid_groups(comm.size()));
+                                                                  closeness::per_element,
+                                                                  hybrid_groups<ddp::shard_grad_op>(comm.size()));
     check_full_shard_misuse<tcp>(comm);
   });
 }
 TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training; a unit covering nothing is named",
           "[sharding]") {
   on_1_to_4_ranks([](ddp::tcp::communicator comm) {
-    ddp::data_parallel_options lean;
-    lean.keep_unit_buffers = false;
-    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element, lean);
-    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 1, closeness::per_element,
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element,
+                                                  {.keep_unit_buffers = false});
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5, 2, closeness::per_element,
+                                                  {.reshard_after_forward = false});
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 1, closeness::per_element, {},
                                                   per_parameter_units());
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2,
-                                                     closeness::per_element, per_parameter_units({"fc2"}));
+                                                     closeness::per_element, {}, per_parameter_units({"fc2"}));
     check_unit_errors<tcp>(comm);
   });
 }

@@ -298,8 +298,7 @@ TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next buc
   log.plan_split("shard", 2, 0);
   log.plan_split("replica", 2, 0);
   ddp::optim::sgd opt({.lr = 0.1});
-  ddp::data_parallel<net, recording_backend, four_floats, ddp::hybrid<ddp::shard_grad_op>> dp{
-      m, comm, {.hybrid_group_size = 2}};
+  ddp::data_parallel dp{m, comm, four_floats{}, ddp::hybrid<ddp::shard_grad_op>{.group_size = 2}};
   log.clear();
   backward(dp, m, {2});
   log.complete_all();  // the network delivers fc3's reduce-scatter during fc2's backward
@@ -383,5 +382,32 @@ TEST_CASE("deduction: the backend from the communicator's type, the policies fro
   {  // explicit policies, values given for some of them in another order
     ddp::data_parallel<net, ddp::full_shard, recording_backend, four_floats> dp{m, comm, four_floats{}, ddp::full_shard{}};
     REQUIRE(dp.bucket_count() == 5);
+  }
+}
+
+TEST_CASE("recorded: the sharding policy's value is what the strategy uses: full_shard{.reshard_after_forward = "
+          "false} keeps the units of the forward for the backward, also as hybrid's inner policy", "[step]") {
+  net m = make_net();
+  {
+    recording_comm comm(0, 2);
+    auto& log = comm.log();
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::full_shard{.reshard_after_forward = false}};
+    REQUIRE_FALSE(dp.sharding_policy().reshard_after_forward);
+    forward(dp, m, {0, 1, 2});
+    log.clear();
+    backward(dp, m, {2, 1, 0});
+    for (const auto& call : log.calls()) REQUIRE_THAT(call, !Catch::Contains("all_gather"));
+  }
+  {
+    recording_comm comm(0, 4);
+    auto& log = comm.log();
+    log.plan_split("shard", 2, 0);
+    log.plan_split("replica", 2, 0);
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::hybrid<>{.group_size = 2, .inner = {.reshard_after_forward = false}}};
+    forward(dp, m, {0, 1, 2});
+    log.clear();
+    backward(dp, m, {2, 1, 0});
+    REQUIRE(!log.calls().empty());
+    for (const auto& call : log.calls()) REQUIRE_THAT(call, !Catch::Contains("all_gather"));
   }
 }

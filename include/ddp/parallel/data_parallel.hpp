@@ -89,7 +89,7 @@ class data_parallel {
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
                 "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
-  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type, sharding>,
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
@@ -128,7 +128,7 @@ class data_parallel {
   data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
                 hook_type hook, data_parallel_options options)
       : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
-        multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
+        multiple_(strategy_type::multiple(comm_, sharding_)), layout_(model, multiple_, options_),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
@@ -146,7 +146,7 @@ class data_parallel {
     }
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-    strategy_.emplace(layout_, plan_, state_, comm_, options_);
+    strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
   }
 
  public:
@@ -321,6 +321,8 @@ class data_parallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
+  /// The sharding policy's value: the settings the strategy uses.
+  [[nodiscard]] const sharding& sharding_policy() const noexcept { return sharding_; }
   /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under

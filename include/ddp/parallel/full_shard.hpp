@@ -3,7 +3,7 @@
 /// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
 /// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
 /// the direction of travel (forward or backward) is prefetched into another; when the last scope on a unit
-/// closes, the buffer goes back to the pool (reshard after forward, configurable) and the parameters point
+/// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
 /// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
 
 #include <cstddef>
@@ -17,7 +17,6 @@
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/sharded.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -28,22 +27,21 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::sharded;
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+  static std::size_t multiple(const Comm& comm, const full_shard& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm, const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", policy.keep_unit_buffers,
                            owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
-                           owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+           const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard",
+                           policy.keep_unit_buffers, owned_value_home::own_copy),
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
 
@@ -125,7 +123,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   bool reshard_ = true;
   std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
 };
-static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator, full_shard>,
               "ddp: the full_shard strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

@@ -7,7 +7,7 @@
 
 namespace ddp {
 
-/// Run-time settings of data_parallel.
+/// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
 struct data_parallel_options {
   /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
   /// gradients are left as the user keeps them (zero after zero_grad()) and are averaged like the others.
@@ -17,8 +17,6 @@ struct data_parallel_options {
   bool error_on_missing = true;
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
-  /// full_shard: free a unit's gathered parameters when its gather scope ends (false keeps them until the step).
-  bool reshard_after_forward = true;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
   /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
   /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
@@ -26,12 +24,6 @@ struct data_parallel_options {
   /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
   /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
   std::size_t unit_depth = 1;
-  /// Sharded policies: keep the pooled per-unit buffers (gathered values, full gradients) resident between
-  /// steps, so steady-state steps allocate nothing and fault in no page (true), or free them after every step,
-  /// so that between steps a rank holds only its shards (false: the lowest memory, page faults each step).
-  bool keep_unit_buffers = true;
-  /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
-  int hybrid_group_size = 0;
 };
 
 }  // namespace ddp

@@ -1,6 +1,7 @@
 #pragma once
 /// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
-/// Policies may be given in any order; a missing category takes its default.
+/// Policies may be given in any order; a missing category takes its default. The sharding policies carry
+/// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
 
 #include <cstddef>
 #include <type_traits>
@@ -19,16 +20,33 @@ struct bucket_category {};
 /// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
 struct replicate { using policy_category = detail::sharding_category; };
 /// Gradients and optimizer state are sharded, parameters kept whole (ZeRO-2, FSDP SHARD_GRAD_OP).
-struct shard_grad_op { using policy_category = detail::sharding_category; };
+struct shard_grad_op {
+  using policy_category = detail::sharding_category;
+  /// Keep the pooled per-unit buffers (full gradients) resident between steps, so steady-state steps allocate
+  /// nothing and fault in no page (true), or free them after every step, so that between steps a rank holds
+  /// only its shards (false: the lowest memory, page faults each step).
+  bool keep_unit_buffers = true;
+};
 /// Parameters, gradients and optimizer state are sharded (ZeRO-3, FSDP FULL_SHARD).
-struct full_shard { using policy_category = detail::sharding_category; };
-/// Inner sharding inside groups of LOCAL_WORLD_SIZE ranks, replication across groups (HSDP).
+struct full_shard {
+  using policy_category = detail::sharding_category;
+  /// Free a unit's unsharded parameters when its last unshard scope closes (false keeps them until the step).
+  bool reshard_after_forward = true;
+  /// Keep the pooled per-unit buffers (unsharded values, full gradients) resident between steps (true), or
+  /// free them after every step (false), as shard_grad_op's.
+  bool keep_unit_buffers = true;
+};
+/// Inner sharding inside groups of `group_size` ranks, replication across groups (HSDP).
 template <class Inner = full_shard>
 struct hybrid {
   static_assert(std::is_same_v<Inner, full_shard> || std::is_same_v<Inner, shard_grad_op>,
                 "ddp::hybrid<Inner>: Inner must be ddp::full_shard or ddp::shard_grad_op.");
   using policy_category = detail::sharding_category;
-  using inner = Inner;  ///< sharding inside a group
+  using inner_type = Inner;  ///< sharding inside a group
+  /// Ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  int group_size = 0;
+  /// The settings of the sharding inside a group (ddp::hybrid<>{.inner = {.reshard_after_forward = false}}).
+  Inner inner{};
 };
 
 /// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.

@@ -12,7 +12,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
@@ -36,10 +35,10 @@ template <class Comm>
 struct strategy<replicate, Comm> {
   static constexpr bool sharded = false;
   static constexpr unit_phase initial_units = unit_phase::unsharded;
-  static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
+  static std::size_t multiple(const Comm& /*comm*/, const replicate& /*policy*/) { return 1; }
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& /*options*/)
+           const replicate& /*policy*/)
       : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)) {}
 
   /// Bucket `b` waiting → launched: its all-reduce starts through the hook.
@@ -83,7 +82,7 @@ struct strategy<replicate, Comm> {
   std::vector<optim::flat_buffer> buffers_;
 };
 
-static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator, replicate>,
               "ddp: the replicate strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

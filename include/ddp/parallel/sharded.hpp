@@ -42,7 +42,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/unit_pool.hpp>
@@ -92,11 +91,10 @@ class sharded_core {
   static constexpr bool sharded = true;
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
-               std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
-               owned_value_home values)
+               std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
+        trim_(keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
@@ -397,7 +395,7 @@ class sharded_core {
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  pool_trim trim_;                                      // by the policy's keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
 };
 
