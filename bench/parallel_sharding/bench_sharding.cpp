@@ -74,14 +74,14 @@ double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-/// One training step's forward and backward (ReLU hidden layers, squared error), each layer inside a gather scope.
+/// One training step's forward and backward (ReLU hidden layers, squared error), each layer inside an unshard scope.
 template <class DP>
 void forward_backward(DP& dp, mlp& m, std::size_t batch) {
   const std::size_t layers = m.fc.size();
   std::vector<std::vector<float>> acts(layers + 1);
   acts[0].assign(batch * m.fc[0].weight.shape()[1], 0.5F);
   for (std::size_t l = 0; l < layers; ++l) {
-    auto g = dp.gather(m.fc[l]);
+    auto g = dp.unshard(m.fc[l]);
     const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
     acts[l + 1].assign(batch * out, 0.0F);
     const float* w = m.fc[l].weight.value().data();
@@ -95,7 +95,7 @@ void forward_backward(DP& dp, mlp& m, std::size_t batch) {
   }
   std::vector<float> delta = acts[layers];  // d(½‖y‖²)/dy = y
   for (std::size_t l = layers; l-- > 0;) {
-    auto g = dp.gather(m.fc[l]);
+    auto g = dp.unshard(m.fc[l]);
     const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
     std::vector<float> back(batch * in, 0.0F);
     float* gw = m.fc[l].weight.grad().data();

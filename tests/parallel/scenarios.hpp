@@ -102,7 +102,7 @@ void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
   mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   {  // the model is compared after the wrapper is gone: it must hand the trained values back
     ddp::data_parallel<mlp, Ps...> dp{model, comm, sharding, options};
-    auto scope = [&](linear& l) { return dp.gather(l); };
+    auto scope = [&](linear& l) { return dp.unshard(l); };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const float scale = static_cast<float>(comm.size()) / global_batch;
     auto report = [&](auto& p) { dp.gradient_ready(p); };
@@ -236,7 +236,7 @@ void check_unit_errors(Comm comm) {
   }
 }
 
-/// full_shard: a gradient reported outside a gather scope is named as misuse.
+/// full_shard: a gradient reported outside an unshard scope is named as misuse.
 template <class Backend, class Comm>
 void check_full_shard_misuse(Comm comm) {
   mlp model = make_mlp(1);
@@ -246,9 +246,9 @@ void check_full_shard_misuse(Comm comm) {
     FAIL("full_shard accepted a gradient of an ungathered unit");
   } catch (const ddp::error& e) {
     INFO(e.what());
-    REQUIRE(std::string(e.what()).find("dp.gather(model.fc2)") != std::string::npos);
+    REQUIRE(std::string(e.what()).find("dp.unshard(model.fc2)") != std::string::npos);
   }
-  auto g = dp.gather(model.fc2);
+  auto g = dp.unshard(model.fc2);
   REQUIRE(std::any_of(model.fc2.weight.value().begin(), model.fc2.weight.value().end(), [](float v) { return v != 0; }));
 }
 

@@ -48,24 +48,24 @@ std::vector<bucket_range> ranges(const ddp::detail::bucket_plan& plan) {
   return out;
 }
 
-/// A backward over `layers` (indices into fc1, fc2, fc3), last layer first, each inside a gather scope,
+/// A backward over `layers` (indices into fc1, fc2, fc3), last layer first, each inside an unshard scope,
 /// reporting bias then weight.
 template <class DP>
 void backward(DP& dp, net& m, std::vector<int> layers) {
   layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
   for (const int l : layers) {
-    auto g = dp.gather(*all[l]);
+    auto g = dp.unshard(*all[l]);
     for (auto* p : {&all[l]->b, &all[l]->w}) {
       for (auto& x : p->grad()) x += 1.0F;
       dp.gradient_ready(*p);
     }
   }
 }
-/// Opens and closes a gather scope on each layer in `layers` (a forward).
+/// Opens and closes an unshard scope on each layer in `layers` (a forward).
 template <class DP>
 void forward(DP& dp, net& m, std::vector<int> layers) {
   layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
-  for (const int l : layers) auto g = dp.gather(*all[l]);
+  for (const int l : layers) auto g = dp.unshard(*all[l]);
 }
 
 }  // namespace
@@ -194,7 +194,7 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   st.move_grads(1, grad_phase::released, {grad_phase::held, grad_phase::reported});
   REQUIRE(st.unit(1).grads == grad_phase::released);
   // scopes
-  raises([&] { st.close_scope(2); }, "unit 2 has no open gather scope to close");
+  raises([&] { st.close_scope(2); }, "unit 2 has no open unshard scope to close");
   st.open_scope(2);
   st.open_scope(2);
   REQUIRE(!st.close_scope(2));

@@ -297,12 +297,12 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
   }
 }
 
-/// The parameters of one unit (a top-level field of the model), as a part data_parallel::gather accepts.
+/// The parameters of one unit (a top-level field of the model), as a part data_parallel::unshard accepts.
 struct unit_parameters {
   std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
                            parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
       members;
-  /// Visits the members (names are not needed by gather).
+  /// Visits the members (names are not needed by unshard).
   template <class F>
   void visit_parameters(F&& f) {
     for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
@@ -310,7 +310,7 @@ struct unit_parameters {
 };
 
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it.
+/// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it.
 /// Nothing to do under replicate, where the pieces are the parameters. Collective.
 template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
@@ -330,7 +330,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
     });
     for (std::size_t u = 0; u < units.size(); ++u) {
-      auto scope = dp.gather(units[u]);
+      auto scope = dp.unshard(units[u]);
       for (const auto& [tensor, full] : members[u]) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {

@@ -119,7 +119,7 @@ class data_parallel {
   data_parallel& operator=(const data_parallel&) = delete;
   /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
   /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
-  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// them (or an unshard scope holds the unit); call dp.unshard_model() after the last step to keep the trained
   /// model.
   ~data_parallel() { state_.settle(); }
 
@@ -264,18 +264,19 @@ class data_parallel {
 
   /// Collective under full_shard: all-gathers every unit into the model's own parameters, so they hold the
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
-  /// last step, outside every gather scope; later steps do not update those values (call it again). Under
+  /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
   void unshard_model() { strategy_->unshard_model(); }
-  /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
-  class [[nodiscard]] gather_guard {
+  /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
+  /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
+  class [[nodiscard]] unshard_guard {
    public:
-    gather_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+    unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
       dp_->strategy_->acquire(units_);
     }
-    gather_guard(const gather_guard&) = delete;
-    gather_guard& operator=(const gather_guard&) = delete;
-    ~gather_guard() { dp_->strategy_->release(units_); }
+    unshard_guard(const unshard_guard&) = delete;
+    unshard_guard& operator=(const unshard_guard&) = delete;
+    ~unshard_guard() { dp_->strategy_->release(units_); }
 
    private:
     data_parallel* dp_;
@@ -286,17 +287,17 @@ class data_parallel {
   /// one; under full_shard and shard_grad_op it gives them gradient storage (report their gradients inside
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
-  gather_guard gather(Part& part) {
+  unshard_guard unshard(Part& part) {
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(static_cast<const void*>(&p));
       if (i < 0)
-        throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
+        throw config_error("unshard: this object holds parameters that are not the wrapped model's; pass a part "
                            "of dp.module() (such as dp.module().fc2)", rank());
       const std::size_t u = layout_.slots()[static_cast<std::size_t>(i)].unit;
       if (units.empty() || units.back() != u) units.push_back(u);
     });
-    return gather_guard(*this, std::move(units));
+    return unshard_guard(*this, std::move(units));
   }
 
   /// The wrapped model.

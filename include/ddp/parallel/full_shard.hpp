@@ -1,6 +1,6 @@
 #pragma once
 /// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
-/// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
+/// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
 /// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
 /// the direction of travel (forward or backward) is prefetched into another; when the last scope on a unit
 /// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
@@ -87,12 +87,12 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     this->trim_pools();
   }
   /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
-  /// model's own parameters hold the full values (also once the wrapper is gone). No gather scope may be open.
+  /// model's own parameters hold the full values (also once the wrapper is gone). No unshard scope may be open.
   void unshard_model() {
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).scopes > 0)
-        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside a gather scope; close every "
-                    "dp.gather(...) scope before unsharding the whole model", this->shard_group().rank());
+        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside an unshard scope; close every "
+                    "dp.unshard(...) scope before unsharding the whole model", this->shard_group().rank());
       reshard(u);
     }
     std::vector<work> works;

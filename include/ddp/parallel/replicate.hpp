@@ -61,7 +61,7 @@ struct strategy<replicate, Comm> {
   void zero_grad() noexcept {
     for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
   }
-  /// Parameters and gradients are always whole: gather scopes do nothing.
+  /// Parameters and gradients are always whole: unshard scopes do nothing.
   void acquire(std::span<const std::size_t> /*units*/) {}
   void release(std::span<const std::size_t> /*units*/) {}
   /// Every gradient may be reported at any time.

@@ -1,6 +1,6 @@
 #pragma once
 /// \file The shard_grad_op strategy (ZeRO-2, FSDP SHARD_GRAD_OP): full parameters during forward and
-/// backward, in the value arena; a unit's full gradients live in a pooled buffer while a gather scope holds
+/// backward, in the value arena; a unit's full gradients live in a pooled buffer while an unshard scope holds
 /// it and until its buckets are reduce-scattered into the owned blocks; the optimizer steps the owned
 /// blocks; the updated blocks are all-gathered back into the full parameters after the step.
 

@@ -3,7 +3,7 @@
 /// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
 /// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
 ///
-/// Gradients: a unit's full gradients exist only while a gather scope holds the unit and until its buckets'
+/// Gradients: a unit's full gradients exist only while an unshard scope holds the unit and until its buckets'
 /// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
 /// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
 /// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
@@ -143,7 +143,7 @@ class sharded_core {
     }
   }
 
-  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope): held or
+  /// A gradient may only be reported while its unit has gradient storage (inside an unshard scope): held or
   /// reported → reported.
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
@@ -151,7 +151,7 @@ class sharded_core {
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
-                      "unit's forward and backward in auto g = dp.gather(model." + layout_.units()[s.unit] + ")",
+                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + ")",
                   shard_.rank());
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
@@ -228,13 +228,13 @@ class sharded_core {
   [[nodiscard]] step_state& state() noexcept { return state_; }
   [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }
 
-  /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
+  /// An unshard scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
   void open_scope(std::size_t u) {
     state_.open_scope(u);
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
-  /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
+  /// An unshard scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
   /// reported) or once its reduce-scatters have read it.
   void close_scope(std::size_t u) {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);

@@ -34,7 +34,7 @@ struct strategy {
 ///   initial_units                             the unit phase the strategy starts in
 ///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
-///   acquire(units) / release(units)           a gather scope opens / closes on units
+///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report
 ///   optimizer_buffers(), after_step(), zero_grad()
 ///   unshard_model()                           collective: the model's parameters hold the full values
