@@ -20,6 +20,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <ddp/core/error.hpp>
 #include <ddp/optim/adamw.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/data_parallel.hpp>
@@ -233,6 +234,78 @@ void check_unit_errors(Comm comm) {
     FAIL("a unit that covers no parameter was accepted");
   } catch (const ddp::config_error& e) {
     REQUIRE_THAT(e.what(), Catch::Contains("'fc4'") && Catch::Contains("covers no parameter"));
+  }
+}
+
+/// verify_in_sync: replicas that trained together pass; a parameter changed on one rank makes every rank throw
+/// mismatch_error naming it and the ranks that disagree. Under full_shard the owned blocks are compared with
+/// the ranks owning the same ones: across the groups under hybrid (2 groups of 2 at N = 4), none without.
+template <class Backend, class Sharding, class Comm>
+void check_verify_in_sync(Comm comm, Sharding sharding = {}) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend, Sharding> dp{model, comm, sharding};
+  ddp::optim::adamw opt({.lr = 0.01});
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  auto scope = [&](linear& l) { return dp.unshard(l); };
+  dp.verify_in_sync();
+  for (int s = 0; s < 2; ++s) {
+    dp.zero_grad();
+    const auto [begin, count] = shard_of(comm.rank(), comm.size());
+    forward_backward(model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), 1.0F, report,
+                     scope);
+    dp.step(opt);
+  }
+  dp.verify_in_sync();
+  if (comm.size() < 2) return;
+  constexpr bool owned = !std::is_same_v<Sharding, ddp::replicate> && !std::is_same_v<Sharding, ddp::shard_grad_op>;
+  if (comm.rank() == 1) {
+    if constexpr (owned) {  // rank 1's first owned value (under hybrid rank 3 owns the same block)
+      static_cast<float*>(dp.owned_buffers()[0].values.data)[0] += 1.0F;
+    } else {
+      model.fc2.bias.value()[3] += 1.0F;
+    }
+  }
+  if constexpr (std::is_same_v<Sharding, ddp::full_shard>) {  // every value has one owner: nothing to compare
+    dp.verify_in_sync();
+    return;
+  }
+  try {
+    dp.verify_in_sync();
+    FAIL("verify_in_sync passed although rank 1 changed a parameter");
+  } catch (const ddp::mismatch_error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    REQUIRE(e.rank() == comm.rank());
+    REQUIRE_THAT(what, Catch::Contains("verify_in_sync: the replicas differ at parameter '") &&
+                           Catch::Contains("reported before it was final"));
+    if constexpr (owned) {
+      REQUIRE_THAT(what, Catch::Contains("rank 1 holds one value; rank 3 holds another"));
+    } else {
+      REQUIRE_THAT(what, Catch::Contains("'fc2.bias'") && Catch::Contains("rank 1 holds another"));
+    }
+  }
+}
+
+/// verify_every = 1: rank 1 steps another optimizer at step 2; that step throws on every rank, the earlier ones
+/// do not.
+template <class Backend, class Comm>
+void check_verify_every(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend> dp{model, comm, {.verify_every = 1}};
+  ddp::optim::sgd same({.lr = 0.1}), other({.lr = 0.2});
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  for (int s = 0; s < 4; ++s) {
+    dp.zero_grad();
+    forward_backward(model, make_batch(static_cast<std::uint64_t>(s), 4), 1.0F, report);
+    try {
+      dp.step(s == 2 && comm.rank() == 1 ? other : same);
+      REQUIRE((s != 2 || comm.size() == 1));
+    } catch (const ddp::mismatch_error& e) {
+      INFO(e.what());
+      REQUIRE(s == 2);
+      REQUIRE_THAT(e.what(), Catch::Contains("at parameter 'fc1.weight'"));
+      return;
+    }
   }
 }
 

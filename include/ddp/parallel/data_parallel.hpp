@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,7 @@
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/replicate.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -249,6 +251,40 @@ class data_parallel {
     opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
     strategy_->after_step();
     state_.end();
+    ++steps_;
+    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
+  /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
+  /// rank holds the full values, and all are compared. Under full_shard a rank holds only its owned blocks,
+  /// which are hashed and compared with the ranks owning the same blocks: the other groups under hybrid
+  /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
+  /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
+  void verify_in_sync() {
+    detail::replica_digest mine;
+    mine.hashes.assign(layout_.slots().size(), detail::fnv_offset);
+    if constexpr (strategy_type::initial_units == detail::unit_phase::sharded) {  // full_shard: owned blocks only
+      mine.peers = shard_group().rank();
+      std::unordered_map<std::string_view, std::size_t> slot_of;
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) slot_of.emplace(layout_.slots()[s].name, s);
+      for (const auto& b : strategy_->optimizer_buffers()) {
+        const auto* values = static_cast<const std::byte*>(b.values.data);
+        const std::size_t w = size_of(b.values.type);
+        for (const auto& seg : b.segments) {
+          auto& h = mine.hashes[slot_of.at(seg.name)];
+          h = detail::fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+        }
+      }
+    } else {  // every rank holds the full values in the value arena
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) {
+        const auto& slot = layout_.slots()[s];
+        const std::size_t w = size_of(slot.type);
+        mine.hashes[s] = detail::fnv1a(mine.hashes[s],
+                                       std::span(layout_.arenas()[slot.arena].values.data() + slot.offset * w,
+                                                 slot.numel * w));
+      }
+    }
+    detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -369,6 +405,7 @@ class data_parallel {
   detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
+  std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };

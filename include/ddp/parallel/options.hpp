@@ -17,6 +17,8 @@ struct data_parallel_options {
   bool error_on_missing = true;
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
+  /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
+  std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
   /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
   /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
