@@ -309,6 +309,38 @@ void check_verify_every(Comm comm) {
   }
 }
 
+/// Units by object train exactly as the same units by name: {unit_of(model.fc2), unit_of(model.fc3.bias)} per
+/// parameter otherwise is {"fc2", "fc3.bias"} at unit_depth 2, the same units, layout and parameters.
+template <class Backend, class Comm>
+void check_units_by_object(Comm comm) {
+  const auto train = [&](auto units_of) {
+    mlp model = make_mlp(1);
+    {
+      ddp::data_parallel_options o;
+      o.units = units_of(model);
+      o.unit_depth = 2;
+      ddp::data_parallel<mlp, Backend, ddp::bucket_bytes<200, 60>, ddp::full_shard> dp{model, comm, o};
+      REQUIRE((std::vector<std::string>(dp.units().begin(), dp.units().end()) ==
+               std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2", "fc3.weight", "fc3.bias"}));
+      ddp::optim::adamw opt({.lr = 0.01});
+      auto report = [&](auto& p) { dp.gradient_ready(p); };
+      auto scope = [&](linear& l) { return dp.unshard(l); };
+      const auto [begin, count] = shard_of(comm.rank(), comm.size());
+      for (int s = 0; s < 2; ++s) {
+        dp.zero_grad();
+        forward_backward(model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), 1.0F,
+                         report, scope);
+        dp.step(opt);
+      }
+      dp.unshard_model();
+    }
+    return model;
+  };
+  mlp by_object = train([](mlp& m) { return ddp::unit_list{ddp::unit_of(m.fc2), ddp::unit_of(m.fc3.bias)}; });
+  mlp by_name = train([](mlp&) { return ddp::unit_list{"fc2", "fc3.bias"}; });
+  require_close(by_object, by_name, 0.0, closeness::per_element);
+}
+
 /// full_shard: a gradient reported outside an unshard scope is named as misuse.
 template <class Backend, class Comm>
 void check_full_shard_misuse(Comm comm) {

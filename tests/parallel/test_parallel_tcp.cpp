@@ -123,5 +123,6 @@ TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2,
                                                      closeness::per_element, {}, per_parameter_units({"fc2"}));
     check_unit_errors<tcp>(comm);
+    check_units_by_object<tcp>(comm);
   });
 }

@@ -38,6 +38,17 @@ net make_net() {
 }
 using four_floats = ddp::bucket_bytes<16, 16>;
 
+/// A part that names two parameters of its choice (for the units-by-object errors).
+struct two_parameters {
+  ddp::parameter<float>& first;
+  ddp::parameter<float>& second;
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("first", first);
+    f("second", second);
+  }
+};
+
 struct bucket_range {
   std::size_t begin, end, unit;
   bool operator==(const bucket_range&) const = default;
@@ -410,4 +421,34 @@ TEST_CASE("recorded: the sharding policy's value is what the strategy uses: full
     REQUIRE(!log.calls().empty());
     for (const auto& call : log.calls()) REQUIRE_THAT(call, !Catch::Contains("all_gather"));
   }
+}
+
+TEST_CASE("units by object: ddp::unit_of(part) is the unit of the prefix its parameters share, beside name "
+          "prefixes; a part holding no parameter of the model is a config_error naming it", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  {
+    ddp::data_parallel dp{m, comm, ddp::full_shard{},
+                          ddp::data_parallel_options{.units = {ddp::unit_of(m.fc2), "fc3.w", ddp::unit_of(m.fc1.b)},
+                                                     .unit_depth = 2}};
+    REQUIRE(std::vector<std::string>(dp.units().begin(), dp.units().end()) ==
+            strings{"fc1.w", "fc1.b", "fc2", "fc3.w", "fc3.b"});
+  }
+  const auto raises = [&](ddp::data_parallel_options o, const std::string& text) {
+    try {
+      ddp::data_parallel dp{m, comm, ddp::full_shard{}, std::move(o)};
+      FAIL("no config_error for: " << text);
+    } catch (const ddp::config_error& e) {
+      INFO(e.what());
+      REQUIRE_THAT(e.what(), Catch::Contains(text));
+    }
+  };
+  net other = make_net();
+  raises({.units = {"fc1", ddp::unit_of(other.fc2)}}, "data_parallel_options::units entry #1, ddp::unit_of(");
+  raises({.units = {"fc1", ddp::unit_of(other.fc2)}}, "layer), holds no parameter of the wrapped model");
+  two_parameters foreign{m.fc1.w, other.fc1.b};
+  raises({.units = {ddp::unit_of(foreign)}}, "entry #0, ddp::unit_of(");
+  raises({.units = {ddp::unit_of(foreign)}}, "two_parameters), holds parameters that are not the wrapped model's");
+  two_parameters apart{m.fc1.w, m.fc2.b};
+  raises({.units = {ddp::unit_of(apart)}}, "holds parameters ('fc1.w', ...) that share no dotted name prefix");
 }

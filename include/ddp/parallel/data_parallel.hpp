@@ -38,6 +38,7 @@
 #include <ddp/parallel/replicate.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
 #include <ddp/parallel/step_state.hpp>
+#include <ddp/parallel/units.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp {
@@ -130,7 +131,8 @@ class data_parallel {
   data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
                 hook_type hook, data_parallel_options options)
       : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
-        multiple_(strategy_type::multiple(comm_, sharding_)), layout_(model, multiple_, options_),
+        multiple_(strategy_type::multiple(comm_, sharding_)),
+        layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
@@ -380,6 +382,11 @@ class data_parallel {
   }
 
  private:
+  /// The options the layout reads: every ddp::unit_of entry of `options.units` resolved to its prefix.
+  static data_parallel_options layout_options(Model& model, data_parallel_options options, int rank) {
+    options.units = detail::resolve_units(model, options.units, rank);
+    return options;
+  }
   void launch_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }

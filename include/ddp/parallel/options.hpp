@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <ddp/parallel/units.hpp>
+
 namespace ddp {
 
 /// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
@@ -19,10 +21,11 @@ struct data_parallel_options {
   bool broadcast_parameters = true;
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
-  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
-  /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
-  /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
-  std::vector<std::string> units{};
+  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
+  /// (ddp::unit_of(model.encoder), resolved to the prefix its parameters share): a parameter belongs to the
+  /// longest listed prefix it starts with (the whole name or a leading run of its components); parameters no
+  /// entry covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
+  unit_list units{};
   /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
   /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
   std::size_t unit_depth = 1;
