@@ -452,3 +452,49 @@ TEST_CASE("units by object: ddp::unit_of(part) is the unit of the prefix its par
   two_parameters apart{m.fc1.w, m.fc2.b};
   raises({.units = {ddp::unit_of(apart)}}, "holds parameters ('fc1.w', ...) that share no dotted name prefix");
 }
+
+TEST_CASE("recorded: full_shard prefetches in the execution order the first step recorded, not in field order",
+          "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel dp{m, comm, four_floats{}, ddp::full_shard{}};
+  layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
+  // What opening a scope on layer l issues (numbers dropped); with `report`, a backward inside the scope.
+  const auto opened = [&](int l, bool report) {
+    const std::size_t before = log.calls().size();
+    auto g = dp.unshard(*all[l]);
+    strings out;
+    for (std::size_t i = before; i < log.calls().size(); ++i)
+      out.push_back(log.calls()[i].substr(0, log.calls()[i].rfind(" #")));
+    for (auto* p : {&all[l]->b, &all[l]->w})
+      if (report) dp.gradient_ready(*p);
+    return out;
+  };
+  const strings gather_fc1_fc2 = {"world all_gather 2>4 f32", "world all_gather 1>2 f32", "wait", "wait"};
+  const strings gather_fc3 = {"world all_gather 2>4 f32", "wait"};
+  const auto with = [](strings a, const strings& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  // The forward runs fc3, fc1, fc2 (fields fc1, fc2, fc3), the backward fc2, fc1, fc3. Step 1 prefetches in field
+  // order: nothing after fc1 (below fc3), fc3 after fc2 (needed no more in this forward).
+  REQUIRE(opened(2, false) == gather_fc3);
+  REQUIRE(opened(0, false) == gather_fc1_fc2);
+  REQUIRE(opened(1, false) == with(gather_fc1_fc2, {"world all_gather 2>4 f32"}));
+  for (const int l : {1, 0, 2}) opened(l, true);
+  dp.step(opt);
+  // Step 2 follows the recorded order fc3, fc1, fc2: fc2 is gathered while fc1 is in use and its scope only waits;
+  // in the backward fc3 is gathered while fc1 is in use.
+  for (int step = 2; step <= 3; ++step) {
+    INFO("step " << step);
+    REQUIRE(opened(2, false) == gather_fc3);
+    REQUIRE(opened(0, false) == with(gather_fc1_fc2, {"world all_gather 2>4 f32", "world all_gather 1>2 f32"}));
+    REQUIRE(opened(1, false) == strings{"wait", "wait"});
+    REQUIRE(opened(1, true) == gather_fc1_fc2);
+    REQUIRE(opened(0, true) == with(gather_fc1_fc2, {"world all_gather 2>4 f32"}));
+    REQUIRE(opened(2, true) == strings{"wait"});
+    dp.step(opt);
+  }
+}
