@@ -1,6 +1,6 @@
 // ddp-launch: start N local ranks of a program with torchrun's environment (like torchrun --standalone).
 //
-//   ddp-launch -n 4 [--port P] [--timeout S] [--grace S] [--] program [args...]
+//   ddp-launch -n 4 [--port P] [--bind none|core|numa] [--timeout S] [--grace S] [--] program [args...]
 //
 // Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT
 // (a free port unless --port) and DDP_TOKEN (random unless already set); each output line is prefixed
@@ -33,6 +33,9 @@ when a signal ended it).
 options:
   -n, --nproc N     number of ranks to start (required, 1..4096); torchrun's --nproc-per-node works too
   --port P          MASTER_PORT to use (default: a free port picked by the launcher); or --master-port
+  --bind MODE       core (default): each rank on its own physical cores when there are at least as many
+                    cores as ranks, else unbound; numa: each rank on the CPUs of one NUMA node; none.
+                    Only the CPUs ddp-launch may use count (taskset, cgroups). The choice is printed once.
   --timeout S       stop every rank after S seconds and exit 124 (default: no limit)
   --grace S         seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)
   -h, --help        print this help and exit
@@ -72,6 +75,7 @@ std::chrono::milliseconds parse_seconds(std::string_view option, const std::stri
 
 struct command_line {
   int nproc = 0;
+  ddp::launch::bind_mode bind = ddp::launch::bind_mode::core;
   ddp::launch::spawn_options options;
   std::vector<std::string> program;
   bool help = false;
@@ -99,6 +103,16 @@ command_line parse(int argc, char** argv) {
       c.nproc = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
     } else if (a == "--port" || a == "--master-port" || a == "--master_port") {
       c.options.port = static_cast<std::uint16_t>(parse_integer(a, value_of(a), 1, 65535));
+    } else if (a == "--bind") {
+      const std::string mode = value_of(a);
+      if (mode == "none")
+        c.bind = ddp::launch::bind_mode::none;
+      else if (mode == "core")
+        c.bind = ddp::launch::bind_mode::core;
+      else if (mode == "numa")
+        c.bind = ddp::launch::bind_mode::numa;
+      else
+        throw ddp::config_error("--bind takes none, core or numa, got '" + mode + "'");
     } else if (a == "--timeout") {
       c.options.timeout = parse_seconds(a, value_of(a));
     } else if (a == "--grace") {
@@ -133,6 +147,9 @@ int main(int argc, char** argv) {
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
   cmd.options.interrupt = &interrupted;
   try {
+    auto plan = ddp::launch::plan_binding(cmd.bind, cmd.nproc, ddp::launch::read_topology());
+    std::fprintf(stderr, "ddp-launch: %s\n", plan.summary.c_str());
+    cmd.options.cpus = std::move(plan.cpus);
     const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
     if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
     return result.exit_status();

@@ -9,7 +9,9 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/parameter.hpp>
+#include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/core/trainable.hpp>
 #include <ddp/core/visit.hpp>
 
 #include <ddp/comm/backend.hpp>

@@ -295,6 +295,82 @@ class io_error : public error {
 #include <span>
 #include <vector>
 
+// ---- begin <ddp/core/storage_traits.hpp>
+/// \file ddp::storage_traits: the customization point that lets a model hand ddp any trainable tensor type.
+///
+/// A leaf is one trainable tensor: values and a gradient of the same shape. `storage_traits<T>` tells ddp
+/// its element type, shape and where its elements are now; a type that can point at outside memory also
+/// says how (`adopt`), and ddp then lays it straight into its flat arenas (zero copies). A type that cannot
+/// (an owning matrix, a std::vector) keeps its own memory: ddp copies its gradient in when it is reported
+/// and its values out after every change (the broadcast at construction, each step, a checkpoint load).
+///
+/// Required members of a specialization:
+///   static ddp::dtype dtype(const T&);                  element type
+///   static std::vector<std::size_t> shape(const T&);    shape, outermost first (row-major order)
+///   static void* values(T&);                            the values now (host, contiguous)
+///   static void* grads(T&);                             the gradient now (same size)
+/// Optional members:
+///   static void adopt(T&, void* values, void* grads);   points the leaf at outside memory, copying nothing
+///   static void release(T&);                            after adopt: takes the values into storage of its
+///                                                       own (without it, ddp copies them back to where
+///                                                       values()/grads() pointed first and adopts that)
+///   static ddp::device device(const T&);                where the elements live (default: host memory)
+///   static const void* key(const T&);                   the address gradient_ready knows it by (default &t)
+///   static std::shared_ptr<void> watch(T&, std::function<void()> ready);  leaves whose framework knows when a
+///                                                       gradient is final call ready() then (autograd)
+///   static constexpr bool view = true;                  the leaf refers to the model's memory and is handed
+///                                                       out as a temporary (ddp keeps a copy of it)
+
+#include <memory>
+
+
+namespace ddp {
+
+/// Specialize for a trainable tensor type (see this header's description for the members).
+template <class T>
+struct storage_traits;
+
+/// A type whose storage_traits describe a trainable tensor: a leaf of the model tree.
+template <class T>
+concept storage_leaf = requires(std::remove_cvref_t<T>& t, const std::remove_cvref_t<T>& c) {
+  { storage_traits<std::remove_cvref_t<T>>::dtype(c) } -> std::same_as<ddp::dtype>;
+  { storage_traits<std::remove_cvref_t<T>>::shape(c) } -> std::convertible_to<std::vector<std::size_t>>;
+  { storage_traits<std::remove_cvref_t<T>>::values(t) } -> std::convertible_to<void*>;
+  { storage_traits<std::remove_cvref_t<T>>::grads(t) } -> std::convertible_to<void*>;
+};
+
+/// A leaf that can point at ddp's memory (zero-copy).
+template <class T>
+concept adopting_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, void* p) {
+  storage_traits<std::remove_cvref_t<T>>::adopt(t, p, p);
+};
+
+/// A leaf that reports its own gradients (its framework calls back when each is final).
+template <class T>
+concept watching_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, std::function<void()> f) {
+  { storage_traits<std::remove_cvref_t<T>>::watch(t, f) } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// The address data_parallel::gradient_ready knows a leaf (or the object a leaf refers to) by.
+template <class T>
+const void* leaf_key(const T& t) noexcept {
+  if constexpr (requires { storage_traits<T>::key(t); })
+    return storage_traits<T>::key(t);
+  else
+    return static_cast<const void*>(&t);
+}
+
+/// True when visitors hand the leaf out as a temporary view of the model's memory (ddp keeps a copy).
+template <class T>
+inline constexpr bool leaf_is_view = [] {
+  if constexpr (requires { storage_traits<T>::view; })
+    return storage_traits<T>::view;
+  else
+    return false;
+}();
+
+}  // namespace ddp
+// ---- end <ddp/core/storage_traits.hpp>
 // ---- begin <ddp/core/tensor_traits.hpp>
 /// \file tensor_traits: the customization point that tells the library where a tensor keeps its elements.
 
@@ -302,7 +378,9 @@ class io_error : public error {
 
 namespace ddp {
 
-/// Specialize for a tensor type: static data(t), size(t) (elements), dtype(t) and device(t).
+/// Specialize for a tensor type: static data(t), size(t) (elements), dtype(t) and device(t); optionally
+/// shape(t) (a std::vector<std::size_t>, outermost first; default {size(t)}) and adopt(t, void*) for types that
+/// can be pointed at outside memory without copying (spans, maps), which ddp::trainable lays zero-copy.
 template <class T>
 struct tensor_traits;
 
@@ -338,6 +416,7 @@ struct tensor_traits<std::span<E, Extent>> {
   static std::size_t size(std::span<E, Extent> t) noexcept { return t.size(); }
   static constexpr ddp::dtype dtype(std::span<E, Extent>) noexcept { return dtype_v<std::remove_const_t<E>>; }
   static constexpr ddp::device device(std::span<E, Extent>) noexcept { return device::cpu(); }
+  static void adopt(std::span<E, Extent>& t, void* p) noexcept { t = std::span<E, Extent>(static_cast<E*>(p), t.size()); }
 };
 
 template <>
@@ -483,12 +562,6 @@ class parameter {
   std::size_t numel_ = 0;
 };
 
-/// True for ddp::parameter<E>.
-template <class T>
-inline constexpr bool is_parameter_v = false;
-template <element E>
-inline constexpr bool is_parameter_v<parameter<E>> = true;
-
 /// tensor_traits of a parameter describe its values.
 template <element E>
 struct tensor_traits<parameter<E>> {
@@ -498,20 +571,123 @@ struct tensor_traits<parameter<E>> {
   static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
 };
 
+/// storage_traits of a parameter: it adopts the arena (bind) and takes its values back (unbind).
+template <element E>
+struct storage_traits<parameter<E>> {
+  static constexpr ddp::dtype dtype(const parameter<E>&) noexcept { return dtype_v<E>; }
+  static std::vector<std::size_t> shape(const parameter<E>& p) { return p.shape(); }
+  static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
+  static void* values(parameter<E>& p) noexcept { return p.value().data(); }
+  static void* grads(parameter<E>& p) noexcept { return p.grad().data(); }
+  static void adopt(parameter<E>& p, void* values, void* grads) {
+    p.bind(static_cast<E*>(values), static_cast<E*>(grads), device::cpu(), false);
+  }
+  static void release(parameter<E>& p) { p.unbind(); }
+};
+
 static_assert(tensor<parameter<float>>);
+static_assert(adopting_leaf<parameter<float>>);
 
 }  // namespace ddp
 // ---- end <ddp/core/parameter.hpp>
+// ---- begin <ddp/core/trainable.hpp>
+/// \file ddp::trainable: a leaf made of two tensors a model already keeps, its values and its gradient.
+
+
+
+namespace ddp {
+
+namespace detail {
+template <class T>
+concept adoptable_tensor = requires(T& t, void* p) { tensor_traits<T>::adopt(t, p); };
+}  // namespace detail
+
+/// A trainable tensor whose values and gradient are two tensors of the model (std::vector, std::span, an
+/// adapter's matrix type...). Hand it from a visitor: `f("fc1.weight", ddp::trainable(w, dw, {out, in}))`.
+/// It refers to both (they must outlive the wrapper); where both types can adopt outside memory (spans, maps)
+/// ddp lays them zero-copy, otherwise it copies gradients in and values out at the step's edges.
+template <tensor V, tensor G = V>
+class trainable {
+ public:
+  /// Refers to `values` and `grads` (same element type and count); `shape` defaults to the tensor's own
+  /// shape (or one dimension of all its elements).
+  trainable(V& values, G& grads, std::vector<std::size_t> shape = {})
+      : values_(&values), grads_(&grads), shape_(std::move(shape)) {
+    if (shape_.empty()) {
+      if constexpr (requires { tensor_traits<V>::shape(values); })
+        shape_ = tensor_traits<V>::shape(values);
+      else
+        shape_ = {tensor_traits<V>::size(values)};
+    }
+    std::size_t n = 1;
+    for (const auto d : shape_) n *= d;
+    const auto v = as_raw(values), g = as_raw(grads);
+    if (v.type != g.type || v.size != g.size || v.size != n)
+      throw config_error("ddp::trainable: values (" + std::string(to_string(v.type)) + ", " + std::to_string(v.size) +
+                         " elements), gradient (" + std::string(to_string(g.type)) + ", " + std::to_string(g.size) +
+                         " elements) and shape (" + std::to_string(n) + " elements) disagree; give a gradient of "
+                         "the values' type and size, and a shape whose product is their size");
+  }
+  /// The values.
+  [[nodiscard]] V& values() const noexcept { return *values_; }
+  /// The gradient.
+  [[nodiscard]] G& grads() const noexcept { return *grads_; }
+  /// The shape, outermost first.
+  [[nodiscard]] const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+
+ private:
+  V* values_;
+  G* grads_;
+  std::vector<std::size_t> shape_;
+};
+
+template <class V, class G>
+trainable(V&, G&) -> trainable<V, G>;
+template <class V, class G>
+trainable(V&, G&, std::vector<std::size_t>) -> trainable<V, G>;
+
+/// storage_traits of a trainable: through its two tensors' tensor_traits; adopting when both can adopt.
+template <class V, class G>
+struct storage_traits<trainable<V, G>> {
+  static constexpr bool view = true;
+  static ddp::dtype dtype(const trainable<V, G>& t) { return tensor_traits<V>::dtype(t.values()); }
+  static std::vector<std::size_t> shape(const trainable<V, G>& t) { return t.shape(); }
+  static ddp::device device(const trainable<V, G>& t) { return tensor_traits<V>::device(t.values()); }
+  static void* values(const trainable<V, G>& t) { return as_raw(t.values()).data; }
+  static void* grads(const trainable<V, G>& t) { return as_raw(t.grads()).data; }
+  static const void* key(const trainable<V, G>& t) noexcept { return &t.values(); }
+  static void adopt(const trainable<V, G>& t, void* values, void* grads)
+    requires(detail::adoptable_tensor<V> && detail::adoptable_tensor<G>)
+  {
+    tensor_traits<V>::adopt(t.values(), values);
+    tensor_traits<G>::adopt(t.grads(), grads);
+  }
+};
+
+static_assert(storage_leaf<trainable<std::vector<float>>> && !adopting_leaf<trainable<std::vector<float>>>);
+static_assert(adopting_leaf<trainable<std::span<float>>>);
+
+}  // namespace ddp
+// ---- end <ddp/core/trainable.hpp>
 // ---- begin <ddp/core/visit.hpp>
 /// \file ddp::visit_parameters: walks every parameter of a model, giving dotted names ("fc1.weight").
 ///
-/// Lookup order for a node of the model tree: a ddp::parameter is a leaf; else a member
+/// Lookup order for a node of the model tree: a type with ddp::storage_traits (ddp::parameter,
+/// ddp::trainable, an adapter's tensor) is a leaf; else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
 /// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
 
 #include <array>
 
+// ---- begin <ddp/core/detail/dependent_false.hpp>
+/// \file dependent_false: a false that depends on a template argument, for static_asserts in templates.
+
+namespace ddp::detail {
+template <class>
+inline constexpr bool dependent_false = false;
+}  // namespace ddp::detail
+// ---- end <ddp/core/detail/dependent_false.hpp>
 // ---- begin <ddp/core/detail/reflect.hpp>
 /// \file Minimal aggregate reflection: field count, field references and field names (g++ >= 12, clang >= 15).
 ///
@@ -791,6 +967,29 @@ struct is_sequence<std::vector<E, A>> : std::true_type { using element = E; };
 template <class T>
 constexpr bool node_has_parameters();
 
+/// A framework's tensor or matrix type (elements and rows/cols, or data_ptr and grad) without storage_traits.
+template <class T>
+concept tensor_lookalike = !storage_leaf<T> && (requires(T& t) {
+                                                  t.data();
+                                                  t.rows();
+                                                  t.cols();
+                                                } || requires(T& t) {
+                                                  t.data_ptr();
+                                                  t.grad();
+                                                });
+
+/// Stops the build where the model holds `T` and ddp cannot train it; the compiler names T in this
+/// function's instantiation.
+template <class T>
+constexpr bool no_storage_traits_for() {
+  static_assert(dependent_false<T>,
+                "ddp::visit_parameters: the model holds an object of a type ddp cannot train (the compiler names it "
+                "as T in no_storage_traits_for<T> [with T = ...]). Include its adapter (<ddp/adapters/libtorch.hpp> "
+                "for torch::Tensor and torch::nn::Module, <ddp/adapters/eigen.hpp> for Eigen matrices and maps), hand "
+                "values and gradient together as ddp::trainable(values, grads), or specialize ddp::storage_traits<T>.");
+  return true;
+}
+
 template <class T, std::size_t... I>
 constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
   return (node_has_parameters<field_type_t<I, T>>() || ...);
@@ -799,8 +998,10 @@ constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
-  if constexpr (is_parameter_v<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+  if constexpr (storage_leaf<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
+  } else if constexpr (tensor_lookalike<T>) {
+    return no_storage_traits_for<T>();
   } else if constexpr (is_sequence<T>::value) {
     return node_has_parameters<typename is_sequence<T>::element>();
   } else if constexpr (reflectable_aggregate<T>) {
@@ -828,25 +1029,27 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   // A user's visitor is usually written for a mutable model; a const model is walked through it
   // and its parameters are handed on as const, so both give the same names.
   auto& mutable_node = const_cast<plain&>(node);
-  auto descend = [&](std::string_view name, auto& child) {
+  auto descend = [&](std::string_view name, auto&& child) {
     if constexpr (std::is_const_v<Node>)
       visit_node(std::as_const(child), join_name(prefix, name), f);
     else
       visit_node(child, join_name(prefix, name), f);
   };
-  if constexpr (is_parameter_v<plain>) {
+  if constexpr (storage_leaf<plain>) {
     f(prefix, node);
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
     visit_parameters(mutable_node, descend);
-  } else if constexpr (is_sequence<plain>::value) {
+  } else if constexpr (is_sequence<plain>::value && node_has_parameters<plain>()) {
     for (std::size_t i = 0; i < node.size(); ++i) visit_node(node[i], join_name(prefix, std::to_string(i)), f);
-  } else {
+  } else if constexpr (reflectable_aggregate<plain> && node_has_parameters<plain>()) {
     for_each_field(node, [&](std::string_view name, auto& field) {
       if constexpr (node_has_parameters<std::remove_cvref_t<decltype(field)>>())
         visit_node(field, join_name(prefix, name), f);
     });
+  } else {
+    no_storage_traits_for<plain>();
   }
 }
 
@@ -855,8 +1058,9 @@ struct visit_parameters_fn {
   void operator()(Model& model, F&& f) const {
     static_assert(node_has_parameters<std::remove_cv_t<Model>>(),
                   "ddp::visit_parameters: this model has no parameters to visit. Give it a member "
-                  "visit_parameters(f) calling f(name, param) for each ddp::parameter or sub-module, an ADL "
-                  "visit_parameters(model, f), or make it an aggregate whose fields are ddp::parameter, "
+                  "visit_parameters(f) calling f(name, leaf) for each trainable tensor (ddp::parameter, "
+                  "ddp::trainable(values, grads), an adapter's tensor) or sub-module, an ADL "
+                  "visit_parameters(model, f), or make it an aggregate whose fields are such leaves, "
                   "std::array/std::vector of layers, or such aggregates.");
     visit_node(model, std::string_view{}, f);
   }
@@ -881,12 +1085,11 @@ inline constexpr detail::visit_parameters_fn visit_parameters{};
 /// Each backend's header specializes backend_traits for its tag.
 
 
+
 namespace ddp {
 
 namespace detail {
 struct backend_category {};
-template <class>
-inline constexpr bool dependent_false = false;
 }  // namespace detail
 
 /// Backend policies: which communicator data_parallel expects.
@@ -1029,7 +1232,6 @@ class stats_counter {
 #include <chrono>
 #include <condition_variable>
 #include <exception>
-#include <memory>
 #include <mutex>
 
 
@@ -5039,9 +5241,10 @@ struct policies {
 // ---- begin <ddp/parallel/data_parallel.hpp>
 /// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
 ///
-/// Construction lays every parameter into flat arenas (one per dtype), checks that all ranks hold the
-/// same model and broadcasts rank 0's values. During the backward the user reports each finished
-/// gradient with gradient_ready(p); a bucket whose parameters have all reported launches its
+/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any type with
+/// ddp::storage_traits) into flat arenas (one per dtype), checks that all ranks hold the same model and
+/// broadcasts rank 0's values. During the backward each finished gradient is reported, by the user with
+/// gradient_ready(p) or by the leaf's framework itself (autograd); a bucket whose parameters have all reported launches its
 /// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
 /// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
 
@@ -5174,13 +5377,116 @@ class flat_state {
 // ---- end <ddp/optim/flat.hpp>
 // ---- begin <ddp/parallel/arena.hpp>
 /// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
-/// of values and one of gradients per dtype, in visit order; each ddp::parameter is rebound to its slice.
+/// of values and one of gradients per dtype, in visit order; each leaf is bound to its slice.
 
 #include <new>
 #include <unordered_map>
 
 #include <sys/mman.h>
 
+// ---- begin <ddp/parallel/leaf_binding.hpp>
+/// \file leaf_binding: ties one leaf of the model (any type with ddp::storage_traits) to its place in the
+/// flat arenas. An adopting leaf points at that place; an owning leaf keeps its memory and is copied at the
+/// step's edges: its gradient in when reported, its values out whenever the arena's values changed.
+
+
+
+namespace ddp::detail {
+
+/// One leaf, type-erased: where it is bound and how to move its elements.
+class leaf_binding {
+ public:
+  virtual ~leaf_binding() = default;
+  /// True when the leaf computes on ddp's memory (no copies at the step's edges).
+  [[nodiscard]] virtual bool adopts() const noexcept = 0;
+  /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
+  virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
+  /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
+  virtual void rebind(std::byte* values, std::byte* grads) = 0;
+  /// Gives the leaf its values back in memory of its own (the arena is going away).
+  virtual void unbind() = 0;
+  /// Owning leaves: copies the leaf's gradient to where it is bound (at report time).
+  virtual void gradient_in() = 0;
+  /// Owning leaves: copies the values where it is bound to the leaf (after they changed there).
+  virtual void values_out() = 0;
+  /// Owning leaves: zeroes the leaf's own gradient (zero_grad).
+  virtual void zero_own_gradient() = 0;
+  /// Watching leaves: calls `ready` whenever the leaf's gradient is final (kept while the returned handle lives).
+  virtual std::shared_ptr<void> watch(std::function<void()> ready) = 0;
+};
+
+/// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf).
+template <storage_leaf T>
+class leaf_binding_of final : public leaf_binding {
+  using traits = storage_traits<T>;
+  static constexpr bool adopting = adopting_leaf<T>;
+
+ public:
+  explicit leaf_binding_of(T& leaf) requires(!leaf_is_view<T>) : leaf_(&leaf) {}
+  explicit leaf_binding_of(const T& leaf) requires(leaf_is_view<T>) : copy_(leaf), leaf_(&*copy_) {}
+  leaf_binding_of(const leaf_binding_of&) = delete;
+  leaf_binding_of& operator=(const leaf_binding_of&) = delete;
+
+  [[nodiscard]] bool adopts() const noexcept override { return adopting; }
+
+  void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
+    home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
+    home_grads_ = static_cast<std::byte*>(traits::grads(*leaf_));
+    bytes_ = bytes;
+    if (bytes) {
+      std::memcpy(values, home_values_, bytes);
+      std::memcpy(grads, home_grads_, bytes);
+    }
+    rebind(values, grads);
+  }
+  void rebind(std::byte* values, std::byte* grads) override {
+    values_ = values;
+    grads_ = grads;
+    if constexpr (adopting) traits::adopt(*leaf_, values, grads);
+  }
+  void unbind() override {
+    if constexpr (adopting) {
+      if constexpr (requires { traits::release(*leaf_); }) {
+        traits::release(*leaf_);
+      } else {
+        copy(home_values_, values_);
+        copy(home_grads_, grads_);
+        traits::adopt(*leaf_, home_values_, home_grads_);
+      }
+    }
+  }
+  void gradient_in() override {
+    if constexpr (!adopting) copy(grads_, home_grads_);
+  }
+  void values_out() override {
+    if constexpr (!adopting) copy(home_values_, values_);
+  }
+  void zero_own_gradient() override {
+    if constexpr (!adopting)
+      if (bytes_) std::memset(home_grads_, 0, bytes_);
+  }
+  std::shared_ptr<void> watch(std::function<void()> ready) override {
+    if constexpr (watching_leaf<T>)
+      return traits::watch(*leaf_, std::move(ready));
+    else
+      return nullptr;
+  }
+
+ private:
+  void copy(std::byte* to, const std::byte* from) const noexcept {
+    if (bytes_ && to != from) std::memmove(to, from, bytes_);
+  }
+  std::optional<T> copy_;            // view leaves: the leaf itself
+  T* leaf_;                          // the leaf
+  std::byte* home_values_ = nullptr;  // its own memory, as first found
+  std::byte* home_grads_ = nullptr;
+  std::byte* values_ = nullptr;       // where it is bound now
+  std::byte* grads_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/leaf_binding.hpp>
 // ---- begin <ddp/parallel/options.hpp>
 /// \file ddp::data_parallel_options: the run-time settings of data_parallel.
 
@@ -5259,13 +5565,11 @@ struct param_slot {
   std::vector<std::size_t> shape;  ///< shape
   dtype type = dtype::f32;         ///< element type
   std::size_t numel = 0;           ///< elements
-  void* object = nullptr;          ///< the ddp::parameter<E> of the model
+  const void* key = nullptr;       ///< the address gradient_ready knows it by
   std::size_t arena = 0;           ///< index of its arena
   std::size_t offset = 0;          ///< first element inside the arena
   std::size_t unit = 0;            ///< index of its unit (by default the model's top-level field holding it)
-  void (*bind)(void* object, std::byte* values, std::byte* grads) = nullptr;    ///< moves into arena storage
-  void (*rebind)(void* object, std::byte* values, std::byte* grads) = nullptr;  ///< points elsewhere, no copy
-  void (*unbind)(void* object) = nullptr;                                       ///< takes the values back
+  std::shared_ptr<leaf_binding> leaf;  ///< the model's leaf and how it is bound
 
   /// "fc1.weight f32[13, 7]": what ranks compare.
   [[nodiscard]] std::string describe() const {
@@ -5292,20 +5596,6 @@ struct arena {
     return {grads.data() + begin * size_of(type), count, type, device::cpu()};
   }
 };
-
-template <class E>
-void bind_parameter(void* object, std::byte* values, std::byte* grads) {
-  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads));
-}
-template <class E>
-void rebind_parameter(void* object, std::byte* values, std::byte* grads) {
-  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads), device::cpu(),
-                                           false);
-}
-template <class E>
-void unbind_parameter(void* object) {
-  static_cast<parameter<E>*>(object)->unbind();
-}
 
 /// Names the sharding unit of each parameter by data_parallel_options::units and unit_depth, and checks
 /// that every listed prefix covers a parameter.
@@ -5361,28 +5651,31 @@ class parameter_layout {
     unit_rule rule(options);
     visit_parameters(model, [&](std::string_view name, auto& p) {
       using P = std::remove_reference_t<decltype(p)>;
-      static_assert(!std::is_const_v<P>,
+      using T = std::remove_cv_t<P>;
+      static_assert(!std::is_const_v<P> || leaf_is_view<T>,
                     "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
                     "(data_parallel rebinds each parameter to its flat arena).");
-      using E = typename P::value_type;
-      if (p.device().is_cuda())
-        throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
-                           "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
+      using traits = storage_traits<T>;
+      if constexpr (requires { traits::device(p); })
+        if (traits::device(p).is_cuda())
+          throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " +
+                             traits::device(p).to_string() +
+                             "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
       param_slot s;
       s.name = std::string(name);
-      s.shape = p.shape();
-      s.type = dtype_v<E>;
-      s.numel = p.numel();
-      s.object = static_cast<void*>(&p);
-      s.bind = &bind_parameter<E>;
-      s.rebind = &rebind_parameter<E>;
-      s.unbind = &unbind_parameter<E>;
+      s.shape = traits::shape(p);
+      s.type = traits::dtype(p);
+      s.numel = 1;
+      for (const auto d : s.shape) s.numel *= d;
+      s.key = leaf_key(p);
+      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
+      adopting_ = adopting_ && s.leaf->adopts();
       const std::string_view unit = rule.unit_of(name);
       if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
       s.unit = units_.size() - 1;
-      if (!index_.emplace(s.object, slots_.size()).second)
+      if (!index_.emplace(s.key, slots_.size()).second)
         throw config_error("data_parallel: parameter '" + s.name + "' is visited twice; a model must reach each "
-                           "ddp::parameter once (shared parameters are not supported)");
+                           "leaf once (shared parameters are not supported)");
       slots_.push_back(std::move(s));
     });
     rule.check_all_used();
@@ -5407,13 +5700,21 @@ class parameter_layout {
     }
     for (auto& s : slots_) {
       const std::size_t at = s.offset * size_of(s.type);
-      s.bind(s.object, arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at);
+      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type));
     }
   }
   parameter_layout(const parameter_layout&) = delete;
   parameter_layout& operator=(const parameter_layout&) = delete;
   ~parameter_layout() {
-    for (auto& s : slots_) s.unbind(s.object);
+    for (auto& s : slots_) s.leaf->unbind();
+  }
+
+  /// True when every leaf computes on the arenas (none is copied at the step's edges).
+  [[nodiscard]] bool adopting() const noexcept { return adopting_; }
+  /// Owning leaves: copies their values out of the arenas (after the arenas' values changed).
+  void values_out() const {
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->values_out();
   }
 
   /// Every parameter, in visit order.
@@ -5424,7 +5725,7 @@ class parameter_layout {
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).
   [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }
-  /// The slot of the parameter object at `address`, or -1 when it is not part of the model.
+  /// The slot of the leaf known by `address` (storage_traits' key: the leaf's own address by default), or -1.
   [[nodiscard]] std::ptrdiff_t find(const void* address) const noexcept {
     const auto it = index_.find(address);
     return it == index_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
@@ -5440,6 +5741,7 @@ class parameter_layout {
   std::vector<arena> arenas_;
   std::vector<std::string> units_;
   std::unordered_map<const void*, std::size_t> index_;
+  bool adopting_ = true;
 };
 
 }  // namespace ddp::detail
@@ -6168,7 +6470,7 @@ class sharded_core {
                                                          : values_pool_.data(pooled_[u].values, p.arena) + at * w;
       std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
                                                        : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
-      p.rebind(p.object, values, grads);
+      p.leaf->rebind(values, grads);
     }
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
@@ -6688,9 +6990,19 @@ class data_parallel {
                            "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
       unused_[static_cast<std::size_t>(i)] = 1;
     }
+    if (strategy_type::initial_units == detail::unit_phase::sharded && !layout_.adopting())
+      for (const auto& s : layout_.slots())
+        if (!s.leaf->adopts())
+          throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
+                             "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
+                             "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
+                             "ddp::shard_grad_op", rank());
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
     strategy_.emplace(layout_, plan_, state_, comm_, options_);
+    layout_.values_out();
+    for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
   }
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
@@ -6701,21 +7013,19 @@ class data_parallel {
   ~data_parallel() { state_.settle(); }
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
-  template <element E>
-  void gradient_ready(const parameter<E>& p) {
-    const auto i = layout_.find(static_cast<const void*>(&p));
+  /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
+  template <class Leaf>
+  void gradient_ready(const Leaf& p) {
+    const void* key = nullptr;
+    if constexpr (storage_leaf<Leaf>)
+      key = leaf_key(p);
+    else
+      key = static_cast<const void*>(&p);
+    const auto i = layout_.find(key);
     if (i < 0)
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
-    const auto slot = static_cast<std::size_t>(i);
-    check_no_sync_closed("gradient_ready");
-    strategy_->on_report(slot);
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    if (state_.phase() != detail::step_phase::reporting) state_.begin(unused_);
-    if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
-                  "report each parameter once per step, after its gradient is final", rank());
-    launch_ready();
+    report(static_cast<std::size_t>(i));
   }
 
   /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
@@ -6725,7 +7035,7 @@ class data_parallel {
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
     if (state_.phase() == detail::step_phase::finished) return;
-    if (state_.phase() == detail::step_phase::idle) state_.begin(unused_);
+    if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
@@ -6739,7 +7049,11 @@ class data_parallel {
                     "dp.gradient_ready(p) for each in the backward, or list them in "
                     "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
       }
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) state_.report(s);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+        if (!state_.reported(s)) {
+          gradient_in(s);
+          state_.report(s);
+        }
       launch_ready();
     }
     reduce_launched();
@@ -6797,6 +7111,7 @@ class data_parallel {
     finish_gradients();
     opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
     strategy_->after_step();
+    layout_.values_out();
     state_.end();
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
@@ -6808,6 +7123,8 @@ class data_parallel {
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
     strategy_->zero_grad();
+    if (!layout_.adopting())
+      for (const auto& s : layout_.slots()) s.leaf->zero_own_gradient();
     state_.end();
   }
 
@@ -6838,7 +7155,7 @@ class data_parallel {
   gather_guard gather(Part& part) {
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
-      const auto i = layout_.find(static_cast<const void*>(&p));
+      const auto i = layout_.find(leaf_key(p));
       if (i < 0)
         throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
                            "of dp.module() (such as dp.module().fc2)", rank());
@@ -6856,11 +7173,16 @@ class data_parallel {
   [[nodiscard]] int world_size() const noexcept { return comm_.size(); }
   /// This process's rank.
   [[nodiscard]] int rank() const noexcept { return comm_.rank(); }
-  /// Calls `f(name, parameter&)` for every parameter of the model, in visit order (for checkpoints).
+  /// Calls `f(name, leaf&)` for every leaf of the model, in visit order.
   template <class F>
   void for_each_parameter(F&& f) {
     visit_parameters(model_, f);
   }
+  /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
+  [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
+  /// Owning leaves (copied at the step's edges): takes the arenas' values into them after the values changed
+  /// outside a step (checkpoint loading calls it).
+  void values_changed() const { layout_.values_out(); }
   /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
   /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
@@ -6890,6 +7212,33 @@ class data_parallel {
   }
 
  private:
+  /// The gradient of `slot` is final: launches every bucket that became ready.
+  void report(std::size_t slot) {
+    check_no_sync_closed("gradient_ready");
+    strategy_->on_report(slot);
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    if (state_.phase() != detail::step_phase::reporting) begin_reporting();
+    gradient_in(slot);
+    if (!state_.report(slot))
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
+                  "report each parameter once per step, after its gradient is final", rank());
+    launch_ready();
+  }
+  /// The step's first report: the declared-unused parameters count as reported.
+  void begin_reporting() {
+    state_.begin(unused_);
+    if (!layout_.adopting())
+      for (std::size_t s = 0; s < unused_.size(); ++s)
+        if (unused_[s]) gradient_in(s);
+  }
+  /// Owning leaves: the gradient moves into ddp's memory (under the sharded policies, which reduce every
+  /// micro-batch, the leaf's own gradient starts again from zero).
+  void gradient_in(std::size_t slot) {
+    auto& leaf = *layout_.slots()[slot].leaf;
+    if (leaf.adopts()) return;
+    leaf.gradient_in();
+    if constexpr (strategy_type::sharded) leaf.zero_own_gradient();
+  }
   void launch_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
@@ -6914,6 +7263,7 @@ class data_parallel {
   detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
+  std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
@@ -9940,14 +10290,10 @@ template <class DP, class Opt>
 training_state collect_state(DP& dp, Opt* opt) {
   training_state st;
   std::map<std::string, std::size_t> index;
-  dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-    if (p.device().is_cuda())
-      throw config_error("checkpoint: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
-                             "; checkpoints handle host parameters, copy CUDA parameters to the host first",
-                         dp.rank());
-    index[std::string(name)] = st.tensors.size();
-    st.tensors.push_back({std::string(name), dtype_v<E>, p.shape()});
-  });
+  for (const auto& p : dp.layout().slots()) {
+    index[p.name] = st.tensors.size();
+    st.tensors.push_back({p.name, p.type, p.shape});
+  }
   st.parameters = st.tensors.size();
 
   std::vector<piece_description> described;
@@ -10117,40 +10463,22 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
   }
 }
 
-/// The parameters of one unit (a top-level field of the model), as a part data_parallel::gather accepts.
-struct unit_parameters {
-  std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
-                           parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
-      members;
-  /// Visits the members (names are not needed by gather).
-  template <class F>
-  void visit_parameters(F&& f) {
-    for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
-  }
-};
-
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it.
-/// Nothing to do under replicate, where the pieces are the parameters. Collective.
+/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it
+/// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
+/// take the new values. Collective.
 template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
-    std::vector<unit_parameters> units;
+    const auto slots = dp.layout().slots();
     std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
-    std::string last_unit;
-    std::size_t t = 0;
-    dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-      const auto unit = name.substr(0, name.find('.'));
-      if (units.empty() || unit != last_unit) {
-        units.emplace_back();
-        members.emplace_back();
-        last_unit = std::string(unit);
-      }
-      units.back().members.emplace_back(&p);
-      members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
-    });
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      auto scope = dp.gather(units[u]);
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      const auto& p = slots[t];
+      if (members.size() <= p.unit) members.resize(p.unit + 1);
+      members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
+    }
+    for (std::size_t u = 0; u < members.size(); ++u) {
+      typename DP::gather_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {

@@ -9,6 +9,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/core/parameter.hpp>
@@ -81,7 +82,8 @@ inline batch make_batch(std::uint64_t seed, std::size_t n) {
 
 namespace detail {
 // out[s, o] = W[o, :]·in[s, :] + b[o], then tanh when `activate`.
-inline std::vector<float> layer_forward(const linear& l, const std::vector<float>& in, std::size_t n, bool activate) {
+template <class Linear>
+std::vector<float> layer_forward(const Linear& l, const std::vector<float>& in, std::size_t n, bool activate) {
   const std::size_t out = l.bias.numel(), width = l.weight.numel() / out;
   std::vector<float> y(n * out);
   for (std::size_t s = 0; s < n; ++s)
@@ -93,7 +95,8 @@ inline std::vector<float> layer_forward(const linear& l, const std::vector<float
   return y;
 }
 // Adds dW = δᵀ·in and db = Σδ into the gradients; returns δ·W (the gradient of the layer's input).
-inline std::vector<float> layer_backward(linear& l, const std::vector<float>& in, const std::vector<float>& delta,
+template <class Linear>
+std::vector<float> layer_backward(Linear& l, const std::vector<float>& in, const std::vector<float>& delta,
                                          std::size_t n, bool skip_bias) {
   const std::size_t out = l.bias.numel(), width = l.weight.numel() / out;
   std::vector<float> back(n * width, 0.0F);
@@ -112,15 +115,16 @@ inline std::vector<float> layer_backward(linear& l, const std::vector<float>& in
 
 /// Scope of a layer's use when nothing needs gathering (one process, or parameters always whole).
 struct no_scope {
-  int operator()(linear&) const { return 0; }
+  template <class Linear>
+  int operator()(Linear&) const { return 0; }
 };
 
 /// Forward and backward of loss = scale · Σ_samples ½‖f(x) − y‖², adding into the gradients; calls
 /// report(param) for each parameter as soon as its gradient is final (fc3.bias first). Each layer's
 /// forward and backward run inside `auto g = scope(layer)` (dp.gather under full_shard). Parameters
 /// named in `skip` are not reported (a skipped bias gets no gradient either). Returns the loss.
-template <class Report, class Scope = no_scope>
-float forward_backward(mlp& m, const batch& b, float scale, Report&& report, Scope&& scope = {},
+template <class Model, class Report, class Scope = no_scope>
+float forward_backward(Model& m, const batch& b, float scale, Report&& report, Scope&& scope = {},
                        const std::set<std::string>& skip = {}) {
   const std::size_t n = b.n;
   std::vector<float> a1, a2, out;
@@ -134,7 +138,8 @@ float forward_backward(mlp& m, const batch& b, float scale, Report&& report, Sco
     loss += 0.5F * scale * e * e;
     delta[i] = scale * e;
   }
-  const std::vector<std::pair<linear*, const std::vector<float>*>> layers{{&m.fc3, &a2}, {&m.fc2, &a1}, {&m.fc1, &b.x}};
+  using layer = std::remove_reference_t<decltype(m.fc1)>;
+  const std::vector<std::pair<layer*, const std::vector<float>*>> layers{{&m.fc3, &a2}, {&m.fc2, &a1}, {&m.fc1, &b.x}};
   const std::vector<std::string> names{"fc3", "fc2", "fc1"};
   const std::vector<const std::vector<float>*> activations{&a2, &a1};
   for (std::size_t k = 0; k < layers.size(); ++k) {

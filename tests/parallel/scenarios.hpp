@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -25,6 +26,7 @@
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/data_parallel.hpp>
 
+#include "foreign_mlp.hpp"
 #include "mlp.hpp"
 
 namespace ddp_test {
@@ -95,18 +97,28 @@ inline void require_close(mlp& got, mlp& want, double tol, closeness how) {
 }
 
 /// N ranks with policies Ps (the sharding policy's value `sharding`) give the reference's parameters;
-/// `micro` > 1 accumulates that many micro-batches per step, all but the last under no_sync.
-template <class... Ps, class Comm>
-void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
-                       closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
-                       ddp::data_parallel_options options = {}) {
-  mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
+/// `micro` > 1 accumulates that many micro-batches per step, all but the last under no_sync. Model is mlp
+/// (ddp::parameter leaves) or a foreign_mlp (ddp::trainable leaves over vectors or spans).
+template <class Model, class... Ps, class Comm>
+void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1,
+                          closeness how = closeness::per_element,
+                          typename ddp::policies<Ps...>::sharding sharding = {},
+                          ddp::data_parallel_options options = {}) {
+  mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
+  std::optional<Model> foreign;
+  if constexpr (!std::is_same_v<Model, mlp>) foreign.emplace(make_foreign<typename Model::storage>(base));
+  Model& model = [&]() -> Model& {
+    if constexpr (std::is_same_v<Model, mlp>)
+      return base;
+    else
+      return *foreign;
+  }();
   {  // the model is compared after the wrapper is gone: it must hand the trained values back
-    ddp::data_parallel<mlp, Ps...> dp{model, comm, sharding, options};
-    auto scope = [&](linear& l) { return dp.unshard(l); };
+    ddp::data_parallel<Model, Ps...> dp{model, comm, sharding, options};
+    auto scope = [&](auto& l) { return dp.unshard(l); };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const float scale = static_cast<float>(comm.size()) / global_batch;
-    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    auto report = [&](auto& p) { dp.gradient_ready(leaf_of(p)); };
     with_optimizer(k, [&](auto& opt) {
       for (int s = 0; s < steps; ++s) {
         dp.zero_grad();
@@ -125,8 +137,17 @@ void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
     });
     dp.unshard_model();  // full_shard: the model's own parameters take the trained values
   }
+  if constexpr (!std::is_same_v<Model, mlp>) copy_back(*foreign, base);
   mlp want = reference_training(k);
-  require_close(model, want, tol, how);
+  require_close(base, want, tol, how);
+}
+
+/// check_equivalence_of the mlp of ddp::parameter leaves.
+template <class... Ps, class Comm>
+void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
+                       closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
+                       ddp::data_parallel_options options = {}) {
+  check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, sharding, std::move(options));
 }
 
 /// A rank whose model differs makes every rank throw mismatch_error naming the entry on each rank.
@@ -355,6 +376,42 @@ void check_full_shard_misuse(Comm comm) {
   }
   auto g = dp.unshard(model.fc2);
   REQUIRE(std::any_of(model.fc2.weight.value().begin(), model.fc2.weight.value().end(), [](float v) { return v != 0; }));
+}
+
+}  // namespace ddp_test
+
+namespace ddp_test {
+
+/// Spans are pointed at the arenas while wrapped and back at the model's memory afterwards, with the trained
+/// values; vectors keep their memory; an owning leaf cannot be sharded by full_shard (config_error naming it).
+template <class Backend, class Comm>
+void check_leaf_binding(Comm comm) {
+  mlp base = make_mlp(1);
+  auto spans = make_foreign<std::span<float>>(base);
+  auto vectors = make_foreign<std::vector<float>>(base);
+  const float* home = spans.memory[0].data();
+  const float* own = vectors.fc1.weight.v.data();
+  {
+    ddp::data_parallel<foreign_mlp<std::span<float>>, Backend> dp{spans, comm};
+    ddp::data_parallel<foreign_mlp<std::vector<float>>, Backend> dv{vectors, comm};
+    REQUIRE(spans.fc1.weight.v.data() != home);
+    REQUIRE(vectors.fc1.weight.v.data() == own);
+    ddp::optim::sgd opt({.lr = 0.5});
+    forward_backward(spans, make_batch(0, 4), 1.0F, [&](auto& t) { dp.gradient_ready(t.v); });
+    dp.step(opt);
+    forward_backward(vectors, make_batch(0, 4), 1.0F, [&](auto& t) { dv.gradient_ready(t.v); });
+    dv.step(opt);
+    REQUIRE(std::equal(spans.fc1.weight.v.begin(), spans.fc1.weight.v.end(), vectors.fc1.weight.v.begin()));
+    REQUIRE_FALSE(std::equal(spans.fc1.weight.v.begin(), spans.fc1.weight.v.end(), base.fc1.weight.value().begin()));
+  }
+  REQUIRE(spans.fc1.weight.v.data() == home);
+  REQUIRE(std::equal(spans.fc1.weight.v.begin(), spans.fc1.weight.v.end(), vectors.fc1.weight.v.begin()));
+  try {
+    ddp::data_parallel<foreign_mlp<std::vector<float>>, Backend, ddp::full_shard> dp{vectors, comm};
+    FAIL("full_shard accepted leaves that keep their own memory");
+  } catch (const ddp::config_error& e) {
+    REQUIRE_THAT(e.what(), Catch::Contains("'fc1.weight'") && Catch::Contains("shard_grad_op"));
+  }
 }
 
 }  // namespace ddp_test

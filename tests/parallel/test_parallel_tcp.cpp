@@ -72,6 +72,19 @@ TEST_CASE("tcp replicate: a user comm hook (sum, then scale) equals one process 
     REQUIRE(dp.comm_hook().completed == dp.bucket_count());
   });
 }
+TEST_CASE("tcp: ddp::trainable leaves over std::vector (copied) and std::span (adopted) equal one process",
+          "[equivalence]") {
+  using vectors = foreign_mlp<std::vector<float>>;
+  using spans = foreign_mlp<std::span<float>>;
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence_of<vectors, tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
+    check_equivalence_of<vectors, tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, 2);
+    check_equivalence_of<vectors, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5, 2);
+    check_equivalence_of<spans, tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5);
+    check_equivalence_of<spans, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2);
+    check_leaf_binding<tcp>(comm);
+  });
+}
 TEST_CASE("tcp replicate: missing report, declared unused, broadcast", "[errors]") {
   on_1_to_4_ranks([](ddp::tcp::communicator comm) {
     check_missing_report<tcp>(comm);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include <ddp/core/trainable.hpp>
 #include <ddp/core/visit.hpp>
 
 namespace {
@@ -93,4 +94,40 @@ TEST_CASE("parameter_visitable tells models from other types", "[visit]") {
   STATIC_REQUIRE(ddp::parameter_visitable<std::vector<linear>>);
   STATIC_REQUIRE_FALSE(ddp::parameter_visitable<int>);
   STATIC_REQUIRE_FALSE(ddp::parameter_visitable<std::array<float, 3>>);
+}
+
+namespace {
+/// Leaves of other types: values and gradients in vectors and spans, handed out as ddp::trainable.
+struct foreign_layer {
+  std::vector<float> w = std::vector<float>(6), dw = std::vector<float>(6);
+  std::vector<float> memory = std::vector<float>(4);
+  std::span<float> b{memory.data(), 2}, db{memory.data() + 2, 2};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("weight", ddp::trainable(w, dw, {3, 2}));
+    f("bias", ddp::trainable(b, db));
+  }
+};
+}  // namespace
+
+TEST_CASE("ddp::trainable leaves: shapes, dtypes, the key gradient_ready uses, and size checks", "[visit]") {
+  foreign_layer layer;
+  std::vector<std::string> names;
+  std::vector<std::vector<std::size_t>> shapes;
+  std::vector<const void*> keys;
+  ddp::visit_parameters(layer, [&](std::string_view name, const auto& leaf) {
+    using traits = ddp::storage_traits<std::remove_cvref_t<decltype(leaf)>>;
+    names.emplace_back(name);
+    shapes.push_back(traits::shape(leaf));
+    CHECK(traits::dtype(leaf) == ddp::dtype::f32);
+    keys.push_back(ddp::leaf_key(leaf));
+  });
+  CHECK(names == std::vector<std::string>{"weight", "bias"});
+  CHECK(shapes == std::vector<std::vector<std::size_t>>{{3, 2}, {2}});
+  CHECK(keys == std::vector<const void*>{&layer.w, &layer.b});
+  STATIC_REQUIRE(ddp::adopting_leaf<ddp::trainable<std::span<float>>>);
+  STATIC_REQUIRE_FALSE(ddp::adopting_leaf<ddp::trainable<std::vector<float>>>);
+  std::vector<float> five(5);
+  CHECK_THROWS_AS(ddp::trainable(layer.w, five), ddp::config_error);
+  CHECK_THROWS_WITH(ddp::trainable(layer.w, layer.dw, {4, 2}), Catch::Contains("disagree"));
 }

@@ -120,14 +120,10 @@ template <class DP, class Opt>
 training_state collect_state(DP& dp, Opt* opt) {
   training_state st;
   std::map<std::string, std::size_t> index;
-  dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-    if (p.device().is_cuda())
-      throw config_error("checkpoint: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
-                             "; checkpoints handle host parameters, copy CUDA parameters to the host first",
-                         dp.rank());
-    index[std::string(name)] = st.tensors.size();
-    st.tensors.push_back({std::string(name), dtype_v<E>, p.shape()});
-  });
+  for (const auto& p : dp.layout().slots()) {
+    index[p.name] = st.tensors.size();
+    st.tensors.push_back({p.name, p.type, p.shape});
+  }
   st.parameters = st.tensors.size();
 
   std::vector<piece_description> described;
@@ -297,40 +293,22 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
   }
 }
 
-/// The parameters of one unit (a top-level field of the model), as a part data_parallel::unshard accepts.
-struct unit_parameters {
-  std::vector<std::variant<parameter<float>*, parameter<double>*, parameter<bfloat16>*, parameter<float16>*,
-                           parameter<std::int32_t>*, parameter<std::int64_t>*, parameter<std::uint8_t>*>>
-      members;
-  /// Visits the members (names are not needed by unshard).
-  template <class F>
-  void visit_parameters(F&& f) {
-    for (auto& m : members) std::visit([&](auto* p) { f("", *p); }, m);
-  }
-};
-
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it.
-/// Nothing to do under replicate, where the pieces are the parameters. Collective.
+/// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
+/// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
+/// take the new values. Collective.
 template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
-    std::vector<unit_parameters> units;
+    const auto slots = dp.layout().slots();
     std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
-    std::string last_unit;
-    std::size_t t = 0;
-    dp.for_each_parameter([&]<class E>(std::string_view name, parameter<E>& p) {
-      const auto unit = name.substr(0, name.find('.'));
-      if (units.empty() || unit != last_unit) {
-        units.emplace_back();
-        members.emplace_back();
-        last_unit = std::string(unit);
-      }
-      units.back().members.emplace_back(&p);
-      members.back().emplace_back(t++, reinterpret_cast<std::byte*>(p.value().data()));
-    });
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      auto scope = dp.unshard(units[u]);
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      const auto& p = slots[t];
+      if (members.size() <= p.unit) members.resize(p.unit + 1);
+      members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
+    }
+    for (std::size_t u = 0; u < members.size(); ++u) {
+      typename DP::unshard_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {

@@ -4,12 +4,12 @@
 
 #include <type_traits>
 
+#include <ddp/core/detail/dependent_false.hpp>
+
 namespace ddp {
 
 namespace detail {
 struct backend_category {};
-template <class>
-inline constexpr bool dependent_false = false;
 }  // namespace detail
 
 /// Backend policies: which communicator data_parallel expects.

@@ -12,6 +12,7 @@
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 
 namespace ddp {
@@ -127,12 +128,6 @@ class parameter {
   std::size_t numel_ = 0;
 };
 
-/// True for ddp::parameter<E>.
-template <class T>
-inline constexpr bool is_parameter_v = false;
-template <element E>
-inline constexpr bool is_parameter_v<parameter<E>> = true;
-
 /// tensor_traits of a parameter describe its values.
 template <element E>
 struct tensor_traits<parameter<E>> {
@@ -142,6 +137,21 @@ struct tensor_traits<parameter<E>> {
   static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
 };
 
+/// storage_traits of a parameter: it adopts the arena (bind) and takes its values back (unbind).
+template <element E>
+struct storage_traits<parameter<E>> {
+  static constexpr ddp::dtype dtype(const parameter<E>&) noexcept { return dtype_v<E>; }
+  static std::vector<std::size_t> shape(const parameter<E>& p) { return p.shape(); }
+  static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
+  static void* values(parameter<E>& p) noexcept { return p.value().data(); }
+  static void* grads(parameter<E>& p) noexcept { return p.grad().data(); }
+  static void adopt(parameter<E>& p, void* values, void* grads) {
+    p.bind(static_cast<E*>(values), static_cast<E*>(grads), device::cpu(), false);
+  }
+  static void release(parameter<E>& p) { p.unbind(); }
+};
+
 static_assert(tensor<parameter<float>>);
+static_assert(adopting_leaf<parameter<float>>);
 
 }  // namespace ddp

@@ -11,7 +11,9 @@
 
 namespace ddp {
 
-/// Specialize for a tensor type: static data(t), size(t) (elements), dtype(t) and device(t).
+/// Specialize for a tensor type: static data(t), size(t) (elements), dtype(t) and device(t); optionally
+/// shape(t) (a std::vector<std::size_t>, outermost first; default {size(t)}) and adopt(t, void*) for types that
+/// can be pointed at outside memory without copying (spans, maps), which ddp::trainable lays zero-copy.
 template <class T>
 struct tensor_traits;
 
@@ -47,6 +49,7 @@ struct tensor_traits<std::span<E, Extent>> {
   static std::size_t size(std::span<E, Extent> t) noexcept { return t.size(); }
   static constexpr ddp::dtype dtype(std::span<E, Extent>) noexcept { return dtype_v<std::remove_const_t<E>>; }
   static constexpr ddp::device device(std::span<E, Extent>) noexcept { return device::cpu(); }
+  static void adopt(std::span<E, Extent>& t, void* p) noexcept { t = std::span<E, Extent>(static_cast<E*>(p), t.size()); }
 };
 
 template <>

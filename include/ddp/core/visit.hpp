@@ -1,7 +1,8 @@
 #pragma once
 /// \file ddp::visit_parameters: walks every parameter of a model, giving dotted names ("fc1.weight").
 ///
-/// Lookup order for a node of the model tree: a ddp::parameter is a leaf; else a member
+/// Lookup order for a node of the model tree: a type with ddp::storage_traits (ddp::parameter,
+/// ddp::trainable, an adapter's tensor) is a leaf; else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
 /// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
@@ -14,8 +15,10 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/core/detail/dependent_false.hpp>
 #include <ddp/core/detail/reflect.hpp>
 #include <ddp/core/parameter.hpp>
+#include <ddp/core/storage_traits.hpp>
 
 namespace ddp {
 
@@ -43,6 +46,29 @@ struct is_sequence<std::vector<E, A>> : std::true_type { using element = E; };
 template <class T>
 constexpr bool node_has_parameters();
 
+/// A framework's tensor or matrix type (elements and rows/cols, or data_ptr and grad) without storage_traits.
+template <class T>
+concept tensor_lookalike = !storage_leaf<T> && (requires(T& t) {
+                                                  t.data();
+                                                  t.rows();
+                                                  t.cols();
+                                                } || requires(T& t) {
+                                                  t.data_ptr();
+                                                  t.grad();
+                                                });
+
+/// Stops the build where the model holds `T` and ddp cannot train it; the compiler names T in this
+/// function's instantiation.
+template <class T>
+constexpr bool no_storage_traits_for() {
+  static_assert(dependent_false<T>,
+                "ddp::visit_parameters: the model holds an object of a type ddp cannot train (the compiler names it "
+                "as T in no_storage_traits_for<T> [with T = ...]). Include its adapter (<ddp/adapters/libtorch.hpp> "
+                "for torch::Tensor and torch::nn::Module, <ddp/adapters/eigen.hpp> for Eigen matrices and maps), hand "
+                "values and gradient together as ddp::trainable(values, grads), or specialize ddp::storage_traits<T>.");
+  return true;
+}
+
 template <class T, std::size_t... I>
 constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
   return (node_has_parameters<field_type_t<I, T>>() || ...);
@@ -51,8 +77,10 @@ constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
-  if constexpr (is_parameter_v<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+  if constexpr (storage_leaf<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
+  } else if constexpr (tensor_lookalike<T>) {
+    return no_storage_traits_for<T>();
   } else if constexpr (is_sequence<T>::value) {
     return node_has_parameters<typename is_sequence<T>::element>();
   } else if constexpr (reflectable_aggregate<T>) {
@@ -80,25 +108,27 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   // A user's visitor is usually written for a mutable model; a const model is walked through it
   // and its parameters are handed on as const, so both give the same names.
   auto& mutable_node = const_cast<plain&>(node);
-  auto descend = [&](std::string_view name, auto& child) {
+  auto descend = [&](std::string_view name, auto&& child) {
     if constexpr (std::is_const_v<Node>)
       visit_node(std::as_const(child), join_name(prefix, name), f);
     else
       visit_node(child, join_name(prefix, name), f);
   };
-  if constexpr (is_parameter_v<plain>) {
+  if constexpr (storage_leaf<plain>) {
     f(prefix, node);
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
     visit_parameters(mutable_node, descend);
-  } else if constexpr (is_sequence<plain>::value) {
+  } else if constexpr (is_sequence<plain>::value && node_has_parameters<plain>()) {
     for (std::size_t i = 0; i < node.size(); ++i) visit_node(node[i], join_name(prefix, std::to_string(i)), f);
-  } else {
+  } else if constexpr (reflectable_aggregate<plain> && node_has_parameters<plain>()) {
     for_each_field(node, [&](std::string_view name, auto& field) {
       if constexpr (node_has_parameters<std::remove_cvref_t<decltype(field)>>())
         visit_node(field, join_name(prefix, name), f);
     });
+  } else {
+    no_storage_traits_for<plain>();
   }
 }
 
@@ -107,8 +137,9 @@ struct visit_parameters_fn {
   void operator()(Model& model, F&& f) const {
     static_assert(node_has_parameters<std::remove_cv_t<Model>>(),
                   "ddp::visit_parameters: this model has no parameters to visit. Give it a member "
-                  "visit_parameters(f) calling f(name, param) for each ddp::parameter or sub-module, an ADL "
-                  "visit_parameters(model, f), or make it an aggregate whose fields are ddp::parameter, "
+                  "visit_parameters(f) calling f(name, leaf) for each trainable tensor (ddp::parameter, "
+                  "ddp::trainable(values, grads), an adapter's tensor) or sub-module, an ADL "
+                  "visit_parameters(model, f), or make it an aggregate whose fields are such leaves, "
                   "std::array/std::vector of layers, or such aggregates.");
     visit_node(model, std::string_view{}, f);
   }

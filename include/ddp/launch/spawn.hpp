@@ -31,6 +31,7 @@
 #include <vector>
 
 #include <ddp/core/error.hpp>
+#include <ddp/launch/binding.hpp>
 #include <ddp/launch/exit_order.hpp>
 
 namespace ddp::launch {
@@ -61,6 +62,7 @@ struct spawn_options {
   output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
   bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
   std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
+  std::vector<std::vector<int>> cpus;          ///< per rank, the CPUs it is bound to (none or empty: not bound)
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
   /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
   const volatile std::sig_atomic_t* interrupt = nullptr;
@@ -262,6 +264,9 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
   if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
   const std::string r = std::to_string(rank);
   const std::string w = std::to_string(n);
+  if (static_cast<std::size_t>(rank) < o.cpus.size() && !bind_to(o.cpus[static_cast<std::size_t>(rank)]))
+    std::cerr << "rank " << rank << " could not be bound to its CPUs (" << std::strerror(errno)
+              << "); it runs unbound\n";
   ::setenv("RANK", r.c_str(), 1);
   ::setenv("WORLD_SIZE", w.c_str(), 1);
   ::setenv("LOCAL_RANK", r.c_str(), 1);

@@ -1,6 +1,6 @@
 #pragma once
 /// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
-/// of values and one of gradients per dtype, in visit order; each ddp::parameter is rebound to its slice.
+/// of values and one of gradients per dtype, in visit order; each leaf is bound to its slice.
 
 #include <algorithm>
 #include <cstddef>
@@ -18,9 +18,10 @@
 
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
-#include <ddp/core/parameter.hpp>
+#include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
+#include <ddp/parallel/leaf_binding.hpp>
 #include <ddp/parallel/options.hpp>
 
 namespace ddp::detail {
@@ -65,13 +66,11 @@ struct param_slot {
   std::vector<std::size_t> shape;  ///< shape
   dtype type = dtype::f32;         ///< element type
   std::size_t numel = 0;           ///< elements
-  void* object = nullptr;          ///< the ddp::parameter<E> of the model
+  const void* key = nullptr;       ///< the address gradient_ready knows it by
   std::size_t arena = 0;           ///< index of its arena
   std::size_t offset = 0;          ///< first element inside the arena
   std::size_t unit = 0;            ///< index of its unit (by default the model's top-level field holding it)
-  void (*bind)(void* object, std::byte* values, std::byte* grads) = nullptr;    ///< moves into arena storage
-  void (*rebind)(void* object, std::byte* values, std::byte* grads) = nullptr;  ///< points elsewhere, no copy
-  void (*unbind)(void* object) = nullptr;                                       ///< takes the values back
+  std::shared_ptr<leaf_binding> leaf;  ///< the model's leaf and how it is bound
 
   /// "fc1.weight f32[13, 7]": what ranks compare.
   [[nodiscard]] std::string describe() const {
@@ -98,20 +97,6 @@ struct arena {
     return {grads.data() + begin * size_of(type), count, type, device::cpu()};
   }
 };
-
-template <class E>
-void bind_parameter(void* object, std::byte* values, std::byte* grads) {
-  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads));
-}
-template <class E>
-void rebind_parameter(void* object, std::byte* values, std::byte* grads) {
-  static_cast<parameter<E>*>(object)->bind(reinterpret_cast<E*>(values), reinterpret_cast<E*>(grads), device::cpu(),
-                                           false);
-}
-template <class E>
-void unbind_parameter(void* object) {
-  static_cast<parameter<E>*>(object)->unbind();
-}
 
 /// Names the sharding unit of each parameter by data_parallel_options::units and unit_depth, and checks
 /// that every listed prefix covers a parameter.
@@ -167,28 +152,31 @@ class parameter_layout {
     unit_rule rule(options);
     visit_parameters(model, [&](std::string_view name, auto& p) {
       using P = std::remove_reference_t<decltype(p)>;
-      static_assert(!std::is_const_v<P>,
+      using T = std::remove_cv_t<P>;
+      static_assert(!std::is_const_v<P> || leaf_is_view<T>,
                     "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
                     "(data_parallel rebinds each parameter to its flat arena).");
-      using E = typename P::value_type;
-      if (p.device().is_cuda())
-        throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " + p.device().to_string() +
-                           "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
+      using traits = storage_traits<T>;
+      if constexpr (requires { traits::device(p); })
+        if (traits::device(p).is_cuda())
+          throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " +
+                             traits::device(p).to_string() +
+                             "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
       param_slot s;
       s.name = std::string(name);
-      s.shape = p.shape();
-      s.type = dtype_v<E>;
-      s.numel = p.numel();
-      s.object = static_cast<void*>(&p);
-      s.bind = &bind_parameter<E>;
-      s.rebind = &rebind_parameter<E>;
-      s.unbind = &unbind_parameter<E>;
+      s.shape = traits::shape(p);
+      s.type = traits::dtype(p);
+      s.numel = 1;
+      for (const auto d : s.shape) s.numel *= d;
+      s.key = leaf_key(p);
+      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
+      adopting_ = adopting_ && s.leaf->adopts();
       const std::string_view unit = rule.unit_of(name);
       if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
       s.unit = units_.size() - 1;
-      if (!index_.emplace(s.object, slots_.size()).second)
+      if (!index_.emplace(s.key, slots_.size()).second)
         throw config_error("data_parallel: parameter '" + s.name + "' is visited twice; a model must reach each "
-                           "ddp::parameter once (shared parameters are not supported)");
+                           "leaf once (shared parameters are not supported)");
       slots_.push_back(std::move(s));
     });
     rule.check_all_used();
@@ -213,13 +201,21 @@ class parameter_layout {
     }
     for (auto& s : slots_) {
       const std::size_t at = s.offset * size_of(s.type);
-      s.bind(s.object, arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at);
+      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type));
     }
   }
   parameter_layout(const parameter_layout&) = delete;
   parameter_layout& operator=(const parameter_layout&) = delete;
   ~parameter_layout() {
-    for (auto& s : slots_) s.unbind(s.object);
+    for (auto& s : slots_) s.leaf->unbind();
+  }
+
+  /// True when every leaf computes on the arenas (none is copied at the step's edges).
+  [[nodiscard]] bool adopting() const noexcept { return adopting_; }
+  /// Owning leaves: copies their values out of the arenas (after the arenas' values changed).
+  void values_out() const {
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->values_out();
   }
 
   /// Every parameter, in visit order.
@@ -230,7 +226,7 @@ class parameter_layout {
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).
   [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }
-  /// The slot of the parameter object at `address`, or -1 when it is not part of the model.
+  /// The slot of the leaf known by `address` (storage_traits' key: the leaf's own address by default), or -1.
   [[nodiscard]] std::ptrdiff_t find(const void* address) const noexcept {
     const auto it = index_.find(address);
     return it == index_.end() ? -1 : static_cast<std::ptrdiff_t>(it->second);
@@ -246,6 +242,7 @@ class parameter_layout {
   std::vector<arena> arenas_;
   std::vector<std::string> units_;
   std::unordered_map<const void*, std::size_t> index_;
+  bool adopting_ = true;
 };
 
 }  // namespace ddp::detail

@@ -1,15 +1,17 @@
 #pragma once
 /// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
 ///
-/// Construction lays every parameter into flat arenas (one per dtype), checks that all ranks hold the
-/// same model and broadcasts rank 0's values. During the backward the user reports each finished
-/// gradient with gradient_ready(p); a bucket whose parameters have all reported launches its
+/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any type with
+/// ddp::storage_traits) into flat arenas (one per dtype), checks that all ranks hold the same model and
+/// broadcasts rank 0's values. During the backward each finished gradient is reported, by the user with
+/// gradient_ready(p) or by the leaf's framework itself (autograd); a bucket whose parameters have all reported launches its
 /// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
 /// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -24,7 +26,7 @@
 #include <ddp/comm/object.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
-#include <ddp/core/parameter.hpp>
+#include <ddp/core/storage_traits.hpp>
 #include <ddp/core/visit.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
@@ -136,7 +138,8 @@ class data_parallel {
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
-        hook_(std::move(hook)), state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
+        hook_(std::move(hook)),
+        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
@@ -148,29 +151,37 @@ class data_parallel {
                            "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
       unused_[static_cast<std::size_t>(i)] = 1;
     }
+    if (strategy_type::initial_units == detail::unit_phase::sharded && !layout_.adopting())
+      for (const auto& s : layout_.slots())
+        if (!s.leaf->adopts())
+          throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
+                             "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
+                             "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
+                             "ddp::shard_grad_op", rank());
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
+    layout_.values_out();
+    for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
   }
 
  public:
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
-  template <element E>
-  void gradient_ready(const parameter<E>& p) {
-    const auto i = layout_.find(static_cast<const void*>(&p));
+  /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
+  template <class Leaf>
+  void gradient_ready(const Leaf& p) {
+    const void* key = nullptr;
+    if constexpr (storage_leaf<Leaf>)
+      key = leaf_key(p);
+    else
+      key = static_cast<const void*>(&p);
+    const auto i = layout_.find(key);
     if (i < 0)
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
-    const auto slot = static_cast<std::size_t>(i);
-    check_no_sync_closed("gradient_ready");
-    strategy_->on_report(slot);
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    if (state_.phase() != detail::step_phase::reporting) state_.begin(unused_);
-    if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
-                  "report each parameter once per step, after its gradient is final", rank());
-    launch_ready();
+    report(static_cast<std::size_t>(i));
   }
 
   /// Waits for every bucket's reduction: afterwards all gradients are averaged across ranks. Throws
@@ -180,7 +191,7 @@ class data_parallel {
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
     if (state_.phase() == detail::step_phase::finished) return;
-    if (state_.phase() == detail::step_phase::idle) state_.begin(unused_);
+    if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
@@ -194,7 +205,11 @@ class data_parallel {
                     "dp.gradient_ready(p) for each in the backward, or list them in "
                     "data_parallel_options::unused_parameters (or set error_on_missing = false)", rank());
       }
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) state_.report(s);
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s)
+        if (!state_.reported(s)) {
+          gradient_in(s);
+          state_.report(s);
+        }
       launch_ready();
     }
     reduce_launched();
@@ -252,6 +267,7 @@ class data_parallel {
     finish_gradients();
     opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
     strategy_->after_step();
+    layout_.values_out();
     state_.end();
     ++steps_;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
@@ -297,6 +313,8 @@ class data_parallel {
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
     strategy_->zero_grad();
+    if (!layout_.adopting())
+      for (const auto& s : layout_.slots()) s.leaf->zero_own_gradient();
     state_.end();
   }
 
@@ -328,7 +346,7 @@ class data_parallel {
   unshard_guard unshard(Part& part) {
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
-      const auto i = layout_.find(static_cast<const void*>(&p));
+      const auto i = layout_.find(leaf_key(p));
       if (i < 0)
         throw config_error("unshard: this object holds parameters that are not the wrapped model's; pass a part "
                            "of dp.module() (such as dp.module().fc2)", rank());
@@ -346,11 +364,16 @@ class data_parallel {
   [[nodiscard]] int world_size() const noexcept { return comm_.size(); }
   /// This process's rank.
   [[nodiscard]] int rank() const noexcept { return comm_.rank(); }
-  /// Calls `f(name, parameter&)` for every parameter of the model, in visit order (for checkpoints).
+  /// Calls `f(name, leaf&)` for every leaf of the model, in visit order.
   template <class F>
   void for_each_parameter(F&& f) {
     visit_parameters(model_, f);
   }
+  /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
+  [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
+  /// Owning leaves (copied at the step's edges): takes the arenas' values into them after the values changed
+  /// outside a step (checkpoint loading calls it).
+  void values_changed() const { layout_.values_out(); }
   /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
   /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
@@ -387,6 +410,33 @@ class data_parallel {
     options.units = detail::resolve_units(model, options.units, rank);
     return options;
   }
+  /// The gradient of `slot` is final: launches every bucket that became ready.
+  void report(std::size_t slot) {
+    check_no_sync_closed("gradient_ready");
+    strategy_->on_report(slot);
+    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    if (state_.phase() != detail::step_phase::reporting) begin_reporting();
+    gradient_in(slot);
+    if (!state_.report(slot))
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
+                  "report each parameter once per step, after its gradient is final", rank());
+    launch_ready();
+  }
+  /// The step's first report: the declared-unused parameters count as reported.
+  void begin_reporting() {
+    state_.begin(unused_);
+    if (!layout_.adopting())
+      for (std::size_t s = 0; s < unused_.size(); ++s)
+        if (unused_[s]) gradient_in(s);
+  }
+  /// Owning leaves: the gradient moves into ddp's memory (under the sharded policies, which reduce every
+  /// micro-batch, the leaf's own gradient starts again from zero).
+  void gradient_in(std::size_t slot) {
+    auto& leaf = *layout_.slots()[slot].leaf;
+    if (leaf.adopts()) return;
+    leaf.gradient_in();
+    if constexpr (strategy_type::sharded) leaf.zero_own_gradient();
+  }
   void launch_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
@@ -412,6 +462,7 @@ class data_parallel {
   detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
+  std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch

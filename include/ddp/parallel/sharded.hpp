@@ -289,7 +289,7 @@ class sharded_core {
                                                          : values_pool_.data(pooled_[u].values, p.arena) + at * w;
       std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
                                                        : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
-      p.rebind(p.object, values, grads);
+      p.leaf->rebind(values, grads);
     }
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ddp/core/error.hpp>
+#include <ddp/core/storage_traits.hpp>
 #include <ddp/core/visit.hpp>
 
 namespace ddp {
@@ -47,7 +48,7 @@ class unit_entry {
   [[nodiscard]] bool by_object() const noexcept { return by_object_; }
   /// The name prefix; for a part, how messages name it ("ddp::unit_of(encoder_type)").
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
-  /// A part's parameters, by address.
+  /// A part's parameters, by address (ddp::leaf_key: the leaf, or the object it refers to).
   [[nodiscard]] std::span<const void* const> parameters() const noexcept { return parameters_; }
 
  private:
@@ -61,7 +62,7 @@ class unit_entry {
 template <class Part>
 unit_entry unit_of(Part& part) {
   std::vector<const void*> parameters;
-  visit_parameters(part, [&](std::string_view, auto& p) { parameters.push_back(static_cast<const void*>(&p)); });
+  visit_parameters(part, [&](std::string_view, auto& p) { parameters.push_back(leaf_key(p)); });
   return unit_entry(std::move(parameters), "ddp::unit_of(" + detail::type_name<Part>() + ")");
 }
 
@@ -126,7 +127,7 @@ unit_list resolve_units(Model& model, const unit_list& units, int rank) {
   std::vector<std::string> names;
   std::unordered_map<const void*, std::size_t> index;
   visit_parameters(model, [&](std::string_view name, auto& p) {
-    index.emplace(static_cast<const void*>(&p), names.size());
+    index.emplace(leaf_key(p), names.size());
     names.emplace_back(name);
   });
   std::vector<unit_entry> out;
