@@ -12,12 +12,17 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cerrno>
+#include <cstdlib>
 #include <exception>
+#include <filesystem>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <ddp/core/error.hpp>
+#include <ddp/launch/flight_report.hpp>
 #include <ddp/launch/spawn.hpp>
 
 namespace {
@@ -26,9 +31,10 @@ constexpr std::string_view usage = R"(usage: ddp-launch -n N [options] [--] prog
 
 Starts N ranks of `program` on this host, each with the environment of torchrun --standalone:
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT and DDP_TOKEN.
-Each line a rank prints is prefixed with "[rank R] ". When one rank fails, the others get SIGTERM
-(SIGKILL after the grace period) and ddp-launch exits with the failing rank's status (128 + signal
-when a signal ended it).
+Each line a rank prints is prefixed with "[rank R] ". When one rank fails, the others get a second to
+end on their own (and write their flight records), then SIGTERM (SIGKILL after the grace period), and
+ddp-launch exits with the failing rank's status (128 + signal when a signal ended it) and says where the
+ranks' collectives diverged or stalled (DDP_FLIGHT_RECORDER_DIR: where the ranks write their records).
 
 options:
   -n, --nproc N     number of ranks to start (required, 1..4096); torchrun's --nproc-per-node works too
@@ -46,6 +52,40 @@ SIGINT, SIGTERM and SIGHUP sent to ddp-launch stop every rank; it then exits wit
 )";
 
 volatile std::sig_atomic_t interrupted = 0;
+
+/// The directory the ranks write their flight records to: DDP_FLIGHT_RECORDER_DIR when set, else
+/// /tmp/ddp-flight.<pid>, removed at the end unless a rank wrote a record there (an empty one a killed
+/// launcher left is removed by the next launcher).
+struct flight_dir {
+  std::filesystem::path path;
+  bool owned = false;
+  bool keep = false;
+
+  flight_dir() {
+    if (const char* d = std::getenv("DDP_FLIGHT_RECORDER_DIR"); d != nullptr && *d != '\0') {
+      path = d;
+      return;
+    }
+    std::error_code ec;
+    const std::filesystem::path tmp = std::filesystem::temp_directory_path(ec);
+    for (const auto& e : std::filesystem::directory_iterator(ec ? "/tmp" : tmp, ec)) {
+      const auto name = e.path().filename().string();
+      const std::string prefix = "ddp-flight.";
+      if (name.rfind(prefix, 0) != 0) continue;
+      const auto pid = std::atol(name.c_str() + prefix.size());
+      if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) std::filesystem::remove(e.path(), ec);
+    }
+    path = (ec ? std::filesystem::path("/tmp") : tmp) / ("ddp-flight." + std::to_string(::getpid()));
+    owned = std::filesystem::create_directory(path, ec) && !ec;
+    if (!owned) path.clear();
+  }
+  flight_dir(const flight_dir&) = delete;
+  flight_dir& operator=(const flight_dir&) = delete;
+  ~flight_dir() {
+    std::error_code ec;
+    if (owned && !keep) std::filesystem::remove_all(path, ec);
+  }
+};
 
 extern "C" void on_signal(int sig) { interrupted = sig; }
 
@@ -150,8 +190,25 @@ int main(int argc, char** argv) {
     auto plan = ddp::launch::plan_binding(cmd.bind, cmd.nproc, ddp::launch::read_topology());
     std::fprintf(stderr, "ddp-launch: %s\n", plan.summary.c_str());
     cmd.options.cpus = std::move(plan.cpus);
+    flight_dir records;
+    cmd.options.settle = std::chrono::seconds(1);  // the other ranks see the failure and write their records
+    if (records.owned)
+      cmd.options.extra_env = [dir = records.path.string()](int) {
+        return ddp::launch::env_list{{"DDP_FLIGHT_RECORDER_DIR", dir}};
+      };
+    const auto started = std::filesystem::file_time_type::clock::now();
     const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
-    if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
+    if (!result.ok()) {
+      std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
+      if (!records.path.empty()) {
+        const auto written = ddp::launch::read_flight_records(records.path, started);
+        std::istringstream report(ddp::launch::analyze_flight_records(written));
+        for (std::string line; std::getline(report, line);)
+          std::fprintf(stderr, "ddp-launch: flight recorder: %s\n", line.c_str());
+        records.keep = !written.empty();
+        if (records.keep) std::fprintf(stderr, "ddp-launch: the ranks' flight records are in %s\n", records.path.c_str());
+      }
+    }
     return result.exit_status();
   } catch (const ddp::error& e) {
     std::fprintf(stderr, "ddp-launch: %s\n", e.what());

@@ -1269,6 +1269,8 @@ class work_state {
   [[nodiscard]] virtual std::string describe() const = 0;
   /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
   [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+  /// Called once when wait() times out: what else the message should say (the flight recorder's view).
+  virtual std::string diagnosis() { return {}; }
 };
 
 /// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
@@ -1340,6 +1342,16 @@ class completion : public work_state {
 }  // namespace detail
 
 /// Handle of an asynchronous operation. A default-constructed work is already complete.
+class work;
+
+namespace detail {
+/// The state inside a work handle, for the front end that wraps it.
+struct work_access {
+  static std::shared_ptr<work_state>& state(work& w) noexcept;
+};
+}  // namespace detail
+
+/// Handle of an asynchronous operation. A default-constructed work is already complete.
 class work {
  public:
   work() = default;
@@ -1352,10 +1364,12 @@ class work {
     const auto limit = state_->timeout();
     if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
       const std::string who = state_->waiting_for();
+      const std::string record = state_->diagnosis();
       throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
                               (who.empty() ? std::string() : ", waiting for " + who) +
                               ": a peer is stuck, dead or calling a different collective; check every rank's "
-                              "log, or raise the timeout in the communicator's config",
+                              "log, or raise the timeout in the communicator's config" +
+                              (record.empty() ? std::string() : " (" + record + ")"),
                           state_->rank());
     }
   }
@@ -1370,8 +1384,11 @@ class work {
   [[nodiscard]] bool done() { return !state_ || state_->test(); }
 
  private:
+  friend struct detail::work_access;
   std::shared_ptr<detail::work_state> state_;
 };
+
+inline std::shared_ptr<detail::work_state>& detail::work_access::state(work& w) noexcept { return w.state_; }
 
 /// Waits for every handle in `works`, in order.
 inline void wait_all(std::span<work> works) {
@@ -1618,6 +1635,7 @@ class object_collectives {
 /// asynchronous collectives that check every frame against the call (see docs/tcp.md).
 
 #include <climits>
+#include <cstdio>
 
 // ---- begin <ddp/comm/call.hpp>
 /// \file What one operation is: the description every backend's checks, messages and cross-rank call check use.
@@ -1677,7 +1695,7 @@ inline std::string describe(const call_info& c) {
 ///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
 ///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
 ///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
-/// rank(), size(), max_tag(), `static constexpr front_duties duties`, and front() (a front_state shared by the
+/// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
 /// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
 
 
@@ -1777,6 +1795,210 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/comm/checks.hpp>
+// ---- begin <ddp/comm/flight_recorder.hpp>
+/// \file The flight recorder: each group keeps its last K collectives (call, sequence, state, times). When an
+/// operation fails or times out, the rank writes what it knows to DDP_FLIGHT_RECORDER_DIR (ddp-launch sets
+/// one per job and reads every rank's record when the job fails) and the timeout's message names the first
+/// sequence this rank has not seen complete. DDP_FLIGHT_RECORDER=K sets the entries kept (default 1024, 0 off).
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+
+namespace ddp::detail {
+
+/// Where a recorded operation stands.
+enum class flight_state : std::uint8_t { launched, completed, failed };
+
+/// "launched", "completed", "failed".
+constexpr std::string_view to_string(flight_state s) noexcept {
+  return s == flight_state::launched ? "launched" : s == flight_state::completed ? "completed" : "failed";
+}
+
+/// One collective of a group, as the recorder keeps it.
+struct flight_entry {
+  using clock = std::chrono::steady_clock;
+  std::uint64_t sequence = 0;           ///< the group's count of collectives before this one
+  call_info call{};                     ///< what was called
+  flight_state state = flight_state::launched;
+  clock::time_point launched{};         ///< when it was launched
+  std::optional<clock::time_point> settled{};  ///< when this rank saw it complete or fail
+};
+
+/// The last K collectives of one group on this rank (thread-safe).
+class flight_recorder {
+ public:
+  using clock = flight_entry::clock;
+
+  /// Keeps `capacity` entries; `label` names the group in the record's file name (the same on every rank).
+  flight_recorder(std::size_t capacity, std::string label) : ring_(capacity), label_(std::move(label)) {}
+
+  /// Entries kept per group: DDP_FLIGHT_RECORDER (default 1024; 0 turns the recorder off).
+  static std::size_t capacity_from_env() {
+    return static_cast<std::size_t>(env_integer("DDP_FLIGHT_RECORDER", 0, 1 << 20, "the flight recorder's entries per group")
+                                        .value_or(1024));
+  }
+
+  /// Records the launch of `c` (collectives only); returns its sequence number.
+  std::uint64_t launch(const call_info& c) {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t seq = next_++;
+    ring_[seq % ring_.size()] = {seq, c, flight_state::launched, clock::now(), std::nullopt};
+    return seq;
+  }
+  /// This rank saw operation `seq` complete (ok) or fail.
+  void settle(std::uint64_t seq, bool ok) {
+    std::lock_guard lock(mutex_);
+    auto& e = ring_[seq % ring_.size()];
+    if (e.sequence != seq || e.state != flight_state::launched) return;  // overwritten, or settled already
+    e.state = ok ? flight_state::completed : flight_state::failed;
+    e.settled = clock::now();
+  }
+
+  /// "sequence 42 (all_reduce(sum) of 1024 f32, launched 5.0 s ago) is the first this rank has not seen
+  /// complete; the last complete is 41"; empty when every recorded operation completed.
+  [[nodiscard]] std::string first_incomplete() const {
+    std::lock_guard lock(mutex_);
+    const flight_entry* first = nullptr;
+    for (const auto& e : ordered())
+      if (e->state != flight_state::completed) {
+        first = e;
+        break;
+      }
+    if (first == nullptr) return {};
+    const double ago = std::chrono::duration<double>(clock::now() - first->launched).count();
+    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", launched " +
+                    seconds(ago) + " ago) is the first this rank has not seen complete";
+    return s;
+  }
+
+  /// Writes every entry to DDP_FLIGHT_RECORDER_DIR/flight.rank<R>.group<label>.txt, once (the first failure
+  /// is the one worth keeping); returns the path, or empty when no directory is set or it was written before.
+  std::string dump(int rank, int size, std::string_view reason) {
+    const char* dir = std::getenv("DDP_FLIGHT_RECORDER_DIR");
+    if (dir == nullptr || *dir == '\0') return {};
+    std::string text;
+    {
+      std::lock_guard lock(mutex_);
+      if (dumped_) return {};
+      dumped_ = true;
+      const auto now = clock::now();
+      text = "# ddp flight recorder: rank " + std::to_string(rank) + " of " + std::to_string(size) + ", group " +
+             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tlaunched_s_ago\tsettled_s_ago\tcall\n";
+      for (const auto* e : ordered()) {
+        const double launched = std::chrono::duration<double>(now - e->launched).count();
+        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(launched, false) +
+                "\t" + (e->settled ? seconds(std::chrono::duration<double>(now - *e->settled).count(), false) : "-") +
+                "\t" + describe_call(e->call) + "\n";
+      }
+    }
+    const std::filesystem::path path =
+        std::filesystem::path(dir) / ("flight.rank" + std::to_string(rank) + ".group" + label_ + ".txt");
+    const auto temporary = path.string() + ".tmp." + std::to_string(::getpid());
+    {
+      std::ofstream out(temporary, std::ios::trunc);
+      out << text;
+      if (!out) return {};
+    }
+    std::error_code ec;
+    std::filesystem::rename(temporary, path, ec);
+    if (ec) {
+      std::filesystem::remove(temporary, ec);
+      return {};
+    }
+    return path.string();
+  }
+
+ private:
+  /// The entries in sequence order (oldest kept first); the caller holds the mutex.
+  [[nodiscard]] std::vector<const flight_entry*> ordered() const {
+    std::vector<const flight_entry*> out;
+    const std::uint64_t kept = std::min<std::uint64_t>(next_, ring_.size());
+    for (std::uint64_t s = next_ - kept; s < next_; ++s) out.push_back(&ring_[s % ring_.size()]);
+    return out;
+  }
+  static std::string seconds(double s, bool unit = true) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, unit ? "%.1f s" : "%.3f", s);
+    return buf;
+  }
+
+  mutable std::mutex mutex_;
+  std::vector<flight_entry> ring_;
+  std::string label_;
+  std::uint64_t next_ = 0;
+  bool dumped_ = false;
+};
+
+/// A work_state that tells the flight recorder when its operation completes or fails.
+class recorded_work final : public work_state {
+ public:
+  recorded_work(std::shared_ptr<work_state> inner, std::shared_ptr<flight_recorder> recorder, std::uint64_t seq,
+                int size)
+      : inner_(std::move(inner)), recorder_(std::move(recorder)), seq_(seq), size_(size) {}
+
+  bool test() override { return observe([&] { return inner_->test(); }); }
+  bool wait_until(clock::time_point deadline) override { return observe([&] { return inner_->wait_until(deadline); }); }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  [[nodiscard]] int rank() const override { return inner_->rank(); }
+  [[nodiscard]] std::string describe() const override { return inner_->describe(); }
+  [[nodiscard]] std::string waiting_for() const override { return inner_->waiting_for(); }
+  std::string diagnosis() override {
+    std::string s = recorder_->first_incomplete();
+    const auto path = recorder_->dump(rank(), size_, "timeout in " + describe());
+    if (!path.empty()) s += (s.empty() ? "" : "; ") + std::string("flight record in ") + path;
+    return s.empty() ? s : "flight recorder: " + s;
+  }
+
+ private:
+  template <class F>
+  bool observe(F&& f) {
+    try {
+      const bool done = f();
+      if (done) recorder_->settle(seq_, true);
+      return done;
+    } catch (const std::exception& e) {
+      recorder_->settle(seq_, false);
+      const auto path = recorder_->dump(rank(), size_, e.what());
+      if (!path.empty()) std::fprintf(stderr, "ddp: rank %d wrote its flight record to %s\n", rank(), path.c_str());
+      throw;
+    }
+  }
+
+  std::shared_ptr<work_state> inner_;
+  std::shared_ptr<flight_recorder> recorder_;
+  std::uint64_t seq_;
+  int size_;
+};
+
+/// A recorder for a new group (none when DDP_FLIGHT_RECORDER=0).
+inline std::shared_ptr<flight_recorder> make_flight_recorder(std::string label) {
+  const auto capacity = flight_recorder::capacity_from_env();
+  return capacity == 0 ? nullptr : std::make_shared<flight_recorder>(capacity, std::move(label));
+}
+
+/// `w` (the launch of collective `c` in a group of `size`), recorded in `recorder`.
+inline work record(const std::shared_ptr<flight_recorder>& recorder, const call_info& c, int size, work w) {
+  const std::uint64_t seq = recorder->launch(c);
+  auto& state = work_access::state(w);
+  if (!state) {
+    recorder->settle(seq, true);
+    return w;
+  }
+  return work(std::make_shared<recorded_work>(std::move(state), recorder, seq, size));
+}
+
+/// A label for a group of a backend without group identifiers: its rank in this process's creation order,
+/// the same on every rank of an SPMD program.
+inline std::string next_group_label() {
+  static std::atomic<std::uint64_t> created{0};
+  return "g" + std::to_string(created.fetch_add(1));
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/flight_recorder.hpp>
 
 namespace ddp::detail {
 
@@ -1792,6 +2014,7 @@ struct front_duties {
 /// The front end's state, shared by the copies of a group.
 struct front_state {
   stats_counter stats;
+  std::shared_ptr<flight_recorder> flight = make_flight_recorder(next_group_label());  ///< the group's last collectives
   std::atomic<std::uint64_t> sequence{0};
   bool call_check = call_check_requested();  ///< DDP_CHECK_COLLECTIVES=1 when the group was made
 };
@@ -1981,6 +2204,8 @@ class collective_front : public object_collectives<Derived> {
       self().front().stats.add_call(c.kind);
       self().front().stats.add_bytes(c.kind, bytes_sent);
     }
+    if (c.kind != collective::send_recv)
+      if (const auto& recorder = self().flight()) return record(recorder, c, self().size(), std::move(w));
     return w;
   }
 
@@ -2172,6 +2397,7 @@ struct group {
   std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
   std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
   ddp::detail::stats_counter stats;
+  std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
@@ -2392,7 +2618,6 @@ class frame_reader {
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
 
 namespace ddp::tcp::detail {
@@ -4815,6 +5040,13 @@ inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
   return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
 }
 
+/// The group's name in flight record files: its identifier in hex, the same on every member.
+inline std::string group_label(std::uint32_t id) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", id);
+  return buf;
+}
+
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
@@ -4841,6 +5073,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
     group_->timeout = cfg.timeout;
+    group_->flight = ddp::detail::make_flight_recorder(detail::group_label(group_->id));
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
@@ -4880,6 +5113,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
     child->timeout = group_->timeout;
+    child->flight = ddp::detail::make_flight_recorder(detail::group_label(child->id));
     for (std::size_t i = 0; i < ranks.size(); ++i) {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
@@ -4901,6 +5135,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   static constexpr ddp::detail::front_duties duties{
       .group = "a TCP group", .sequence = false, .stats = false, .average = false, .call_check = false};
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->flight; }
 
   /// ddp::tcp moves host memory only.
   void host(const raw_tensor& t, const call& c) const {
@@ -8506,6 +8741,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
 
   work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
@@ -9657,6 +9893,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
 
   work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
@@ -9925,7 +10162,6 @@ struct env_rendezvous {
 /// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
 /// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
 
-#include <filesystem>
 
 // ---- begin <ddp/checkpoint/safetensors.hpp>
 /// \file Reading and writing the safetensors format (what PyTorch's safetensors package reads): an 8-byte
@@ -10613,8 +10849,6 @@ class file {
 /// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
-#include <cstdio>
-#include <fstream>
 #include <sstream>
 
 
@@ -11921,7 +12155,10 @@ struct spawn_options {
   std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
   std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
   output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
-  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  bool stop_on_failure = true;                 ///< stop the other ranks once one fails (after `settle`)
+  /// After a rank failed, how long the others may run on before they are stopped: time to see the failure
+  /// themselves (peer_lost within 0.1 s) and write their flight records.
+  std::chrono::milliseconds settle{0};
   std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
   std::vector<std::vector<int>> cpus;          ///< per rank, the CPUs it is bound to (none or empty: not bound)
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
@@ -12271,6 +12508,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
   std::optional<clock::time_point> blame_by;
+  std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
   const auto blame = [&](clock::time_point now) {
     if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
     int first = -1;
@@ -12297,8 +12535,11 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) reap(r);
     blame(clock::now());
-    if (result.first_failed >= 0 && options.stop_on_failure) stop_all();
     const auto now = clock::now();
+    if (result.first_failed >= 0 && options.stop_on_failure) {
+      if (!stop_at) stop_at = now + options.settle;
+      if (now >= *stop_at) stop_all();
+    }
     if (now >= deadline && running > 0 && !result.timed_out && !kill_at) {
       result.timed_out = true;
       stop_all();

@@ -8,7 +8,7 @@
 ///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
 ///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
 ///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
-/// rank(), size(), max_tag(), `static constexpr front_duties duties`, and front() (a front_state shared by the
+/// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
 /// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
 
 #include <atomic>
@@ -23,6 +23,7 @@
 #include <ddp/comm/call.hpp>
 #include <ddp/comm/call_check.hpp>
 #include <ddp/comm/checks.hpp>
+#include <ddp/comm/flight_recorder.hpp>
 #include <ddp/comm/object.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
@@ -44,6 +45,7 @@ struct front_duties {
 /// The front end's state, shared by the copies of a group.
 struct front_state {
   stats_counter stats;
+  std::shared_ptr<flight_recorder> flight = make_flight_recorder(next_group_label());  ///< the group's last collectives
   std::atomic<std::uint64_t> sequence{0};
   bool call_check = call_check_requested();  ///< DDP_CHECK_COLLECTIVES=1 when the group was made
 };
@@ -233,6 +235,8 @@ class collective_front : public object_collectives<Derived> {
       self().front().stats.add_call(c.kind);
       self().front().stats.add_bytes(c.kind, bytes_sent);
     }
+    if (c.kind != collective::send_recv)
+      if (const auto& recorder = self().flight()) return record(recorder, c, self().size(), std::move(w));
     return w;
   }
 

@@ -33,6 +33,8 @@ class work_state {
   [[nodiscard]] virtual std::string describe() const = 0;
   /// The ranks the operation waits for right now ("rank 1, rank 3"), where the backend knows; else empty.
   [[nodiscard]] virtual std::string waiting_for() const { return {}; }
+  /// Called once when wait() times out: what else the message should say (the flight recorder's view).
+  virtual std::string diagnosis() { return {}; }
 };
 
 /// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
@@ -104,6 +106,16 @@ class completion : public work_state {
 }  // namespace detail
 
 /// Handle of an asynchronous operation. A default-constructed work is already complete.
+class work;
+
+namespace detail {
+/// The state inside a work handle, for the front end that wraps it.
+struct work_access {
+  static std::shared_ptr<work_state>& state(work& w) noexcept;
+};
+}  // namespace detail
+
+/// Handle of an asynchronous operation. A default-constructed work is already complete.
 class work {
  public:
   work() = default;
@@ -116,10 +128,12 @@ class work {
     const auto limit = state_->timeout();
     if (!state_->wait_until(detail::work_state::clock::now() + limit)) {
       const std::string who = state_->waiting_for();
+      const std::string record = state_->diagnosis();
       throw timeout_error(state_->describe() + " did not complete within " + std::to_string(limit.count()) + " ms" +
                               (who.empty() ? std::string() : ", waiting for " + who) +
                               ": a peer is stuck, dead or calling a different collective; check every rank's "
-                              "log, or raise the timeout in the communicator's config",
+                              "log, or raise the timeout in the communicator's config" +
+                              (record.empty() ? std::string() : " (" + record + ")"),
                           state_->rank());
     }
   }
@@ -134,8 +148,11 @@ class work {
   [[nodiscard]] bool done() { return !state_ || state_->test(); }
 
  private:
+  friend struct detail::work_access;
   std::shared_ptr<detail::work_state> state_;
 };
+
+inline std::shared_ptr<detail::work_state>& detail::work_access::state(work& w) noexcept { return w.state_; }
 
 /// Waits for every handle in `works`, in order.
 inline void wait_all(std::span<work> works) {

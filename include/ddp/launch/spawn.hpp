@@ -60,7 +60,10 @@ struct spawn_options {
   std::chrono::milliseconds timeout{0};        ///< whole-job limit; 0 means none
   std::chrono::milliseconds grace{3000};       ///< SIGTERM to SIGKILL delay when stopping ranks
   output_mode output = output_mode::forward;   ///< forward with prefixes, or capture
-  bool stop_on_failure = true;                 ///< stop the other ranks as soon as one fails
+  bool stop_on_failure = true;                 ///< stop the other ranks once one fails (after `settle`)
+  /// After a rank failed, how long the others may run on before they are stopped: time to see the failure
+  /// themselves (peer_lost within 0.1 s) and write their flight records.
+  std::chrono::milliseconds settle{0};
   std::function<env_list(int rank)> extra_env; ///< per-rank additions or overrides of the environment
   std::vector<std::vector<int>> cpus;          ///< per rank, the CPUs it is bound to (none or empty: not bound)
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
@@ -410,6 +413,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
   std::optional<clock::time_point> blame_by;
+  std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
   const auto blame = [&](clock::time_point now) {
     if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
     int first = -1;
@@ -436,8 +440,11 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) reap(r);
     blame(clock::now());
-    if (result.first_failed >= 0 && options.stop_on_failure) stop_all();
     const auto now = clock::now();
+    if (result.first_failed >= 0 && options.stop_on_failure) {
+      if (!stop_at) stop_at = now + options.settle;
+      if (now >= *stop_at) stop_all();
+    }
     if (now >= deadline && running > 0 && !result.timed_out && !kill_at) {
       result.timed_out = true;
       stop_all();

@@ -119,6 +119,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
 
   work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);

@@ -147,6 +147,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
 
   work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include <ddp/comm/flight_recorder.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
@@ -25,6 +26,7 @@ struct group {
   std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
   std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
   ddp::detail::stats_counter stats;
+  std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };

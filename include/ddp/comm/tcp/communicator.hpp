@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,13 @@ inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
   return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
 }
 
+/// The group's name in flight record files: its identifier in hex, the same on every member.
+inline std::string group_label(std::uint32_t id) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", id);
+  return buf;
+}
+
 }  // namespace detail
 
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
@@ -72,6 +80,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
     group_->timeout = cfg.timeout;
+    group_->flight = ddp::detail::make_flight_recorder(detail::group_label(group_->id));
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
@@ -111,6 +120,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
     child->timeout = group_->timeout;
+    child->flight = ddp::detail::make_flight_recorder(detail::group_label(child->id));
     for (std::size_t i = 0; i < ranks.size(); ++i) {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
@@ -132,6 +142,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   static constexpr ddp::detail::front_duties duties{
       .group = "a TCP group", .sequence = false, .stats = false, .average = false, .call_check = false};
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->flight; }
 
   /// ddp::tcp moves host memory only.
   void host(const raw_tensor& t, const call& c) const {
