@@ -498,3 +498,21 @@ TEST_CASE("recorded: full_shard prefetches in the execution order the first step
     dp.step(opt);
   }
 }
+
+namespace {
+/// A comm hook that can be neither copied nor moved: the wrapper makes it in place.
+struct pinned_hook : ddp::plain_hook {
+  pinned_hook() = default;
+  pinned_hook(const pinned_hook&) = delete;
+  pinned_hook& operator=(const pinned_hook&) = delete;
+};
+}  // namespace
+
+TEST_CASE("a comm hook that cannot move is made in place", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  net other = make_net();
+  ddp::data_parallel<net, recording_backend, pinned_hook> dp{m, comm};
+  ddp::data_parallel<net, recording_backend, pinned_hook, four_floats> given{other, comm, four_floats{}};
+  REQUIRE(given.bucket_count() == 4);  // 16 floats in buckets of 4
+}

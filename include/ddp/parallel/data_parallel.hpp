@@ -103,13 +103,15 @@ class data_parallel {
 
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
   data_parallel(std::type_identity_t<Model>& model, communicator_type comm, data_parallel_options options = {})
-      : data_parallel(values_given{}, model, std::move(comm), sharding{}, hook_type{}, std::move(options)) {}
+      : data_parallel(values_given{}, model, std::move(comm), sharding{}, [] { return hook_type{}; },
+                      std::move(options)) {}
   /// The same with policy values, in any order, each of one of this wrapper's policy types (the sharding
   /// policy's settings and the comm hook's state are taken from them), then optionally data_parallel_options.
   template <detail::policy P, class... Rest>
   data_parallel(std::type_identity_t<Model>& model, communicator_type comm, P first, Rest... rest)
       : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
-                      detail::value_of<hook_type>(first, rest...), detail::value_of<data_parallel_options>(rest...)) {
+                      [&] { return detail::value_of<hook_type>(first, rest...); },
+                      detail::value_of<data_parallel_options>(rest...)) {
     static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
                    (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
                     std::is_same_v<Rest, data_parallel_options>)),
@@ -130,15 +132,17 @@ class data_parallel {
 
  private:
   struct values_given {};
+  /// `make_hook()` makes the hook in place (a hook need not be movable unless a value of it is given).
+  template <class MakeHook>
   data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
-                hook_type hook, data_parallel_options options)
+                MakeHook make_hook, data_parallel_options options)
       : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
         multiple_(strategy_type::multiple(comm_, sharding_)),
         layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
-        hook_(std::move(hook)),
+        hook_(make_hook()),
         state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
