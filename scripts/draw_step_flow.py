@@ -34,13 +34,13 @@ POLICIES = [
     ]),
     ("shard_grad_op\n(ZeRO-2)", [
         ("forward\nfull parameters\nin the value arena", "compute"),
-        ("gather scope:\nunit gradients in\na pooled buffer", "memory"),
+        ("unshard scope:\nunit gradients in\na pooled buffer", "memory"),
         ("bucket full:\nreduce_scatter(avg)\ninto owned block", "comm"),
         ("step: wait;\noptimizer over\nowned blocks", "optim"),
         ("all_gather each\nbucket back into\nthe full values", "comm"),
     ]),
     ("full_shard\n(ZeRO-3)", [
-        ("gather scope:\nall_gather unit\n(+ prefetch next)", "comm"),
+        ("unshard scope:\nall_gather unit\n(+ prefetch next)", "comm"),
         ("forward / backward\nof the unit;\nreshard after", "compute"),
         ("unit gradients in\na pooled buffer", "memory"),
         ("bucket full:\nreduce_scatter(avg)\ninto owned block", "comm"),

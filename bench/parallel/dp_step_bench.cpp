@@ -4,7 +4,7 @@
 //   dp_step_bench --backend tcp|mpi [--steps S] [--warmup W] [--batch B] [--bucket-mib 25|4|1] [--deterministic]
 //
 // --bucket-mib picks the bucket capacity (first bucket 1 MiB, as PyTorch; 25 is PyTorch's default);
-// --deterministic sums gradients in rank order (data_parallel_options::deterministic).
+// --deterministic sums gradients in rank order (ddp::replicate{.deterministic = true}).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -37,7 +37,7 @@ template <class Backend, class Buckets>
 int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   constexpr std::size_t in = 784, hidden = 2048, classes = 10;
   example::mlp model = example::make_mlp(in, hidden, hidden, classes, 7);
-  ddp::data_parallel<example::mlp, Backend, Buckets> dp{model, comm, {.deterministic = s.deterministic}};
+  ddp::data_parallel<example::mlp, Backend, Buckets> dp{model, comm, ddp::replicate{.deterministic = s.deterministic}};
   ddp::optim::sgd opt({.lr = 0.01, .momentum = 0.9});
   std::mt19937_64 rng(static_cast<std::uint64_t>(comm.rank()) + 1);
   std::vector<float> x(s.batch * in);

@@ -7,7 +7,7 @@
 // small: MLP 784-2048-2048-10 (the bench MLP); large: 784-10000-6000-6000-10 (≈ 100 M parameters,
 // run at batch 1 so the naive CPU loops stay fast). Optimizer AdamW (2 state arrays).
 // Sharded policies run twice: with the pooled unit buffers kept between steps (the default) and "lean"
-// (data_parallel_options::keep_unit_buffers = false: freed after every step). hybrid<full_shard> runs at even
+// (the policy's keep_unit_buffers = false: freed after every step). hybrid<full_shard> runs at even
 // N ≥ 4 in groups of G = 2: bytes inside a group (theory 3·Ψ·(G−1)/G) and across groups (an all_reduce of the
 // Ψ/G shard among W/G replicas: 2·(Ψ/G)·(W/G − 1)/(W/G)), ZeRO formula 16Ψ'/G.
 // "persistent" is the rank's resident memory between steps (after malloc_trim) minus its resident memory
@@ -74,14 +74,14 @@ double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;
 }
 
-/// One training step's forward and backward (ReLU hidden layers, squared error), each layer inside a gather scope.
+/// One training step's forward and backward (ReLU hidden layers, squared error), each layer inside an unshard scope.
 template <class DP>
 void forward_backward(DP& dp, mlp& m, std::size_t batch) {
   const std::size_t layers = m.fc.size();
   std::vector<std::vector<float>> acts(layers + 1);
   acts[0].assign(batch * m.fc[0].weight.shape()[1], 0.5F);
   for (std::size_t l = 0; l < layers; ++l) {
-    auto g = dp.gather(m.fc[l]);
+    auto g = dp.unshard(m.fc[l]);
     const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
     acts[l + 1].assign(batch * out, 0.0F);
     const float* w = m.fc[l].weight.value().data();
@@ -95,7 +95,7 @@ void forward_backward(DP& dp, mlp& m, std::size_t batch) {
   }
   std::vector<float> delta = acts[layers];  // d(½‖y‖²)/dy = y
   for (std::size_t l = layers; l-- > 0;) {
-    auto g = dp.gather(m.fc[l]);
+    auto g = dp.unshard(m.fc[l]);
     const std::size_t out = m.fc[l].weight.shape()[0], in = m.fc[l].weight.shape()[1];
     std::vector<float> back(batch * in, 0.0F);
     float* gw = m.fc[l].weight.grad().data();
@@ -131,11 +131,15 @@ void run_rank(const settings& s, const std::vector<std::size_t>& dims, std::stri
   const double base = rss_mib();
   auto comm = ddp::tcp::communicator::from_env();
   mlp model = make_mlp(dims);
-  ddp::data_parallel_options options;
-  options.keep_unit_buffers = !policy.ends_with(" lean");  // lean: pooled unit buffers freed after every step
+  Sharding sharding{};
   const bool hybrid = policy.starts_with("hybrid");
-  if (hybrid) options.hybrid_group_size = 2;
-  ddp::data_parallel<mlp, ddp::backend::tcp, Sharding, ddp::bucket_bytes<(25U << 20)>> dp{model, comm, options};
+  if constexpr (requires { sharding.group_size; }) {
+    sharding.group_size = 2;
+    sharding.inner.keep_unit_buffers = !policy.ends_with(" lean");  // lean: pooled unit buffers freed after every step
+  } else if constexpr (requires { sharding.keep_unit_buffers; }) {
+    sharding.keep_unit_buffers = !policy.ends_with(" lean");
+  }
+  ddp::data_parallel dp{model, comm, sharding, ddp::bucket_bytes<(25U << 20)>{}};
   ddp::optim::adamw opt({.lr = 1e-4});
   dp.attach(opt);
   dp.zero_grad();

@@ -117,7 +117,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
            " per rank (", s.batch * static_cast<std::size_t>(comm.size()), " global), lr ", s.lr, s.cosine ? " (cosine to 0)" : " (constant)");
 
   example::mlp model = example::make_mlp(train_set.features(), 256, 128, 10, 1234);
-  ddp::data_parallel<example::mlp, Backend> dp{model, comm};
+  ddp::data_parallel dp{model, comm};  // data_parallel<example::mlp, Backend>, from the communicator's type
   ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
   ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
   ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});

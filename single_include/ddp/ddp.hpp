@@ -1081,8 +1081,8 @@ inline constexpr detail::visit_parameters_fn visit_parameters{};
 // ---- end <ddp/core/visit.hpp>
 
 // ---- begin <ddp/comm/backend.hpp>
-/// \file Backend policy tags and the mapping from a tag to its communicator type.
-/// Each backend's header specializes backend_traits for its tag.
+/// \file Backend policy tags and the mappings between a tag and its communicator type.
+/// Each backend's header specializes backend_traits for its tag and backend_of for its communicator.
 
 
 
@@ -1113,6 +1113,19 @@ struct backend_traits {
 /// The communicator type of backend tag B.
 template <class B>
 using backend_communicator_t = typename backend_traits<B>::communicator;
+
+/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
+/// deduces the backend from). Specialized by each backend's header beside backend_traits.
+template <class Comm>
+struct backend_of {
+  static_assert(detail::dependent_false<Comm>,
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
+                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+};
+
+/// The backend tag of communicator type Comm.
+template <class Comm>
+using backend_of_t = typename backend_of<Comm>::type;
 
 }  // namespace ddp
 // ---- end <ddp/comm/backend.hpp>
@@ -5227,12 +5240,18 @@ template <>
 struct backend_traits<backend::tcp> {
   using communicator = tcp::communicator;
 };
+/// ddp::tcp::communicator deduces backend::tcp.
+template <>
+struct backend_of<tcp::communicator> {
+  using type = backend::tcp;
+};
 }  // namespace ddp
 // ---- end <ddp/comm/tcp/communicator.hpp>
 
 // ---- begin <ddp/parallel/policies.hpp>
 /// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
-/// Policies may be given in any order; a missing category takes its default.
+/// Policies may be given in any order; a missing category takes its default. The sharding policies carry
+/// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
 
 
 // ---- begin <ddp/parallel/comm_hooks.hpp>
@@ -5384,6 +5403,205 @@ static_assert(comm_hook<fp16_compress_hook>);
 
 }  // namespace ddp
 // ---- end <ddp/parallel/comm_hooks.hpp>
+// ---- begin <ddp/parallel/options.hpp>
+/// \file ddp::data_parallel_options: the run-time settings of data_parallel.
+
+
+// ---- begin <ddp/parallel/units.hpp>
+/// \file Sharding units named by the user: data_parallel_options::units holds dotted name prefixes ("head") and
+/// parts of the model (ddp::unit_of(model.encoder)) in any mix. A part is kept as the addresses of its
+/// parameters; when data_parallel builds its layout it resolves the part, by those addresses, to the dotted
+/// prefix its parameters share in the wrapped model, which then names the unit.
+
+#include <initializer_list>
+#include <unordered_map>
+
+
+namespace ddp {
+
+namespace detail {
+
+/// The compiler's spelling of T ("ddp_test::linear"), for messages.
+template <class T>
+std::string type_name() {
+  const std::string_view text = __PRETTY_FUNCTION__;  // "... type_name() [with T = X; ...]" or "[T = X]"
+  const auto start = text.find("T = ") + 4;
+  const auto end = text.find_first_of(";]", start);
+  return std::string(text.substr(start, end - start));
+}
+
+}  // namespace detail
+
+/// One entry of data_parallel_options::units: a dotted name prefix, or a part of the model (ddp::unit_of).
+class unit_entry {
+ public:
+  /// The parameters whose dotted names start with `prefix` (the whole name or a leading run of its components).
+  unit_entry(std::string prefix) : prefix_(std::move(prefix)) {}
+  /// As above.
+  unit_entry(const char* prefix) : prefix_(prefix) {}
+  /// The parameters at `parameters` (what ddp::unit_of makes); `what` names the part in messages.
+  unit_entry(std::vector<const void*> parameters, std::string what)
+      : prefix_(std::move(what)), parameters_(std::move(parameters)), by_object_(true) {}
+
+  /// True for a part of the model given by ddp::unit_of, false for a name prefix.
+  [[nodiscard]] bool by_object() const noexcept { return by_object_; }
+  /// The name prefix; for a part, how messages name it ("ddp::unit_of(encoder_type)").
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+  /// A part's parameters, by address (ddp::leaf_key: the leaf, or the object it refers to).
+  [[nodiscard]] std::span<const void* const> parameters() const noexcept { return parameters_; }
+
+ private:
+  std::string prefix_;
+  std::vector<const void*> parameters_;
+  bool by_object_ = false;
+};
+
+/// The parameters of `part` (a member of the model to wrap, such as model.encoder) as one sharding unit:
+/// `opts.units = {ddp::unit_of(model.encoder), "head"};`. `part` must stay where it is until the wrapper is built.
+template <class Part>
+unit_entry unit_of(Part& part) {
+  std::vector<const void*> parameters;
+  visit_parameters(part, [&](std::string_view, auto& p) { parameters.push_back(leaf_key(p)); });
+  return unit_entry(std::move(parameters), "ddp::unit_of(" + detail::type_name<Part>() + ")");
+}
+
+/// data_parallel_options::units: sharding units by dotted name prefix or by part of the model, in any mix.
+class unit_list {
+ public:
+  unit_list() = default;
+  /// `{ddp::unit_of(model.encoder), "head"}`.
+  unit_list(std::initializer_list<unit_entry> entries) : entries_(entries) {}
+  /// Name prefixes only.
+  unit_list(const std::vector<std::string>& prefixes) : entries_(prefixes.begin(), prefixes.end()) {}
+  /// Any entries.
+  explicit unit_list(std::vector<unit_entry> entries) : entries_(std::move(entries)) {}
+
+  /// Number of entries.
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// The entries, in the order given.
+  [[nodiscard]] std::span<const unit_entry> entries() const noexcept { return entries_; }
+  /// The prefixes the layout reads. data_parallel resolves every ddp::unit_of entry to a prefix before it builds
+  /// the layout; an entry still unresolved is a ddp::config_error.
+  explicit operator std::vector<std::string>() const {
+    std::vector<std::string> out;
+    for (const auto& e : entries_) {
+      if (e.by_object())
+        throw config_error("data_parallel: the unit " + e.prefix() + " was not resolved to the model's parameters; "
+                           "give ddp::unit_of entries to ddp::data_parallel, which resolves them");
+      out.push_back(e.prefix());
+    }
+    return out;
+  }
+
+ private:
+  std::vector<unit_entry> entries_;
+};
+
+namespace detail {
+
+/// `prefix` covers `name`: the whole name, or a leading run of its dotted components.
+inline bool covers(std::string_view prefix, std::string_view name) noexcept {
+  return name.starts_with(prefix) && (name.size() == prefix.size() || name[prefix.size()] == '.');
+}
+
+/// The longest run of leading dotted components that `a` and `b` share ("enc.l0.w", "enc.l1.w": "enc").
+inline std::string_view common_prefix(std::string_view a, std::string_view b) noexcept {
+  std::size_t end = 0;
+  for (std::size_t i = 0; i <= a.size() && i <= b.size(); ++i) {
+    const bool a_end = i == a.size() || a[i] == '.', b_end = i == b.size() || b[i] == '.';
+    if (a_end && b_end) end = i;
+    if (i == a.size() || i == b.size() || a[i] != b[i]) break;
+  }
+  return a.substr(0, end);
+}
+
+/// `units` with every ddp::unit_of entry replaced by the dotted prefix its parameters share in `model` (the
+/// unit's name). Throws ddp::config_error naming the entry when it holds no parameter of the model (or some that
+/// are not the model's), when its parameters share no prefix, or when that prefix covers other parameters too.
+template <class Model>
+unit_list resolve_units(Model& model, const unit_list& units, int rank) {
+  bool any = false;
+  for (const auto& e : units.entries()) any = any || e.by_object();
+  if (!any) return units;
+  std::vector<std::string> names;
+  std::unordered_map<const void*, std::size_t> index;
+  visit_parameters(model, [&](std::string_view name, auto& p) {
+    index.emplace(leaf_key(p), names.size());
+    names.emplace_back(name);
+  });
+  std::vector<unit_entry> out;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const unit_entry& e = units.entries()[i];
+    if (!e.by_object()) {
+      out.push_back(e);
+      continue;
+    }
+    const std::string entry = "data_parallel_options::units entry #" + std::to_string(i) + ", " + e.prefix() + ",";
+    std::vector<char> held(names.size(), 0);
+    std::size_t found = 0;
+    for (const void* p : e.parameters())
+      if (const auto it = index.find(p); it != index.end()) {
+        held[it->second] = 1;
+        ++found;
+      }
+    if (found == 0 || found != e.parameters().size())
+      throw config_error(entry + (found == 0 ? " holds no parameter of the wrapped model" :
+                                               " holds parameters that are not the wrapped model's") +
+                             "; pass a part of the model being wrapped (such as ddp::unit_of(model.encoder)) or name "
+                             "the unit by its dotted prefix",
+                         rank);
+    std::string_view prefix;
+    std::size_t first = names.size();
+    for (std::size_t k = 0; k < names.size(); ++k)
+      if (held[k]) {
+        prefix = first == names.size() ? std::string_view(names[k]) : common_prefix(prefix, names[k]);
+        first = std::min(first, k);
+      }
+    if (prefix.empty())
+      throw config_error(entry + " holds parameters ('" + names[first] + "', ...) that share no dotted name prefix, "
+                             "so they cannot form one unit; give its parts as separate units",
+                         rank);
+    for (std::size_t k = 0; k < names.size(); ++k)
+      if (!held[k] && covers(prefix, names[k]))
+        throw config_error(entry + " holds the parameters under '" + std::string(prefix) + "' but not '" + names[k] +
+                               "'; pass the part that holds all of them, or name the unit by its dotted prefix",
+                           rank);
+    out.emplace_back(std::string(prefix));
+  }
+  return unit_list(std::move(out));
+}
+
+}  // namespace detail
+
+}  // namespace ddp
+// ---- end <ddp/parallel/units.hpp>
+
+namespace ddp {
+
+/// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
+struct data_parallel_options {
+  /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
+  /// gradients are left as the user keeps them (zero after zero_grad()) and are averaged like the others.
+  std::vector<std::string> unused_parameters{};
+  /// true: finish_gradients() throws ddp::error naming parameters that did not report; false: their
+  /// gradients are reduced as they stand.
+  bool error_on_missing = true;
+  /// Copy rank 0's parameter values to every rank at construction.
+  bool broadcast_parameters = true;
+  /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
+  std::size_t verify_every = 0;
+  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
+  /// (ddp::unit_of(model.encoder), resolved to the prefix its parameters share): a parameter belongs to the
+  /// longest listed prefix it starts with (the whole name or a leading run of its components); parameters no
+  /// entry covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
+  unit_list units{};
+  /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
+  /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
+  std::size_t unit_depth = 1;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/options.hpp>
 
 namespace ddp {
 
@@ -5393,18 +5611,46 @@ struct bucket_category {};
 }  // namespace detail
 
 /// Every rank holds the whole model, gradients are all-reduced (PyTorch DDP); the default.
-struct replicate { using policy_category = detail::sharding_category; };
+struct replicate {
+  using policy_category = detail::sharding_category;
+  /// Sum every gradient element in rank order on the host (parallel/ordered_reduction.hpp): training bitwise
+  /// reproducible across runs, backends and bucket sizes at one world size; the all-reduces become all_gathers
+  /// (N/2 times the bytes beyond N = 2). Not with a comm hook.
+  bool deterministic = false;
+};
 /// Gradients and optimizer state are sharded, parameters kept whole (ZeRO-2, FSDP SHARD_GRAD_OP).
-struct shard_grad_op { using policy_category = detail::sharding_category; };
+struct shard_grad_op {
+  using policy_category = detail::sharding_category;
+  /// Keep the pooled per-unit buffers (full gradients) resident between steps, so steady-state steps allocate
+  /// nothing and fault in no page (true), or free them after every step, so that between steps a rank holds
+  /// only its shards (false: the lowest memory, page faults each step).
+  bool keep_unit_buffers = true;
+  /// Sum every gradient element in rank order on the host, as replicate's (the reduce-scatters become
+  /// all_to_alls of the same bytes); under hybrid the inner policy's knob also orders the sums across groups.
+  bool deterministic = false;
+};
 /// Parameters, gradients and optimizer state are sharded (ZeRO-3, FSDP FULL_SHARD).
-struct full_shard { using policy_category = detail::sharding_category; };
-/// Inner sharding inside groups of LOCAL_WORLD_SIZE ranks, replication across groups (HSDP).
+struct full_shard {
+  using policy_category = detail::sharding_category;
+  /// Free a unit's unsharded parameters when its last unshard scope closes (false keeps them until the step).
+  bool reshard_after_forward = true;
+  /// Keep the pooled per-unit buffers (unsharded values, full gradients) resident between steps (true), or
+  /// free them after every step (false), as shard_grad_op's.
+  bool keep_unit_buffers = true;
+  /// Sum every gradient element in rank order on the host, as shard_grad_op's.
+  bool deterministic = false;
+};
+/// Inner sharding inside groups of `group_size` ranks, replication across groups (HSDP).
 template <class Inner = full_shard>
 struct hybrid {
   static_assert(std::is_same_v<Inner, full_shard> || std::is_same_v<Inner, shard_grad_op>,
                 "ddp::hybrid<Inner>: Inner must be ddp::full_shard or ddp::shard_grad_op.");
   using policy_category = detail::sharding_category;
-  using inner = Inner;  ///< sharding inside a group
+  using inner_type = Inner;  ///< sharding inside a group
+  /// Ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  int group_size = 0;
+  /// The settings of the sharding inside a group (ddp::hybrid<>{.inner = {.reshard_after_forward = false}}).
+  Inner inner{};
 };
 
 /// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.
@@ -5447,6 +5693,32 @@ template <class Category, class Default, class P, class... Ps>
 struct pick<Category, Default, P, Ps...> {
   using type = std::conditional_t<in_category<Category, P>() == 1, P, typename pick<Category, Default, Ps...>::type>;
 };
+
+/// T is one of Ts.
+template <class T, class... Ts>
+concept one_of = (std::is_same_v<T, Ts> || ...);
+
+/// The first of `args` of type T, else T{} (a wrapper's constructor arguments: policy values, options).
+template <class T>
+T value_of() {
+  return T{};
+}
+template <class T, class A, class... Rest>
+T value_of(const A& first, const Rest&... rest) {
+  if constexpr (std::is_same_v<A, T>)
+    return first;
+  else
+    return value_of<T>(rest...);
+}
+
+/// data_parallel_options, if among Args, comes last and once (checked by data_parallel's constructor).
+template <class... Args>
+constexpr bool options_last() {
+  constexpr std::size_t n = sizeof...(Args);
+  std::size_t count = 0, at = 0, i = 0;
+  ((std::is_same_v<Args, data_parallel_options> ? (++count, at = i++) : i++), ...);
+  return count == 0 || (count == 1 && at + 1 == n);
+}
 
 }  // namespace detail
 
@@ -5615,7 +5887,6 @@ class flat_state {
 /// of values and one of gradients per dtype, in visit order; each leaf is bound to its slice.
 
 #include <new>
-#include <unordered_map>
 
 #include <sys/mman.h>
 
@@ -5722,46 +5993,6 @@ class leaf_binding_of final : public leaf_binding {
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/leaf_binding.hpp>
-// ---- begin <ddp/parallel/options.hpp>
-/// \file ddp::data_parallel_options: the run-time settings of data_parallel.
-
-
-namespace ddp {
-
-/// Run-time settings of data_parallel.
-struct data_parallel_options {
-  /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
-  /// gradients are left as the user keeps them (zero after zero_grad()) and are averaged like the others.
-  std::vector<std::string> unused_parameters{};
-  /// true: finish_gradients() throws ddp::error naming parameters that did not report; false: their
-  /// gradients are reduced as they stand.
-  bool error_on_missing = true;
-  /// Copy rank 0's parameter values to every rank at construction.
-  bool broadcast_parameters = true;
-  /// full_shard: free a unit's gathered parameters when its gather scope ends (false keeps them until the step).
-  bool reshard_after_forward = true;
-  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
-  /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
-  /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
-  std::vector<std::string> units{};
-  /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
-  /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
-  std::size_t unit_depth = 1;
-  /// Sharded policies: keep the pooled per-unit buffers (gathered values, full gradients) resident between
-  /// steps, so steady-state steps allocate nothing and fault in no page (true), or free them after every step,
-  /// so that between steps a rank holds only its shards (false: the lowest memory, page faults each step).
-  bool keep_unit_buffers = true;
-  /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
-  int hybrid_group_size = 0;
-  /// Sum every gradient element in rank order on the host (parallel/ordered_reduction.hpp), so training is
-  /// bitwise reproducible across runs, backends and bucket sizes at one world size; the collectives then only
-  /// move bytes (an all_gather instead of an all-reduce: N/2 times the bytes beyond N = 2). Works with every
-  /// sharding policy and the plain hook.
-  bool deterministic = false;
-};
-
-}  // namespace ddp
-// ---- end <ddp/parallel/options.hpp>
 
 namespace ddp::detail {
 
@@ -6061,10 +6292,13 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 // ---- end <ddp/parallel/bucket_planner.hpp>
 // ---- begin <ddp/parallel/full_shard.hpp>
 /// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
-/// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
+/// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
 /// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
-/// the direction of travel (forward or backward) is prefetched into another; when the last scope on a unit
-/// closes, the buffer goes back to the pool (reshard after forward, configurable) and the parameters point
+/// the direction of travel (forward or backward) is prefetched into another. "Next" follows the execution
+/// order: the order in which the scopes of the first step first opened the units (as FSDP2 records its
+/// forward order), the same on every rank that runs the same program; during the first step, and for units
+/// it did not use, the order of the fields. When the last scope on a unit
+/// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
 /// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
 
 
@@ -6073,7 +6307,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
 /// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
 ///
-/// Gradients: a unit's full gradients exist only while a gather scope holds the unit and until its buckets'
+/// Gradients: a unit's full gradients exist only while an unshard scope holds the unit and until its buckets'
 /// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
 /// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
 /// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
@@ -6096,7 +6330,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 #include <limits>
 
 // ---- begin <ddp/parallel/ordered_reduction.hpp>
-/// \file Deterministic reduction (data_parallel_options::deterministic): every element is summed in rank order,
+/// \file Deterministic reduction (the sharding policies' deterministic knob): every element is summed in rank order,
 /// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
 /// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
 /// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
@@ -6151,11 +6385,10 @@ class ordered_reduction {
 /// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
-/// of its full-gradient storage (released → held → reported) and its open gather scopes; per slot whether it
+/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
 /// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
 /// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
 
-#include <initializer_list>
 
 
 namespace ddp::detail {
@@ -6176,7 +6409,7 @@ enum class bucket_phase : std::uint8_t {
 /// Where a unit's parameter values stand (shard_grad_op and replicate keep every unit unsharded).
 enum class unit_phase : std::uint8_t {
   sharded,     ///< only the owned blocks exist
-  unsharding,  ///< all-gathers into its pooled buffer are in flight (a gather scope or a prefetch)
+  unsharding,  ///< all-gathers into its pooled buffer are in flight (an unshard scope or a prefetch)
   unsharded,   ///< the full values are present
 };
 /// Where a unit's full-gradient storage stands (the sharded strategies).
@@ -6218,7 +6451,7 @@ struct bucket_record {
 struct unit_record {
   unit_phase values = unit_phase::unsharded;     ///< its parameter values
   grad_phase grads = grad_phase::released;       ///< its full-gradient storage
-  int scopes = 0;                                ///< open gather scopes on it
+  int scopes = 0;                                ///< open unshard scopes on it
   std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
 };
 
@@ -6351,12 +6584,12 @@ class step_state {
       if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
     return true;
   }
-  /// A gather scope opens on unit `u`.
+  /// An unshard scope opens on unit `u`.
   void open_scope(std::size_t u) noexcept { ++units_[u].scopes; }
-  /// A gather scope on unit `u` closes; true when it was the last one.
+  /// An unshard scope on unit `u` closes; true when it was the last one.
   bool close_scope(std::size_t u) {
     if (units_[u].scopes == 0)
-      fail("unit " + std::to_string(u) + " has no open gather scope to close");
+      fail("unit " + std::to_string(u) + " has no open unshard scope to close");
     return --units_[u].scopes == 0;
   }
   /// sharded → unsharding with its all-gathers `gathers` in flight.
@@ -6563,12 +6796,12 @@ class sharded_core {
   static constexpr bool sharded = true;
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
-               std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
+               std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
-        deterministic_(options.deterministic) {
+        trim_(keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
+        deterministic_(deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
@@ -6617,7 +6850,7 @@ class sharded_core {
     }
   }
 
-  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope): held or
+  /// A gradient may only be reported while its unit has gradient storage (inside an unshard scope): held or
   /// reported → reported.
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
@@ -6625,7 +6858,7 @@ class sharded_core {
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
-                      "unit's forward and backward in auto g = dp.gather(model." + layout_.units()[s.unit] + ")",
+                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + ")",
                   shard_.rank());
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
@@ -6704,13 +6937,13 @@ class sharded_core {
   [[nodiscard]] step_state& state() noexcept { return state_; }
   [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }
 
-  /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
+  /// An unshard scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
   void open_scope(std::size_t u) {
     state_.open_scope(u);
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
-  /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
+  /// An unshard scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
   /// reported) or once its reduce-scatters have read it.
   void close_scope(std::size_t u) {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
@@ -6878,9 +7111,9 @@ class sharded_core {
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  pool_trim trim_;                                      // by the policy's keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
-  bool deterministic_;                                  // sum in rank order (data_parallel_options::deterministic)
+  bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
 };
@@ -6905,22 +7138,22 @@ struct strategy {
                 "ddp::full_shard or ddp::hybrid<ddp::full_shard or ddp::shard_grad_op>.");
 };
 
-/// What data_parallel asks of a strategy S over communicator Comm:
-///   S(layout, plan, state, comm, options)     collective; `multiple(comm, options)` pads the arenas first
+/// What data_parallel asks of a strategy S over communicator Comm, for the sharding policy value of type Policy:
+///   S(layout, plan, state, comm, policy)      collective; `multiple(comm, policy)` pads the arenas first
 ///   sharded                                   gradients are reduced even under no_sync (the sharded ones)
 ///   initial_units                             the unit phase the strategy starts in
 ///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
-///   acquire(units) / release(units)           a gather scope opens / closes on units
+///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report
 ///   optimizer_buffers(), after_step(), zero_grad()
 ///   unshard_model()                           collective: the model's parameters hold the full values
-template <class S, class Comm>
+template <class S, class Comm, class Policy>
 concept sharding_strategy =
-    std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const data_parallel_options&> &&
-    requires(S& s, const S& cs, const Comm& comm, const data_parallel_options& o, plain_hook& hook, std::size_t i,
+    std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const Policy&> &&
+    requires(S& s, const S& cs, const Comm& comm, const Policy& policy, plain_hook& hook, std::size_t i,
              std::span<const std::size_t> units) {
-      { S::multiple(comm, o) } -> std::same_as<std::size_t>;
+      { S::multiple(comm, policy) } -> std::same_as<std::size_t>;
       { S::sharded } -> std::convertible_to<bool>;
       { S::initial_units } -> std::convertible_to<unit_phase>;
       { s.reduce(hook, i) } -> std::same_as<void>;
@@ -6942,41 +7175,41 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::sharded;
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+  static std::size_t multiple(const Comm& comm, const full_shard& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
-                           owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm, const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", policy.keep_unit_buffers,
+                           policy.deterministic, owned_value_home::own_copy),
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
-                           owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+           const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::own_copy),
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
 
   /// Unshards the units (gathering, or waiting for a prefetch) and gives them gradient storage, then
   /// prefetches the next unit in the direction of travel. Collective over the shard group, in the same order
-  /// on every rank.
+  /// on every rank. In the first step it records the order in which units are first opened.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       this->open_scope(u);
+      if (!recorded_ && position_[u] == unrecorded) {
+        position_[u] = order_.size();
+        order_.push_back(u);
+      }
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
-    if (last_ && *last_ != u) {
-      const bool forward = u > *last_;
-      if (forward && u + 1 < this->state().units()) prefetch(u + 1);
-      if (!forward && u > 0) prefetch(u - 1);
-    }
+    if (last_ && *last_ != u)
+      if (const auto next = next_unit(*last_, u)) prefetch(*next);
     last_ = u;
   }
   /// Ends a use of the units; a unit no scope holds any more is resharded (when resharding after forward)
@@ -6990,6 +7223,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
   /// unit still held is gathered again in place; then the pooled buffers this step did not need are freed.
   void after_step() {
+    recorded_ = true;  // the execution order of the first step is known
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       if (this->state().unit(u).scopes == 0) {
@@ -7003,12 +7237,12 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     this->trim_pools();
   }
   /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
-  /// model's own parameters hold the full values (also once the wrapper is gone). No gather scope may be open.
+  /// model's own parameters hold the full values (also once the wrapper is gone). No unshard scope may be open.
   void unshard_model() {
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).scopes > 0)
-        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside a gather scope; close every "
-                    "dp.gather(...) scope before unsharding the whole model", this->shard_group().rank());
+        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside an unshard scope; close every "
+                    "dp.unshard(...) scope before unsharding the whole model", this->shard_group().rank());
       reshard(u);
     }
     std::vector<work> works;
@@ -7017,6 +7251,19 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
 
  private:
+  static constexpr std::size_t unrecorded = static_cast<std::size_t>(-1);
+
+  /// The unit after `u` in the direction of travel from `last`: in the recorded execution order once the
+  /// first step is over and both units are in it, else in field order; none at either end.
+  [[nodiscard]] std::optional<std::size_t> next_unit(std::size_t last, std::size_t u) const {
+    if (recorded_ && position_[u] != unrecorded && position_[last] != unrecorded) {
+      const std::size_t at = position_[u];
+      if (at > position_[last]) return at + 1 < order_.size() ? std::optional(order_[at + 1]) : std::nullopt;
+      return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+    }
+    if (u > last) return u + 1 < position_.size() ? std::optional(u + 1) : std::nullopt;
+    return u > 0 ? std::optional(u - 1) : std::nullopt;
+  }
   /// sharded → unsharding: a pooled buffer and the all-gathers of the unit's buckets into it.
   void unshard(std::size_t u) {
     this->take_values(u);
@@ -7038,8 +7285,11 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
 
   bool reshard_ = true;
   std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
+  std::vector<std::size_t> order_;   // units in the order the first step's scopes first opened them
+  std::vector<std::size_t> position_ = std::vector<std::size_t>(this->state().units(), unrecorded);  // in order_
+  bool recorded_ = false;            // the first step is over: order_ is the execution order
 };
-static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator, full_shard>,
               "ddp: the full_shard strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
@@ -7054,7 +7304,7 @@ static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, ar
 
 // ---- begin <ddp/parallel/shard_grad_op.hpp>
 /// \file The shard_grad_op strategy (ZeRO-2, FSDP SHARD_GRAD_OP): full parameters during forward and
-/// backward, in the value arena; a unit's full gradients live in a pooled buffer while a gather scope holds
+/// backward, in the value arena; a unit's full gradients live in a pooled buffer while an unshard scope holds
 /// it and until its buckets are reduce-scattered into the owned blocks; the optimizer steps the owned
 /// blocks; the updated blocks are all-gathered back into the full parameters after the step.
 
@@ -7065,18 +7315,18 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::unsharded;
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+  static std::size_t multiple(const Comm& comm, const shard_grad_op& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
-                           owned_value_home::value_arena) {}
+           const shard_grad_op& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
-                           owned_value_home::value_arena) {}
+           const shard_grad_op& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -7097,7 +7347,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   /// Parameters are whole in the value arena already.
   void unshard_model() {}
 };
-static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator, shard_grad_op>,
               "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
@@ -7107,23 +7357,23 @@ namespace ddp::detail {
 
 template <class Inner, class Comm>
 struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
-  /// G: options.hybrid_group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& options) {
-    const long long g = options.hybrid_group_size > 0
-                            ? options.hybrid_group_size
+  /// G: policy.group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  static std::size_t multiple(const Comm& comm, const hybrid<Inner>& policy) {
+    const long long g = policy.group_size > 0
+                            ? policy.group_size
                             : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
                                                  "the number of processes on this host")
                                   .value_or(comm.size());
     if (g <= 0 || comm.size() % g != 0)
       throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
-                             std::to_string(g) + "; set data_parallel_options::hybrid_group_size (or LOCAL_WORLD_SIZE) "
-                             "to a divisor of the world size",
+                             std::to_string(g) + "; give ddp::hybrid<>{.group_size = G} (or set LOCAL_WORLD_SIZE) "
+                             "with G a divisor of the world size",
                          comm.rank());
     return static_cast<std::size_t>(g);
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+           const hybrid<Inner>& policy)
+      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, policy))), policy.inner) {}
 
  private:
   /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
@@ -7134,15 +7384,102 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
     return {std::move(shard), std::move(replica)};
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, std::pair<Comm, Comm> g,
-           const data_parallel_options& options)
-      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), options) {}
+           const Inner& inner)
+      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), inner) {}
 };
-static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator> &&
-                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator,
+                                hybrid<full_shard>> &&
+                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator,
+                                    hybrid<shard_grad_op>>,
               "ddp: the hybrid strategies must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/hybrid.hpp>
+// ---- begin <ddp/parallel/replica_check.hpp>
+/// \file The replica check behind data_parallel::verify_in_sync: each rank hashes, per parameter, the values
+/// it holds (FNV-1a over the bytes, so replicas must agree bit for bit) and says which ranks hold the same
+/// values (its peer key); one all_gather of two words per rank compares the combined hashes of peers. On a
+/// difference the per-parameter hashes are exchanged and every rank throws ddp::mismatch_error naming the
+/// first differing parameter and the ranks that disagree.
+
+
+
+namespace ddp::detail {
+
+inline constexpr std::uint64_t fnv_offset = 14695981039346656037ULL;
+
+/// FNV-1a over `bytes`, continuing from `h`.
+inline std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) noexcept {
+  for (const std::byte b : bytes) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+/// What one rank holds of the model, for the replica check.
+struct replica_digest {
+  std::int64_t peers = 0;              ///< ranks with the same key must hold the same values
+  std::vector<std::uint64_t> hashes;   ///< per parameter, in visit order: FNV-1a of the values held
+};
+
+/// "ranks 0, 2 hold one value; rank 1 holds another": the ranks of `members`, grouped by their hash of `slot`.
+inline std::string describe_disagreement(const std::vector<std::vector<std::uint64_t>>& hashes,
+                                         const std::vector<int>& members, std::size_t slot) {
+  std::vector<std::uint64_t> seen;
+  std::string out;
+  for (const int r : members) {
+    const std::uint64_t h = hashes[static_cast<std::size_t>(r)][slot];
+    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
+    seen.push_back(h);
+    std::vector<int> same;
+    for (const int q : members)
+      if (hashes[static_cast<std::size_t>(q)][slot] == h) same.push_back(q);
+    std::string ranks = same.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < same.size(); ++i) ranks += (i ? ", " : "") + std::to_string(same[i]);
+    out += (out.empty() ? "" : "; ") + ranks + (same.size() == 1 ? " holds " : " hold ") +
+           (seen.size() == 1 ? "one value" : "another");
+  }
+  return out;
+}
+
+/// Collective over `comm`: returns when every rank's hashes equal those of each rank with its peer key;
+/// otherwise throws ddp::mismatch_error on every rank, naming (through `name_of(slot)`) the first parameter
+/// where some peers differ, and those peers' ranks grouped by value.
+template <class Comm, class NameOf>
+void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
+  std::uint64_t combined = fnv_offset;
+  for (const std::uint64_t h : mine.hashes) combined = fnv1a(combined, std::as_bytes(std::span(&h, 1)));
+  const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> words(2 * n);
+  comm.all_gather(std::span<const std::int64_t>(word, 2), std::span<std::int64_t>(words)).wait();
+  bool in_sync = true;
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t q = 0; q < r; ++q)
+      if (words[2 * r] == words[2 * q] && words[2 * r + 1] != words[2 * q + 1]) in_sync = false;
+  if (in_sync) return;
+
+  const auto hashes = all_gather_object(comm, mine.hashes);
+  for (std::size_t slot = 0; slot < mine.hashes.size(); ++slot)
+    for (std::size_t r = 0; r < n; ++r) {
+      std::vector<int> peers;  // the ranks with r's key
+      bool differ = false;
+      for (std::size_t q = 0; q < n; ++q)
+        if (words[2 * q] == words[2 * r]) {
+          peers.push_back(static_cast<int>(q));
+          differ = differ || hashes[q][slot] != hashes[r][slot];
+        }
+      if (!differ) continue;
+      throw mismatch_error("verify_in_sync: the replicas differ at parameter '" + std::string(name_of(slot)) + "': " +
+                               describe_disagreement(hashes, peers, slot) +
+                               ". A gradient was reported before it was final, or ranks stepped different "
+                               "optimizers (or changed parameters on some ranks only); call dp.gradient_ready(p) "
+                               "only after p's gradient is complete, and step the same optimizer with the same "
+                               "settings on every rank",
+                           comm.rank());
+    }
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/replica_check.hpp>
 // ---- begin <ddp/parallel/replicate.hpp>
 /// \file The replicate strategy (PyTorch DDP): every rank keeps all parameters, gradients and optimizer
 /// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
@@ -7168,12 +7505,12 @@ template <class Comm>
 struct strategy<replicate, Comm> {
   static constexpr bool sharded = false;
   static constexpr unit_phase initial_units = unit_phase::unsharded;
-  static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
+  static std::size_t multiple(const Comm& /*comm*/, const replicate& /*policy*/) { return 1; }
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
+           const replicate& policy)
       : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
-        deterministic_(options.deterministic) {}
+        deterministic_(policy.deterministic) {}
 
   /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
@@ -7181,7 +7518,7 @@ struct strategy<replicate, Comm> {
     if (deterministic_) {
       if constexpr (!std::is_same_v<Hook, plain_hook>)
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
-                           "through a comm hook; drop the hook or set data_parallel_options::deterministic = false",
+                           "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
       state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
     } else {
@@ -7207,7 +7544,7 @@ struct strategy<replicate, Comm> {
   void zero_grad() noexcept {
     for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
   }
-  /// Parameters and gradients are always whole: gather scopes do nothing.
+  /// Parameters and gradients are always whole: unshard scopes do nothing.
   void acquire(std::span<const std::size_t> /*units*/) {}
   void release(std::span<const std::size_t> /*units*/) {}
   /// Every gradient may be reported at any time.
@@ -7230,7 +7567,7 @@ struct strategy<replicate, Comm> {
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 
-static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator, replicate>,
               "ddp: the replicate strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail
@@ -7287,17 +7624,55 @@ class data_parallel {
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
                 "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
-  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type, sharding>,
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
+  // The constructors take std::type_identity_t<Model>& so that the deduction guides below, not the
+  // constructors, deduce the backend and the policies of `ddp::data_parallel dp{model, comm, ...};`.
+
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
-  data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
-      : model_(model), comm_(std::move(comm)), options_(std::move(options)),
-        multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, data_parallel_options options = {})
+      : data_parallel(values_given{}, model, std::move(comm), sharding{}, [] { return hook_type{}; },
+                      std::move(options)) {}
+  /// The same with policy values, in any order, each of one of this wrapper's policy types (the sharding
+  /// policy's settings and the comm hook's state are taken from them), then optionally data_parallel_options.
+  template <detail::policy P, class... Rest>
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, P first, Rest... rest)
+      : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
+                      [&] { return detail::value_of<hook_type>(first, rest...); },
+                      detail::value_of<data_parallel_options>(rest...)) {
+    static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
+                   (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
+                    std::is_same_v<Rest, data_parallel_options>)),
+                  "ddp::data_parallel: a constructor argument is neither one of this wrapper's policies nor "
+                  "ddp::data_parallel_options; pass values of the policy types the wrapper names, or let "
+                  "`ddp::data_parallel dp{model, comm, policies...};` deduce the wrapper from them.");
+    static_assert(detail::options_last<Rest...>(),
+                  "ddp::data_parallel: ddp::data_parallel_options must be the last constructor argument, given once; "
+                  "move it after the policy values.");
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
+  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
+  /// them (or an unshard scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// model.
+  ~data_parallel() { state_.settle(); }
+
+ private:
+  struct values_given {};
+  /// `make_hook()` makes the hook in place (a hook need not be movable unless a value of it is given).
+  template <class MakeHook>
+  data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
+                MakeHook make_hook, data_parallel_options options)
+      : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
+        multiple_(strategy_type::multiple(comm_, sharding_)),
+        layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
+        hook_(make_hook()),
         state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
@@ -7319,18 +7694,13 @@ class data_parallel {
                              "ddp::shard_grad_op", rank());
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-    strategy_.emplace(layout_, plan_, state_, comm_, options_);
+    strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
   }
-  data_parallel(const data_parallel&) = delete;
-  data_parallel& operator=(const data_parallel&) = delete;
-  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
-  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
-  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
-  /// model.
-  ~data_parallel() { state_.settle(); }
+
+ public:
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
@@ -7433,6 +7803,40 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
+    ++steps_;
+    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
+  /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
+  /// rank holds the full values, and all are compared. Under full_shard a rank holds only its owned blocks,
+  /// which are hashed and compared with the ranks owning the same blocks: the other groups under hybrid
+  /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
+  /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
+  void verify_in_sync() {
+    detail::replica_digest mine;
+    mine.hashes.assign(layout_.slots().size(), detail::fnv_offset);
+    if constexpr (strategy_type::initial_units == detail::unit_phase::sharded) {  // full_shard: owned blocks only
+      mine.peers = shard_group().rank();
+      std::unordered_map<std::string_view, std::size_t> slot_of;
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) slot_of.emplace(layout_.slots()[s].name, s);
+      for (const auto& b : strategy_->optimizer_buffers()) {
+        const auto* values = static_cast<const std::byte*>(b.values.data);
+        const std::size_t w = size_of(b.values.type);
+        for (const auto& seg : b.segments) {
+          auto& h = mine.hashes[slot_of.at(seg.name)];
+          h = detail::fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+        }
+      }
+    } else {  // every rank holds the full values in the value arena
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) {
+        const auto& slot = layout_.slots()[s];
+        const std::size_t w = size_of(slot.type);
+        mine.hashes[s] = detail::fnv1a(mine.hashes[s],
+                                       std::span(layout_.arenas()[slot.arena].values.data() + slot.offset * w,
+                                                 slot.numel * w));
+      }
+    }
+    detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -7450,18 +7854,19 @@ class data_parallel {
 
   /// Collective under full_shard: all-gathers every unit into the model's own parameters, so they hold the
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
-  /// last step, outside every gather scope; later steps do not update those values (call it again). Under
+  /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
   void unshard_model() { strategy_->unshard_model(); }
-  /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
-  class [[nodiscard]] gather_guard {
+  /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
+  /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
+  class [[nodiscard]] unshard_guard {
    public:
-    gather_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+    unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
       dp_->strategy_->acquire(units_);
     }
-    gather_guard(const gather_guard&) = delete;
-    gather_guard& operator=(const gather_guard&) = delete;
-    ~gather_guard() { dp_->strategy_->release(units_); }
+    unshard_guard(const unshard_guard&) = delete;
+    unshard_guard& operator=(const unshard_guard&) = delete;
+    ~unshard_guard() { dp_->strategy_->release(units_); }
 
    private:
     data_parallel* dp_;
@@ -7472,17 +7877,17 @@ class data_parallel {
   /// one; under full_shard and shard_grad_op it gives them gradient storage (report their gradients inside
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
-  gather_guard gather(Part& part) {
+  unshard_guard unshard(Part& part) {
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
       if (i < 0)
-        throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
+        throw config_error("unshard: this object holds parameters that are not the wrapped model's; pass a part "
                            "of dp.module() (such as dp.module().fc2)", rank());
       const std::size_t u = layout_.slots()[static_cast<std::size_t>(i)].unit;
       if (units.empty() || units.back() != u) units.push_back(u);
     });
-    return gather_guard(*this, std::move(units));
+    return unshard_guard(*this, std::move(units));
   }
 
   /// The wrapped model.
@@ -7512,6 +7917,8 @@ class data_parallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
+  /// The sharding policy's value: the settings the strategy uses.
+  [[nodiscard]] const sharding& sharding_policy() const noexcept { return sharding_; }
   /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
@@ -7532,6 +7939,11 @@ class data_parallel {
   }
 
  private:
+  /// The options the layout reads: every ddp::unit_of entry of `options.units` resolved to its prefix.
+  static data_parallel_options layout_options(Model& model, data_parallel_options options, int rank) {
+    options.units = detail::resolve_units(model, options.units, rank);
+    return options;
+  }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
@@ -7576,6 +7988,7 @@ class data_parallel {
   Model& model_;
   communicator_type comm_;
   data_parallel_options options_;
+  sharding sharding_;                       // the sharding policy's value (its settings)
   std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
@@ -7584,9 +7997,25 @@ class data_parallel {
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
+  std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
+
+/// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type
+/// (ddp::backend_of) and the other policies from the values given, in any order.
+template <class Model, class Comm, detail::policy... Ps>
+data_parallel(Model&, Comm, Ps...) -> data_parallel<Model, backend_of_t<Comm>, Ps...>;
+/// The same, with data_parallel_options last (at most one policy of each of the three other categories).
+template <class Model, class Comm>
+data_parallel(Model&, Comm, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>>;
+template <class Model, class Comm, detail::policy P1>
+data_parallel(Model&, Comm, P1, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2>
+data_parallel(Model&, Comm, P1, P2, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1, P2>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3>
+data_parallel(Model&, Comm, P1, P2, P3, data_parallel_options)
+    -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3>;
 
 }  // namespace ddp
 // ---- end <ddp/parallel/data_parallel.hpp>
@@ -8588,6 +9017,11 @@ namespace ddp {
 template <>
 struct backend_traits<backend::mpi> {
   using communicator = ddp::mpi::communicator;
+};
+/// ddp::mpi::communicator deduces backend::mpi.
+template <>
+struct backend_of<ddp::mpi::communicator> {
+  using type = backend::mpi;
 };
 }  // namespace ddp
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
@@ -9785,6 +10219,11 @@ template <>
 struct backend_traits<backend::nccl> {
   using communicator = ddp::nccl::communicator;
 };
+/// ddp::nccl::communicator deduces backend::nccl.
+template <>
+struct backend_of<ddp::nccl::communicator> {
+  using type = backend::nccl;
+};
 }  // namespace ddp
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 // ---- end <ddp/comm/nccl/communicator.hpp>
@@ -10783,7 +11222,7 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
 }
 
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it
+/// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
 /// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
 /// take the new values. Collective.
 template <class DP>
@@ -10797,7 +11236,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
     }
     for (std::size_t u = 0; u < members.size(); ++u) {
-      typename DP::gather_guard scope(dp, {u});
+      typename DP::unshard_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {

@@ -45,7 +45,7 @@ void train_steps(DP& dp, Opt& opt, int steps) {
     dp.zero_grad();
     auto& m = dp.module();
     {
-      auto whole = dp.gather(m);  // full_shard: the tiny model's units are all gathered for this backward
+      auto whole = dp.unshard(m);  // full_shard: the tiny model's units are all gathered for this backward
       for (auto* p : {&m.fc2.bias, &m.fc2.weight, &m.fc1.bias, &m.fc1.weight}) {
         for (std::size_t i = 0; i < p->numel(); ++i) {
           const auto x = static_cast<float>(i);
@@ -62,7 +62,7 @@ void train_steps(DP& dp, Opt& opt, int steps) {
 template <class DP>
 std::vector<float> parameters_of(DP& dp) {
   std::vector<float> out;
-  auto whole = dp.gather(dp.module());
+  auto whole = dp.unshard(dp.module());
   dp.for_each_parameter([&](const auto&, ddp::parameter<float>& p) { out.insert(out.end(), p.value().begin(), p.value().end()); });
   return out;
 }

@@ -30,6 +30,14 @@ constexpr double tolerance = 1e-5;
 
 ddp::optim::adamw make_adamw() { return ddp::optim::adamw({.lr = 0.01, .weight_decay = 0.1}); }
 
+/// The sharding policy's value; under hybrid with shard groups of `group_size` ranks.
+template <class Sharding>
+Sharding grouped(int group_size) {
+  Sharding policy{};
+  if constexpr (requires { policy.group_size; }) policy.group_size = group_size;
+  return policy;
+}
+
 /// Saves (sharded and full) after 3 steps of `Saved` at N−1 ranks; loads both into `Loaded` at N ranks (another
 /// initialization); both equal the reference after 3 steps and, after 2 more, after 5 (one uninterrupted rank).
 template <class Backend, class Saved, class Loaded, class Comm>
@@ -50,7 +58,7 @@ void check_resize(Comm world) {
   auto savers = world.split(world.rank() < saving ? 0 : 1, world.rank());
   if (world.rank() < saving) {
     net model = make_net(0.5F);
-    dp_t<Backend, Saved> dp(model, savers, {.hybrid_group_size = 1});  // hybrid: every rank a replica
+    dp_t<Backend, Saved> dp(model, savers, grouped<Saved>(1));  // hybrid: every rank a replica
     auto opt = make_adamw();
     train_steps(dp, opt, 3);
     ddp::save_sharded(dir.path, dp, opt, {{"epoch", "3"}});
@@ -60,7 +68,7 @@ void check_resize(Comm world) {
 
   const auto resume = [&](auto load) {
     net model = make_net(7.0F);
-    dp_t<Backend, Loaded> dp(model, world, {.hybrid_group_size = n});  // hybrid: one shard group
+    dp_t<Backend, Loaded> dp(model, world, grouped<Loaded>(n));  // hybrid: one shard group
     auto opt = make_adamw();
     load(dp, opt);
     REQUIRE(opt.step_count() == 3);
@@ -83,7 +91,7 @@ void check_full_equals_replicate(Comm world) {
   shared_path ours(world, "full_sharded"), theirs(world, "full_replicate");
   net a_model = make_net(0.5F), b_model = make_net(0.5F);
   dp_t<Backend> a(a_model, world);
-  dp_t<Backend, Sharding> b(b_model, world, {.hybrid_group_size = 1});
+  dp_t<Backend, Sharding> b(b_model, world, grouped<Sharding>(1));
   auto a_opt = make_adamw(), b_opt = make_adamw();
   train_steps(a, a_opt, 3);
   train_steps(b, b_opt, 3);

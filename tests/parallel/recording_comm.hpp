@@ -179,3 +179,7 @@ template <>
 struct ddp::backend_traits<ddp_test::recording_backend> {
   using communicator = ddp_test::recording_comm;
 };
+template <>
+struct ddp::backend_of<ddp_test::recording_comm> {
+  using type = ddp_test::recording_backend;
+};

@@ -21,6 +21,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <ddp/core/error.hpp>
 #include <ddp/optim/adamw.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/data_parallel.hpp>
@@ -95,12 +96,14 @@ inline void require_close(mlp& got, mlp& want, double tol, closeness how) {
   });
 }
 
-/// N ranks with policies Ps give the reference's parameters; `micro` > 1 accumulates that many
-/// micro-batches per step, all but the last under no_sync. Model is mlp (ddp::parameter leaves) or a
-/// foreign_mlp (ddp::trainable leaves over vectors or spans).
+/// N ranks with policies Ps (the sharding policy's value `sharding`) give the reference's parameters;
+/// `micro` > 1 accumulates that many micro-batches per step, all but the last under no_sync. Model is mlp
+/// (ddp::parameter leaves) or a foreign_mlp (ddp::trainable leaves over vectors or spans).
 template <class Model, class... Ps, class Comm>
 void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1,
-                          closeness how = closeness::per_element, ddp::data_parallel_options options = {}) {
+                          closeness how = closeness::per_element,
+                          typename ddp::policies<Ps...>::sharding sharding = {},
+                          ddp::data_parallel_options options = {}) {
   mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   std::optional<Model> foreign;
   if constexpr (!std::is_same_v<Model, mlp>) foreign.emplace(make_foreign<typename Model::storage>(base));
@@ -111,8 +114,8 @@ void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1
       return *foreign;
   }();
   {  // the model is compared after the wrapper is gone: it must hand the trained values back
-    ddp::data_parallel<Model, Ps...> dp{model, comm, options};
-    auto scope = [&](auto& l) { return dp.gather(l); };
+    ddp::data_parallel<Model, Ps...> dp{model, comm, sharding, options};
+    auto scope = [&](auto& l) { return dp.unshard(l); };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const float scale = static_cast<float>(comm.size()) / global_batch;
     auto report = [&](auto& p) { dp.gradient_ready(leaf_of(p)); };
@@ -142,8 +145,9 @@ void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1
 /// check_equivalence_of the mlp of ddp::parameter leaves.
 template <class... Ps, class Comm>
 void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
-                       closeness how = closeness::per_element, ddp::data_parallel_options options = {}) {
-  check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, std::move(options));
+                       closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
+                       ddp::data_parallel_options options = {}) {
+  check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, sharding, std::move(options));
 }
 
 /// A rank whose model differs makes every rank throw mismatch_error naming the entry on each rank.
@@ -227,10 +231,9 @@ void check_broadcast(Comm comm) {
 namespace ddp_test {
 
 /// hybrid groups: 2 ranks a group where the world is even (2×2 at N = 4), else 1 (pure replication of shards).
-inline ddp::data_parallel_options hybrid_groups(int world) {
-  ddp::data_parallel_options o;
-  o.hybrid_group_size = world % 2 == 0 ? 2 : 1;
-  return o;
+template <class Inner>
+ddp::hybrid<Inner> hybrid_groups(int world) {
+  return {.group_size = world % 2 == 0 ? 2 : 1};
 }
 
 /// Sharding units finer than the top-level fields: one per parameter (unit_depth 2), or fc2 as one unit and
@@ -255,7 +258,111 @@ void check_unit_errors(Comm comm) {
   }
 }
 
-/// full_shard: a gradient reported outside a gather scope is named as misuse.
+/// verify_in_sync: replicas that trained together pass; a parameter changed on one rank makes every rank throw
+/// mismatch_error naming it and the ranks that disagree. Under full_shard the owned blocks are compared with
+/// the ranks owning the same ones: across the groups under hybrid (2 groups of 2 at N = 4), none without.
+template <class Backend, class Sharding, class Comm>
+void check_verify_in_sync(Comm comm, Sharding sharding = {}) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend, Sharding> dp{model, comm, sharding};
+  ddp::optim::adamw opt({.lr = 0.01});
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  auto scope = [&](linear& l) { return dp.unshard(l); };
+  dp.verify_in_sync();
+  for (int s = 0; s < 2; ++s) {
+    dp.zero_grad();
+    const auto [begin, count] = shard_of(comm.rank(), comm.size());
+    forward_backward(model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), 1.0F, report,
+                     scope);
+    dp.step(opt);
+  }
+  dp.verify_in_sync();
+  if (comm.size() < 2) return;
+  constexpr bool owned = !std::is_same_v<Sharding, ddp::replicate> && !std::is_same_v<Sharding, ddp::shard_grad_op>;
+  if (comm.rank() == 1) {
+    if constexpr (owned) {  // rank 1's first owned value (under hybrid rank 3 owns the same block)
+      static_cast<float*>(dp.owned_buffers()[0].values.data)[0] += 1.0F;
+    } else {
+      model.fc2.bias.value()[3] += 1.0F;
+    }
+  }
+  if constexpr (std::is_same_v<Sharding, ddp::full_shard>) {  // every value has one owner: nothing to compare
+    dp.verify_in_sync();
+    return;
+  }
+  try {
+    dp.verify_in_sync();
+    FAIL("verify_in_sync passed although rank 1 changed a parameter");
+  } catch (const ddp::mismatch_error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    REQUIRE(e.rank() == comm.rank());
+    REQUIRE_THAT(what, Catch::Contains("verify_in_sync: the replicas differ at parameter '") &&
+                           Catch::Contains("reported before it was final"));
+    if constexpr (owned) {
+      REQUIRE_THAT(what, Catch::Contains("rank 1 holds one value; rank 3 holds another"));
+    } else {
+      REQUIRE_THAT(what, Catch::Contains("'fc2.bias'") && Catch::Contains("rank 1 holds another"));
+    }
+  }
+}
+
+/// verify_every = 1: rank 1 steps another optimizer at step 2; that step throws on every rank, the earlier ones
+/// do not.
+template <class Backend, class Comm>
+void check_verify_every(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend> dp{model, comm, {.verify_every = 1}};
+  ddp::optim::sgd same({.lr = 0.1}), other({.lr = 0.2});
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
+  for (int s = 0; s < 4; ++s) {
+    dp.zero_grad();
+    forward_backward(model, make_batch(static_cast<std::uint64_t>(s), 4), 1.0F, report);
+    try {
+      dp.step(s == 2 && comm.rank() == 1 ? other : same);
+      REQUIRE((s != 2 || comm.size() == 1));
+    } catch (const ddp::mismatch_error& e) {
+      INFO(e.what());
+      REQUIRE(s == 2);
+      REQUIRE_THAT(e.what(), Catch::Contains("at parameter 'fc1.weight'"));
+      return;
+    }
+  }
+}
+
+/// Units by object train exactly as the same units by name: {unit_of(model.fc2), unit_of(model.fc3.bias)} per
+/// parameter otherwise is {"fc2", "fc3.bias"} at unit_depth 2, the same units, layout and parameters.
+template <class Backend, class Comm>
+void check_units_by_object(Comm comm) {
+  const auto train = [&](auto units_of) {
+    mlp model = make_mlp(1);
+    {
+      ddp::data_parallel_options o;
+      o.units = units_of(model);
+      o.unit_depth = 2;
+      ddp::data_parallel<mlp, Backend, ddp::bucket_bytes<200, 60>, ddp::full_shard> dp{model, comm, o};
+      REQUIRE((std::vector<std::string>(dp.units().begin(), dp.units().end()) ==
+               std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2", "fc3.weight", "fc3.bias"}));
+      ddp::optim::adamw opt({.lr = 0.01});
+      auto report = [&](auto& p) { dp.gradient_ready(p); };
+      auto scope = [&](linear& l) { return dp.unshard(l); };
+      const auto [begin, count] = shard_of(comm.rank(), comm.size());
+      for (int s = 0; s < 2; ++s) {
+        dp.zero_grad();
+        forward_backward(model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), 1.0F,
+                         report, scope);
+        dp.step(opt);
+      }
+      dp.unshard_model();
+    }
+    return model;
+  };
+  mlp by_object = train([](mlp& m) { return ddp::unit_list{ddp::unit_of(m.fc2), ddp::unit_of(m.fc3.bias)}; });
+  mlp by_name = train([](mlp&) { return ddp::unit_list{"fc2", "fc3.bias"}; });
+  require_close(by_object, by_name, 0.0, closeness::per_element);
+}
+
+/// full_shard: a gradient reported outside an unshard scope is named as misuse.
 template <class Backend, class Comm>
 void check_full_shard_misuse(Comm comm) {
   mlp model = make_mlp(1);
@@ -265,9 +372,9 @@ void check_full_shard_misuse(Comm comm) {
     FAIL("full_shard accepted a gradient of an ungathered unit");
   } catch (const ddp::error& e) {
     INFO(e.what());
-    REQUIRE(std::string(e.what()).find("dp.gather(model.fc2)") != std::string::npos);
+    REQUIRE(std::string(e.what()).find("dp.unshard(model.fc2)") != std::string::npos);
   }
-  auto g = dp.gather(model.fc2);
+  auto g = dp.unshard(model.fc2);
   REQUIRE(std::any_of(model.fc2.weight.value().begin(), model.fc2.weight.value().end(), [](float v) { return v != 0; }));
 }
 
@@ -313,7 +420,7 @@ namespace ddp_test {
 
 /// Deterministic reduction in one process: each of `n` ranks' gradients computed alone, summed in rank order
 /// ((g0 + g1) + g2 ...) and averaged as ddp's host code averages, then the optimizer; the bits N ranks with
-/// data_parallel_options::deterministic must reproduce under every policy, backend and bucket size.
+/// the policies' deterministic knob must reproduce under every policy, backend and bucket size.
 inline mlp deterministic_reference(optimizer_kind k, int n, std::size_t h2 = h2_dim) {
   mlp m = make_mlp(1, h2);
   with_optimizer(k, [&](auto& opt) {
@@ -345,18 +452,24 @@ inline mlp deterministic_reference(optimizer_kind k, int n, std::size_t h2 = h2_
   return m;
 }
 
-/// N ranks with data_parallel_options::deterministic under policies Ps end with exactly the bits of
+/// N ranks whose sharding policy (among Ps) has its deterministic knob on end with exactly the bits of
 /// deterministic_reference (hybrid: the same bits with one bucket and with many, as its sums nest by group).
 /// A wide `h2` makes buckets beyond 64 KiB, where ddp::tcp's all-reduce runs a ring that sums in another order.
 template <class... Ps, class Comm>
-void check_deterministic(Comm comm, optimizer_kind k, ddp::data_parallel_options options = {},
+void check_deterministic(Comm comm, optimizer_kind k, typename ddp::policies<Ps...>::sharding sharding = {},
                          std::size_t h2 = h2_dim) {
-  options.deterministic = true;
+  int group_size = 0;
+  if constexpr (requires { sharding.inner; }) {
+    sharding.inner.deterministic = true;
+    group_size = sharding.group_size;
+  } else {
+    sharding.deterministic = true;
+  }
   const auto train = [&]<class... Qs>() {
     mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()), h2);
     {
-      ddp::data_parallel<mlp, Qs...> dp{model, comm, options};
-      auto scope = [&](auto& l) { return dp.gather(l); };
+      ddp::data_parallel<mlp, Qs...> dp{model, comm, sharding};
+      auto scope = [&](auto& l) { return dp.unshard(l); };
       const auto [begin, count] = shard_of(comm.rank(), comm.size());
       const float scale = static_cast<float>(comm.size()) / global_batch;
       with_optimizer(k, [&](auto& opt) {
@@ -378,7 +491,7 @@ void check_deterministic(Comm comm, optimizer_kind k, ddp::data_parallel_options
   const auto many = train.template operator()<Ps..., ddp::bucket_bytes<200, 60>>();
   const auto one = train.template operator()<Ps...>();
   REQUIRE(many == one);  // bucket size changes no bit
-  if (options.hybrid_group_size == 0 || options.hybrid_group_size == comm.size() || options.hybrid_group_size == 1) {
+  if (group_size == 0 || group_size == comm.size() || group_size == 1) {
     mlp want = deterministic_reference(k, comm.size(), h2);
     std::vector<float> expected;
     ddp::visit_parameters(want, [&](std::string_view, ddp::parameter<float>& p) {

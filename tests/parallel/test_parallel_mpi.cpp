@@ -1,5 +1,6 @@
 // data_parallel over the MPI backend; registered at NP 1..4 (the [multi] cases need two ranks or more).
 #include <chrono>
+#include <type_traits>
 
 #include <catch2/catch.hpp>
 
@@ -11,6 +12,8 @@ namespace {
 using namespace ddp_test;
 using ddp::backend::mpi;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+static_assert(std::is_same_v<ddp::backend_of_t<ddp::mpi::communicator>, mpi>);  // dp{model, comm} deduces backend::mpi
 
 ddp::mpi::communicator world() { return ddp::mpi::communicator::world({.timeout = std::chrono::seconds(30)}); }
 }  // namespace
@@ -40,6 +43,9 @@ TEST_CASE("mpi replicate: bf16 and fp16 compression hooks stay within 1e-2 per t
 TEST_CASE("mpi replicate: different models raise mismatch_error naming the parameter on each rank", "[multi]") {
   check_mismatch<mpi>(world());
 }
+TEST_CASE("mpi verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank", "[errors]") {
+  check_verify_in_sync<mpi, ddp::replicate>(world());
+}
 TEST_CASE("mpi replicate: a parameter that never reports is named", "[errors]") { check_missing_report<mpi>(world()); }
 TEST_CASE("mpi replicate: declared-unused parameters are skipped", "[errors]") { check_declared_unused<mpi>(world()); }
 TEST_CASE("mpi replicate: rank 0's values are broadcast", "[errors]") { check_broadcast<mpi>(world()); }
@@ -62,9 +68,11 @@ TEST_CASE("mpi sharded no_sync accumulates into sharded gradients", "[sharding]"
 TEST_CASE("mpi hybrid: 2x2 groups (1 per group at odd N) equal one process", "[sharding]") {
   auto comm = world();
   check_equivalence<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
-                                                             closeness::per_element, hybrid_groups(comm.size()));
+                                                             closeness::per_element,
+                                                               hybrid_groups<ddp::full_shard>(comm.size()));
   check_equivalence<mpi, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
-                                                                closeness::per_element, hybrid_groups(comm.size()));
+                                                                closeness::per_element,
+                                                                  hybrid_groups<ddp::shard_grad_op>(comm.size()));
 }
 TEST_CASE("mpi full_shard: a gradient of an ungathered unit is misuse", "[sharding]") {
   check_full_shard_misuse<mpi>(world());
@@ -76,5 +84,6 @@ TEST_CASE("mpi deterministic reduction: the bits of one process summing in rank 
   check_deterministic<mpi>(comm, optimizer_kind::adamw);
   check_deterministic<mpi, ddp::shard_grad_op>(comm, optimizer_kind::adamw);
   check_deterministic<mpi, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
-  check_deterministic<mpi, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, hybrid_groups(comm.size()));
+  check_deterministic<mpi, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw,
+                                                         hybrid_groups<ddp::full_shard>(comm.size()));
 }

@@ -1,5 +1,7 @@
 // data_parallel over the TCP backend: every scenario at N = 1..4 forked ranks (run_ranks: a 60 s job
 // timeout, and every collective times out at 45 s so a hang fails instead of blocking).
+#include <type_traits>
+
 #include <catch2/catch.hpp>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -28,6 +30,7 @@ struct sum_then_scale_hook {
   }
 };
 static_assert(ddp::comm_hook<sum_then_scale_hook, ddp::tcp::communicator>);
+static_assert(std::is_same_v<ddp::backend_of_t<ddp::tcp::communicator>, tcp>);  // dp{model, comm} deduces backend::tcp
 
 /// Runs `body(comm)` on n = 1..4 ranks, each in its own job.
 template <class F>
@@ -94,6 +97,16 @@ TEST_CASE("tcp replicate: different models raise mismatch_error naming the param
     ddp::testing::require_all_ok(
         ddp::testing::run_ranks(n, [](int) { check_mismatch<tcp>(ddp::tcp::communicator::from_env()); }));
 }
+TEST_CASE("tcp verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank naming "
+          "it; verify_every = 1 catches a divergence on the step where it happens", "[errors]") {
+  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+    check_verify_in_sync<tcp, ddp::replicate>(comm);
+    check_verify_in_sync<tcp, ddp::shard_grad_op>(comm);
+    check_verify_in_sync<tcp, ddp::full_shard>(comm);  // one owner per value: passes, perturbed or not
+    if (comm.size() == 4) check_verify_in_sync<tcp>(comm, ddp::hybrid<ddp::full_shard>{.group_size = 2});
+    check_verify_every<tcp>(comm);
+  });
+}
 TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process", "[sharding]") {
   on_1_to_4_ranks([](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
@@ -103,23 +116,27 @@ TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync e
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2);
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 3);
     check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5, 1,
-                                                               closeness::per_element, hybrid_groups(comm.size()));
+                                                               closeness::per_element,
+                                                               hybrid_groups<ddp::full_shard>(comm.size()));
     check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5, 1,
-                                                                  closeness::per_element, hybrid_groups(comm.size()));
+                                                                  closeness::per_element,
+                                                                  hybrid_groups<ddp::shard_grad_op>(comm.size()));
     check_full_shard_misuse<tcp>(comm);
   });
 }
 TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training; a unit covering nothing is named",
           "[sharding]") {
   on_1_to_4_ranks([](ddp::tcp::communicator comm) {
-    ddp::data_parallel_options lean;
-    lean.keep_unit_buffers = false;
-    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element, lean);
-    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 1, closeness::per_element,
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element,
+                                                  {.keep_unit_buffers = false});
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5, 2, closeness::per_element,
+                                                  {.reshard_after_forward = false});
+    check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 1, closeness::per_element, {},
                                                   per_parameter_units());
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5, 2,
-                                                     closeness::per_element, per_parameter_units({"fc2"}));
+                                                     closeness::per_element, {}, per_parameter_units({"fc2"}));
     check_unit_errors<tcp>(comm);
+    check_units_by_object<tcp>(comm);
   });
 }
 TEST_CASE("tcp deterministic reduction: the bits of one process summing in rank order, every policy and bucket size",
@@ -129,9 +146,11 @@ TEST_CASE("tcp deterministic reduction: the bits of one process summing in rank 
     check_deterministic<tcp>(comm, optimizer_kind::adamw, {}, 3000);  // 156 KiB buckets: ring all-reduces
     check_deterministic<tcp, ddp::shard_grad_op>(comm, optimizer_kind::adamw);
     check_deterministic<tcp, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
-    check_deterministic<tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, hybrid_groups(comm.size()));
+    check_deterministic<tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw,
+                                                           hybrid_groups<ddp::full_shard>(comm.size()));
     mlp model = make_mlp(1);
-    ddp::data_parallel<mlp, tcp, ddp::bf16_compress_hook> dp{model, comm, {.deterministic = true}};
+    ddp::data_parallel<mlp, tcp, ddp::replicate, ddp::bf16_compress_hook> dp{model, comm,
+                                                                            ddp::replicate{.deterministic = true}};
     REQUIRE_THROWS_WITH(forward_backward(model, make_batch(0, 4), 1.0F, [&](auto& p) { dp.gradient_ready(p); }),
                         Catch::Contains("deterministic reduction sums in rank order itself"));
   });

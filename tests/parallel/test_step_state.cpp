@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/optim/sgd.hpp>
@@ -37,6 +38,17 @@ net make_net() {
 }
 using four_floats = ddp::bucket_bytes<16, 16>;
 
+/// A part that names two parameters of its choice (for the units-by-object errors).
+struct two_parameters {
+  ddp::parameter<float>& first;
+  ddp::parameter<float>& second;
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("first", first);
+    f("second", second);
+  }
+};
+
 struct bucket_range {
   std::size_t begin, end, unit;
   bool operator==(const bucket_range&) const = default;
@@ -47,24 +59,24 @@ std::vector<bucket_range> ranges(const ddp::detail::bucket_plan& plan) {
   return out;
 }
 
-/// A backward over `layers` (indices into fc1, fc2, fc3), last layer first, each inside a gather scope,
+/// A backward over `layers` (indices into fc1, fc2, fc3), last layer first, each inside an unshard scope,
 /// reporting bias then weight.
 template <class DP>
 void backward(DP& dp, net& m, std::vector<int> layers) {
   layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
   for (const int l : layers) {
-    auto g = dp.gather(*all[l]);
+    auto g = dp.unshard(*all[l]);
     for (auto* p : {&all[l]->b, &all[l]->w}) {
       for (auto& x : p->grad()) x += 1.0F;
       dp.gradient_ready(*p);
     }
   }
 }
-/// Opens and closes a gather scope on each layer in `layers` (a forward).
+/// Opens and closes an unshard scope on each layer in `layers` (a forward).
 template <class DP>
 void forward(DP& dp, net& m, std::vector<int> layers) {
   layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
-  for (const int l : layers) auto g = dp.gather(*all[l]);
+  for (const int l : layers) auto g = dp.unshard(*all[l]);
 }
 
 }  // namespace
@@ -193,7 +205,7 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   st.move_grads(1, grad_phase::released, {grad_phase::held, grad_phase::reported});
   REQUIRE(st.unit(1).grads == grad_phase::released);
   // scopes
-  raises([&] { st.close_scope(2); }, "unit 2 has no open gather scope to close");
+  raises([&] { st.close_scope(2); }, "unit 2 has no open unshard scope to close");
   st.open_scope(2);
   st.open_scope(2);
   REQUIRE(!st.close_scope(2));
@@ -297,8 +309,7 @@ TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next buc
   log.plan_split("shard", 2, 0);
   log.plan_split("replica", 2, 0);
   ddp::optim::sgd opt({.lr = 0.1});
-  ddp::data_parallel<net, recording_backend, four_floats, ddp::hybrid<ddp::shard_grad_op>> dp{
-      m, comm, {.hybrid_group_size = 2}};
+  ddp::data_parallel dp{m, comm, four_floats{}, ddp::hybrid<ddp::shard_grad_op>{.group_size = 2}};
   log.clear();
   backward(dp, m, {2});
   log.complete_all();  // the network delivers fc3's reduce-scatter during fc2's backward
@@ -354,4 +365,154 @@ TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed
   backward(dp, m, {2, 1, 0});
   dp.step(opt);  // 5 reduce-scatters, their waits, then 5 all-gathers and their waits
   REQUIRE(log.calls().size() == 40);
+}
+
+TEST_CASE("deduction: the backend from the communicator's type, the policies from values in any order, options "
+          "last; the explicit spelling still works", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  {
+    ddp::data_parallel dp{m, comm};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend>>);
+  }
+  {
+    ddp::data_parallel dp{m, comm, ddp::full_shard{}, four_floats{}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend, ddp::full_shard, four_floats>>);
+    REQUIRE(dp.bucket_count() == 5);
+  }
+  {
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::shard_grad_op{}, ddp::data_parallel_options{.unit_depth = 2}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend, four_floats, ddp::shard_grad_op>>);
+    REQUIRE(dp.units().size() == 6);
+  }
+  {
+    ddp::data_parallel dp{m, comm, {.unit_depth = 2}};
+    STATIC_REQUIRE(std::is_same_v<decltype(dp), ddp::data_parallel<net, recording_backend>>);
+    REQUIRE(dp.units().size() == 6);
+  }
+  {  // explicit policies, values given for some of them in another order
+    ddp::data_parallel<net, ddp::full_shard, recording_backend, four_floats> dp{m, comm, four_floats{}, ddp::full_shard{}};
+    REQUIRE(dp.bucket_count() == 5);
+  }
+}
+
+TEST_CASE("recorded: the sharding policy's value is what the strategy uses: full_shard{.reshard_after_forward = "
+          "false} keeps the units of the forward for the backward, also as hybrid's inner policy", "[step]") {
+  net m = make_net();
+  {
+    recording_comm comm(0, 2);
+    auto& log = comm.log();
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::full_shard{.reshard_after_forward = false}};
+    REQUIRE_FALSE(dp.sharding_policy().reshard_after_forward);
+    forward(dp, m, {0, 1, 2});
+    log.clear();
+    backward(dp, m, {2, 1, 0});
+    for (const auto& call : log.calls()) REQUIRE_THAT(call, !Catch::Contains("all_gather"));
+  }
+  {
+    recording_comm comm(0, 4);
+    auto& log = comm.log();
+    log.plan_split("shard", 2, 0);
+    log.plan_split("replica", 2, 0);
+    ddp::data_parallel dp{m, comm, four_floats{}, ddp::hybrid<>{.group_size = 2, .inner = {.reshard_after_forward = false}}};
+    forward(dp, m, {0, 1, 2});
+    log.clear();
+    backward(dp, m, {2, 1, 0});
+    REQUIRE(!log.calls().empty());
+    for (const auto& call : log.calls()) REQUIRE_THAT(call, !Catch::Contains("all_gather"));
+  }
+}
+
+TEST_CASE("units by object: ddp::unit_of(part) is the unit of the prefix its parameters share, beside name "
+          "prefixes; a part holding no parameter of the model is a config_error naming it", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  {
+    ddp::data_parallel dp{m, comm, ddp::full_shard{},
+                          ddp::data_parallel_options{.units = {ddp::unit_of(m.fc2), "fc3.w", ddp::unit_of(m.fc1.b)},
+                                                     .unit_depth = 2}};
+    REQUIRE(std::vector<std::string>(dp.units().begin(), dp.units().end()) ==
+            strings{"fc1.w", "fc1.b", "fc2", "fc3.w", "fc3.b"});
+  }
+  const auto raises = [&](ddp::data_parallel_options o, const std::string& text) {
+    try {
+      ddp::data_parallel dp{m, comm, ddp::full_shard{}, std::move(o)};
+      FAIL("no config_error for: " << text);
+    } catch (const ddp::config_error& e) {
+      INFO(e.what());
+      REQUIRE_THAT(e.what(), Catch::Contains(text));
+    }
+  };
+  net other = make_net();
+  raises({.units = {"fc1", ddp::unit_of(other.fc2)}}, "data_parallel_options::units entry #1, ddp::unit_of(");
+  raises({.units = {"fc1", ddp::unit_of(other.fc2)}}, "layer), holds no parameter of the wrapped model");
+  two_parameters foreign{m.fc1.w, other.fc1.b};
+  raises({.units = {ddp::unit_of(foreign)}}, "entry #0, ddp::unit_of(");
+  raises({.units = {ddp::unit_of(foreign)}}, "two_parameters), holds parameters that are not the wrapped model's");
+  two_parameters apart{m.fc1.w, m.fc2.b};
+  raises({.units = {ddp::unit_of(apart)}}, "holds parameters ('fc1.w', ...) that share no dotted name prefix");
+}
+
+TEST_CASE("recorded: full_shard prefetches in the execution order the first step recorded, not in field order",
+          "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel dp{m, comm, four_floats{}, ddp::full_shard{}};
+  layer* all[] = {&m.fc1, &m.fc2, &m.fc3};
+  // What opening a scope on layer l issues (numbers dropped); with `report`, a backward inside the scope.
+  const auto opened = [&](int l, bool report) {
+    const std::size_t before = log.calls().size();
+    auto g = dp.unshard(*all[l]);
+    strings out;
+    for (std::size_t i = before; i < log.calls().size(); ++i)
+      out.push_back(log.calls()[i].substr(0, log.calls()[i].rfind(" #")));
+    for (auto* p : {&all[l]->b, &all[l]->w})
+      if (report) dp.gradient_ready(*p);
+    return out;
+  };
+  const strings gather_fc1_fc2 = {"world all_gather 2>4 f32", "world all_gather 1>2 f32", "wait", "wait"};
+  const strings gather_fc3 = {"world all_gather 2>4 f32", "wait"};
+  const auto with = [](strings a, const strings& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  // The forward runs fc3, fc1, fc2 (fields fc1, fc2, fc3), the backward fc2, fc1, fc3. Step 1 prefetches in field
+  // order: nothing after fc1 (below fc3), fc3 after fc2 (needed no more in this forward).
+  REQUIRE(opened(2, false) == gather_fc3);
+  REQUIRE(opened(0, false) == gather_fc1_fc2);
+  REQUIRE(opened(1, false) == with(gather_fc1_fc2, {"world all_gather 2>4 f32"}));
+  for (const int l : {1, 0, 2}) opened(l, true);
+  dp.step(opt);
+  // Step 2 follows the recorded order fc3, fc1, fc2: fc2 is gathered while fc1 is in use and its scope only waits;
+  // in the backward fc3 is gathered while fc1 is in use.
+  for (int step = 2; step <= 3; ++step) {
+    INFO("step " << step);
+    REQUIRE(opened(2, false) == gather_fc3);
+    REQUIRE(opened(0, false) == with(gather_fc1_fc2, {"world all_gather 2>4 f32", "world all_gather 1>2 f32"}));
+    REQUIRE(opened(1, false) == strings{"wait", "wait"});
+    REQUIRE(opened(1, true) == gather_fc1_fc2);
+    REQUIRE(opened(0, true) == with(gather_fc1_fc2, {"world all_gather 2>4 f32"}));
+    REQUIRE(opened(2, true) == strings{"wait"});
+    dp.step(opt);
+  }
+}
+
+namespace {
+/// A comm hook that can be neither copied nor moved: the wrapper makes it in place.
+struct pinned_hook : ddp::plain_hook {
+  pinned_hook() = default;
+  pinned_hook(const pinned_hook&) = delete;
+  pinned_hook& operator=(const pinned_hook&) = delete;
+};
+}  // namespace
+
+TEST_CASE("a comm hook that cannot move is made in place", "[step]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  net other = make_net();
+  ddp::data_parallel<net, recording_backend, pinned_hook> dp{m, comm};
+  ddp::data_parallel<net, recording_backend, pinned_hook, four_floats> given{other, comm, four_floats{}};
+  REQUIRE(given.bucket_count() == 4);  // 16 floats in buckets of 4
 }

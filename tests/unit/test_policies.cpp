@@ -16,5 +16,13 @@ TEST_CASE("policies take any order and default the missing categories", "[polici
   STATIC_REQUIRE(std::is_same_v<mixed::backend, ddp::backend::mpi>);
   STATIC_REQUIRE(std::is_same_v<mixed::sharding, ddp::full_shard>);
   STATIC_REQUIRE(mixed::buckets::capacity == 4096);
-  STATIC_REQUIRE(std::is_same_v<ddp::policies<ddp::hybrid<>>::sharding::inner, ddp::full_shard>);
+  STATIC_REQUIRE(std::is_same_v<ddp::policies<ddp::hybrid<>>::sharding::inner_type, ddp::full_shard>);
+}
+
+TEST_CASE("sharding policies carry their settings, with defaults", "[policies]") {
+  STATIC_REQUIRE(ddp::full_shard{}.reshard_after_forward && ddp::full_shard{}.keep_unit_buffers);
+  STATIC_REQUIRE(ddp::shard_grad_op{}.keep_unit_buffers);
+  constexpr ddp::hybrid<> h{.group_size = 4, .inner = {.reshard_after_forward = false}};
+  STATIC_REQUIRE(h.group_size == 4 && !h.inner.reshard_after_forward && h.inner.keep_unit_buffers);
+  STATIC_REQUIRE(ddp::hybrid<ddp::shard_grad_op>{}.group_size == 0);
 }

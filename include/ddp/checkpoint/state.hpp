@@ -294,7 +294,7 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
 }
 
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
-/// them: unit by unit, inside a gather scope (full_shard), the lowest rank holding each piece broadcasts it
+/// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
 /// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
 /// take the new values. Collective.
 template <class DP>
@@ -308,7 +308,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
     }
     for (std::size_t u = 0; u < members.size(); ++u) {
-      typename DP::gather_guard scope(dp, {u});
+      typename DP::unshard_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
         const std::size_t width = size_of(st.tensors[tensor].type);
         for (const auto& c : st.cover[tensor]) {

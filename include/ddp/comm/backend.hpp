@@ -1,6 +1,6 @@
 #pragma once
-/// \file Backend policy tags and the mapping from a tag to its communicator type.
-/// Each backend's header specializes backend_traits for its tag.
+/// \file Backend policy tags and the mappings between a tag and its communicator type.
+/// Each backend's header specializes backend_traits for its tag and backend_of for its communicator.
 
 #include <type_traits>
 
@@ -33,5 +33,18 @@ struct backend_traits {
 /// The communicator type of backend tag B.
 template <class B>
 using backend_communicator_t = typename backend_traits<B>::communicator;
+
+/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
+/// deduces the backend from). Specialized by each backend's header beside backend_traits.
+template <class Comm>
+struct backend_of {
+  static_assert(detail::dependent_false<Comm>,
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
+                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+};
+
+/// The backend tag of communicator type Comm.
+template <class Comm>
+using backend_of_t = typename backend_of<Comm>::type;
 
 }  // namespace ddp

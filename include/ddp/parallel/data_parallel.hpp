@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -35,9 +36,11 @@
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/replicate.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
 #include <ddp/parallel/step_state.hpp>
+#include <ddp/parallel/units.hpp>
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp {
@@ -91,17 +94,55 @@ class data_parallel {
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
                 "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
-  static_assert(detail::sharding_strategy<strategy_type, communicator_type>,
+  static_assert(detail::sharding_strategy<strategy_type, communicator_type, sharding>,
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
 
+  // The constructors take std::type_identity_t<Model>& so that the deduction guides below, not the
+  // constructors, deduce the backend and the policies of `ddp::data_parallel dp{model, comm, ...};`.
+
   /// Wraps `model` (kept by reference; it must outlive the wrapper) for the ranks of `comm`. Collective.
-  data_parallel(Model& model, communicator_type comm, data_parallel_options options = {})
-      : model_(model), comm_(std::move(comm)), options_(std::move(options)),
-        multiple_(strategy_type::multiple(comm_, options_)), layout_(model, multiple_, options_),
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, data_parallel_options options = {})
+      : data_parallel(values_given{}, model, std::move(comm), sharding{}, [] { return hook_type{}; },
+                      std::move(options)) {}
+  /// The same with policy values, in any order, each of one of this wrapper's policy types (the sharding
+  /// policy's settings and the comm hook's state are taken from them), then optionally data_parallel_options.
+  template <detail::policy P, class... Rest>
+  data_parallel(std::type_identity_t<Model>& model, communicator_type comm, P first, Rest... rest)
+      : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
+                      [&] { return detail::value_of<hook_type>(first, rest...); },
+                      detail::value_of<data_parallel_options>(rest...)) {
+    static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
+                   (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
+                    std::is_same_v<Rest, data_parallel_options>)),
+                  "ddp::data_parallel: a constructor argument is neither one of this wrapper's policies nor "
+                  "ddp::data_parallel_options; pass values of the policy types the wrapper names, or let "
+                  "`ddp::data_parallel dp{model, comm, policies...};` deduce the wrapper from them.");
+    static_assert(detail::options_last<Rest...>(),
+                  "ddp::data_parallel: ddp::data_parallel_options must be the last constructor argument, given once; "
+                  "move it after the policy values.");
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
+  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
+  /// them (or an unshard scope holds the unit); call dp.unshard_model() after the last step to keep the trained
+  /// model.
+  ~data_parallel() { state_.settle(); }
+
+ private:
+  struct values_given {};
+  /// `make_hook()` makes the hook in place (a hook need not be movable unless a value of it is given).
+  template <class MakeHook>
+  data_parallel(values_given, std::type_identity_t<Model>& model, communicator_type comm, sharding sharding_policy,
+                MakeHook make_hook, data_parallel_options options)
+      : model_(model), comm_(std::move(comm)), options_(std::move(options)), sharding_(std::move(sharding_policy)),
+        multiple_(strategy_type::multiple(comm_, sharding_)),
+        layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::sharded ? detail::bucket_cut::within_units
                                                          : detail::bucket_cut::anywhere)),
+        hook_(make_hook()),
         state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
@@ -123,18 +164,13 @@ class data_parallel {
                              "ddp::shard_grad_op", rank());
     if (options_.broadcast_parameters)
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-    strategy_.emplace(layout_, plan_, state_, comm_, options_);
+    strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
   }
-  data_parallel(const data_parallel&) = delete;
-  data_parallel& operator=(const data_parallel&) = delete;
-  /// Issues no collective: waits for the operations in flight (their errors are dropped) and hands every
-  /// parameter its values back. Under full_shard those are the full values only where unshard_model() put
-  /// them (or a gather scope holds the unit); call dp.unshard_model() after the last step to keep the trained
-  /// model.
-  ~data_parallel() { state_.settle(); }
+
+ public:
 
   /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
@@ -237,6 +273,40 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
+    ++steps_;
+    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
+  /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
+  /// rank holds the full values, and all are compared. Under full_shard a rank holds only its owned blocks,
+  /// which are hashed and compared with the ranks owning the same blocks: the other groups under hybrid
+  /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
+  /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
+  void verify_in_sync() {
+    detail::replica_digest mine;
+    mine.hashes.assign(layout_.slots().size(), detail::fnv_offset);
+    if constexpr (strategy_type::initial_units == detail::unit_phase::sharded) {  // full_shard: owned blocks only
+      mine.peers = shard_group().rank();
+      std::unordered_map<std::string_view, std::size_t> slot_of;
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) slot_of.emplace(layout_.slots()[s].name, s);
+      for (const auto& b : strategy_->optimizer_buffers()) {
+        const auto* values = static_cast<const std::byte*>(b.values.data);
+        const std::size_t w = size_of(b.values.type);
+        for (const auto& seg : b.segments) {
+          auto& h = mine.hashes[slot_of.at(seg.name)];
+          h = detail::fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+        }
+      }
+    } else {  // every rank holds the full values in the value arena
+      for (std::size_t s = 0; s < layout_.slots().size(); ++s) {
+        const auto& slot = layout_.slots()[s];
+        const std::size_t w = size_of(slot.type);
+        mine.hashes[s] = detail::fnv1a(mine.hashes[s],
+                                       std::span(layout_.arenas()[slot.arena].values.data() + slot.offset * w,
+                                                 slot.numel * w));
+      }
+    }
+    detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -254,18 +324,19 @@ class data_parallel {
 
   /// Collective under full_shard: all-gathers every unit into the model's own parameters, so they hold the
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
-  /// last step, outside every gather scope; later steps do not update those values (call it again). Under
+  /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
   void unshard_model() { strategy_->unshard_model(); }
-  /// RAII scope returned by gather(): the units it names hold their full parameters while it lives.
-  class [[nodiscard]] gather_guard {
+  /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
+  /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
+  class [[nodiscard]] unshard_guard {
    public:
-    gather_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+    unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
       dp_->strategy_->acquire(units_);
     }
-    gather_guard(const gather_guard&) = delete;
-    gather_guard& operator=(const gather_guard&) = delete;
-    ~gather_guard() { dp_->strategy_->release(units_); }
+    unshard_guard(const unshard_guard&) = delete;
+    unshard_guard& operator=(const unshard_guard&) = delete;
+    ~unshard_guard() { dp_->strategy_->release(units_); }
 
    private:
     data_parallel* dp_;
@@ -276,17 +347,17 @@ class data_parallel {
   /// one; under full_shard and shard_grad_op it gives them gradient storage (report their gradients inside
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
-  gather_guard gather(Part& part) {
+  unshard_guard unshard(Part& part) {
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
       if (i < 0)
-        throw config_error("gather: this object holds parameters that are not the wrapped model's; pass a part "
+        throw config_error("unshard: this object holds parameters that are not the wrapped model's; pass a part "
                            "of dp.module() (such as dp.module().fc2)", rank());
       const std::size_t u = layout_.slots()[static_cast<std::size_t>(i)].unit;
       if (units.empty() || units.back() != u) units.push_back(u);
     });
-    return gather_guard(*this, std::move(units));
+    return unshard_guard(*this, std::move(units));
   }
 
   /// The wrapped model.
@@ -316,6 +387,8 @@ class data_parallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
+  /// The sharding policy's value: the settings the strategy uses.
+  [[nodiscard]] const sharding& sharding_policy() const noexcept { return sharding_; }
   /// The sharding units' names, in visit order (data_parallel_options::units and unit_depth name them).
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
@@ -336,6 +409,11 @@ class data_parallel {
   }
 
  private:
+  /// The options the layout reads: every ddp::unit_of entry of `options.units` resolved to its prefix.
+  static data_parallel_options layout_options(Model& model, data_parallel_options options, int rank) {
+    options.units = detail::resolve_units(model, options.units, rank);
+    return options;
+  }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
@@ -380,6 +458,7 @@ class data_parallel {
   Model& model_;
   communicator_type comm_;
   data_parallel_options options_;
+  sharding sharding_;                       // the sharding policy's value (its settings)
   std::size_t multiple_;                    // arena padding and bucket granularity (the shard group's size)
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
@@ -388,8 +467,24 @@ class data_parallel {
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
+  std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
+
+/// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type
+/// (ddp::backend_of) and the other policies from the values given, in any order.
+template <class Model, class Comm, detail::policy... Ps>
+data_parallel(Model&, Comm, Ps...) -> data_parallel<Model, backend_of_t<Comm>, Ps...>;
+/// The same, with data_parallel_options last (at most one policy of each of the three other categories).
+template <class Model, class Comm>
+data_parallel(Model&, Comm, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>>;
+template <class Model, class Comm, detail::policy P1>
+data_parallel(Model&, Comm, P1, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2>
+data_parallel(Model&, Comm, P1, P2, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>, P1, P2>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3>
+data_parallel(Model&, Comm, P1, P2, P3, data_parallel_options)
+    -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3>;
 
 }  // namespace ddp

@@ -1,9 +1,12 @@
 #pragma once
 /// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
-/// user opens a gather scope on a unit (dp.gather(model.fc2)), the unit's parameters are bound to a pooled
+/// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
 /// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
-/// the direction of travel (forward or backward) is prefetched into another; when the last scope on a unit
-/// closes, the buffer goes back to the pool (reshard after forward, configurable) and the parameters point
+/// the direction of travel (forward or backward) is prefetched into another. "Next" follows the execution
+/// order: the order in which the scopes of the first step first opened the units (as FSDP2 records its
+/// forward order), the same on every rank that runs the same program; during the first step, and for units
+/// it did not use, the order of the fields. When the last scope on a unit
+/// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
 /// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
 
 #include <cstddef>
@@ -17,7 +20,6 @@
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/sharded.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -28,41 +30,41 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::sharded;
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+  static std::size_t multiple(const Comm& comm, const full_shard& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
-  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", options,
-                           owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+  strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm, const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", policy.keep_unit_buffers,
+                           policy.deterministic, owned_value_home::own_copy),
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard", options,
-                           owned_value_home::own_copy),
-        reshard_(options.reshard_after_forward) {
+           const full_shard& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "full_shard",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::own_copy),
+        reshard_(policy.reshard_after_forward) {
     this->release_arena_values();
   }
 
   /// Unshards the units (gathering, or waiting for a prefetch) and gives them gradient storage, then
   /// prefetches the next unit in the direction of travel. Collective over the shard group, in the same order
-  /// on every rank.
+  /// on every rank. In the first step it records the order in which units are first opened.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       this->open_scope(u);
+      if (!recorded_ && position_[u] == unrecorded) {
+        position_[u] = order_.size();
+        order_.push_back(u);
+      }
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
-    if (last_ && *last_ != u) {
-      const bool forward = u > *last_;
-      if (forward && u + 1 < this->state().units()) prefetch(u + 1);
-      if (!forward && u > 0) prefetch(u - 1);
-    }
+    if (last_ && *last_ != u)
+      if (const auto next = next_unit(*last_, u)) prefetch(*next);
     last_ = u;
   }
   /// Ends a use of the units; a unit no scope holds any more is resharded (when resharding after forward)
@@ -76,6 +78,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
   /// unit still held is gathered again in place; then the pooled buffers this step did not need are freed.
   void after_step() {
+    recorded_ = true;  // the execution order of the first step is known
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       if (this->state().unit(u).scopes == 0) {
@@ -89,12 +92,12 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     this->trim_pools();
   }
   /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
-  /// model's own parameters hold the full values (also once the wrapper is gone). No gather scope may be open.
+  /// model's own parameters hold the full values (also once the wrapper is gone). No unshard scope may be open.
   void unshard_model() {
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).scopes > 0)
-        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside a gather scope; close every "
-                    "dp.gather(...) scope before unsharding the whole model", this->shard_group().rank());
+        throw error("unshard_model: unit '" + this->unit_name(u) + "' is inside an unshard scope; close every "
+                    "dp.unshard(...) scope before unsharding the whole model", this->shard_group().rank());
       reshard(u);
     }
     std::vector<work> works;
@@ -103,6 +106,19 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
 
  private:
+  static constexpr std::size_t unrecorded = static_cast<std::size_t>(-1);
+
+  /// The unit after `u` in the direction of travel from `last`: in the recorded execution order once the
+  /// first step is over and both units are in it, else in field order; none at either end.
+  [[nodiscard]] std::optional<std::size_t> next_unit(std::size_t last, std::size_t u) const {
+    if (recorded_ && position_[u] != unrecorded && position_[last] != unrecorded) {
+      const std::size_t at = position_[u];
+      if (at > position_[last]) return at + 1 < order_.size() ? std::optional(order_[at + 1]) : std::nullopt;
+      return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+    }
+    if (u > last) return u + 1 < position_.size() ? std::optional(u + 1) : std::nullopt;
+    return u > 0 ? std::optional(u - 1) : std::nullopt;
+  }
   /// sharded → unsharding: a pooled buffer and the all-gathers of the unit's buckets into it.
   void unshard(std::size_t u) {
     this->take_values(u);
@@ -124,8 +140,11 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
 
   bool reshard_ = true;
   std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
+  std::vector<std::size_t> order_;   // units in the order the first step's scopes first opened them
+  std::vector<std::size_t> position_ = std::vector<std::size_t>(this->state().units(), unrecorded);  // in order_
+  bool recorded_ = false;            // the first step is over: order_ is the execution order
 };
-static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, archetype_communicator, full_shard>,
               "ddp: the full_shard strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

@@ -15,7 +15,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/full_shard.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/shard_grad_op.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -25,23 +24,23 @@ namespace ddp::detail {
 
 template <class Inner, class Comm>
 struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
-  /// G: options.hybrid_group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& options) {
-    const long long g = options.hybrid_group_size > 0
-                            ? options.hybrid_group_size
+  /// G: policy.group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  static std::size_t multiple(const Comm& comm, const hybrid<Inner>& policy) {
+    const long long g = policy.group_size > 0
+                            ? policy.group_size
                             : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
                                                  "the number of processes on this host")
                                   .value_or(comm.size());
     if (g <= 0 || comm.size() % g != 0)
       throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
-                             std::to_string(g) + "; set data_parallel_options::hybrid_group_size (or LOCAL_WORLD_SIZE) "
-                             "to a divisor of the world size",
+                             std::to_string(g) + "; give ddp::hybrid<>{.group_size = G} (or set LOCAL_WORLD_SIZE) "
+                             "with G a divisor of the world size",
                          comm.rank());
     return static_cast<std::size_t>(g);
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, options))), options) {}
+           const hybrid<Inner>& policy)
+      : strategy(layout, plan, state, groups(comm, static_cast<int>(multiple(comm, policy))), policy.inner) {}
 
  private:
   /// The shard group (G consecutive ranks) and the replica group (the ranks at the same place in every
@@ -52,11 +51,13 @@ struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
     return {std::move(shard), std::move(replica)};
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, std::pair<Comm, Comm> g,
-           const data_parallel_options& options)
-      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), options) {}
+           const Inner& inner)
+      : strategy<Inner, Comm>(layout, plan, state, std::move(g.first), std::move(g.second), inner) {}
 };
-static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator> &&
-                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communicator>, archetype_communicator,
+                                hybrid<full_shard>> &&
+                  sharding_strategy<strategy<hybrid<shard_grad_op>, archetype_communicator>, archetype_communicator,
+                                    hybrid<shard_grad_op>>,
               "ddp: the hybrid strategies must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

@@ -5,9 +5,11 @@
 #include <string>
 #include <vector>
 
+#include <ddp/parallel/units.hpp>
+
 namespace ddp {
 
-/// Run-time settings of data_parallel.
+/// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
 struct data_parallel_options {
   /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
   /// gradients are left as the user keeps them (zero after zero_grad()) and are averaged like the others.
@@ -17,26 +19,16 @@ struct data_parallel_options {
   bool error_on_missing = true;
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
-  /// full_shard: free a unit's gathered parameters when its gather scope ends (false keeps them until the step).
-  bool reshard_after_forward = true;
-  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head"): a parameter belongs to the longest
-  /// listed prefix it starts with (the whole name or a leading run of its components); parameters no prefix
-  /// covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
-  std::vector<std::string> units{};
+  /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
+  std::size_t verify_every = 0;
+  /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
+  /// (ddp::unit_of(model.encoder), resolved to the prefix its parameters share): a parameter belongs to the
+  /// longest listed prefix it starts with (the whole name or a leading run of its components); parameters no
+  /// entry covers are grouped by unit_depth. An entry that covers no parameter is a ddp::config_error.
+  unit_list units{};
   /// Sharding units of the parameters `units` does not cover: the first unit_depth components of the dotted
   /// name (1: the model's top-level fields, "fc1"; 2: "encoder.layer0", ...). Must be at least 1.
   std::size_t unit_depth = 1;
-  /// Sharded policies: keep the pooled per-unit buffers (gathered values, full gradients) resident between
-  /// steps, so steady-state steps allocate nothing and fault in no page (true), or free them after every step,
-  /// so that between steps a rank holds only its shards (false: the lowest memory, page faults each step).
-  bool keep_unit_buffers = true;
-  /// hybrid: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, else the world).
-  int hybrid_group_size = 0;
-  /// Sum every gradient element in rank order on the host (parallel/ordered_reduction.hpp), so training is
-  /// bitwise reproducible across runs, backends and bucket sizes at one world size; the collectives then only
-  /// move bytes (an all_gather instead of an all-reduce: N/2 times the bytes beyond N = 2). Works with every
-  /// sharding policy and the plain hook.
-  bool deterministic = false;
 };
 
 }  // namespace ddp

@@ -1,5 +1,5 @@
 #pragma once
-/// \file Deterministic reduction (data_parallel_options::deterministic): every element is summed in rank order,
+/// \file Deterministic reduction (the sharding policies' deterministic knob): every element is summed in rank order,
 /// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
 /// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
 /// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2

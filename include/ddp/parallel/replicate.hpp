@@ -13,7 +13,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -38,12 +37,12 @@ template <class Comm>
 struct strategy<replicate, Comm> {
   static constexpr bool sharded = false;
   static constexpr unit_phase initial_units = unit_phase::unsharded;
-  static std::size_t multiple(const Comm& /*comm*/, const data_parallel_options& /*options*/) { return 1; }
+  static std::size_t multiple(const Comm& /*comm*/, const replicate& /*policy*/) { return 1; }
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
+           const replicate& policy)
       : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
-        deterministic_(options.deterministic) {}
+        deterministic_(policy.deterministic) {}
 
   /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
@@ -51,7 +50,7 @@ struct strategy<replicate, Comm> {
     if (deterministic_) {
       if constexpr (!std::is_same_v<Hook, plain_hook>)
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
-                           "through a comm hook; drop the hook or set data_parallel_options::deterministic = false",
+                           "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
       state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
     } else {
@@ -77,7 +76,7 @@ struct strategy<replicate, Comm> {
   void zero_grad() noexcept {
     for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
   }
-  /// Parameters and gradients are always whole: gather scopes do nothing.
+  /// Parameters and gradients are always whole: unshard scopes do nothing.
   void acquire(std::span<const std::size_t> /*units*/) {}
   void release(std::span<const std::size_t> /*units*/) {}
   /// Every gradient may be reported at any time.
@@ -100,7 +99,7 @@ struct strategy<replicate, Comm> {
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 
-static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator, replicate>,
               "ddp: the replicate strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

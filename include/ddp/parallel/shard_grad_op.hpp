@@ -1,6 +1,6 @@
 #pragma once
 /// \file The shard_grad_op strategy (ZeRO-2, FSDP SHARD_GRAD_OP): full parameters during forward and
-/// backward, in the value arena; a unit's full gradients live in a pooled buffer while a gather scope holds
+/// backward, in the value arena; a unit's full gradients live in a pooled buffer while an unshard scope holds
 /// it and until its buckets are reduce-scattered into the owned blocks; the optimizer steps the owned
 /// blocks; the updated blocks are all-gathered back into the full parameters after the step.
 
@@ -13,7 +13,6 @@
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/sharded.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -24,18 +23,18 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::unsharded;
-  static std::size_t multiple(const Comm& comm, const data_parallel_options& /*options*/) {
+  static std::size_t multiple(const Comm& comm, const shard_grad_op& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op", options,
-                           owned_value_home::value_arena) {}
+           const shard_grad_op& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
   /// hybrid: shards over `shard`, replicas over `replica`.
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard, Comm replica,
-           const data_parallel_options& options)
-      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op", options,
-                           owned_value_home::value_arena) {}
+           const shard_grad_op& policy)
+      : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op",
+                           policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
 
   /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
   /// gradient buffers this step did not need.
@@ -56,7 +55,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   /// Parameters are whole in the value arena already.
   void unshard_model() {}
 };
-static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator>,
+static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator, shard_grad_op>,
               "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");
 
 }  // namespace ddp::detail

@@ -3,7 +3,7 @@
 /// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
 /// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
 ///
-/// Gradients: a unit's full gradients exist only while a gather scope holds the unit and until its buckets'
+/// Gradients: a unit's full gradients exist only while an unshard scope holds the unit and until its buckets'
 /// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
 /// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
 /// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
@@ -42,7 +42,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -93,12 +92,12 @@ class sharded_core {
   static constexpr bool sharded = true;
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
-               std::optional<Comm> replica, const char* policy, const data_parallel_options& options,
+               std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
         values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
-        trim_(options.keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
-        deterministic_(options.deterministic) {
+        trim_(keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
+        deterministic_(deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
@@ -147,7 +146,7 @@ class sharded_core {
     }
   }
 
-  /// A gradient may only be reported while its unit has gradient storage (inside a gather scope): held or
+  /// A gradient may only be reported while its unit has gradient storage (inside an unshard scope): held or
   /// reported → reported.
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
@@ -155,7 +154,7 @@ class sharded_core {
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
-                      "unit's forward and backward in auto g = dp.gather(model." + layout_.units()[s.unit] + ")",
+                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + ")",
                   shard_.rank());
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
@@ -234,13 +233,13 @@ class sharded_core {
   [[nodiscard]] step_state& state() noexcept { return state_; }
   [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }
 
-  /// A gather scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
+  /// An unshard scope opens on unit `u`: it gets gradient storage (zeroed, unless it still holds gradients
   /// of this backward).
   void open_scope(std::size_t u) {
     state_.open_scope(u);
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);
   }
-  /// A gather scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
+  /// An unshard scope on unit `u` closes: with no scope left, its gradient storage is released now (nothing
   /// reported) or once its reduce-scatters have read it.
   void close_scope(std::size_t u) {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
@@ -408,9 +407,9 @@ class sharded_core {
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
-  pool_trim trim_;                                      // by data_parallel_options::keep_unit_buffers
+  pool_trim trim_;                                      // by the policy's keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
-  bool deterministic_;                                  // sum in rank order (data_parallel_options::deterministic)
+  bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
 };

@@ -2,7 +2,7 @@
 /// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
-/// of its full-gradient storage (released → held → reported) and its open gather scopes; per slot whether it
+/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
 /// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
 /// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
 
@@ -37,7 +37,7 @@ enum class bucket_phase : std::uint8_t {
 /// Where a unit's parameter values stand (shard_grad_op and replicate keep every unit unsharded).
 enum class unit_phase : std::uint8_t {
   sharded,     ///< only the owned blocks exist
-  unsharding,  ///< all-gathers into its pooled buffer are in flight (a gather scope or a prefetch)
+  unsharding,  ///< all-gathers into its pooled buffer are in flight (an unshard scope or a prefetch)
   unsharded,   ///< the full values are present
 };
 /// Where a unit's full-gradient storage stands (the sharded strategies).
@@ -79,7 +79,7 @@ struct bucket_record {
 struct unit_record {
   unit_phase values = unit_phase::unsharded;     ///< its parameter values
   grad_phase grads = grad_phase::released;       ///< its full-gradient storage
-  int scopes = 0;                                ///< open gather scopes on it
+  int scopes = 0;                                ///< open unshard scopes on it
   std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
 };
 
@@ -212,12 +212,12 @@ class step_state {
       if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
     return true;
   }
-  /// A gather scope opens on unit `u`.
+  /// An unshard scope opens on unit `u`.
   void open_scope(std::size_t u) noexcept { ++units_[u].scopes; }
-  /// A gather scope on unit `u` closes; true when it was the last one.
+  /// An unshard scope on unit `u` closes; true when it was the last one.
   bool close_scope(std::size_t u) {
     if (units_[u].scopes == 0)
-      fail("unit " + std::to_string(u) + " has no open gather scope to close");
+      fail("unit " + std::to_string(u) + " has no open unshard scope to close");
     return --units_[u].scopes == 0;
   }
   /// sharded → unsharding with its all-gathers `gathers` in flight.

@@ -16,7 +16,6 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
-#include <ddp/parallel/options.hpp>
 #include <ddp/parallel/step_state.hpp>
 
 namespace ddp::detail {
@@ -29,22 +28,22 @@ struct strategy {
                 "ddp::full_shard or ddp::hybrid<ddp::full_shard or ddp::shard_grad_op>.");
 };
 
-/// What data_parallel asks of a strategy S over communicator Comm:
-///   S(layout, plan, state, comm, options)     collective; `multiple(comm, options)` pads the arenas first
+/// What data_parallel asks of a strategy S over communicator Comm, for the sharding policy value of type Policy:
+///   S(layout, plan, state, comm, policy)      collective; `multiple(comm, policy)` pads the arenas first
 ///   sharded                                   gradients are reduced even under no_sync (the sharded ones)
 ///   initial_units                             the unit phase the strategy starts in
 ///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
-///   acquire(units) / release(units)           a gather scope opens / closes on units
+///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report
 ///   optimizer_buffers(), after_step(), zero_grad()
 ///   unshard_model()                           collective: the model's parameters hold the full values
-template <class S, class Comm>
+template <class S, class Comm, class Policy>
 concept sharding_strategy =
-    std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const data_parallel_options&> &&
-    requires(S& s, const S& cs, const Comm& comm, const data_parallel_options& o, plain_hook& hook, std::size_t i,
+    std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const Policy&> &&
+    requires(S& s, const S& cs, const Comm& comm, const Policy& policy, plain_hook& hook, std::size_t i,
              std::span<const std::size_t> units) {
-      { S::multiple(comm, o) } -> std::same_as<std::size_t>;
+      { S::multiple(comm, policy) } -> std::same_as<std::size_t>;
       { S::sharded } -> std::convertible_to<bool>;
       { S::initial_units } -> std::convertible_to<unit_phase>;
       { s.reduce(hook, i) } -> std::same_as<void>;

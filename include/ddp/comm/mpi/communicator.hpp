@@ -300,4 +300,9 @@ template <>
 struct backend_traits<backend::mpi> {
   using communicator = ddp::mpi::communicator;
 };
+/// ddp::mpi::communicator deduces backend::mpi.
+template <>
+struct backend_of<ddp::mpi::communicator> {
+  using type = backend::mpi;
+};
 }  // namespace ddp

@@ -377,4 +377,9 @@ template <>
 struct backend_traits<backend::nccl> {
   using communicator = ddp::nccl::communicator;
 };
+/// ddp::nccl::communicator deduces backend::nccl.
+template <>
+struct backend_of<ddp::nccl::communicator> {
+  using type = backend::nccl;
+};
 }  // namespace ddp

@@ -247,4 +247,9 @@ template <>
 struct backend_traits<backend::tcp> {
   using communicator = tcp::communicator;
 };
+/// ddp::tcp::communicator deduces backend::tcp.
+template <>
+struct backend_of<tcp::communicator> {
+  using type = backend::tcp;
+};
 }  // namespace ddp

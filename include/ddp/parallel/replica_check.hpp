@@ -1,0 +1,92 @@
+#pragma once
+/// \file The replica check behind data_parallel::verify_in_sync: each rank hashes, per parameter, the values
+/// it holds (FNV-1a over the bytes, so replicas must agree bit for bit) and says which ranks hold the same
+/// values (its peer key); one all_gather of two words per rank compares the combined hashes of peers. On a
+/// difference the per-parameter hashes are exchanged and every rank throws ddp::mismatch_error naming the
+/// first differing parameter and the ranks that disagree.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/object.hpp>
+#include <ddp/core/error.hpp>
+
+namespace ddp::detail {
+
+inline constexpr std::uint64_t fnv_offset = 14695981039346656037ULL;
+
+/// FNV-1a over `bytes`, continuing from `h`.
+inline std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) noexcept {
+  for (const std::byte b : bytes) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+/// What one rank holds of the model, for the replica check.
+struct replica_digest {
+  std::int64_t peers = 0;              ///< ranks with the same key must hold the same values
+  std::vector<std::uint64_t> hashes;   ///< per parameter, in visit order: FNV-1a of the values held
+};
+
+/// "ranks 0, 2 hold one value; rank 1 holds another": the ranks of `members`, grouped by their hash of `slot`.
+inline std::string describe_disagreement(const std::vector<std::vector<std::uint64_t>>& hashes,
+                                         const std::vector<int>& members, std::size_t slot) {
+  std::vector<std::uint64_t> seen;
+  std::string out;
+  for (const int r : members) {
+    const std::uint64_t h = hashes[static_cast<std::size_t>(r)][slot];
+    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
+    seen.push_back(h);
+    std::vector<int> same;
+    for (const int q : members)
+      if (hashes[static_cast<std::size_t>(q)][slot] == h) same.push_back(q);
+    std::string ranks = same.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < same.size(); ++i) ranks += (i ? ", " : "") + std::to_string(same[i]);
+    out += (out.empty() ? "" : "; ") + ranks + (same.size() == 1 ? " holds " : " hold ") +
+           (seen.size() == 1 ? "one value" : "another");
+  }
+  return out;
+}
+
+/// Collective over `comm`: returns when every rank's hashes equal those of each rank with its peer key;
+/// otherwise throws ddp::mismatch_error on every rank, naming (through `name_of(slot)`) the first parameter
+/// where some peers differ, and those peers' ranks grouped by value.
+template <class Comm, class NameOf>
+void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
+  std::uint64_t combined = fnv_offset;
+  for (const std::uint64_t h : mine.hashes) combined = fnv1a(combined, std::as_bytes(std::span(&h, 1)));
+  const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> words(2 * n);
+  comm.all_gather(std::span<const std::int64_t>(word, 2), std::span<std::int64_t>(words)).wait();
+  bool in_sync = true;
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t q = 0; q < r; ++q)
+      if (words[2 * r] == words[2 * q] && words[2 * r + 1] != words[2 * q + 1]) in_sync = false;
+  if (in_sync) return;
+
+  const auto hashes = all_gather_object(comm, mine.hashes);
+  for (std::size_t slot = 0; slot < mine.hashes.size(); ++slot)
+    for (std::size_t r = 0; r < n; ++r) {
+      std::vector<int> peers;  // the ranks with r's key
+      bool differ = false;
+      for (std::size_t q = 0; q < n; ++q)
+        if (words[2 * q] == words[2 * r]) {
+          peers.push_back(static_cast<int>(q));
+          differ = differ || hashes[q][slot] != hashes[r][slot];
+        }
+      if (!differ) continue;
+      throw mismatch_error("verify_in_sync: the replicas differ at parameter '" + std::string(name_of(slot)) + "': " +
+                               describe_disagreement(hashes, peers, slot) +
+                               ". A gradient was reported before it was final, or ranks stepped different "
+                               "optimizers (or changed parameters on some ranks only); call dp.gradient_ready(p) "
+                               "only after p's gradient is complete, and step the same optimizer with the same "
+                               "settings on every rank",
+                           comm.rank());
+    }
+}
+
+}  // namespace ddp::detail
