@@ -10489,6 +10489,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       }
     }
   }
+  dp.values_changed();
 }
 
 }  // namespace detail
