@@ -1,9 +1,9 @@
 // The per-step cost of the copies the Eigen adapter makes for owning Eigen::Matrix members, against Eigen::Map
 // members that ddp points at its arenas (zero copies): the MLP 784-2048-2048-10 (5.8 M parameters, 23 MB of
 // f32), Eigen GEMMs on one thread, batch 64 per rank, SGD with momentum, replicate. Both models are wrapped in
-// the same run and stepped alternately, so they share the machine's noise; rank 0 prints each one's median step
-// time, the difference (the copies: each step copies every gradient in, every value out and zeroes the
-// matrices' own gradients) and the ratio.
+// the same run and stepped alternately, so they share the machine's noise; rank 0 prints each one's median and
+// fastest step, the difference (the copies: each step copies every gradient in, every value out and zeroes the
+// matrices' own gradients), the ratio, and the difference of each phase's median.
 //
 //   eigen_copy_bench [--steps S] [--warmup W] [--batch B]         (one process)
 //   ddp-launch -n 2 eigen_copy_bench                               (two ranks over TCP)
@@ -103,16 +103,19 @@ int main(int argc, char** argv) {
     double params = 0;
     copied.dp.for_each_parameter([&](std::string_view, const auto& leaf) { params += static_cast<double>(leaf.values().size()); });
     const double matrix_ms = median(copied.ms), map_ms = median(adopted.ms);
+    const double matrix_min = *std::min_element(copied.ms.begin(), copied.ms.end());
+    const double map_min = *std::min_element(adopted.ms.begin(), adopted.ms.end());
     if (comm.rank() == 0)
       std::printf("eigen_copy_bench: N = %d, MLP %zu-%zu-%zu-%zu (%.2f M parameters, %.1f MB f32), batch %zu per rank, "
-                  "%d steps each (median)\n"
-                  "  Eigen::Matrix members (copied): %8.2f ms/step\n"
-                  "  Eigen::Map members (adopted):   %8.2f ms/step\n"
-                  "  copies: %.2f ms/step (%.1f%% of the Map step), Matrix/Map ratio %.3f\n"
-                  "  by phase, Matrix - Map: zero_grad %+.2f ms, forward+backward (gradients in) %+.2f ms, "
+                  "%d steps each\n"
+                  "  Eigen::Matrix members (copied): median %8.2f ms/step, min %8.2f\n"
+                  "  Eigen::Map members (adopted):   median %8.2f ms/step, min %8.2f\n"
+                  "  copies: median %.2f ms/step (%.1f%% of the Map step, Matrix/Map ratio %.3f); min %.2f ms (ratio %.3f)\n"
+                  "  by phase (medians), Matrix - Map: zero_grad %+.2f ms, forward+backward (gradients in) %+.2f ms, "
                   "step (values out) %+.2f ms\n",
                   comm.size(), in, hidden, hidden, classes, params / 1e6, params * 4 / 1e6, s.batch, s.steps,
-                  matrix_ms, map_ms, matrix_ms - map_ms, 100 * (matrix_ms - map_ms) / map_ms, matrix_ms / map_ms,
+                  matrix_ms, matrix_min, map_ms, map_min, matrix_ms - map_ms, 100 * (matrix_ms - map_ms) / map_ms,
+                  matrix_ms / map_ms, matrix_min - map_min, matrix_min / map_min,
                   median(copied.zero_ms) - median(adopted.zero_ms),
                   median(copied.backward_ms) - median(adopted.backward_ms),
                   median(copied.step_ms) - median(adopted.step_ms));

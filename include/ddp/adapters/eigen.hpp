@@ -13,9 +13,10 @@
 /// out×in (y = x·Wᵀ + b), or ColMajor in×out (y = x·W + b); a ColMajor out×in weight is written as [in, out]
 /// and needs a `.T` on the PyTorch side.
 ///
-/// Element types: float (f32), double (f64), Eigen::bfloat16 (bf16), Eigen::half (f16). Only contiguous
-/// types are leaves: a Block, a Map with a stride, an aligned Map or a Map of const elements stops the build
-/// with a sentence naming the fix. Do not resize a matrix while ddp wraps it.
+/// Element types: float (f32), double (f64), Eigen::bfloat16 (bf16), Eigen::half (f16); ddp's optimizers step
+/// f32 and f64 only, so keep f32 master weights for a bf16 or f16 model. Only contiguous types are leaves: a
+/// Block, a Map with a stride, an aligned Map or a Map of const elements stops the build with a sentence naming
+/// the fix. Do not resize a matrix while ddp wraps it.
 
 #include <cstddef>
 #include <new>
