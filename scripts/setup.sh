@@ -6,6 +6,7 @@ packages=(
   catch2 nlohmann-json3-dev zlib1g-dev           # tests, checkpoints, reading gzip'd IDX files
   libopenmpi-dev openmpi-bin                     # the MPI backend
   dataset-fashion-mnist libopenblas-dev          # the examples: data, and BLAS for the MLP GEMMs
+  libeigen3-dev                                  # the Eigen adapter's tests, example and bench
   libgloo-dev python3-torch python3-numpy python3-matplotlib  # benchmarks' anchors, checkpoint interop, plots
 )
 export DEBIAN_FRONTEND=noninteractive

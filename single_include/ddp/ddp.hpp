@@ -11247,6 +11247,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       }
     }
   }
+  dp.values_changed();
 }
 
 }  // namespace detail

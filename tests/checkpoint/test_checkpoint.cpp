@@ -15,6 +15,7 @@
 
 #include <ddp/checkpoint/checkpoint.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/core/trainable.hpp>
 #if defined(DDP_WITH_MPI)
 #include <ddp/comm/mpi/communicator.hpp>
 #endif
@@ -69,6 +70,42 @@ void check_parameters_only(Comm comm) {
     REQUIRE(std::equal(x->value().begin(), x->value().end(), y->value().begin(), y->value().end()));
 }
 
+/// The net's tensors kept in std::vectors (owning leaves, handed out as ddp::trainable): ddp copies values out to them.
+struct owned_net {
+  struct tensor {
+    std::vector<float> v, g;
+    std::vector<std::size_t> shape;
+  };
+  tensor w1, b1, w2, b2;
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("fc1.weight", ddp::trainable(w1.v, w1.g, w1.shape));
+    f("fc1.bias", ddp::trainable(b1.v, b1.g, b1.shape));
+    f("fc2.weight", ddp::trainable(w2.v, w2.g, w2.shape));
+    f("fc2.bias", ddp::trainable(b2.v, b2.g, b2.shape));
+  }
+};
+
+/// Loading into owning leaves hands them the loaded values at once, before any step.
+template <class Backend, class Comm>
+void check_owning_leaves(Comm comm) {
+  shared_path file(comm, "owning");
+  net a_model = make_net(0.5F);
+  dp_t<Backend> a(a_model, comm);
+  ddp::optim::sgd a_opt({.lr = 0.1});
+  train_steps(a, a_opt, 2);
+  ddp::save(file.path, a, a_opt);
+  const net other = make_net(4.0F);
+  auto own = [](const ddp::parameter<float>& p) {
+    return owned_net::tensor{{p.value().begin(), p.value().end()}, std::vector<float>(p.numel()), p.shape()};
+  };
+  owned_net b_model{own(other.fc1.weight), own(other.fc1.bias), own(other.fc2.weight), own(other.fc2.bias)};
+  ddp::data_parallel<owned_net, Backend> b(b_model, comm);
+  ddp::load(file.path, b);
+  REQUIRE(std::equal(b_model.w1.v.begin(), b_model.w1.v.end(), a_model.fc1.weight.value().begin()));
+  REQUIRE(std::equal(b_model.b2.v.begin(), b_model.b2.v.end(), a_model.fc2.bias.value().begin()));
+}
+
 /// Another model shape or optimizer type: every rank throws, naming the first differing tensors.
 template <class Backend, class Comm>
 void check_mismatch(Comm comm) {
@@ -111,6 +148,7 @@ void check_corrupt(Comm comm) {
 #define DDP_CHECKPOINT_SCENARIOS(X)                                                                        \
   X(check_resume, "save then load restores parameters, optimizer state and step count; training resumes")  \
   X(check_parameters_only, "load without an optimizer takes only the parameters")                         \
+  X(check_owning_leaves, "owning leaves (std::vector via ddp::trainable) take the loaded values at once")   \
   X(check_mismatch, "loading into a different model names the first differing tensor on every rank")      \
   X(check_corrupt, "a corrupt or missing checkpoint fails on every rank with the path")
 

@@ -319,6 +319,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       }
     }
   }
+  dp.values_changed();
 }
 
 }  // namespace detail
