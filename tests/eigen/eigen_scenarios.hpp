@@ -28,7 +28,7 @@ void check_eigen_equivalence(Comm comm, optimizer_kind k, double tol = 1e-5) {
   Model model = make_eigen<Model>(base);
   {  // compared after the wrapper is gone: it must hand the trained values back
     ddp::data_parallel<Model, Ps...> dp{model, comm};
-    auto scope = [&](auto& layer) { return dp.gather(layer); };
+    auto scope = [&](auto& layer) { return dp.unshard(layer); };
     auto report = [&](auto& leaf) { dp.gradient_ready(leaf); };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const float scale = static_cast<float>(comm.size()) / global_batch;
