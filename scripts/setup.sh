@@ -7,6 +7,7 @@ packages=(
   libopenmpi-dev openmpi-bin                     # the MPI backend
   dataset-fashion-mnist libopenblas-dev          # the examples: data, and BLAS for the MLP GEMMs
   libgloo-dev python3-torch python3-numpy python3-matplotlib  # benchmarks' anchors, checkpoint interop, plots
+  libtorch-dev                                   # the LibTorch adapter: its tests, example and bench
 )
 export DEBIAN_FRONTEND=noninteractive
 missing=()

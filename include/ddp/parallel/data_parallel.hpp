@@ -26,6 +26,7 @@
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
+#include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
@@ -121,12 +122,15 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
-    if (options_.broadcast_parameters)
+    if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
+      detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
+    }
     strategy_.emplace(layout_, plan_, state_, comm_, options_);
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
+    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
   }
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
@@ -229,14 +233,17 @@ class data_parallel {
   /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
-    if (no_sync_depth_ > 0)
-      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
-                  "no_sync scope for the last micro-batch of the accumulation", rank());
-    finish_gradients();
-    opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
-    strategy_->after_step();
-    layout_.values_out();
-    state_.end();
+    run_step([&] { opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers())); });
+  }
+  /// finish_gradients(), then `opt.step()` for an optimizer that holds its own tensors (torch::optim), then the
+  /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
+  /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
+  /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
+  /// gradients.
+  template <class Opt>
+    requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
+  void step(Opt& opt) {
+    run_step([&] { opt.step(); });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
@@ -348,6 +355,31 @@ class data_parallel {
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
   }
+  /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
+  template <class F>
+  void run_step(F&& run_optimizer) {
+    if (no_sync_depth_ > 0)
+      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
+                  "no_sync scope for the last micro-batch of the accumulation", rank());
+    finish_gradients();
+    run_optimizer();
+    strategy_->after_step();
+    layout_.values_out();
+    state_.end();
+  }
+  /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
+  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
+  /// full_shard would have to move values while autograd holds references to them: refused.
+  void hold_whole_model() {
+    if (strategy_type::initial_units == detail::unit_phase::sharded)
+      throw config_error("data_parallel: parameter '" + layout_.slots().front().name + "' reports its gradient from "
+                         "its framework's backward (autograd), which runs the whole model at once, so full_shard "
+                         "cannot gather and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
+    std::vector<std::size_t> all(layout_.units().size());
+    for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
+    whole_model_.emplace(*this, std::move(all));
+  }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
     state_.begin(unused_);
@@ -388,6 +420,7 @@ class data_parallel {
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
+  std::optional<gather_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };

@@ -1,0 +1,52 @@
+// The LibTorch adapter over the TCP backend: torch::nn models at N = 1..3 forked ranks equal one plain LibTorch
+// process (run_ranks: a 60 s job timeout), .grad stays ddp's memory, the errors say what to do.
+#include <catch2/catch.hpp>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "scenarios.hpp"
+#include "support/run_ranks.hpp"
+
+namespace {
+using namespace ddp_torch_test;
+using ddp::backend::tcp;
+using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+/// Runs `body(comm)` on n = 1..3 ranks, each in its own job.
+template <class F>
+void on_1_to_3_ranks(F body) {
+  for (int n = 1; n <= 3; ++n) {
+    INFO("ranks: " << n);
+    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) {
+      torch::set_num_threads(1);
+      body(ddp::tcp::communicator::from_env());
+    }));
+  }
+}
+}  // namespace
+
+TEST_CASE("libtorch tcp replicate: MLP and CNN with torch SGD momentum, Adam and ddp adamw equal one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::torch_adam);
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<cnn, tcp, tiny>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<cnn, tcp>(comm, optimizer_kind::torch_adam);
+  });
+}
+TEST_CASE("libtorch tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp adamw equal one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<mlp, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
+    check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
+  });
+}
+TEST_CASE("libtorch tcp: .grad stays linked across zero_grad; unusable leaves and full_shard are named", "[errors]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_gradient_link<tcp>(comm);
+    check_errors<tcp>(comm);
+  });
+}
