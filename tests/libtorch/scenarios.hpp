@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
@@ -20,6 +21,7 @@
 #include <catch2/catch.hpp>
 
 #include <ddp/adapters/libtorch.hpp>
+#include <ddp/checkpoint.hpp>
 #include <ddp/optim/adamw.hpp>
 #include <ddp/parallel/data_parallel.hpp>
 
@@ -221,6 +223,35 @@ void check_errors(Comm comm) {
   } catch (const ddp::config_error& e) {
     REQUIRE_THAT(e.what(), Catch::Contains("shard_grad_op"));
   }
+}
+
+/// The fixed input torch_load.py feeds the MLP.
+inline torch::Tensor probe_input() { return torch::linspace(-1, 1, 24).reshape({4, 6}); }
+
+/// ddp::save(path, dp) (no optimizer: torch::optim keeps its own state) after two steps of SGD; rank 0 loads the file
+/// into a plain module with ddp::load_module and finds the trained values.
+template <class Backend, class Comm>
+void check_checkpoint(Comm comm, const std::filesystem::path& path) {
+  mlp net = make_model<mlp>(1 + static_cast<std::uint64_t>(comm.rank()));
+  ddp::data_parallel<mlp_impl, Backend> dp{*net, comm};
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  for (int s = 0; s < 2; ++s) {
+    dp.zero_grad();
+    const auto [x, y] = make_batch<mlp>(static_cast<std::uint64_t>(s), global_batch);
+    scaled_loss(net->forward(x.narrow(0, begin, count)), y.narrow(0, begin, count), 1.0).backward();
+    dp.step(opt);
+  }
+  ddp::save(path, dp, {{"written_by", "check_checkpoint"}});
+  if (comm.rank() != 0) return;
+  mlp plain = make_model<mlp>(99);
+  const auto meta = ddp::load_module(path, *plain);
+  REQUIRE(meta.at("written_by") == "check_checkpoint");
+  const auto got = values_of(plain), want = values_of(net);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(torch::equal(got[i].second, want[i].second));
+  cnn other;
+  REQUIRE_THROWS_AS(ddp::load_module(path, *other), ddp::mismatch_error);
 }
 
 }  // namespace ddp_torch_test

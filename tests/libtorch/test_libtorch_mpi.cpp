@@ -18,19 +18,19 @@ ddp::mpi::communicator world() {
 }
 }  // namespace
 
-TEST_CASE("libtorch mpi replicate: MLP and CNN with torch SGD momentum, Adam and ddp adamw equal one process",
+TEST_CASE("mpi replicate: MLP and CNN with torch SGD momentum, Adam and ddp adamw equal one process",
           "[equivalence]") {
   check_equivalence<mlp, mpi>(world(), optimizer_kind::torch_sgd_momentum);
   check_equivalence<mlp, mpi, tiny>(world(), optimizer_kind::torch_adam);
   check_equivalence<cnn, mpi, tiny>(world(), optimizer_kind::ddp_adamw);
 }
-TEST_CASE("libtorch mpi shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp adamw equal one process",
+TEST_CASE("mpi shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp adamw equal one process",
           "[equivalence]") {
   check_equivalence<mlp, mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::torch_sgd_momentum);
   check_equivalence<cnn, mpi, ddp::shard_grad_op>(world(), optimizer_kind::torch_adam);
   check_equivalence<mlp, mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::ddp_adamw);
 }
-TEST_CASE("libtorch mpi: .grad stays linked across zero_grad; unusable leaves and full_shard are named", "[errors]") {
+TEST_CASE("mpi: .grad stays linked across zero_grad, unusable leaves and full_shard are named", "[errors]") {
   check_gradient_link<mpi>(world());
   check_errors<mpi>(world());
 }

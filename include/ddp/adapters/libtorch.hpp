@@ -8,6 +8,7 @@
 ///   torch::optim::SGD opt(net->parameters(), 0.1);
 ///   dp.zero_grad(); auto loss = ...; loss.backward(); dp.step(opt);
 
+#include <ddp/adapters/libtorch/checkpoint.hpp>
 #include <ddp/adapters/libtorch/module.hpp>
 #include <ddp/adapters/libtorch/optimizer.hpp>
 #include <ddp/adapters/libtorch/tensor.hpp>
