@@ -197,6 +197,56 @@ struct odd_impl : torch::nn::Module {
   torch::Tensor weight;
 };
 
+/// Buckets reduce while the backward goes on: when autograd reaches the first layer's weight (the last gradient
+/// of the backward), the all-reduces of buckets holding only later layers have started already.
+template <class... Ps, class Comm>
+void check_overlap(Comm comm) {
+  cnn net = make_model<cnn>(1);
+  ddp::data_parallel<cnn, Ps...> dp{net, comm};
+  REQUIRE(dp.bucket_count() > 2);
+  const auto started = [&] { return dp.comm().stats().count(ddp::collective::all_reduce); };
+  const auto before = started();
+  std::uint64_t at_first_layer = 0;
+  net->conv->weight.register_hook([&](const torch::Tensor& g) {
+    at_first_layer = started() - before;
+    return g;
+  });
+  const auto [x, y] = make_batch<cnn>(0, 4);
+  scaled_loss(net->forward(x), y, 1.0).backward();
+  dp.finish_gradients();
+  INFO("all-reduces started before the first layer's gradient: " << at_first_layer << " of " << dp.bucket_count());
+  REQUIRE(at_first_layer >= 1);
+  REQUIRE(started() - before == dp.bucket_count());
+}
+
+/// A module with BatchNorm (buffers: running statistics, an i64 counter) and a frozen parameter.
+struct stateful_impl : torch::nn::Module {
+  stateful_impl()
+      : fc(register_module("fc", torch::nn::Linear(4, 4))), bn(register_module("bn", torch::nn::BatchNorm1d(4))),
+        frozen(register_parameter("frozen", torch::zeros({3}), /*requires_grad=*/false)) {}
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+  torch::Tensor frozen;
+};
+
+/// Buffers and frozen parameters are not trained but broadcast from rank 0 with the parameters.
+template <class Backend, class Comm>
+void check_buffers(Comm comm) {
+  torch::manual_seed(1 + static_cast<std::uint64_t>(comm.rank()));
+  stateful_impl m;
+  {
+    torch::NoGradGuard no_grad;
+    m.bn->running_mean.fill_(comm.rank() + 1);
+    m.bn->num_batches_tracked.fill_(comm.rank() + 7);
+    m.frozen.fill_(comm.rank() + 1);
+  }
+  ddp::data_parallel<stateful_impl, Backend> dp{m, comm};
+  REQUIRE(dp.layout().slots().size() == 4);  // fc.weight, fc.bias, bn.weight, bn.bias
+  REQUIRE(m.bn->running_mean.eq(1).all().item<bool>());
+  REQUIRE(m.bn->num_batches_tracked.item<std::int64_t>() == 7);
+  REQUIRE(m.frozen.eq(1).all().item<bool>());
+}
+
 /// Leaves ddp cannot lay out, tensors of another model and full_shard are config_errors saying what to do.
 template <class Backend, class Comm>
 void check_errors(Comm comm) {
@@ -211,6 +261,11 @@ void check_errors(Comm comm) {
     }
   };
   refused(torch::randn({4, 3}).t(), "non-contiguous");
+  {
+    odd_impl shared(torch::randn({2, 2}));
+    shared.register_parameter("again", shared.weight);
+    REQUIRE_THROWS_AS((ddp::data_parallel<odd_impl, Backend>{shared, comm}), ddp::config_error);
+  }
   if (torch::cuda::is_available()) refused(torch::randn({4, 3}, torch::kCUDA), "cuda:0");
   else WARN("this LibTorch has no CUDA: the CUDA parameter case is checked where one is available");
 

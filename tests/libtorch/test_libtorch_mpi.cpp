@@ -30,7 +30,8 @@ TEST_CASE("mpi shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
   check_equivalence<cnn, mpi, ddp::shard_grad_op>(world(), optimizer_kind::torch_adam);
   check_equivalence<mlp, mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::ddp_adamw);
 }
-TEST_CASE("mpi: .grad stays linked across zero_grad, unusable leaves and full_shard are named", "[errors]") {
+TEST_CASE("mpi: .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
   check_gradient_link<mpi>(world());
   check_errors<mpi>(world());
+  check_buffers<mpi>(world());
 }

@@ -52,10 +52,12 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
-TEST_CASE("tcp: .grad stays linked across zero_grad, unusable leaves and full_shard are named", "[errors]") {
+TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
     check_gradient_link<tcp>(comm);
     check_errors<tcp>(comm);
+    check_buffers<tcp>(comm);
+    check_overlap<tcp, tiny>(comm);
   });
 }
 TEST_CASE("tcp checkpoint: ddp::save(path, dp) at 2 ranks loads into a plain module in C++ and in PyTorch",
