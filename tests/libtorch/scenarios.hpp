@@ -119,10 +119,12 @@ inline void require_close(const std::vector<std::pair<std::string, torch::Tensor
 
 /// N ranks with policies Ps train Net from different initial values (rank 0's are broadcast) on their shards and
 /// end where one process on the whole batch ends. torch::optim optimizers step the model's parameters under
-/// replicate and ddp::parameters(dp) under shard_grad_op.
+/// replicate and ddp::parameters(dp) under shard_grad_op. `micro` > 1 accumulates that many micro-batches per
+/// step, all but the last under dp.no_sync().
 template <class Net, class... Ps, class Comm>
-void check_equivalence(Comm comm, optimizer_kind k) {
-  INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : "cnn") << ", optimizer " << static_cast<int>(k));
+void check_equivalence(Comm comm, optimizer_kind k, int micro = 1) {
+  INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : "cnn") << ", optimizer " << static_cast<int>(k) << ", "
+                 << micro << " micro-batch(es)");
   Net net = make_model<Net>(1 + static_cast<std::uint64_t>(comm.rank()));
   {
     ddp::data_parallel<wrapped_t<Net>, Ps...> dp{wrapped(net), comm};
@@ -132,8 +134,18 @@ void check_equivalence(Comm comm, optimizer_kind k) {
       for (int s = 0; s < steps; ++s) {
         dp.zero_grad();
         const auto [x, y] = make_batch<Net>(static_cast<std::uint64_t>(s), global_batch);
-        auto loss = scaled_loss(net->forward(x.narrow(0, begin, count)), y.narrow(0, begin, count), scale);
-        loss.backward();
+        const auto mx = x.narrow(0, begin, count), my = y.narrow(0, begin, count);
+        for (int m = 0; m < micro; ++m) {  // micro-batch m: rows [count·m/micro, count·(m+1)/micro)
+          const std::int64_t a = count * m / micro, b = count * (m + 1) / micro;
+          if (m + 1 < micro) {
+            auto guard = dp.no_sync();
+            scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale).backward();
+            guard.close();  // sharded: completes this micro-batch's reduce-scatters
+          } else {
+            auto loss = scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale);
+            loss.backward();
+          }
+        }
         dp.step(opt);
       }
     };

@@ -52,6 +52,13 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
+TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 micro-batches equals one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::torch_sgd_momentum, 2);
+    check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam, 3);
+  });
+}
 TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
     check_gradient_link<tcp>(comm);
