@@ -5303,6 +5303,13 @@ concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
   o.step(buffers);
 };
 
+/// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
+///   static void check(const Opt&, std::span<const flat_buffer> owned, int rank);
+/// throwing ddp::config_error unless it steps tensors over the `owned` buffers: data_parallel calls it before each
+/// step under the sharded policies, where only the owned blocks receive the averaged gradients.
+template <class Opt>
+struct optimizer_traits {};
+
 namespace detail {
 
 /// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
@@ -7137,10 +7144,12 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients.
+  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
+    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
+      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).

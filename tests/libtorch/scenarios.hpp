@@ -284,6 +284,17 @@ void check_errors(Comm comm) {
   mlp net = make_model<mlp>(1), other = make_model<mlp>(2);
   ddp::data_parallel<mlp_impl, Backend> dp{*net, comm};
   REQUIRE_THROWS_AS(dp.gradient_ready(other->fc1->weight), ddp::config_error);
+  {
+    ddp::data_parallel<mlp_impl, Backend, ddp::shard_grad_op> sharded{*other, comm};
+    torch::optim::SGD opt(other->parameters(), 0.1);
+    scaled_loss(other->forward(torch::ones({2, 6})), torch::zeros({2, 3}), 1.0).backward();
+    try {
+      sharded.step(opt);
+      FAIL("shard_grad_op stepped a torch::optim optimizer over the model's own parameters");
+    } catch (const ddp::config_error& e) {
+      REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
+    }
+  }
   try {
     ddp::data_parallel<mlp_impl, Backend, ddp::full_shard> sharded{*other, comm};
     FAIL("full_shard accepted autograd leaves");

@@ -239,10 +239,12 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients.
+  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
+    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
+      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).

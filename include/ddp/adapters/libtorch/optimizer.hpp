@@ -10,12 +10,16 @@
 /// not kept (one group). The tensors refer to the wrapper's memory: make the optimizer after the wrapper and
 /// drop it first; zero gradients with dp.zero_grad(), not opt.zero_grad().
 
+#include <algorithm>
+#include <concepts>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include <ddp/adapters/libtorch/tensor.hpp>
+#include <ddp/core/error.hpp>
 #include <ddp/optim/flat.hpp>
 
 namespace ddp {
@@ -33,5 +37,22 @@ std::vector<torch::Tensor> parameters(DP& dp) {
   }
   return out;
 }
+
+/// torch::optim optimizers: under the sharded policies every tensor they step must be one of ddp::parameters(dp).
+template <class O>
+  requires std::derived_from<O, torch::optim::Optimizer>
+struct optim::optimizer_traits<O> {
+  /// Throws ddp::config_error unless every tensor `opt` steps starts one of the `owned` buffers.
+  static void check(const O& opt, std::span<const optim::flat_buffer> owned, int rank) {
+    for (const auto& group : opt.param_groups())
+      for (const auto& p : group.params()) {
+        const void* at = p.data_ptr();
+        if (std::none_of(owned.begin(), owned.end(), [&](const optim::flat_buffer& b) { return b.values.data == at; }))
+          throw config_error("dp.step: under a sharded policy the torch::optim optimizer must step this rank's owned "
+                             "blocks, the only memory that receives the averaged gradients, but it holds another "
+                             "tensor (the model's parameters?); make it over ddp::parameters(dp)", rank);
+      }
+  }
+};
 
 }  // namespace ddp
