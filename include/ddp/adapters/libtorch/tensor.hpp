@@ -32,6 +32,7 @@ namespace ddp {
 
 namespace detail::libtorch {
 
+/// "a tensor of shape [4, 3]", for messages.
 inline std::string describe_shape(const torch::Tensor& t) {
   std::string s = "a tensor of shape [";
   for (std::int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -69,19 +70,23 @@ inline c10::ScalarType scalar_type_of(ddp::dtype t) noexcept {
 /// The gradient slices ddp gave each adopted parameter (by TensorImpl), so the hook can point `.grad` back.
 class slice_registry {
  public:
+  /// `p`'s slice is now `grads`.
   void set(const torch::Tensor& p, torch::Tensor grads) {
     const std::lock_guard lock(mutex_);
     slices_[p.unsafeGetTensorImpl()] = std::move(grads);
   }
+  /// `p` is ddp's no more.
   void erase(const torch::Tensor& p) {
     const std::lock_guard lock(mutex_);
     slices_.erase(p.unsafeGetTensorImpl());
   }
+  /// `p`'s slice, or an undefined tensor.
   [[nodiscard]] torch::Tensor find(const torch::Tensor& p) const {
     const std::lock_guard lock(mutex_);
     const auto it = slices_.find(p.unsafeGetTensorImpl());
     return it == slices_.end() ? torch::Tensor() : it->second;
   }
+  /// The process's registry.
   static slice_registry& instance() {
     static slice_registry r;
     return r;
@@ -131,23 +136,27 @@ struct storage_traits<torch::Tensor> {
   /// named_parameters() hands out handles; ddp keeps its own (they share the parameter's TensorImpl).
   static constexpr bool view = true;
 
+  /// f32, f64, bf16 or f16 (another type is a config_error).
   static ddp::dtype dtype(const torch::Tensor& t) {
     const auto d = detail::libtorch::dtype_of(t.scalar_type());
-    if (!d || size_of(*d) == 1 || *d == dtype::i32 || *d == dtype::i64)
+    if (!d || (*d != dtype::f32 && *d != dtype::f64 && *d != dtype::bf16 && *d != dtype::f16))
       throw config_error("ddp (LibTorch): " + detail::libtorch::describe_shape(t) + " of type " +
                          std::string(c10::toString(t.scalar_type())) + " is a parameter; ddp trains f32, f64, bf16 "
                          "and f16 parameters: convert the module (module->to(torch::kFloat)) or register the tensor "
                          "as a buffer");
     return *d;
   }
+  /// The sizes, outermost first.
   static std::vector<std::size_t> shape(const torch::Tensor& t) {
     std::vector<std::size_t> out;
     for (const auto d : t.sizes()) out.push_back(static_cast<std::size_t>(d));
     return out;
   }
+  /// cpu or cuda:N (data_parallel refuses CUDA parameters with a config_error naming them).
   static ddp::device device(const torch::Tensor& t) {
     return t.device().is_cuda() ? device::cuda(t.device().index()) : device::cpu();
   }
+  /// The values now (a non-contiguous tensor is a config_error).
   static void* values(const torch::Tensor& t) {
     if (!t.is_contiguous())
       throw config_error("ddp (LibTorch): " + detail::libtorch::describe_shape(t) + " is a non-contiguous parameter; ddp "
@@ -164,6 +173,7 @@ struct storage_traits<torch::Tensor> {
     }
     return g.data_ptr();
   }
+  /// The TensorImpl: every handle of one parameter shares it.
   static const void* key(const torch::Tensor& t) noexcept { return t.unsafeGetTensorImpl(); }
 
   /// Points the values and `.grad` at ddp's slices (copying nothing; a pointer that is already right is kept,
