@@ -1,9 +1,10 @@
 // Step time of a LibTorch CNN (the one of examples/libtorch_fashion_mnist, batch 64 of 1×28×28, SGD with momentum,
 // one LibTorch thread) at N = 1: plain LibTorch against the same model under ddp's LibTorch adapter
 // (data_parallel over TCP in one process: arenas, autograd hooks, buckets, the step), in the same run. Rounds of
-// each alternate, so both see the same machine; the median round of each is compared.
+// each alternate (by default single steps, 401 of each: on a shared machine longer rounds catch different load),
+// so both see the same machine; the median round of each is compared.
 //
-//   libtorch_step_bench [--rounds R] [--steps S] [--batch B]
+//   libtorch_step_bench [--rounds R] [--steps S (per round)] [--batch B]
 //
 // Prints one line per variant and the ratio (ddp / plain), then one JSON line.
 #include <algorithm>
@@ -44,7 +45,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int rounds = 15, steps = 20;
+  int rounds = 401, steps = 1;
   std::int64_t batch = 64;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string_view a = argv[i];
@@ -80,8 +81,10 @@ int main(int argc, char** argv) {
     for (int s = 0; s < steps; ++s) step();
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
   };
-  round_ms(plain_step);  // warm-up: allocator, first-touch of the optimizer state
-  round_ms(dp_step);
+  for (int w = 0; w < 10; ++w) {  // warm-up: allocator, first touch of the optimizer state
+    plain_step();
+    dp_step();
+  }
   std::vector<double> plain_ms, dp_ms;
   for (int r = 0; r < rounds; ++r) {
     if (r % 2 == 0) {
