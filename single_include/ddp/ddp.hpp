@@ -5429,6 +5429,8 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
+  /// True when the leaf's framework reports its gradients (watch), as autograd does.
+  [[nodiscard]] virtual bool watches() const noexcept = 0;
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
@@ -5458,6 +5460,7 @@ class leaf_binding_of final : public leaf_binding {
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
+  [[nodiscard]] bool watches() const noexcept override { return watching_leaf<T>; }
 
   void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
@@ -7027,6 +7030,12 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
+    if (strategy_type::initial_units == detail::unit_phase::sharded)
+      for (const auto& s : layout_.slots())
+        if (s.leaf->watches())
+          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
+                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
+                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -7277,12 +7286,8 @@ class data_parallel {
   /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
   /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
   /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// full_shard would have to move values while autograd holds references to them: refused.
+  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
   void hold_whole_model() {
-    if (strategy_type::initial_units == detail::unit_phase::sharded)
-      throw config_error("data_parallel: parameter '" + layout_.slots().front().name + "' reports its gradient from "
-                         "its framework's backward (autograd), which runs the whole model at once, so full_shard "
-                         "cannot gather and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
     std::vector<std::size_t> all(layout_.units().size());
     for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
     whole_model_.emplace(*this, std::move(all));

@@ -295,12 +295,15 @@ void check_errors(Comm comm) {
       REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
     }
   }
+  const auto kept = values_of(other);
   try {
     ddp::data_parallel<mlp_impl, Backend, ddp::full_shard> sharded{*other, comm};
     FAIL("full_shard accepted autograd leaves");
   } catch (const ddp::config_error& e) {
-    REQUIRE_THAT(e.what(), Catch::Contains("shard_grad_op"));
+    REQUIRE_THAT(e.what(), Catch::Contains("'fc1.weight'") && Catch::Contains("shard_grad_op"));
   }
+  const auto after = values_of(other);  // refused before anything moved: the model keeps its values
+  for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(torch::equal(kept[i].second, after[i].second));
 }
 
 /// The fixed input torch_load.py feeds the MLP.

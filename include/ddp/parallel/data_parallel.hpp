@@ -122,6 +122,12 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
+    if (strategy_type::initial_units == detail::unit_phase::sharded)
+      for (const auto& s : layout_.slots())
+        if (s.leaf->watches())
+          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
+                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
+                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -372,12 +378,8 @@ class data_parallel {
   /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
   /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
   /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// full_shard would have to move values while autograd holds references to them: refused.
+  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
   void hold_whole_model() {
-    if (strategy_type::initial_units == detail::unit_phase::sharded)
-      throw config_error("data_parallel: parameter '" + layout_.slots().front().name + "' reports its gradient from "
-                         "its framework's backward (autograd), which runs the whole model at once, so full_shard "
-                         "cannot gather and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
     std::vector<std::size_t> all(layout_.units().size());
     for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
     whole_model_.emplace(*this, std::move(all));
