@@ -8,6 +8,7 @@ packages=(
   dataset-fashion-mnist libopenblas-dev          # the examples: data, and BLAS for the MLP GEMMs
   libeigen3-dev                                  # the Eigen adapter's tests, example and bench
   libgloo-dev python3-torch python3-numpy python3-matplotlib  # benchmarks' anchors, checkpoint interop, plots
+  libtorch-dev                                   # the LibTorch adapter: its tests, example and bench
 )
 export DEBIAN_FRONTEND=noninteractive
 missing=()

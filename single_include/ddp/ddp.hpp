@@ -673,7 +673,8 @@ static_assert(adopting_leaf<trainable<std::span<float>>>);
 /// \file ddp::visit_parameters: walks every parameter of a model, giving dotted names ("fc1.weight").
 ///
 /// Lookup order for a node of the model tree: a type with ddp::storage_traits (ddp::parameter,
-/// ddp::trainable, an adapter's tensor) is a leaf; else a member
+/// ddp::trainable, an adapter's tensor) is a leaf; else a ddp::parameter_visitor specialization (an adapter's
+/// module class, e.g. torch::nn::Module); else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
 /// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
@@ -943,6 +944,15 @@ constexpr void for_each_field(T& t, F&& f) {
 
 namespace ddp {
 
+/// Specialize for model types of a framework (an adapter's module class) with
+///   template <class F> static void visit(M& m, F&& f);          f(name, leaf) for each trainable tensor
+/// and optionally
+///   template <class F> static void visit_buffers(M& m, F&& f);  f(name, ddp::raw_tensor) for the state that
+///                                                               is not trained but must match across ranks
+/// (data_parallel broadcasts it from rank 0 at construction, as PyTorch's DDP broadcasts module buffers).
+template <class M>
+struct parameter_visitor {};
+
 namespace detail {
 
 /// A callback of the shape visitors are called with; used to detect visitors.
@@ -950,6 +960,9 @@ struct probe_visitor {
   template <class P>
   void operator()(std::string_view, P&&) const {}
 };
+
+template <class M>
+concept has_parameter_visitor = requires(M& m, probe_visitor f) { parameter_visitor<M>::visit(m, f); };
 
 template <class M>
 concept has_member_visitor = requires(M& m, probe_visitor f) { m.visit_parameters(f); };
@@ -998,7 +1011,7 @@ constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
-  if constexpr (storage_leaf<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+  if constexpr (storage_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
   } else if constexpr (tensor_lookalike<T>) {
     return no_storage_traits_for<T>();
@@ -1037,6 +1050,8 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   };
   if constexpr (storage_leaf<plain>) {
     f(prefix, node);
+  } else if constexpr (has_parameter_visitor<plain>) {
+    parameter_visitor<plain>::visit(mutable_node, descend);
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
@@ -1065,6 +1080,14 @@ struct visit_parameters_fn {
     visit_node(model, std::string_view{}, f);
   }
 };
+
+/// Calls `f(name, ddp::raw_tensor)` for the buffers of `model` (its parameter_visitor's visit_buffers); does
+/// nothing for a model without any.
+template <class Model, class F>
+void visit_buffers(Model& model, F&& f) {
+  if constexpr (requires { parameter_visitor<Model>::visit_buffers(model, f); })
+    parameter_visitor<Model>::visit_buffers(model, f);
+}
 
 }  // namespace detail
 
@@ -5787,6 +5810,13 @@ concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
   o.step(buffers);
 };
 
+/// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
+///   static void check(const Opt&, std::span<const flat_buffer> owned, int rank);
+/// throwing ddp::config_error unless it steps tensors over the `owned` buffers: data_parallel calls it before each
+/// step under the sharded policies, where only the owned blocks receive the averaged gradients.
+template <class Opt>
+struct optimizer_traits {};
+
 namespace detail {
 
 /// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
@@ -5905,6 +5935,8 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
+  /// True when the leaf's framework reports its gradients (watch), as autograd does.
+  [[nodiscard]] virtual bool watches() const noexcept = 0;
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
@@ -5934,6 +5966,7 @@ class leaf_binding_of final : public leaf_binding {
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
+  [[nodiscard]] bool watches() const noexcept override { return watching_leaf<T>; }
 
   void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
@@ -7692,12 +7725,21 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
-    if (options_.broadcast_parameters)
+    if (strategy_type::initial_units == detail::unit_phase::sharded)
+      for (const auto& s : layout_.slots())
+        if (s.leaf->watches())
+          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
+                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
+                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
+    if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
+      detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
+    }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
+    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
   }
 
  public:
@@ -7795,16 +7837,19 @@ class data_parallel {
   /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
-    if (no_sync_depth_ > 0)
-      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
-                  "no_sync scope for the last micro-batch of the accumulation", rank());
-    finish_gradients();
-    opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
-    strategy_->after_step();
-    layout_.values_out();
-    state_.end();
-    ++steps_;
-    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+    run_step([&] { opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers())); });
+  }
+  /// finish_gradients(), then `opt.step()` for an optimizer that holds its own tensors (torch::optim), then the
+  /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
+  /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
+  /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
+  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
+  template <class Opt>
+    requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
+  void step(Opt& opt) {
+    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
+      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
+    run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
   /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
@@ -7956,6 +8001,29 @@ class data_parallel {
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
   }
+  /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
+  template <class F>
+  void run_step(F&& run_optimizer) {
+    if (no_sync_depth_ > 0)
+      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
+                  "no_sync scope for the last micro-batch of the accumulation", rank());
+    finish_gradients();
+    run_optimizer();
+    strategy_->after_step();
+    layout_.values_out();
+    state_.end();
+    ++steps_;
+    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
+  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
+  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
+  void hold_whole_model() {
+    std::vector<std::size_t> all(layout_.units().size());
+    for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
+    whole_model_.emplace(*this, std::move(all));
+  }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
     state_.begin(unused_);
@@ -7998,6 +8066,7 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
+  std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };
@@ -11594,8 +11663,8 @@ namespace ddp {
 namespace detail {
 
 template <class DP, class Opt>
-void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata) {
-  const auto st = collect_state(dp, &opt);
+void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkpoint_metadata& metadata) {
+  const auto st = collect_state(dp, opt);
   auto& comm = dp.comm();
   const int me = comm.rank();
   std::optional<safetensors::writer> out;
@@ -11603,7 +11672,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkp
   if (me == 0)
     rank0.run([&] {
       auto meta = metadata;
-      meta["optim.step"] = std::to_string(opt.step_count());
+      if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
     });
@@ -11683,8 +11752,16 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
 /// rank 0 writes to a temporary file and renames it, the other ranks stream it the ranges they hold.
 /// `metadata` is stored too. Collective: every rank calls it; a failure is thrown on every rank.
 template <class DP, class Opt>
+  requires(!std::is_same_v<std::remove_cv_t<Opt>, checkpoint_metadata>)
 void save(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
-  detail::save_full(path, dp, opt, metadata);
+  detail::save_full(path, dp, &opt, metadata);
+}
+
+/// Saves only the parameters of `dp` (an optimizer that ddp does not step, such as a torch::optim one, keeps its
+/// own state): the file load(path, dp) and PyTorch read. Collective.
+template <class DP>
+void save(const std::filesystem::path& path, DP& dp, const checkpoint_metadata& metadata = {}) {
+  detail::save_full(path, dp, static_cast<void*>(nullptr), metadata);
 }
 
 /// Loads what save() wrote (at any world size, under any policy) into `dp`'s parameters and `opt`'s state (and

@@ -31,8 +31,8 @@ namespace ddp {
 namespace detail {
 
 template <class DP, class Opt>
-void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata) {
-  const auto st = collect_state(dp, &opt);
+void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkpoint_metadata& metadata) {
+  const auto st = collect_state(dp, opt);
   auto& comm = dp.comm();
   const int me = comm.rank();
   std::optional<safetensors::writer> out;
@@ -40,7 +40,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt& opt, const checkp
   if (me == 0)
     rank0.run([&] {
       auto meta = metadata;
-      meta["optim.step"] = std::to_string(opt.step_count());
+      if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
     });
@@ -120,8 +120,16 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
 /// rank 0 writes to a temporary file and renames it, the other ranks stream it the ranges they hold.
 /// `metadata` is stored too. Collective: every rank calls it; a failure is thrown on every rank.
 template <class DP, class Opt>
+  requires(!std::is_same_v<std::remove_cv_t<Opt>, checkpoint_metadata>)
 void save(const std::filesystem::path& path, DP& dp, Opt& opt, const checkpoint_metadata& metadata = {}) {
-  detail::save_full(path, dp, opt, metadata);
+  detail::save_full(path, dp, &opt, metadata);
+}
+
+/// Saves only the parameters of `dp` (an optimizer that ddp does not step, such as a torch::optim one, keeps its
+/// own state): the file load(path, dp) and PyTorch read. Collective.
+template <class DP>
+void save(const std::filesystem::path& path, DP& dp, const checkpoint_metadata& metadata = {}) {
+  detail::save_full(path, dp, static_cast<void*>(nullptr), metadata);
 }
 
 /// Loads what save() wrote (at any world size, under any policy) into `dp`'s parameters and `opt`'s state (and

@@ -2,7 +2,8 @@
 /// \file ddp::visit_parameters: walks every parameter of a model, giving dotted names ("fc1.weight").
 ///
 /// Lookup order for a node of the model tree: a type with ddp::storage_traits (ddp::parameter,
-/// ddp::trainable, an adapter's tensor) is a leaf; else a member
+/// ddp::trainable, an adapter's tensor) is a leaf; else a ddp::parameter_visitor specialization (an adapter's
+/// module class, e.g. torch::nn::Module); else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
 /// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
@@ -22,6 +23,15 @@
 
 namespace ddp {
 
+/// Specialize for model types of a framework (an adapter's module class) with
+///   template <class F> static void visit(M& m, F&& f);          f(name, leaf) for each trainable tensor
+/// and optionally
+///   template <class F> static void visit_buffers(M& m, F&& f);  f(name, ddp::raw_tensor) for the state that
+///                                                               is not trained but must match across ranks
+/// (data_parallel broadcasts it from rank 0 at construction, as PyTorch's DDP broadcasts module buffers).
+template <class M>
+struct parameter_visitor {};
+
 namespace detail {
 
 /// A callback of the shape visitors are called with; used to detect visitors.
@@ -29,6 +39,9 @@ struct probe_visitor {
   template <class P>
   void operator()(std::string_view, P&&) const {}
 };
+
+template <class M>
+concept has_parameter_visitor = requires(M& m, probe_visitor f) { parameter_visitor<M>::visit(m, f); };
 
 template <class M>
 concept has_member_visitor = requires(M& m, probe_visitor f) { m.visit_parameters(f); };
@@ -77,7 +90,7 @@ constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
-  if constexpr (storage_leaf<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+  if constexpr (storage_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
   } else if constexpr (tensor_lookalike<T>) {
     return no_storage_traits_for<T>();
@@ -116,6 +129,8 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   };
   if constexpr (storage_leaf<plain>) {
     f(prefix, node);
+  } else if constexpr (has_parameter_visitor<plain>) {
+    parameter_visitor<plain>::visit(mutable_node, descend);
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
@@ -144,6 +159,14 @@ struct visit_parameters_fn {
     visit_node(model, std::string_view{}, f);
   }
 };
+
+/// Calls `f(name, ddp::raw_tensor)` for the buffers of `model` (its parameter_visitor's visit_buffers); does
+/// nothing for a model without any.
+template <class Model, class F>
+void visit_buffers(Model& model, F&& f) {
+  if constexpr (requires { parameter_visitor<Model>::visit_buffers(model, f); })
+    parameter_visitor<Model>::visit_buffers(model, f);
+}
 
 }  // namespace detail
 

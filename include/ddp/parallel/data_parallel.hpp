@@ -27,6 +27,7 @@
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
+#include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
@@ -162,12 +163,21 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
-    if (options_.broadcast_parameters)
+    if (strategy_type::initial_units == detail::unit_phase::sharded)
+      for (const auto& s : layout_.slots())
+        if (s.leaf->watches())
+          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
+                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
+                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
+    if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
+      detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
+    }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
+    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
   }
 
  public:
@@ -265,16 +275,19 @@ class data_parallel {
   /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
-    if (no_sync_depth_ > 0)
-      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
-                  "no_sync scope for the last micro-batch of the accumulation", rank());
-    finish_gradients();
-    opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
-    strategy_->after_step();
-    layout_.values_out();
-    state_.end();
-    ++steps_;
-    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+    run_step([&] { opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers())); });
+  }
+  /// finish_gradients(), then `opt.step()` for an optimizer that holds its own tensors (torch::optim), then the
+  /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
+  /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
+  /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
+  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
+  template <class Opt>
+    requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
+  void step(Opt& opt) {
+    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
+      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
+    run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
   /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
@@ -426,6 +439,29 @@ class data_parallel {
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
   }
+  /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
+  template <class F>
+  void run_step(F&& run_optimizer) {
+    if (no_sync_depth_ > 0)
+      throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
+                  "no_sync scope for the last micro-batch of the accumulation", rank());
+    finish_gradients();
+    run_optimizer();
+    strategy_->after_step();
+    layout_.values_out();
+    state_.end();
+    ++steps_;
+    if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
+  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
+  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
+  void hold_whole_model() {
+    std::vector<std::size_t> all(layout_.units().size());
+    for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
+    whole_model_.emplace(*this, std::move(all));
+  }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
     state_.begin(unused_);
@@ -468,6 +504,7 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
+  std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };

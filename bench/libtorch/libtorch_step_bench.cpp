@@ -1,0 +1,108 @@
+// Step time of a LibTorch CNN (the one of examples/libtorch_fashion_mnist, batch 64 of 1×28×28, SGD with momentum,
+// one LibTorch thread) at N = 1: plain LibTorch against the same model under ddp's LibTorch adapter
+// (data_parallel over TCP in one process: arenas, autograd hooks, buckets, the step), in the same run. Rounds of
+// each alternate (by default single steps, 401 of each: on a shared machine longer rounds catch different load),
+// so both see the same machine; the median round of each is compared.
+//
+//   libtorch_step_bench [--rounds R] [--steps S (per round)] [--batch B]
+//
+// Prints one line per variant and the ratio (ddp / plain), then one JSON line.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <ddp/adapters/libtorch.hpp>
+#include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/ddp.hpp>
+
+namespace {
+
+struct cnn_impl : torch::nn::Module {
+  cnn_impl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)))),
+        fc1(register_module("fc1", torch::nn::Linear(16 * 7 * 7, 64))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 10))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
+    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Linear fc1, fc2;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int rounds = 401, steps = 1;
+  std::int64_t batch = 64;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string_view a = argv[i];
+    if (a == "--rounds") rounds = std::stoi(argv[i + 1]);
+    else if (a == "--steps") steps = std::stoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::stoll(argv[i + 1]);
+  }
+  torch::set_num_threads(1);
+  torch::manual_seed(1);
+  const torch::Tensor x = torch::randn({batch, 1, 28, 28});
+  const torch::Tensor y = torch::randint(0, 10, {batch}, torch::kLong);
+
+  torch::manual_seed(2);
+  auto plain = std::make_shared<cnn_impl>();
+  torch::manual_seed(2);
+  auto wrapped = std::make_shared<cnn_impl>();
+  ddp::data_parallel<cnn_impl, ddp::backend::tcp> dp{*wrapped, ddp::tcp::communicator(ddp::tcp::config{})};
+  const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
+  torch::optim::SGD plain_opt(plain->parameters(), sgd), dp_opt(wrapped->parameters(), sgd);
+
+  auto plain_step = [&] {
+    plain_opt.zero_grad();
+    torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
+    plain_opt.step();
+  };
+  auto dp_step = [&] {
+    dp.zero_grad();
+    torch::nn::functional::cross_entropy(wrapped->forward(x), y).backward();
+    dp.step(dp_opt);
+  };
+  auto round_ms = [&](auto& step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int s = 0; s < steps; ++s) step();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+  };
+  for (int w = 0; w < 10; ++w) {  // warm-up: allocator, first touch of the optimizer state
+    plain_step();
+    dp_step();
+  }
+  std::vector<double> plain_ms, dp_ms;
+  for (int r = 0; r < rounds; ++r) {
+    if (r % 2 == 0) {
+      plain_ms.push_back(round_ms(plain_step));
+      dp_ms.push_back(round_ms(dp_step));
+    } else {
+      dp_ms.push_back(round_ms(dp_step));
+      plain_ms.push_back(round_ms(plain_step));
+    }
+  }
+  const double p = median(plain_ms), d = median(dp_ms);
+  const bool same = torch::allclose(plain->fc2->weight, wrapped->fc2->weight, 1e-4, 1e-5);
+  std::printf("plain LibTorch          %8.3f ms/step (median of %d rounds of %d steps, batch %lld)\n", p, rounds, steps,
+              static_cast<long long>(batch));
+  std::printf("ddp LibTorch adapter    %8.3f ms/step\n", d);
+  std::printf("ratio ddp/plain         %8.4f (%+.2f %% overhead); same parameters after training: %s\n", d / p,
+              (d / p - 1) * 100, same ? "yes" : "NO");
+  std::printf("{\"bench\": \"libtorch_step\", \"plain_ms\": %.4f, \"ddp_ms\": %.4f, \"ratio\": %.4f, \"batch\": %lld}\n", p,
+              d, d / p, static_cast<long long>(batch));
+  return same ? 0 : 1;
+}

@@ -1,0 +1,338 @@
+#pragma once
+// The adapter's scenarios, written once for any communicator (run over TCP and MPI). REQUIRE only: under
+// run_ranks a rank fails by throwing.
+//
+// Equivalence: N ranks, each on a disjoint (uneven where N does not divide it) shard of a global batch of B
+// samples, scale their loss by N/B so the average of the ranks' gradients is the whole batch's mean gradient;
+// after several steps their parameters must equal one plain LibTorch process stepping the same optimizer on the
+// whole batch: |a − b| ≤ 1e-5·max(|b|, 1e-2) per element.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include <ddp/adapters/libtorch.hpp>
+#include <ddp/checkpoint.hpp>
+#include <ddp/optim/adamw.hpp>
+#include <ddp/parallel/data_parallel.hpp>
+
+#include "models.hpp"
+
+namespace ddp_torch_test {
+
+inline constexpr std::int64_t global_batch = 10;  // uneven over 3 ranks
+inline constexpr int steps = 4;
+
+/// Samples [begin, begin + count) of the global batch that `rank` of `n` trains on.
+inline std::pair<std::int64_t, std::int64_t> shard_of(int rank, int n) {
+  const std::int64_t begin = rank * global_batch / n, end = (rank + 1) * global_batch / n;
+  return {begin, end - begin};
+}
+
+enum class optimizer_kind { torch_sgd_momentum, torch_adam, ddp_adamw };
+
+/// The torch::optim optimizer `k` names over `params` (ddp_adamw: unused).
+inline std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(optimizer_kind k, std::vector<torch::Tensor> params) {
+  switch (k) {
+    case optimizer_kind::torch_sgd_momentum:
+      return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+    case optimizer_kind::torch_adam:
+      return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(0.01));
+    case optimizer_kind::ddp_adamw:
+      return std::make_unique<torch::optim::AdamW>(std::move(params),
+                                                   torch::optim::AdamWOptions(0.01).weight_decay(0.05));
+  }
+  return nullptr;
+}
+
+/// What the wrapper is given: the module itself for the MLP (`*net`), the TORCH_MODULE holder for the CNN.
+template <class Net>
+auto& wrapped(Net& net) {
+  if constexpr (std::is_same_v<Net, mlp>)
+    return *net;
+  else
+    return net;
+}
+template <class Net>
+using wrapped_t = std::remove_reference_t<decltype(wrapped(std::declval<Net&>()))>;
+
+/// Copies of every parameter's values, in named_parameters() order.
+template <class Net>
+std::vector<std::pair<std::string, torch::Tensor>> values_of(Net& net) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : net->named_parameters()) out.emplace_back(item.key(), item.value().detach().clone());
+  return out;
+}
+
+/// ddp::optim::adamw's settings in these tests.
+inline ddp::optim::adamw make_ddp_adamw() { return ddp::optim::adamw({.lr = 0.01, .weight_decay = 0.05}); }
+
+/// One plain LibTorch process on the whole batch: the ground truth (ddp_adamw: ddp's optimizer stepping each
+/// parameter of the plain module, over its own memory).
+template <class Net>
+std::vector<std::pair<std::string, torch::Tensor>> reference_training(optimizer_kind k) {
+  Net net = make_model<Net>(1);
+  auto opt = make_torch_optimizer(k, net->parameters());
+  ddp::optim::adamw ours = make_ddp_adamw();
+  for (int s = 0; s < steps; ++s) {
+    net->zero_grad();
+    const auto [x, y] = make_batch<Net>(static_cast<std::uint64_t>(s), global_batch);
+    scaled_loss(net->forward(x), y, 1.0 / global_batch).backward();
+    if (k != optimizer_kind::ddp_adamw) {
+      opt->step();
+      continue;
+    }
+    std::vector<ddp::optim::flat_buffer> buffers;
+    for (auto& item : net->named_parameters()) {
+      const auto n = static_cast<std::size_t>(item.value().numel());
+      buffers.push_back({{item.value().data_ptr(), n, ddp::dtype::f32, ddp::device::cpu()},
+                         {item.value().grad().data_ptr(), n, ddp::dtype::f32, ddp::device::cpu()},
+                         {{item.key(), 0, n}}});
+    }
+    ours.step(std::span<const ddp::optim::flat_buffer>(buffers));
+  }
+  return values_of(net);
+}
+
+/// Every parameter within 1e-5 (relative, floored at 1e-2) of the reference's.
+inline void require_close(const std::vector<std::pair<std::string, torch::Tensor>>& got,
+                          const std::vector<std::pair<std::string, torch::Tensor>>& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO("parameter " << got[i].first);
+    REQUIRE(got[i].first == want[i].first);
+    const double worst =
+        ((got[i].second - want[i].second).abs() / want[i].second.abs().clamp_min(1e-2)).max().item<double>();
+    INFO("got " << got[i].second.flatten().slice(0, 0, 4) << " want " << want[i].second.flatten().slice(0, 0, 4));
+    REQUIRE(worst <= 1e-5);
+  }
+}
+
+/// N ranks with policies Ps train Net from different initial values (rank 0's are broadcast) on their shards and
+/// end where one process on the whole batch ends. torch::optim optimizers step the model's parameters under
+/// replicate and ddp::parameters(dp) under shard_grad_op. `micro` > 1 accumulates that many micro-batches per
+/// step, all but the last under dp.no_sync().
+template <class Net, class... Ps, class Comm>
+void check_equivalence(Comm comm, optimizer_kind k, int micro = 1) {
+  INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : "cnn") << ", optimizer " << static_cast<int>(k) << ", "
+                 << micro << " micro-batch(es)");
+  Net net = make_model<Net>(1 + static_cast<std::uint64_t>(comm.rank()));
+  {
+    ddp::data_parallel<wrapped_t<Net>, Ps...> dp{wrapped(net), comm};
+    const auto [begin, count] = shard_of(comm.rank(), comm.size());
+    const double scale = static_cast<double>(comm.size()) / global_batch;
+    auto train = [&](auto& opt) {
+      for (int s = 0; s < steps; ++s) {
+        dp.zero_grad();
+        const auto [x, y] = make_batch<Net>(static_cast<std::uint64_t>(s), global_batch);
+        const auto mx = x.narrow(0, begin, count), my = y.narrow(0, begin, count);
+        for (int m = 0; m < micro; ++m) {  // micro-batch m: rows [count·m/micro, count·(m+1)/micro)
+          const std::int64_t a = count * m / micro, b = count * (m + 1) / micro;
+          if (m + 1 < micro) {
+            auto guard = dp.no_sync();
+            scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale).backward();
+            guard.close();  // sharded: completes this micro-batch's reduce-scatters
+          } else {
+            auto loss = scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale);
+            loss.backward();
+          }
+        }
+        dp.step(opt);
+      }
+    };
+    if (k == optimizer_kind::ddp_adamw) {
+      ddp::optim::adamw opt = make_ddp_adamw();
+      train(opt);
+    } else {
+      using dp_type = decltype(dp);
+      auto opt = make_torch_optimizer(k, std::is_same_v<typename dp_type::sharding, ddp::replicate> ? net->parameters()
+                                                                                                  : ddp::parameters(dp));
+      train(*opt);
+    }
+  }
+  require_close(values_of(net), reference_training<Net>(k));
+}
+
+/// Where parameter `name`'s gradient lies in the wrapper's arenas.
+template <class DP>
+const void* gradient_slot(const DP& dp, std::string_view name) {
+  const auto i = dp.layout().find(name);
+  REQUIRE(i >= 0);
+  const auto& s = dp.layout().slots()[static_cast<std::size_t>(i)];
+  return dp.layout().arenas()[s.arena].grad_view(s.offset, s.numel).data;
+}
+
+/// `.grad` stays ddp's memory across net->zero_grad() (zeroes in place) and net->zero_grad(true) (LibTorch drops it:
+/// the hook points it back, holding the new gradient); values are ddp's too; the wrapper gives them back.
+template <class Backend, class Comm>
+void check_gradient_link(Comm comm) {
+  mlp net = make_model<mlp>(1);
+  const auto [x, y] = make_batch<mlp>(0, 4);
+  torch::Tensor once;
+  {
+    ddp::data_parallel<mlp_impl, Backend> dp{*net, comm};
+    const void* slot = gradient_slot(dp, "fc2.weight");
+    REQUIRE(net->fc2->weight.grad().data_ptr() == slot);
+    scaled_loss(net->forward(x), y, 1.0).backward();
+    dp.finish_gradients();
+    once = net->fc2->weight.grad().clone();
+    REQUIRE(net->fc2->weight.grad().data_ptr() == slot);
+    for (const bool set_to_none : {false, true}) {
+      INFO("zero_grad(" << set_to_none << ")");
+      net->zero_grad(set_to_none);
+      REQUIRE(net->fc2->weight.grad().defined() == !set_to_none);
+      dp.zero_grad();
+      scaled_loss(net->forward(x), y, 1.0).backward();
+      dp.finish_gradients();
+      REQUIRE(net->fc2->weight.grad().data_ptr() == slot);
+      REQUIRE(torch::allclose(net->fc2->weight.grad(), once));
+    }
+  }
+  REQUIRE(net->fc2->weight.grad().defined());
+  REQUIRE(torch::allclose(net->fc2->weight.grad(), once));
+  scaled_loss(net->forward(x), y, 1.0).backward();  // after the wrapper: plain LibTorch again
+  REQUIRE(torch::allclose(net->fc2->weight.grad(), 2 * once));
+}
+
+/// A module with a parameter of its own kind, for the error cases.
+struct odd_impl : torch::nn::Module {
+  explicit odd_impl(torch::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
+  torch::Tensor weight;
+};
+
+/// Buckets reduce while the backward goes on: when autograd reaches the first layer's weight (the last gradient
+/// of the backward), the all-reduces of buckets holding only later layers have started already.
+template <class... Ps, class Comm>
+void check_overlap(Comm comm) {
+  cnn net = make_model<cnn>(1);
+  ddp::data_parallel<cnn, Ps...> dp{net, comm};
+  REQUIRE(dp.bucket_count() > 2);
+  const auto started = [&] { return dp.comm().stats().count(ddp::collective::all_reduce); };
+  const auto before = started();
+  std::uint64_t at_first_layer = 0;
+  net->conv->weight.register_hook([&](const torch::Tensor& g) {
+    at_first_layer = started() - before;
+    return g;
+  });
+  const auto [x, y] = make_batch<cnn>(0, 4);
+  scaled_loss(net->forward(x), y, 1.0).backward();
+  dp.finish_gradients();
+  INFO("all-reduces started before the first layer's gradient: " << at_first_layer << " of " << dp.bucket_count());
+  REQUIRE(at_first_layer >= 1);
+  REQUIRE(started() - before == dp.bucket_count());
+}
+
+/// A module with BatchNorm (buffers: running statistics, an i64 counter) and a frozen parameter.
+struct stateful_impl : torch::nn::Module {
+  stateful_impl()
+      : fc(register_module("fc", torch::nn::Linear(4, 4))), bn(register_module("bn", torch::nn::BatchNorm1d(4))),
+        frozen(register_parameter("frozen", torch::zeros({3}), /*requires_grad=*/false)) {}
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+  torch::Tensor frozen;
+};
+
+/// Buffers and frozen parameters are not trained but broadcast from rank 0 with the parameters.
+template <class Backend, class Comm>
+void check_buffers(Comm comm) {
+  torch::manual_seed(1 + static_cast<std::uint64_t>(comm.rank()));
+  stateful_impl m;
+  {
+    torch::NoGradGuard no_grad;
+    m.bn->running_mean.fill_(comm.rank() + 1);
+    m.bn->num_batches_tracked.fill_(comm.rank() + 7);
+    m.frozen.fill_(comm.rank() + 1);
+  }
+  ddp::data_parallel<stateful_impl, Backend> dp{m, comm};
+  REQUIRE(dp.layout().slots().size() == 4);  // fc.weight, fc.bias, bn.weight, bn.bias
+  REQUIRE(m.bn->running_mean.eq(1).all().item<bool>());
+  REQUIRE(m.bn->num_batches_tracked.item<std::int64_t>() == 7);
+  REQUIRE(m.frozen.eq(1).all().item<bool>());
+}
+
+/// Leaves ddp cannot lay out, tensors of another model and full_shard are config_errors saying what to do.
+template <class Backend, class Comm>
+void check_errors(Comm comm) {
+  auto refused = [&](torch::Tensor w, const char* says) {
+    odd_impl m(std::move(w));
+    try {
+      ddp::data_parallel<odd_impl, Backend> dp{m, comm};
+      FAIL("a parameter that ddp cannot lay out was accepted");
+    } catch (const ddp::config_error& e) {
+      INFO(e.what());
+      REQUIRE_THAT(e.what(), Catch::Contains("'weight'") && Catch::Contains(says));
+    }
+  };
+  refused(torch::randn({4, 3}).t(), "non-contiguous");
+  {
+    odd_impl shared(torch::randn({2, 2}));
+    shared.register_parameter("again", shared.weight);
+    REQUIRE_THROWS_AS((ddp::data_parallel<odd_impl, Backend>{shared, comm}), ddp::config_error);
+  }
+  if (torch::cuda::is_available()) refused(torch::randn({4, 3}, torch::kCUDA), "cuda:0");
+  else WARN("this LibTorch has no CUDA: the CUDA parameter case is checked where one is available");
+
+  mlp net = make_model<mlp>(1), other = make_model<mlp>(2);
+  ddp::data_parallel<mlp_impl, Backend> dp{*net, comm};
+  REQUIRE_THROWS_AS(dp.gradient_ready(other->fc1->weight), ddp::config_error);
+  {
+    ddp::data_parallel<mlp_impl, Backend, ddp::shard_grad_op> sharded{*other, comm};
+    torch::optim::SGD opt(other->parameters(), 0.1);
+    scaled_loss(other->forward(torch::ones({2, 6})), torch::zeros({2, 3}), 1.0).backward();
+    try {
+      sharded.step(opt);
+      FAIL("shard_grad_op stepped a torch::optim optimizer over the model's own parameters");
+    } catch (const ddp::config_error& e) {
+      REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
+    }
+  }
+  const auto kept = values_of(other);
+  try {
+    ddp::data_parallel<mlp_impl, Backend, ddp::full_shard> sharded{*other, comm};
+    FAIL("full_shard accepted autograd leaves");
+  } catch (const ddp::config_error& e) {
+    REQUIRE_THAT(e.what(), Catch::Contains("'fc1.weight'") && Catch::Contains("shard_grad_op"));
+  }
+  const auto after = values_of(other);  // refused before anything moved: the model keeps its values
+  for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(torch::equal(kept[i].second, after[i].second));
+}
+
+/// The fixed input torch_load.py feeds the MLP.
+inline torch::Tensor probe_input() { return torch::linspace(-1, 1, 24).reshape({4, 6}); }
+
+/// ddp::save(path, dp) (no optimizer: torch::optim keeps its own state) after two steps of SGD; rank 0 loads the file
+/// into a plain module with ddp::load_module and finds the trained values.
+template <class Backend, class Comm>
+void check_checkpoint(Comm comm, const std::filesystem::path& path) {
+  mlp net = make_model<mlp>(1 + static_cast<std::uint64_t>(comm.rank()));
+  ddp::data_parallel<mlp_impl, Backend> dp{*net, comm};
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  for (int s = 0; s < 2; ++s) {
+    dp.zero_grad();
+    const auto [x, y] = make_batch<mlp>(static_cast<std::uint64_t>(s), global_batch);
+    scaled_loss(net->forward(x.narrow(0, begin, count)), y.narrow(0, begin, count), 1.0).backward();
+    dp.step(opt);
+  }
+  ddp::save(path, dp, {{"written_by", "check_checkpoint"}});
+  if (comm.rank() != 0) return;
+  mlp plain = make_model<mlp>(99);
+  const auto meta = ddp::load_module(path, *plain);
+  REQUIRE(meta.at("written_by") == "check_checkpoint");
+  const auto got = values_of(plain), want = values_of(net);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(torch::equal(got[i].second, want[i].second));
+  cnn other;
+  REQUIRE_THROWS_AS(ddp::load_module(path, *other), ddp::mismatch_error);
+}
+
+}  // namespace ddp_torch_test

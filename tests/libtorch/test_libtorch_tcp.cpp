@@ -1,0 +1,95 @@
+// The LibTorch adapter over the TCP backend: torch::nn models at N = 1..3 forked ranks equal one plain LibTorch
+// process (run_ranks: a 60 s job timeout), .grad stays ddp's memory, the errors say what to do.
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "scenarios.hpp"
+#include "support/run_ranks.hpp"
+
+namespace {
+using namespace ddp_torch_test;
+using ddp::backend::tcp;
+using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+
+/// Runs `body(comm)` on n = 1..3 ranks, each in its own job.
+template <class F>
+void on_1_to_3_ranks(F body) {
+  for (int n = 1; n <= 3; ++n) {
+    INFO("ranks: " << n);
+    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) {
+      torch::set_num_threads(1);
+      body(ddp::tcp::communicator::from_env());
+    }));
+  }
+}
+}  // namespace
+
+TEST_CASE("tcp replicate: MLP and CNN with torch SGD momentum, Adam and ddp adamw equal one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::torch_adam);
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<cnn, tcp, tiny>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<cnn, tcp>(comm, optimizer_kind::torch_adam);
+  });
+}
+TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp adamw equal one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_sgd_momentum);
+    check_equivalence<mlp, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
+    check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
+  });
+}
+TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 micro-batches equals one process",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::torch_sgd_momentum, 2);
+    check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam, 3);
+  });
+}
+TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_gradient_link<tcp>(comm);
+    check_errors<tcp>(comm);
+    check_buffers<tcp>(comm);
+    check_overlap<tcp, tiny>(comm);
+  });
+}
+TEST_CASE("tcp checkpoint: ddp::save(path, dp) at 2 ranks loads into a plain module in C++ and in PyTorch",
+          "[checkpoint]") {
+  const auto path = std::filesystem::temp_directory_path() / ("ddp_libtorch_" + std::to_string(::getpid()) + ".safetensors");
+  ddp::testing::require_all_ok(ddp::testing::run_ranks(2, [&](int) {
+    torch::set_num_threads(1);
+    check_checkpoint<tcp>(ddp::tcp::communicator::from_env(), path);
+  }));
+  mlp plain = make_model<mlp>(5);
+  ddp::load_module(path, *plain);
+  const torch::Tensor ours = plain->forward(probe_input()).detach().flatten();
+  const std::string command = "/usr/bin/python3 " DDP_TORCH_LOAD_SCRIPT " " + path.string();
+  FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string printed;
+  char chunk[512];
+  while (const std::size_t n = std::fread(chunk, 1, sizeof chunk, pipe)) printed.append(chunk, n);
+  REQUIRE(::pclose(pipe) == 0);
+  std::filesystem::remove(path);
+  std::istringstream in(printed);
+  std::vector<double> theirs;
+  for (double v = 0; in >> v;) theirs.push_back(v);
+  INFO("PyTorch printed: " << printed);
+  REQUIRE(theirs.size() == static_cast<std::size_t>(ours.numel()));
+  for (std::size_t i = 0; i < theirs.size(); ++i)
+    REQUIRE(std::abs(theirs[i] - ours[static_cast<std::int64_t>(i)].item<double>()) <= 1e-5 * std::max(1.0, std::abs(theirs[i])));
+}
