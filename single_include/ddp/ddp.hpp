@@ -6386,20 +6386,32 @@ class ordered_reduction {
   work exchange(Comm& comm, std::size_t key, const raw_tensor& whole) {
     return comm.all_to_all(whole, scratch(key, whole, 1));
   }
-  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block).
+  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block): one pass,
+  /// with the bits of the sum followed by detail::divide.
   void average_into(std::size_t key, const raw_tensor& out, int n) const {
     const std::byte* blocks = scratch_[key].data();
     visit_dtype(out.type, [&](auto zero) {
       using T = decltype(zero);
       const T* in = reinterpret_cast<const T*>(blocks);
       T* dst = static_cast<T*>(out.data);
-      std::copy_n(in, out.size, dst);
-      for (int j = 1; j < n; ++j) {
-        const T* block = in + static_cast<std::size_t>(j) * out.size;
-        for (std::size_t i = 0; i < out.size; ++i) dst[i] = static_cast<T>(dst[i] + block[i]);
+      const std::size_t k = out.size, ranks = static_cast<std::size_t>(n);
+      if constexpr (std::is_floating_point_v<T>) {
+        const bool exact = (n & (n - 1)) == 0;  // as divide(): a power of two multiplies by its exact reciprocal
+        const T inverse = T(1) / static_cast<T>(n), count = static_cast<T>(n);
+        for (std::size_t i = 0; i < k; ++i) {
+          T acc = in[i];
+          for (std::size_t j = 1; j < ranks; ++j) acc = acc + in[j * k + i];
+          dst[i] = exact ? acc * inverse : acc / count;
+        }
+      } else {
+        for (std::size_t i = 0; i < k; ++i) {
+          T acc = in[i];
+          for (std::size_t j = 1; j < ranks; ++j) acc = static_cast<T>(acc + in[j * k + i]);
+          dst[i] = acc;
+        }
+        divide(out, n);
       }
     });
-    divide(out, n);
   }
 
  private:
