@@ -330,6 +330,33 @@ void check_verify_every(Comm comm) {
   }
 }
 
+/// The register_hook mistake (a gradient reported before it is final: Tensor::register_hook fires before
+/// autograd stores the gradient): each rank reports fc3.bias first, alone in its bucket (5 floats), and writes
+/// its local gradient into it only after the bucket's all-reduce is done (a barrier after it completes after it
+/// on ddp::tcp, whose engine runs a group's operations in order), so every rank steps its own gradient.
+/// verify_every = 1 throws on every rank at the first step, naming fc3.bias (on one rank nothing differs).
+template <class Backend, class Comm>
+void check_early_report_caught(Comm comm) {
+  mlp model = make_mlp(1);
+  ddp::data_parallel<mlp, Backend, ddp::bucket_bytes<20, 20>> dp{model, comm, {.verify_every = 1}};
+  ddp::optim::sgd opt({.lr = 0.1});
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  dp.zero_grad();
+  dp.gradient_ready(model.fc3.bias);  // too early: its gradient is still zero
+  dp.comm().barrier().wait();         // its all-reduce has read the zeros
+  forward_backward(model, make_batch(0, global_batch).slice(begin, count), 1.0F, [&](auto& p) {
+    if (&p != &model.fc3.bias) dp.gradient_ready(p);
+  });
+  try {
+    dp.step(opt);
+    REQUIRE(comm.size() == 1);
+  } catch (const ddp::mismatch_error& e) {
+    INFO(e.what());
+    REQUIRE(comm.size() > 1);
+    REQUIRE_THAT(e.what(), Catch::Contains("'fc3.bias'"));
+  }
+}
+
 /// Units by object train exactly as the same units by name: {unit_of(model.fc2), unit_of(model.fc3.bias)} per
 /// parameter otherwise is {"fc2", "fc3.bias"} at unit_depth 2, the same units, layout and parameters.
 template <class Backend, class Comm>

@@ -98,13 +98,15 @@ TEST_CASE("tcp replicate: different models raise mismatch_error naming the param
         ddp::testing::run_ranks(n, [](int) { check_mismatch<tcp>(ddp::tcp::communicator::from_env()); }));
 }
 TEST_CASE("tcp verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank naming "
-          "it; verify_every = 1 catches a divergence on the step where it happens", "[errors]") {
+          "it; verify_every = 1 catches a divergence (and a gradient reported before it is final) on the step where "
+          "it happens", "[errors]") {
   on_1_to_4_ranks([](ddp::tcp::communicator comm) {
     check_verify_in_sync<tcp, ddp::replicate>(comm);
     check_verify_in_sync<tcp, ddp::shard_grad_op>(comm);
     check_verify_in_sync<tcp, ddp::full_shard>(comm);  // one owner per value: passes, perturbed or not
     if (comm.size() == 4) check_verify_in_sync<tcp>(comm, ddp::hybrid<ddp::full_shard>{.group_size = 2});
     check_verify_every<tcp>(comm);
+    check_early_report_caught<tcp>(comm);
   });
 }
 TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process", "[sharding]") {
