@@ -1,8 +1,8 @@
-// Step time of a LibTorch CNN (the one of examples/libtorch_fashion_mnist, batch 64 of 1×28×28, SGD with momentum,
-// one LibTorch thread) at N = 1: plain LibTorch against the same model under ddp's LibTorch adapter
-// (data_parallel over TCP in one process: arenas, autograd hooks, buckets, the step), in the same run. Rounds of
-// each alternate (by default single steps, 401 of each: on a shared machine longer rounds catch different load),
-// so both see the same machine; the median round of each is compared.
+// Step time of a LibTorch CNN (examples/common/cnn.hpp, the one of examples/libtorch_fashion_mnist; batch 64 of
+// 1×28×28, SGD with momentum, one LibTorch thread) at N = 1: plain LibTorch against the same model under ddp's LibTorch
+// adapter (data_parallel over TCP in one process: arenas, autograd hooks, buckets, the step), in the same run. Rounds
+// of each alternate (by default single steps, 401 of each: on a shared machine longer rounds catch different load), so
+// both see the same machine; the median round of each is compared.
 //
 //   libtorch_step_bench [--rounds R] [--steps S (per round)] [--batch B]
 //
@@ -20,22 +20,9 @@
 #include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/ddp.hpp>
 
-namespace {
+#include "common/cnn.hpp"
 
-struct cnn_impl : torch::nn::Module {
-  cnn_impl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)))),
-        fc1(register_module("fc1", torch::nn::Linear(16 * 7 * 7, 64))),
-        fc2(register_module("fc2", torch::nn::Linear(64, 10))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    return fc2(torch::relu(fc1(x.flatten(1))));
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Linear fc1, fc2;
-};
+namespace {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -59,10 +46,10 @@ int main(int argc, char** argv) {
   const torch::Tensor y = torch::randint(0, 10, {batch}, torch::kLong);
 
   torch::manual_seed(2);
-  auto plain = std::make_shared<cnn_impl>();
+  auto plain = std::make_shared<example::cnn_impl>();
   torch::manual_seed(2);
-  auto wrapped = std::make_shared<cnn_impl>();
-  ddp::data_parallel<cnn_impl, ddp::backend::tcp> dp{*wrapped, ddp::tcp::communicator(ddp::tcp::config{})};
+  auto wrapped = std::make_shared<example::cnn_impl>();
+  ddp::data_parallel<example::cnn_impl, ddp::backend::tcp> dp{*wrapped, ddp::tcp::communicator(ddp::tcp::config{})};
   const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
   torch::optim::SGD plain_opt(plain->parameters(), sgd), dp_opt(wrapped->parameters(), sgd);
 

@@ -25,6 +25,7 @@
 #include <ddp/ddp.hpp>
 #include <ddp/log.hpp>
 
+#include "common/cli.hpp"
 #include "common/eigen_mlp.hpp"
 #include "common/idx.hpp"
 
@@ -50,12 +51,7 @@ constexpr const char* usage =
 
 settings parse(int argc, char** argv) {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw ddp::config_error(std::string(a) + " needs a value\n" + usage);
-      return argv[++i];
-    };
+  example::parse_flags(argc, argv, usage, [&s](std::string_view a, const auto& value) {
     if (a == "--backend") s.backend = value();
     else if (a == "--storage") {
       const std::string v = value();
@@ -71,9 +67,9 @@ settings parse(int argc, char** argv) {
     else if (a == "--limit") s.limit = std::stoul(value());
     else if (a == "--min-accuracy") s.min_accuracy = std::stod(value());
     else if (a == "--no-progress") s.progress = false;
-    else if (a == "--help" || a == "-h") { std::fputs(usage, stdout); std::exit(0); }
-    else throw ddp::config_error("unknown argument '" + std::string(a) + "'\n" + usage);
-  }
+    else return false;
+    return true;
+  });
   if (s.backend != "tcp" && s.backend != "mpi")
     throw ddp::config_error("--backend must be tcp or mpi, not '" + s.backend + "'");
   if (s.epochs < 1 || s.batch < 1) throw ddp::config_error("--epochs and --batch must be at least 1");

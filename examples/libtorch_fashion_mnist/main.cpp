@@ -26,25 +26,11 @@
 #include <ddp/ddp.hpp>
 #include <ddp/log.hpp>
 
+#include "common/cli.hpp"
+#include "common/cnn.hpp"
 #include "common/idx.hpp"
 
 namespace {
-
-/// conv(1→8) → pool → conv(8→16) → pool → fc(784→64) → fc(64→10).
-struct cnn_impl : torch::nn::Module {
-  cnn_impl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 3).padding(1)))),
-        fc1(register_module("fc1", torch::nn::Linear(16 * 7 * 7, 64))),
-        fc2(register_module("fc2", torch::nn::Linear(64, 10))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    return fc2(torch::relu(fc1(x.flatten(1))));
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Linear fc1, fc2;
-};
 
 struct settings {
   std::string backend = "tcp";
@@ -65,12 +51,7 @@ constexpr const char* usage =
 
 settings parse(int argc, char** argv) {
   settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw ddp::config_error(std::string(a) + " needs a value\n" + usage);
-      return argv[++i];
-    };
+  example::parse_flags(argc, argv, usage, [&s](std::string_view a, const auto& value) {
     if (a == "--backend") s.backend = value();
     else if (a == "--epochs") s.epochs = std::stoi(value());
     else if (a == "--batch") s.batch = std::stoul(value());
@@ -81,9 +62,9 @@ settings parse(int argc, char** argv) {
     else if (a == "--limit") s.limit = std::stoul(value());
     else if (a == "--min-accuracy") s.min_accuracy = std::stod(value());
     else if (a == "--no-progress") s.progress = false;
-    else if (a == "--help" || a == "-h") { std::fputs(usage, stdout); std::exit(0); }
-    else throw ddp::config_error("unknown argument '" + std::string(a) + "'\n" + usage);
-  }
+    else return false;
+    return true;
+  });
   if (s.backend != "tcp" && s.backend != "mpi")
     throw ddp::config_error("--backend must be tcp or mpi, not '" + s.backend + "'");
   if (s.epochs < 1 || s.batch < 1) throw ddp::config_error("--epochs and --batch must be at least 1");
@@ -120,8 +101,8 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
            test_set.size(), " test images, batch ", s.batch, " per rank, SGD lr ", s.lr, " momentum ", s.momentum);
 
   torch::manual_seed(1234);
-  auto net = std::make_shared<cnn_impl>();
-  ddp::data_parallel<cnn_impl, Backend> dp{*net, comm};  // rank 0's initial values reach every rank
+  auto net = std::make_shared<example::cnn_impl>();
+  ddp::data_parallel<example::cnn_impl, Backend> dp{*net, comm};  // rank 0's initial values reach every rank
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(s.lr).momentum(s.momentum));
   ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
   ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});

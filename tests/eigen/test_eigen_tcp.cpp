@@ -19,15 +19,6 @@ using namespace ddp_test;
 using ddp::backend::tcp;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
 
-/// Runs `body(comm)` on n = 1..3 ranks (3: an uneven split of the batch), each in its own job.
-template <class F>
-void on_1_to_3_ranks(F body) {
-  for (int n = 1; n <= 3; ++n) {
-    INFO("ranks: " << n);
-    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) { body(ddp::tcp::communicator::from_env()); }));
-  }
-}
-
 template <class T>
 std::vector<std::size_t> shape_of(T& values, T& grads) {
   return ddp::trainable(values, grads).shape();
@@ -67,7 +58,7 @@ TEST_CASE("eigen traits: shape is memory order read row-major; dtypes; maps adop
 
 TEST_CASE("tcp: an Eigen MLP of Matrix members (copied) equals one process, replicate and shard_grad_op",
           "[equivalence]") {
-  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) {
     check_eigen_equivalence<owning_rows, tcp>(comm, optimizer_kind::sgd_momentum);
     check_eigen_equivalence<owning_rows, tcp, tiny>(comm, optimizer_kind::adamw);
     check_eigen_equivalence<owning_rows, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_nesterov);
@@ -79,7 +70,7 @@ TEST_CASE("tcp: an Eigen MLP of Matrix members (copied) equals one process, repl
 
 TEST_CASE("tcp: an Eigen MLP of Map members (adopted) equals one process, replicate, shard_grad_op and full_shard",
           "[equivalence]") {
-  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) {
     check_eigen_equivalence<mapped_rows, tcp>(comm, optimizer_kind::adamw);
     check_eigen_equivalence<mapped_rows, tcp, tiny>(comm, optimizer_kind::sgd_momentum);
     check_eigen_equivalence<mapped_rows, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw);
@@ -91,7 +82,7 @@ TEST_CASE("tcp: an Eigen MLP of Map members (adopted) equals one process, replic
 
 TEST_CASE("tcp: Map members point into the arenas while wrapped and home afterwards; full_shard refuses Matrix members",
           "[binding]") {
-  on_1_to_3_ranks([](ddp::tcp::communicator comm) { check_eigen_binding<tcp>(comm); });
+  ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) { check_eigen_binding<tcp>(comm); });
 }
 
 TEST_CASE("PyTorch loads a checkpoint of the Eigen MLP into nn.Linear; ddp loads it into any Eigen layout", "[interop]") {

@@ -23,13 +23,7 @@ using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first
 /// Runs `body(comm)` on n = 1..3 ranks, each in its own job.
 template <class F>
 void on_1_to_3_ranks(F body) {
-  for (int n = 1; n <= 3; ++n) {
-    INFO("ranks: " << n);
-    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) {
-      torch::set_num_threads(1);
-      body(ddp::tcp::communicator::from_env());
-    }));
-  }
+  ddp::testing::on_1_to_n_ranks(3, body, [] { torch::set_num_threads(1); });
 }
 }  // namespace
 

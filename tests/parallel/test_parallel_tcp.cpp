@@ -31,19 +31,10 @@ struct sum_then_scale_hook {
 };
 static_assert(ddp::comm_hook<sum_then_scale_hook, ddp::tcp::communicator>);
 static_assert(std::is_same_v<ddp::backend_of_t<ddp::tcp::communicator>, tcp>);  // dp{model, comm} deduces backend::tcp
-
-/// Runs `body(comm)` on n = 1..4 ranks, each in its own job.
-template <class F>
-void on_1_to_4_ranks(F body) {
-  for (int n = 1; n <= 4; ++n) {
-    INFO("ranks: " << n);
-    ddp::testing::require_all_ok(ddp::testing::run_ranks(n, [&](int) { body(ddp::tcp::communicator::from_env()); }));
-  }
-}
 }  // namespace
 
 TEST_CASE("tcp replicate equals one process: sgd momentum/nesterov, adamw, one bucket or many", "[equivalence]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
     check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5);
     check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5);
@@ -51,7 +42,7 @@ TEST_CASE("tcp replicate equals one process: sgd momentum/nesterov, adamw, one b
   });
 }
 TEST_CASE("tcp replicate: no_sync accumulation and the bf16/fp16 hooks", "[equivalence]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5, 2);
     check_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, 3);
     check_equivalence<tcp, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, 1,
@@ -61,7 +52,7 @@ TEST_CASE("tcp replicate: no_sync accumulation and the bf16/fp16 hooks", "[equiv
   });
 }
 TEST_CASE("tcp replicate: a user comm hook (sum, then scale) equals one process and keeps its state", "[equivalence]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny, sum_then_scale_hook>(comm, optimizer_kind::sgd_momentum, 1e-5);
     check_equivalence<tcp, tiny, sum_then_scale_hook>(comm, optimizer_kind::adamw, 1e-5);
     mlp model = make_mlp(1);
@@ -76,7 +67,7 @@ TEST_CASE("tcp: ddp::trainable leaves over std::vector (copied) and std::span (a
           "[equivalence]") {
   using vectors = foreign_mlp<std::vector<float>>;
   using spans = foreign_mlp<std::span<float>>;
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence_of<vectors, tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
     check_equivalence_of<vectors, tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, 2);
     check_equivalence_of<vectors, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5, 2);
@@ -86,7 +77,7 @@ TEST_CASE("tcp: ddp::trainable leaves over std::vector (copied) and std::span (a
   });
 }
 TEST_CASE("tcp replicate: missing report, declared unused, broadcast", "[errors]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_missing_report<tcp>(comm);
     check_declared_unused<tcp>(comm);
     check_broadcast<tcp>(comm);
@@ -100,7 +91,7 @@ TEST_CASE("tcp replicate: different models raise mismatch_error naming the param
 TEST_CASE("tcp verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank naming "
           "it; verify_every = 1 catches a divergence (and a gradient reported before it is final) on the step where "
           "it happens", "[errors]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_verify_in_sync<tcp, ddp::replicate>(comm);
     check_verify_in_sync<tcp, ddp::shard_grad_op>(comm);
     check_verify_in_sync<tcp, ddp::full_shard>(comm);  // one owner per value: passes, perturbed or not
@@ -110,7 +101,7 @@ TEST_CASE("tcp verify_in_sync: replicas in step pass; a parameter changed on one
   });
 }
 TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process", "[sharding]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
     check_equivalence<tcp, ddp::shard_grad_op>(comm, optimizer_kind::sgd_nesterov, 1e-5);
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
@@ -128,7 +119,7 @@ TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync e
 }
 TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training; a unit covering nothing is named",
           "[sharding]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element,
                                                   {.keep_unit_buffers = false});
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5, 2, closeness::per_element,
@@ -143,7 +134,7 @@ TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same
 }
 TEST_CASE("tcp deterministic reduction: the bits of one process summing in rank order, every policy and bucket size",
           "[determinism]") {
-  on_1_to_4_ranks([](ddp::tcp::communicator comm) {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_deterministic<tcp>(comm, optimizer_kind::sgd_momentum);
     check_deterministic<tcp>(comm, optimizer_kind::adamw, {}, 3000);  // 156 KiB buckets: ring all-reduces
     check_deterministic<tcp, ddp::shard_grad_op>(comm, optimizer_kind::adamw);

@@ -7,6 +7,8 @@
 //     ...  // throw (or fail an expectation that throws) to fail this rank
 //   });
 //   ddp::testing::require_all_ok(result);
+//
+//   ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) { ... });  // N = 1, 2, 3, each its own job
 
 #include <catch2/catch.hpp>
 
@@ -15,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/launch/spawn.hpp>
 
 namespace ddp::testing {
@@ -60,6 +63,19 @@ inline std::string all_output(const ddp::launch::spawn_result& result) {
 inline void require_all_ok(const ddp::launch::spawn_result& result) {
   INFO(all_output(result));
   REQUIRE(result.ok());
+}
+
+/// Runs body(comm), comm the TCP communicator of torchrun's environment, in its own job at every world size from 1
+/// to `max_ranks`, each rank calling `setup` (when given) first; fails the test at the first failing job.
+template <class F>
+void on_1_to_n_ranks(int max_ranks, F body, const std::function<void()>& setup = {}) {
+  for (int n = 1; n <= max_ranks; ++n) {
+    INFO("ranks: " << n);
+    require_all_ok(run_ranks(n, [&](int) {
+      if (setup) setup();
+      body(ddp::tcp::communicator::from_env());
+    }));
+  }
 }
 
 }  // namespace ddp::testing
