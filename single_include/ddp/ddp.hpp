@@ -7441,7 +7441,8 @@ static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communica
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/hybrid.hpp>
 // ---- begin <ddp/parallel/replica_check.hpp>
-/// \file The replica check behind data_parallel::verify_in_sync: each rank hashes, per parameter, the values
+/// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
+/// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
 /// it holds (FNV-1a over the bytes, so replicas must agree bit for bit) and says which ranks hold the same
 /// values (its peer key); one all_gather of two words per rank compares the combined hashes of peers. On a
 /// difference the per-parameter hashes are exchanged and every rank throws ddp::mismatch_error naming the
@@ -7459,11 +7460,73 @@ inline std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) no
   return h;
 }
 
+/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
+inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
+  std::uint64_t h = fnv_offset;
+  for (const auto& d : descriptions) {
+    h = fnv1a(h, std::as_bytes(std::span(d)));
+    h = fnv1a(h, std::as_bytes(std::span("\n", 1)));
+  }
+  return h;
+}
+
+/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
+template <class Comm>
+void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
+  const auto h = static_cast<std::int64_t>(layout_hash(mine));
+  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
+  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
+  const auto all = all_gather_object(comm, mine);
+  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
+  for (const auto& other : all) {
+    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
+    if (diff.first != all[0].end() || diff.second != other.end())
+      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
+  }
+  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
+            (r + 1 < all.size() ? ";" : "");
+  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
+}
+
 /// What one rank holds of the model, for the replica check.
 struct replica_digest {
   std::int64_t peers = 0;              ///< ranks with the same key must hold the same values
   std::vector<std::uint64_t> hashes;   ///< per parameter, in visit order: FNV-1a of the values held
 };
+
+/// The digest of a rank holding every parameter's full values at its place in the arenas.
+inline replica_digest digest_full(const parameter_layout& layout) {
+  replica_digest d;
+  for (const auto& slot : layout.slots()) {
+    const std::size_t w = size_of(slot.type);
+    d.hashes.push_back(fnv1a(fnv_offset, std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w,
+                                                   slot.numel * w)));
+  }
+  return d;
+}
+
+/// The digest of a rank holding only its owned blocks (full_shard): the pieces of each parameter in `owned`,
+/// compared with the ranks of the same `peers` key (the same shard-group rank).
+inline replica_digest digest_owned(const parameter_layout& layout, std::span<const optim::flat_buffer> owned,
+                                   int peers) {
+  replica_digest d;
+  d.peers = peers;
+  d.hashes.assign(layout.slots().size(), fnv_offset);
+  std::unordered_map<std::string_view, std::size_t> slot_of;
+  for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
+  for (const auto& b : owned) {
+    const auto* values = static_cast<const std::byte*>(b.values.data);
+    const std::size_t w = size_of(b.values.type);
+    for (const auto& seg : b.segments) {
+      auto& h = d.hashes[slot_of.at(seg.name)];
+      h = fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+    }
+  }
+  return d;
+}
 
 /// "ranks 0, 2 hold one value; rank 1 holds another": the ranks of `members`, grouped by their hash of `slot`.
 inline std::string describe_disagreement(const std::vector<std::vector<std::uint64_t>>& hashes,
@@ -7619,39 +7682,6 @@ static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, arc
 // ---- end <ddp/parallel/replicate.hpp>
 
 namespace ddp {
-
-namespace detail {
-
-/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
-inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
-  std::uint64_t h = 14695981039346656037ULL;
-  for (const auto& d : descriptions)
-    for (const char c : d + '\n') h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
-  return h;
-}
-
-/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
-template <class Comm>
-void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
-  const auto h = static_cast<std::int64_t>(layout_hash(mine));
-  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
-  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
-  const auto all = all_gather_object(comm, mine);
-  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
-  for (const auto& other : all) {
-    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
-    if (diff.first != all[0].end() || diff.second != other.end())
-      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
-  }
-  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
-  for (std::size_t r = 0; r < all.size(); ++r)
-    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
-            (r + 1 < all.size() ? ";" : "");
-  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
-}
-
-}  // namespace detail
 
 /// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
 /// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
@@ -7870,29 +7900,12 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
-    detail::replica_digest mine;
-    mine.hashes.assign(layout_.slots().size(), detail::fnv_offset);
-    if constexpr (strategy_type::initial_units == detail::unit_phase::sharded) {  // full_shard: owned blocks only
-      mine.peers = shard_group().rank();
-      std::unordered_map<std::string_view, std::size_t> slot_of;
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) slot_of.emplace(layout_.slots()[s].name, s);
-      for (const auto& b : strategy_->optimizer_buffers()) {
-        const auto* values = static_cast<const std::byte*>(b.values.data);
-        const std::size_t w = size_of(b.values.type);
-        for (const auto& seg : b.segments) {
-          auto& h = mine.hashes[slot_of.at(seg.name)];
-          h = detail::fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
-        }
-      }
-    } else {  // every rank holds the full values in the value arena
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) {
-        const auto& slot = layout_.slots()[s];
-        const std::size_t w = size_of(slot.type);
-        mine.hashes[s] = detail::fnv1a(mine.hashes[s],
-                                       std::span(layout_.arenas()[slot.arena].values.data() + slot.offset * w,
-                                                 slot.numel * w));
-      }
-    }
+    const detail::replica_digest mine = [&] {
+      if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
+        return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
+      else  // every rank holds the full values in the value arena
+        return detail::digest_full(layout_);
+    }();
     detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).

@@ -17,7 +17,6 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -45,39 +44,6 @@
 #include <ddp/parallel/strategy.hpp>
 
 namespace ddp {
-
-namespace detail {
-
-/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
-inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
-  std::uint64_t h = 14695981039346656037ULL;
-  for (const auto& d : descriptions)
-    for (const char c : d + '\n') h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
-  return h;
-}
-
-/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
-template <class Comm>
-void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
-  const auto h = static_cast<std::int64_t>(layout_hash(mine));
-  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
-  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
-  const auto all = all_gather_object(comm, mine);
-  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
-  for (const auto& other : all) {
-    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
-    if (diff.first != all[0].end() || diff.second != other.end())
-      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
-  }
-  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
-  for (std::size_t r = 0; r < all.size(); ++r)
-    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
-            (r + 1 < all.size() ? ";" : "");
-  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
-}
-
-}  // namespace detail
 
 /// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
 /// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
@@ -296,29 +262,12 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
-    detail::replica_digest mine;
-    mine.hashes.assign(layout_.slots().size(), detail::fnv_offset);
-    if constexpr (strategy_type::initial_units == detail::unit_phase::sharded) {  // full_shard: owned blocks only
-      mine.peers = shard_group().rank();
-      std::unordered_map<std::string_view, std::size_t> slot_of;
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) slot_of.emplace(layout_.slots()[s].name, s);
-      for (const auto& b : strategy_->optimizer_buffers()) {
-        const auto* values = static_cast<const std::byte*>(b.values.data);
-        const std::size_t w = size_of(b.values.type);
-        for (const auto& seg : b.segments) {
-          auto& h = mine.hashes[slot_of.at(seg.name)];
-          h = detail::fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
-        }
-      }
-    } else {  // every rank holds the full values in the value arena
-      for (std::size_t s = 0; s < layout_.slots().size(); ++s) {
-        const auto& slot = layout_.slots()[s];
-        const std::size_t w = size_of(slot.type);
-        mine.hashes[s] = detail::fnv1a(mine.hashes[s],
-                                       std::span(layout_.arenas()[slot.arena].values.data() + slot.offset * w,
-                                                 slot.numel * w));
-      }
-    }
+    const detail::replica_digest mine = [&] {
+      if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
+        return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
+      else  // every rank holds the full values in the value arena
+        return detail::digest_full(layout_);
+    }();
     detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
