@@ -176,6 +176,12 @@ class recorded_work final : public work_state {
       const bool done = f();
       if (done) recorder_->settle(seq_, true);
       return done;
+    } catch (const timeout_error& e) {
+      // The engine's own deadline passed before wait()'s: the same diagnosis as a timeout seen by wait(), and the
+      // operation stays launched -- this rank waited for it, it did not see it fail.
+      const std::string record = diagnosis();
+      throw timeout_error(e.message() + (record.empty() ? std::string() : " (" + record + ")"), e.rank(),
+                          e.native_code());
     } catch (const std::exception& e) {
       recorder_->settle(seq_, false);
       const auto path = recorder_->dump(rank(), size_, e.what());
