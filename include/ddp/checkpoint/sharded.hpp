@@ -6,6 +6,7 @@
 /// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -166,13 +167,20 @@ inline void check_replaceable(const std::filesystem::path& dir) {
 }
 
 /// Moves the complete directory `tmp` to `dir`: a rename, or an atomic exchange with the checkpoint already
-/// there, which is then removed.
+/// there, which is then removed. A concurrent saver may install `dir` between the look and the rename; the
+/// rename then fails with ENOTEMPTY and the move is tried again as an exchange (a bounded number of times).
 inline void install_directory(const std::filesystem::path& tmp, const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const bool replacing = fs::exists(dir, ec);
-  const int rc = replacing ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE)
-                           : ::rename(tmp.c_str(), dir.c_str());
+  bool replacing = false;
+  int rc = -1;
+  for (int attempt = 0; attempt < 3 && rc != 0; ++attempt) {
+    replacing = fs::exists(dir, ec);
+    rc = replacing ? ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE)
+                   : ::rename(tmp.c_str(), dir.c_str());
+    const bool raced = replacing ? errno == ENOENT : (errno == ENOTEMPTY || errno == EEXIST);
+    if (rc != 0 && !raced) break;
+  }
   if (rc != 0)
     throw io_error("save_sharded: moving '" + tmp.string() + "' to '" + dir.string() + "' failed (" +
                        std::generic_category().message(errno) + "); check permissions of the parent directory and "
