@@ -164,7 +164,7 @@ command_line parse(int argc, char** argv) {
     if (a == "-n" || a == "--nproc" || a == "--nproc-per-node" || a == "--nproc_per_node") {
       c.nproc = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
     } else if (a == "--port" || a == "--master-port" || a == "--master_port") {
-      c.options.port = static_cast<std::uint16_t>(parse_integer(a, value_of(a), 1, 65534));
+      c.options.port = static_cast<std::uint16_t>(parse_integer(a, value_of(a), 1, 65535));
     } else if (a == "--nnodes") {
       c.nodes = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
     } else if (a == "--node-rank" || a == "--node_rank") {
@@ -204,6 +204,9 @@ command_line parse(int argc, char** argv) {
     throw ddp::config_error("--nnodes " + std::to_string(c.nodes) + " needs --master-addr: node 0's address, the "
                             "same on every node");
   if (c.nodes > 1 && c.options.port == 0) c.options.port = 29500;  // torchrun's default
+  if (c.nodes > 1 && c.options.port == 65535)
+    throw ddp::config_error("--master-port 65535 leaves no port for the launchers' control channel (master port "
+                            "+ 1); pick a lower port");
   return c;
 }
 
