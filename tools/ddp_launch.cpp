@@ -49,6 +49,9 @@ options:
                     Only the CPUs ddp-launch may use count (taskset, cgroups). The choice is printed once.
   --timeout S       stop every rank after S seconds and exit 124 (default: no limit)
   --grace S         seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)
+  --max-restarts M  when a rank fails, stop every rank and start them all again, up to M times (default 0);
+                    the ranks read the attempt in DDP_RESTART_COUNT (torchrun: TORCHELASTIC_RESTART_COUNT)
+                    and resume from their last checkpoint. --timeout applies to each attempt.
   -h, --help        print this help and exit
   --                end of ddp-launch's options; the program and its arguments follow
 
@@ -137,6 +140,7 @@ struct command_line {
   std::string token_file;
   bool master_addr_given = false;
   std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};
+  int max_restarts = 0;
   ddp::launch::bind_mode bind = ddp::launch::bind_mode::core;
   ddp::launch::spawn_options options;
   std::vector<std::string> program;
@@ -174,6 +178,8 @@ command_line parse(int argc, char** argv) {
       c.master_addr_given = true;
     } else if (a == "--token-file") {
       c.token_file = value_of(a);
+    } else if (a == "--max-restarts" || a == "--max_restarts") {
+      c.max_restarts = static_cast<int>(parse_integer(a, value_of(a), 0, 1000));
     } else if (a == "--join-timeout") {
       c.join_timeout = parse_seconds(a, value_of(a));
     } else if (a == "--bind") {
@@ -235,7 +241,8 @@ int run_node(command_line& cmd) {
   cmd.options.nodes = cmd.nodes;
   const std::string me = "node " + std::to_string(cmd.node_rank);
   ddp::launch::node_link link({cmd.nodes, cmd.node_rank, k, cmd.options.master_addr,
-                               static_cast<std::uint16_t>(cmd.options.port + 1), cmd.options.token, cmd.join_timeout});
+                               static_cast<std::uint16_t>(cmd.options.port + 1), cmd.options.token, cmd.join_timeout,
+                               cmd.max_restarts});
   std::fprintf(stderr, "ddp-launch: %s of %d joined; ranks %d..%d of %d start (store at %s:%u)\n", me.c_str(),
                cmd.nodes, cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.world_size,
                cmd.options.master_addr.c_str(), cmd.options.port);
@@ -249,14 +256,20 @@ int run_node(command_line& cmd) {
     report(r);
     return link.poll();
   };
-  const auto result = ddp::launch::spawn_program(k, cmd.program, cmd.options);
-  report(result);
-  if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s: %s\n", me.c_str(), result.describe().c_str());
-  const auto failure = link.finish();
-  if (!failure) return 0;
-  std::fprintf(stderr, "ddp-launch: %s: the job failed: %s; every node stopped its ranks\n", me.c_str(),
-               failure->describe().c_str());
-  return failure->status != 0 ? failure->status : 1;
+  for (;; link.next_round()) {
+    const auto result = ddp::launch::spawn_program(k, cmd.program, cmd.options);
+    report(result);
+    if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s: %s\n", me.c_str(), result.describe().c_str());
+    const auto failure = link.finish();
+    if (!failure) return 0;
+    std::fprintf(stderr, "ddp-launch: %s: the job failed: %s; every node stopped its ranks\n", me.c_str(),
+                 failure->describe().c_str());
+    if (!failure->restartable() || cmd.options.restart_count == cmd.max_restarts)
+      return failure->status != 0 ? failure->status : 1;
+    ++cmd.options.restart_count;
+    std::fprintf(stderr, "ddp-launch: %s: restarting ranks %d..%d (restart %d of %d)\n", me.c_str(),
+                 cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.restart_count, cmd.max_restarts);
+  }
 }
 
 }  // namespace
@@ -289,20 +302,24 @@ int main(int argc, char** argv) {
       cmd.options.extra_env = [dir = records.path.string()](int) {
         return ddp::launch::env_list{{"DDP_FLIGHT_RECORDER_DIR", dir}};
       };
-    const auto started = std::filesystem::file_time_type::clock::now();
-    const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
-    if (!result.ok()) {
-      std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
-      if (!records.path.empty()) {
-        const auto written = ddp::launch::read_flight_records(records.path, started);
-        std::istringstream report(ddp::launch::analyze_flight_records(written));
-        for (std::string line; std::getline(report, line);)
-          std::fprintf(stderr, "ddp-launch: flight recorder: %s\n", line.c_str());
-        records.keep = !written.empty();
-        if (records.keep) std::fprintf(stderr, "ddp-launch: the ranks' flight records are in %s\n", records.path.c_str());
+    for (;; ++cmd.options.restart_count) {
+      const auto started = std::filesystem::file_time_type::clock::now();
+      const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
+      if (!result.ok()) {
+        std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
+        if (!records.path.empty()) {
+          const auto written = ddp::launch::read_flight_records(records.path, started);
+          std::istringstream report(ddp::launch::analyze_flight_records(written));
+          for (std::string line; std::getline(report, line);)
+            std::fprintf(stderr, "ddp-launch: flight recorder: %s\n", line.c_str());
+          records.keep = !written.empty();
+          if (records.keep) std::fprintf(stderr, "ddp-launch: the ranks' flight records are in %s\n", records.path.c_str());
+        }
       }
+      if (result.first_failed < 0 || cmd.options.restart_count == cmd.max_restarts) return result.exit_status();
+      std::fprintf(stderr, "ddp-launch: restarting every rank (restart %d of %d)\n", cmd.options.restart_count + 1,
+                   cmd.max_restarts);
     }
-    return result.exit_status();
   } catch (const ddp::error& e) {
     std::fprintf(stderr, "ddp-launch: %s\n", e.what());
     return 1;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ddp/launch/spawn.hpp>
@@ -24,9 +25,9 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-/// Runs one ddp-launch per node (node r gets --node-rank r and the others, then `args`) with env(r) added to
+/// Runs one ddp-launch per node (node r gets --node-rank r and the others, then args(r)) with env(r) added to
 /// its environment; neither is stopped when the other fails. Returns each launcher's status and output.
-dl::spawn_result launch_nodes(int nodes, std::vector<std::string> args,
+dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(int node)> args,
                               std::function<dl::env_list(int node)> env = {}) {
   const std::string port = std::to_string(ddp::testing::tcp::free_port());
   dl::spawn_options o;
@@ -40,7 +41,8 @@ dl::spawn_result launch_nodes(int nodes, std::vector<std::string> args,
       [&](int node) {
         std::vector<std::string> argv{DDP_LAUNCH_EXE, "--nnodes", std::to_string(nodes), "--node-rank",
                                       std::to_string(node), "--master-addr", "127.0.0.1", "--master-port", port};
-        argv.insert(argv.end(), args.begin(), args.end());
+        const auto mine = args(node);
+        argv.insert(argv.end(), mine.begin(), mine.end());
         std::vector<char*> raw;
         for (auto& a : argv) raw.push_back(a.data());
         raw.push_back(nullptr);
@@ -48,6 +50,12 @@ dl::spawn_result launch_nodes(int nodes, std::vector<std::string> args,
         std::_Exit(127);
       },
       o);
+}
+
+/// launch_nodes with the same `args` on every node.
+dl::spawn_result launch_nodes(int nodes, const std::vector<std::string>& args,
+                              std::function<dl::env_list(int node)> env = {}) {
+  return launch_nodes(nodes, [args](int) { return args; }, std::move(env));
 }
 
 }  // namespace
@@ -111,4 +119,28 @@ TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file; 
     CHECK(rs.ranks[1].exit_code == 1);
     CHECK(contains(rs.ranks[1].output, "refused node 1"));
   }
+}
+
+TEST_CASE("ddp-launch --nnodes --max-restarts: a rank failing on node 1 restarts every node's ranks",
+          "[launch][nodes][restart]") {
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--max-restarts", "1", "--", "/bin/sh", "-c",
+                                   "echo attempt $DDP_RESTART_COUNT; "
+                                   "if [ $RANK = 3 ] && [ $DDP_RESTART_COUNT = 0 ]; then exit 9; fi"});
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  REQUIRE(rs.ok());
+  CHECK(contains(rs.ranks[0].output, "node 0: restarting ranks 0..1 (restart 1 of 1)"));
+  CHECK(contains(rs.ranks[1].output, "node 1: restarting ranks 2..3 (restart 1 of 1)"));
+  CHECK(contains(rs.ranks[0].output, "[rank 0] attempt 1\n"));
+  CHECK(contains(rs.ranks[1].output, "[rank 3] attempt 1\n"));
+}
+
+TEST_CASE("ddp-launch --nnodes: launchers with different --max-restarts do not start a job", "[launch][nodes]") {
+  const auto rs = launch_nodes(2, [](int node) {
+    return std::vector<std::string>{"--join-timeout", "2", "--max-restarts", std::to_string(node), "-n", "1",
+                                    "/bin/true"};
+  });
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  CHECK(rs.ranks[0].exit_code == 1);
+  CHECK(contains(rs.ranks[0].output, "it was started with --max-restarts 1, node 0 with 0"));
+  CHECK(rs.ranks[1].exit_code == 1);
 }

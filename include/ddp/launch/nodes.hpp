@@ -37,6 +37,7 @@ struct node_plan {
   std::uint16_t control_port = 0;          ///< node 0's control port (MASTER_PORT + 1)
   std::string token;                        ///< the job token every launcher shares
   std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};  ///< every launcher must join by then
+  int max_restarts = 0;                     ///< --max-restarts, the same on every node
 };
 
 /// A failed rank of a job of several nodes (or a node whose launcher vanished: rank -1).
@@ -46,9 +47,14 @@ struct node_failure {
   int status = 1;              ///< its status as a shell reports it
   std::int64_t began_us = 0;   ///< when its launcher saw it fail (wall clock, microseconds)
 
-  /// "rank 3 on node 1 failed with status 137", or the lost launcher's line.
+  /// A rank failed, as opposed to a launcher: the job may restart.
+  [[nodiscard]] bool restartable() const noexcept { return rank >= 0; }
+
+  /// "rank 3 on node 1 failed with status 137", or the launcher's line.
   [[nodiscard]] std::string describe() const {
-    if (rank < 0) return "the launcher of node " + std::to_string(node) + " was lost (its host died or it was killed)";
+    if (rank < 0)
+      return "the launcher of node " + std::to_string(node) + " stopped (interrupted, timed out, or lost with its " +
+             "host) with status " + std::to_string(status);
     return "rank " + std::to_string(rank) + " on node " + std::to_string(node) + " failed with status " +
            std::to_string(status);
   }
@@ -68,7 +74,7 @@ struct control_frame {
   std::int32_t node = 0;     ///< hello: the sender's node rank; failed, stop, verdict: the failing node
   std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher)
   std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello: the number of nodes
-  std::int32_t pad = 0;
+  std::int32_t restarts = 0; ///< hello: the sender's --max-restarts
   std::int64_t began_us = 0; ///< failed: when it failed
   std::uint64_t token = 0;   ///< the job token's hash
 };
@@ -141,6 +147,17 @@ class node_link {
     return verdict_->status == 0 ? std::nullopt : verdict_;
   }
 
+  /// After finish() returned a restartable failure: forgets the round, keeping the connections; every node
+  /// does the same, since every node got the same verdict.
+  void next_round() {
+    reported_ = false;
+    first_.reset();
+    blame_at.reset();
+    stop_.reset();
+    verdict_.reset();
+    done_.assign(done_.size(), false);
+  }
+
   /// The failure every node stops for, once decided.
   [[nodiscard]] const std::optional<node_failure>& failure() const { return stop_; }
 
@@ -192,6 +209,9 @@ class node_link {
           why = "wrong job token";
         else if (got.status != plan_.nodes)
           why = "it belongs to a job of " + std::to_string(got.status) + " nodes";
+        else if (got.restarts != plan_.max_restarts)
+          why = "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
+                std::to_string(plan_.max_restarts);
         else if (got.node <= 0 || got.node >= plan_.nodes)
           why = "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
         else if (peers_[static_cast<std::size_t>(got.node)].valid())
@@ -218,6 +238,7 @@ class node_link {
         "--join-timeout");
     detail::keep_alive(peers_[0].get());
     auto hello = frame(detail::control_kind::hello, {plan_.node_rank, -1, plan_.nodes, 0});
+    hello.restarts = plan_.max_restarts;
     detail::control_frame go;
     if (tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) != tcp::detail::io_status::ok ||
         tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) != tcp::detail::io_status::ok ||
