@@ -1,6 +1,6 @@
 // ddp across simulated hosts (tests/support/multihost.hpp): ddp-launch --nnodes 2 on each of two hosts runs
 // ddp_multihost_rank; the conformance suite, data_parallel's equivalence, the init methods, a rank killed on
-// one host, and the interface choice on hosts with two networks. Each case has its own tag; ctest runs one
+// one host (without and with --max-restarts), and the interface choice on hosts with two networks. Each case has its own tag; ctest runs one
 // case per test (label multihost) and reports them as not run, with the reason, where hosts cannot be made.
 
 #include <catch2/catch.hpp>
@@ -22,10 +22,10 @@ namespace {
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 /// The command each host runs: its ddp-launch of 2 ranks of ddp_multihost_rank's case `tag`, with `env` before it.
-std::string launch(const std::string& tag, const std::string& env = "") {
+std::string launch(const std::string& tag, const std::string& env = "", const std::string& options = "") {
   return env + " DDP_TIMEOUT_MS=30000 DDP_CONNECT_TIMEOUT_MS=30000 " DDP_LAUNCH_EXE
                " --nnodes 2 --node-rank $MH_HOST -n 2 --master-addr $MH_MASTER --master-port 29400 --bind none "
-               "--join-timeout 30 -- " DDP_MULTIHOST_RANK_EXE " '" + tag + "'";
+               "--join-timeout 30 " + options + " -- " DDP_MULTIHOST_RANK_EXE " '" + tag + "'";
 }
 
 }  // namespace
@@ -69,6 +69,21 @@ TEST_CASE("a rank killed on host 1 stops both launchers within 5 s, each naming 
     CHECK(h.status == 128 + 9);  // every launcher exits with the victim's status
     CHECK(contains(h.output, "the job failed: rank 3 on node 1 failed with status 137"));
     CHECK(h.ended - killed < 5.0);
+  }
+}
+
+TEST_CASE("with --max-restarts 1, a rank killed on host 1 restarts every rank on both hosts and the job ends well",
+          "[mh_restart]") {
+  const auto stamp = std::filesystem::path(DDP_MULTIHOST_SHARED_DIR) / ("victim." + std::to_string(::getpid()));
+  const auto hosts =
+      run_on_hosts({}, launch("[kill]", "DDP_VICTIM=3 DDP_VICTIM_STAMP=" + stamp.string(), "--max-restarts 1"));
+  std::filesystem::remove(stamp);
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  for (int node = 0; node < 2; ++node) {
+    const auto& out = hosts.hosts[static_cast<std::size_t>(node)].output;
+    CHECK(contains(out, "the job failed: rank 3 on node 1 failed with status 137"));
+    CHECK(contains(out, "node " + std::to_string(node) + ": restarting ranks"));
   }
 }
 
