@@ -242,7 +242,7 @@ int run_node(command_line& cmd) {
   const std::string me = "node " + std::to_string(cmd.node_rank);
   ddp::launch::node_link link({cmd.nodes, cmd.node_rank, k, cmd.options.master_addr,
                                static_cast<std::uint16_t>(cmd.options.port + 1), cmd.options.token, cmd.join_timeout,
-                               cmd.max_restarts});
+                               cmd.max_restarts, cmd.options.interrupt});
   std::fprintf(stderr, "ddp-launch: %s of %d joined; ranks %d..%d of %d start (store at %s:%u)\n", me.c_str(),
                cmd.nodes, cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.world_size,
                cmd.options.master_addr.c_str(), cmd.options.port);
@@ -322,6 +322,6 @@ int main(int argc, char** argv) {
     }
   } catch (const ddp::error& e) {
     std::fprintf(stderr, "ddp-launch: %s\n", e.what());
-    return 1;
+    return interrupted != 0 ? 128 + static_cast<int>(interrupted) : 1;
   }
 }

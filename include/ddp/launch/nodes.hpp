@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -38,6 +39,9 @@ struct node_plan {
   std::string token;                        ///< the job token every launcher shares
   std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};  ///< every launcher must join by then
   int max_restarts = 0;                     ///< --max-restarts, the same on every node
+  /// When set and it becomes non-zero (a signal handler writes the signal number), joining and waiting for
+  /// the other nodes give up with ddp::error.
+  const volatile std::sig_atomic_t* interrupt = nullptr;
 };
 
 /// A failed rank of a job of several nodes (or a node whose launcher vanished: rank -1).
@@ -136,14 +140,20 @@ class node_link {
   std::optional<node_failure> finish() {
     if (plan_.node_rank == 0) {
       done_[0] = true;
-      while (!all_done() || (blame_at && !stop_)) service(100);
+      while (!all_done() || (blame_at && !stop_)) {
+        check_interrupt("waiting for the other nodes' ranks to end");
+        service(100);
+      }
       const node_failure none{0, -1, 0, 0};
       const auto verdict = frame(detail::control_kind::verdict, stop_ ? *stop_ : none);
       for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], verdict);
       return stop_;
     }
     send(peers_[0], frame(detail::control_kind::done, {}));
-    while (!verdict_) service(100);
+    while (!verdict_) {
+      check_interrupt("waiting for node 0's verdict");
+      service(100);
+    }
     return verdict_->status == 0 ? std::nullopt : verdict_;
   }
 
@@ -176,6 +186,12 @@ class node_link {
     return c;
   }
 
+  void check_interrupt(const std::string& what) const {
+    if (plan_.interrupt != nullptr && *plan_.interrupt != 0)
+      throw error("node " + std::to_string(plan_.node_rank) + "'s launcher was interrupted by signal " +
+                  std::to_string(static_cast<int>(*plan_.interrupt)) + " while " + what);
+  }
+
   static void send(tcp::detail::socket_fd& fd, const detail::control_frame& c) {
     if (!fd.valid()) return;
     const auto deadline = tcp::detail::clock::now() + std::chrono::seconds(5);
@@ -191,6 +207,7 @@ class node_link {
     buffers_.resize(peers_.size());
     std::vector<pollfd> fds;
     for (int missing = plan_.nodes - 1; missing > 0;) {
+      check_interrupt("waiting for the other nodes to join");
       if (tcp::detail::clock::now() >= deadline)
         throw timeout_error(std::to_string(missing) + " of the other " + std::to_string(plan_.nodes - 1) +
                             " nodes' launchers did not join node 0 at port " + std::to_string(plan_.control_port) +
@@ -232,16 +249,29 @@ class node_link {
   void join_node_0(tcp::detail::clock::time_point deadline) {
     peers_.resize(1);
     buffers_.resize(1);
-    peers_[0] = tcp::detail::connect_with_retry(
-        plan_.master_addr, plan_.control_port, deadline, -1, "node 0's launcher",
-        "start ddp-launch --node-rank 0 on the --master-addr host, with the same --master-port, or raise "
-        "--join-timeout");
+    constexpr auto slice = std::chrono::seconds(1);  // how often a signal is looked for
+    while (!peers_[0].valid()) {
+      check_interrupt("joining node 0's launcher");
+      try {
+        peers_[0] = tcp::detail::connect_with_retry(
+            plan_.master_addr, plan_.control_port, std::min(deadline, tcp::detail::clock::now() + slice), -1,
+            "node 0's launcher",
+            "start ddp-launch --node-rank 0 on the --master-addr host, with the same --master-port, or raise "
+            "--join-timeout");
+      } catch (const timeout_error&) {
+        if (tcp::detail::clock::now() >= deadline) throw;
+      }
+    }
     detail::keep_alive(peers_[0].get());
     auto hello = frame(detail::control_kind::hello, {plan_.node_rank, -1, plan_.nodes, 0});
     hello.restarts = plan_.max_restarts;
+    const bool sent = tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) == tcp::detail::io_status::ok;
+    for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
+      check_interrupt("waiting for node 0's launcher to start the job");
+      ::poll(&p, 1, static_cast<int>(std::chrono::milliseconds(slice).count()));
+    }
     detail::control_frame go;
-    if (tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) != tcp::detail::io_status::ok ||
-        tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) != tcp::detail::io_status::ok ||
+    if (!sent || tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) != tcp::detail::io_status::ok ||
         go.magic != detail::control_magic || go.kind != detail::control_kind::go || go.token != token_)
       throw config_error("node 0's launcher at " + plan_.master_addr + ":" + std::to_string(plan_.control_port) +
                          " refused node " + std::to_string(plan_.node_rank) +
