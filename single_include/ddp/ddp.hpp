@@ -12636,6 +12636,7 @@ struct spawn_options {
   int world_size = 0;   ///< WORLD_SIZE; 0: the number of local ranks (a job on one node)
   int node_rank = 0;    ///< GROUP_RANK, torchrun's node rank
   int nodes = 1;        ///< GROUP_WORLD_SIZE, the number of nodes
+  int restart_count = 0;  ///< DDP_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT): restarts so far
   /// Called every tick while ranks run, with the job's state so far; returning true stops every rank (a
   /// rank failed on another node) and the job reports stopped_by_watch.
   std::function<bool(const spawn_result&)> watch;
@@ -12856,6 +12857,8 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
   set("LOCAL_WORLD_SIZE", n);
   set("GROUP_RANK", o.node_rank);
   set("GROUP_WORLD_SIZE", o.nodes);
+  set("DDP_RESTART_COUNT", o.restart_count);
+  set("TORCHELASTIC_RESTART_COUNT", o.restart_count);
   ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   ::setenv("MASTER_PORT", port.c_str(), 1);
   ::setenv("DDP_TOKEN", token.c_str(), 1);
@@ -12891,8 +12894,8 @@ inline void record(rank_status& r, int status) {
 }  // namespace detail
 
 /// Forks `n` ranks that each run body(local rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-/// GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DDP_TOKEN set (as torchrun does; RANK is
-/// options.first_rank + local rank); a rank exits 0 when body returns and 1 when it throws
+/// GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DDP_TOKEN and DDP_RESTART_COUNT set (as torchrun
+/// does; RANK is options.first_rank + local rank); a rank exits 0 when body returns and 1 when it throws
 /// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
 /// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
 /// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
