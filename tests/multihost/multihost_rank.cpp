@@ -61,10 +61,12 @@ TEST_CASE("conformance suite", "[.][conformance]") {
   ddp::testing::run_conformance(comm);
 }
 
-TEST_CASE("data_parallel: replicate and hybrid with a shard group per host equal one process", "[.][equivalence]") {
+TEST_CASE("data_parallel: every policy, hybrid with a shard group per host, equals one process", "[.][equivalence]") {
   auto comm = join();
   check_equivalence<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
   check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
+  check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5);
   // hybrid's default groups are LOCAL_WORLD_SIZE ranks: the ranks of one host.
   check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5);
   check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5);

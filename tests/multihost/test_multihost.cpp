@@ -38,7 +38,8 @@ TEST_CASE("2 hosts x 2 ranks pass the conformance suite; ranks copy memory only 
   CHECK(contains(hosts.hosts[0].output, "memory of 1 of its 3 peers"));
 }
 
-TEST_CASE("2 hosts x 2 ranks: replicate and hybrid (a shard group per host) equal one process", "[mh_equivalence]") {
+TEST_CASE("2 hosts x 2 ranks: replicate, shard_grad_op, full_shard and hybrid (a shard group per host) equal one "
+          "process", "[mh_equivalence]") {
   const auto hosts = run_on_hosts({}, launch("[equivalence]"));
   INFO(hosts.describe());
   REQUIRE(hosts.ok());
