@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
@@ -88,6 +89,20 @@ TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt; 
     comm.all_reduce(v).wait();
   }
   FAIL("the victim never died");
+}
+
+TEST_CASE("all_reduce of DDP_BYTES over the link: rank 0 prints its busbw", "[.][link]") {
+  auto comm = join();
+  std::vector<float> v(static_cast<std::size_t>(env_int("DDP_BYTES")) / sizeof(float), 1.0F);
+  comm.all_reduce(v).wait();  // warm-up: the sockets' buffers grow
+  constexpr int reps = 3;
+  comm.barrier().wait();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) comm.all_reduce(v).wait();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+  const int n = comm.size();
+  const double busbw = static_cast<double>(v.size() * sizeof(float)) * 2.0 * (n - 1) / n / seconds;
+  if (comm.rank() == 0) std::printf("link: all_reduce %.6f s busbw %.0f B/s\n", seconds, busbw);
 }
 
 TEST_CASE("the mesh runs on DDP_INTERFACE's network, the store on MASTER_ADDR's", "[.][interface]") {

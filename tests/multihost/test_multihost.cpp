@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -86,6 +87,26 @@ TEST_CASE("with --max-restarts 1, a rank killed on host 1 restarts every rank on
     CHECK(contains(out, "the job failed: rank 3 on node 1 failed with status 137"));
     CHECK(contains(out, "node " + std::to_string(node) + ": restarting ranks"));
   }
+}
+
+TEST_CASE("over a rate-limited link, all_reduce's bytes between hosts cross the link: busbw stays near its rate",
+          "[mh_link]") {
+  constexpr double rate = 400e6 / 8;  // 400 Mbit/s, in bytes per second
+  host_options limited;
+  limited.rate = "400mbit";
+  const auto hosts = run_on_hosts(limited, launch("[link]", "DDP_BYTES=16777216"));
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  const auto& out = hosts.hosts[0].output;
+  const auto at = out.find("busbw ");
+  REQUIRE(at != std::string::npos);
+  const double busbw = std::atof(out.c_str() + at + 6);
+  std::printf("2 hosts x 2 ranks, 16 MiB all_reduce over a 400 Mbit/s link: busbw %.1f MB/s = %.2f x the link rate\n",
+              busbw / 1e6, busbw / rate);
+  // Same-host copies between hosts would be many times faster than the link; a ring sends 1.5x the buffer across
+  // it each way (busbw = the rate), a two-level exchange 1x (1.5x the rate): never more.
+  CHECK(busbw < 1.6 * rate);
+  CHECK(busbw > 0.2 * rate);  // and the link is used, not some slower path
 }
 
 TEST_CASE("with two interfaces per host, DDP_INTERFACE=eth1 carries the mesh and MASTER_ADDR's the store",
