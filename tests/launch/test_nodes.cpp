@@ -134,13 +134,21 @@ TEST_CASE("ddp-launch --nnodes --max-restarts: a rank failing on node 1 restarts
   CHECK(contains(rs.ranks[1].output, "[rank 3] attempt 1\n"));
 }
 
-TEST_CASE("ddp-launch --nnodes: launchers with different --max-restarts do not start a job", "[launch][nodes]") {
-  const auto rs = launch_nodes(2, [](int node) {
+TEST_CASE("ddp-launch --nnodes: launchers with different --max-restarts or --nproc-per-node do not start a job",
+          "[launch][nodes]") {
+  const auto restarts = launch_nodes(2, [](int node) {
     return std::vector<std::string>{"--join-timeout", "2", "--max-restarts", std::to_string(node), "-n", "1",
                                     "/bin/true"};
   });
-  INFO(rs.ranks[0].output + rs.ranks[1].output);
-  CHECK(rs.ranks[0].exit_code == 1);
-  CHECK(contains(rs.ranks[0].output, "it was started with --max-restarts 1, node 0 with 0"));
-  CHECK(rs.ranks[1].exit_code == 1);
+  INFO(restarts.ranks[0].output + restarts.ranks[1].output);
+  CHECK(restarts.ranks[0].exit_code == 1);
+  CHECK(contains(restarts.ranks[0].output, "it was started with --max-restarts 1, node 0 with 0"));
+  CHECK(restarts.ranks[1].exit_code == 1);
+  const auto ranks = launch_nodes(2, [](int node) {
+    return std::vector<std::string>{"--join-timeout", "2", "-n", std::to_string(node + 1), "/bin/true"};
+  });
+  INFO(ranks.ranks[0].output + ranks.ranks[1].output);
+  CHECK(ranks.ranks[0].exit_code == 1);
+  CHECK(contains(ranks.ranks[0].output, "it runs 2 ranks per node, node 0 1 (every node needs the same"));
+  CHECK(ranks.ranks[1].exit_code == 1);
 }

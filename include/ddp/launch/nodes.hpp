@@ -76,7 +76,7 @@ struct control_frame {
   std::uint32_t magic = control_magic;
   control_kind kind = control_kind::hello;
   std::int32_t node = 0;     ///< hello: the sender's node rank; failed, stop, verdict: the failing node
-  std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher)
+  std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher); hello: ranks per node
   std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello: the number of nodes
   std::int32_t restarts = 0; ///< hello: the sender's --max-restarts
   std::int64_t began_us = 0; ///< failed: when it failed
@@ -140,7 +140,7 @@ class node_link {
   std::optional<node_failure> finish() {
     if (plan_.node_rank == 0) {
       done_[0] = true;
-      while (!all_done() || (blame_at && !stop_)) {
+      while (!all_done() || (blame_at_ && !stop_)) {
         check_interrupt("waiting for the other nodes' ranks to end");
         service(100);
       }
@@ -162,14 +162,11 @@ class node_link {
   void next_round() {
     reported_ = false;
     first_.reset();
-    blame_at.reset();
+    blame_at_.reset();
     stop_.reset();
     verdict_.reset();
     done_.assign(done_.size(), false);
   }
-
-  /// The failure every node stops for, once decided.
-  [[nodiscard]] const std::optional<node_failure>& failure() const { return stop_; }
 
  private:
   /// How long node 0 collects reports after the first failure before it blames the one that began first.
@@ -226,6 +223,9 @@ class node_link {
           why = "wrong job token";
         else if (got.status != plan_.nodes)
           why = "it belongs to a job of " + std::to_string(got.status) + " nodes";
+        else if (got.rank != plan_.nproc_per_node)
+          why = "it runs " + std::to_string(got.rank) + " ranks per node, node 0 " +
+                std::to_string(plan_.nproc_per_node) + " (every node needs the same --nproc-per-node)";
         else if (got.restarts != plan_.max_restarts)
           why = "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
                 std::to_string(plan_.max_restarts);
@@ -263,7 +263,7 @@ class node_link {
       }
     }
     detail::keep_alive(peers_[0].get());
-    auto hello = frame(detail::control_kind::hello, {plan_.node_rank, -1, plan_.nodes, 0});
+    auto hello = frame(detail::control_kind::hello, {plan_.node_rank, plan_.nproc_per_node, plan_.nodes, 0});
     hello.restarts = plan_.max_restarts;
     const bool sent = tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) == tcp::detail::io_status::ok;
     for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
@@ -283,7 +283,7 @@ class node_link {
   void note(const node_failure& f) {
     if (stop_) return;
     if (!first_ || f.began_us < first_->began_us) first_ = f;
-    if (!blame_at) blame_at = tcp::detail::clock::now() + settle;
+    if (!blame_at_) blame_at_ = tcp::detail::clock::now() + settle;
   }
 
   [[nodiscard]] bool all_done() const {
@@ -317,7 +317,7 @@ class node_link {
       }
       if (lost) on_lost(k);
     }
-    if (plan_.node_rank == 0 && blame_at && tcp::detail::clock::now() >= *blame_at && !stop_) {
+    if (plan_.node_rank == 0 && blame_at_ && tcp::detail::clock::now() >= *blame_at_ && !stop_) {
       stop_ = first_;
       for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::stop, *stop_));
     }
@@ -365,7 +365,7 @@ class node_link {
   std::vector<bool> done_;                     ///< node 0: which nodes' ranks all ended (or who was lost)
   bool reported_ = false;
   std::optional<node_failure> first_;          ///< node 0: the failure that began first so far
-  std::optional<tcp::detail::clock::time_point> blame_at;
+  std::optional<tcp::detail::clock::time_point> blame_at_;
   std::optional<node_failure> stop_;           ///< the failure every node stops for
   std::optional<node_failure> verdict_;        ///< other nodes: node 0's verdict
 };
