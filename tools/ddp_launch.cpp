@@ -247,10 +247,12 @@ int run_node(command_line& cmd) {
                cmd.nodes, cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.world_size,
                cmd.options.master_addr.c_str(), cmd.options.port);
   const auto report = [&](const ddp::launch::spawn_result& r) {
-    if (r.first_failed >= 0)
-      link.report_failure(r.first_rank + r.first_failed, r.ranks[static_cast<std::size_t>(r.first_failed)].shell_status());
-    else if (r.timed_out || r.interrupted_by != 0)
-      link.report_failure(-1, r.exit_status());
+    if (r.first_failed >= 0) {
+      const auto& failed = r.ranks[static_cast<std::size_t>(r.first_failed)];
+      link.report_failure(r.first_rank + r.first_failed, failed.shell_status(), failed.ended);
+    } else if (r.timed_out || r.interrupted_by != 0) {
+      link.report_failure(-1, r.exit_status(), std::chrono::system_clock::now());
+    }
   };
   cmd.options.watch = [&](const ddp::launch::spawn_result& r) {
     report(r);

@@ -88,6 +88,18 @@ TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks; b
   CHECK(contains(rs.ranks[1].output, "rank 3 (local rank 1) failed first with exit code 7"));
 }
 
+TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an error (a lost peer's symptom)",
+          "[launch][nodes]") {
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
+                                   "if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
+                                   "if [ $RANK = 3 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30"});
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 128 + 9);
+    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
+  }
+}
+
 TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file; without one, or another one, no "
           "job starts", "[launch][nodes]") {
   SECTION("no token") {

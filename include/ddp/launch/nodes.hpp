@@ -2,14 +2,16 @@
 /// \file The launchers of a job on several nodes (ddp-launch --nnodes N, like torchrun's agents) talk over a
 /// small control channel: node 0's launcher listens on MASTER_PORT + 1, every other launcher connects and
 /// sends a hello carrying the job token's hash; the ranks start once all N launchers have joined. A launcher
-/// whose rank fails reports it to node 0, which waits a moment for reports from other nodes, blames the
-/// failure that began first and tells every node to stop its ranks; at the end node 0 sends every node the
-/// job's verdict. Every frame is 40 bytes and carries the token's hash; joining has a deadline, strangers are
-/// refused, and a launcher whose peer's connection ends (its host died: TCP keepalive) stops its ranks.
+/// whose rank fails reports it to node 0, which waits a moment for reports from other nodes, blames a crash
+/// before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
+/// node 0 sends every node the job's verdict. Every frame is 40 bytes and carries the token's hash; joining
+/// has a deadline, strangers are refused, and a launcher whose peer's connection ends (its host died: TCP
+/// keepalive) stops its ranks.
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -49,7 +51,19 @@ struct node_failure {
   int node = 0;                ///< the node it ran on
   int rank = -1;               ///< its global rank; -1: the node's launcher itself was lost
   int status = 1;              ///< its status as a shell reports it
-  std::int64_t began_us = 0;   ///< when its launcher saw it fail (wall clock, microseconds)
+  std::int64_t began_us = 0;   ///< when its launcher saw it end (wall clock, microseconds)
+
+  /// Killed by a signal no launcher sends (SIGKILL, SIGSEGV, ...: a crash, the OOM killer): a root cause, since
+  /// the peers of a lost rank fail with an exception (an exit code, or SIGABRT from std::terminate).
+  [[nodiscard]] bool crashed() const noexcept {
+    const int sig = status - 128;
+    return rank >= 0 && sig > 0 && sig != SIGABRT && sig != SIGTERM && sig != SIGINT && sig != SIGHUP;
+  }
+  /// Blamed before `o`: a crash before an exit, else the one that ended first.
+  [[nodiscard]] bool before(const node_failure& o) const noexcept {
+    if (crashed() != o.crashed()) return crashed();
+    return began_us < o.began_us;
+  }
 
   /// A rank failed, as opposed to a launcher: the job may restart.
   [[nodiscard]] bool restartable() const noexcept { return rank >= 0; }
@@ -87,10 +101,9 @@ static_assert(sizeof(control_frame) == 40, "control_frame must stay 40 bytes: ev
 /// The control channel's hash of the token (salted apart from the ranks' store and mesh handshakes).
 inline std::uint64_t control_token(const std::string& token) { return tcp::detail::token_hash(token + "/ddp-launch"); }
 
-/// Wall-clock microseconds now.
-inline std::int64_t wall_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+/// Wall-clock microseconds at `t`.
+inline std::int64_t wall_us(std::chrono::system_clock::time_point t = std::chrono::system_clock::now()) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
 }
 
 /// TCP keepalive: a peer whose host died is noticed within about 11 seconds.
@@ -117,11 +130,11 @@ class node_link {
       join_node_0(deadline);
   }
 
-  /// Reports that rank `rank` of this node failed with `status` (once; later calls are ignored).
-  void report_failure(int rank, int status) {
+  /// Reports that rank `rank` of this node failed with `status` at `when` (once; later calls are ignored).
+  void report_failure(int rank, int status, std::chrono::system_clock::time_point when) {
     if (reported_) return;
     reported_ = true;
-    const node_failure f{plan_.node_rank, rank, status, detail::wall_us()};
+    const node_failure f{plan_.node_rank, rank, status, detail::wall_us(when)};
     if (plan_.node_rank == 0)
       note(f);
     else
@@ -282,7 +295,7 @@ class node_link {
   /// Node 0: a failure reported here or by a node; the first opens the settle window.
   void note(const node_failure& f) {
     if (stop_) return;
-    if (!first_ || f.began_us < first_->began_us) first_ = f;
+    if (!first_ || f.before(*first_)) first_ = f;
     if (!blame_at_) blame_at_ = tcp::detail::clock::now() + settle;
   }
 

@@ -88,6 +88,7 @@ struct rank_status {
   int signal = 0;                   ///< the signal that ended it, 0 when it exited
   bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
   bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::chrono::system_clock::time_point ended{};  ///< when the launcher reaped it (wall clock)
   std::string output;               ///< its stdout and stderr (output_mode::capture only)
 
   /// Exited with status 0.
@@ -439,6 +440,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
       result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
     else
       detail::record(result.ranks[r], status);
+    result.ranks[r].ended = std::chrono::system_clock::now();
   };
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
