@@ -9,6 +9,7 @@
 // every rank is stopped and every ddp-launch exits with its status.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <charconv>
 #include <chrono>
@@ -224,6 +225,10 @@ std::string shared_token(const command_line& cmd) {
     if (!in || !std::getline(in, token) || token.empty())
       throw ddp::config_error("cannot read a job token from the first line of '" + cmd.token_file +
                               "'; write the same secret there on every node");
+    struct stat st {};
+    if (::stat(cmd.token_file.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
+      std::fprintf(stderr, "ddp-launch: warning: the token file %s is readable by other users; chmod 600 it\n",
+                   cmd.token_file.c_str());
     return token;
   }
   if (const char* t = std::getenv("DDP_TOKEN"); t != nullptr && *t != '\0') return t;

@@ -113,12 +113,14 @@ TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file; 
   SECTION("a token file") {
     const auto file = std::filesystem::temp_directory_path() / ("ddp-token." + std::to_string(::getpid()));
     std::ofstream(file) << "from-the-file\n";
+    std::filesystem::permissions(file, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
     const auto rs = launch_nodes(2, {"--token-file", file.string(), "-n", "1", "/bin/sh", "-c", "echo token=$DDP_TOKEN"},
                                  [](int) { return dl::env_list{{"DDP_TOKEN", ""}}; });
     std::filesystem::remove(file);
     INFO(rs.ranks[0].output + rs.ranks[1].output);
     REQUIRE(rs.ok());
     CHECK(contains(rs.ranks[1].output, "[rank 1] token=from-the-file\n"));
+    CHECK_FALSE(contains(rs.ranks[1].output, "readable by other users"));
   }
   SECTION("node 1 with another token is refused; node 0 gives up at the join timeout") {
     const auto rs = launch_nodes(2, {"--join-timeout", "3", "-n", "1", "/bin/true"}, [](int node) {
