@@ -97,7 +97,10 @@ inline std::string read_text(const std::filesystem::path& p) {
 inline void require_hosts() {
   const int status = detail::run_script({"bash", DDP_MULTIHOST_SCRIPT, "--check"});
   if (status == 0) return;
-  std::fprintf(stderr, "the multihost tests cannot run here (see the line above); ctest reports them as not run\n");
+  std::fprintf(stderr, status == 77 ? "the multihost tests cannot run here (see the line above); ctest reports them "
+                                      "as not run (Skipped)\n"
+                                    : "the multihost tests cannot run here (see the line above), and "
+                                      "DDP_MULTIHOST_REQUIRED=1 makes that a failure\n");
   std::exit(status == 77 ? 77 : 1);
 }
 
