@@ -73,6 +73,25 @@ TEST_CASE("data_parallel: every policy, hybrid with a shard group per host, equa
   check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5);
 }
 
+TEST_CASE("hybrid keeps its all-gathers inside a host: fewer bytes cross the link than under full_shard",
+          "[.][crosslink]") {
+  auto comm = join();
+  // The bytes this host sent to the other one while `train` ran on every rank (a barrier fences each side).
+  const auto crossing = [&](auto train) {
+    comm.barrier().wait();
+    const auto before = tx_bytes("eth0");
+    train();
+    comm.barrier().wait();
+    return tx_bytes("eth0") - before;
+  };
+  const auto whole = crossing([&] { check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5); });
+  const auto hybrid = crossing(
+      [&] { check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5); });
+  std::printf("crosslink: rank %d's host sent %llu bytes under full_shard, %llu under hybrid<full_shard>\n",
+              comm.rank(), static_cast<unsigned long long>(whole), static_cast<unsigned long long>(hybrid));
+  CHECK(hybrid * 2 < whole);  // 4.3x fewer here: the shard all-reduce alone crosses, not the gathers
+}
+
 TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt; a restart ends after 20)",
           "[.][kill]") {
   auto comm = join();

@@ -46,6 +46,14 @@ TEST_CASE("2 hosts x 2 ranks: replicate, shard_grad_op, full_shard and hybrid (a
   REQUIRE(hosts.ok());
 }
 
+TEST_CASE("hybrid's shard groups stay inside a host: less than half of full_shard's bytes cross between hosts",
+          "[mh_crosslink]") {
+  const auto hosts = run_on_hosts({}, launch("[crosslink]"));
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  CHECK(contains(hosts.hosts[0].output, "under hybrid<full_shard>"));
+}
+
 TEST_CASE("2 hosts x 2 ranks join through tcp://host:port and file:///shared/path", "[mh_init]") {
   const auto tcp = run_on_hosts({}, launch("[sum]", "DDP_INIT_METHOD=tcp://10.200.0.1:29400"));
   INFO(tcp.describe());
