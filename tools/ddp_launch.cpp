@@ -1,12 +1,15 @@
-// ddp-launch: start N local ranks of a program with torchrun's environment (like torchrun --standalone).
+// ddp-launch: start the ranks of a program with torchrun's environment, on one host (like torchrun
+// --standalone) or on each of several (like torchrun --nnodes N --node-rank R --master-addr A).
 //
 //   ddp-launch -n 4 [--port P] [--bind none|core|numa] [--timeout S] [--grace S] [--] program [args...]
+//   ddp-launch --nnodes 2 --node-rank R --nproc-per-node 4 --master-addr A --master-port P program  (per host)
 //
-// Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT
-// (a free port unless --port) and DDP_TOKEN (random unless already set); each output line is prefixed
-// with "[rank R] "; when a rank fails the others are stopped and ddp-launch exits with its status.
+// Every rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT and DDP_TOKEN; each output line is prefixed with "[rank R] "; when a rank fails (on any node)
+// every rank is stopped and every ddp-launch exits with its status.
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <charconv>
 #include <chrono>
@@ -16,6 +19,7 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -23,11 +27,13 @@
 
 #include <ddp/core/error.hpp>
 #include <ddp/launch/flight_report.hpp>
+#include <ddp/launch/nodes.hpp>
 #include <ddp/launch/spawn.hpp>
 
 namespace {
 
 constexpr std::string_view usage = R"(usage: ddp-launch -n N [options] [--] program [args...]
+       ddp-launch --nnodes N --node-rank R -n K --master-addr A [--master-port P] [options] program [args...]
 
 Starts N ranks of `program` on this host, each with the environment of torchrun --standalone:
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT and DDP_TOKEN.
@@ -44,10 +50,25 @@ options:
                     Only the CPUs ddp-launch may use count (taskset, cgroups). The choice is printed once.
   --timeout S       stop every rank after S seconds and exit 124 (default: no limit)
   --grace S         seconds between SIGTERM and SIGKILL when stopping ranks (default: 3)
+  --max-restarts M  when a rank fails, stop every rank and start them all again, up to M times (default 0);
+                    the ranks read the attempt in DDP_RESTART_COUNT (torchrun: TORCHELASTIC_RESTART_COUNT)
+                    and resume from their last checkpoint. --timeout applies to each attempt.
   -h, --help        print this help and exit
   --                end of ddp-launch's options; the program and its arguments follow
 
-DDP_TOKEN, when set in ddp-launch's environment, is passed on; otherwise 128 random bits are.
+several nodes (run ddp-launch once on each, as torchrun; RANK = R*K + LOCAL_RANK, WORLD_SIZE = N*K,
+GROUP_RANK = R):
+  --nnodes N        number of nodes (default 1)
+  --node-rank R     this node's rank, 0..N-1 (node 0 runs rank 0 and the launchers' control port)
+  --master-addr A   node 0's address, reachable from every node (MASTER_ADDR of every rank)
+  --master-port P   rank 0's store port (default 29500); node 0's launcher listens on P+1 for the others
+  --token-file F    read the job token from file F (first line); else DDP_TOKEN must be set on every node
+  --join-timeout S  every node's launcher must have joined node 0's within S seconds (default 300)
+When a rank fails on any node, node 0 tells every launcher, each stops its ranks, and all exit with the
+failing rank's status and name its node and rank.
+
+DDP_TOKEN, when set in ddp-launch's environment, is passed on; otherwise (one node only) 128 random bits are.
+The token never goes on a command line: pass it in the environment or a file only you can read.
 SIGINT, SIGTERM and SIGHUP sent to ddp-launch stop every rank; it then exits with 128 + signal.
 )";
 
@@ -115,6 +136,12 @@ std::chrono::milliseconds parse_seconds(std::string_view option, const std::stri
 
 struct command_line {
   int nproc = 0;
+  int nodes = 1;
+  int node_rank = 0;
+  std::string token_file;
+  bool master_addr_given = false;
+  std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};
+  int max_restarts = 0;
   ddp::launch::bind_mode bind = ddp::launch::bind_mode::core;
   ddp::launch::spawn_options options;
   std::vector<std::string> program;
@@ -143,6 +170,19 @@ command_line parse(int argc, char** argv) {
       c.nproc = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
     } else if (a == "--port" || a == "--master-port" || a == "--master_port") {
       c.options.port = static_cast<std::uint16_t>(parse_integer(a, value_of(a), 1, 65535));
+    } else if (a == "--nnodes") {
+      c.nodes = static_cast<int>(parse_integer(a, value_of(a), 1, 4096));
+    } else if (a == "--node-rank" || a == "--node_rank") {
+      c.node_rank = static_cast<int>(parse_integer(a, value_of(a), 0, 4095));
+    } else if (a == "--master-addr" || a == "--master_addr") {
+      c.options.master_addr = value_of(a);
+      c.master_addr_given = true;
+    } else if (a == "--token-file") {
+      c.token_file = value_of(a);
+    } else if (a == "--max-restarts" || a == "--max_restarts") {
+      c.max_restarts = static_cast<int>(parse_integer(a, value_of(a), 0, 1000));
+    } else if (a == "--join-timeout") {
+      c.join_timeout = parse_seconds(a, value_of(a));
     } else if (a == "--bind") {
       const std::string mode = value_of(a);
       if (mode == "none")
@@ -164,7 +204,79 @@ command_line parse(int argc, char** argv) {
   for (; i < argc; ++i) c.program.emplace_back(argv[i]);
   if (c.nproc == 0) throw ddp::config_error("the number of ranks is missing; pass -n N");
   if (c.program.empty()) throw ddp::config_error("the program to run is missing; pass it after the options");
+  if (c.node_rank >= c.nodes)
+    throw ddp::config_error("--node-rank " + std::to_string(c.node_rank) + " is outside 0.." +
+                            std::to_string(c.nodes - 1) + " (--nnodes " + std::to_string(c.nodes) + ")");
+  if (c.nodes > 1 && !c.master_addr_given)
+    throw ddp::config_error("--nnodes " + std::to_string(c.nodes) + " needs --master-addr: node 0's address, the "
+                            "same on every node");
+  if (c.nodes > 1 && c.options.port == 0) c.options.port = 29500;  // torchrun's default
+  if (c.nodes > 1 && c.options.port == 65535)
+    throw ddp::config_error("--master-port 65535 leaves no port for the launchers' control channel (master port "
+                            "+ 1); pick a lower port");
   return c;
+}
+
+/// The job token of a job on several nodes: the first line of --token-file, else DDP_TOKEN.
+std::string shared_token(const command_line& cmd) {
+  if (!cmd.token_file.empty()) {
+    std::ifstream in(cmd.token_file);
+    std::string token;
+    if (!in || !std::getline(in, token) || token.empty())
+      throw ddp::config_error("cannot read a job token from the first line of '" + cmd.token_file +
+                              "'; write the same secret there on every node");
+    struct stat st {};
+    if (::stat(cmd.token_file.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
+      std::fprintf(stderr, "ddp-launch: warning: the token file %s is readable by other users; chmod 600 it\n",
+                   cmd.token_file.c_str());
+    return token;
+  }
+  if (const char* t = std::getenv("DDP_TOKEN"); t != nullptr && *t != '\0') return t;
+  throw ddp::config_error("a job on several nodes needs a token every node shares: set DDP_TOKEN in every "
+                          "launcher's environment, or pass --token-file with a file only you can read");
+}
+
+/// Runs this node's ranks of a job on several nodes; every launcher stops its ranks when one fails anywhere.
+int run_node(command_line& cmd) {
+  const int k = cmd.nproc;
+  cmd.options.token = shared_token(cmd);
+  cmd.options.first_rank = cmd.node_rank * k;
+  cmd.options.world_size = cmd.nodes * k;
+  cmd.options.node_rank = cmd.node_rank;
+  cmd.options.nodes = cmd.nodes;
+  const std::string me = "node " + std::to_string(cmd.node_rank);
+  ddp::launch::node_link link({cmd.nodes, cmd.node_rank, k, cmd.options.master_addr,
+                               static_cast<std::uint16_t>(cmd.options.port + 1), cmd.options.token, cmd.join_timeout,
+                               cmd.max_restarts, cmd.options.interrupt});
+  std::fprintf(stderr, "ddp-launch: %s of %d joined; ranks %d..%d of %d start (store at %s:%u)\n", me.c_str(),
+               cmd.nodes, cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.world_size,
+               cmd.options.master_addr.c_str(), cmd.options.port);
+  const auto report = [&](const ddp::launch::spawn_result& r) {
+    if (r.first_failed >= 0) {
+      const auto& failed = r.ranks[static_cast<std::size_t>(r.first_failed)];
+      link.report_failure(r.first_rank + r.first_failed, failed.shell_status(), failed.ended);
+    } else if (r.timed_out || r.interrupted_by != 0) {
+      link.report_failure(-1, r.exit_status(), std::chrono::system_clock::now());
+    }
+  };
+  cmd.options.watch = [&](const ddp::launch::spawn_result& r) {
+    report(r);
+    return link.poll();
+  };
+  for (;; link.next_round()) {
+    const auto result = ddp::launch::spawn_program(k, cmd.program, cmd.options);
+    report(result);
+    if (!result.ok()) std::fprintf(stderr, "ddp-launch: %s: %s\n", me.c_str(), result.describe().c_str());
+    const auto failure = link.finish();
+    if (!failure) return 0;
+    std::fprintf(stderr, "ddp-launch: %s: the job failed: %s; every node stopped its ranks\n", me.c_str(),
+                 failure->describe().c_str());
+    if (!failure->restartable() || cmd.options.restart_count == cmd.max_restarts)
+      return failure->status != 0 ? failure->status : 1;
+    ++cmd.options.restart_count;
+    std::fprintf(stderr, "ddp-launch: %s: restarting ranks %d..%d (restart %d of %d)\n", me.c_str(),
+                 cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.restart_count, cmd.max_restarts);
+  }
 }
 
 }  // namespace
@@ -190,28 +302,33 @@ int main(int argc, char** argv) {
     auto plan = ddp::launch::plan_binding(cmd.bind, cmd.nproc, ddp::launch::read_topology());
     std::fprintf(stderr, "ddp-launch: %s\n", plan.summary.c_str());
     cmd.options.cpus = std::move(plan.cpus);
-    flight_dir records;
     cmd.options.settle = std::chrono::seconds(1);  // the other ranks see the failure and write their records
+    if (cmd.nodes > 1) return run_node(cmd);
+    flight_dir records;
     if (records.owned)
       cmd.options.extra_env = [dir = records.path.string()](int) {
         return ddp::launch::env_list{{"DDP_FLIGHT_RECORDER_DIR", dir}};
       };
-    const auto started = std::filesystem::file_time_type::clock::now();
-    const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
-    if (!result.ok()) {
-      std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
-      if (!records.path.empty()) {
-        const auto written = ddp::launch::read_flight_records(records.path, started);
-        std::istringstream report(ddp::launch::analyze_flight_records(written));
-        for (std::string line; std::getline(report, line);)
-          std::fprintf(stderr, "ddp-launch: flight recorder: %s\n", line.c_str());
-        records.keep = !written.empty();
-        if (records.keep) std::fprintf(stderr, "ddp-launch: the ranks' flight records are in %s\n", records.path.c_str());
+    for (;; ++cmd.options.restart_count) {
+      const auto started = std::filesystem::file_time_type::clock::now();
+      const auto result = ddp::launch::spawn_program(cmd.nproc, cmd.program, cmd.options);
+      if (!result.ok()) {
+        std::fprintf(stderr, "ddp-launch: %s\n", result.describe().c_str());
+        if (!records.path.empty()) {
+          const auto written = ddp::launch::read_flight_records(records.path, started);
+          std::istringstream report(ddp::launch::analyze_flight_records(written));
+          for (std::string line; std::getline(report, line);)
+            std::fprintf(stderr, "ddp-launch: flight recorder: %s\n", line.c_str());
+          records.keep = !written.empty();
+          if (records.keep) std::fprintf(stderr, "ddp-launch: the ranks' flight records are in %s\n", records.path.c_str());
+        }
       }
+      if (result.first_failed < 0 || cmd.options.restart_count == cmd.max_restarts) return result.exit_status();
+      std::fprintf(stderr, "ddp-launch: restarting every rank (restart %d of %d)\n", cmd.options.restart_count + 1,
+                   cmd.max_restarts);
     }
-    return result.exit_status();
   } catch (const ddp::error& e) {
     std::fprintf(stderr, "ddp-launch: %s\n", e.what());
-    return 1;
+    return interrupted != 0 ? 128 + static_cast<int>(interrupted) : 1;
   }
 }

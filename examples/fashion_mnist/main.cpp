@@ -6,10 +6,14 @@
 //
 // Each rank trains on its part of every epoch (distributed_sampler), gradients are averaged bucket by bucket
 // during the backward, test accuracy is computed with every test image on exactly one rank and reduced.
-// A checkpoint is saved after every epoch; --resume continues from it.
+// A checkpoint is saved after every epoch; --resume continues from it (also after ddp-launch --max-restarts
+// restarted the ranks: --crash-at-step shows it).
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -44,11 +48,15 @@ struct settings {
   std::size_t limit = 0;           // use only the first `limit` training images (0: all)
   double min_accuracy = 0;         // exit 1 when the final test accuracy is below it (for tests)
   bool progress = true;
+  std::uint64_t crash_at_step = 0; // the last rank kills itself at this step of the first attempt (0: never)
 };
 
 constexpr const char* usage =
     "usage: fashion_mnist [--backend tcp|mpi] [--epochs N] [--batch B (per rank)] [--lr X] [--momentum X]\n"
-    "                     [--schedule cosine|constant] [--data DIR] [--checkpoint PATH] [--resume] [--limit N] [--min-accuracy X] [--no-progress]\n";
+    "                     [--schedule cosine|constant] [--data DIR] [--checkpoint PATH] [--resume] [--limit N] [--min-accuracy X] [--no-progress]\n"
+    "                     [--crash-at-step S]   (the last rank kills itself at step S of the first attempt, when\n"
+    "                     DDP_RESTART_COUNT is unset or 0: under ddp-launch --max-restarts 1, with --resume, the job\n"
+    "                     resumes from its last checkpoint)\n";
 
 settings parse(int argc, char** argv) {
   settings s;
@@ -69,6 +77,7 @@ settings parse(int argc, char** argv) {
     else if (a == "--limit") s.limit = std::stoul(value());
     else if (a == "--min-accuracy") s.min_accuracy = std::stod(value());
     else if (a == "--no-progress") s.progress = false;
+    else if (a == "--crash-at-step") s.crash_at_step = std::stoull(value());
     else return false;
     return true;
   });
@@ -118,6 +127,8 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
   ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
 
+  const char* restarts = std::getenv("DDP_RESTART_COUNT");  // ddp-launch --max-restarts counts its restarts
+  const bool first_attempt = restarts == nullptr || std::string(restarts) == "0";
   int first_epoch = 0;
   if (s.resume) {
     bool exists = std::filesystem::exists(s.checkpoint);
@@ -142,6 +153,12 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
     ddp::progress_bar bar(s.progress ? comm.rank() : -1, batches.size(), "epoch " + std::to_string(epoch + 1));
     ddp::metric_sums train_sums;
     for (const auto batch : batches) {
+      if (s.crash_at_step > 0 && opt.step_count() == s.crash_at_step && comm.rank() == comm.size() - 1 &&
+          first_attempt) {
+        std::fprintf(stderr, "fashion_mnist: rank %d kills itself at step %llu (--crash-at-step)\n", comm.rank(),
+                     static_cast<unsigned long long>(s.crash_at_step));
+        ::raise(SIGKILL);
+      }
       gather_batch(train_set, batch, x, y);
       if (s.cosine) opt.settings().lr = cosine_lr(s.lr, opt.step_count(), steps_per_epoch * static_cast<std::size_t>(s.epochs));
       dp.zero_grad();

@@ -2790,6 +2790,22 @@ inline int poll_ms(clock::time_point deadline) {
   return left <= 0 ? 0 : (left > 1'000'000 ? 1'000'000 : static_cast<int>(left));
 }
 
+/// Connects non-blocking socket `fd` to `addr`, waiting until `deadline` at most (an address that drops
+/// packets does not hold the caller for the kernel's minutes of SYN retries); 0, or the errno of the failure.
+inline int connect_by(int fd, const sockaddr_in& addr, clock::time_point deadline) {
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) return 0;
+  if (errno != EINPROGRESS) return errno;
+  pollfd p{fd, POLLOUT, 0};
+  int k = 0;
+  while ((k = ::poll(&p, 1, poll_ms(deadline))) < 0 && errno == EINTR) {
+  }
+  if (k <= 0) return k == 0 ? ETIMEDOUT : errno;
+  int code = 0;
+  socklen_t len = sizeof code;
+  ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &code, &len);
+  return code;
+}
+
 /// Connects to `host:port`, retrying with exponential backoff (10 ms .. 1 s) until `deadline`.
 inline socket_fd connect_with_retry(const std::string& host, std::uint16_t port, clock::time_point deadline, int rank,
                                     const std::string& what, const std::string& fix) {
@@ -2797,13 +2813,10 @@ inline socket_fd connect_with_retry(const std::string& host, std::uint16_t port,
   auto backoff = std::chrono::milliseconds(10);
   int last = 0;
   while (true) {
-    socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!fd.valid()) throw error("cannot create a socket: " + errno_text(errno), rank, errno);
-    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
-      set_nonblocking(fd.get());
-      return fd;
-    }
-    last = errno;
+    last = connect_by(fd.get(), addr, deadline);
+    if (last == 0) return fd;
     if (clock::now() + backoff >= deadline)
       throw timeout_error("could not reach " + what + " at " + host + ":" + std::to_string(port) +
                               " before the connect deadline (last error: " + errno_text(last) + "); " + fix,
@@ -3228,6 +3241,7 @@ class frame_writer {
 /// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
 /// remote region, so the word is read after the data).
 
+#include <sys/stat.h>
 
 
 
@@ -3236,6 +3250,37 @@ namespace ddp::tcp::detail {
 /// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
 /// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
 inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
+/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
+/// namespace has another namespace, where a pid names some unrelated process.
+struct host_identity {
+  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
+  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
+  std::uint64_t pid_ns_dev = 0;///< its device
+
+  /// Both known and equal: the pids of one process mean the same process for the other.
+  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
+    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
+  }
+};
+
+/// This process's host identity.
+inline host_identity this_host() {
+  host_identity id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (in >> boot) {
+    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
+    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) {
+    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
+    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
+  }
+  return id;
+}
 
 /// What a rank knows about reaching one peer's memory directly (both on one host, same user).
 struct peer_memory {
@@ -4729,6 +4774,10 @@ struct config {
   int size = 1;                                   ///< number of ranks
   std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
   std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
+  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
+  /// addresses there, and removes the file once every rank has joined.
+  std::string store_file;
   std::string token;                              ///< job token; every rank must pass the same one
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
   std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
@@ -4743,16 +4792,10 @@ struct config {
   std::size_t max_pending_handshakes = 64;
 };
 
-/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-/// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
-/// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES.
-inline config config_from_env() {
-  const env_config env = read_env_config();
-  config cfg;
-  cfg.rank = env.rank;
-  cfg.size = env.world_size;
-  cfg.master_addr = env.master_addr;
-  cfg.master_port = env.master_port;
+/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
+inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
   constexpr long long max_ms = 1LL << 40;
   if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
@@ -4777,8 +4820,86 @@ inline config config_from_env() {
   return cfg;
 }
 
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  return options_from_env(std::move(cfg));
+}
+
 }  // namespace ddp::tcp
 // ---- end <ddp/comm/tcp/config.hpp>
+// ---- begin <ddp/comm/tcp/init_method.hpp>
+/// \file torch.distributed's init methods for ddp::tcp: "env://" (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+/// from the environment), "tcp://host:port" (rank 0's store there) and "file:///path" (rank 0's store found
+/// through a file every rank shares); the token, timeouts and interface come from the environment as always.
+
+
+
+namespace ddp::tcp {
+
+/// The config of init method `url` for rank `rank` of `size` (torch.distributed.init_process_group's
+/// init_method, rank and world_size): "env://" takes both from the environment unless given; "tcp://host:port"
+/// and "file:///absolute/path" need them. Throws config_error naming the mistake and its fix.
+inline config config_from_url(std::string_view url, int rank = -1, int size = -1) {
+  const auto given = [&](std::string_view method) {
+    if (rank < 0 || size < 1)
+      throw config_error(std::string(method) + " needs this process's rank and the world size: pass them as "
+                         "init(\"" + std::string(url) + "\", rank, world_size), as torch.distributed's "
+                         "init_process_group(init_method=..., rank=..., world_size=...)",
+                         rank);
+    if (rank >= size)
+      throw config_error("rank " + std::to_string(rank) + " is not below the world size " + std::to_string(size) +
+                             "; ranks run from 0 to world_size-1",
+                         rank);
+    config cfg = options_from_env();
+    cfg.rank = rank;
+    cfg.size = size;
+    return cfg;
+  };
+  if (url == "env://") {
+    config cfg = config_from_env();
+    if (rank >= 0) cfg.rank = rank;
+    if (size >= 1) cfg.size = size;
+    return cfg;
+  }
+  if (url.rfind("tcp://", 0) == 0) {
+    const std::string_view where = url.substr(6);
+    const auto colon = where.rfind(':');
+    unsigned port = 0;
+    const char* end = where.data() + where.size();
+    if (colon == std::string_view::npos || colon == 0 ||
+        std::from_chars(where.data() + colon + 1, end, port).ptr != end || port == 0 || port > 65535)
+      throw config_error("init method '" + std::string(url) + "' is not tcp://host:port with a port in 1..65535; "
+                         "name rank 0's host and a free port, e.g. tcp://10.0.0.1:29500",
+                         rank);
+    config cfg = given("tcp://");
+    cfg.master_addr = std::string(where.substr(0, colon));
+    cfg.master_port = static_cast<std::uint16_t>(port);
+    return cfg;
+  }
+  if (url.rfind("file://", 0) == 0) {
+    const std::string_view path = url.substr(7);
+    if (path.empty() || path.front() != '/')
+      throw config_error("init method '" + std::string(url) + "' needs an absolute path, file:///shared/dir/name "
+                         "(three slashes), on a filesystem every rank shares",
+                         rank);
+    config cfg = given("file://");
+    cfg.store_file = std::string(path);
+    return cfg;
+  }
+  throw config_error("unknown init method '" + std::string(url) + "'; ddp::tcp takes env://, tcp://host:port or "
+                     "file:///path (torch.distributed's spellings)",
+                     rank);
+}
+
+}  // namespace ddp::tcp
+// ---- end <ddp/comm/tcp/init_method.hpp>
 // ---- begin <ddp/comm/tcp/rendezvous.hpp>
 /// \file The rendezvous of a TCP job: every rank joins rank 0's store, claims its rank, publishes its mesh
 /// address, connects to every lower rank and accepts every higher one (all handshakes at once, strangers
@@ -4797,17 +4918,23 @@ namespace ddp::tcp::detail {
 /// A blocking client of the store; connecting and every call end by the deadline given at construction.
 class store_client {
  public:
-  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `deadline`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline)
-      : rank_(rank), deadline_(deadline), where_(host + ":" + std::to_string(port)) {
-    fd_ = connect_with_retry(host, port, deadline, rank, "the rendezvous store (rank 0)",
+  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `connected_by`;
+  /// every later call ends by `deadline`.
+  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline,
+               clock::time_point connected_by)
+      : rank_(rank), deadline_(connected_by), where_(host + ":" + std::to_string(port)) {
+    fd_ = connect_with_retry(host, port, connected_by, rank, "the rendezvous store (rank 0)",
                              "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
                              "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
     const store_hello hello{store_magic, 1, token};
     check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
+    deadline_ = deadline;
   }
+  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `deadline`.
+  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline)
+      : store_client(host, port, token, rank, deadline, deadline) {}
 
   /// Stores `value` under `key`.
   void set(const std::string& key, const std::vector<std::uint8_t>& value) {
@@ -4865,6 +4992,368 @@ class store_client {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/store_client.hpp>
+// ---- begin <ddp/comm/tcp/store_file.hpp>
+/// \file The file:// rendezvous: rank 0 serves its store on a free port and publishes, in one file on a
+/// filesystem every rank shares, "ddp-store 1 <token hash> <port> <address>..." (written to a claimed
+/// temporary and renamed into place, so a reader never sees half a file and concurrent or killed writers leave
+/// no debris); the other ranks read it, try its addresses in order, and authenticate with the token. A file a
+/// crashed earlier job left behind is told apart: another job's token hash is ignored, and a dead address is
+/// refused, so readers look again until rank 0 replaces the file. Rank 0 removes it once every rank joined.
+
+
+#include <sstream>
+
+// ---- begin <ddp/checkpoint/atomic_file.hpp>
+/// \file Atomic replacement of a checkpoint file or directory, and removal of what killed saves left behind.
+///
+/// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
+/// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
+/// (the temporary renamed into place, or removed). Before it starts, a save removes the stale temporaries of the
+/// same target: entries `<target>.tmp.<id>` and `<target>.tmp.<id>.lock` (id: digits, optionally `.` and hex
+/// digits) whose lock file is absent or can be locked — their saver is dead, since the kernel drops a process's
+/// locks when it dies. Nothing depends on the pid in the name (pids are reused, and differ between hosts); a lock
+/// file rather than the temporary itself is locked because a directory cannot be locked over NFS (which emulates
+/// flock with POSIX locks on files), so files and directories take one path. A cleaner takes the lock, checks the
+/// name still leads to the file it locked, and only then removes; a saver checks the same after taking its lock,
+/// and picks another name when a cleaner removed its claim in between.
+
+#include <set>
+#include <system_error>
+
+#include <sys/file.h>
+
+// ---- begin <ddp/checkpoint/checksum.hpp>
+/// \file The checksum of ddp's checkpoint files: 64-bit FNV-1a (hex, 16 digits), taken over every byte of a file
+/// including the text that records it. A "sealed" text holds its own checksum: the 16 digits after a marker such as
+/// `"ddp.checksum":"` count as sixteen '0' when the checksum is taken, so a writer puts '0's there, hashes the
+/// bytes as written and then writes the digits in their place. FNV-1a detects every change of a single byte (each
+/// step, xor then multiplication by an odd prime, is a bijection of the state), so any flipped bit is caught.
+
+
+namespace ddp::detail {
+
+/// FNV-1a's offset basis: the checksum of nothing.
+inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ULL;
+/// What a sealed text holds in place of its checksum's digits while the checksum is taken.
+inline constexpr std::string_view unsealed_digits = "0000000000000000";
+
+/// 64-bit FNV-1a of `data`, continued from `h`.
+inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = fnv1a_basis) noexcept {
+  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
+  return h;
+}
+
+/// 64-bit FNV-1a of the characters of `text`, continued from `h`.
+inline std::uint64_t fnv1a(std::string_view text, std::uint64_t h = fnv1a_basis) noexcept {
+  return fnv1a(std::as_bytes(std::span(text.data(), text.size())), h);
+}
+
+/// `v` as 16 lower-case hex digits.
+inline std::string hex(std::uint64_t v) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(16, '0');
+  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
+  return s;
+}
+
+/// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
+/// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.
+inline std::size_t find_seal(std::string_view text, std::string_view marker) noexcept {
+  const std::size_t at = text.find(marker);
+  if (at == std::string_view::npos || text.find(marker, at + 1) != std::string_view::npos) return std::string_view::npos;
+  const std::size_t digits = at + marker.size();
+  return digits + 17 <= text.size() && text[digits + 16] == '"' ? digits : std::string_view::npos;
+}
+
+/// FNV-1a of `text`, continued from `h`, with its 16 characters at `seal` counted as unsealed_digits.
+inline std::uint64_t fnv1a_sealed(std::string_view text, std::size_t seal, std::uint64_t h = fnv1a_basis) noexcept {
+  h = fnv1a(text.substr(0, seal), h);
+  h = fnv1a(unsealed_digits, h);
+  return fnv1a(text.substr(seal + unsealed_digits.size()), h);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/checkpoint/checksum.hpp>
+
+namespace ddp::detail {
+
+/// Throws ddp::io_error "<kind> '<path>': <what> (<errno text>); <fix>".
+[[noreturn]] inline void fail_on(std::string_view kind, const std::filesystem::path& path, const std::string& what,
+                                 const std::string& fix, int err = 0) {
+  throw io_error(std::string(kind) + " '" + path.string() + "': " + what +
+                     (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") + "; " + fix,
+                 -1, err);
+}
+
+/// The directory holding `path` ("." for a bare name).
+inline std::filesystem::path parent_of(const std::filesystem::path& path) {
+  return path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+}
+
+/// Flushes a directory's entries to disk (what makes a rename in it survive a power loss). A file system that
+/// cannot sync directories (fsync fails with EINVAL) is let through; any other failure throws ddp::io_error.
+inline void sync_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail_on("directory", dir, "cannot be opened to flush its entries", "check its permissions", errno);
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL) fail_on("directory", dir, "flushing its entries failed", "check the disk", err);
+}
+
+/// Whether the open file `fd` is the file `path` names now (same device and inode).
+inline bool names_same_file(int fd, const std::filesystem::path& path) noexcept {
+  struct stat a {}, b {};
+  return ::fstat(fd, &a) == 0 && ::lstat(path.c_str(), &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+/// Whether `id` is what follows "<target>.tmp." in a temporary's name: digits, optionally '.' and hex digits.
+inline bool is_temp_id(std::string_view id) noexcept {
+  const auto dot = id.find('.');
+  const auto pid = id.substr(0, dot);
+  const auto all_of = [](std::string_view s, std::string_view set) { return !s.empty() && s.find_first_not_of(set) == s.npos; };
+  return all_of(pid, "0123456789") && (dot == id.npos || all_of(id.substr(dot + 1), "0123456789abcdef"));
+}
+
+/// Removes the temporaries of `target` left by dead saves (see the file comment); those of live saves stay. Best
+/// effort: what cannot be removed is left for a later save.
+inline void remove_stale_temps(const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  const fs::path dir = parent_of(target);
+  const std::string prefix = target.filename().string() + ".tmp.";
+  std::set<std::string> ids;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    std::string_view name = file;
+    if (!name.starts_with(prefix)) continue;
+    name.remove_prefix(prefix.size());
+    if (name.ends_with(".lock")) name.remove_suffix(5);
+    if (is_temp_id(name)) ids.emplace(name);
+  }
+  for (const auto& id : ids) {
+    const fs::path temp = dir / (prefix + id), lock = dir / (prefix + id + ".lock");
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) fs::remove_all(temp, ec);  // no lock file: an earlier ddp's temporary, or an orphan
+      continue;
+    }
+    if (::flock(fd, LOCK_SH | LOCK_NB) == 0 && names_same_file(fd, lock)) {  // its saver is dead
+      fs::remove_all(temp, ec);
+      ::unlink(lock.c_str());
+    }
+    ::close(fd);
+  }
+}
+
+/// A fresh temporary name beside `target`, claimed by an exclusive flock on its lock file for this object's life;
+/// the destructor removes the lock file (after the owner renamed or removed the temporary).
+class temp_claim {
+ public:
+  /// Claims a name; throws ddp::io_error when the lock file cannot be created.
+  explicit temp_claim(const std::filesystem::path& target) {
+    std::random_device entropy;
+    for (int attempt = 0; attempt < 16; ++attempt) {
+      const std::uint64_t tag = (std::uint64_t{entropy()} << 32) | entropy();
+      temp_ = target.string() + ".tmp." + std::to_string(::getpid()) + "." + hex(tag);
+      lock_ = temp_.string() + ".lock";
+      fd_ = ::open(lock_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      if (fd_ < 0 && errno == EEXIST) continue;
+      if (fd_ < 0)
+        fail_on("checkpoint file", temp_, "cannot create the lock file of the temporary",
+                "check that the directory exists and is writable", errno);
+      int rc = 0;
+      while ((rc = ::flock(fd_, LOCK_EX)) != 0 && errno == EINTR) {
+      }
+      if (rc == 0 && names_same_file(fd_, lock_)) return;
+      ::close(fd_);  // a cleaner took the new lock file for a stale one and removed it: try another name
+      fd_ = -1;
+    }
+    fail_on("checkpoint file", target, "no temporary name could be claimed in 16 attempts",
+            "check that no other program removes files in its directory");
+  }
+  temp_claim(const temp_claim&) = delete;
+  temp_claim& operator=(const temp_claim&) = delete;
+  ~temp_claim() {
+    ::unlink(lock_.c_str());
+    ::close(fd_);
+  }
+  /// The claimed temporary name (not created by the claim).
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return temp_; }
+
+ private:
+  std::filesystem::path temp_, lock_;
+  int fd_ = -1;
+};
+
+/// A file written through a claimed temporary beside `path` (stale temporaries of `path` are removed first):
+/// commit() flushes it to disk, renames it over `path` and flushes the directory; destroyed uncommitted, it
+/// removes the temporary.
+class atomic_file {
+ public:
+  /// Creates the temporary; throws ddp::io_error when it cannot.
+  explicit atomic_file(std::filesystem::path path)
+      : path_((remove_stale_temps(path), std::move(path))), claim_(path_) {
+    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      fail_on("checkpoint file", claim_.path(), "cannot create the temporary file",
+              "check that the directory exists and is writable", errno);
+  }
+  atomic_file(const atomic_file&) = delete;
+  atomic_file& operator=(const atomic_file&) = delete;
+  ~atomic_file() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(claim_.path().c_str());
+  }
+  /// Appends `data`, retrying short writes.
+  void write(std::span<const std::byte> data) {
+    while (!data.empty()) {
+      const ssize_t n = ::write(fd_, data.data(), data.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
+      data = data.subspan(static_cast<std::size_t>(n));
+    }
+  }
+  /// Overwrites bytes at `offset` (already written).
+  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
+    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
+      fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
+  }
+  /// Flushes the file, renames it over the path, flushes the directory.
+  void commit() {
+    if (::fsync(fd_) != 0) fail_on("checkpoint file", claim_.path(), "fsync failed", "check the disk", errno);
+    const int rc = ::close(fd_);
+    fd_ = -1;
+    if (rc != 0) fail_on("checkpoint file", claim_.path(), "closing failed", "check the disk", errno);
+    if (::rename(claim_.path().c_str(), path_.c_str()) != 0)
+      fail_on("checkpoint file", path_, "renaming the temporary file over it failed",
+              "check permissions of the directory", errno);
+    committed_ = true;
+    sync_directory(parent_of(path_));
+  }
+
+ private:
+  std::filesystem::path path_;
+  temp_claim claim_;  // released after the destructor's body removed an uncommitted temporary
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/checkpoint/atomic_file.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The first word of a store file.
+inline constexpr std::string_view store_file_magic = "ddp-store";
+
+/// The IPv4 addresses of this host other ranks may reach rank 0's store at: DDP_INTERFACE's alone when set,
+/// else every interface's, loopback last.
+inline std::vector<std::string> store_addresses(const config& cfg) {
+  if (!cfg.interface.empty()) return {interface_address(cfg.interface, cfg.rank)};
+  std::vector<std::string> found, loopback;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) == 0) {
+    for (ifaddrs* i = list; i != nullptr; i = i->ifa_next)
+      if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET) {
+        const auto host = to_endpoint(*reinterpret_cast<sockaddr_in*>(i->ifa_addr)).host;
+        (host.rfind("127.", 0) == 0 ? loopback : found).push_back(host);
+      }
+    ::freeifaddrs(list);
+  }
+  found.insert(found.end(), loopback.begin(), loopback.end());
+  return found;
+}
+
+/// Rank 0: writes where its store listens (`port` on `addresses`) to cfg.store_file, replacing any old file.
+inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t port,
+                          const std::vector<std::string>& addresses) {
+  std::ostringstream text;
+  text << store_file_magic << " 1 " << std::hex << token << std::dec << ' ' << port;
+  for (const auto& a : addresses) text << ' ' << a;
+  text << '\n';
+  const std::string bytes = text.str();
+  try {
+    ddp::detail::atomic_file file(cfg.store_file);
+    file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
+    file.commit();
+  } catch (const io_error& e) {
+    throw config_error("rank 0 cannot write the rendezvous file of file://" + cfg.store_file + ": " + e.message() +
+                           "; pass a path in a writable directory every rank shares",
+                       cfg.rank);
+  }
+}
+
+/// What a store file says; nothing when it is missing, malformed, or another job's (another token).
+struct store_file_entry {
+  std::uint16_t port = 0;
+  std::vector<std::string> addresses;
+};
+
+/// Reads cfg.store_file; `why` says what was wrong with it when the answer is nothing.
+inline std::optional<store_file_entry> read_store_file(const config& cfg, std::uint64_t token, std::string& why) {
+  std::ifstream in(cfg.store_file);
+  if (!in) {
+    why = "the file does not exist yet (rank 0 writes it when it starts)";
+    return std::nullopt;
+  }
+  std::string magic;
+  int version = 0;
+  std::uint64_t theirs = 0;
+  unsigned port = 0;
+  if (!(in >> magic >> version >> std::hex >> theirs >> std::dec >> port) || magic != store_file_magic ||
+      version != 1 || port == 0 || port > 65535) {
+    why = "it is not a ddp store file";
+    return std::nullopt;
+  }
+  if (theirs != token) {
+    why = "it belongs to another job (another DDP_TOKEN), or to an earlier job that did not end cleanly";
+    return std::nullopt;
+  }
+  store_file_entry e;
+  e.port = static_cast<std::uint16_t>(port);
+  for (std::string a; in >> a;) e.addresses.push_back(a);
+  if (e.addresses.empty()) {
+    why = "it lists no address";
+    return std::nullopt;
+  }
+  return e;
+}
+
+/// Connects to the store cfg.store_file names, looking again until `deadline` while the file is missing,
+/// another job's, or its addresses refuse (an earlier job's file, not yet replaced by this job's rank 0).
+inline store_client find_store(const config& cfg, std::uint64_t token, clock::time_point deadline) {
+  constexpr auto attempt = std::chrono::seconds(1);
+  constexpr auto pause = std::chrono::milliseconds(50);
+  std::string why;
+  while (true) {
+    if (const auto entry = read_store_file(cfg, token, why)) {
+      for (const auto& host : entry->addresses) {
+        try {
+          return store_client(host, entry->port, token, cfg.rank, deadline, std::min(deadline, clock::now() + attempt));
+        } catch (const error& e) {
+          why = "no listed address answered; the last, " + host + ":" + std::to_string(entry->port) +
+                ", said: " + e.message();
+        }
+      }
+    }
+    if (clock::now() + pause >= deadline)
+      throw timeout_error("found no rendezvous store through file://" + cfg.store_file +
+                              " before the connect deadline: " + why +
+                              "; start rank 0 with the same path on a filesystem every rank shares and the same "
+                              "DDP_TOKEN, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          cfg.rank);
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+/// Rank 0, once every rank joined: removes the store file, so that a later job never reads this one's.
+inline void retire_store_file(const config& cfg) {
+  std::error_code ec;
+  std::filesystem::remove(cfg.store_file, ec);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/store_file.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -4973,21 +5462,24 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   return peers;
 }
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
-/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
-/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+/// its host identity (boot id, PID namespace), its pid and the address and value of its engine's live word
+/// (random until the engine aborts); a peer with the same identity that reads the word back with
+/// process_vm_readv runs on this host as this user, and reads it again after every copy. A peer on another
+/// machine or in another PID namespace (a container, a simulated host) is never probed: its pid would name
+/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody.
 inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
                                              const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
     std::uint64_t word = 0;
+    host_identity host;
   };
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load(), this_host()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -5001,7 +5493,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
                   "ddp version",
                   cfg.rank);
     std::memcpy(&theirs, bytes.data(), sizeof theirs);
-    if (!cfg.same_host_copy || theirs.address == 0) continue;
+    if (!cfg.same_host_copy || theirs.address == 0 || !mine.host.shares_pids_with(theirs.host)) continue;
     std::uint64_t seen = 0;
     iovec local{&seen, sizeof seen};
     iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof seen};
@@ -5018,15 +5510,20 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
 }
 
 
-/// Joins the job `cfg` describes through rank 0's store and hands the mesh to `eng`; all by `deadline`.
+/// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
+/// and hands the mesh to `eng`; all by `deadline`.
 inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
-  store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  const bool by_file = !cfg.store_file.empty();
+  store_client store = by_file ? find_store(cfg, token, deadline)
+                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
   claim_rank(store, cfg.rank);
   const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
   if (cfg.rank == 0) {
     const std::string name = interface_of(host);
-    log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
-                    std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
+    log_line(0, std::to_string(cfg.size) + " ranks; store " +
+                    (by_file ? "found through file://" + cfg.store_file
+                             : "at " + cfg.master_addr + ":" + std::to_string(cfg.master_port)) +
+                    "; rank 0's mesh on " + host +
                     (name.empty() ? "" : " (" + name + ")") +
                     (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
                                            : ""));
@@ -5050,6 +5547,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                           0);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  if (cfg.rank == 0 && by_file) retire_store_file(cfg);
 }
 
 }  // namespace ddp::tcp::detail
@@ -5081,22 +5579,31 @@ inline std::string group_label(std::uint32_t id) {
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
-  /// Joins the job `cfg` describes: rendezvous at master_addr:master_port, then the full mesh.
+  /// Joins the job `cfg` describes: rendezvous at master_addr:master_port (or through cfg.store_file), then
+  /// the full mesh.
   explicit communicator(const config& cfg) {
     if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
                          cfg.rank);
-    if (cfg.size > 1 && cfg.master_port == 0)
+    if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
       throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
                          "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
                          cfg.rank);
     const std::uint64_t token = detail::token_hash(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
-    if (cfg.rank == 0 && cfg.size > 1)
+    if (cfg.rank == 0 && cfg.size > 1 && cfg.store_file.empty())
       server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
                      detail::limits_of(cfg));
+    if (cfg.rank == 0 && cfg.size > 1 && !cfg.store_file.empty()) {
+      const auto addresses = detail::store_addresses(cfg);
+      auto listener = detail::listen_on(cfg.interface.empty() ? "0.0.0.0" : addresses.front(), 0, 0,
+                                        "the rendezvous store");
+      const auto port = detail::local_endpoint(listener.get()).port;
+      server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
+      detail::publish_store(cfg, token, port, addresses);
+    }
     engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
@@ -5111,6 +5618,12 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
   static communicator from_env() { return communicator(tcp::config_from_env()); }
+
+  /// Joins the job of init method `url` as torch.distributed.init_process_group(init_method=url, rank=rank,
+  /// world_size=size) does: "env://", "tcp://host:port" or "file:///shared/path" (tcp::config_from_url()).
+  static communicator init(std::string_view url, int rank = -1, int size = -1) {
+    return communicator(tcp::config_from_url(url, rank, size));
+  }
 
   /// The config from_env() uses (tcp::config_from_env()).
   static config config_from_env() { return tcp::config_from_env(); }
@@ -10372,244 +10885,6 @@ struct env_rendezvous {
 
 #include <nlohmann/json.hpp>
 
-// ---- begin <ddp/checkpoint/atomic_file.hpp>
-/// \file Atomic replacement of a checkpoint file or directory, and removal of what killed saves left behind.
-///
-/// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
-/// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
-/// (the temporary renamed into place, or removed). Before it starts, a save removes the stale temporaries of the
-/// same target: entries `<target>.tmp.<id>` and `<target>.tmp.<id>.lock` (id: digits, optionally `.` and hex
-/// digits) whose lock file is absent or can be locked — their saver is dead, since the kernel drops a process's
-/// locks when it dies. Nothing depends on the pid in the name (pids are reused, and differ between hosts); a lock
-/// file rather than the temporary itself is locked because a directory cannot be locked over NFS (which emulates
-/// flock with POSIX locks on files), so files and directories take one path. A cleaner takes the lock, checks the
-/// name still leads to the file it locked, and only then removes; a saver checks the same after taking its lock,
-/// and picks another name when a cleaner removed its claim in between.
-
-#include <set>
-#include <system_error>
-
-#include <sys/file.h>
-#include <sys/stat.h>
-
-// ---- begin <ddp/checkpoint/checksum.hpp>
-/// \file The checksum of ddp's checkpoint files: 64-bit FNV-1a (hex, 16 digits), taken over every byte of a file
-/// including the text that records it. A "sealed" text holds its own checksum: the 16 digits after a marker such as
-/// `"ddp.checksum":"` count as sixteen '0' when the checksum is taken, so a writer puts '0's there, hashes the
-/// bytes as written and then writes the digits in their place. FNV-1a detects every change of a single byte (each
-/// step, xor then multiplication by an odd prime, is a bijection of the state), so any flipped bit is caught.
-
-
-namespace ddp::detail {
-
-/// FNV-1a's offset basis: the checksum of nothing.
-inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ULL;
-/// What a sealed text holds in place of its checksum's digits while the checksum is taken.
-inline constexpr std::string_view unsealed_digits = "0000000000000000";
-
-/// 64-bit FNV-1a of `data`, continued from `h`.
-inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = fnv1a_basis) noexcept {
-  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
-/// 64-bit FNV-1a of the characters of `text`, continued from `h`.
-inline std::uint64_t fnv1a(std::string_view text, std::uint64_t h = fnv1a_basis) noexcept {
-  return fnv1a(std::as_bytes(std::span(text.data(), text.size())), h);
-}
-
-/// `v` as 16 lower-case hex digits.
-inline std::string hex(std::uint64_t v) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
-  return s;
-}
-
-/// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
-/// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.
-inline std::size_t find_seal(std::string_view text, std::string_view marker) noexcept {
-  const std::size_t at = text.find(marker);
-  if (at == std::string_view::npos || text.find(marker, at + 1) != std::string_view::npos) return std::string_view::npos;
-  const std::size_t digits = at + marker.size();
-  return digits + 17 <= text.size() && text[digits + 16] == '"' ? digits : std::string_view::npos;
-}
-
-/// FNV-1a of `text`, continued from `h`, with its 16 characters at `seal` counted as unsealed_digits.
-inline std::uint64_t fnv1a_sealed(std::string_view text, std::size_t seal, std::uint64_t h = fnv1a_basis) noexcept {
-  h = fnv1a(text.substr(0, seal), h);
-  h = fnv1a(unsealed_digits, h);
-  return fnv1a(text.substr(seal + unsealed_digits.size()), h);
-}
-
-}  // namespace ddp::detail
-// ---- end <ddp/checkpoint/checksum.hpp>
-
-namespace ddp::detail {
-
-/// Throws ddp::io_error "<kind> '<path>': <what> (<errno text>); <fix>".
-[[noreturn]] inline void fail_on(std::string_view kind, const std::filesystem::path& path, const std::string& what,
-                                 const std::string& fix, int err = 0) {
-  throw io_error(std::string(kind) + " '" + path.string() + "': " + what +
-                     (err != 0 ? std::string(" (") + std::strerror(err) + ")" : "") + "; " + fix,
-                 -1, err);
-}
-
-/// The directory holding `path` ("." for a bare name).
-inline std::filesystem::path parent_of(const std::filesystem::path& path) {
-  return path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-}
-
-/// Flushes a directory's entries to disk (what makes a rename in it survive a power loss). A file system that
-/// cannot sync directories (fsync fails with EINVAL) is let through; any other failure throws ddp::io_error.
-inline void sync_directory(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail_on("directory", dir, "cannot be opened to flush its entries", "check its permissions", errno);
-  const int rc = ::fsync(fd), err = errno;
-  ::close(fd);
-  if (rc != 0 && err != EINVAL) fail_on("directory", dir, "flushing its entries failed", "check the disk", err);
-}
-
-/// Whether the open file `fd` is the file `path` names now (same device and inode).
-inline bool names_same_file(int fd, const std::filesystem::path& path) noexcept {
-  struct stat a {}, b {};
-  return ::fstat(fd, &a) == 0 && ::lstat(path.c_str(), &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
-}
-
-/// Whether `id` is what follows "<target>.tmp." in a temporary's name: digits, optionally '.' and hex digits.
-inline bool is_temp_id(std::string_view id) noexcept {
-  const auto dot = id.find('.');
-  const auto pid = id.substr(0, dot);
-  const auto all_of = [](std::string_view s, std::string_view set) { return !s.empty() && s.find_first_not_of(set) == s.npos; };
-  return all_of(pid, "0123456789") && (dot == id.npos || all_of(id.substr(dot + 1), "0123456789abcdef"));
-}
-
-/// Removes the temporaries of `target` left by dead saves (see the file comment); those of live saves stay. Best
-/// effort: what cannot be removed is left for a later save.
-inline void remove_stale_temps(const std::filesystem::path& target) {
-  namespace fs = std::filesystem;
-  const fs::path dir = parent_of(target);
-  const std::string prefix = target.filename().string() + ".tmp.";
-  std::set<std::string> ids;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string file = it->path().filename().string();
-    std::string_view name = file;
-    if (!name.starts_with(prefix)) continue;
-    name.remove_prefix(prefix.size());
-    if (name.ends_with(".lock")) name.remove_suffix(5);
-    if (is_temp_id(name)) ids.emplace(name);
-  }
-  for (const auto& id : ids) {
-    const fs::path temp = dir / (prefix + id), lock = dir / (prefix + id + ".lock");
-    const int fd = ::open(lock.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) {
-      if (errno == ENOENT) fs::remove_all(temp, ec);  // no lock file: an earlier ddp's temporary, or an orphan
-      continue;
-    }
-    if (::flock(fd, LOCK_SH | LOCK_NB) == 0 && names_same_file(fd, lock)) {  // its saver is dead
-      fs::remove_all(temp, ec);
-      ::unlink(lock.c_str());
-    }
-    ::close(fd);
-  }
-}
-
-/// A fresh temporary name beside `target`, claimed by an exclusive flock on its lock file for this object's life;
-/// the destructor removes the lock file (after the owner renamed or removed the temporary).
-class temp_claim {
- public:
-  /// Claims a name; throws ddp::io_error when the lock file cannot be created.
-  explicit temp_claim(const std::filesystem::path& target) {
-    std::random_device entropy;
-    for (int attempt = 0; attempt < 16; ++attempt) {
-      const std::uint64_t tag = (std::uint64_t{entropy()} << 32) | entropy();
-      temp_ = target.string() + ".tmp." + std::to_string(::getpid()) + "." + hex(tag);
-      lock_ = temp_.string() + ".lock";
-      fd_ = ::open(lock_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-      if (fd_ < 0 && errno == EEXIST) continue;
-      if (fd_ < 0)
-        fail_on("checkpoint file", temp_, "cannot create the lock file of the temporary",
-                "check that the directory exists and is writable", errno);
-      int rc = 0;
-      while ((rc = ::flock(fd_, LOCK_EX)) != 0 && errno == EINTR) {
-      }
-      if (rc == 0 && names_same_file(fd_, lock_)) return;
-      ::close(fd_);  // a cleaner took the new lock file for a stale one and removed it: try another name
-      fd_ = -1;
-    }
-    fail_on("checkpoint file", target, "no temporary name could be claimed in 16 attempts",
-            "check that no other program removes files in its directory");
-  }
-  temp_claim(const temp_claim&) = delete;
-  temp_claim& operator=(const temp_claim&) = delete;
-  ~temp_claim() {
-    ::unlink(lock_.c_str());
-    ::close(fd_);
-  }
-  /// The claimed temporary name (not created by the claim).
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return temp_; }
-
- private:
-  std::filesystem::path temp_, lock_;
-  int fd_ = -1;
-};
-
-/// A file written through a claimed temporary beside `path` (stale temporaries of `path` are removed first):
-/// commit() flushes it to disk, renames it over `path` and flushes the directory; destroyed uncommitted, it
-/// removes the temporary.
-class atomic_file {
- public:
-  /// Creates the temporary; throws ddp::io_error when it cannot.
-  explicit atomic_file(std::filesystem::path path)
-      : path_((remove_stale_temps(path), std::move(path))), claim_(path_) {
-    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd_ < 0)
-      fail_on("checkpoint file", claim_.path(), "cannot create the temporary file",
-              "check that the directory exists and is writable", errno);
-  }
-  atomic_file(const atomic_file&) = delete;
-  atomic_file& operator=(const atomic_file&) = delete;
-  ~atomic_file() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(claim_.path().c_str());
-  }
-  /// Appends `data`, retrying short writes.
-  void write(std::span<const std::byte> data) {
-    while (!data.empty()) {
-      const ssize_t n = ::write(fd_, data.data(), data.size());
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
-      data = data.subspan(static_cast<std::size_t>(n));
-    }
-  }
-  /// Overwrites bytes at `offset` (already written).
-  void write_at(std::uint64_t offset, std::span<const std::byte> data) {
-    if (::pwrite(fd_, data.data(), data.size(), static_cast<off_t>(offset)) != static_cast<ssize_t>(data.size()))
-      fail_on("checkpoint file", claim_.path(), "writing failed", "check free disk space and permissions", errno);
-  }
-  /// Flushes the file, renames it over the path, flushes the directory.
-  void commit() {
-    if (::fsync(fd_) != 0) fail_on("checkpoint file", claim_.path(), "fsync failed", "check the disk", errno);
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    if (rc != 0) fail_on("checkpoint file", claim_.path(), "closing failed", "check the disk", errno);
-    if (::rename(claim_.path().c_str(), path_.c_str()) != 0)
-      fail_on("checkpoint file", path_, "renaming the temporary file over it failed",
-              "check permissions of the directory", errno);
-    committed_ = true;
-    sync_directory(parent_of(path_));
-  }
-
- private:
-  std::filesystem::path path_;
-  temp_claim claim_;  // released after the destructor's body removed an uncommitted temporary
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
-}  // namespace ddp::detail
-// ---- end <ddp/checkpoint/atomic_file.hpp>
 
 namespace ddp::safetensors {
 
@@ -11045,7 +11320,6 @@ class file {
 /// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
-#include <sstream>
 
 
 
@@ -12359,6 +12633,8 @@ enum class output_mode {
 /// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
 using env_list = std::vector<std::pair<std::string, std::string>>;
 
+struct spawn_result;
+
 /// How to start a job; every field has a working default.
 struct spawn_options {
   std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
@@ -12376,6 +12652,14 @@ struct spawn_options {
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
   /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
   const volatile std::sig_atomic_t* interrupt = nullptr;
+  int first_rank = 0;   ///< RANK of local rank 0: node_rank × nproc_per_node on a job of several nodes
+  int world_size = 0;   ///< WORLD_SIZE; 0: the number of local ranks (a job on one node)
+  int node_rank = 0;    ///< GROUP_RANK, torchrun's node rank
+  int nodes = 1;        ///< GROUP_WORLD_SIZE, the number of nodes
+  int restart_count = 0;  ///< DDP_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT): restarts so far
+  /// Called every tick while ranks run, with the job's state so far; returning true stops every rank (a
+  /// rank failed on another node) and the job reports stopped_by_watch.
+  std::function<bool(const spawn_result&)> watch;
 };
 
 /// How one rank ended.
@@ -12385,6 +12669,7 @@ struct rank_status {
   int signal = 0;                   ///< the signal that ended it, 0 when it exited
   bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
   bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::chrono::system_clock::time_point ended{};  ///< when the launcher reaped it (wall clock)
   std::string output;               ///< its stdout and stderr (output_mode::capture only)
 
   /// Exited with status 0.
@@ -12406,38 +12691,48 @@ struct spawn_result {
   int first_failed = -1;           ///< the rank that failed first, -1 when none did
   bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
   int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
+  bool stopped_by_watch = false;   ///< spawn_options::watch asked to stop the ranks (a failure on another node)
+  int first_rank = 0;              ///< RANK of local rank 0 (spawn_options::first_rank)
   std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
   std::string token;               ///< the DDP_TOKEN the ranks got
 
   /// Every rank exited with status 0.
   [[nodiscard]] bool ok() const noexcept {
-    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
+    return first_failed < 0 && !timed_out && interrupted_by == 0 && !stopped_by_watch &&
            std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
   }
   /// The job's status as a program should exit with: 0; the first failing rank's shell status;
-  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
+  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt; 1 when stopped by the watch.
   [[nodiscard]] int exit_status() const noexcept {
     if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
     if (timed_out) return 124;
     if (interrupted_by != 0) return 128 + interrupted_by;
+    if (stopped_by_watch) return 1;
     return 0;
+  }
+  /// "rank G" of local rank `local`, with its local rank when ranks of other nodes come before it.
+  [[nodiscard]] std::string name_of(int local) const {
+    const std::string global = "rank " + std::to_string(first_rank + local);
+    return first_rank == 0 ? global : global + " (local rank " + std::to_string(local) + ")";
   }
   /// One paragraph for humans: what failed first and how every other rank ended.
   [[nodiscard]] std::string describe() const {
     std::string s;
     if (first_failed >= 0)
-      s = "rank " + std::to_string(first_failed) + " failed first with " +
+      s = name_of(first_failed) + " failed first with " +
           ranks[static_cast<std::size_t>(first_failed)].describe();
     else if (timed_out)
       s = "the job did not finish within its timeout and was stopped";
     else if (interrupted_by != 0)
       s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
+    else if (stopped_by_watch)
+      s = "the launcher stopped its ranks after a failure elsewhere";
     else
       s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
     if (ok()) return s;
     for (const auto& r : ranks) {
       if (r.rank == first_failed) continue;
-      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
+      s += "; " + name_of(r.rank) + ": " + r.describe();
       if (r.stopped_by_launcher) s += " (stopped by the launcher)";
     }
     return s;
@@ -12498,6 +12793,7 @@ struct stream {
   int fd = -1;         ///< read end, -1 once closed
   int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
   std::string pending; ///< forward: bytes after the last newline
+  int global = 0;      ///< the rank's RANK, in its lines' prefix
 };
 
 /// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
@@ -12507,7 +12803,7 @@ inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank
     return;
   }
   s.pending.append(data, n);
-  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  const std::string prefix = "[rank " + std::to_string(s.global) + "] ";
   std::string out;
   std::size_t start = 0;
   for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
@@ -12524,7 +12820,7 @@ inline void finish(stream& s) {
   if (s.fd >= 0) ::close(s.fd);
   s.fd = -1;
   if (s.target >= 0 && !s.pending.empty()) {
-    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
+    write_all(s.target, "[rank " + std::to_string(s.global) + "] " + s.pending + "\n");
     s.pending.clear();
   }
 }
@@ -12572,15 +12868,18 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
   ::dup2(err_fd, STDERR_FILENO);
   if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
   if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
-  const std::string r = std::to_string(rank);
-  const std::string w = std::to_string(n);
   if (static_cast<std::size_t>(rank) < o.cpus.size() && !bind_to(o.cpus[static_cast<std::size_t>(rank)]))
-    std::cerr << "rank " << rank << " could not be bound to its CPUs (" << std::strerror(errno)
+    std::cerr << "rank " << o.first_rank + rank << " could not be bound to its CPUs (" << std::strerror(errno)
               << "); it runs unbound\n";
-  ::setenv("RANK", r.c_str(), 1);
-  ::setenv("WORLD_SIZE", w.c_str(), 1);
-  ::setenv("LOCAL_RANK", r.c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+  const auto set = [](const char* name, int value) { ::setenv(name, std::to_string(value).c_str(), 1); };
+  set("RANK", o.first_rank + rank);
+  set("WORLD_SIZE", o.world_size > 0 ? o.world_size : n);
+  set("LOCAL_RANK", rank);
+  set("LOCAL_WORLD_SIZE", n);
+  set("GROUP_RANK", o.node_rank);
+  set("GROUP_WORLD_SIZE", o.nodes);
+  set("DDP_RESTART_COUNT", o.restart_count);
+  set("TORCHELASTIC_RESTART_COUNT", o.restart_count);
   ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   ::setenv("MASTER_PORT", port.c_str(), 1);
   ::setenv("DDP_TOKEN", token.c_str(), 1);
@@ -12590,10 +12889,10 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
       for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
     body(rank);
   } catch (const std::exception& e) {
-    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
+    std::cerr << "rank " << o.first_rank + rank << " failed with an exception: " << e.what() << '\n';
     code = 1;
   } catch (...) {
-    std::cerr << "rank " << rank
+    std::cerr << "rank " << o.first_rank + rank
               << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
                  "reported above, or a thrown non-std type)\n";
     code = 1;
@@ -12615,8 +12914,9 @@ inline void record(rank_status& r, int status) {
 
 }  // namespace detail
 
-/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
+/// Forks `n` ranks that each run body(local rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DDP_TOKEN and DDP_RESTART_COUNT set (as torchrun
+/// does; RANK is options.first_rank + local rank); a rank exits 0 when body returns and 1 when it throws
 /// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
 /// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
 /// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
@@ -12628,7 +12928,12 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   using clock = std::chrono::steady_clock;
   if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
   if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
+  if (options.first_rank < 0 || (options.world_size > 0 && options.first_rank + n > options.world_size))
+    throw ddp::config_error("ranks " + std::to_string(options.first_rank) + ".." +
+                            std::to_string(options.first_rank + n - 1) + " do not fit in a world of " +
+                            std::to_string(options.world_size) + "; check the node rank and the ranks per node");
   spawn_result result;
+  result.first_rank = options.first_rank;
   result.port = options.port != 0 ? options.port : detail::free_port();
   if (!options.token.empty()) {
     result.token = options.token;
@@ -12694,10 +12999,10 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);
     ::close(out[1]);
-    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
+    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}, options.first_rank + r});
     if (forward) {
       ::close(err[1]);
-      streams.push_back({r, err[0], STDERR_FILENO, {}});
+      streams.push_back({r, err[0], STDERR_FILENO, {}, options.first_rank + r});
     }
   }
 
@@ -12716,13 +13021,14 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
       result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
     else
       detail::record(result.ranks[r], status);
+    result.ranks[r].ended = std::chrono::system_clock::now();
   };
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
   std::optional<clock::time_point> blame_by;
   std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
   const auto blame = [&](clock::time_point now) {
-    if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
+    if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0 || result.stopped_by_watch) return;
     int first = -1;
     for (int r = 0; r < n; ++r)
       if (pids[static_cast<std::size_t>(r)] < 0 && !result.ranks[static_cast<std::size_t>(r)].ok() &&
@@ -12747,6 +13053,10 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) reap(r);
     blame(clock::now());
+    if (options.watch && !result.stopped_by_watch && options.watch(result)) {
+      result.stopped_by_watch = result.first_failed < 0;  // a failure here already names its own rank
+      stop_all();
+    }
     const auto now = clock::now();
     if (result.first_failed >= 0 && options.stop_on_failure) {
       if (!stop_at) stop_at = now + options.settle;

@@ -181,3 +181,24 @@ TEST_CASE("ddp-launch: the rank killed first is blamed and its status is the exi
   INFO(first_wrong);
   CHECK(wrong == 0);
 }
+
+TEST_CASE("ddp-launch --max-restarts: a failure restarts every rank with DDP_RESTART_COUNT, up to M times",
+          "[launch][ddp-launch][restart]") {
+  const std::string body = "echo attempt $DDP_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT; "
+                           "if [ $RANK = 1 ] && [ $DDP_RESTART_COUNT -lt 2 ]; then exit 5; fi";
+  SECTION("the third attempt succeeds within 2 restarts") {
+    const auto r = ddp_launch({"-n", "2", "--bind", "none", "--max-restarts", "2", "--", "/bin/sh", "-c", body});
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    CHECK(contains(r.output, "ddp-launch: restarting every rank (restart 1 of 2)"));
+    CHECK(contains(r.output, "ddp-launch: restarting every rank (restart 2 of 2)"));
+    CHECK(contains(r.output, "[rank 0] attempt 2 2\n"));
+  }
+  SECTION("one restart is not enough: the second failure's status is the exit status") {
+    const auto r = ddp_launch({"-n", "2", "--bind", "none", "--max-restarts", "1", "--", "/bin/sh", "-c", body});
+    INFO(r.output);
+    CHECK(r.exit_code == 5);
+    CHECK(contains(r.output, "[rank 1] attempt 1 1\n"));
+    CHECK_FALSE(contains(r.output, "attempt 2"));
+  }
+}

@@ -316,3 +316,33 @@ TEST_CASE("a rank started twice is reported as such within seconds", "[tcp][stor
   CHECK(contains(rs.ranks[0].output, "check RANK and WORLD_SIZE"));
   CHECK((contains(rs.ranks[1].output, "rank 1 joined twice") || contains(rs.ranks[2].output, "rank 1 joined twice")));
 }
+
+TEST_CASE("the memory probe trusts a peer's pid only within one boot and one PID namespace", "[tcp][same_host]") {
+  namespace d = ddp::tcp::detail;
+  const auto here = d::this_host();
+  REQUIRE(here.boot != 0);    // /proc/sys/kernel/random/boot_id
+  REQUIRE(here.pid_ns != 0);  // /proc/self/ns/pid
+  CHECK(here.shares_pids_with(here));
+  auto other_machine = here;
+  other_machine.boot ^= 1;  // another boot id: another machine (or a simulated host)
+  CHECK_FALSE(here.shares_pids_with(other_machine));
+  auto container = here;
+  container.pid_ns += 1;  // the same kernel, another PID namespace: its pids name other processes here
+  CHECK_FALSE(here.shares_pids_with(container));
+  CHECK_FALSE(d::host_identity{}.shares_pids_with(d::host_identity{}));  // unknown is never the same
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t child = ::fork();
+  if (child == 0) {  // a process of this host: the same identity
+    const auto theirs = d::this_host();
+    const char same = theirs.shares_pids_with(here) ? 1 : 0;
+    [[maybe_unused]] const auto n = ::write(fds[1], &same, 1);
+    ::_exit(0);
+  }
+  char same = 0;
+  CHECK(::read(fds[0], &same, 1) == 1);
+  ::waitpid(child, nullptr, 0);
+  ::close(fds[0]);
+  ::close(fds[1]);
+  CHECK(same == 1);
+}

@@ -52,6 +52,8 @@ enum class output_mode {
 /// Extra environment variables of one rank, as name/value pairs (applied after the launcher's own).
 using env_list = std::vector<std::pair<std::string, std::string>>;
 
+struct spawn_result;
+
 /// How to start a job; every field has a working default.
 struct spawn_options {
   std::uint16_t port = 0;                      ///< MASTER_PORT; 0 picks a free port
@@ -69,6 +71,14 @@ struct spawn_options {
   /// When set and it becomes non-zero (a signal handler writes the signal number), every rank is
   /// stopped and the job reports that signal; ddp-launch uses it to pass on SIGINT/SIGTERM.
   const volatile std::sig_atomic_t* interrupt = nullptr;
+  int first_rank = 0;   ///< RANK of local rank 0: node_rank × nproc_per_node on a job of several nodes
+  int world_size = 0;   ///< WORLD_SIZE; 0: the number of local ranks (a job on one node)
+  int node_rank = 0;    ///< GROUP_RANK, torchrun's node rank
+  int nodes = 1;        ///< GROUP_WORLD_SIZE, the number of nodes
+  int restart_count = 0;  ///< DDP_RESTART_COUNT (and torchrun's TORCHELASTIC_RESTART_COUNT): restarts so far
+  /// Called every tick while ranks run, with the job's state so far; returning true stops every rank (a
+  /// rank failed on another node) and the job reports stopped_by_watch.
+  std::function<bool(const spawn_result&)> watch;
 };
 
 /// How one rank ended.
@@ -78,6 +88,7 @@ struct rank_status {
   int signal = 0;                   ///< the signal that ended it, 0 when it exited
   bool stopped_by_launcher = false; ///< the launcher signalled it (another rank failed, timeout, interrupt)
   bool unknown_status = false;      ///< it ended but its status could not be read (SIGCHLD set to SIG_IGN)
+  std::chrono::system_clock::time_point ended{};  ///< when the launcher reaped it (wall clock)
   std::string output;               ///< its stdout and stderr (output_mode::capture only)
 
   /// Exited with status 0.
@@ -99,38 +110,48 @@ struct spawn_result {
   int first_failed = -1;           ///< the rank that failed first, -1 when none did
   bool timed_out = false;          ///< the whole-job timeout expired and the launcher stopped the ranks
   int interrupted_by = 0;          ///< the signal that interrupted the launcher (spawn_options::interrupt), 0 if none
+  bool stopped_by_watch = false;   ///< spawn_options::watch asked to stop the ranks (a failure on another node)
+  int first_rank = 0;              ///< RANK of local rank 0 (spawn_options::first_rank)
   std::uint16_t port = 0;          ///< the MASTER_PORT the ranks got
   std::string token;               ///< the DDP_TOKEN the ranks got
 
   /// Every rank exited with status 0.
   [[nodiscard]] bool ok() const noexcept {
-    return first_failed < 0 && !timed_out && interrupted_by == 0 &&
+    return first_failed < 0 && !timed_out && interrupted_by == 0 && !stopped_by_watch &&
            std::all_of(ranks.begin(), ranks.end(), [](const rank_status& r) { return r.ok(); });
   }
   /// The job's status as a program should exit with: 0; the first failing rank's shell status;
-  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt.
+  /// 124 after the timeout (as timeout(1)); 128 + signal after an interrupt; 1 when stopped by the watch.
   [[nodiscard]] int exit_status() const noexcept {
     if (first_failed >= 0) return ranks[static_cast<std::size_t>(first_failed)].shell_status();
     if (timed_out) return 124;
     if (interrupted_by != 0) return 128 + interrupted_by;
+    if (stopped_by_watch) return 1;
     return 0;
+  }
+  /// "rank G" of local rank `local`, with its local rank when ranks of other nodes come before it.
+  [[nodiscard]] std::string name_of(int local) const {
+    const std::string global = "rank " + std::to_string(first_rank + local);
+    return first_rank == 0 ? global : global + " (local rank " + std::to_string(local) + ")";
   }
   /// One paragraph for humans: what failed first and how every other rank ended.
   [[nodiscard]] std::string describe() const {
     std::string s;
     if (first_failed >= 0)
-      s = "rank " + std::to_string(first_failed) + " failed first with " +
+      s = name_of(first_failed) + " failed first with " +
           ranks[static_cast<std::size_t>(first_failed)].describe();
     else if (timed_out)
       s = "the job did not finish within its timeout and was stopped";
     else if (interrupted_by != 0)
       s = "the launcher was interrupted by signal " + std::to_string(interrupted_by) + " and stopped the job";
+    else if (stopped_by_watch)
+      s = "the launcher stopped its ranks after a failure elsewhere";
     else
       s = "all " + std::to_string(ranks.size()) + " ranks exited with status 0";
     if (ok()) return s;
     for (const auto& r : ranks) {
       if (r.rank == first_failed) continue;
-      s += "; rank " + std::to_string(r.rank) + ": " + r.describe();
+      s += "; " + name_of(r.rank) + ": " + r.describe();
       if (r.stopped_by_launcher) s += " (stopped by the launcher)";
     }
     return s;
@@ -191,6 +212,7 @@ struct stream {
   int fd = -1;         ///< read end, -1 once closed
   int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
   std::string pending; ///< forward: bytes after the last newline
+  int global = 0;      ///< the rank's RANK, in its lines' prefix
 };
 
 /// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
@@ -200,7 +222,7 @@ inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank
     return;
   }
   s.pending.append(data, n);
-  const std::string prefix = "[rank " + std::to_string(s.rank) + "] ";
+  const std::string prefix = "[rank " + std::to_string(s.global) + "] ";
   std::string out;
   std::size_t start = 0;
   for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
@@ -217,7 +239,7 @@ inline void finish(stream& s) {
   if (s.fd >= 0) ::close(s.fd);
   s.fd = -1;
   if (s.target >= 0 && !s.pending.empty()) {
-    write_all(s.target, "[rank " + std::to_string(s.rank) + "] " + s.pending + "\n");
+    write_all(s.target, "[rank " + std::to_string(s.global) + "] " + s.pending + "\n");
     s.pending.clear();
   }
 }
@@ -265,15 +287,18 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
   ::dup2(err_fd, STDERR_FILENO);
   if (out_fd != STDOUT_FILENO && out_fd != STDERR_FILENO) ::close(out_fd);
   if (err_fd != out_fd && err_fd != STDOUT_FILENO && err_fd != STDERR_FILENO) ::close(err_fd);
-  const std::string r = std::to_string(rank);
-  const std::string w = std::to_string(n);
   if (static_cast<std::size_t>(rank) < o.cpus.size() && !bind_to(o.cpus[static_cast<std::size_t>(rank)]))
-    std::cerr << "rank " << rank << " could not be bound to its CPUs (" << std::strerror(errno)
+    std::cerr << "rank " << o.first_rank + rank << " could not be bound to its CPUs (" << std::strerror(errno)
               << "); it runs unbound\n";
-  ::setenv("RANK", r.c_str(), 1);
-  ::setenv("WORLD_SIZE", w.c_str(), 1);
-  ::setenv("LOCAL_RANK", r.c_str(), 1);
-  ::setenv("LOCAL_WORLD_SIZE", w.c_str(), 1);
+  const auto set = [](const char* name, int value) { ::setenv(name, std::to_string(value).c_str(), 1); };
+  set("RANK", o.first_rank + rank);
+  set("WORLD_SIZE", o.world_size > 0 ? o.world_size : n);
+  set("LOCAL_RANK", rank);
+  set("LOCAL_WORLD_SIZE", n);
+  set("GROUP_RANK", o.node_rank);
+  set("GROUP_WORLD_SIZE", o.nodes);
+  set("DDP_RESTART_COUNT", o.restart_count);
+  set("TORCHELASTIC_RESTART_COUNT", o.restart_count);
   ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
   ::setenv("MASTER_PORT", port.c_str(), 1);
   ::setenv("DDP_TOKEN", token.c_str(), 1);
@@ -283,10 +308,10 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
       for (const auto& [name, value] : o.extra_env(rank)) ::setenv(name.c_str(), value.c_str(), 1);
     body(rank);
   } catch (const std::exception& e) {
-    std::cerr << "rank " << rank << " failed with an exception: " << e.what() << '\n';
+    std::cerr << "rank " << o.first_rank + rank << " failed with an exception: " << e.what() << '\n';
     code = 1;
   } catch (...) {
-    std::cerr << "rank " << rank
+    std::cerr << "rank " << o.first_rank + rank
               << " failed with an exception that is not a std::exception (a test framework's failed assertion, "
                  "reported above, or a thrown non-std type)\n";
     code = 1;
@@ -308,8 +333,9 @@ inline void record(rank_status& r, int status) {
 
 }  // namespace detail
 
-/// Forks `n` ranks that each run body(rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-/// MASTER_ADDR, MASTER_PORT and DDP_TOKEN set; a rank exits 0 when body returns and 1 when it throws
+/// Forks `n` ranks that each run body(local rank) with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+/// GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, DDP_TOKEN and DDP_RESTART_COUNT set (as torchrun
+/// does; RANK is options.first_rank + local rank); a rank exits 0 when body returns and 1 when it throws
 /// (what() goes to its stderr). Ranks start with no blocked signals and the default action for
 /// termination and crash signals (the caller's handlers do not run in them). Waits for all of them
 /// and returns how each ended; when one fails the others get SIGTERM (SIGKILL after options.grace),
@@ -321,7 +347,12 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   using clock = std::chrono::steady_clock;
   if (n < 1) throw ddp::config_error("spawn needs at least one rank, got n = " + std::to_string(n));
   if (!body) throw ddp::config_error("spawn got an empty body; pass a callable taking the rank");
+  if (options.first_rank < 0 || (options.world_size > 0 && options.first_rank + n > options.world_size))
+    throw ddp::config_error("ranks " + std::to_string(options.first_rank) + ".." +
+                            std::to_string(options.first_rank + n - 1) + " do not fit in a world of " +
+                            std::to_string(options.world_size) + "; check the node rank and the ranks per node");
   spawn_result result;
+  result.first_rank = options.first_rank;
   result.port = options.port != 0 ? options.port : detail::free_port();
   if (!options.token.empty()) {
     result.token = options.token;
@@ -387,10 +418,10 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);
     ::close(out[1]);
-    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}});
+    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}, options.first_rank + r});
     if (forward) {
       ::close(err[1]);
-      streams.push_back({r, err[0], STDERR_FILENO, {}});
+      streams.push_back({r, err[0], STDERR_FILENO, {}, options.first_rank + r});
     }
   }
 
@@ -409,13 +440,14 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
       result.ranks[r].unknown_status = true;  // ECHILD: SIGCHLD is ignored, the kernel reaped it
     else
       detail::record(result.ranks[r], status);
+    result.ranks[r].ended = std::chrono::system_clock::now();
   };
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
   // exit began before it has been reaped too (it may have failed as well), or a second after.
   std::optional<clock::time_point> blame_by;
   std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
   const auto blame = [&](clock::time_point now) {
-    if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0) return;
+    if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0 || result.stopped_by_watch) return;
     int first = -1;
     for (int r = 0; r < n; ++r)
       if (pids[static_cast<std::size_t>(r)] < 0 && !result.ranks[static_cast<std::size_t>(r)].ok() &&
@@ -440,6 +472,10 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     for (std::size_t r = 0; r < pids.size(); ++r)
       if (pids[r] > 0) reap(r);
     blame(clock::now());
+    if (options.watch && !result.stopped_by_watch && options.watch(result)) {
+      result.stopped_by_watch = result.first_failed < 0;  // a failure here already names its own rank
+      stop_all();
+    }
     const auto now = clock::now();
     if (result.first_failed >= 0 && options.stop_on_failure) {
       if (!stop_at) stop_at = now + options.settle;

@@ -14,6 +14,7 @@
 #include <span>
 #include <cstdio>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -26,9 +27,11 @@
 #include <ddp/comm/tcp/algorithms.hpp>
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/init_method.hpp>
 #include <ddp/comm/tcp/rendezvous.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
+#include <ddp/comm/tcp/store_file.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -59,22 +62,31 @@ inline std::string group_label(std::uint32_t id) {
 /// A group of ranks connected over TCP; copies share the group, split() makes subgroups over the same mesh.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
-  /// Joins the job `cfg` describes: rendezvous at master_addr:master_port, then the full mesh.
+  /// Joins the job `cfg` describes: rendezvous at master_addr:master_port (or through cfg.store_file), then
+  /// the full mesh.
   explicit communicator(const config& cfg) {
     if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
                          cfg.rank);
-    if (cfg.size > 1 && cfg.master_port == 0)
+    if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
       throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
                          "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
                          cfg.rank);
     const std::uint64_t token = detail::token_hash(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
-    if (cfg.rank == 0 && cfg.size > 1)
+    if (cfg.rank == 0 && cfg.size > 1 && cfg.store_file.empty())
       server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
                      detail::limits_of(cfg));
+    if (cfg.rank == 0 && cfg.size > 1 && !cfg.store_file.empty()) {
+      const auto addresses = detail::store_addresses(cfg);
+      auto listener = detail::listen_on(cfg.interface.empty() ? "0.0.0.0" : addresses.front(), 0, 0,
+                                        "the rendezvous store");
+      const auto port = detail::local_endpoint(listener.get()).port;
+      server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
+      detail::publish_store(cfg, token, port, addresses);
+    }
     engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
@@ -89,6 +101,12 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
   static communicator from_env() { return communicator(tcp::config_from_env()); }
+
+  /// Joins the job of init method `url` as torch.distributed.init_process_group(init_method=url, rank=rank,
+  /// world_size=size) does: "env://", "tcp://host:port" or "file:///shared/path" (tcp::config_from_url()).
+  static communicator init(std::string_view url, int rank = -1, int size = -1) {
+    return communicator(tcp::config_from_url(url, rank, size));
+  }
 
   /// The config from_env() uses (tcp::config_from_env()).
   static config config_from_env() { return tcp::config_from_env(); }

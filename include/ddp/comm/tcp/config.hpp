@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <ddp/comm/env.hpp>
 
@@ -16,6 +17,10 @@ struct config {
   int size = 1;                                   ///< number of ranks
   std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
   std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
+  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
+  /// addresses there, and removes the file once every rank has joined.
+  std::string store_file;
   std::string token;                              ///< job token; every rank must pass the same one
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
   std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
@@ -30,16 +35,10 @@ struct config {
   std::size_t max_pending_handshakes = 64;
 };
 
-/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-/// OMPI_COMM_WORLD_*), DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS, DDP_INTERFACE,
-/// DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES.
-inline config config_from_env() {
-  const env_config env = read_env_config();
-  config cfg;
-  cfg.rank = env.rank;
-  cfg.size = env.world_size;
-  cfg.master_addr = env.master_addr;
-  cfg.master_port = env.master_port;
+/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
+inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
   constexpr long long max_ms = 1LL << 40;
   if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
@@ -62,6 +61,18 @@ inline config config_from_env() {
                                         "each mesh port keep at once"))
     cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
   return cfg;
+}
+
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  return options_from_env(std::move(cfg));
 }
 
 }  // namespace ddp::tcp

@@ -19,8 +19,10 @@
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/engine.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
+#include <ddp/comm/tcp/store_file.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
@@ -130,21 +132,24 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   return peers;
 }
 /// Finds the peers whose memory this rank can read and those that can read its own: every rank publishes
-/// its pid and the address and value of its engine's live word (random until the engine aborts); a peer
-/// that reads the word back with process_vm_readv runs on this host as this user, and reads it again after
-/// every copy. Ranks with same_host_copy off publish no address and read nobody.
+/// its host identity (boot id, PID namespace), its pid and the address and value of its engine's live word
+/// (random until the engine aborts); a peer with the same identity that reads the word back with
+/// process_vm_readv runs on this host as this user, and reads it again after every copy. A peer on another
+/// machine or in another PID namespace (a container, a simulated host) is never probed: its pid would name
+/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody.
 inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
                                              const std::atomic<std::uint64_t>& live) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
     std::uint64_t word = 0;
+    host_identity host;
   };
   const auto n = static_cast<std::size_t>(cfg.size);
   const auto me = static_cast<std::size_t>(cfg.rank);
   const auto key = [](const char* what, std::size_t r) { return std::string("ddp/") + what + "/" + std::to_string(r); };
   const probe mine{static_cast<std::uint64_t>(::getpid()),
-                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load()};
+                   cfg.same_host_copy ? reinterpret_cast<std::uintptr_t>(&live) : 0, live.load(), this_host()};
   const auto* raw = reinterpret_cast<const std::uint8_t*>(&mine);
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
@@ -158,7 +163,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
                   "ddp version",
                   cfg.rank);
     std::memcpy(&theirs, bytes.data(), sizeof theirs);
-    if (!cfg.same_host_copy || theirs.address == 0) continue;
+    if (!cfg.same_host_copy || theirs.address == 0 || !mine.host.shares_pids_with(theirs.host)) continue;
     std::uint64_t seen = 0;
     iovec local{&seen, sizeof seen};
     iovec remote{reinterpret_cast<void*>(static_cast<std::uintptr_t>(theirs.address)), sizeof seen};
@@ -175,15 +180,20 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
 }
 
 
-/// Joins the job `cfg` describes through rank 0's store and hands the mesh to `eng`; all by `deadline`.
+/// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
+/// and hands the mesh to `eng`; all by `deadline`.
 inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
-  store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  const bool by_file = !cfg.store_file.empty();
+  store_client store = by_file ? find_store(cfg, token, deadline)
+                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
   claim_rank(store, cfg.rank);
   const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
   if (cfg.rank == 0) {
     const std::string name = interface_of(host);
-    log_line(0, std::to_string(cfg.size) + " ranks; store at " + cfg.master_addr + ":" +
-                    std::to_string(cfg.master_port) + "; rank 0's mesh on " + host +
+    log_line(0, std::to_string(cfg.size) + " ranks; store " +
+                    (by_file ? "found through file://" + cfg.store_file
+                             : "at " + cfg.master_addr + ":" + std::to_string(cfg.master_port)) +
+                    "; rank 0's mesh on " + host +
                     (name.empty() ? "" : " (" + name + ")") +
                     (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
                                            : ""));
@@ -207,6 +217,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                           0);
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  if (cfg.rank == 0 && by_file) retire_store_file(cfg);
 }
 
 }  // namespace ddp::tcp::detail

@@ -7,12 +7,15 @@
 /// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
 /// remote region, so the word is read after the data).
 
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
+#include <string>
 
 #include <ddp/comm/tcp/protocol.hpp>
 
@@ -21,6 +24,37 @@ namespace ddp::tcp::detail {
 /// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
 /// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
 inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
+/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
+/// namespace has another namespace, where a pid names some unrelated process.
+struct host_identity {
+  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
+  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
+  std::uint64_t pid_ns_dev = 0;///< its device
+
+  /// Both known and equal: the pids of one process mean the same process for the other.
+  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
+    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
+  }
+};
+
+/// This process's host identity.
+inline host_identity this_host() {
+  host_identity id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (in >> boot) {
+    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
+    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) {
+    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
+    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
+  }
+  return id;
+}
 
 /// What a rank knows about reaching one peer's memory directly (both on one host, same user).
 struct peer_memory {

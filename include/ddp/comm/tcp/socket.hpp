@@ -163,6 +163,22 @@ inline int poll_ms(clock::time_point deadline) {
   return left <= 0 ? 0 : (left > 1'000'000 ? 1'000'000 : static_cast<int>(left));
 }
 
+/// Connects non-blocking socket `fd` to `addr`, waiting until `deadline` at most (an address that drops
+/// packets does not hold the caller for the kernel's minutes of SYN retries); 0, or the errno of the failure.
+inline int connect_by(int fd, const sockaddr_in& addr, clock::time_point deadline) {
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) return 0;
+  if (errno != EINPROGRESS) return errno;
+  pollfd p{fd, POLLOUT, 0};
+  int k = 0;
+  while ((k = ::poll(&p, 1, poll_ms(deadline))) < 0 && errno == EINTR) {
+  }
+  if (k <= 0) return k == 0 ? ETIMEDOUT : errno;
+  int code = 0;
+  socklen_t len = sizeof code;
+  ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &code, &len);
+  return code;
+}
+
 /// Connects to `host:port`, retrying with exponential backoff (10 ms .. 1 s) until `deadline`.
 inline socket_fd connect_with_retry(const std::string& host, std::uint16_t port, clock::time_point deadline, int rank,
                                     const std::string& what, const std::string& fix) {
@@ -170,13 +186,10 @@ inline socket_fd connect_with_retry(const std::string& host, std::uint16_t port,
   auto backoff = std::chrono::milliseconds(10);
   int last = 0;
   while (true) {
-    socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    socket_fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!fd.valid()) throw error("cannot create a socket: " + errno_text(errno), rank, errno);
-    if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
-      set_nonblocking(fd.get());
-      return fd;
-    }
-    last = errno;
+    last = connect_by(fd.get(), addr, deadline);
+    if (last == 0) return fd;
     if (clock::now() + backoff >= deadline)
       throw timeout_error("could not reach " + what + " at " + host + ":" + std::to_string(port) +
                               " before the connect deadline (last error: " + errno_text(last) + "); " + fix,

@@ -1,0 +1,141 @@
+#pragma once
+/// \file The file:// rendezvous: rank 0 serves its store on a free port and publishes, in one file on a
+/// filesystem every rank shares, "ddp-store 1 <token hash> <port> <address>..." (written to a claimed
+/// temporary and renamed into place, so a reader never sees half a file and concurrent or killed writers leave
+/// no debris); the other ranks read it, try its addresses in order, and authenticate with the token. A file a
+/// crashed earlier job left behind is told apart: another job's token hash is ignored, and a dead address is
+/// refused, so readers look again until rank 0 replaces the file. Rank 0 removes it once every rank joined.
+
+#include <ifaddrs.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ddp/checkpoint/atomic_file.hpp>
+#include <ddp/comm/tcp/config.hpp>
+#include <ddp/comm/tcp/socket.hpp>
+#include <ddp/comm/tcp/store_client.hpp>
+#include <ddp/core/error.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The first word of a store file.
+inline constexpr std::string_view store_file_magic = "ddp-store";
+
+/// The IPv4 addresses of this host other ranks may reach rank 0's store at: DDP_INTERFACE's alone when set,
+/// else every interface's, loopback last.
+inline std::vector<std::string> store_addresses(const config& cfg) {
+  if (!cfg.interface.empty()) return {interface_address(cfg.interface, cfg.rank)};
+  std::vector<std::string> found, loopback;
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) == 0) {
+    for (ifaddrs* i = list; i != nullptr; i = i->ifa_next)
+      if (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET) {
+        const auto host = to_endpoint(*reinterpret_cast<sockaddr_in*>(i->ifa_addr)).host;
+        (host.rfind("127.", 0) == 0 ? loopback : found).push_back(host);
+      }
+    ::freeifaddrs(list);
+  }
+  found.insert(found.end(), loopback.begin(), loopback.end());
+  return found;
+}
+
+/// Rank 0: writes where its store listens (`port` on `addresses`) to cfg.store_file, replacing any old file.
+inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t port,
+                          const std::vector<std::string>& addresses) {
+  std::ostringstream text;
+  text << store_file_magic << " 1 " << std::hex << token << std::dec << ' ' << port;
+  for (const auto& a : addresses) text << ' ' << a;
+  text << '\n';
+  const std::string bytes = text.str();
+  try {
+    ddp::detail::atomic_file file(cfg.store_file);
+    file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
+    file.commit();
+  } catch (const io_error& e) {
+    throw config_error("rank 0 cannot write the rendezvous file of file://" + cfg.store_file + ": " + e.message() +
+                           "; pass a path in a writable directory every rank shares",
+                       cfg.rank);
+  }
+}
+
+/// What a store file says; nothing when it is missing, malformed, or another job's (another token).
+struct store_file_entry {
+  std::uint16_t port = 0;
+  std::vector<std::string> addresses;
+};
+
+/// Reads cfg.store_file; `why` says what was wrong with it when the answer is nothing.
+inline std::optional<store_file_entry> read_store_file(const config& cfg, std::uint64_t token, std::string& why) {
+  std::ifstream in(cfg.store_file);
+  if (!in) {
+    why = "the file does not exist yet (rank 0 writes it when it starts)";
+    return std::nullopt;
+  }
+  std::string magic;
+  int version = 0;
+  std::uint64_t theirs = 0;
+  unsigned port = 0;
+  if (!(in >> magic >> version >> std::hex >> theirs >> std::dec >> port) || magic != store_file_magic ||
+      version != 1 || port == 0 || port > 65535) {
+    why = "it is not a ddp store file";
+    return std::nullopt;
+  }
+  if (theirs != token) {
+    why = "it belongs to another job (another DDP_TOKEN), or to an earlier job that did not end cleanly";
+    return std::nullopt;
+  }
+  store_file_entry e;
+  e.port = static_cast<std::uint16_t>(port);
+  for (std::string a; in >> a;) e.addresses.push_back(a);
+  if (e.addresses.empty()) {
+    why = "it lists no address";
+    return std::nullopt;
+  }
+  return e;
+}
+
+/// Connects to the store cfg.store_file names, looking again until `deadline` while the file is missing,
+/// another job's, or its addresses refuse (an earlier job's file, not yet replaced by this job's rank 0).
+inline store_client find_store(const config& cfg, std::uint64_t token, clock::time_point deadline) {
+  constexpr auto attempt = std::chrono::seconds(1);
+  constexpr auto pause = std::chrono::milliseconds(50);
+  std::string why;
+  while (true) {
+    if (const auto entry = read_store_file(cfg, token, why)) {
+      for (const auto& host : entry->addresses) {
+        try {
+          return store_client(host, entry->port, token, cfg.rank, deadline, std::min(deadline, clock::now() + attempt));
+        } catch (const error& e) {
+          why = "no listed address answered; the last, " + host + ":" + std::to_string(entry->port) +
+                ", said: " + e.message();
+        }
+      }
+    }
+    if (clock::now() + pause >= deadline)
+      throw timeout_error("found no rendezvous store through file://" + cfg.store_file +
+                              " before the connect deadline: " + why +
+                              "; start rank 0 with the same path on a filesystem every rank shares and the same "
+                              "DDP_TOKEN, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                          cfg.rank);
+    std::this_thread::sleep_for(pause);
+  }
+}
+
+/// Rank 0, once every rank joined: removes the store file, so that a later job never reads this one's.
+inline void retire_store_file(const config& cfg) {
+  std::error_code ec;
+  std::filesystem::remove(cfg.store_file, ec);
+}
+
+}  // namespace ddp::tcp::detail

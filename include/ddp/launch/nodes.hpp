@@ -1,0 +1,386 @@
+#pragma once
+/// \file The launchers of a job on several nodes (ddp-launch --nnodes N, like torchrun's agents) talk over a
+/// small control channel: node 0's launcher listens on MASTER_PORT + 1, every other launcher connects and
+/// sends a hello carrying the job token's hash; the ranks start once all N launchers have joined. A launcher
+/// whose rank fails reports it to node 0, which waits a moment for reports from other nodes, blames a crash
+/// before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
+/// node 0 sends every node the job's verdict. Every frame is 40 bytes and carries the token's hash; joining
+/// has a deadline, strangers are refused, and a launcher whose peer's connection ends (its host died: TCP
+/// keepalive) stops its ranks.
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ddp/comm/tcp/accept.hpp>
+#include <ddp/comm/tcp/socket.hpp>
+#include <ddp/core/error.hpp>
+
+namespace ddp::launch {
+
+/// Where this launcher stands in a job of several nodes.
+struct node_plan {
+  int nodes = 1;                            ///< --nnodes
+  int node_rank = 0;                        ///< --node-rank
+  int nproc_per_node = 1;                   ///< --nproc-per-node
+  std::string master_addr;                  ///< --master-addr: node 0's address
+  std::uint16_t control_port = 0;          ///< node 0's control port (MASTER_PORT + 1)
+  std::string token;                        ///< the job token every launcher shares
+  std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};  ///< every launcher must join by then
+  int max_restarts = 0;                     ///< --max-restarts, the same on every node
+  /// When set and it becomes non-zero (a signal handler writes the signal number), joining and waiting for
+  /// the other nodes give up with ddp::error.
+  const volatile std::sig_atomic_t* interrupt = nullptr;
+};
+
+/// A failed rank of a job of several nodes (or a node whose launcher vanished: rank -1).
+struct node_failure {
+  int node = 0;                ///< the node it ran on
+  int rank = -1;               ///< its global rank; -1: the node's launcher itself was lost
+  int status = 1;              ///< its status as a shell reports it
+  std::int64_t began_us = 0;   ///< when its launcher saw it end (wall clock, microseconds)
+
+  /// Killed by a signal no launcher sends (SIGKILL, SIGSEGV, ...: a crash, the OOM killer): a root cause, since
+  /// the peers of a lost rank fail with an exception (an exit code, or SIGABRT from std::terminate).
+  [[nodiscard]] bool crashed() const noexcept {
+    const int sig = status - 128;
+    return rank >= 0 && sig > 0 && sig != SIGABRT && sig != SIGTERM && sig != SIGINT && sig != SIGHUP;
+  }
+  /// Blamed before `o`: a crash before an exit, else the one that ended first.
+  [[nodiscard]] bool before(const node_failure& o) const noexcept {
+    if (crashed() != o.crashed()) return crashed();
+    return began_us < o.began_us;
+  }
+
+  /// A rank failed, as opposed to a launcher: the job may restart.
+  [[nodiscard]] bool restartable() const noexcept { return rank >= 0; }
+
+  /// "rank 3 on node 1 failed with status 137", or the launcher's line.
+  [[nodiscard]] std::string describe() const {
+    if (rank < 0)
+      return "the launcher of node " + std::to_string(node) + " stopped (interrupted, timed out, or lost with its " +
+             "host) with status " + std::to_string(status);
+    return "rank " + std::to_string(rank) + " on node " + std::to_string(node) + " failed with status " +
+           std::to_string(status);
+  }
+};
+
+namespace detail {
+
+inline constexpr std::uint32_t control_magic = 0x6464704c;  // "ddpL"
+
+/// What a control frame says.
+enum class control_kind : std::uint32_t { hello = 1, go, failed, stop, done, verdict };
+
+/// The one frame of the control channel.
+struct control_frame {
+  std::uint32_t magic = control_magic;
+  control_kind kind = control_kind::hello;
+  std::int32_t node = 0;     ///< hello: the sender's node rank; failed, stop, verdict: the failing node
+  std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher); hello: ranks per node
+  std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello: the number of nodes
+  std::int32_t restarts = 0; ///< hello: the sender's --max-restarts
+  std::int64_t began_us = 0; ///< failed: when it failed
+  std::uint64_t token = 0;   ///< the job token's hash
+};
+static_assert(sizeof(control_frame) == 40, "control_frame must stay 40 bytes: every launcher reads exactly that.");
+
+/// The control channel's hash of the token (salted apart from the ranks' store and mesh handshakes).
+inline std::uint64_t control_token(const std::string& token) { return tcp::detail::token_hash(token + "/ddp-launch"); }
+
+/// Wall-clock microseconds at `t`.
+inline std::int64_t wall_us(std::chrono::system_clock::time_point t = std::chrono::system_clock::now()) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+}
+
+/// TCP keepalive: a peer whose host died is noticed within about 11 seconds.
+inline void keep_alive(int fd) {
+  const int on = 1, idle = 5, interval = 2, count = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof count);
+}
+
+}  // namespace detail
+
+/// This launcher's end of the control channel (node 0 holds one connection per other node, the others one).
+class node_link {
+ public:
+  /// Joins the launchers of `plan`: node 0 waits for all others, the others connect to it; all by the join
+  /// timeout. Throws config_error for a stranger's mistakes that stop the job, timeout_error at the deadline.
+  explicit node_link(node_plan plan) : plan_(std::move(plan)), token_(detail::control_token(plan_.token)) {
+    const auto deadline = tcp::detail::clock::now() + plan_.join_timeout;
+    if (plan_.node_rank == 0)
+      accept_nodes(deadline);
+    else
+      join_node_0(deadline);
+  }
+
+  /// Reports that rank `rank` of this node failed with `status` at `when` (once; later calls are ignored).
+  void report_failure(int rank, int status, std::chrono::system_clock::time_point when) {
+    if (reported_) return;
+    reported_ = true;
+    const node_failure f{plan_.node_rank, rank, status, detail::wall_us(when)};
+    if (plan_.node_rank == 0)
+      note(f);
+    else
+      send(peers_[0], frame(detail::control_kind::failed, f));
+  }
+
+  /// Handles what arrived, without waiting; true once every node must stop its ranks.
+  bool poll() {
+    service(0);
+    return stop_.has_value();
+  }
+
+  /// After this node's ranks ended (a failure among them reported first): tells node 0 and waits for the
+  /// job's verdict (node 0: for every node's end, then sends it); returns the failure every node stopped for,
+  /// or nothing when every rank of every node succeeded.
+  std::optional<node_failure> finish() {
+    if (plan_.node_rank == 0) {
+      done_[0] = true;
+      while (!all_done() || (blame_at_ && !stop_)) {
+        check_interrupt("waiting for the other nodes' ranks to end");
+        service(100);
+      }
+      const node_failure none{0, -1, 0, 0};
+      const auto verdict = frame(detail::control_kind::verdict, stop_ ? *stop_ : none);
+      for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], verdict);
+      return stop_;
+    }
+    send(peers_[0], frame(detail::control_kind::done, {}));
+    while (!verdict_) {
+      check_interrupt("waiting for node 0's verdict");
+      service(100);
+    }
+    return verdict_->status == 0 ? std::nullopt : verdict_;
+  }
+
+  /// After finish() returned a restartable failure: forgets the round, keeping the connections; every node
+  /// does the same, since every node got the same verdict.
+  void next_round() {
+    reported_ = false;
+    first_.reset();
+    blame_at_.reset();
+    stop_.reset();
+    verdict_.reset();
+    done_.assign(done_.size(), false);
+  }
+
+ private:
+  /// How long node 0 collects reports after the first failure before it blames the one that began first.
+  static constexpr std::chrono::milliseconds settle{1000};
+
+  [[nodiscard]] detail::control_frame frame(detail::control_kind kind, const node_failure& f) const {
+    detail::control_frame c;
+    c.kind = kind;
+    c.node = f.node;
+    c.rank = f.rank;
+    c.status = f.status;
+    c.began_us = f.began_us;
+    c.token = token_;
+    return c;
+  }
+
+  void check_interrupt(const std::string& what) const {
+    if (plan_.interrupt != nullptr && *plan_.interrupt != 0)
+      throw error("node " + std::to_string(plan_.node_rank) + "'s launcher was interrupted by signal " +
+                  std::to_string(static_cast<int>(*plan_.interrupt)) + " while " + what);
+  }
+
+  static void send(tcp::detail::socket_fd& fd, const detail::control_frame& c) {
+    if (!fd.valid()) return;
+    const auto deadline = tcp::detail::clock::now() + std::chrono::seconds(5);
+    if (tcp::detail::send_all(fd.get(), &c, sizeof c, deadline) != tcp::detail::io_status::ok) fd.reset();
+  }
+
+  void accept_nodes(tcp::detail::clock::time_point deadline) {
+    tcp::detail::handshake_acceptor acceptor(
+        tcp::detail::listen_on("0.0.0.0", plan_.control_port, 0, "the launchers' control port"),
+        sizeof(detail::control_frame), {}, 0, "the launchers' control port");
+    peers_.resize(static_cast<std::size_t>(plan_.nodes));
+    done_.assign(static_cast<std::size_t>(plan_.nodes), false);
+    buffers_.resize(peers_.size());
+    std::vector<pollfd> fds;
+    for (int missing = plan_.nodes - 1; missing > 0;) {
+      check_interrupt("waiting for the other nodes to join");
+      if (tcp::detail::clock::now() >= deadline)
+        throw timeout_error(std::to_string(missing) + " of the other " + std::to_string(plan_.nodes - 1) +
+                            " nodes' launchers did not join node 0 at port " + std::to_string(plan_.control_port) +
+                            " in time; start ddp-launch on every node with the same --nnodes, --master-addr, "
+                            "--master-port and DDP_TOKEN, or raise --join-timeout");
+      fds.clear();
+      acceptor.fill(fds);
+      ::poll(fds.data(), fds.size(), std::min(tcp::detail::poll_ms(deadline), 1000));
+      for (auto& a : acceptor.on_events(fds, 0)) {
+        detail::control_frame got;
+        std::memcpy(&got, a.hello.data(), sizeof got);
+        std::string why;
+        if (got.magic != detail::control_magic || got.kind != detail::control_kind::hello)
+          why = "its first bytes are not a ddp-launch hello";
+        else if (got.token != token_)
+          why = "wrong job token";
+        else if (got.status != plan_.nodes)
+          why = "it belongs to a job of " + std::to_string(got.status) + " nodes";
+        else if (got.rank != plan_.nproc_per_node)
+          why = "it runs " + std::to_string(got.rank) + " ranks per node, node 0 " +
+                std::to_string(plan_.nproc_per_node) + " (every node needs the same --nproc-per-node)";
+        else if (got.restarts != plan_.max_restarts)
+          why = "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
+                std::to_string(plan_.max_restarts);
+        else if (got.node <= 0 || got.node >= plan_.nodes)
+          why = "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
+        else if (peers_[static_cast<std::size_t>(got.node)].valid())
+          throw config_error("two launchers claim node rank " + std::to_string(got.node) +
+                             "; give every node its own --node-rank in 0.." + std::to_string(plan_.nodes - 1));
+        if (!why.empty()) {
+          acceptor.refuse(a.fd, a.from, why);
+          continue;
+        }
+        detail::keep_alive(a.fd.get());
+        peers_[static_cast<std::size_t>(got.node)] = std::move(a.fd);
+        --missing;
+      }
+    }
+    for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::go, {}));
+  }
+
+  void join_node_0(tcp::detail::clock::time_point deadline) {
+    peers_.resize(1);
+    buffers_.resize(1);
+    constexpr auto slice = std::chrono::seconds(1);  // how often a signal is looked for
+    while (!peers_[0].valid()) {
+      check_interrupt("joining node 0's launcher");
+      try {
+        peers_[0] = tcp::detail::connect_with_retry(
+            plan_.master_addr, plan_.control_port, std::min(deadline, tcp::detail::clock::now() + slice), -1,
+            "node 0's launcher",
+            "start ddp-launch --node-rank 0 on the --master-addr host, with the same --master-port, or raise "
+            "--join-timeout");
+      } catch (const timeout_error&) {
+        if (tcp::detail::clock::now() >= deadline) throw;
+      }
+    }
+    detail::keep_alive(peers_[0].get());
+    auto hello = frame(detail::control_kind::hello, {plan_.node_rank, plan_.nproc_per_node, plan_.nodes, 0});
+    hello.restarts = plan_.max_restarts;
+    const bool sent = tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) == tcp::detail::io_status::ok;
+    for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
+      check_interrupt("waiting for node 0's launcher to start the job");
+      ::poll(&p, 1, static_cast<int>(std::chrono::milliseconds(slice).count()));
+    }
+    detail::control_frame go;
+    if (!sent || tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) != tcp::detail::io_status::ok ||
+        go.magic != detail::control_magic || go.kind != detail::control_kind::go || go.token != token_)
+      throw config_error("node 0's launcher at " + plan_.master_addr + ":" + std::to_string(plan_.control_port) +
+                         " refused node " + std::to_string(plan_.node_rank) +
+                         " or did not answer in time: give every launcher the same DDP_TOKEN and --nnodes, and "
+                         "every node its own --node-rank");
+  }
+
+  /// Node 0: a failure reported here or by a node; the first opens the settle window.
+  void note(const node_failure& f) {
+    if (stop_) return;
+    if (!first_ || f.before(*first_)) first_ = f;
+    if (!blame_at_) blame_at_ = tcp::detail::clock::now() + settle;
+  }
+
+  [[nodiscard]] bool all_done() const {
+    for (std::size_t k = 0; k < done_.size(); ++k)
+      if (!done_[k] && (k == 0 || peers_[k].valid())) return false;
+    return true;
+  }
+
+  /// Reads the frames that arrived (waiting up to `wait_ms` for the first), handles them, and on node 0
+  /// decides the failure once the settle window is over.
+  void service(int wait_ms) {
+    std::vector<pollfd> fds;
+    for (auto& p : peers_) fds.push_back({p.valid() ? p.get() : -1, POLLIN, 0});
+    ::poll(fds.data(), fds.size(), wait_ms);
+    for (std::size_t k = 0; k < peers_.size(); ++k) {
+      if (fds[k].revents == 0 || !peers_[k].valid()) continue;
+      auto& buf = buffers_[k];
+      char chunk[sizeof(detail::control_frame) * 4];
+      const ssize_t got = ::recv(peers_[k].get(), chunk, sizeof chunk, 0);
+      if (got > 0) buf.append(chunk, static_cast<std::size_t>(got));
+      bool lost = got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR);
+      while (!lost && buf.size() >= sizeof(detail::control_frame)) {
+        detail::control_frame c;
+        std::memcpy(&c, buf.data(), sizeof c);
+        buf.erase(0, sizeof c);
+        if (c.magic != detail::control_magic || c.token != token_) {
+          lost = true;
+          break;
+        }
+        handle(k, c);
+      }
+      if (lost) on_lost(k);
+    }
+    if (plan_.node_rank == 0 && blame_at_ && tcp::detail::clock::now() >= *blame_at_ && !stop_) {
+      stop_ = first_;
+      for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::stop, *stop_));
+    }
+  }
+
+  void handle(std::size_t from, const detail::control_frame& c) {
+    const node_failure f{c.node, c.rank, c.status, c.began_us};
+    switch (c.kind) {
+      case detail::control_kind::failed:
+        if (plan_.node_rank == 0) note(f);
+        break;
+      case detail::control_kind::done:
+        if (plan_.node_rank == 0) done_[from] = true;
+        break;
+      case detail::control_kind::stop:
+        if (!stop_) stop_ = f;
+        break;
+      case detail::control_kind::verdict:
+        verdict_ = f;
+        if (c.status != 0 && !stop_) stop_ = f;
+        break;
+      default:
+        break;
+    }
+  }
+
+  /// A peer's connection ended: on node 0 that node's launcher is lost (unless it had finished); on another
+  /// node, node 0's is, and nothing more will come.
+  void on_lost(std::size_t k) {
+    peers_[k].reset();
+    if (plan_.node_rank == 0) {
+      if (!done_[k]) note({static_cast<int>(k), -1, 1, detail::wall_us()});
+      done_[k] = true;
+      return;
+    }
+    const node_failure lost{0, -1, 1, detail::wall_us()};
+    if (!stop_) stop_ = lost;
+    if (!verdict_) verdict_ = stop_;
+  }
+
+  node_plan plan_;
+  std::uint64_t token_;
+  std::vector<tcp::detail::socket_fd> peers_;  ///< node 0: index = node rank (0 unused); others: [0] = node 0
+  std::vector<std::string> buffers_;           ///< bytes of a frame not yet whole, per peer
+  std::vector<bool> done_;                     ///< node 0: which nodes' ranks all ended (or who was lost)
+  bool reported_ = false;
+  std::optional<node_failure> first_;          ///< node 0: the failure that began first so far
+  std::optional<tcp::detail::clock::time_point> blame_at_;
+  std::optional<node_failure> stop_;           ///< the failure every node stops for
+  std::optional<node_failure> verdict_;        ///< other nodes: node 0's verdict
+};
+
+}  // namespace ddp::launch

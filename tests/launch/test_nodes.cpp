@@ -1,0 +1,168 @@
+// ddp-launch across nodes (--nnodes): two launchers on 127.0.0.1 stand for two hosts (the multihost tests
+// run them on simulated hosts): the torchrun environment, a failure on one node stopping both, the token.
+
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ddp/launch/spawn.hpp>
+
+#include "tcp/helpers.hpp"
+
+using namespace std::chrono_literals;
+namespace dl = ddp::launch;
+
+namespace {
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+/// Runs one ddp-launch per node (node r gets --node-rank r and the others, then args(r)) with env(r) added to
+/// its environment; neither is stopped when the other fails. Returns each launcher's status and output.
+dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(int node)> args,
+                              std::function<dl::env_list(int node)> env = {}) {
+  const std::string port = std::to_string(ddp::testing::tcp::free_port());
+  dl::spawn_options o;
+  o.output = dl::output_mode::capture;
+  o.timeout = 30s;
+  o.grace = 10s;
+  o.stop_on_failure = false;  // each launcher must stop on its own
+  o.extra_env = std::move(env);
+  return dl::spawn(
+      nodes,
+      [&](int node) {
+        std::vector<std::string> argv{DDP_LAUNCH_EXE, "--nnodes", std::to_string(nodes), "--node-rank",
+                                      std::to_string(node), "--master-addr", "127.0.0.1", "--master-port", port};
+        const auto mine = args(node);
+        argv.insert(argv.end(), mine.begin(), mine.end());
+        std::vector<char*> raw;
+        for (auto& a : argv) raw.push_back(a.data());
+        raw.push_back(nullptr);
+        ::execv(raw[0], raw.data());
+        std::_Exit(127);
+      },
+      o);
+}
+
+/// launch_nodes with the same `args` on every node.
+dl::spawn_result launch_nodes(int nodes, const std::vector<std::string>& args,
+                              std::function<dl::env_list(int node)> env = {}) {
+  return launch_nodes(nodes, [args](int) { return args; }, std::move(env));
+}
+
+}  // namespace
+
+TEST_CASE("ddp-launch --nnodes: RANK = node x K + LOCAL_RANK and torchrun's other variables", "[launch][nodes]") {
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--", "/bin/sh", "-c",
+                                   "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
+                                   "$GROUP_WORLD_SIZE $MASTER_ADDR ${#DDP_TOKEN}"});
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  REQUIRE(rs.ok());
+  CHECK(contains(rs.ranks[0].output, "[rank 0] 0 4 0 2 0 2 127.0.0.1 "));
+  CHECK(contains(rs.ranks[0].output, "[rank 1] 1 4 1 2 0 2 127.0.0.1 "));
+  CHECK(contains(rs.ranks[1].output, "[rank 2] 2 4 0 2 1 2 127.0.0.1 "));
+  CHECK(contains(rs.ranks[1].output, "[rank 3] 3 4 1 2 1 2 127.0.0.1 "));
+}
+
+TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks; both exit with its status",
+          "[launch][nodes]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
+                                   "if [ $RANK = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 30"});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  CHECK(took < 15s);  // far below the ranks' 30 s sleep
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 7);
+    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 7; every node stopped its ranks"));
+  }
+  CHECK(contains(rs.ranks[0].output, "stopped its ranks after a failure elsewhere"));
+  CHECK(contains(rs.ranks[1].output, "rank 3 (local rank 1) failed first with exit code 7"));
+}
+
+TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an error (a lost peer's symptom)",
+          "[launch][nodes]") {
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
+                                   "if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
+                                   "if [ $RANK = 3 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30"});
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 128 + 9);
+    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
+  }
+}
+
+TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file; without one, or another one, no "
+          "job starts", "[launch][nodes]") {
+  SECTION("no token") {
+    const auto rs = launch_nodes(2, {"-n", "1", "--join-timeout", "2", "/bin/true"},
+                                 [](int) { return dl::env_list{{"DDP_TOKEN", ""}}; });
+    for (const auto& node : rs.ranks) {
+      CHECK(node.exit_code == 1);
+      CHECK(contains(node.output, "needs a token every node shares"));
+    }
+  }
+  SECTION("a token file") {
+    const auto file = std::filesystem::temp_directory_path() / ("ddp-token." + std::to_string(::getpid()));
+    std::ofstream(file) << "from-the-file\n";
+    std::filesystem::permissions(file, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+    const auto rs = launch_nodes(2, {"--token-file", file.string(), "-n", "1", "/bin/sh", "-c", "echo token=$DDP_TOKEN"},
+                                 [](int) { return dl::env_list{{"DDP_TOKEN", ""}}; });
+    std::filesystem::remove(file);
+    INFO(rs.ranks[0].output + rs.ranks[1].output);
+    REQUIRE(rs.ok());
+    CHECK(contains(rs.ranks[1].output, "[rank 1] token=from-the-file\n"));
+    CHECK_FALSE(contains(rs.ranks[1].output, "readable by other users"));
+  }
+  SECTION("node 1 with another token is refused; node 0 gives up at the join timeout") {
+    const auto rs = launch_nodes(2, {"--join-timeout", "3", "-n", "1", "/bin/true"}, [](int node) {
+      return dl::env_list{{"DDP_TOKEN", node == 0 ? "one" : "two"}};
+    });
+    INFO(rs.ranks[0].output + rs.ranks[1].output);
+    CHECK(rs.ranks[0].exit_code == 1);
+    CHECK(contains(rs.ranks[0].output, "wrong job token"));
+    CHECK(contains(rs.ranks[0].output, "did not join node 0"));
+    CHECK(rs.ranks[1].exit_code == 1);
+    CHECK(contains(rs.ranks[1].output, "refused node 1"));
+  }
+}
+
+TEST_CASE("ddp-launch --nnodes --max-restarts: a rank failing on node 1 restarts every node's ranks",
+          "[launch][nodes][restart]") {
+  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--max-restarts", "1", "--", "/bin/sh", "-c",
+                                   "echo attempt $DDP_RESTART_COUNT; "
+                                   "if [ $RANK = 3 ] && [ $DDP_RESTART_COUNT = 0 ]; then exit 9; fi"});
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  REQUIRE(rs.ok());
+  CHECK(contains(rs.ranks[0].output, "node 0: restarting ranks 0..1 (restart 1 of 1)"));
+  CHECK(contains(rs.ranks[1].output, "node 1: restarting ranks 2..3 (restart 1 of 1)"));
+  CHECK(contains(rs.ranks[0].output, "[rank 0] attempt 1\n"));
+  CHECK(contains(rs.ranks[1].output, "[rank 3] attempt 1\n"));
+}
+
+TEST_CASE("ddp-launch --nnodes: launchers with different --max-restarts or --nproc-per-node do not start a job",
+          "[launch][nodes]") {
+  const auto restarts = launch_nodes(2, [](int node) {
+    return std::vector<std::string>{"--join-timeout", "2", "--max-restarts", std::to_string(node), "-n", "1",
+                                    "/bin/true"};
+  });
+  INFO(restarts.ranks[0].output + restarts.ranks[1].output);
+  CHECK(restarts.ranks[0].exit_code == 1);
+  CHECK(contains(restarts.ranks[0].output, "it was started with --max-restarts 1, node 0 with 0"));
+  CHECK(restarts.ranks[1].exit_code == 1);
+  const auto ranks = launch_nodes(2, [](int node) {
+    return std::vector<std::string>{"--join-timeout", "2", "-n", std::to_string(node + 1), "/bin/true"};
+  });
+  INFO(ranks.ranks[0].output + ranks.ranks[1].output);
+  CHECK(ranks.ranks[0].exit_code == 1);
+  CHECK(contains(ranks.ranks[0].output, "it runs 2 ranks per node, node 0 1 (every node needs the same"));
+  CHECK(ranks.ranks[1].exit_code == 1);
+}

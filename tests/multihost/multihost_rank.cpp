@@ -1,0 +1,140 @@
+// One rank of the multihost tests, started by ddp-launch --nnodes on each simulated host (test_multihost.cpp
+// picks the case by name). The communicator comes from DDP_INIT_METHOD (default env://; tcp:// and file://
+// take RANK and WORLD_SIZE as arguments, as torch.distributed's init_process_group does).
+
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "conformance/conformance.hpp"
+#include "parallel/scenarios.hpp"
+
+namespace {
+
+using namespace ddp_test;
+using ddp::backend::tcp;
+using tiny = ddp::bucket_bytes<200, 60>;
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  REQUIRE(v != nullptr);
+  return std::atoi(v);
+}
+
+ddp::tcp::communicator join() {
+  const char* url = std::getenv("DDP_INIT_METHOD");
+  if (url == nullptr || std::string(url) == "env://") return ddp::tcp::communicator::init("env://");
+  return ddp::tcp::communicator::init(url, env_int("RANK"), env_int("WORLD_SIZE"));
+}
+
+/// Bytes interface `name` has sent so far.
+std::uint64_t tx_bytes(const std::string& name) {
+  std::ifstream in("/sys/class/net/" + name + "/statistics/tx_bytes");
+  std::uint64_t n = 0;
+  REQUIRE(in >> n);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("an all_reduce sums every rank's value", "[.][sum]") {
+  auto comm = join();
+  REQUIRE(comm.rank() == env_int("RANK"));
+  REQUIRE(comm.size() == env_int("WORLD_SIZE"));
+  std::vector<double> v(1000, comm.rank() + 1.0);
+  comm.all_reduce(v).wait();
+  const int n = comm.size();
+  REQUIRE(v.back() == n * (n + 1) / 2.0);
+}
+
+TEST_CASE("conformance suite", "[.][conformance]") {
+  auto comm = join();
+  ddp::testing::run_conformance(comm);
+}
+
+TEST_CASE("data_parallel: every policy, hybrid with a shard group per host, equals one process", "[.][equivalence]") {
+  auto comm = join();
+  check_equivalence<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
+  check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
+  check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, 1e-5);
+  // hybrid's default groups are LOCAL_WORLD_SIZE ranks: the ranks of one host.
+  check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5);
+  check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5);
+}
+
+TEST_CASE("hybrid keeps its all-gathers inside a host: fewer bytes cross the link than under full_shard",
+          "[.][crosslink]") {
+  auto comm = join();
+  // The bytes this host sent to the other one while `train` ran on every rank (a barrier fences each side).
+  const auto crossing = [&](auto train) {
+    comm.barrier().wait();
+    const auto before = tx_bytes("eth0");
+    train();
+    comm.barrier().wait();
+    return tx_bytes("eth0") - before;
+  };
+  const auto whole = crossing([&] { check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5); });
+  const auto hybrid = crossing(
+      [&] { check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5); });
+  std::printf("crosslink: rank %d's host sent %llu bytes under full_shard, %llu under hybrid<full_shard>\n",
+              comm.rank(), static_cast<unsigned long long>(whole), static_cast<unsigned long long>(hybrid));
+  CHECK(hybrid * 2 < whole);  // 4.3x fewer here: the shard all-reduce alone crosses, not the gathers
+}
+
+TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt; a restart ends after 20)",
+          "[.][kill]") {
+  auto comm = join();
+  const int victim = env_int("DDP_VICTIM");
+  const bool restarted = env_int("DDP_RESTART_COUNT") > 0;
+  std::vector<float> v(1 << 18, 1.0F);
+  for (int i = 0; i < 100000; ++i) {
+    if (i == 20 && restarted) return;
+    if (i == 20 && comm.rank() == victim) {
+      const std::chrono::duration<double> now = std::chrono::system_clock::now().time_since_epoch();
+      std::ofstream(std::getenv("DDP_VICTIM_STAMP")) << std::fixed << now.count() << std::endl;
+      ::raise(SIGKILL);
+    }
+    comm.all_reduce(v).wait();
+  }
+  FAIL("the victim never died");
+}
+
+TEST_CASE("all_reduce of DDP_BYTES over the link: rank 0 prints its busbw", "[.][link]") {
+  auto comm = join();
+  std::vector<float> v(static_cast<std::size_t>(env_int("DDP_BYTES")) / sizeof(float), 1.0F);
+  comm.all_reduce(v).wait();  // warm-up: the sockets' buffers grow
+  constexpr int reps = 3;
+  comm.barrier().wait();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) comm.all_reduce(v).wait();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+  const int n = comm.size();
+  const double busbw = static_cast<double>(v.size() * sizeof(float)) * 2.0 * (n - 1) / n / seconds;
+  if (comm.rank() == 0) std::printf("link: all_reduce %.6f s busbw %.0f B/s\n", seconds, busbw);
+}
+
+TEST_CASE("the mesh runs on DDP_INTERFACE's network, the store on MASTER_ADDR's", "[.][interface]") {
+  const std::string chosen = std::getenv("DDP_INTERFACE");
+  const std::string other = chosen == "eth1" ? "eth0" : "eth1";
+  const auto chosen_before = tx_bytes(chosen), other_before = tx_bytes(other);
+  auto comm = join();
+  std::vector<float> v(std::size_t{4} << 20, 1.0F);  // 16 MiB: each host must send the other a quarter at least
+  comm.all_reduce(v).wait();
+  comm.barrier().wait();
+  REQUIRE(v.front() == static_cast<float>(comm.size()));
+  const auto chosen_sent = tx_bytes(chosen) - chosen_before, other_sent = tx_bytes(other) - other_before;
+  CAPTURE(chosen, chosen_sent, other_sent);
+  CHECK(chosen_sent >= (std::uint64_t{4} << 20));  // this host's share of the all_reduce crossed the chosen link
+  CHECK(other_sent < (std::uint64_t{1} << 20));    // the rendezvous only
+}

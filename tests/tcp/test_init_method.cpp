@@ -1,0 +1,138 @@
+// torch.distributed's init methods on ddp::tcp: env://, tcp://host:port and file:///path in real processes on
+// 127.0.0.1 and a temporary directory, stale files of an earlier job, and every mistake in a URL.
+
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "support/run_ranks.hpp"
+#include "tcp/helpers.hpp"
+
+using namespace std::chrono_literals;
+using ddp::testing::require_all_ok;
+using ddp::testing::run_ranks;
+using ddp::testing::tcp::expect;
+using ddp::testing::tcp::free_port;
+using ddp::testing::tcp::job;
+
+namespace {
+
+/// Every rank contributes rank + 1; the sum must be n(n+1)/2 everywhere, and the group must be the one asked for.
+void check_sum(ddp::tcp::communicator& comm, int rank, int n) {
+  expect(comm.rank() == rank && comm.size() == n, "the communicator is rank " + std::to_string(comm.rank()) +
+                                                      " of " + std::to_string(comm.size()));
+  std::vector<double> v(1000, rank + 1.0);
+  comm.all_reduce(v).wait();
+  expect(v.front() == n * (n + 1) / 2.0 && v.back() == v.front(), "the sum is " + std::to_string(v.front()));
+}
+
+/// A directory of its own under the system's temporary directory, removed at the end.
+struct temp_dir {
+  std::filesystem::path path;
+  temp_dir() {
+    std::string templ = (std::filesystem::temp_directory_path() / "ddp-init-XXXXXX").string();
+    REQUIRE(::mkdtemp(templ.data()) != nullptr);
+    path = templ;
+  }
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("init(\"env://\") reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT", "[tcp][init]") {
+  require_all_ok(run_ranks(
+      3,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::init("env://");
+        check_sum(comm, rank, 3);
+      },
+      job(60s)));
+}
+
+TEST_CASE("init(\"tcp://host:port\", rank, size) finds rank 0's store at the URL, not at MASTER_*", "[tcp][init]") {
+  const int port = free_port();
+  require_all_ok(run_ranks(
+      3,
+      [port](int rank) {
+        const std::string url = "tcp://127.0.0.1:" + std::to_string(port);
+        auto comm = ddp::tcp::communicator::init(url, rank, 3);
+        check_sum(comm, rank, 3);
+      },
+      // MASTER_PORT points elsewhere and RANK is withdrawn: only the URL and the arguments may be used.
+      job(60s, 0, [](int) { return ddp::launch::env_list{{"MASTER_PORT", "1"}, {"RANK", ""}}; })));
+}
+
+TEST_CASE("init(\"file:///path\", rank, size) rendezvouses through the file and removes it once all joined",
+          "[tcp][init]") {
+  temp_dir dir;
+  const auto file = dir.path / "rendezvous";
+  const bool stale = GENERATE(false, true);
+  CAPTURE(stale);
+  if (stale) {  // an earlier job's file: its rank 0 (same token) is gone; the new rank 0 replaces it
+    std::ofstream(file) << "ddp-store 1 " << std::hex << ddp::tcp::detail::token_hash("tcp-tests") << std::dec << ' '
+                        << free_port() << " 127.0.0.1\n";
+  }
+  require_all_ok(run_ranks(
+      3,
+      [&file](int rank) {
+        if (rank == 0) std::this_thread::sleep_for(300ms);  // the others read the stale file first
+        auto comm = ddp::tcp::communicator::init("file://" + file.string(), rank, 3);
+        check_sum(comm, rank, 3);
+        comm.barrier().wait();  // rank 0 removed the file before its rendezvous ended
+        expect(!std::filesystem::exists(file), "the rendezvous file is still there after every rank joined");
+      },
+      job(60s)));
+}
+
+TEST_CASE("init(\"file://...\") ignores another job's file and says so at the connect deadline", "[tcp][init]") {
+  temp_dir dir;
+  const auto file = dir.path / "rendezvous";
+  std::ofstream(file) << "ddp-store 1 " << std::hex << ddp::tcp::detail::token_hash("another job") << std::dec
+                      << " 1 127.0.0.1\n";
+  const auto rs = run_ranks(
+      1,
+      [&file](int) {
+        ::setenv("DDP_CONNECT_TIMEOUT_MS", "500", 1);
+        try {
+          ddp::tcp::communicator::init("file://" + file.string(), 1, 2);
+        } catch (const ddp::timeout_error& e) {
+          expect(std::string(e.what()).find("another job") != std::string::npos, e.what());
+          return;
+        }
+        expect(false, "rank 1 joined through another job's file");
+      },
+      job(30s));
+  require_all_ok(rs);
+}
+
+TEST_CASE("init methods: every malformed URL is a config_error telling the fix", "[tcp][init]") {
+  using ddp::tcp::config_from_url;
+  CHECK_THROWS_WITH(config_from_url("nccl://x"), Catch::Contains("env://, tcp://host:port or file:///path"));
+  CHECK_THROWS_WITH(config_from_url("tcp://127.0.0.1:29500"), Catch::Contains("rank and the world size"));
+  CHECK_THROWS_WITH(config_from_url("tcp://127.0.0.1:29500", 2, 2), Catch::Contains("not below the world size"));
+  CHECK_THROWS_WITH(config_from_url("tcp://127.0.0.1", 0, 2), Catch::Contains("tcp://host:port"));
+  CHECK_THROWS_WITH(config_from_url("tcp://127.0.0.1:0", 0, 2), Catch::Contains("1..65535"));
+  CHECK_THROWS_WITH(config_from_url("tcp://:29500", 0, 2), Catch::Contains("tcp://host:port"));
+  CHECK_THROWS_WITH(config_from_url("file://relative/path", 0, 2), Catch::Contains("absolute path"));
+  const auto tcp = config_from_url("tcp://10.0.0.7:1234", 1, 4);
+  CHECK(tcp.master_addr == "10.0.0.7");
+  CHECK(tcp.master_port == 1234);
+  CHECK(tcp.rank == 1);
+  CHECK(tcp.size == 4);
+  const auto file = config_from_url("file:///shared/job", 3, 4);
+  CHECK(file.store_file == "/shared/job");
+  CHECK(file.rank == 3);
+}
