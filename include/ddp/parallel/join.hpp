@@ -56,7 +56,7 @@ class join_state {
   /// Throws the error of a scope that was left without finish(opt); `where` names the call.
   void check(const char* where, int rank) const {
     if (dropped_)
-      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt), so the other ranks "
+      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the other ranks "
                   "may be waiting for this rank's collectives; call j.finish(opt) after the rank's last batch on every "
                   "rank (also when leaving the loop early), and make a new wrapper to train on after this error", rank);
   }
@@ -107,19 +107,19 @@ class join_state {
       });
   }
   /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
-  /// step this rank took become the ones a shadow step replays.
+  /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
   void end_step() noexcept {
     counted_ = false;
     if (shadowing_) {
       shadowing_ = false;
-    } else if (trace_) {
+    } else if (trace_ && open_) {
       replay_.swap(recording_);
       recording_.clear();
     }
   }
-  /// Notes a call of the step in progress (full_shard, while this rank trains).
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope).
   void note(step_event e) {
-    if (trace_ && !shadowing_) recording_.push_back(std::move(e));
+    if (trace_ && open_ && active_) recording_.push_back(std::move(e));
   }
 
   /// This rank ran out of batches (finish begins); a step must not be in progress.
@@ -134,8 +134,8 @@ class join_state {
   [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
     if (trace_ && replay_.empty())
       throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying its "
-                  "own last step's unshard scopes and reports, and this rank has taken no step yet; give every rank at "
-                  "least one batch in its first epoch, or use ddp::shard_grad_op", rank);
+                  "own last step's unshard scopes and reports, and this rank has taken no step inside a join scope yet; "
+                  "give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
     active_ranks_ = active;
     counted_ = true;
     shadowing_ = true;
@@ -150,7 +150,7 @@ class join_state {
   }
 
  private:
-  bool trace_;                         // full_shard: record the step's calls for shadow steps
+  bool trace_;                         // full_shard: record the steps' calls for shadow steps
   bool open_ = false;                  // a join scope is open
   bool active_ = false;                // this rank still trains (has not called finish)
   bool counted_ = false;               // this step's active ranks are counted
