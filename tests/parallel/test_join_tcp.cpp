@@ -36,7 +36,7 @@ TEST_CASE("tcp join: shard_grad_op, full_shard and hybrid with uneven batch coun
                                                            hybrid_groups<ddp::shard_grad_op>(comm.size()));
   });
 }
-TEST_CASE("tcp join: a scope dropped without finish(opt) makes the next call throw on every rank; no_sync and a "
+TEST_CASE("tcp join: a scope dropped without finish(opt) makes the next call throw on every rank, and no_sync and a "
           "second scope are refused", "[join][errors]") {
   ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) { check_join_errors<tcp>(comm); });
 }
