@@ -75,9 +75,10 @@ inline mlp join_reference(optimizer_kind k, int n) {
 
 /// N ranks with policies Ps (the sharding policy's value `sharding`), each on its own number of batches inside
 /// a join scope per epoch, end with the parameters of join_reference; the replicas agree (verify_in_sync).
+/// `micro` > 1 (replicate) accumulates the first micro - 1 samples of each batch one by one under no_sync.
 template <class... Ps, class Comm>
 void check_join(Comm comm, optimizer_kind k, double tol, closeness how = closeness::per_element,
-                typename ddp::policies<Ps...>::sharding sharding = {}) {
+                typename ddp::policies<Ps...>::sharding sharding = {}, std::size_t micro = 1) {
   mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   {
     ddp::data_parallel<mlp, Ps...> dp{model, comm, sharding};
@@ -88,7 +89,13 @@ void check_join(Comm comm, optimizer_kind k, double tol, closeness how = closene
         auto j = dp.join();
         for (int s = 0; s < uneven_batches(comm.rank(), comm.size(), e); ++s) {
           dp.zero_grad();
-          forward_backward(model, join_batch_of(e, comm.rank(), s), 1.0F / join_batch, report, scope);
+          const batch mine = join_batch_of(e, comm.rank(), s);
+          for (std::size_t m = 0; m + 1 < micro; ++m) {
+            auto guard = dp.no_sync();
+            forward_backward(model, mine.slice(m, 1), 1.0F / join_batch, report, scope);
+            guard.close();
+          }
+          forward_backward(model, mine.slice(micro - 1, join_batch - (micro - 1)), 1.0F / join_batch, report, scope);
           dp.step(opt);
         }
         j.finish(opt);

@@ -14,10 +14,11 @@ using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first
 }  // namespace
 
 TEST_CASE("tcp join: replicate with uneven batch counts equals one process on the active ranks' batches, plain, "
-          "compressed and deterministic", "[join]") {
+          "with no_sync, compressed and deterministic", "[join]") {
   ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_join<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
     check_join<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
+    check_join<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 3);  // no_sync
     check_join<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,
                           ddp::replicate{.deterministic = true});
     check_join<tcp, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, closeness::per_tensor);
