@@ -7546,9 +7546,11 @@ class join_state {
       recording_.clear();
     }
   }
-  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope).
-  void note(step_event e) {
-    if (trace_ && open_ && active_) recording_.push_back(std::move(e));
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
+  /// `units` opens or closes, or `slot` reports.
+  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
+    if (trace_ && open_ && active_)
+      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
   }
 
   /// This rank ran out of batches (finish begins); a step must not be in progress.
@@ -8132,13 +8134,13 @@ class data_parallel {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
       dp_->join_.begin_step(dp_->comm_);
-      dp_->join_.note({.what = detail::step_event::kind::acquire, .units = units_});
+      dp_->join_.note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
     ~unshard_guard() {
-      dp_->join_.note({.what = detail::step_event::kind::release, .units = units_});
+      dp_->join_.note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
 
@@ -8223,7 +8225,7 @@ class data_parallel {
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
-    join_.note({.what = detail::step_event::kind::report, .slot = slot});
+    join_.note(detail::step_event::kind::report, {}, slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);

@@ -301,13 +301,13 @@ class data_parallel {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
       dp_->join_.begin_step(dp_->comm_);
-      dp_->join_.note({.what = detail::step_event::kind::acquire, .units = units_});
+      dp_->join_.note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
     ~unshard_guard() {
-      dp_->join_.note({.what = detail::step_event::kind::release, .units = units_});
+      dp_->join_.note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
 
@@ -392,7 +392,7 @@ class data_parallel {
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
-    join_.note({.what = detail::step_event::kind::report, .slot = slot});
+    join_.note(detail::step_event::kind::report, {}, slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);

@@ -19,7 +19,6 @@
 #include <span>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include <ddp/comm/reduce_op.hpp>
@@ -117,9 +116,11 @@ class join_state {
       recording_.clear();
     }
   }
-  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope).
-  void note(step_event e) {
-    if (trace_ && open_ && active_) recording_.push_back(std::move(e));
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
+  /// `units` opens or closes, or `slot` reports.
+  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
+    if (trace_ && open_ && active_)
+      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
   }
 
   /// This rank ran out of batches (finish begins); a step must not be in progress.
