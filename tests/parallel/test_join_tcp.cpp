@@ -1,5 +1,5 @@
-// Uneven inputs over the TCP backend (dp.join()): ranks with 5, 7, 3, 6 batches (two epochs, the counts shifted
-// by a rank in the second) equal one process on the union of each step's batches, every policy, N = 1..4.
+// Uneven inputs over the TCP backend (dp.join()): ranks with 5, 7, 3, 6 batches (three epochs, see
+// join_scenarios.hpp) equal one process on the union of each step's batches, every policy, N = 1..4.
 #include <catch2/catch.hpp>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -21,7 +21,7 @@ TEST_CASE("tcp join: replicate with uneven batch counts equals one process on th
     check_join<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 3);  // no_sync
     check_join<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,
                           ddp::replicate{.deterministic = true});
-    check_join<tcp, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, closeness::per_tensor);
+    check_join<tcp, tiny, ddp::fp16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, closeness::per_tensor);
   });
 }
 TEST_CASE("tcp join: shard_grad_op, full_shard and hybrid with uneven batch counts equal one process", "[join]") {
