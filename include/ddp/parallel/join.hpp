@@ -47,17 +47,16 @@ class join_state {
  public:
   explicit join_state(bool trace) noexcept : trace_(trace) {}
 
-  /// Whether a join scope is open.
-  [[nodiscard]] bool open() const noexcept { return open_; }
   /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
   [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
 
   /// Throws the error of a scope that was left without finish(opt); `where` names the call.
   void check(const char* where, int rank) const {
     if (dropped_)
-      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the other ranks "
-                  "may be waiting for this rank's collectives; call j.finish(opt) after the rank's last batch on every "
-                  "rank (also when leaving the loop early), and make a new wrapper to train on after this error", rank);
+      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the "
+                  "other ranks may be waiting for this rank's collectives; call j.finish(opt) after the rank's last "
+                  "batch on every rank (also when leaving the loop early), and make a new wrapper to train on after "
+                  "this error", rank);
   }
   /// A join scope opens (local): none may be open, and no step may be in progress.
   void open_scope(step_phase phase, int rank) {
@@ -134,9 +133,9 @@ class join_state {
   /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
   [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
     if (trace_ && replay_.empty())
-      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying its "
-                  "own last step's unshard scopes and reports, and this rank has taken no step inside a join scope yet; "
-                  "give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
+      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
+                  "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
+                  "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
     active_ranks_ = active;
     counted_ = true;
     shadowing_ = true;
@@ -171,7 +170,7 @@ class join_state {
 template <class DP>
 class [[nodiscard]] join_scope {
  public:
-  explicit join_scope(DP& dp) : dp_(&dp) { dp.join_.open_scope(dp.state_.phase(), dp.rank()); }
+  explicit join_scope(DP& dp) : dp_(&dp), rank_(dp.rank()) { dp.join_.open_scope(dp.state_.phase(), rank_); }
   join_scope(const join_scope&) = delete;
   join_scope& operator=(const join_scope&) = delete;
   ~join_scope() {
@@ -184,12 +183,12 @@ class [[nodiscard]] join_scope {
   /// called finish; afterwards the wrapper trains as outside a join scope.
   template <class Opt>
   void finish(Opt& opt) {
-    if (!dp_) throw error("join_scope::finish: this scope is finished already; open a new one with dp.join()");
+    if (!dp_) throw error("join_scope::finish: this scope is finished already; open a new one with dp.join()", rank_);
     DP& dp = *dp_;
-    dp.join_.leave(dp.state_.phase(), dp.rank());
+    dp.join_.leave(dp.state_.phase(), rank_);
     while (const int active = detail::join_state::count(dp.comm_, 0)) {
       dp.zero_grad();
-      for (const auto& e : dp.join_.shadow(active, dp.rank())) {
+      for (const auto& e : dp.join_.shadow(active, rank_)) {
         if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(e.units);
         else if (e.what == detail::step_event::kind::release) dp.strategy_->release(e.units);
         else dp.report(e.slot);
@@ -202,6 +201,7 @@ class [[nodiscard]] join_scope {
 
  private:
   DP* dp_;
+  int rank_;
 };
 
 }  // namespace ddp
