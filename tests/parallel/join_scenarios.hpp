@@ -148,6 +148,9 @@ void check_join_errors(Comm comm) {
   refused([&] { dp.step(opt); });
   refused([&] { (void)dp.join(); });
   refused([&] { dp.gradient_ready(model.fc1.bias); });
+  refused([&] { dp.finish_gradients(); });
+  refused([&] { dp.verify_in_sync(); });
+  refused([&] { dp.unshard_model(); });
 }
 
 }  // namespace ddp_test

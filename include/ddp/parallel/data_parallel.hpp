@@ -169,6 +169,7 @@ class data_parallel {
   /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
   /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
+    join_.check("finish_gradients", rank());
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
     if (state_.phase() == detail::step_phase::finished) return;
@@ -265,6 +266,7 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
+    join_.check("verify_in_sync", rank());
     const detail::replica_digest mine = [&] {
       if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
         return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
@@ -294,7 +296,7 @@ class data_parallel {
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
-  void unshard_model() { strategy_->unshard_model(); }
+  void unshard_model() { join_.check("unshard_model", rank()); strategy_->unshard_model(); }
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
