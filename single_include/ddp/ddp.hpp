@@ -7959,6 +7959,202 @@ static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communica
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/hybrid.hpp>
+// ---- begin <ddp/parallel/join.hpp>
+/// \file Uneven inputs (PyTorch's `Join`): ranks with different numbers of batches finish an epoch together.
+///
+/// `auto j = dp.join();` opens a join scope on every rank before the loop. Inside it each step's first
+/// collective is a one-integer all-reduce that counts the ranks still training (data_parallel calls
+/// join_state::begin_step at the step's first unshard scope or gradient report), and the step's reduced
+/// gradients, averaged over all N ranks as always, are scaled by N / active (join_state::rescale): the mean over
+/// the active ranks' batches, whatever the comm hook or the deterministic knob. A rank that runs out calls
+/// `j.finish(opt)`: it counts 0 and, while some rank still counts 1, shadows that rank's step with zero
+/// gradients: the same collectives in the same order (the reductions through the same hook, full_shard's
+/// all-gathers by replaying this rank's last step's unshard scopes and reports), then its own optimizer step on
+/// the reduced gradients, so parameters and optimizer state stay the same on every rank. It returns once every
+/// rank has called finish (the count is 0). No collective runs in the scope's destructor: a scope left
+/// without finish(opt) makes the wrapper's next call throw ddp::error saying so.
+
+
+
+namespace ddp {
+
+namespace detail {
+
+/// One call of a full_shard step that a shadowing rank replays: a scope opens or closes on units, or a slot
+/// reports its gradient.
+struct step_event {
+  enum class kind : std::uint8_t { acquire, release, report };
+  kind what = kind::report;          ///< the call
+  std::vector<std::size_t> units{};  ///< acquire, release: the scope's units
+  std::size_t slot = 0;              ///< report: the parameter
+};
+
+/// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
+/// joined, whether this step was counted and by how many ranks; under full_shard (`trace`) the calls of the
+/// step in progress and of the last one taken, which a shadow step replays.
+class join_state {
+ public:
+  explicit join_state(bool trace) noexcept : trace_(trace) {}
+
+  /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
+  [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
+
+  /// Throws the error of a scope that was left without finish(opt); `where` names the call.
+  void check(const char* where, int rank) const {
+    if (dropped_)
+      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the "
+                  "other ranks may be waiting for this rank's collectives; call j.finish(opt) after the rank's last "
+                  "batch on every rank (also when leaving the loop early), and make a new wrapper to train on after "
+                  "this error", rank);
+  }
+  /// A join scope opens (local): none may be open, and no step may be in progress.
+  void open_scope(step_phase phase, int rank) {
+    check("join", rank);
+    if (open_) throw error("join: a join scope is already open on this wrapper; finish it first", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join: a step is in progress; open the join scope before the epoch's first batch", rank);
+    open_ = true;
+    active_ = true;
+  }
+  /// A sharded policy's no_sync span reduce-scatters each micro-batch, which a shadowing rank cannot mirror.
+  void refuse_no_sync(int rank) const {
+    if (open_)
+      throw config_error("no_sync: inside a join scope, gradient accumulation is supported under ddp::replicate "
+                         "only (the sharded policies reduce every micro-batch, which a rank that ran out of batches "
+                         "cannot shadow); accumulate outside the join scope, or use replicate", rank);
+  }
+
+  /// The step's first collective on a rank still training inside a join scope: counts the active ranks.
+  template <class Comm>
+  void begin_step(Comm& comm) {
+    if (!open_ || !active_ || counted_) return;
+    active_ranks_ = count(comm, 1);
+    counted_ = true;
+  }
+  /// The number of ranks whose contribution is `mine` (1: training, 0: joined), summed over `comm`. Blocking.
+  template <class Comm>
+  static int count(Comm& comm, int mine) {
+    std::array<std::int32_t, 1> sum{mine};
+    comm.all_reduce(std::span<std::int32_t>(sum), reduce_op::sum).wait();
+    return sum[0];
+  }
+  /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
+  void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
+    if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
+    const double factor = static_cast<double>(world) / active_ranks_;
+    for (const auto& b : buffers)
+      visit_dtype(b.grads.type, [&](auto zero) {
+        using T = decltype(zero);
+        T* g = static_cast<T*>(b.grads.data);
+        for (std::size_t i = 0; i < b.grads.size; ++i)
+          if constexpr (std::is_arithmetic_v<T>)
+            g[i] = static_cast<T>(static_cast<double>(g[i]) * factor);
+          else
+            g[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(g[i])) * factor));
+      });
+  }
+  /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
+  /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
+  void end_step() noexcept {
+    counted_ = false;
+    if (shadowing_) {
+      shadowing_ = false;
+    } else if (trace_ && open_) {
+      replay_.swap(recording_);
+      recording_.clear();
+    }
+  }
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
+  /// `units` opens or closes, or `slot` reports.
+  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
+    if (trace_ && open_ && active_)
+      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
+  }
+
+  /// This rank ran out of batches (finish begins); a step must not be in progress.
+  void leave(step_phase phase, int rank) {
+    check("join_scope::finish", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join_scope::finish: a step is in progress on this rank; call j.finish(opt) after the rank's last "
+                  "dp.step(opt)", rank);
+    active_ = false;
+  }
+  /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
+  [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
+    if (trace_ && replay_.empty())
+      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
+                  "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
+                  "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
+    active_ranks_ = active;
+    counted_ = true;
+    shadowing_ = true;
+    return replay_;
+  }
+  /// Every rank finished: the scope closes.
+  void close() noexcept { open_ = false; }
+  /// The scope ended without finish(opt): the wrapper's next call throws.
+  void drop() noexcept {
+    open_ = false;
+    dropped_ = true;
+  }
+
+ private:
+  bool trace_;                         // full_shard: record the steps' calls for shadow steps
+  bool open_ = false;                  // a join scope is open
+  bool active_ = false;                // this rank still trains (has not called finish)
+  bool counted_ = false;               // this step's active ranks are counted
+  bool shadowing_ = false;             // this step is a shadow of the others'
+  bool dropped_ = false;               // a scope ended without finish(opt)
+  int active_ranks_ = 0;               // ranks training in this step
+  std::vector<step_event> recording_;  // full_shard: the calls of the step in progress
+  std::vector<step_event> replay_;     // full_shard: the calls of the last step taken
+};
+
+}  // namespace detail
+
+/// Scope returned by data_parallel::join() (PyTorch's `with model.join():`): open it on every rank before an
+/// epoch whose ranks hold different numbers of batches, step as usual, and call finish(opt) after the rank's
+/// last step. Its destructor issues no collective: a scope left without finish(opt) makes the wrapper's next
+/// call throw ddp::error.
+template <class DP>
+class [[nodiscard]] join_scope {
+ public:
+  explicit join_scope(DP& dp) : dp_(&dp), rank_(dp.rank()) { dp.join_.open_scope(dp.state_.phase(), rank_); }
+  join_scope(const join_scope&) = delete;
+  join_scope& operator=(const join_scope&) = delete;
+  ~join_scope() {
+    if (dp_) dp_->join_.drop();
+  }
+
+  /// Collective: this rank has no batch left. While another rank still trains, shadows its step: zero
+  /// gradients through the same collectives (full_shard: this rank's last step's unshard scopes and reports,
+  /// replayed), then `dp.step(opt)` on the gradients reduced over the active ranks. Returns when every rank has
+  /// called finish; afterwards the wrapper trains as outside a join scope.
+  template <class Opt>
+  void finish(Opt& opt) {
+    if (!dp_) throw error("join_scope::finish: this scope is finished already; open a new one with dp.join()", rank_);
+    DP& dp = *dp_;
+    dp.join_.leave(dp.state_.phase(), rank_);
+    while (const int active = detail::join_state::count(dp.comm_, 0)) {
+      dp.zero_grad();
+      for (const auto& e : dp.join_.shadow(active, rank_)) {
+        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(e.units);
+        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(e.units);
+        else dp.report(e.slot);
+      }
+      dp.step(opt);
+    }
+    dp.join_.close();
+    dp_ = nullptr;
+  }
+
+ private:
+  DP* dp_;
+  int rank_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/join.hpp>
 // ---- begin <ddp/parallel/replica_check.hpp>
 /// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
 /// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
@@ -8325,6 +8521,7 @@ class data_parallel {
   /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
   /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
+    join_.check("finish_gradients", rank());
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
     if (state_.phase() == detail::step_phase::finished) return;
@@ -8333,7 +8530,7 @@ class data_parallel {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
-      if (options_.error_on_missing) {
+      if (options_.error_on_missing && !join_.shadowing()) {
         reduce_launched();
         state_.abandon();
         std::string names;
@@ -8350,6 +8547,7 @@ class data_parallel {
       launch_ready();
     }
     reduce_launched();
+    join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
     state_.finish();
   }
 
@@ -8388,6 +8586,7 @@ class data_parallel {
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
     check_no_sync_closed("no_sync");
+    if (strategy_type::sharded) join_.refuse_no_sync(rank());
     if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
@@ -8419,6 +8618,7 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
+    join_.check("verify_in_sync", rank());
     const detail::replica_digest mine = [&] {
       if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
         return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
@@ -8427,6 +8627,9 @@ class data_parallel {
     }();
     detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
+  /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
+  /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
+  join_scope<data_parallel> join() { return join_scope<data_parallel>(*this); }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
   void attach(Opt& opt) {
@@ -8445,17 +8648,22 @@ class data_parallel {
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
-  void unshard_model() { strategy_->unshard_model(); }
+  void unshard_model() { join_.check("unshard_model", rank()); strategy_->unshard_model(); }
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+      dp_->join_.begin_step(dp_->comm_);
+      dp_->join_.note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
-    ~unshard_guard() { dp_->strategy_->release(units_); }
+    ~unshard_guard() {
+      dp_->join_.note(detail::step_event::kind::release, units_);
+      dp_->strategy_->release(units_);
+    }
 
    private:
     data_parallel* dp_;
@@ -8467,6 +8675,7 @@ class data_parallel {
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
   unshard_guard unshard(Part& part) {
+    join_.check("unshard", rank());
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
@@ -8537,6 +8746,7 @@ class data_parallel {
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
+    join_.note(detail::step_event::kind::report, {}, slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
@@ -8548,6 +8758,7 @@ class data_parallel {
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
   void run_step(F&& run_optimizer) {
+    join_.check("step", rank());
     if (no_sync_depth_ > 0)
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
@@ -8556,6 +8767,7 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
+    join_.end_step();
     ++steps_;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
@@ -8570,6 +8782,7 @@ class data_parallel {
   }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
+    join_.begin_step(comm_);  // inside a join scope: the step's first collective counts the ranks still training
     state_.begin(unused_);
     if (!layout_.adopting())
       for (std::size_t s = 0; s < unused_.size(); ++s)
@@ -8592,6 +8805,7 @@ class data_parallel {
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {
+    join_.check(where, rank());
     if (no_sync_unclosed_)
       throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
                   "at the end of the span (or dp.finish_gradients() now)", rank());
@@ -8613,6 +8827,8 @@ class data_parallel {
   std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
+  detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
+  friend class join_scope<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type

@@ -6,6 +6,7 @@
 
 #include <ddp/comm/mpi/communicator.hpp>
 
+#include "join_scenarios.hpp"
 #include "scenarios.hpp"
 
 namespace {
@@ -86,4 +87,18 @@ TEST_CASE("mpi deterministic reduction: the bits of one process summing in rank 
   check_deterministic<mpi, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
   check_deterministic<mpi, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw,
                                                          hybrid_groups<ddp::full_shard>(comm.size()));
+}
+
+// Uneven inputs (dp.join()): ranks with 5, 7, 3, 6 batches equal one process on each step's active batches.
+TEST_CASE("mpi join: replicate, shard_grad_op, full_shard and hybrid with uneven batch counts equal one process",
+          "[join]") {
+  auto comm = world();
+  check_join<mpi, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  check_join<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5);
+  check_join<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
+  check_join<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,
+                                                      hybrid_groups<ddp::full_shard>(comm.size()));
+}
+TEST_CASE("mpi join: a scope dropped without finish(opt) makes the next call throw", "[join][errors]") {
+  check_join_errors<mpi>(world());
 }

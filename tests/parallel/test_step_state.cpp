@@ -516,3 +516,36 @@ TEST_CASE("a comm hook that cannot move is made in place", "[step]") {
   ddp::data_parallel<net, recording_backend, pinned_hook, four_floats> given{other, comm, four_floats{}};
   REQUIRE(given.bucket_count() == 4);  // 16 floats in buckets of 4
 }
+
+TEST_CASE("recorded: inside a join scope a step's first collective counts the active ranks, finish counts 0, and a "
+          "dropped scope sends nothing and makes the next call throw", "[step][join]") {
+  net m = make_net();
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<net, recording_backend, four_floats, ddp::full_shard> dp{m, comm};
+  {
+    auto j = dp.join();
+    log.clear();
+    forward(dp, m, {0});
+    REQUIRE(log.calls() == strings{"world all_reduce 1 i32 #0", "wait #0", "world all_gather 2>4 f32 #1",
+                                   "world all_gather 1>2 f32 #2", "wait #1", "wait #2"});
+    forward(dp, m, {1, 2});
+    backward(dp, m, {2, 1, 0});
+    dp.step(opt);
+    log.clear();
+    forward(dp, m, {0});  // the next step is counted again
+    REQUIRE(log.calls().front() == "world all_reduce 1 i32 #0");
+    forward(dp, m, {1, 2});
+    backward(dp, m, {2, 1, 0});
+    dp.step(opt);
+    log.clear();
+    j.finish(opt);  // the loopback's sum is this rank's 0: no rank trains any more
+    REQUIRE(log.calls() == strings{"world all_reduce 1 i32 #0", "wait #0"});
+  }
+  log.clear();
+  { auto dropped = dp.join(); }
+  REQUIRE(log.calls().empty());
+  REQUIRE_THROWS_WITH(dp.step(opt), Catch::Contains("ended without j.finish(opt)"));
+  REQUIRE_THROWS_WITH(forward(dp, m, {0}), Catch::Contains("ended without j.finish(opt)"));
+}

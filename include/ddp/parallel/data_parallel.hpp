@@ -34,6 +34,7 @@
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
 #include <ddp/parallel/hybrid.hpp>
+#include <ddp/parallel/join.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/replica_check.hpp>
@@ -168,6 +169,7 @@ class data_parallel {
   /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
   /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
+    join_.check("finish_gradients", rank());
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
     if (state_.phase() == detail::step_phase::finished) return;
@@ -176,7 +178,7 @@ class data_parallel {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
-      if (options_.error_on_missing) {
+      if (options_.error_on_missing && !join_.shadowing()) {
         reduce_launched();
         state_.abandon();
         std::string names;
@@ -193,6 +195,7 @@ class data_parallel {
       launch_ready();
     }
     reduce_launched();
+    join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
     state_.finish();
   }
 
@@ -231,6 +234,7 @@ class data_parallel {
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
     check_no_sync_closed("no_sync");
+    if (strategy_type::sharded) join_.refuse_no_sync(rank());
     if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
@@ -262,6 +266,7 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
+    join_.check("verify_in_sync", rank());
     const detail::replica_digest mine = [&] {
       if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
         return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
@@ -270,6 +275,9 @@ class data_parallel {
     }();
     detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
+  /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
+  /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
+  join_scope<data_parallel> join() { return join_scope<data_parallel>(*this); }
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
   void attach(Opt& opt) {
@@ -288,17 +296,22 @@ class data_parallel {
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
-  void unshard_model() { strategy_->unshard_model(); }
+  void unshard_model() { join_.check("unshard_model", rank()); strategy_->unshard_model(); }
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
+      dp_->join_.begin_step(dp_->comm_);
+      dp_->join_.note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
-    ~unshard_guard() { dp_->strategy_->release(units_); }
+    ~unshard_guard() {
+      dp_->join_.note(detail::step_event::kind::release, units_);
+      dp_->strategy_->release(units_);
+    }
 
    private:
     data_parallel* dp_;
@@ -310,6 +323,7 @@ class data_parallel {
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
   unshard_guard unshard(Part& part) {
+    join_.check("unshard", rank());
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
@@ -380,6 +394,7 @@ class data_parallel {
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
+    join_.note(detail::step_event::kind::report, {}, slot);
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
@@ -391,6 +406,7 @@ class data_parallel {
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
   void run_step(F&& run_optimizer) {
+    join_.check("step", rank());
     if (no_sync_depth_ > 0)
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
@@ -399,6 +415,7 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
+    join_.end_step();
     ++steps_;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
@@ -413,6 +430,7 @@ class data_parallel {
   }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
+    join_.begin_step(comm_);  // inside a join scope: the step's first collective counts the ranks still training
     state_.begin(unused_);
     if (!layout_.adopting())
       for (std::size_t s = 0; s < unused_.size(); ++s)
@@ -435,6 +453,7 @@ class data_parallel {
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {
+    join_.check(where, rank());
     if (no_sync_unclosed_)
       throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
                   "at the end of the span (or dp.finish_gradients() now)", rank());
@@ -456,6 +475,8 @@ class data_parallel {
   std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
+  detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
+  friend class join_scope<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type

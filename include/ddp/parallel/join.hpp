@@ -1,0 +1,207 @@
+#pragma once
+/// \file Uneven inputs (PyTorch's `Join`): ranks with different numbers of batches finish an epoch together.
+///
+/// `auto j = dp.join();` opens a join scope on every rank before the loop. Inside it each step's first
+/// collective is a one-integer all-reduce that counts the ranks still training (data_parallel calls
+/// join_state::begin_step at the step's first unshard scope or gradient report), and the step's reduced
+/// gradients, averaged over all N ranks as always, are scaled by N / active (join_state::rescale): the mean over
+/// the active ranks' batches, whatever the comm hook or the deterministic knob. A rank that runs out calls
+/// `j.finish(opt)`: it counts 0 and, while some rank still counts 1, shadows that rank's step with zero
+/// gradients: the same collectives in the same order (the reductions through the same hook, full_shard's
+/// all-gathers by replaying this rank's last step's unshard scopes and reports), then its own optimizer step on
+/// the reduced gradients, so parameters and optimizer state stay the same on every rank. It returns once every
+/// rank has called finish (the count is 0). No collective runs in the scope's destructor: a scope left
+/// without finish(opt) makes the wrapper's next call throw ddp::error saying so.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <ddp/comm/reduce_op.hpp>
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/optim/flat.hpp>
+#include <ddp/parallel/step_state.hpp>
+
+namespace ddp {
+
+namespace detail {
+
+/// One call of a full_shard step that a shadowing rank replays: a scope opens or closes on units, or a slot
+/// reports its gradient.
+struct step_event {
+  enum class kind : std::uint8_t { acquire, release, report };
+  kind what = kind::report;          ///< the call
+  std::vector<std::size_t> units{};  ///< acquire, release: the scope's units
+  std::size_t slot = 0;              ///< report: the parameter
+};
+
+/// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
+/// joined, whether this step was counted and by how many ranks; under full_shard (`trace`) the calls of the
+/// step in progress and of the last one taken, which a shadow step replays.
+class join_state {
+ public:
+  explicit join_state(bool trace) noexcept : trace_(trace) {}
+
+  /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
+  [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
+
+  /// Throws the error of a scope that was left without finish(opt); `where` names the call.
+  void check(const char* where, int rank) const {
+    if (dropped_)
+      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the "
+                  "other ranks may be waiting for this rank's collectives; call j.finish(opt) after the rank's last "
+                  "batch on every rank (also when leaving the loop early), and make a new wrapper to train on after "
+                  "this error", rank);
+  }
+  /// A join scope opens (local): none may be open, and no step may be in progress.
+  void open_scope(step_phase phase, int rank) {
+    check("join", rank);
+    if (open_) throw error("join: a join scope is already open on this wrapper; finish it first", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join: a step is in progress; open the join scope before the epoch's first batch", rank);
+    open_ = true;
+    active_ = true;
+  }
+  /// A sharded policy's no_sync span reduce-scatters each micro-batch, which a shadowing rank cannot mirror.
+  void refuse_no_sync(int rank) const {
+    if (open_)
+      throw config_error("no_sync: inside a join scope, gradient accumulation is supported under ddp::replicate "
+                         "only (the sharded policies reduce every micro-batch, which a rank that ran out of batches "
+                         "cannot shadow); accumulate outside the join scope, or use replicate", rank);
+  }
+
+  /// The step's first collective on a rank still training inside a join scope: counts the active ranks.
+  template <class Comm>
+  void begin_step(Comm& comm) {
+    if (!open_ || !active_ || counted_) return;
+    active_ranks_ = count(comm, 1);
+    counted_ = true;
+  }
+  /// The number of ranks whose contribution is `mine` (1: training, 0: joined), summed over `comm`. Blocking.
+  template <class Comm>
+  static int count(Comm& comm, int mine) {
+    std::array<std::int32_t, 1> sum{mine};
+    comm.all_reduce(std::span<std::int32_t>(sum), reduce_op::sum).wait();
+    return sum[0];
+  }
+  /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
+  void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
+    if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
+    const double factor = static_cast<double>(world) / active_ranks_;
+    for (const auto& b : buffers)
+      visit_dtype(b.grads.type, [&](auto zero) {
+        using T = decltype(zero);
+        T* g = static_cast<T*>(b.grads.data);
+        for (std::size_t i = 0; i < b.grads.size; ++i)
+          if constexpr (std::is_arithmetic_v<T>)
+            g[i] = static_cast<T>(static_cast<double>(g[i]) * factor);
+          else
+            g[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(g[i])) * factor));
+      });
+  }
+  /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
+  /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
+  void end_step() noexcept {
+    counted_ = false;
+    if (shadowing_) {
+      shadowing_ = false;
+    } else if (trace_ && open_) {
+      replay_.swap(recording_);
+      recording_.clear();
+    }
+  }
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
+  /// `units` opens or closes, or `slot` reports.
+  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
+    if (trace_ && open_ && active_)
+      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
+  }
+
+  /// This rank ran out of batches (finish begins); a step must not be in progress.
+  void leave(step_phase phase, int rank) {
+    check("join_scope::finish", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join_scope::finish: a step is in progress on this rank; call j.finish(opt) after the rank's last "
+                  "dp.step(opt)", rank);
+    active_ = false;
+  }
+  /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
+  [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
+    if (trace_ && replay_.empty())
+      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
+                  "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
+                  "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
+    active_ranks_ = active;
+    counted_ = true;
+    shadowing_ = true;
+    return replay_;
+  }
+  /// Every rank finished: the scope closes.
+  void close() noexcept { open_ = false; }
+  /// The scope ended without finish(opt): the wrapper's next call throws.
+  void drop() noexcept {
+    open_ = false;
+    dropped_ = true;
+  }
+
+ private:
+  bool trace_;                         // full_shard: record the steps' calls for shadow steps
+  bool open_ = false;                  // a join scope is open
+  bool active_ = false;                // this rank still trains (has not called finish)
+  bool counted_ = false;               // this step's active ranks are counted
+  bool shadowing_ = false;             // this step is a shadow of the others'
+  bool dropped_ = false;               // a scope ended without finish(opt)
+  int active_ranks_ = 0;               // ranks training in this step
+  std::vector<step_event> recording_;  // full_shard: the calls of the step in progress
+  std::vector<step_event> replay_;     // full_shard: the calls of the last step taken
+};
+
+}  // namespace detail
+
+/// Scope returned by data_parallel::join() (PyTorch's `with model.join():`): open it on every rank before an
+/// epoch whose ranks hold different numbers of batches, step as usual, and call finish(opt) after the rank's
+/// last step. Its destructor issues no collective: a scope left without finish(opt) makes the wrapper's next
+/// call throw ddp::error.
+template <class DP>
+class [[nodiscard]] join_scope {
+ public:
+  explicit join_scope(DP& dp) : dp_(&dp), rank_(dp.rank()) { dp.join_.open_scope(dp.state_.phase(), rank_); }
+  join_scope(const join_scope&) = delete;
+  join_scope& operator=(const join_scope&) = delete;
+  ~join_scope() {
+    if (dp_) dp_->join_.drop();
+  }
+
+  /// Collective: this rank has no batch left. While another rank still trains, shadows its step: zero
+  /// gradients through the same collectives (full_shard: this rank's last step's unshard scopes and reports,
+  /// replayed), then `dp.step(opt)` on the gradients reduced over the active ranks. Returns when every rank has
+  /// called finish; afterwards the wrapper trains as outside a join scope.
+  template <class Opt>
+  void finish(Opt& opt) {
+    if (!dp_) throw error("join_scope::finish: this scope is finished already; open a new one with dp.join()", rank_);
+    DP& dp = *dp_;
+    dp.join_.leave(dp.state_.phase(), rank_);
+    while (const int active = detail::join_state::count(dp.comm_, 0)) {
+      dp.zero_grad();
+      for (const auto& e : dp.join_.shadow(active, rank_)) {
+        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(e.units);
+        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(e.units);
+        else dp.report(e.slot);
+      }
+      dp.step(opt);
+    }
+    dp.join_.close();
+    dp_ = nullptr;
+  }
+
+ private:
+  DP* dp_;
+  int rank_;
+};
+
+}  // namespace ddp
