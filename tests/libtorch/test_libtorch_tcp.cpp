@@ -46,6 +46,23 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
+TEST_CASE("tcp full_shard: a 3-unit CNN run through ddp::forward equals one process, resharding after forward or not",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::torch_adam);
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_sgd_momentum, 1,
+                                                       {.reshard_after_forward = false});
+    check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::ddp_adamw, 2, {.reshard_after_forward = false});
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_adam, 3);
+  });
+}
+TEST_CASE("tcp full_shard: a plain forward of a sharded unit fails, a backward without ddp::forward is named, "
+          "torch::optim over the model refused, checkpoints hold the full values", "[errors][checkpoint]") {
+  const auto path = std::filesystem::temp_directory_path() / ("ddp_libtorch_fs_" + std::to_string(::getpid()) + ".safetensors");
+  on_1_to_3_ranks([&](ddp::tcp::communicator comm) { check_full_shard_rules<tcp>(comm, path); });
+  std::filesystem::remove(path);
+}
 TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 micro-batches equals one process",
           "[equivalence]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
@@ -53,7 +70,7 @@ TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 mi
     check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam, 3);
   });
 }
-TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
+TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves named", "[errors]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
     check_gradient_link<tcp>(comm);
     check_errors<tcp>(comm);

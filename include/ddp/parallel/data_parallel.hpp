@@ -30,6 +30,7 @@
 #include <ddp/core/visit.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/backward_scopes.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
@@ -129,12 +130,6 @@ class data_parallel {
                              "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
                              "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
                              "ddp::shard_grad_op", rank());
-    if (strategy_type::initial_units == detail::unit_phase::sharded)
-      for (const auto& s : layout_.slots())
-        if (s.leaf->watches())
-          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
-                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
-                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -143,7 +138,8 @@ class data_parallel {
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
+    if (!watches_.empty() && strategy_type::sharded && strategy_type::initial_units == detail::unit_phase::unsharded)
+      hold_whole_model();
   }
 
  public:
@@ -170,6 +166,7 @@ class data_parallel {
   void finish_gradients() {
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
+    if (const auto left = backward_.close_all(); !left.empty()) strategy_->release(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
@@ -289,6 +286,25 @@ class data_parallel {
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
   void unshard_model() { strategy_->unshard_model(); }
+  /// Calling it opens a scope on its units for their part of the backward, which closes by itself once each of
+  /// their parameters has reported its gradient (or in finish_gradients(), for those that received none); a unit
+  /// so opened already in this backward stays as it is. For frameworks that run the backward themselves
+  /// (autograd): call it from a hook that runs when the backward reaches the units, as ddp::forward of the
+  /// LibTorch adapter does. Collective under full_shard (all-gathers the units and prefetches the next one in the
+  /// backward's direction). A no-op under replicate.
+  class backward_opener {
+   public:
+    backward_opener(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {}
+    /// Opens the scope.
+    void operator()() const {
+      if constexpr (strategy_type::sharded)
+        if (const auto opened = dp_->backward_.open(units_); !opened.empty()) dp_->strategy_->acquire(opened);
+    }
+
+   private:
+    data_parallel* dp_;
+    std::vector<std::size_t> units_;
+  };
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
@@ -299,6 +315,8 @@ class data_parallel {
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
     ~unshard_guard() { dp_->strategy_->release(units_); }
+    /// What reopens this scope's units for their part of the backward (see backward_opener).
+    [[nodiscard]] backward_opener for_backward() const { return backward_opener(*dp_, units_); }
 
    private:
     data_parallel* dp_;
@@ -387,6 +405,8 @@ class data_parallel {
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
+    if (const auto u = backward_.reported(slot, layout_.slots()[slot].unit, state_))
+      strategy_->release(std::span<const std::size_t>(&*u, 1));
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
@@ -403,9 +423,9 @@ class data_parallel {
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
   /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
-  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// RAII scope can wrap a unit's part of it: under shard_grad_op the wrapper holds a scope on every unit for its
   /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
+  /// Under full_shard the units' forwards open scopes and their backwards reopen them (backward_opener).
   void hold_whole_model() {
     std::vector<std::size_t> all(layout_.units().size());
     for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
@@ -453,7 +473,8 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
-  std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
+  std::optional<unshard_guard> whole_model_;     // shard_grad_op with watching leaves: a scope on every unit
+  detail::backward_scopes backward_{layout_};    // the scopes backward_opener opened in the running backward
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
 };

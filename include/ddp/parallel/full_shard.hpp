@@ -54,7 +54,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
-      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->gathered(u);
       this->open_scope(u);
       if (!recorded_ && position_[u] == unrecorded) {
         position_[u] = order_.size();
@@ -103,6 +103,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
     wait_all(works);
+    this->arena_holds_values();
   }
 
  private:
