@@ -46,7 +46,8 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
-TEST_CASE("tcp full_shard: a 3-unit CNN run through ddp::forward equals one process, resharding after forward or not",
+TEST_CASE("tcp full_shard and hybrid<full_shard>: a 3-unit CNN run through ddp::forward equals one process, resharding "
+          "after forward or not",
           "[equivalence]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
     check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::torch_adam);
@@ -55,6 +56,7 @@ TEST_CASE("tcp full_shard: a 3-unit CNN run through ddp::forward equals one proc
                                                        {.reshard_after_forward = false});
     check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::ddp_adamw, 2, {.reshard_after_forward = false});
     check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_adam, 3);
+    check_equivalence<deep, tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::ddp_adamw, 1, {.group_size = 1});
   });
 }
 TEST_CASE("tcp full_shard: a plain forward of a sharded unit fails, a backward without ddp::forward is named, "
