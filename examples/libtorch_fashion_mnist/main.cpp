@@ -115,7 +115,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   constexpr bool sharded = std::is_same_v<Sharding, ddp::full_shard>;  // full_shard: the rank's shards are stepped
   torch::optim::SGD opt(sharded ? ddp::parameters(dp) : net->parameters(),
                         torch::optim::SGDOptions(s.lr).momentum(s.momentum));
-  const auto forward = [&](const torch::Tensor& x) {  // full_shard: each layer unsharded for its forward and backward
+  const auto forward = [&](const torch::Tensor& x) -> torch::Tensor {  // full_shard: each layer gathered per pass
     if constexpr (sharded)
       return net->forward(x, [&](auto& layer, const torch::Tensor& in) { return ddp::forward(dp, layer, in); });
     else
@@ -134,7 +134,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
     for (const auto batch : batches) {
       const auto x = rows(train_x, batch), y = rows(train_y, batch);
       dp.zero_grad();
-      const auto out = forward(x);
+      const torch::Tensor out = forward(x);
       auto loss = torch::nn::functional::cross_entropy(out, y);
       loss.backward();
       dp.step(opt);
