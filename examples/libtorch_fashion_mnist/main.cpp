@@ -4,9 +4,12 @@
 //   mpirun --allow-run-as-root --oversubscribe -np 2 build/examples/libtorch_fashion_mnist --backend mpi
 //   build/tools/ddp-launch -n 2 build/examples/libtorch_fashion_mnist --backend tcp
 //   build/examples/libtorch_fashion_mnist                      (one process: no launcher needed)
+//   ... --policy full_shard                                    (ZeRO-3: each rank keeps a shard of every layer)
 //
 // Each rank trains on its part of every epoch (distributed_sampler); autograd reports every finished gradient to
-// ddp, which averages them bucket by bucket during the backward. Test accuracy is computed with every test image
+// ddp, which averages them bucket by bucket during the backward. Under --policy full_shard each layer's forward runs
+// through ddp::forward, which gathers the layer for its forward and again for its backward, and the optimizer steps
+// this rank's shards (ddp::parameters(dp)). Test accuracy is computed with every test image
 // on exactly one rank and reduced. The parameters are saved after every epoch (ddp::save, a safetensors file that
 // PyTorch and ddp::load_module read).
 #include <chrono>
@@ -17,6 +20,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -34,6 +39,7 @@ namespace {
 
 struct settings {
   std::string backend = "tcp";
+  std::string policy = "replicate";
   int epochs = 2;
   std::size_t batch = 64;  // per rank
   double lr = 0.05;
@@ -46,13 +52,14 @@ struct settings {
 };
 
 constexpr const char* usage =
-    "usage: libtorch_fashion_mnist [--backend tcp|mpi] [--epochs N] [--batch B (per rank)] [--lr X] [--momentum X]\n"
+    "usage: libtorch_fashion_mnist [--backend tcp|mpi] [--policy replicate|full_shard] [--epochs N] [--batch B (per rank)] [--lr X] [--momentum X]\n"
     "                              [--data DIR] [--checkpoint PATH] [--limit N] [--min-accuracy X] [--no-progress]\n";
 
 settings parse(int argc, char** argv) {
   settings s;
   example::parse_flags(argc, argv, usage, [&s](std::string_view a, const auto& value) {
     if (a == "--backend") s.backend = value();
+    else if (a == "--policy") s.policy = value();
     else if (a == "--epochs") s.epochs = std::stoi(value());
     else if (a == "--batch") s.batch = std::stoul(value());
     else if (a == "--lr") s.lr = std::stod(value());
@@ -67,6 +74,8 @@ settings parse(int argc, char** argv) {
   });
   if (s.backend != "tcp" && s.backend != "mpi")
     throw ddp::config_error("--backend must be tcp or mpi, not '" + s.backend + "'");
+  if (s.policy != "replicate" && s.policy != "full_shard")
+    throw ddp::config_error("--policy must be replicate or full_shard, not '" + s.policy + "'");
   if (s.epochs < 1 || s.batch < 1) throw ddp::config_error("--epochs and --batch must be at least 1");
   return s;
 }
@@ -86,7 +95,7 @@ torch::Tensor rows(const torch::Tensor& data, std::span<const std::size_t> indic
   return data.index_select(0, torch::from_blob(index.data(), {static_cast<std::int64_t>(index.size())}, torch::kLong));
 }
 
-template <class Backend>
+template <class Backend, class Sharding>
 int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   ddp::logger log(comm);
   auto train_set = example::load_idx_split(s.data, "train", 0.2860F, 0.3530F);
@@ -97,13 +106,21 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   }
   const auto [train_x, train_y] = to_tensors(train_set);
   const auto [test_x, test_y] = to_tensors(test_set);
-  log.info("libtorch_fashion_mnist: ", comm.size(), " rank(s) over ", s.backend, ", ", train_set.size(), " training and ",
+  log.info("libtorch_fashion_mnist: ", comm.size(), " rank(s) over ", s.backend, ", ", s.policy, ", ", train_set.size(), " training and ",
            test_set.size(), " test images, batch ", s.batch, " per rank, SGD lr ", s.lr, " momentum ", s.momentum);
 
   torch::manual_seed(1234);
   auto net = std::make_shared<example::cnn_impl>();
-  ddp::data_parallel<example::cnn_impl, Backend> dp{*net, comm};  // rank 0's initial values reach every rank
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(s.lr).momentum(s.momentum));
+  ddp::data_parallel<example::cnn_impl, Backend, Sharding> dp{*net, comm};  // rank 0's values reach every rank
+  constexpr bool sharded = std::is_same_v<Sharding, ddp::full_shard>;  // full_shard: the rank's shards are stepped
+  torch::optim::SGD opt(sharded ? ddp::parameters(dp) : net->parameters(),
+                        torch::optim::SGDOptions(s.lr).momentum(s.momentum));
+  const auto forward = [&](const torch::Tensor& x) -> torch::Tensor {  // full_shard: each layer gathered per pass
+    if constexpr (sharded)
+      return net->forward(x, [&](auto& layer, const torch::Tensor& in) { return ddp::forward(dp, layer, in); });
+    else
+      return net->forward(x);
+  };
   ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
   ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
 
@@ -117,7 +134,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
     for (const auto batch : batches) {
       const auto x = rows(train_x, batch), y = rows(train_y, batch);
       dp.zero_grad();
-      const auto out = net->forward(x);
+      const torch::Tensor out = forward(x);
       auto loss = torch::nn::functional::cross_entropy(out, y);
       loss.backward();
       dp.step(opt);
@@ -132,6 +149,8 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
     net->eval();
     {
       torch::NoGradGuard no_grad;
+      // full_shard: the whole model gathered once (ranks may evaluate different numbers of batches); replicate: no-op
+      const auto whole = dp.unshard(dp.module());
       for (const auto batch : test_sampler.batches(0, 1000)) {
         const auto x = rows(test_x, batch), y = rows(test_y, batch);
         const auto out = net->forward(x);
@@ -163,14 +182,18 @@ int main(int argc, char** argv) {
     const settings s = parse(argc, argv);
     if (s.backend == "mpi") {
 #if defined(DDP_WITH_MPI)
-      return train<ddp::backend::mpi>(ddp::mpi::communicator::world(argc, argv), s);
+      auto comm = ddp::mpi::communicator::world(argc, argv);
+      return s.policy == "full_shard" ? train<ddp::backend::mpi, ddp::full_shard>(std::move(comm), s)
+                                      : train<ddp::backend::mpi, ddp::replicate>(std::move(comm), s);
 #else
       throw ddp::config_error("this build has no MPI backend; reconfigure with -DDDP_WITH_MPI=ON or use --backend tcp");
 #endif
     }
     // Without a launcher (no RANK/WORLD_SIZE, no mpirun), run as a single process.
     const bool launched = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
-    return train<ddp::backend::tcp>(launched ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{}), s);
+    auto comm = launched ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{});
+    return s.policy == "full_shard" ? train<ddp::backend::tcp, ddp::full_shard>(std::move(comm), s)
+                                    : train<ddp::backend::tcp, ddp::replicate>(std::move(comm), s);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "libtorch_fashion_mnist: %s\n", e.what());
     return 2;

@@ -314,6 +314,12 @@ class io_error : public error {
 ///   static void release(T&);                            after adopt: takes the values into storage of its
 ///                                                       own (without it, ddp copies them back to where
 ///                                                       values()/grads() pointed first and adopts that)
+///   static void vacate(T&, void* values, void* grads);  full_shard: the leaf's unit is sharded, so `values`
+///                                                       (its place, zeros) are not its values; the leaf is
+///                                                       pointed there but made unusable until the next
+///                                                       adopt, so a computation outside an unshard scope
+///                                                       fails instead of reading zeros (without it, ddp
+///                                                       adopts `values`)
 ///   static ddp::device device(const T&);                where the elements live (default: host memory)
 ///   static const void* key(const T&);                   the address gradient_ready knows it by (default &t)
 ///   static std::shared_ptr<void> watch(T&, std::function<void()> ready);  leaves whose framework knows when a
@@ -6459,7 +6465,9 @@ class leaf_binding {
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
-  virtual void rebind(std::byte* values, std::byte* grads) = 0;
+  /// `present` false: `values` do not hold the leaf's values (a sharded unit), and a leaf type that can refuse
+  /// use until the next rebind does (storage_traits<T>::vacate).
+  virtual void rebind(std::byte* values, std::byte* grads, bool present) = 0;
   /// Gives the leaf its values back in memory of its own (the arena is going away).
   virtual void unbind() = 0;
   /// Owning leaves: copies the leaf's gradient to where it is bound (at report time).
@@ -6495,11 +6503,17 @@ class leaf_binding_of final : public leaf_binding {
       std::memcpy(values, home_values_, bytes);
       std::memcpy(grads, home_grads_, bytes);
     }
-    rebind(values, grads);
+    rebind(values, grads, true);
   }
-  void rebind(std::byte* values, std::byte* grads) override {
+  void rebind(std::byte* values, std::byte* grads, bool present) override {
     values_ = values;
     grads_ = grads;
+    if constexpr (requires { traits::vacate(*leaf_, values, grads); }) {
+      if (!present) {
+        traits::vacate(*leaf_, values, grads);
+        return;
+      }
+    }
     if constexpr (adopting) traits::adopt(*leaf_, values, grads);
   }
   void unbind() override {
@@ -6767,8 +6781,49 @@ class parameter_layout {
   bool adopting_ = true;
 };
 
+/// Per slot of `layout`, 1 where options' unused_parameters names it; throws config_error for an unknown name.
+inline std::vector<char> unused_mask(const parameter_layout& layout, const std::vector<std::string>& names, int rank) {
+  std::vector<char> unused(layout.slots().size(), 0);
+  for (const auto& name : names) {
+    const auto i = layout.find(std::string_view(name));
+    if (i < 0)
+      throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
+                         "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank);
+    unused[static_cast<std::size_t>(i)] = 1;
+  }
+  return unused;
+}
+
+/// Throws config_error unless every leaf of `layout` adopts ddp's memory, which full_shard needs to shard it.
+inline void require_adopting(const parameter_layout& layout, int rank) {
+  if (layout.adopting()) return;
+  for (const auto& s : layout.slots())
+    if (!s.leaf->adopts())
+      throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
+                         "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
+                         "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
+                         "ddp::shard_grad_op", rank);
+}
+
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/arena.hpp>
+// ---- begin <ddp/parallel/backward_scopes.hpp>
+/// \file ddp::detail::backward_scopes: the unshard scopes a framework's backward opens on units and that close by
+/// themselves. Autograd runs a unit's part of the backward without the caller, so no RAII scope can wrap it: a
+/// hook that runs when the backward reaches the unit opens one (data_parallel::unshard_guard::for_backward), and
+/// it closes once every parameter of the unit has reported its gradient in that backward, or at the end of the
+/// backward (finish_gradients) for a unit some of whose parameters received no gradient.
+
+
+// ---- begin <ddp/parallel/step_state.hpp>
+/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
+/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
+/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
+/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
+
+
 // ---- begin <ddp/parallel/bucket_planner.hpp>
 /// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
 /// buckets whose gradients the backward produces first are launched first.
@@ -6842,118 +6897,6 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/bucket_planner.hpp>
-// ---- begin <ddp/parallel/full_shard.hpp>
-/// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
-/// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
-/// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
-/// the direction of travel (forward or backward) is prefetched into another. "Next" follows the execution
-/// order: the order in which the scopes of the first step first opened the units (as FSDP2 records its
-/// forward order), the same on every rank that runs the same program; during the first step, and for units
-/// it did not use, the order of the fields. When the last scope on a unit
-/// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
-/// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
-
-
-// ---- begin <ddp/parallel/sharded.hpp>
-/// \file What the sharding strategies (shard_grad_op, full_shard, hybrid) share. Arenas are padded so that
-/// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
-/// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
-///
-/// Gradients: a unit's full gradients exist only while an unshard scope holds the unit and until its buckets'
-/// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
-/// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
-/// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
-/// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
-/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
-/// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
-/// block across the replica group too: that all-reduce is chained when the next bucket launches (after
-/// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
-/// every rank by construction: choosing it by polling completion would order the shard and replica groups'
-/// collectives differently on different ranks, and a transport that runs a rank's collectives one at a time
-/// (ddp::tcp's engine) then deadlocks across the overlapping groups. The phases of
-/// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
-/// step_state.
-///
-/// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
-/// its blocks of the value arena, and after each step every bucket is all-gathered in place; full_shard keeps a
-/// persistent copy of the owned blocks (its arena holds no values) and all-gathers units on demand into pooled
-/// buffers.
-
-#include <limits>
-
-// ---- begin <ddp/parallel/ordered_reduction.hpp>
-/// \file Deterministic reduction (the sharding policies' deterministic knob): every element is summed in rank order,
-/// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
-/// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
-/// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
-/// times more beyond); the sum then runs where the operation completes.
-
-
-
-namespace ddp::detail {
-
-/// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
-class ordered_reduction {
- public:
-  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
-  template <class Comm>
-  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
-    return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
-  }
-  /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).
-  template <class Comm>
-  work exchange(Comm& comm, std::size_t key, const raw_tensor& whole) {
-    return comm.all_to_all(whole, scratch(key, whole, 1));
-  }
-  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block): one pass,
-  /// with the bits of the sum followed by detail::divide.
-  void average_into(std::size_t key, const raw_tensor& out, int n) const {
-    const std::byte* blocks = scratch_[key].data();
-    visit_dtype(out.type, [&](auto zero) {
-      using T = decltype(zero);
-      const T* in = reinterpret_cast<const T*>(blocks);
-      T* dst = static_cast<T*>(out.data);
-      const std::size_t k = out.size, ranks = static_cast<std::size_t>(n);
-      if constexpr (std::is_floating_point_v<T>) {
-        const bool exact = (n & (n - 1)) == 0;  // as divide(): a power of two multiplies by its exact reciprocal
-        const T inverse = T(1) / static_cast<T>(n), count = static_cast<T>(n);
-        for (std::size_t i = 0; i < k; ++i) {
-          T acc = in[i];
-          for (std::size_t j = 1; j < ranks; ++j) acc = acc + in[j * k + i];
-          dst[i] = exact ? acc * inverse : acc / count;
-        }
-      } else {
-        for (std::size_t i = 0; i < k; ++i) {
-          T acc = in[i];
-          for (std::size_t j = 1; j < ranks; ++j) acc = static_cast<T>(acc + in[j * k + i]);
-          dst[i] = acc;
-        }
-        divide(out, n);
-      }
-    });
-  }
-
- private:
-  raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
-    if (scratch_.size() <= key) scratch_.resize(key + 1);
-    const std::size_t bytes = like.bytes() * times;
-    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
-    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
-  }
-  std::vector<aligned_bytes> scratch_;
-};
-
-}  // namespace ddp::detail
-// ---- end <ddp/parallel/ordered_reduction.hpp>
-// ---- begin <ddp/parallel/step_state.hpp>
-/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
-/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
-/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
-/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
-/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
-
-
 
 namespace ddp::detail {
 
@@ -7219,6 +7162,180 @@ class step_state {
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/step_state.hpp>
+
+namespace ddp::detail {
+
+/// Which units a backward holds open, and when each may close.
+class backward_scopes {
+ public:
+  /// The units and parameters of `layout`.
+  explicit backward_scopes(const parameter_layout& layout) : open_(layout.units().size(), 0), slots_(open_.size()) {
+    for (std::size_t s = 0; s < layout.slots().size(); ++s) slots_[layout.slots()[s].unit].push_back(s);
+  }
+  /// Of `units`, those not open yet, now open (a unit reached twice in one backward is opened once).
+  std::vector<std::size_t> open(std::span<const std::size_t> units) {
+    std::vector<std::size_t> opened;
+    for (const std::size_t u : units)
+      if (!open_[u]) {
+        open_[u] = 1;
+        opened.push_back(u);
+      }
+    return opened;
+  }
+  /// Parameter `slot` reported: its unit, now closed, when a backward holds it open and every parameter of it has
+  /// reported in this step (`state`).
+  std::optional<std::size_t> reported(std::size_t slot, std::size_t unit, const step_state& state) {
+    if (!open_[unit] || !state.reported(slot)) return std::nullopt;
+    for (const std::size_t s : slots_[unit])
+      if (!state.reported(s)) return std::nullopt;
+    open_[unit] = 0;
+    return unit;
+  }
+  /// Every unit still open, now closed (the backward is over).
+  std::vector<std::size_t> close_all() {
+    std::vector<std::size_t> closed;
+    for (std::size_t u = 0; u < open_.size(); ++u)
+      if (open_[u]) {
+        open_[u] = 0;
+        closed.push_back(u);
+      }
+    return closed;
+  }
+
+ private:
+  std::vector<char> open_;                        // per unit: a backward holds it open
+  std::vector<std::vector<std::size_t>> slots_;   // per unit: its parameters
+};
+
+}  // namespace ddp::detail
+
+namespace ddp {
+
+/// Opens a scope on its units for their part of the backward, which closes by itself once each of their
+/// parameters has reported its gradient (or in finish_gradients(), for those that received none); a unit so
+/// opened already in this backward stays as it is. For frameworks that run the backward themselves (autograd):
+/// call it from a hook that runs when the backward reaches the units, as ddp::forward of the LibTorch adapter
+/// does. Collective under full_shard (all-gathers the units and prefetches the next one in the backward's
+/// direction); a no-op under replicate. Made by data_parallel's unshard_guard::for_backward().
+template <class DP>
+class backward_opener {
+ public:
+  /// Reopens `units` of `dp` when called.
+  backward_opener(DP& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {}
+  /// Opens the scope.
+  void operator()() const { dp_->open_backward(units_); }
+
+ private:
+  DP* dp_;
+  std::vector<std::size_t> units_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/backward_scopes.hpp>
+// ---- begin <ddp/parallel/full_shard.hpp>
+/// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
+/// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
+/// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
+/// the direction of travel (forward or backward) is prefetched into another. "Next" follows the execution
+/// order: the order in which the scopes of the first step first opened the units (as FSDP2 records its
+/// forward order), the same on every rank that runs the same program, turning around where a unit at either
+/// end of it is opened again (the backward after the forward); during the first step, and for units it did
+/// not use, the order of the fields. When the last scope on a unit
+/// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
+/// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
+
+
+// ---- begin <ddp/parallel/sharded.hpp>
+/// \file What the sharding strategies (shard_grad_op, full_shard, hybrid) share. Arenas are padded so that
+/// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
+/// unit; rank r owns block r of every bucket (contiguous, not aligned to parameters).
+///
+/// Gradients: a unit's full gradients exist only while an unshard scope holds the unit and until its buckets'
+/// reduce-scatters have read them: the scope binds the unit's parameters to a zeroed buffer of a unit_pool,
+/// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
+/// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
+/// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
+/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
+/// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
+/// block across the replica group too: that all-reduce is chained when the next bucket launches (after
+/// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
+/// every rank by construction: choosing it by polling completion would order the shard and replica groups'
+/// collectives differently on different ranks, and a transport that runs a rank's collectives one at a time
+/// (ddp::tcp's engine) then deadlocks across the overlapping groups. The phases of
+/// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
+/// step_state.
+///
+/// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
+/// its blocks of the value arena, and after each step every bucket is all-gathered in place; full_shard keeps a
+/// persistent copy of the owned blocks (its arena holds no values) and all-gathers units on demand into pooled
+/// buffers.
+
+#include <limits>
+
+// ---- begin <ddp/parallel/ordered_reduction.hpp>
+/// \file Deterministic reduction (the sharding policies' deterministic knob): every element is summed in rank order,
+/// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
+/// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
+/// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
+/// times more beyond); the sum then runs where the operation completes.
+
+
+
+namespace ddp::detail {
+
+/// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
+class ordered_reduction {
+ public:
+  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
+  template <class Comm>
+  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
+    return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
+  }
+  /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).
+  template <class Comm>
+  work exchange(Comm& comm, std::size_t key, const raw_tensor& whole) {
+    return comm.all_to_all(whole, scratch(key, whole, 1));
+  }
+  /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block): one pass,
+  /// with the bits of the sum followed by detail::divide.
+  void average_into(std::size_t key, const raw_tensor& out, int n) const {
+    const std::byte* blocks = scratch_[key].data();
+    visit_dtype(out.type, [&](auto zero) {
+      using T = decltype(zero);
+      const T* in = reinterpret_cast<const T*>(blocks);
+      T* dst = static_cast<T*>(out.data);
+      const std::size_t k = out.size, ranks = static_cast<std::size_t>(n);
+      if constexpr (std::is_floating_point_v<T>) {
+        const bool exact = (n & (n - 1)) == 0;  // as divide(): a power of two multiplies by its exact reciprocal
+        const T inverse = T(1) / static_cast<T>(n), count = static_cast<T>(n);
+        for (std::size_t i = 0; i < k; ++i) {
+          T acc = in[i];
+          for (std::size_t j = 1; j < ranks; ++j) acc = acc + in[j * k + i];
+          dst[i] = exact ? acc * inverse : acc / count;
+        }
+      } else {
+        for (std::size_t i = 0; i < k; ++i) {
+          T acc = in[i];
+          for (std::size_t j = 1; j < ranks; ++j) acc = static_cast<T>(acc + in[j * k + i]);
+          dst[i] = acc;
+        }
+        divide(out, n);
+      }
+    });
+  }
+
+ private:
+  raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
+    if (scratch_.size() <= key) scratch_.resize(key + 1);
+    const std::size_t bytes = like.bytes() * times;
+    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
+    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
+  }
+  std::vector<aligned_bytes> scratch_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/ordered_reduction.hpp>
 // ---- begin <ddp/parallel/unit_pool.hpp>
 /// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
 /// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
@@ -7400,6 +7517,7 @@ class sharded_core {
   /// Points every parameter back at the arenas, copying the values of gathered units there, so the layout can
   /// hand the model its values (the owner settled the operations in flight first). Local: no collective.
   ~sharded_core() {
+    arena_values_ = true;  // the model keeps what the arenas hold (zeros where unshard_model() did not run)
     for (std::size_t u = 0; u < pooled_.size(); ++u) {
       if (pooled_[u].values != no_buffer) {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
@@ -7422,7 +7540,9 @@ class sharded_core {
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
-                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + ")",
+                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + "), or, "
+                      "where autograd runs the backward (LibTorch), run the unit's forward as ddp::forward(dp, "
+                      "model." + layout_.units()[s.unit] + ", input), which reopens the unit for its backward",
                   shard_.rank());
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
@@ -7519,6 +7639,11 @@ class sharded_core {
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
+  /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
+  void gathered(std::size_t u) {
+    state_.unsharded(u);
+    bind_unit(u);
+  }
   /// Unit `u`'s values buffer goes back to the pool; its parameters point at their arena place.
   void give_values(std::size_t u) {
     if (pooled_[u].values == no_buffer) return;
@@ -7536,9 +7661,17 @@ class sharded_core {
     values_pool_.trim(trim_);
     grads_pool_.trim(trim_);
   }
-  /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
-  void release_arena_values() noexcept {
+  /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
+  /// blocks) and vacates every parameter there.
+  void release_arena_values() {
     for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
+    for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
+  }
+  /// The arenas hold the parameters' full values from now on (full_shard's unshard_model): the parameters of
+  /// units without a pooled buffer are bound there as values, no longer vacated.
+  void arena_holds_values() {
+    arena_values_ = true;
+    for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
   }
 
  private:
@@ -7552,8 +7685,10 @@ class sharded_core {
     for (const auto& e : extents_[u]) out.push_back(e.end - e.begin);
     return out;
   }
-  /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none.
+  /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none; under
+  /// full_shard they are vacated (leaf_binding::rebind) until the unit's values are gathered.
   void bind_unit(std::size_t u) {
+    const bool present = arena_values_ || (pooled_[u].values != no_buffer && state_.unit(u).values == unit_phase::unsharded);
     for (const std::size_t s : unit_slots_[u]) {
       const auto& p = layout_.slots()[s];
       const auto& a = layout_.arenas()[p.arena];
@@ -7562,7 +7697,7 @@ class sharded_core {
                                                          : values_pool_.data(pooled_[u].values, p.arena) + at * w;
       std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
                                                        : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
-      p.leaf->rebind(values, grads);
+      p.leaf->rebind(values, grads, present);
     }
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
@@ -7677,6 +7812,7 @@ class sharded_core {
   const char* policy_;                                  // the strategy's name, for messages
   pool_trim trim_;                                      // by the policy's keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
+  bool arena_values_ = values_ == owned_value_home::value_arena;  // the arenas hold the parameters' values
   bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
@@ -7763,7 +7899,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
-      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->gathered(u);
       this->open_scope(u);
       if (!recorded_ && position_[u] == unrecorded) {
         position_[u] = order_.size();
@@ -7772,7 +7908,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
-    if (last_ && *last_ != u)
+    if (last_)
       if (const auto next = next_unit(*last_, u)) prefetch(*next);
     last_ = u;
   }
@@ -7812,19 +7948,25 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
     wait_all(works);
+    this->arena_holds_values();
   }
 
  private:
   static constexpr std::size_t unrecorded = static_cast<std::size_t>(-1);
 
   /// The unit after `u` in the direction of travel from `last`: in the recorded execution order once the
-  /// first step is over and both units are in it, else in field order; none at either end.
+  /// first step is over and both units are in it, else in field order; none at either end. In the recorded
+  /// order a unit at either end opened again turns the travel around (the backward reopening the forward's
+  /// last unit, as autograd's hooks do, prefetches the one before it; the next forward, the one after the first).
   [[nodiscard]] std::optional<std::size_t> next_unit(std::size_t last, std::size_t u) const {
     if (recorded_ && position_[u] != unrecorded && position_[last] != unrecorded) {
-      const std::size_t at = position_[u];
-      if (at > position_[last]) return at + 1 < order_.size() ? std::optional(order_[at + 1]) : std::nullopt;
-      return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+      const std::size_t at = position_[u], from = position_[last], end = order_.size() - 1;
+      if (at > from || (at == from && at == 0 && end > 0))
+        return at < end ? std::optional(order_[at + 1]) : std::nullopt;
+      if (at < from || (at == from && at == end && end > 0)) return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+      return std::nullopt;
     }
+    if (u == last) return std::nullopt;
     if (u > last) return u + 1 < position_.size() ? std::optional(u + 1) : std::nullopt;
     return u > 0 ? std::optional(u - 1) : std::nullopt;
   }
@@ -8467,27 +8609,8 @@ class data_parallel {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
-    unused_.assign(layout_.slots().size(), 0);
-    for (const auto& name : options_.unused_parameters) {
-      const auto i = layout_.find(std::string_view(name));
-      if (i < 0)
-        throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
-                           "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
-      unused_[static_cast<std::size_t>(i)] = 1;
-    }
-    if (strategy_type::initial_units == detail::unit_phase::sharded && !layout_.adopting())
-      for (const auto& s : layout_.slots())
-        if (!s.leaf->adopts())
-          throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
-                             "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
-                             "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
-                             "ddp::shard_grad_op", rank());
-    if (strategy_type::initial_units == detail::unit_phase::sharded)
-      for (const auto& s : layout_.slots())
-        if (s.leaf->watches())
-          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
-                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
-                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
+    unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
+    if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -8496,7 +8619,8 @@ class data_parallel {
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
+    if (!watches_.empty() && strategy_type::sharded && strategy_type::initial_units == detail::unit_phase::unsharded)
+      hold_whole_model();
   }
 
  public:
@@ -8505,12 +8629,7 @@ class data_parallel {
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
   template <class Leaf>
   void gradient_ready(const Leaf& p) {
-    const void* key = nullptr;
-    if constexpr (storage_leaf<Leaf>)
-      key = leaf_key(p);
-    else
-      key = static_cast<const void*>(&p);
-    const auto i = layout_.find(key);
+    const auto i = layout_.find(leaf_key(p));
     if (i < 0)
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
@@ -8524,6 +8643,7 @@ class data_parallel {
     join_.check("finish_gradients", rank());
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
+    if (const auto left = backward_.close_all(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
@@ -8664,6 +8784,8 @@ class data_parallel {
       dp_->join_.note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
+    /// What reopens this scope's units for their part of the backward (see ddp::backward_opener).
+    [[nodiscard]] backward_opener<data_parallel> for_backward() const { return {*dp_, units_}; }
 
    private:
     data_parallel* dp_;
@@ -8742,6 +8864,19 @@ class data_parallel {
     options.units = detail::resolve_units(model, options.units, rank);
     return options;
   }
+  /// Opens backward scopes on those of `units` not open yet in this backward (backward_opener).
+  void open_backward(std::span<const std::size_t> units) {
+    if constexpr (strategy_type::sharded)
+      if (const auto opened = backward_.open(units); !opened.empty()) {
+        join_.note(detail::step_event::kind::acquire, opened);
+        strategy_->acquire(opened);
+      }
+  }
+  /// Closes the backward scopes of `units` (recorded for a join shadow step to replay).
+  void release_backward(const std::vector<std::size_t>& units) {
+    join_.note(detail::step_event::kind::release, units);
+    strategy_->release(units);
+  }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
@@ -8754,6 +8889,7 @@ class data_parallel {
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
+    if (const auto u = backward_.reported(slot, layout_.slots()[slot].unit, state_)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
@@ -8772,9 +8908,9 @@ class data_parallel {
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
   /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
-  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// RAII scope can wrap a unit's part of it: under shard_grad_op the wrapper holds a scope on every unit for its
   /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
+  /// Under full_shard the units' forwards open scopes and their backwards reopen them (backward_opener).
   void hold_whole_model() {
     std::vector<std::size_t> all(layout_.units().size());
     for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
@@ -8824,11 +8960,13 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
-  std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
+  std::optional<unshard_guard> whole_model_;     // shard_grad_op with watching leaves: a scope on every unit
+  detail::backward_scopes backward_{layout_};    // the scopes backward_opener opened in the running backward
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
   detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
+  friend class backward_opener<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type

@@ -1,6 +1,7 @@
 #pragma once
-// Small torch::nn models for the adapter's tests: an MLP (Linear, ReLU, Linear) and a CNN (Conv2d, ReLU,
-// Linear), their deterministic data and the loss that makes N ranks on disjoint shards average to the
+// Small torch::nn models for the adapter's tests: an MLP (Linear, ReLU, Linear), a CNN (Conv2d, ReLU, Linear)
+// and a deeper CNN of three units whose forward runs each submodule through a runner (full_shard's
+// ddp::forward), their deterministic data and the loss that makes N ranks on disjoint shards average to the
 // whole batch's mean gradient.
 
 #include <cstddef>
@@ -29,6 +30,25 @@ struct cnn_impl : torch::nn::Module {
   torch::nn::Linear fc;
 };
 TORCH_MODULE_IMPL(cnn, cnn_impl);
+
+/// Three units (conv, fc1, fc2): Conv2d, ReLU, Linear, ReLU, Linear. forward(x, run) calls run(submodule, input)
+/// for each unit (ddp::forward under full_shard); forward(x) is the plain model.
+struct deep_impl : torch::nn::Module {
+  deep_impl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)))),
+        fc1(register_module("fc1", torch::nn::Linear(4 * 6 * 6, 16))), fc2(register_module("fc2", torch::nn::Linear(16, 3))) {}
+  template <class Run>
+  torch::Tensor forward(const torch::Tensor& x, Run run) {
+    const torch::Tensor h = torch::relu(run(conv, x)).flatten(1);
+    return run(fc2, torch::relu(run(fc1, h)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return forward(x, [](auto& m, const torch::Tensor& in) { return m(in); });
+  }
+  torch::nn::Conv2d conv;
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE_IMPL(deep, deep_impl);
 
 /// The model's inputs for `samples` samples (MLP: 6 features, CNN: 1×8×8 images).
 template <class Net>

@@ -117,17 +117,24 @@ inline void require_close(const std::vector<std::pair<std::string, torch::Tensor
   }
 }
 
-/// N ranks with policies Ps train Net from different initial values (rank 0's are broadcast) on their shards and
-/// end where one process on the whole batch ends. torch::optim optimizers step the model's parameters under
-/// replicate and ddp::parameters(dp) under shard_grad_op. `micro` > 1 accumulates that many micro-batches per
-/// step, all but the last under dp.no_sync().
+/// N ranks with policies Ps (the sharding policy's settings `sharding`) train Net from different initial values
+/// (rank 0's are broadcast) on their shards and end where one process on the whole batch ends. torch::optim
+/// optimizers step the model's parameters under replicate and ddp::parameters(dp) under the sharded policies.
+/// `micro` > 1 accumulates that many micro-batches per step, all but the last under dp.no_sync(). The deep model
+/// runs each unit through ddp::forward.
 template <class Net, class... Ps, class Comm>
-void check_equivalence(Comm comm, optimizer_kind k, int micro = 1) {
-  INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : "cnn") << ", optimizer " << static_cast<int>(k) << ", "
-                 << micro << " micro-batch(es)");
+void check_equivalence(Comm comm, optimizer_kind k, int micro = 1, typename ddp::policies<Ps...>::sharding sharding = {}) {
+  INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : std::is_same_v<Net, cnn> ? "cnn" : "deep") << ", optimizer "
+                << static_cast<int>(k) << ", " << micro << " micro-batch(es)");
   Net net = make_model<Net>(1 + static_cast<std::uint64_t>(comm.rank()));
   {
-    ddp::data_parallel<wrapped_t<Net>, Ps...> dp{wrapped(net), comm};
+    ddp::data_parallel<wrapped_t<Net>, Ps...> dp{wrapped(net), comm, sharding};
+    const auto forward = [&](const torch::Tensor& in) {
+      if constexpr (std::is_same_v<Net, deep>)
+        return net->forward(in, [&](auto& unit, const torch::Tensor& x) { return ddp::forward(dp, unit, x); });
+      else
+        return net->forward(in);
+    };
     const auto [begin, count] = shard_of(comm.rank(), comm.size());
     const double scale = static_cast<double>(comm.size()) / global_batch;
     auto train = [&](auto& opt) {
@@ -139,10 +146,10 @@ void check_equivalence(Comm comm, optimizer_kind k, int micro = 1) {
           const std::int64_t a = count * m / micro, b = count * (m + 1) / micro;
           if (m + 1 < micro) {
             auto guard = dp.no_sync();
-            scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale).backward();
+            scaled_loss(forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale).backward();
             guard.close();  // sharded: completes this micro-batch's reduce-scatters
           } else {
-            auto loss = scaled_loss(net->forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale);
+            auto loss = scaled_loss(forward(mx.narrow(0, a, b - a)), my.narrow(0, a, b - a), scale);
             loss.backward();
           }
         }
@@ -158,6 +165,7 @@ void check_equivalence(Comm comm, optimizer_kind k, int micro = 1) {
                                                                                                   : ddp::parameters(dp));
       train(*opt);
     }
+    dp.unshard_model();  // full_shard: the model's own parameters take the full values
   }
   require_close(values_of(net), reference_training<Net>(k));
 }
@@ -295,15 +303,79 @@ void check_errors(Comm comm) {
       REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
     }
   }
-  const auto kept = values_of(other);
-  try {
-    ddp::data_parallel<mlp_impl, Backend, ddp::full_shard> sharded{*other, comm};
-    FAIL("full_shard accepted autograd leaves");
-  } catch (const ddp::config_error& e) {
-    REQUIRE_THAT(e.what(), Catch::Contains("'fc1.weight'") && Catch::Contains("shard_grad_op"));
+}
+
+/// full_shard outside ddp::forward: a sharded unit's parameters are empty, so a plain forward fails in LibTorch
+/// instead of computing with zeros; a unit's backward without its ddp::forward is a ddp::error naming the fix; a
+/// torch::optim optimizer over the model's (sharded) parameters is refused; inside dp.unshard(dp.module()) the
+/// plain forward and backward work. ddp::save writes the full values (read into a plain module, they equal what
+/// unshard_model() gives the model) and ddp::load reads them back.
+template <class Backend, class Comm>
+void check_full_shard_rules(Comm comm, const std::filesystem::path& path) {
+  deep net = make_model<deep>(1);
+  const auto [x, y] = make_batch<deep>(0, 4);
+  const auto through_ddp = [](auto& dp) {
+    return [&dp](auto& unit, const torch::Tensor& in) { return ddp::forward(dp, unit, in); };
+  };
+  {
+    ddp::data_parallel<deep, Backend, ddp::full_shard> dp{net, comm};
+    REQUIRE(net->fc1->weight.numel() == 0);
+    REQUIRE_THROWS_AS(net->forward(x), c10::Error);  // never a result computed with zero weights
+    try {
+      const auto out = net->forward(x, [&](auto& unit, const torch::Tensor& in) {  // fc1 outside ddp::forward
+        return static_cast<void*>(&unit) == static_cast<void*>(&net->fc1) ? unit(in) : ddp::forward(dp, unit, in);
+      });
+      FAIL("a unit's forward outside ddp::forward computed " << out);
+    } catch (const c10::Error&) {
+    }
+    {
+      torch::Tensor out;
+      {
+        auto all = dp.unshard(dp.module());  // forward in a scope, backward after it closed: no reopening hook
+        out = net->forward(x);
+      }
+      try {
+        scaled_loss(out, y, 1.0).backward();
+        FAIL("a backward of units no scope held ran");
+      } catch (const ddp::error& e) {
+        REQUIRE_THAT(e.what(), Catch::Contains("ddp::forward(dp, model.fc2"));
+      }
+    }
+    dp.zero_grad();
+    {
+      auto all = dp.unshard(dp.module());  // one scope around the plain forward and backward: legal
+      REQUIRE(net->fc1->weight.numel() == 16 * 144);
+      scaled_loss(net->forward(x), y, 1.0).backward();
+    }
+    ddp::optim::adamw opt = make_ddp_adamw();
+    dp.step(opt);
+    scaled_loss(net->forward(x, through_ddp(dp)), y, 1.0).backward();
+    torch::optim::SGD plain(net->parameters(), 0.1);
+    try {
+      dp.step(plain);
+      FAIL("full_shard stepped a torch::optim optimizer over the model's sharded parameters");
+    } catch (const ddp::config_error& e) {
+      REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
+    }
+    dp.step(opt);
+    ddp::save(path, dp);
+    dp.unshard_model();
+    REQUIRE(net->fc1->weight.numel() == 16 * 144);
   }
-  const auto after = values_of(other);  // refused before anything moved: the model keeps its values
-  for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(torch::equal(kept[i].second, after[i].second));
+  if (comm.rank() == 0) {
+    deep plain = make_model<deep>(7);
+    ddp::load_module(path, *plain);
+    const auto got = values_of(plain), want = values_of(net);
+    for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(torch::equal(got[i].second, want[i].second));
+  }
+  deep fresh = make_model<deep>(8);
+  {
+    ddp::data_parallel<deep, Backend, ddp::full_shard> dp{fresh, comm};
+    ddp::load(path, dp);
+    dp.unshard_model();
+  }
+  const auto got = values_of(fresh), want = values_of(net);
+  for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(torch::equal(got[i].second, want[i].second));
 }
 
 /// The fixed input torch_load.py feeds the MLP.

@@ -30,12 +30,16 @@ TEST_CASE("mpi shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
   check_equivalence<cnn, mpi, ddp::shard_grad_op>(world(), optimizer_kind::torch_adam);
   check_equivalence<mlp, mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::ddp_adamw);
 }
+TEST_CASE("mpi full_shard: a 3-unit CNN run through ddp::forward equals one process", "[equivalence]") {
+  check_equivalence<deep, mpi, tiny, ddp::full_shard>(world(), optimizer_kind::torch_adam);
+  check_equivalence<deep, mpi, ddp::full_shard>(world(), optimizer_kind::ddp_adamw, 1, {.reshard_after_forward = false});
+}
 TEST_CASE("mpi replicate and shard_grad_op: no_sync accumulation over 2 micro-batches equals one process",
           "[equivalence]") {
   check_equivalence<mlp, mpi, tiny>(world(), optimizer_kind::torch_adam, 2);
   check_equivalence<cnn, mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::torch_sgd_momentum, 2);
 }
-TEST_CASE("mpi: .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
+TEST_CASE("mpi: .grad stays linked across zero_grad, buffers broadcast, unusable leaves named", "[errors]") {
   check_gradient_link<mpi>(world());
   check_errors<mpi>(world());
   check_buffers<mpi>(world());

@@ -1,5 +1,6 @@
 // The LibTorch adapter over the TCP backend: torch::nn models at N = 1..3 forked ranks equal one plain LibTorch
 // process (run_ranks: a 60 s job timeout), .grad stays ddp's memory, the errors say what to do.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -46,6 +47,46 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
+TEST_CASE("torch::Tensor leaves: a rebinding moves the parameter's storage, so a view autograd saved reads the new "
+          "memory; a vacated parameter is empty", "[full_shard]") {
+  using traits = ddp::storage_traits<torch::Tensor>;
+  const torch::Tensor w = torch::zeros({2, 3}, torch::requires_grad());
+  std::vector<float> first(6, 1.0F), second(6, 2.0F), grads(6, 0.0F);
+  traits::adopt(w, first.data(), grads.data());
+  const torch::Tensor x = torch::ones({1, 3}, torch::requires_grad());
+  const torch::Tensor y = torch::nn::functional::linear(x, w);  // saves w.t(), a view of w's storage
+  traits::vacate(w, second.data(), grads.data());                // the unit is resharded after its forward
+  REQUIRE(w.numel() == 0);
+  REQUIRE_THROWS_AS(torch::nn::functional::linear(x, w), c10::Error);
+  std::fill(first.begin(), first.end(), -7.0F);  // the forward's buffer now holds another unit
+  traits::adopt(w, second.data(), grads.data());  // gathered again for the backward, elsewhere
+  REQUIRE(w.numel() == 6);
+  REQUIRE(w._version() == 0);  // no version bump: autograd raises no "modified by an inplace operation"
+  y.sum().backward();
+  REQUIRE(torch::allclose(x.grad(), torch::full({1, 3}, 4.0F)));  // w = 2 (second), not -7 (first)
+  REQUIRE(grads[0] == 1.0F);                                      // accumulated into ddp's gradient memory
+  traits::release(w);
+  REQUIRE(torch::equal(w, torch::full({2, 3}, 2.0F)));
+}
+TEST_CASE("tcp full_shard and hybrid<full_shard>: a 3-unit CNN run through ddp::forward equals one process, resharding "
+          "after forward or not",
+          "[equivalence]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::torch_adam);
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::ddp_adamw);
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_sgd_momentum, 1,
+                                                       {.reshard_after_forward = false});
+    check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::ddp_adamw, 2, {.reshard_after_forward = false});
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_adam, 3);
+    check_equivalence<deep, tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::ddp_adamw, 1, {.group_size = 1});
+  });
+}
+TEST_CASE("tcp full_shard: a plain forward of a sharded unit fails, a backward without ddp::forward is named, "
+          "torch::optim over the model refused, checkpoints hold the full values", "[errors][checkpoint]") {
+  const auto path = std::filesystem::temp_directory_path() / ("ddp_libtorch_fs_" + std::to_string(::getpid()) + ".safetensors");
+  on_1_to_3_ranks([&](ddp::tcp::communicator comm) { check_full_shard_rules<tcp>(comm, path); });
+  std::filesystem::remove(path);
+}
 TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 micro-batches equals one process",
           "[equivalence]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
@@ -53,7 +94,7 @@ TEST_CASE("tcp replicate and shard_grad_op: no_sync accumulation over 2 and 3 mi
     check_equivalence<cnn, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam, 3);
   });
 }
-TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves and full_shard named", "[errors]") {
+TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across zero_grad, buffers broadcast, unusable leaves named", "[errors]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
     check_gradient_link<tcp>(comm);
     check_errors<tcp>(comm);

@@ -486,14 +486,17 @@ TEST_CASE("recorded: full_shard prefetches in the execution order the first step
   for (const int l : {1, 0, 2}) opened(l, true);
   dp.step(opt);
   // Step 2 follows the recorded order fc3, fc1, fc2: fc2 is gathered while fc1 is in use and its scope only waits;
-  // in the backward fc3 is gathered while fc1 is in use.
+  // in the backward fc3 is gathered while fc1 is in use. Reopening an end of the order turns the travel around:
+  // fc3 (where the backward ended) prefetches fc1 for the forward, fc2 (where the forward ended) fc1 for the
+  // backward.
+  const strings gather_fc1 = {"world all_gather 2>4 f32", "world all_gather 1>2 f32"};
   for (int step = 2; step <= 3; ++step) {
     INFO("step " << step);
-    REQUIRE(opened(2, false) == gather_fc3);
-    REQUIRE(opened(0, false) == with(gather_fc1_fc2, {"world all_gather 2>4 f32", "world all_gather 1>2 f32"}));
+    REQUIRE(opened(2, false) == with(gather_fc3, gather_fc1));
+    REQUIRE(opened(0, false) == with({"wait", "wait"}, {"world all_gather 2>4 f32", "world all_gather 1>2 f32"}));
     REQUIRE(opened(1, false) == strings{"wait", "wait"});
-    REQUIRE(opened(1, true) == gather_fc1_fc2);
-    REQUIRE(opened(0, true) == with(gather_fc1_fc2, {"world all_gather 2>4 f32"}));
+    REQUIRE(opened(1, true) == with(gather_fc1_fc2, gather_fc1));
+    REQUIRE(opened(0, true) == strings{"wait", "wait", "world all_gather 2>4 f32"});
     REQUIRE(opened(2, true) == strings{"wait"});
     dp.step(opt);
   }

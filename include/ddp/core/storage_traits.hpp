@@ -17,6 +17,12 @@
 ///   static void release(T&);                            after adopt: takes the values into storage of its
 ///                                                       own (without it, ddp copies them back to where
 ///                                                       values()/grads() pointed first and adopts that)
+///   static void vacate(T&, void* values, void* grads);  full_shard: the leaf's unit is sharded, so `values`
+///                                                       (its place, zeros) are not its values; the leaf is
+///                                                       pointed there but made unusable until the next
+///                                                       adopt, so a computation outside an unshard scope
+///                                                       fails instead of reading zeros (without it, ddp
+///                                                       adopts `values`)
 ///   static ddp::device device(const T&);                where the elements live (default: host memory)
 ///   static const void* key(const T&);                   the address gradient_ready knows it by (default &t)
 ///   static std::shared_ptr<void> watch(T&, std::function<void()> ready);  leaves whose framework knows when a

@@ -245,4 +245,28 @@ class parameter_layout {
   bool adopting_ = true;
 };
 
+/// Per slot of `layout`, 1 where options' unused_parameters names it; throws config_error for an unknown name.
+inline std::vector<char> unused_mask(const parameter_layout& layout, const std::vector<std::string>& names, int rank) {
+  std::vector<char> unused(layout.slots().size(), 0);
+  for (const auto& name : names) {
+    const auto i = layout.find(std::string_view(name));
+    if (i < 0)
+      throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
+                         "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank);
+    unused[static_cast<std::size_t>(i)] = 1;
+  }
+  return unused;
+}
+
+/// Throws config_error unless every leaf of `layout` adopts ddp's memory, which full_shard needs to shard it.
+inline void require_adopting(const parameter_layout& layout, int rank) {
+  if (layout.adopting()) return;
+  for (const auto& s : layout.slots())
+    if (!s.leaf->adopts())
+      throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
+                         "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
+                         "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
+                         "ddp::shard_grad_op", rank);
+}
+
 }  // namespace ddp::detail

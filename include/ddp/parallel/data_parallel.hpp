@@ -30,6 +30,7 @@
 #include <ddp/core/visit.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
+#include <ddp/parallel/backward_scopes.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
@@ -115,27 +116,8 @@ class data_parallel {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
-    unused_.assign(layout_.slots().size(), 0);
-    for (const auto& name : options_.unused_parameters) {
-      const auto i = layout_.find(std::string_view(name));
-      if (i < 0)
-        throw config_error("data_parallel: '" + name + "' is declared unused but the model has no such parameter; "
-                           "use the dotted names visit_parameters gives (such as 'fc1.weight')", rank());
-      unused_[static_cast<std::size_t>(i)] = 1;
-    }
-    if (strategy_type::initial_units == detail::unit_phase::sharded && !layout_.adopting())
-      for (const auto& s : layout_.slots())
-        if (!s.leaf->adopts())
-          throw config_error("data_parallel: parameter '" + s.name + "' is of a type that keeps its own memory "
-                             "(an owning matrix or vector), so full_shard could not shard it; give the model leaves "
-                             "that adopt ddp's memory (ddp::parameter, std::span, Eigen::Map, torch::Tensor) or use "
-                             "ddp::shard_grad_op", rank());
-    if (strategy_type::initial_units == detail::unit_phase::sharded)
-      for (const auto& s : layout_.slots())
-        if (s.leaf->watches())
-          throw config_error("data_parallel: parameter '" + s.name + "' reports its gradient from its framework's "
-                             "backward (autograd), which runs the whole model at once, so full_shard cannot gather "
-                             "and free it unit by unit; use ddp::shard_grad_op or ddp::replicate", rank());
+    unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
+    if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -144,7 +126,8 @@ class data_parallel {
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty() && strategy_type::sharded) hold_whole_model();
+    if (!watches_.empty() && strategy_type::sharded && strategy_type::initial_units == detail::unit_phase::unsharded)
+      hold_whole_model();
   }
 
  public:
@@ -153,12 +136,7 @@ class data_parallel {
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
   template <class Leaf>
   void gradient_ready(const Leaf& p) {
-    const void* key = nullptr;
-    if constexpr (storage_leaf<Leaf>)
-      key = leaf_key(p);
-    else
-      key = static_cast<const void*>(&p);
-    const auto i = layout_.find(key);
+    const auto i = layout_.find(leaf_key(p));
     if (i < 0)
       throw config_error("gradient_ready: the parameter at this address is not part of the wrapped model; report "
                          "the model's own parameters (dp.module().fc1.weight)", rank());
@@ -172,6 +150,7 @@ class data_parallel {
     join_.check("finish_gradients", rank());
     if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
     no_sync_unclosed_ = false;
+    if (const auto left = backward_.close_all(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
@@ -312,6 +291,8 @@ class data_parallel {
       dp_->join_.note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
+    /// What reopens this scope's units for their part of the backward (see ddp::backward_opener).
+    [[nodiscard]] backward_opener<data_parallel> for_backward() const { return {*dp_, units_}; }
 
    private:
     data_parallel* dp_;
@@ -390,6 +371,19 @@ class data_parallel {
     options.units = detail::resolve_units(model, options.units, rank);
     return options;
   }
+  /// Opens backward scopes on those of `units` not open yet in this backward (backward_opener).
+  void open_backward(std::span<const std::size_t> units) {
+    if constexpr (strategy_type::sharded)
+      if (const auto opened = backward_.open(units); !opened.empty()) {
+        join_.note(detail::step_event::kind::acquire, opened);
+        strategy_->acquire(opened);
+      }
+  }
+  /// Closes the backward scopes of `units` (recorded for a join shadow step to replay).
+  void release_backward(const std::vector<std::size_t>& units) {
+    join_.note(detail::step_event::kind::release, units);
+    strategy_->release(units);
+  }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
@@ -402,6 +396,7 @@ class data_parallel {
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
+    if (const auto u = backward_.reported(slot, layout_.slots()[slot].unit, state_)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
@@ -420,9 +415,9 @@ class data_parallel {
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
   /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
-  /// per-unit gather scope can wrap it: under shard_grad_op the wrapper holds a scope on every unit for its
+  /// RAII scope can wrap a unit's part of it: under shard_grad_op the wrapper holds a scope on every unit for its
   /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// (full_shard, which would move values while autograd holds references to them, refuses such leaves.)
+  /// Under full_shard the units' forwards open scopes and their backwards reopen them (backward_opener).
   void hold_whole_model() {
     std::vector<std::size_t> all(layout_.units().size());
     for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
@@ -472,11 +467,13 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
-  std::optional<unshard_guard> whole_model_;     // sharded with watching leaves: a scope on every unit
+  std::optional<unshard_guard> whole_model_;     // shard_grad_op with watching leaves: a scope on every unit
+  detail::backward_scopes backward_{layout_};    // the scopes backward_opener opened in the running backward
   int no_sync_depth_ = 0;                   // open no_sync spans
   bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
   detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
+  friend class backward_opener<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type

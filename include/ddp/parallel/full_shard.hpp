@@ -4,8 +4,9 @@
 /// buffer (the smallest idle one that fits; see unit_pool) and all-gathered into it, and the next unit in
 /// the direction of travel (forward or backward) is prefetched into another. "Next" follows the execution
 /// order: the order in which the scopes of the first step first opened the units (as FSDP2 records its
-/// forward order), the same on every rank that runs the same program; during the first step, and for units
-/// it did not use, the order of the fields. When the last scope on a unit
+/// forward order), the same on every rank that runs the same program, turning around where a unit at either
+/// end of it is opened again (the backward after the forward); during the first step, and for units it did
+/// not use, the order of the fields. When the last scope on a unit
 /// closes, the buffer goes back to the pool (full_shard::reshard_after_forward) and the parameters point
 /// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
 
@@ -54,7 +55,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
-      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->gathered(u);
       this->open_scope(u);
       if (!recorded_ && position_[u] == unrecorded) {
         position_[u] = order_.size();
@@ -63,7 +64,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     if (units.empty()) return;
     const std::size_t u = units.back();
-    if (last_ && *last_ != u)
+    if (last_)
       if (const auto next = next_unit(*last_, u)) prefetch(*next);
     last_ = u;
   }
@@ -103,19 +104,25 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
     wait_all(works);
+    this->arena_holds_values();
   }
 
  private:
   static constexpr std::size_t unrecorded = static_cast<std::size_t>(-1);
 
   /// The unit after `u` in the direction of travel from `last`: in the recorded execution order once the
-  /// first step is over and both units are in it, else in field order; none at either end.
+  /// first step is over and both units are in it, else in field order; none at either end. In the recorded
+  /// order a unit at either end opened again turns the travel around (the backward reopening the forward's
+  /// last unit, as autograd's hooks do, prefetches the one before it; the next forward, the one after the first).
   [[nodiscard]] std::optional<std::size_t> next_unit(std::size_t last, std::size_t u) const {
     if (recorded_ && position_[u] != unrecorded && position_[last] != unrecorded) {
-      const std::size_t at = position_[u];
-      if (at > position_[last]) return at + 1 < order_.size() ? std::optional(order_[at + 1]) : std::nullopt;
-      return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+      const std::size_t at = position_[u], from = position_[last], end = order_.size() - 1;
+      if (at > from || (at == from && at == 0 && end > 0))
+        return at < end ? std::optional(order_[at + 1]) : std::nullopt;
+      if (at < from || (at == from && at == end && end > 0)) return at > 0 ? std::optional(order_[at - 1]) : std::nullopt;
+      return std::nullopt;
     }
+    if (u == last) return std::nullopt;
     if (u > last) return u + 1 < position_.size() ? std::optional(u + 1) : std::nullopt;
     return u > 0 ? std::optional(u - 1) : std::nullopt;
   }

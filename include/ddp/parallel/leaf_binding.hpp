@@ -26,7 +26,9 @@ class leaf_binding {
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
-  virtual void rebind(std::byte* values, std::byte* grads) = 0;
+  /// `present` false: `values` do not hold the leaf's values (a sharded unit), and a leaf type that can refuse
+  /// use until the next rebind does (storage_traits<T>::vacate).
+  virtual void rebind(std::byte* values, std::byte* grads, bool present) = 0;
   /// Gives the leaf its values back in memory of its own (the arena is going away).
   virtual void unbind() = 0;
   /// Owning leaves: copies the leaf's gradient to where it is bound (at report time).
@@ -62,11 +64,17 @@ class leaf_binding_of final : public leaf_binding {
       std::memcpy(values, home_values_, bytes);
       std::memcpy(grads, home_grads_, bytes);
     }
-    rebind(values, grads);
+    rebind(values, grads, true);
   }
-  void rebind(std::byte* values, std::byte* grads) override {
+  void rebind(std::byte* values, std::byte* grads, bool present) override {
     values_ = values;
     grads_ = grads;
+    if constexpr (requires { traits::vacate(*leaf_, values, grads); }) {
+      if (!present) {
+        traits::vacate(*leaf_, values, grads);
+        return;
+      }
+    }
     if constexpr (adopting) traits::adopt(*leaf_, values, grads);
   }
   void unbind() override {

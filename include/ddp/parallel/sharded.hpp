@@ -132,6 +132,7 @@ class sharded_core {
   /// Points every parameter back at the arenas, copying the values of gathered units there, so the layout can
   /// hand the model its values (the owner settled the operations in flight first). Local: no collective.
   ~sharded_core() {
+    arena_values_ = true;  // the model keeps what the arenas hold (zeros where unshard_model() did not run)
     for (std::size_t u = 0; u < pooled_.size(); ++u) {
       if (pooled_[u].values != no_buffer) {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
@@ -154,7 +155,9 @@ class sharded_core {
       throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
-                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + ")",
+                      "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + "), or, "
+                      "where autograd runs the backward (LibTorch), run the unit's forward as ddp::forward(dp, "
+                      "model." + layout_.units()[s.unit] + ", input), which reopens the unit for its backward",
                   shard_.rank());
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
@@ -251,6 +254,11 @@ class sharded_core {
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
+  /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
+  void gathered(std::size_t u) {
+    state_.unsharded(u);
+    bind_unit(u);
+  }
   /// Unit `u`'s values buffer goes back to the pool; its parameters point at their arena place.
   void give_values(std::size_t u) {
     if (pooled_[u].values == no_buffer) return;
@@ -268,9 +276,17 @@ class sharded_core {
     values_pool_.trim(trim_);
     grads_pool_.trim(trim_);
   }
-  /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned blocks).
-  void release_arena_values() noexcept {
+  /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
+  /// blocks) and vacates every parameter there.
+  void release_arena_values() {
     for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
+    for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
+  }
+  /// The arenas hold the parameters' full values from now on (full_shard's unshard_model): the parameters of
+  /// units without a pooled buffer are bound there as values, no longer vacated.
+  void arena_holds_values() {
+    arena_values_ = true;
+    for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
   }
 
  private:
@@ -284,8 +300,10 @@ class sharded_core {
     for (const auto& e : extents_[u]) out.push_back(e.end - e.begin);
     return out;
   }
-  /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none.
+  /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none; under
+  /// full_shard they are vacated (leaf_binding::rebind) until the unit's values are gathered.
   void bind_unit(std::size_t u) {
+    const bool present = arena_values_ || (pooled_[u].values != no_buffer && state_.unit(u).values == unit_phase::unsharded);
     for (const std::size_t s : unit_slots_[u]) {
       const auto& p = layout_.slots()[s];
       const auto& a = layout_.arenas()[p.arena];
@@ -294,7 +312,7 @@ class sharded_core {
                                                          : values_pool_.data(pooled_[u].values, p.arena) + at * w;
       std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
                                                        : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
-      p.leaf->rebind(values, grads);
+      p.leaf->rebind(values, grads, present);
     }
   }
   /// released → held: a zeroed pooled buffer (after releasing the buffers whose reduce-scatters are done).
@@ -409,6 +427,7 @@ class sharded_core {
   const char* policy_;                                  // the strategy's name, for messages
   pool_trim trim_;                                      // by the policy's keep_unit_buffers
   owned_value_home values_;                             // where the owned values live
+  bool arena_values_ = values_ == owned_value_home::value_arena;  // the arenas hold the parameters' values
   bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group

@@ -2,10 +2,11 @@
 /// \file ddp::parameters(dp): the tensors a torch::optim optimizer steps under a data_parallel wrapper.
 ///
 /// Under replicate a torch::optim optimizer may step the model's own parameters (their values and gradients
-/// are ddp's arenas). Under shard_grad_op only this rank's owned blocks receive the averaged gradients, so the
-/// optimizer must step those: ddp::parameters(dp) gives one flat 1-D tensor per block (values over ddp's
+/// are ddp's arenas). Under shard_grad_op and full_shard only this rank's owned blocks receive the averaged
+/// gradients (and under full_shard the model's parameters are empty tensors outside a unit's forward and
+/// backward), so the optimizer must step those: ddp::parameters(dp) gives one flat 1-D tensor per block (values over ddp's
 /// owned values, `.grad` over the owned gradients), and dp.step(opt) all-gathers the updated blocks into the
-/// model afterwards. Optimizer state is then sharded with the blocks. Element-wise optimizers (SGD, Adam,
+/// model afterwards (full_shard: the next forward gathers them). Optimizer state is then sharded with the blocks. Element-wise optimizers (SGD, Adam,
 /// AdamW, RMSprop, Adagrad) step flat blocks exactly as the parameters; per-parameter groups and options are
 /// not kept (one group). The tensors refer to the wrapper's memory: make the optimizer after the wrapper and
 /// drop it first; zero gradients with dp.zero_grad(), not opt.zero_grad().
@@ -50,7 +51,8 @@ struct optim::optimizer_traits<O> {
         if (std::none_of(owned.begin(), owned.end(), [&](const optim::flat_buffer& b) { return b.values.data == at; }))
           throw config_error("dp.step: under a sharded policy the torch::optim optimizer must step this rank's owned "
                              "blocks, the only memory that receives the averaged gradients, but it holds another "
-                             "tensor (the model's parameters?); make it over ddp::parameters(dp)", rank);
+                             "tensor (the model's parameters? those cannot be stepped: under full_shard they are "
+                             "empty outside a unit's forward and backward); make it over ddp::parameters(dp)", rank);
       }
   }
 };

@@ -4,7 +4,18 @@
 /// A parameter must be a contiguous CPU tensor of f32, f64, bf16 or f16. ddp adopts it: its values become a
 /// view of its slice of the value arena (`set_data` on a tensor over ddp's memory, so the optimizer's state and
 /// autograd's references stay valid) and its `.grad` a view of its slice of the gradient arena, into which
-/// autograd accumulates in place. Its gradient is reported by autograd itself: a post-hook on the parameter's
+/// autograd accumulates in place.
+///
+/// full_shard moves a unit's values between pooled buffers while autograd holds tensors its forward saved, and
+/// these facts of LibTorch 1.13 (checked by experiment) decide how. `set_data` keeps the version counter (no
+/// "modified by an inplace operation" error) and keeps the TensorImpl, so a saved leaf (conv2d saves its
+/// weight) sees whatever the parameter holds when the backward runs; but a saved view (linear saves
+/// `weight.t()`) keeps the storage of the forward and would read a buffer given to another unit since. So the
+/// parameter keeps one storage of ddp's for its lifetime and a rebinding moves that storage's memory pointer
+/// (`StorageImpl::set_data_ptr_noswap`, no version bump): the parameter and every view of it, saved ones
+/// included, follow. While its unit is sharded (vacate) the parameter is an empty tensor, so a forward outside
+/// ddp::forward or an unshard scope fails in LibTorch (a size mismatch) instead of computing with zeros; its
+/// storage then points at its zero place in the arena. Its gradient is reported by autograd itself: a post-hook on the parameter's
 /// gradient accumulator calls ddp once the gradient is final (after every contribution of the backward), so
 /// buckets reduce while the backward goes on. Where LibTorch replaced `.grad` (`zero_grad(true)`, a
 /// `create_graph` backward) the hook copies the new gradient into ddp's slice and points `.grad` there again.
@@ -67,24 +78,35 @@ inline c10::ScalarType scalar_type_of(ddp::dtype t) noexcept {
   return torch::kFloat;
 }
 
-/// The gradient slices ddp gave each adopted parameter (by TensorImpl), so the hook can point `.grad` back.
+/// What ddp gave an adopted parameter: its values (a tensor of its full shape over the one storage ddp keeps for
+/// it; the storage's memory moves with each rebinding) and its gradient slice.
+struct adoption {
+  torch::Tensor values;  ///< the parameter's values, whole (the parameter itself is empty while vacated)
+  torch::Tensor grads;   ///< its `.grad`
+  /// Its gradient accumulator, made while it was whole: autograd checks gradients against the shape the
+  /// accumulator recorded when made, and one made while the parameter is vacated would expect none.
+  std::shared_ptr<torch::autograd::Node> accumulator;
+};
+
+/// The adoptions of the parameters ddp holds (by TensorImpl), so the hook can point `.grad` back and a vacated
+/// parameter can get its values again.
 class slice_registry {
  public:
-  /// `p`'s slice is now `grads`.
-  void set(const torch::Tensor& p, torch::Tensor grads) {
+  /// `p`'s adoption is now `a`.
+  void set(const torch::Tensor& p, adoption a) {
     const std::lock_guard lock(mutex_);
-    slices_[p.unsafeGetTensorImpl()] = std::move(grads);
+    slices_[p.unsafeGetTensorImpl()] = std::move(a);
   }
   /// `p` is ddp's no more.
   void erase(const torch::Tensor& p) {
     const std::lock_guard lock(mutex_);
     slices_.erase(p.unsafeGetTensorImpl());
   }
-  /// `p`'s slice, or an undefined tensor.
-  [[nodiscard]] torch::Tensor find(const torch::Tensor& p) const {
+  /// `p`'s adoption, or undefined tensors.
+  [[nodiscard]] adoption find(const torch::Tensor& p) const {
     const std::lock_guard lock(mutex_);
     const auto it = slices_.find(p.unsafeGetTensorImpl());
-    return it == slices_.end() ? torch::Tensor() : it->second;
+    return it == slices_.end() ? adoption{} : it->second;
   }
   /// The process's registry.
   static slice_registry& instance() {
@@ -94,12 +116,12 @@ class slice_registry {
 
  private:
   mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, torch::Tensor> slices_;
+  std::unordered_map<const c10::TensorImpl*, adoption> slices_;
 };
 
 /// Points `p.grad` at ddp's slice again where LibTorch replaced it, keeping the gradient it holds.
 inline void relink(torch::Tensor& p) {
-  const torch::Tensor slice = slice_registry::instance().find(p);
+  const torch::Tensor slice = slice_registry::instance().find(p).grads;
   auto& g = p.mutable_grad();
   if (!slice.defined() || (g.defined() && g.data_ptr() == slice.data_ptr())) return;
   torch::NoGradGuard no_grad;
@@ -176,23 +198,41 @@ struct storage_traits<torch::Tensor> {
   /// The TensorImpl: every handle of one parameter shares it.
   static const void* key(const torch::Tensor& t) noexcept { return t.unsafeGetTensorImpl(); }
 
-  /// Points the values and `.grad` at ddp's slices (copying nothing; a pointer that is already right is kept,
-  /// so autograd's saved references to the parameter stay intact).
+  /// Points the values and `.grad` at ddp's slices, copying nothing: the first time over a storage of ddp's,
+  /// later by moving that storage's memory (see this header's description), so autograd's saved references to
+  /// the parameter and to its views stay intact.
   static void adopt(const torch::Tensor& t, void* values, void* grads) {
     torch::NoGradGuard no_grad;
     auto& p = const_cast<torch::Tensor&>(t);
+    auto& registry = detail::libtorch::slice_registry::instance();
+    detail::libtorch::adoption a = registry.find(p);
     const auto options = p.options().requires_grad(false);
-    if (p.data_ptr() != values) p.set_data(torch::from_blob(values, p.sizes(), options));
-    if (!p.grad().defined() || p.grad().data_ptr() != grads) {
-      p.mutable_grad() = torch::from_blob(grads, p.sizes(), options);
-      detail::libtorch::slice_registry::instance().set(p, p.grad());
+    if (!a.values.defined()) {
+      a.values = torch::from_blob(values, p.sizes(), options);
+      a.accumulator = torch::autograd::impl::grad_accumulator(p);
+    } else if (a.values.data_ptr() != values) {
+      a.values.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(values, a.values.device()));
     }
+    if (!p.is_alias_of(a.values) || p.sizes() != a.values.sizes()) p.set_data(a.values);
+    if (!p.grad().defined() || p.grad().data_ptr() != grads) {
+      a.grads = torch::from_blob(grads, a.values.sizes(), options);
+      p.mutable_grad() = a.grads;
+    }
+    registry.set(p, std::move(a));
+  }
+  /// Adopts `values` (zeros: the unit is sharded) as the storage's memory but leaves the parameter empty, so a
+  /// forward that uses it fails instead of computing with zeros; the next adopt makes it whole again.
+  static void vacate(const torch::Tensor& t, void* values, void* grads) {
+    adopt(t, values, grads);
+    torch::NoGradGuard no_grad;
+    const_cast<torch::Tensor&>(t).set_data(torch::empty({0}, t.options().requires_grad(false)));
   }
   /// Takes the values and `.grad` into memory of the tensor's own again (the wrapper is going away).
   static void release(const torch::Tensor& t) {
     torch::NoGradGuard no_grad;
     auto& p = const_cast<torch::Tensor&>(t);
-    p.set_data(p.detach().clone());
+    const torch::Tensor values = detail::libtorch::slice_registry::instance().find(p).values;
+    p.set_data((values.defined() ? values : p.detach()).clone());
     if (p.grad().defined()) p.mutable_grad() = p.grad().clone();
     detail::libtorch::slice_registry::instance().erase(p);
   }
