@@ -29,7 +29,7 @@ TEST_CASE("mpi: an Eigen MLP of Map members (adopted) equals one process, replic
   check_eigen_equivalence<mapped_rows, mpi, tiny, ddp::full_shard>(world(), optimizer_kind::adamw);
   check_eigen_equivalence<mapped_cols, mpi, ddp::full_shard>(world(), optimizer_kind::sgd_momentum);
 }
-TEST_CASE("mpi: Map members point into the arenas while wrapped and home afterwards; full_shard refuses Matrix members",
+TEST_CASE("mpi: Map members point into the arenas while wrapped and home afterwards, full_shard refuses Matrix members",
           "[binding]") {
   check_eigen_binding<mpi>(world());
 }

@@ -25,7 +25,7 @@ std::vector<std::size_t> shape_of(T& values, T& grads) {
 }
 }  // namespace
 
-TEST_CASE("eigen traits: shape is memory order read row-major; dtypes; maps adopt, matrices copy", "[traits]") {
+TEST_CASE("eigen traits: shape is memory order read row-major, dtypes, maps adopt, matrices copy", "[traits]") {
   row_matrix r(3, 4), dr(3, 4);
   Eigen::MatrixXf c(3, 4), dc(3, 4);
   Eigen::VectorXd v(5), dv(5);
@@ -80,12 +80,12 @@ TEST_CASE("tcp: an Eigen MLP of Map members (adopted) equals one process, replic
   });
 }
 
-TEST_CASE("tcp: Map members point into the arenas while wrapped and home afterwards; full_shard refuses Matrix members",
+TEST_CASE("tcp: Map members point into the arenas while wrapped and home afterwards, full_shard refuses Matrix members",
           "[binding]") {
   ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) { check_eigen_binding<tcp>(comm); });
 }
 
-TEST_CASE("PyTorch loads a checkpoint of the Eigen MLP into nn.Linear; ddp loads it into any Eigen layout", "[interop]") {
+TEST_CASE("PyTorch loads a checkpoint of the Eigen MLP into nn.Linear, ddp loads it into any Eigen layout", "[interop]") {
   const auto dir = std::filesystem::temp_directory_path() / ("ddp_eigen_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const auto rows = dir / "rows.safetensors", cols = dir / "cols.safetensors", maps = dir / "maps.safetensors";

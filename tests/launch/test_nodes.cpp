@@ -72,7 +72,7 @@ TEST_CASE("ddp-launch --nnodes: RANK = node x K + LOCAL_RANK and torchrun's othe
   CHECK(contains(rs.ranks[1].output, "[rank 3] 3 4 1 2 1 2 127.0.0.1 "));
 }
 
-TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks; both exit with its status",
+TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks, both exit with its status",
           "[launch][nodes]") {
   const auto t0 = std::chrono::steady_clock::now();
   const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
@@ -100,7 +100,7 @@ TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an
   }
 }
 
-TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file; without one, or another one, no "
+TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file, without one, or another one, no "
           "job starts", "[launch][nodes]") {
   SECTION("no token") {
     const auto rs = launch_nodes(2, {"-n", "1", "--join-timeout", "2", "/bin/true"},

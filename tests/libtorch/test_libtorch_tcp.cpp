@@ -48,7 +48,7 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
   });
 }
 TEST_CASE("torch::Tensor leaves: a rebinding moves the parameter's storage, so a view autograd saved reads the new "
-          "memory; a vacated parameter is empty", "[full_shard]") {
+          "memory, a vacated parameter is empty", "[full_shard]") {
   using traits = ddp::storage_traits<torch::Tensor>;
   const torch::Tensor w = torch::zeros({2, 3}, torch::requires_grad());
   std::vector<float> first(6, 1.0F), second(6, 2.0F), grads(6, 0.0F);

@@ -92,7 +92,7 @@ TEST_CASE("hybrid keeps its all-gathers inside a host: fewer bytes cross the lin
   CHECK(hybrid * 2 < whole);  // 4.3x fewer here: the shard all-reduce alone crosses, not the gathers
 }
 
-TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt; a restart ends after 20)",
+TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt, a restart ends after 20)",
           "[.][kill]") {
   auto comm = join();
   const int victim = env_int("DDP_VICTIM");

@@ -31,7 +31,7 @@ std::string launch(const std::string& tag, const std::string& env = "", const st
 
 }  // namespace
 
-TEST_CASE("2 hosts x 2 ranks pass the conformance suite; ranks copy memory only within a host", "[mh_conformance]") {
+TEST_CASE("2 hosts x 2 ranks pass the conformance suite, ranks copy memory only within a host", "[mh_conformance]") {
   const auto hosts = run_on_hosts({}, launch("[conformance]"));
   INFO(hosts.describe());
   REQUIRE(hosts.ok());

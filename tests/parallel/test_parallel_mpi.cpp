@@ -44,7 +44,7 @@ TEST_CASE("mpi replicate: bf16 and fp16 compression hooks stay within 1e-2 per t
 TEST_CASE("mpi replicate: different models raise mismatch_error naming the parameter on each rank", "[multi]") {
   check_mismatch<mpi>(world());
 }
-TEST_CASE("mpi verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank", "[errors]") {
+TEST_CASE("mpi verify_in_sync: replicas in step pass, a parameter changed on one rank throws on every rank", "[errors]") {
   check_verify_in_sync<mpi, ddp::replicate>(world());
 }
 TEST_CASE("mpi replicate: a parameter that never reports is named", "[errors]") { check_missing_report<mpi>(world()); }

@@ -88,8 +88,8 @@ TEST_CASE("tcp replicate: different models raise mismatch_error naming the param
     ddp::testing::require_all_ok(
         ddp::testing::run_ranks(n, [](int) { check_mismatch<tcp>(ddp::tcp::communicator::from_env()); }));
 }
-TEST_CASE("tcp verify_in_sync: replicas in step pass; a parameter changed on one rank throws on every rank naming "
-          "it; verify_every = 1 catches a divergence (and a gradient reported before it is final) on the step where "
+TEST_CASE("tcp verify_in_sync: replicas in step pass, a parameter changed on one rank throws on every rank naming "
+          "it, verify_every = 1 catches a divergence (and a gradient reported before it is final) on the step where "
           "it happens", "[errors]") {
   ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_verify_in_sync<tcp, ddp::replicate>(comm);
@@ -117,7 +117,7 @@ TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync e
     check_full_shard_misuse<tcp>(comm);
   });
 }
-TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training; a unit covering nothing is named",
+TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training, a unit covering nothing is named",
           "[sharding]") {
   ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
     check_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5, 2, closeness::per_element,

@@ -212,7 +212,7 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   REQUIRE(st.close_scope(2));
 }
 
-TEST_CASE("recorded: replicate all-reduces each bucket as it completes; no_sync sends nothing; step after "
+TEST_CASE("recorded: replicate all-reduces each bucket as it completes, no_sync sends nothing, step after "
           "finish_gradients", "[step]") {
   net m = make_net();
   recording_comm comm(0, 2);
@@ -331,7 +331,7 @@ TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next buc
   REQUIRE(log.calls()[0] == "shard all_gather 2>4 f32 #0");
 }
 
-TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed by close(); an unclosed span is "
+TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed by close(), an unclosed span is "
           "named", "[step]") {
   net m = make_net();
   recording_comm comm(0, 2);
@@ -368,7 +368,7 @@ TEST_CASE("recorded: sharded no_sync reduce-scatters each micro-batch, completed
 }
 
 TEST_CASE("deduction: the backend from the communicator's type, the policies from values in any order, options "
-          "last; the explicit spelling still works", "[step]") {
+          "last, the explicit spelling still works", "[step]") {
   net m = make_net();
   recording_comm comm(0, 2);
   {
@@ -424,7 +424,7 @@ TEST_CASE("recorded: the sharding policy's value is what the strategy uses: full
 }
 
 TEST_CASE("units by object: ddp::unit_of(part) is the unit of the prefix its parameters share, beside name "
-          "prefixes; a part holding no parameter of the model is a config_error naming it", "[step]") {
+          "prefixes, a part holding no parameter of the model is a config_error naming it", "[step]") {
   net m = make_net();
   recording_comm comm(0, 2);
   {
