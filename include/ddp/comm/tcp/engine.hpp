@@ -105,6 +105,7 @@ class engine : engine_errors {
   void run_on_caller(call c) {
     shm_waiting how;
     how.handoff_after = shm_handoff_after;
+    how.note = note_.get();
     std::unique_lock lock(mutex_, std::defer_lock);
     try {
       shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
@@ -284,7 +285,12 @@ class engine : engine_errors {
     shm_waiting how;
     how.resumed = c.resumed;
     how.slice = std::chrono::milliseconds(1);
-    how.between = [this] { idle_wait(0); };
+    how.note = note_.get();
+    how.between = [this] {
+      idle_wait(0);
+      std::lock_guard lock(mutex_);
+      if (stop_) throw cancelled();  // to the peers, this rank is lost
+    };
     shm_channel ch(*c.grp->shm, c, deadline_, std::move(how));
     shm_execute(ch);
   }

@@ -17,6 +17,7 @@
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/tcp/socket.hpp>
+#include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
@@ -35,6 +36,8 @@ struct shm_waiting {
   std::chrono::milliseconds slice{20};
   /// Runs between sleeps (the engine thread serves its sockets); empty on the caller's thread.
   std::function<void()> between;
+  /// Where wait() reads whom the call waits for while it sleeps.
+  ddp::detail::stall_note* note = nullptr;
 };
 
 /// Spin this long at a barrier before sleeping on the futex.
@@ -101,10 +104,15 @@ class shm_channel {
 
   void sleep_until(int r, shm_counters& theirs, std::uint32_t target) {
     theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (how_.note != nullptr) how_.note->set(label(r));
     struct leave {
       shm_counters& c;
-      ~leave() { c.sleepers.fetch_sub(1, std::memory_order_seq_cst); }
-    } on_exit{theirs};
+      ddp::detail::stall_note* note;
+      ~leave() {
+        c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        if (note != nullptr) note->set({});
+      }
+    } on_exit{theirs, how_.note};
     const long slice = std::chrono::duration_cast<std::chrono::nanoseconds>(how_.slice).count();
     while (true) {
       const std::uint32_t seen = theirs.posted.load(std::memory_order_seq_cst);
