@@ -3,8 +3,8 @@
 /// every rank publishes pieces of its input in its region, then reads what it needs straight from the
 /// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
-/// (each phase: every rank reduces its slice of one piece into its next region while the next piece goes in,
-/// and copies the others' reduced slices of the previous piece out).
+/// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
+/// into its next region, and copies the others' reduced slices of the previous piece out).
 
 #include <algorithm>
 #include <cstddef>
@@ -56,8 +56,10 @@ inline void shm_all_reduce(shm_channel& ch) {
   const std::size_t piece = half / es;
   const std::size_t passes = (c.count + piece - 1) / piece;
   const auto elems = [&](std::size_t j) { return std::min(piece, c.count - j * piece); };
+  const auto slice = [&](std::size_t j, int r) { return slice_first(elems(j), r, n); };
   for (std::size_t j = 0; j <= passes; ++j) {
-    if (j < passes) ch.put(0, buf + j * piece * es, elems(j) * es);
+    for (int r = 0; j < passes && r < n; ++r)  // every slice but this rank's own, which it reads in place
+      if (r != me) ch.put(slice(j, r) * es, buf + (j * piece + slice(j, r)) * es, (slice(j, r + 1) - slice(j, r)) * es);
     ch.sync();
     if (j > 0) {  // the others' reduced slices of the previous piece
       const std::size_t k = elems(j - 1);
@@ -71,7 +73,8 @@ inline void shm_all_reduce(shm_channel& ch) {
       const std::size_t k = elems(j);
       const std::size_t a = slice_first(k, me, n), b = slice_first(k, me + 1, n);
       char* out = ch.fill() + half;
-      reduce_ranks(c, out, n, b - a, [&](int r) { return ch.at(r) + a * es; });
+      const char* own = buf + (j * piece + a) * es;
+      reduce_ranks(c, out, n, b - a, [&](int r) { return r == me ? own : ch.at(r) + a * es; });
       finish_avg_bytes(c.type, out, b - a, c.op, n);
       std::memcpy(buf + (j * piece + a) * es, out, (b - a) * es);
       ch.count((b - a) * es);
@@ -86,10 +89,14 @@ inline void shm_reduce_scatter(shm_channel& ch) {
   const auto* in = static_cast<const char*>(c.in);
   auto* out = static_cast<char*>(c.out);
   const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  // This rank's own block is read in place, unless the output overlaps the input (then from its region).
+  const bool apart = out + block <= in || in + n * block <= out;
   for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
-    for (int r = 0; r < n; ++r) ch.put(static_cast<std::size_t>(r) * piece * es, in + r * block + first * es, k * es);
+    for (int r = 0; r < n; ++r)
+      if (r != me || !apart) ch.put(static_cast<std::size_t>(r) * piece * es, in + r * block + first * es, k * es);
     ch.sync();
-    reduce_ranks(c, out + first * es, n, k, [&](int r) { return ch.at(r) + static_cast<std::size_t>(me) * piece * es; });
+    const char* own = apart ? in + me * block + first * es : ch.at(me) + me * piece * es;
+    reduce_ranks(c, out + first * es, n, k, [&](int r) { return r == me ? own : ch.at(r) + me * piece * es; });
   });
   finish_avg_bytes(c.type, out, c.count, c.op, n);
 }
