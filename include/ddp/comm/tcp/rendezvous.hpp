@@ -190,8 +190,13 @@ inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_cli
     char nonce[24];
     std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
     name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
-    world = std::make_shared<shm_world>(name, cfg.size, 0);
-    store.set("ddp/shm", std::vector<std::uint8_t>(name.begin(), name.end()));
+    try {
+      world = std::make_shared<shm_world>(name, cfg.size, 0);
+    } catch (const error& e) {
+      log_line(0, std::string(e.what()) + "; the sockets carry everything");
+    }
+    const std::string published = world ? name : std::string();
+    store.set("ddp/shm", std::vector<std::uint8_t>(published.begin(), published.end()));
   } else if (cfg.rank == 0) {
     store.set("ddp/shm", {});
   } else {
