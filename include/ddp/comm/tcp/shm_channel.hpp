@@ -127,7 +127,8 @@ class shm_channel {
   void check(int r) {
     const int w = g_.world_rank(r);
     switch (g_.world().state_of(w)) {
-      case shm_state::running: break;
+      case shm_state::running:
+      case shm_state::writing: break;
       case shm_state::closed:
         throw peer_lost(label(r) + " was lost during " + describe(desc_) +
                             ": it closed its communicator or died. Check that rank's log for the first error; the "
