@@ -2760,8 +2760,9 @@ inline void futex_wake(std::atomic<std::uint32_t>& w) {
   ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&w), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-/// How a rank left the job, as its peers see it in the job segment.
-enum class shm_state : std::uint32_t { running = 0, closed = 1, aborted = 2 };
+/// How a rank left the job, as its peers see it in the job segment (writing: its abort notice is being
+/// written, and it still counts as running).
+enum class shm_state : std::uint32_t { running = 0, closed = 1, aborted = 2, writing = 3 };
 
 /// One rank's place in the job segment.
 struct shm_rank_life {
@@ -2818,7 +2819,8 @@ class shm_world {
   /// Publishes this rank's first error, so peers waiting on it raise the same error (later ones are dropped).
   void abort(const abort_notice& n) {
     auto& me = life(rank_);
-    if (me.state.load(std::memory_order_acquire) != 0) return;
+    std::uint32_t running = 0;
+    if (!me.state.compare_exchange_strong(running, static_cast<std::uint32_t>(shm_state::writing))) return;
     me.kind = n.header.flags;
     me.lost_rank = n.header.lost_rank;
     me.text_bytes = static_cast<std::uint32_t>(std::min(n.text.size(), sizeof me.text));
@@ -2830,7 +2832,7 @@ class shm_world {
   [[nodiscard]] shm_state state_of(int r) {
     auto& l = life(r);
     const auto s = static_cast<shm_state>(l.state.load(std::memory_order_acquire));
-    if (s != shm_state::running) return s;
+    if (s == shm_state::closed || s == shm_state::aborted) return s;
     // The robust futex protocol: the kernel sets FUTEX_OWNER_DIED in the word when the holder dies.
     const int word = std::atomic_ref<int>(l.alive.__data.__lock).load(std::memory_order_acquire);
     return (word & FUTEX_OWNER_DIED) != 0 ? shm_state::closed : shm_state::running;
@@ -3877,7 +3879,8 @@ class shm_channel {
   void check(int r) {
     const int w = g_.world_rank(r);
     switch (g_.world().state_of(w)) {
-      case shm_state::running: break;
+      case shm_state::running:
+      case shm_state::writing: break;
       case shm_state::closed:
         throw peer_lost(label(r) + " was lost during " + describe(desc_) +
                             ": it closed its communicator or died. Check that rank's log for the first error; the "
