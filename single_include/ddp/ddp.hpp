@@ -2747,6 +2747,71 @@ inline void count_mapping(std::atomic<std::uint32_t>& mapped, const std::string&
 
 #include <ctime>
 
+// ---- begin <ddp/comm/tcp/same_host.hpp>
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/same_host.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -2840,6 +2905,9 @@ class shm_world {
   /// The error rank `r` aborted with (state_of(r) == aborted).
   [[nodiscard]] const shm_rank_life& notice_of(int r) { return life(r); }
 
+  /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
+  std::vector<peer_memory> memory;
+
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
   shm_world_layout& layout() { return *reinterpret_cast<shm_world_layout*>(map_.data()); }
@@ -2907,12 +2975,32 @@ class shm_group {
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
+  /// True when this rank can copy straight out of every other member's memory (same_host.hpp).
+  [[nodiscard]] bool reads_all() const {
+    for (int r = 0; r < size(); ++r)
+      if (r != me_ && (world_->memory.size() <= static_cast<std::size_t>(world_rank(r)) ||
+                       !world_->memory[static_cast<std::size_t>(world_rank(r))].readable))
+        return false;
+    return true;
+  }
+  /// The members' buffer addresses of the executing single-copy call.
+  std::vector<std::uint64_t> addresses;
+  /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
+  char* scratch(std::size_t bytes) {
+    if (scratch_.size() < bytes) {
+      scratch_ = {};
+      scratch_.resize(bytes);
+    }
+    return scratch_.data();
+  }
+
  private:
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
   std::shared_ptr<shm_world> world_;
   std::vector<int> members_;
   int me_;
   shm_mapping map_;
+  std::vector<char> scratch_;
 };
 
 }  // namespace ddp::tcp::detail
@@ -3012,7 +3100,6 @@ struct recv_part {
 ///   header --a goodbye--> said_bye;   any --end of stream or read error--> closed
 ///   header --malformed header--> corrupt   (holding with a zero length: accept() goes straight to header)
 
-#include <sys/types.h>
 
 
 
@@ -3404,7 +3491,6 @@ class engine_errors {
 /// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
 /// already half written is completed, so the peer can still parse the abort notice behind it.
 
-#include <sys/uio.h>
 
 
 
@@ -3501,69 +3587,6 @@ class frame_writer {
 /// transfers, what the executing call expects from it, and the same-host copies in flight either way.
 
 
-// ---- begin <ddp/comm/tcp/same_host.hpp>
-/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
-/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
-/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
-/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
-/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
-/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
-/// remote region, so the word is read after the data).
-
-
-
-
-namespace ddp::tcp::detail {
-
-/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
-/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
-inline constexpr std::size_t remote_min_bytes = 512 << 10;
-
-/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
-struct peer_memory {
-  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
-  bool readable = false;           ///< this rank can copy from the peer's memory
-  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
-  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
-  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
-};
-
-/// How a copy out of a peer's memory ended.
-enum class copy_result : std::uint8_t {
-  copied,   ///< every byte, and the peer had not aborted when the copy ended
-  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
-  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
-};
-
-/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
-inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
-  std::uint64_t live = 0;
-  const std::size_t total = from.bytes + sizeof live;
-  for (std::size_t done = 0; done < total;) {
-    iovec local[2];
-    iovec remote[2];
-    unsigned long n = 0;
-    if (done < from.bytes) {
-      local[n] = {dest + done, from.bytes - done};
-      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
-    }
-    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
-    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
-    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
-                   sizeof live - word_done};
-    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      return copy_result::failed;
-    }
-    done += static_cast<std::size_t>(k);
-  }
-  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/same_host.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3673,7 +3696,10 @@ class scratch_space {
 /// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
-/// into its next region, and copies the others' reduced slices of the previous piece out).
+/// into its next region, and copies the others' reduced slices of the previous piece out). From
+/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
+/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
+/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
 
 
 // ---- begin <ddp/comm/tcp/reduce.hpp>
@@ -3817,6 +3843,25 @@ class shm_channel {
   /// Group rank `r`'s region of the phase just completed by sync().
   const char* at(int r) { return g_.data(r, g_.phase - 1); }
 
+  /// Copies `bytes` at `address` in group rank `r`'s memory to `dest` (same_host.hpp); a failed copy, or one
+  /// that overlapped the rank's abort, raises what ended the rank.
+  void copy_from(int r, std::uint64_t address, std::size_t bytes, char* dest) {
+    if (bytes == 0) return;
+    int code = 0;
+    const auto& peer = g_.world().memory[static_cast<std::size_t>(g_.world_rank(r))];
+    const copy_result got = copy_from_peer(peer, remote_block{address, bytes}, dest, code);
+    if (got == copy_result::copied) return;
+    // It aborted or died while this rank copied: its notice or its death shows within the next seconds.
+    for (const auto give_up = clock::now() + std::chrono::seconds(2); clock::now() < give_up;) {
+      check(r);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    throw peer_lost(label(r) + " failed during " + describe(desc_) + " while this rank copied from its memory (" +
+                        (got == copy_result::failed ? errno_text(code) : std::string("it aborted")) +
+                        "), and no notice of why arrived within 2 s. Check that rank's log for the first error",
+                    me_world(), g_.world_rank(r));
+  }
+
   /// Posts the coming phase, waits until every rank has posted it, and checks that every rank runs this call.
   void sync() {
     const std::uint32_t target = g_.phase + 1;
@@ -3940,6 +3985,9 @@ namespace ddp::tcp::detail {
 /// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
 
+/// all_reduce payloads from this size copy straight out of the peers' buffers where they can.
+inline constexpr std::size_t shm_single_copy_bytes = 1 << 20;
+
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
 template <class Src>
 void reduce_ranks(const call& c, char* dst, int n, std::size_t elems, Src src) {
@@ -3963,11 +4011,44 @@ inline std::size_t slice_first(std::size_t elems, int r, int n) {
   return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
 }
 
-inline void shm_all_reduce(shm_channel& ch) {
+/// all_reduce by single copies out of the peers' buffers (see the file comment).
+inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
+  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
+  ch.put(0, &mine, sizeof mine);
+  ch.sync();
+  std::vector<std::uint64_t>& where = g.addresses;
+  where.resize(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const auto first = [&](int r) { return slice_first(c.count, r, n); };
+  // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n + 1) * piece * es);
+  char* sum = parts + static_cast<std::size_t>(n) * piece * es;
+  for_pieces(first(me + 1) - first(me), piece, [&](std::size_t off, std::size_t k) {
+    const std::size_t at = (first(me) + off) * es;
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + at, k * es, parts + r * piece * es);
+    reduce_ranks(c, sum, n, k, [&](int r) { return r == me ? buf + at : parts + r * piece * es; });
+    finish_avg_bytes(c.type, sum, k, c.op, n);
+    std::memcpy(buf + at, sum, k * es);
+  });
+  ch.count(2 * (first(me + 1) - first(me)) * es * static_cast<std::size_t>(n - 1));  // as a ring would send
+  ch.sync();  // every slice reduced in its owner's buffer
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + first(r) * es, (first(r + 1) - first(r)) * es, buf + first(r) * es);
+  ch.sync();  // nobody reads this rank's buffer any more
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
   if (c.count * es <= shm_direct_bytes) {
     ch.put(0, buf, c.count * es);
     ch.sync();
@@ -4113,13 +4194,14 @@ inline void shm_all_to_all(shm_channel& ch) {
   if (in != out) std::memmove(out + me * block, in + me * block, block);
 }
 
-/// Runs the collective `ch` describes. A call with no elements moves nothing, as on the sockets.
-inline void shm_execute(shm_channel& ch) {
+/// Runs the collective `ch` describes over group segment `g`. A call with no elements moves nothing, as on
+/// the sockets.
+inline void shm_execute(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   if (c.kind == collective::barrier) return ch.sync();
   if (c.count == 0) return;
   switch (c.kind) {
-    case collective::all_reduce: return shm_all_reduce(ch);
+    case collective::all_reduce: return shm_all_reduce(ch, g);
     case collective::reduce_scatter: return shm_reduce_scatter(ch);
     case collective::all_gather: return shm_all_gather(ch);
     case collective::broadcast: return shm_broadcast(ch);
@@ -4600,7 +4682,8 @@ class engine : engine_errors {
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
     std::random_device random;
-    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
+    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -4650,7 +4733,7 @@ class engine : engine_errors {
     std::unique_lock lock(mutex_, std::defer_lock);
     try {
       shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch);
+      shm_execute(ch, *c.grp->shm);
       c.done->finish();
       lock.lock();
     } catch (const shm_handoff&) {
@@ -4659,7 +4742,8 @@ class engine : engine_errors {
       queue_.push_front(std::move(c));
     } catch (...) {
       const auto e = std::current_exception();
-      c.grp->shm->world().abort(notice_of(e));  // first: the peers must hear of it even if this process exits
+      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
       c.done->fail(e);
       lock.lock();
       caller_failure_ = e;
@@ -4821,6 +4905,12 @@ class engine : engine_errors {
     noted_ = false;
   }
 
+  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end_life() {
+    std::uint64_t alive = live_value_;
+    live_.compare_exchange_strong(alive, ~live_value_);
+  }
+
   /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
   void run_shm(call& c) {
     shm_waiting how;
@@ -4833,7 +4923,7 @@ class engine : engine_errors {
       if (stop_) throw cancelled();  // to the peers, this rank is lost
     };
     shm_channel ch(*c.grp->shm, c, deadline_, std::move(how));
-    shm_execute(ch);
+    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -5068,7 +5158,7 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
+    end_life();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
@@ -5102,6 +5192,7 @@ class engine : engine_errors {
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
   std::atomic<std::uint64_t> live_{0};
+  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
                 "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
@@ -5836,6 +5927,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto world = map_shared_memory(cfg, store);
+  if (world) world->memory = memory;
   if (cfg.rank == 0)
     log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
                         "this off)"

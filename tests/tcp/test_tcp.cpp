@@ -40,13 +40,14 @@ using ddp::testing::tcp::job;
 
 namespace {
 
-/// DDP_SHM and DDP_SAME_HOST_COPY per rank: "shm" (collectives through shared memory), "on" (sockets with
-/// same-host copies), "off" everywhere (every byte through the sockets, as between hosts), or "mixed" (rank 0
-/// alone off: every rank falls back to the sockets, and its peers must reach it without copies).
+/// DDP_SHM and DDP_SAME_HOST_COPY per rank: "shm" (collectives through shared memory, large all_reduce by
+/// single copies), "shm-nocopy" (shared memory only: large all_reduce pipelined through the segment), "on"
+/// (sockets with same-host copies), "off" everywhere (every byte through the sockets, as between hosts), or
+/// "mixed" (rank 0 alone off: every rank falls back to the sockets, and its peers must reach it without copies).
 std::function<ddp::launch::env_list(int)> same_host_copy(const std::string& mode) {
   return [mode](int rank) {
     const bool on = mode == "on" || mode == "shm" || (mode == "mixed" && rank != 0);
-    const bool shm = mode == "shm" || (mode == "mixed" && rank != 0);
+    const bool shm = mode == "shm" || mode == "shm-nocopy" || (mode == "mixed" && rank != 0);
     return ddp::launch::env_list{{"DDP_SAME_HOST_COPY", on ? "1" : "0"}, {"DDP_SHM", shm ? "1" : "0"}};
   };
 }
@@ -93,7 +94,7 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
   const int n = GENERATE(1, 2, 3, 4);
-  const std::string copy = GENERATE(as<std::string>{}, "shm", "on", "off", "mixed");
+  const std::string copy = GENERATE(as<std::string>{}, "shm", "shm-nocopy", "on", "off", "mixed");
   CAPTURE(n, copy);
   const auto rs = run_ranks(
       n,
@@ -106,7 +107,7 @@ TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
   if (n > 1) {  // rank 0 says how many peers it reads directly: all of them only when every rank allows it
     const int readable = copy == "on" || copy == "shm" ? n - 1 : 0;
     CHECK(contains(rs.ranks[0].output, "memory of " + std::to_string(readable) + " of its " + std::to_string(n - 1)));
-    CHECK(contains(rs.ranks[0].output, copy == "shm" ? "through shared memory" : "through the sockets"));
+    CHECK(contains(rs.ranks[0].output, copy.starts_with("shm") ? "through shared memory" : "through the sockets"));
   }
 }
 

@@ -59,7 +59,8 @@ class engine : engine_errors {
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
     std::random_device random;
-    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
+    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -109,7 +110,7 @@ class engine : engine_errors {
     std::unique_lock lock(mutex_, std::defer_lock);
     try {
       shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch);
+      shm_execute(ch, *c.grp->shm);
       c.done->finish();
       lock.lock();
     } catch (const shm_handoff&) {
@@ -118,7 +119,8 @@ class engine : engine_errors {
       queue_.push_front(std::move(c));
     } catch (...) {
       const auto e = std::current_exception();
-      c.grp->shm->world().abort(notice_of(e));  // first: the peers must hear of it even if this process exits
+      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
       c.done->fail(e);
       lock.lock();
       caller_failure_ = e;
@@ -280,6 +282,12 @@ class engine : engine_errors {
     noted_ = false;
   }
 
+  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end_life() {
+    std::uint64_t alive = live_value_;
+    live_.compare_exchange_strong(alive, ~live_value_);
+  }
+
   /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
   void run_shm(call& c) {
     shm_waiting how;
@@ -292,7 +300,7 @@ class engine : engine_errors {
       if (stop_) throw cancelled();  // to the peers, this rank is lost
     };
     shm_channel ch(*c.grp->shm, c, deadline_, std::move(how));
-    shm_execute(ch);
+    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -527,7 +535,7 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
+    end_life();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
@@ -561,6 +569,7 @@ class engine : engine_errors {
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
   std::atomic<std::uint64_t> live_{0};
+  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
                 "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();

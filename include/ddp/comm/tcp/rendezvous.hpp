@@ -244,6 +244,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto world = map_shared_memory(cfg, store);
+  if (world) world->memory = memory;
   if (cfg.rank == 0)
     log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
                         "this off)"

@@ -4,11 +4,15 @@
 /// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
-/// into its next region, and copies the others' reduced slices of the previous piece out).
+/// into its next region, and copies the others' reduced slices of the previous piece out). From
+/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
+/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
+/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <vector>
 
 #include <ddp/comm/tcp/reduce.hpp>
 #include <ddp/comm/tcp/shm_channel.hpp>
@@ -17,6 +21,9 @@ namespace ddp::tcp::detail {
 
 /// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
+
+/// all_reduce payloads from this size copy straight out of the peers' buffers where they can.
+inline constexpr std::size_t shm_single_copy_bytes = 1 << 20;
 
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
 template <class Src>
@@ -41,11 +48,44 @@ inline std::size_t slice_first(std::size_t elems, int r, int n) {
   return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
 }
 
-inline void shm_all_reduce(shm_channel& ch) {
+/// all_reduce by single copies out of the peers' buffers (see the file comment).
+inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
+  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
+  ch.put(0, &mine, sizeof mine);
+  ch.sync();
+  std::vector<std::uint64_t>& where = g.addresses;
+  where.resize(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const auto first = [&](int r) { return slice_first(c.count, r, n); };
+  // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n + 1) * piece * es);
+  char* sum = parts + static_cast<std::size_t>(n) * piece * es;
+  for_pieces(first(me + 1) - first(me), piece, [&](std::size_t off, std::size_t k) {
+    const std::size_t at = (first(me) + off) * es;
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + at, k * es, parts + r * piece * es);
+    reduce_ranks(c, sum, n, k, [&](int r) { return r == me ? buf + at : parts + r * piece * es; });
+    finish_avg_bytes(c.type, sum, k, c.op, n);
+    std::memcpy(buf + at, sum, k * es);
+  });
+  ch.count(2 * (first(me + 1) - first(me)) * es * static_cast<std::size_t>(n - 1));  // as a ring would send
+  ch.sync();  // every slice reduced in its owner's buffer
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + first(r) * es, (first(r + 1) - first(r)) * es, buf + first(r) * es);
+  ch.sync();  // nobody reads this rank's buffer any more
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
   if (c.count * es <= shm_direct_bytes) {
     ch.put(0, buf, c.count * es);
     ch.sync();
@@ -191,13 +231,14 @@ inline void shm_all_to_all(shm_channel& ch) {
   if (in != out) std::memmove(out + me * block, in + me * block, block);
 }
 
-/// Runs the collective `ch` describes. A call with no elements moves nothing, as on the sockets.
-inline void shm_execute(shm_channel& ch) {
+/// Runs the collective `ch` describes over group segment `g`. A call with no elements moves nothing, as on
+/// the sockets.
+inline void shm_execute(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   if (c.kind == collective::barrier) return ch.sync();
   if (c.count == 0) return;
   switch (c.kind) {
-    case collective::all_reduce: return shm_all_reduce(ch);
+    case collective::all_reduce: return shm_all_reduce(ch, g);
     case collective::reduce_scatter: return shm_reduce_scatter(ch);
     case collective::all_gather: return shm_all_gather(ch);
     case collective::broadcast: return shm_broadcast(ch);

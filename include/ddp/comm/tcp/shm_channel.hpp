@@ -12,9 +12,11 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 
 #include <ddp/comm/tcp/call.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/work.hpp>
@@ -64,6 +66,25 @@ class shm_channel {
   void count(std::size_t bytes) { c_.grp->stats.add_bytes(c_.kind, bytes); }
   /// Group rank `r`'s region of the phase just completed by sync().
   const char* at(int r) { return g_.data(r, g_.phase - 1); }
+
+  /// Copies `bytes` at `address` in group rank `r`'s memory to `dest` (same_host.hpp); a failed copy, or one
+  /// that overlapped the rank's abort, raises what ended the rank.
+  void copy_from(int r, std::uint64_t address, std::size_t bytes, char* dest) {
+    if (bytes == 0) return;
+    int code = 0;
+    const auto& peer = g_.world().memory[static_cast<std::size_t>(g_.world_rank(r))];
+    const copy_result got = copy_from_peer(peer, remote_block{address, bytes}, dest, code);
+    if (got == copy_result::copied) return;
+    // It aborted or died while this rank copied: its notice or its death shows within the next seconds.
+    for (const auto give_up = clock::now() + std::chrono::seconds(2); clock::now() < give_up;) {
+      check(r);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    throw peer_lost(label(r) + " failed during " + describe(desc_) + " while this rank copied from its memory (" +
+                        (got == copy_result::failed ? errno_text(code) : std::string("it aborted")) +
+                        "), and no notice of why arrived within 2 s. Check that rank's log for the first error",
+                    me_world(), g_.world_rank(r));
+  }
 
   /// Posts the coming phase, waits until every rank has posted it, and checks that every rank runs this call.
   void sync() {

@@ -70,12 +70,32 @@ class shm_group {
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
+  /// True when this rank can copy straight out of every other member's memory (same_host.hpp).
+  [[nodiscard]] bool reads_all() const {
+    for (int r = 0; r < size(); ++r)
+      if (r != me_ && (world_->memory.size() <= static_cast<std::size_t>(world_rank(r)) ||
+                       !world_->memory[static_cast<std::size_t>(world_rank(r))].readable))
+        return false;
+    return true;
+  }
+  /// The members' buffer addresses of the executing single-copy call.
+  std::vector<std::uint64_t> addresses;
+  /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
+  char* scratch(std::size_t bytes) {
+    if (scratch_.size() < bytes) {
+      scratch_ = {};
+      scratch_.resize(bytes);
+    }
+    return scratch_.data();
+  }
+
  private:
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
   std::shared_ptr<shm_world> world_;
   std::vector<int> members_;
   int me_;
   shm_mapping map_;
+  std::vector<char> scratch_;
 };
 
 }  // namespace ddp::tcp::detail

@@ -17,8 +17,10 @@
 #include <ctime>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/shm_segment.hpp>
 #include <ddp/core/error.hpp>
 
@@ -113,6 +115,9 @@ class shm_world {
   }
   /// The error rank `r` aborted with (state_of(r) == aborted).
   [[nodiscard]] const shm_rank_life& notice_of(int r) { return life(r); }
+
+  /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
+  std::vector<peer_memory> memory;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
