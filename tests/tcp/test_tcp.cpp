@@ -295,7 +295,8 @@ TEST_CASE("a rank with another job token cannot join", "[tcp][store]") {
 }
 
 TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every survivor within seconds", "[tcp][fault]") {
-  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20);
+  // Over shared memory: the direct exchange, the pipeline, and (from 16 MiB) the single copies.
+  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20, std::size_t{1} << 22);
   const std::string shm = GENERATE(as<std::string>{}, "1", "0");
   CAPTURE(count, shm);
   const auto rs = run_ranks(
@@ -472,6 +473,32 @@ TEST_CASE("destroying a communicator with operations in flight does not hang", "
       },
       30s);
   require_all_ok(rs);
+}
+
+TEST_CASE("all_reduce over shared memory gives the same bits by single copies and through the segment", "[tcp][shm]") {
+  const int n = GENERATE(2, 3);
+  const std::string copy = GENERATE(as<std::string>{}, "1", "0");  // from 16 MiB: single copies, or the pipeline
+  CAPTURE(n, copy);
+  require_all_ok(run_ranks(
+      n,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        const std::size_t count = (std::size_t{1} << 22) + 3;
+        const auto value = [](int r, std::size_t i) { return static_cast<float>(r + 1) * 0.1F + static_cast<float>(i % 7); };
+        std::vector<float> sum(count), avg(count), top(count);
+        for (std::size_t i = 0; i < count; ++i) sum[i] = avg[i] = top[i] = value(rank, i);
+        comm.all_reduce(sum).wait();
+        comm.all_reduce(avg, ddp::reduce_op::avg).wait();
+        comm.all_reduce(top, ddp::reduce_op::max).wait();
+        for (std::size_t i = 0; i < count; ++i) {
+          float want = value(0, i);
+          for (int r = 1; r < comm.size(); ++r) want += value(r, i);  // in rank order, as the transport sums
+          expect(sum[i] == want, "sum at " + std::to_string(i));
+          expect(avg[i] == want / static_cast<float>(comm.size()), "avg at " + std::to_string(i));
+          expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
+        }
+      },
+      job(60s, 0, [copy](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SAME_HOST_COPY", copy}}; })));
 }
 
 TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank, and a killed job", "[tcp][shm]") {

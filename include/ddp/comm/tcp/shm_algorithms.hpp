@@ -22,8 +22,10 @@ namespace ddp::tcp::detail {
 /// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
 
-/// all_reduce payloads from this size copy straight out of the peers' buffers where they can.
-inline constexpr std::size_t shm_single_copy_bytes = 1 << 20;
+/// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
+/// the 2-core VM (bench/comm, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms); from it the
+/// two tie on an idle host and the single copies win on a loaded one (64 MiB: 98 ms against 181 ms).
+inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
 
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
 template <class Src>
