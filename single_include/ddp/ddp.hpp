@@ -2416,6 +2416,7 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 /// phase ahead of a reader and no region is overwritten while read. Every member maps it at split (or the
 /// rendezvous) with O_CREAT, so none waits for another; the last to map it unlinks it.
 
+#include <thread>
 
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
@@ -2442,7 +2443,6 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <thread>
 
 
 namespace ddp::tcp::detail {
@@ -2971,6 +2971,11 @@ class shm_group {
     return *reinterpret_cast<shm_region_head*>(map_.data() + at);
   }
   char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
+
+  /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
+  [[nodiscard]] bool oversubscribed() const {
+    return static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
+  }
 
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
@@ -3804,8 +3809,14 @@ namespace ddp::tcp::detail {
 /// thread resumes the call, so the caller gets its work back at once.
 struct shm_handoff {};
 
+/// Spin this long at a barrier before sleeping on the futex (where the job has a core per rank).
+inline constexpr std::chrono::microseconds shm_spin{50};
+
 /// How a shared-memory call waits for its peers.
 struct shm_waiting {
+  /// How long a barrier spins before it sleeps: shm_spin, or nothing where ranks outnumber the cores (a
+  /// spinning rank would take the core its peer needs).
+  std::chrono::nanoseconds spin{shm_spin};
   /// The first barrier gives up (shm_handoff) after spinning this long; zero: never.
   std::chrono::nanoseconds handoff_after{0};
   /// The call was handed off: its first region is filled and posted already.
@@ -3818,8 +3829,6 @@ struct shm_waiting {
   ddp::detail::stall_note* note = nullptr;
 };
 
-/// Spin this long at a barrier before sleeping on the futex.
-inline constexpr std::chrono::microseconds shm_spin{50};
 
 class shm_channel {
  public:
@@ -3890,7 +3899,7 @@ class shm_channel {
 
   void await(int r, std::uint32_t target, bool first) {
     auto& theirs = g_.counters(r);
-    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : shm_spin);
+    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
     for (int i = 0; !reached(theirs, target); ++i) {
       _mm_pause();
       if ((i & 63) != 63 || clock::now() < spin_until) continue;
@@ -4730,7 +4739,9 @@ class engine : engine_errors {
   /// peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
     shm_waiting how;
-    how.handoff_after = shm_handoff_after;
+    const bool crowded = c.grp->shm->oversubscribed();
+    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
     how.note = note_.get();
     std::unique_lock lock(mutex_, std::defer_lock);
     try {
@@ -4918,6 +4929,7 @@ class engine : engine_errors {
     shm_waiting how;
     how.resumed = c.resumed;
     how.slice = std::chrono::milliseconds(1);
+    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
     how.note = note_.get();
     how.between = [this] {
       idle_wait(0);

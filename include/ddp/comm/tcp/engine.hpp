@@ -105,7 +105,9 @@ class engine : engine_errors {
   /// peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
     shm_waiting how;
-    how.handoff_after = shm_handoff_after;
+    const bool crowded = c.grp->shm->oversubscribed();
+    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
     how.note = note_.get();
     std::unique_lock lock(mutex_, std::defer_lock);
     try {
@@ -293,6 +295,7 @@ class engine : engine_errors {
     shm_waiting how;
     how.resumed = c.resumed;
     how.slice = std::chrono::milliseconds(1);
+    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
     how.note = note_.get();
     how.between = [this] {
       idle_wait(0);

@@ -28,8 +28,14 @@ namespace ddp::tcp::detail {
 /// thread resumes the call, so the caller gets its work back at once.
 struct shm_handoff {};
 
+/// Spin this long at a barrier before sleeping on the futex (where the job has a core per rank).
+inline constexpr std::chrono::microseconds shm_spin{50};
+
 /// How a shared-memory call waits for its peers.
 struct shm_waiting {
+  /// How long a barrier spins before it sleeps: shm_spin, or nothing where ranks outnumber the cores (a
+  /// spinning rank would take the core its peer needs).
+  std::chrono::nanoseconds spin{shm_spin};
   /// The first barrier gives up (shm_handoff) after spinning this long; zero: never.
   std::chrono::nanoseconds handoff_after{0};
   /// The call was handed off: its first region is filled and posted already.
@@ -42,8 +48,6 @@ struct shm_waiting {
   ddp::detail::stall_note* note = nullptr;
 };
 
-/// Spin this long at a barrier before sleeping on the futex.
-inline constexpr std::chrono::microseconds shm_spin{50};
 
 class shm_channel {
  public:
@@ -114,7 +118,7 @@ class shm_channel {
 
   void await(int r, std::uint32_t target, bool first) {
     auto& theirs = g_.counters(r);
-    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : shm_spin);
+    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
     for (int i = 0; !reached(theirs, target); ++i) {
       _mm_pause();
       if ((i & 63) != 63 || clock::now() < spin_until) continue;

@@ -6,12 +6,14 @@
 /// phase ahead of a reader and no region is overwritten while read. Every member maps it at split (or the
 /// rendezvous) with O_CREAT, so none waits for another; the last to map it unlinks it.
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -66,6 +68,11 @@ class shm_group {
     return *reinterpret_cast<shm_region_head*>(map_.data() + at);
   }
   char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
+
+  /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
+  [[nodiscard]] bool oversubscribed() const {
+    return static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
+  }
 
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
