@@ -70,9 +70,7 @@ class shm_group {
   char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
 
   /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
-  [[nodiscard]] bool oversubscribed() const {
-    return static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
-  }
+  [[nodiscard]] bool oversubscribed() const { return oversubscribed_; }
 
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
@@ -103,6 +101,8 @@ class shm_group {
   int me_;
   shm_mapping map_;
   std::vector<char> scratch_;
+  /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
+  bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
 };
 
 }  // namespace ddp::tcp::detail
