@@ -23,8 +23,10 @@
 
 namespace ddp::tcp::detail {
 
-/// Data bytes of one region: the most a rank publishes in one phase.
-inline constexpr std::size_t shm_region_bytes = 256 << 10;
+/// Data bytes of one region: the most a rank publishes in one phase. Measured on the 2-core VM (N = 2), 1 MiB
+/// regions beat 256 KiB ones (1 MiB all_reduce: 60 us against 126 us; 4 MiB: 0.26-0.45 ms against 0.58 ms)
+/// and larger ones add nothing.
+inline constexpr std::size_t shm_region_bytes = 1 << 20;
 
 /// One group rank's counters, each on its own cache line.
 struct shm_counters {
