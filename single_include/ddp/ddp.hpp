@@ -4938,7 +4938,10 @@ class engine : engine_errors {
       std::lock_guard lock(mutex_);
       if (stop_) throw cancelled();  // to the peers, this rank is lost
     };
-    shm_channel ch(*c.grp->shm, c, deadline_, std::move(how));
+    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
+    // flight recorder's view, gives up first.
+    const auto deadline = deadline_ + how.slice;
+    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
     shm_execute(ch, *c.grp->shm);
   }
 
