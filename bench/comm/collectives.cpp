@@ -1,7 +1,8 @@
 // f32 all_reduce(sum) from 4 KiB to 64 MiB, in one mpirun invocation, over three transports:
 // ddp::tcp (rendezvous from OMPI_COMM_WORLD_* and MASTER_PORT) two ways -- as configured by default,
-// where ranks on one host copy large frames straight from each other's memory, and with
-// same_host_copy off, every byte through the sockets as between hosts --, Gloo over gloo::transport::tcp
+// where ranks on one host run collectives through shared memory (DDP_SHM=0: through the sockets, copying
+// large frames straight from each other's memory), and with shared_memory and same_host_copy off, every
+// byte through the sockets as between hosts --, Gloo over gloo::transport::tcp
 // (FileStore rendezvous) two ways -- gloo::allreduce(AllreduceOptions), the call PyTorch's
 // ProcessGroupGloo makes, and a cached gloo::AllreduceHalvingDoubling, Gloo's fastest path for small
 // messages -- and raw MPI_Allreduce. Ratios compare ddp with the better of the two Gloo paths. Every iteration starts after an
@@ -126,6 +127,7 @@ int main(int argc, char** argv) {
   ddp::tcp::config sockets_only = ddp::tcp::communicator::config_from_env();
   sockets_only.master_port = static_cast<std::uint16_t>(shared_free_port());
   sockets_only.same_host_copy = false;
+  sockets_only.shared_memory = false;
   ddp::tcp::communicator comm_sockets(sockets_only);
 
   // Gloo: TCP transport on loopback, rendezvous through a FileStore in a directory rank 0 creates.

@@ -2420,233 +2420,35 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/protocol.hpp>
+// ---- begin <ddp/comm/tcp/shm_group.hpp>
+/// \file A group's shared-memory segment: per group rank, a phase counter (a futex word) and two regions,
+/// each a call description and `shm_region_bytes` of data. A collective runs in phases: a rank fills its
+/// region of the phase, posts the phase, waits until every rank posted it, then reads any rank's region of
+/// the phase and may fill its region of the next one. Regions alternate, so a rank is never more than one
+/// phase ahead of a reader and no region is overwritten while read. Every member maps it at split (or the
+/// rendezvous) with O_CREAT, so none waits for another; the last to map it unlinks it.
 
-namespace ddp::tcp::detail {
-
-/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
-struct group {
-  std::vector<int> members;  ///< world rank of each group rank
-  int me = 0;                ///< this process's group rank
-  std::uint32_t id = 0;      ///< identifier carried in every frame
-  std::chrono::milliseconds timeout{};
-  std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
-  std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
-  ddp::detail::stats_counter stats;
-  std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
-
-  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
-};
-
-/// Which side of a point-to-point transfer a call is; collectives are neither. Told explicitly, never
-/// guessed from the buffers (an empty send has no data pointer).
-enum class p2p : std::uint8_t { none, send, recv };
-
-/// One queued call: what the engine executes, in submission order.
-struct call {
-  collective kind{};
-  p2p side = p2p::none;
-  dtype type = dtype::f32;
-  reduce_op op = reduce_op::sum;
-  int root = -1;            ///< root, or peer for send/recv
-  std::int32_t tag = 0;     ///< send/recv tag
-  std::uint64_t count = 0;  ///< the count frames carry
-  const void* in = nullptr;
-  void* out = nullptr;
-  std::shared_ptr<group> grp;
-  std::uint64_t seq = 0;
-  std::shared_ptr<ddp::detail::completion> done;
-};
-
-/// The header every frame of `c` carries, with payload `length`.
-inline frame_header header_of(const call& c, std::uint64_t length) {
-  frame_header h;
-  h.op = static_cast<std::uint8_t>(c.kind);
-  h.type = static_cast<std::uint8_t>(c.type);
-  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
-  if (has_root(h.op)) h.root = c.root;
-  if (c.kind == collective::send_recv) h.tag = c.tag;
-  h.group = c.grp->id;
-  h.seq = c.seq;
-  h.count = c.count;
-  h.length = length;
-  return h;
-}
-
-/// One receive the current call waits for.
-struct recv_part {
-  int peer = 0;  ///< group rank
-  void* dest = nullptr;
-  std::size_t bytes = 0;
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/call.hpp>
-// ---- begin <ddp/comm/tcp/engine.hpp>
-/// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
-/// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
-/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
-/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
-
-#include <sys/eventfd.h>
-
-#include <deque>
-#include <random>
 #include <thread>
 
-// ---- begin <ddp/comm/tcp/engine_errors.hpp>
-/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
-/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+// ---- begin <ddp/comm/tcp/shm_segment.hpp>
+/// \file POSIX shared-memory segments of the same-host transport: named per job
+/// ("/ddp-<uid>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked as soon as
+/// all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job died
+/// before every rank mapped it (its creator's pid is gone) is removed by the next job on the host.
 
-
-// ---- begin <ddp/comm/tcp/frame_reader.hpp>
-/// \file The receiving half of a peer stream: a state machine that cuts a byte stream into frames. It reads
-/// a header, stops while its owner decides where the payload goes (a collective frame waits there for its
-/// call), reads the payload straight into that place, and starts over. It never blocks and never allocates:
-/// the bytes come from a read function (a non-blocking socket, or memory in tests and the fuzz target).
-///
-///   header --40 bytes, well formed--> holding --accept(dest)--> payload --length bytes--> header
-///   header --a goodbye--> said_bye;   any --end of stream or read error--> closed
-///   header --malformed header--> corrupt   (holding with a zero length: accept() goes straight to header)
-
-#include <sys/types.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 
 #include <cerrno>
-
-
-namespace ddp::tcp::detail {
-
-/// Where a peer stream's reader stands.
-enum class read_state : std::uint8_t {
-  header,    ///< reading a frame header (header_bytes() of 40 so far)
-  holding,   ///< a whole, well-formed header is here; its payload waits for accept()
-  payload,   ///< reading the accepted frame's payload into its destination
-  said_bye,  ///< the peer said goodbye (op_bye): it closed its communicator; nothing more is read
-  closed,    ///< end of stream or a read error: nothing more is read
-  corrupt,   ///< a malformed header arrived (malformed() says why): the stream cannot be trusted
-};
-
-/// What one call of frame_reader::advance() ended with.
-enum class read_event : std::uint8_t {
-  blocked,  ///< no more bytes now (or the reader is holding a header): poll and come back
-  header,   ///< a whole header: inspect header(), then accept() it or keep holding
-  payload,  ///< the accepted frame's payload is complete (header() still describes it)
-  ended,    ///< the stream ended: said_bye, closed or corrupt
-};
-
-class frame_reader {
- public:
-  [[nodiscard]] read_state state() const { return state_; }
-  /// The header being read, held or whose payload is being read.
-  [[nodiscard]] const frame_header& header() const { return header_; }
-  /// Bytes of the current header read so far (state header).
-  [[nodiscard]] std::size_t header_bytes() const { return header_got_; }
-  /// True when part of a frame has arrived and the rest has not: an end of stream now loses data.
-  [[nodiscard]] bool mid_frame() const {
-    if (ended()) return cut_;
-    return (state_ == read_state::header && header_got_ > 0) || state_ == read_state::holding ||
-           state_ == read_state::payload;
-  }
-  /// True once nothing more will be read.
-  [[nodiscard]] bool ended() const {
-    return state_ == read_state::said_bye || state_ == read_state::closed || state_ == read_state::corrupt;
-  }
-  /// The errno of the read that closed the stream (0: an orderly end of stream).
-  [[nodiscard]] int error_code() const { return error_; }
-
-  /// holding -> payload: the payload (header().length bytes) goes to `dest`. A zero-length frame completes
-  /// at once (the next advance() reports its payload event).
-  void accept(char* dest) {
-    dest_ = dest;
-    payload_got_ = 0;
-    state_ = read_state::payload;
-  }
-
-  /// Marks the stream ended from outside (the owner read an abort notice itself, or gave up on the peer).
-  void close() { state_ = read_state::closed; }
-
-  /// Reads until an event: `read(buf, n)` returns bytes read (> 0), 0 at end of stream, or -1 with errno
-  /// (EAGAIN: no bytes now). `moved` is set when any byte arrived.
-  template <class Read>
-  read_event advance(Read&& read, bool& moved) {
-    while (true) {
-      switch (state_) {
-        case read_state::holding: return read_event::blocked;
-        case read_state::said_bye:
-        case read_state::closed:
-        case read_state::corrupt: return read_event::ended;
-        case read_state::header:
-          if (!take(read, reinterpret_cast<char*>(&header_) + header_got_, sizeof(frame_header) - header_got_,
-                    header_got_, moved))
-            return ended() ? read_event::ended : read_event::blocked;
-          if (header_got_ < sizeof(frame_header)) continue;
-          header_got_ = 0;
-          if (malformed(header_) != nullptr) {
-            state_ = read_state::corrupt;
-            return read_event::ended;
-          }
-          if (header_.op == op_bye) {
-            state_ = read_state::said_bye;
-            return read_event::ended;
-          }
-          state_ = read_state::holding;
-          return read_event::header;
-        case read_state::payload:
-          if (payload_got_ == header_.length) {
-            state_ = read_state::header;
-            return read_event::payload;
-          }
-          if (!take(read, dest_ + payload_got_, static_cast<std::size_t>(header_.length - payload_got_), payload_got_,
-                    moved))
-            return ended() ? read_event::ended : read_event::blocked;
-          continue;
-      }
-    }
-  }
-
- private:
-  /// One read of at most `want` bytes into `where`; false when none arrived (blocked or ended).
-  template <class Read>
-  bool take(Read& read, char* where, std::size_t want, auto& got, bool& moved) {
-    while (true) {
-      const ssize_t k = read(where, want);
-      if (k > 0) {
-        got += static_cast<std::size_t>(k);
-        moved = true;
-        return true;
-      }
-      if (k < 0 && errno == EINTR) continue;
-      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
-      error_ = k < 0 ? errno : 0;
-      cut_ = state_ == read_state::payload || header_got_ > 0;
-      state_ = read_state::closed;
-      return false;
-    }
-  }
-
-  read_state state_ = read_state::header;
-  frame_header header_;
-  std::size_t header_got_ = 0;
-  char* dest_ = nullptr;
-  std::uint64_t payload_got_ = 0;
-  int error_ = 0;
-  bool cut_ = false;  ///< the stream ended inside a frame
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/frame_reader.hpp>
-// ---- begin <ddp/comm/tcp/matching.hpp>
-/// \file Point-to-point matching, per peer: a recv waits for the first send with its group and tag, in
-/// posting order; a send that arrives first is kept (a stray) until its recv comes. A recv that no send
-/// matches before its deadline is withdrawn, so a late frame becomes a stray and never writes into the
-/// abandoned buffer.
-
 
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
 
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -2881,6 +2683,617 @@ inline void log_line(int rank, const std::string& text) {
 }
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/socket.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The job's segment name prefix for this user: "/ddp-<uid>-".
+inline std::string shm_user_prefix() { return "/ddp-" + std::to_string(::getuid()) + "-"; }
+
+/// Removes this user's segments whose creator process is gone (jobs killed before every rank mapped them).
+inline void reap_stale_segments() {
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return;
+  const std::string prefix = shm_user_prefix().substr(1);
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<::pid_t>(pid), 0) != 0 && errno == ESRCH) ::shm_unlink(("/" + name).c_str());
+  }
+  ::closedir(dir);
+}
+
+/// A mapped shared-memory segment; unmapped on destruction.
+class shm_mapping {
+ public:
+  shm_mapping() = default;
+  shm_mapping(shm_mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  shm_mapping& operator=(shm_mapping&& o) noexcept {
+    if (this != &o) {
+      reset();
+      base_ = std::exchange(o.base_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  ~shm_mapping() { reset(); }
+
+  /// Opens (creating it where `create`; exclusively where `exclusive`) segment `name` of `bytes`, zero-filled
+  /// when new, and maps it; throws ddp::error naming `rank` when the system refuses.
+  static shm_mapping open(const std::string& name, std::size_t bytes, bool create, bool exclusive, int rank) {
+    const int flags = O_RDWR | (create ? O_CREAT : 0) | (exclusive ? O_EXCL : 0);
+    socket_fd fd(::shm_open(name.c_str(), flags, 0600));
+    if (!fd.valid() || (create && ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0))
+      throw error("cannot open the shared-memory segment " + name + ": " + errno_text(errno) +
+                      "; check that /dev/shm is mounted with room, or set DDP_SHM=0 to use the sockets only",
+                  rank, errno);
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED)
+      throw error("cannot map the shared-memory segment " + name + ": " + errno_text(errno) +
+                      "; raise the memory limits, or set DDP_SHM=0 to use the sockets only",
+                  rank, errno);
+    shm_mapping m;
+    m.base_ = static_cast<char*>(p);
+    m.bytes_ = bytes;
+    return m;
+  }
+
+  [[nodiscard]] char* data() const noexcept { return base_; }
+  [[nodiscard]] std::size_t size() const noexcept { return bytes_; }
+  [[nodiscard]] bool valid() const noexcept { return base_ != nullptr; }
+  void reset() noexcept {
+    if (base_ != nullptr) ::munmap(base_, bytes_);
+    base_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  char* base_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+/// Counts a mapping of segment `name` in its word `mapped`; the rank that completes the count of `ranks`
+/// unlinks the name (every rank has the segment mapped by then, so none opens it afterwards).
+inline void count_mapping(std::atomic<std::uint32_t>& mapped, const std::string& name, int ranks) {
+  if (mapped.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<std::uint32_t>(ranks)) ::shm_unlink(name.c_str());
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_segment.hpp>
+// ---- begin <ddp/comm/tcp/shm_world.hpp>
+/// \file The job's shared-memory segment, when every rank runs on one host: per rank, a robust mutex its
+/// engine thread holds for its lifetime (the kernel marks it when the process dies, even by SIGKILL, so a
+/// survivor sees the death with one load) and the state it left in: running, closed, or aborted with the
+/// error its peers then raise. Rank 0 creates it at the rendezvous; it is unlinked once all ranks mapped it.
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+
+#include <ctime>
+
+// ---- begin <ddp/comm/tcp/same_host.hpp>
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
+/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
+/// namespace has another namespace, where a pid names some unrelated process.
+struct host_identity {
+  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
+  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
+  std::uint64_t pid_ns_dev = 0;///< its device
+
+  /// Both known and equal: the pids of one process mean the same process for the other.
+  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
+    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
+  }
+};
+
+/// This process's host identity.
+inline host_identity this_host() {
+  host_identity id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (in >> boot) {
+    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
+    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) {
+    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
+    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
+  }
+  return id;
+}
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/same_host.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Sleeps while the shared word `w` holds `seen`, at most `ns` nanoseconds (spurious returns are fine).
+inline void futex_wait(std::atomic<std::uint32_t>& w, std::uint32_t seen, long ns) {
+  const timespec t{ns / 1000000000L, ns % 1000000000L};
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&w), FUTEX_WAIT, seen, &t, nullptr, 0);
+}
+/// Wakes every process sleeping on the shared word `w`.
+inline void futex_wake(std::atomic<std::uint32_t>& w) {
+  ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&w), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+/// How a rank left the job, as its peers see it in the job segment (writing: its abort notice is being
+/// written, and it still counts as running).
+enum class shm_state : std::uint32_t { running = 0, closed = 1, aborted = 2, writing = 3 };
+
+/// One rank's place in the job segment.
+struct shm_rank_life {
+  pthread_mutex_t alive;                   ///< robust, held by the rank's engine thread while it runs
+  std::atomic<std::uint32_t> state{0};     ///< shm_state
+  std::uint32_t kind = 0;                  ///< abort_kind of the error it aborted with
+  std::int32_t lost_rank = -1;             ///< the world rank its peer_lost names
+  std::uint32_t text_bytes = 0;
+  char text[1024];                         ///< the error's message
+};
+
+/// The job segment's layout.
+struct shm_world_layout {
+  std::uint64_t magic = 0;  ///< written by rank 0 before it publishes the name
+  std::atomic<std::uint32_t> mapped{0};
+};
+
+/// The job segment, mapped by this rank.
+class shm_world {
+ public:
+  static constexpr std::uint64_t magic = 0x444450534d574c44ULL;  // "DDPSMWLD"
+
+  /// Maps the job segment `name` of `size` ranks (rank 0 creates it and writes the magic; the others open it).
+  shm_world(std::string name, int size, int rank) : name_(std::move(name)), size_(size), rank_(rank) {
+    map_ = shm_mapping::open(name_, bytes(size), rank == 0, rank == 0, rank);
+    if (rank == 0) layout().magic = magic;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&life(rank).alive, &a);
+    pthread_mutexattr_destroy(&a);
+  }
+  shm_world(const shm_world&) = delete;
+
+  /// The segment's name (subgroup segments are named after it).
+  [[nodiscard]] const std::string& name() const { return name_; }
+  /// The job's number of ranks.
+  [[nodiscard]] int size() const { return size_; }
+  /// True when rank 0 wrote the magic: the segment is the job's.
+  [[nodiscard]] bool genuine() { return layout().magic == magic; }
+  /// Counts this rank's mapping; the last of the job's ranks unlinks the name.
+  void mapped() { count_mapping(layout().mapped, name_, size_); }
+
+  /// On the engine thread: holds this rank's robust mutex until release() or the process's death.
+  void hold() { pthread_mutex_lock(&life(rank_).alive); }
+  /// On the engine thread, when the communicator closes: says so to the peers and lets the mutex go.
+  void release() {
+    auto& me = life(rank_);
+    std::uint32_t running = 0;
+    me.state.compare_exchange_strong(running, static_cast<std::uint32_t>(shm_state::closed));
+    pthread_mutex_unlock(&me.alive);
+  }
+  /// Publishes this rank's first error, so peers waiting on it raise the same error (later ones are dropped).
+  void abort(const abort_notice& n) {
+    auto& me = life(rank_);
+    std::uint32_t running = 0;
+    if (!me.state.compare_exchange_strong(running, static_cast<std::uint32_t>(shm_state::writing))) return;
+    me.kind = n.header.flags;
+    me.lost_rank = n.header.lost_rank;
+    me.text_bytes = static_cast<std::uint32_t>(std::min(n.text.size(), sizeof me.text));
+    std::memcpy(me.text, n.text.data(), me.text_bytes);
+    me.state.store(static_cast<std::uint32_t>(shm_state::aborted), std::memory_order_release);
+  }
+
+  /// How world rank `r` left, or running while it runs; a process that died counts as closed.
+  [[nodiscard]] shm_state state_of(int r) {
+    auto& l = life(r);
+    const auto s = static_cast<shm_state>(l.state.load(std::memory_order_acquire));
+    if (s == shm_state::closed || s == shm_state::aborted) return s;
+    // The robust futex protocol: the kernel sets FUTEX_OWNER_DIED in the word when the holder dies.
+    const int word = std::atomic_ref<int>(l.alive.__data.__lock).load(std::memory_order_acquire);
+    return (word & FUTEX_OWNER_DIED) != 0 ? shm_state::closed : shm_state::running;
+  }
+  /// The error rank `r` aborted with (state_of(r) == aborted).
+  [[nodiscard]] const shm_rank_life& notice_of(int r) { return life(r); }
+
+  /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
+  std::vector<peer_memory> memory;
+
+ private:
+  static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
+  shm_world_layout& layout() { return *reinterpret_cast<shm_world_layout*>(map_.data()); }
+  shm_rank_life& life(int r) {
+    return reinterpret_cast<shm_rank_life*>(map_.data() + sizeof(shm_world_layout) + 64)[r];
+  }
+
+  std::string name_;
+  int size_;
+  int rank_;
+  shm_mapping map_;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_world.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Data bytes of one region: the most a rank publishes in one phase. Measured on the 2-core VM (N = 2), 1 MiB
+/// regions beat 256 KiB ones (1 MiB all_reduce: 60 us against 126 us; 4 MiB: 0.26-0.45 ms against 0.58 ms)
+/// and larger ones add nothing.
+inline constexpr std::size_t shm_region_bytes = 1 << 20;
+
+/// One group rank's counters, each on its own cache line.
+struct shm_counters {
+  alignas(64) std::atomic<std::uint32_t> posted{0};  ///< phases this rank has posted (its futex word)
+  alignas(64) std::atomic<std::uint32_t> sleepers{0};  ///< ranks sleeping on `posted`: the poster wakes them
+};
+
+/// A region's head: the call the phase belongs to, compared by every reader.
+struct alignas(64) shm_region_head {
+  frame_header call;
+};
+
+/// The group's segment, mapped by this rank, and the group's phase count.
+class shm_group {
+ public:
+  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`.
+  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me)
+      : world_(std::move(world)), members_(std::move(members)), me_(me) {
+    char hex[16];
+    std::snprintf(hex, sizeof hex, "%08x", id);
+    const std::string name = world_->name() + "-" + hex;
+    const auto n = members_.size();
+    map_ = shm_mapping::open(name, 64 + n * (sizeof(shm_counters) + 2 * region_stride()), true, false, members_[me_]);
+    count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, static_cast<int>(n));
+  }
+  shm_group(const shm_group&) = delete;
+
+  [[nodiscard]] shm_world& world() { return *world_; }
+  /// The job segment, for the segments of subgroups.
+  [[nodiscard]] const std::shared_ptr<shm_world>& world_ptr() const { return world_; }
+  [[nodiscard]] int me() const { return me_; }
+  [[nodiscard]] int size() const { return static_cast<int>(members_.size()); }
+  [[nodiscard]] int world_rank(int r) const { return members_[static_cast<std::size_t>(r)]; }
+
+  /// Group rank `r`'s counters.
+  shm_counters& counters(int r) { return reinterpret_cast<shm_counters*>(map_.data() + 64)[r]; }
+  /// Group rank `r`'s region for phase `phase`: its head, then shm_region_bytes of data.
+  shm_region_head& head(int r, std::uint32_t phase) {
+    const std::size_t at = 64 + members_.size() * sizeof(shm_counters) +
+                           (2 * static_cast<std::size_t>(r) + (phase & 1U)) * region_stride();
+    return *reinterpret_cast<shm_region_head*>(map_.data() + at);
+  }
+  char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
+
+  /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
+  [[nodiscard]] bool oversubscribed() const { return oversubscribed_; }
+
+  /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
+  std::uint32_t phase = 0;
+
+  /// True when this rank can copy straight out of every other member's memory (same_host.hpp).
+  [[nodiscard]] bool reads_all() const {
+    for (int r = 0; r < size(); ++r)
+      if (r != me_ && (world_->memory.size() <= static_cast<std::size_t>(world_rank(r)) ||
+                       !world_->memory[static_cast<std::size_t>(world_rank(r))].readable))
+        return false;
+    return true;
+  }
+  /// The members' buffer addresses of the executing single-copy call.
+  std::vector<std::uint64_t> addresses;
+  /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
+  char* scratch(std::size_t bytes) {
+    if (scratch_.size() < bytes) {
+      scratch_ = {};
+      scratch_.resize(bytes);
+    }
+    return scratch_.data();
+  }
+
+ private:
+  static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
+  std::shared_ptr<shm_world> world_;
+  std::vector<int> members_;
+  int me_;
+  shm_mapping map_;
+  std::vector<char> scratch_;
+  /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
+  bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_group.hpp>
+
+namespace ddp::tcp::detail {
+
+/// A set of ranks sharing the mesh: the world, or a subgroup made by split().
+struct group {
+  std::vector<int> members;  ///< world rank of each group rank
+  int me = 0;                ///< this process's group rank
+  std::uint32_t id = 0;      ///< identifier carried in every frame
+  std::chrono::milliseconds timeout{};
+  std::uint64_t next_seq = 0;  ///< guarded by the engine's queue mutex
+  std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
+  ddp::detail::stats_counter stats;
+  std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
+  std::shared_ptr<shm_group> shm;  ///< the group's shared-memory segment when every member is on this host; else null
+
+  [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
+};
+
+/// Which side of a point-to-point transfer a call is; collectives are neither. Told explicitly, never
+/// guessed from the buffers (an empty send has no data pointer).
+enum class p2p : std::uint8_t { none, send, recv };
+
+/// One queued call: what the engine executes, in submission order.
+struct call {
+  collective kind{};
+  p2p side = p2p::none;
+  dtype type = dtype::f32;
+  reduce_op op = reduce_op::sum;
+  int root = -1;            ///< root, or peer for send/recv
+  std::int32_t tag = 0;     ///< send/recv tag
+  std::uint64_t count = 0;  ///< the count frames carry
+  const void* in = nullptr;
+  void* out = nullptr;
+  std::shared_ptr<group> grp;
+  std::uint64_t seq = 0;
+  std::shared_ptr<ddp::detail::completion> done;
+  bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+
+  /// True for a collective that runs over its group's shared-memory segment.
+  [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
+};
+
+/// The header every frame of `c` carries, with payload `length`.
+inline frame_header header_of(const call& c, std::uint64_t length) {
+  frame_header h;
+  h.op = static_cast<std::uint8_t>(c.kind);
+  h.type = static_cast<std::uint8_t>(c.type);
+  h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
+  if (has_root(h.op)) h.root = c.root;
+  if (c.kind == collective::send_recv) h.tag = c.tag;
+  h.group = c.grp->id;
+  h.seq = c.seq;
+  h.count = c.count;
+  h.length = length;
+  return h;
+}
+
+/// One receive the current call waits for.
+struct recv_part {
+  int peer = 0;  ///< group rank
+  void* dest = nullptr;
+  std::size_t bytes = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/call.hpp>
+// ---- begin <ddp/comm/tcp/engine.hpp>
+/// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
+/// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
+/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
+/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
+/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
+/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
+
+#include <sys/eventfd.h>
+
+#include <deque>
+#include <random>
+
+// ---- begin <ddp/comm/tcp/engine_errors.hpp>
+/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
+/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+
+
+// ---- begin <ddp/comm/tcp/frame_reader.hpp>
+/// \file The receiving half of a peer stream: a state machine that cuts a byte stream into frames. It reads
+/// a header, stops while its owner decides where the payload goes (a collective frame waits there for its
+/// call), reads the payload straight into that place, and starts over. It never blocks and never allocates:
+/// the bytes come from a read function (a non-blocking socket, or memory in tests and the fuzz target).
+///
+///   header --40 bytes, well formed--> holding --accept(dest)--> payload --length bytes--> header
+///   header --a goodbye--> said_bye;   any --end of stream or read error--> closed
+///   header --malformed header--> corrupt   (holding with a zero length: accept() goes straight to header)
+
+
+
+
+namespace ddp::tcp::detail {
+
+/// Where a peer stream's reader stands.
+enum class read_state : std::uint8_t {
+  header,    ///< reading a frame header (header_bytes() of 40 so far)
+  holding,   ///< a whole, well-formed header is here; its payload waits for accept()
+  payload,   ///< reading the accepted frame's payload into its destination
+  said_bye,  ///< the peer said goodbye (op_bye): it closed its communicator; nothing more is read
+  closed,    ///< end of stream or a read error: nothing more is read
+  corrupt,   ///< a malformed header arrived (malformed() says why): the stream cannot be trusted
+};
+
+/// What one call of frame_reader::advance() ended with.
+enum class read_event : std::uint8_t {
+  blocked,  ///< no more bytes now (or the reader is holding a header): poll and come back
+  header,   ///< a whole header: inspect header(), then accept() it or keep holding
+  payload,  ///< the accepted frame's payload is complete (header() still describes it)
+  ended,    ///< the stream ended: said_bye, closed or corrupt
+};
+
+class frame_reader {
+ public:
+  [[nodiscard]] read_state state() const { return state_; }
+  /// The header being read, held or whose payload is being read.
+  [[nodiscard]] const frame_header& header() const { return header_; }
+  /// Bytes of the current header read so far (state header).
+  [[nodiscard]] std::size_t header_bytes() const { return header_got_; }
+  /// True when part of a frame has arrived and the rest has not: an end of stream now loses data.
+  [[nodiscard]] bool mid_frame() const {
+    if (ended()) return cut_;
+    return (state_ == read_state::header && header_got_ > 0) || state_ == read_state::holding ||
+           state_ == read_state::payload;
+  }
+  /// True once nothing more will be read.
+  [[nodiscard]] bool ended() const {
+    return state_ == read_state::said_bye || state_ == read_state::closed || state_ == read_state::corrupt;
+  }
+  /// The errno of the read that closed the stream (0: an orderly end of stream).
+  [[nodiscard]] int error_code() const { return error_; }
+
+  /// holding -> payload: the payload (header().length bytes) goes to `dest`. A zero-length frame completes
+  /// at once (the next advance() reports its payload event).
+  void accept(char* dest) {
+    dest_ = dest;
+    payload_got_ = 0;
+    state_ = read_state::payload;
+  }
+
+  /// Marks the stream ended from outside (the owner read an abort notice itself, or gave up on the peer).
+  void close() { state_ = read_state::closed; }
+
+  /// Reads until an event: `read(buf, n)` returns bytes read (> 0), 0 at end of stream, or -1 with errno
+  /// (EAGAIN: no bytes now). `moved` is set when any byte arrived.
+  template <class Read>
+  read_event advance(Read&& read, bool& moved) {
+    while (true) {
+      switch (state_) {
+        case read_state::holding: return read_event::blocked;
+        case read_state::said_bye:
+        case read_state::closed:
+        case read_state::corrupt: return read_event::ended;
+        case read_state::header:
+          if (!take(read, reinterpret_cast<char*>(&header_) + header_got_, sizeof(frame_header) - header_got_,
+                    header_got_, moved))
+            return ended() ? read_event::ended : read_event::blocked;
+          if (header_got_ < sizeof(frame_header)) continue;
+          header_got_ = 0;
+          if (malformed(header_) != nullptr) {
+            state_ = read_state::corrupt;
+            return read_event::ended;
+          }
+          if (header_.op == op_bye) {
+            state_ = read_state::said_bye;
+            return read_event::ended;
+          }
+          state_ = read_state::holding;
+          return read_event::header;
+        case read_state::payload:
+          if (payload_got_ == header_.length) {
+            state_ = read_state::header;
+            return read_event::payload;
+          }
+          if (!take(read, dest_ + payload_got_, static_cast<std::size_t>(header_.length - payload_got_), payload_got_,
+                    moved))
+            return ended() ? read_event::ended : read_event::blocked;
+          continue;
+      }
+    }
+  }
+
+ private:
+  /// One read of at most `want` bytes into `where`; false when none arrived (blocked or ended).
+  template <class Read>
+  bool take(Read& read, char* where, std::size_t want, auto& got, bool& moved) {
+    while (true) {
+      const ssize_t k = read(where, want);
+      if (k > 0) {
+        got += static_cast<std::size_t>(k);
+        moved = true;
+        return true;
+      }
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+      error_ = k < 0 ? errno : 0;
+      cut_ = state_ == read_state::payload || header_got_ > 0;
+      state_ = read_state::closed;
+      return false;
+    }
+  }
+
+  read_state state_ = read_state::header;
+  frame_header header_;
+  std::size_t header_got_ = 0;
+  char* dest_ = nullptr;
+  std::uint64_t payload_got_ = 0;
+  int error_ = 0;
+  bool cut_ = false;  ///< the stream ended inside a frame
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/frame_reader.hpp>
+// ---- begin <ddp/comm/tcp/matching.hpp>
+/// \file Point-to-point matching, per peer: a recv waits for the first send with its group and tag, in
+/// posting order; a send that arrives first is kept (a stray) until its recv comes. A recv that no send
+/// matches before its deadline is withdrawn, so a late frame becomes a stray and never writes into the
+/// abandoned buffer.
+
+
 
 namespace ddp::tcp::detail {
 
@@ -3141,7 +3554,6 @@ class engine_errors {
 /// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
 /// already half written is completed, so the peer can still parse the abort notice behind it.
 
-#include <sys/uio.h>
 
 
 
@@ -3238,101 +3650,6 @@ class frame_writer {
 /// transfers, what the executing call expects from it, and the same-host copies in flight either way.
 
 
-// ---- begin <ddp/comm/tcp/same_host.hpp>
-/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
-/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
-/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
-/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
-/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
-/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
-/// remote region, so the word is read after the data).
-
-#include <sys/stat.h>
-
-
-
-namespace ddp::tcp::detail {
-
-/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
-/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
-inline constexpr std::size_t remote_min_bytes = 512 << 10;
-
-/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
-/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
-/// namespace has another namespace, where a pid names some unrelated process.
-struct host_identity {
-  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
-  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
-  std::uint64_t pid_ns_dev = 0;///< its device
-
-  /// Both known and equal: the pids of one process mean the same process for the other.
-  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
-    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
-  }
-};
-
-/// This process's host identity.
-inline host_identity this_host() {
-  host_identity id;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  if (in >> boot) {
-    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
-    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
-  }
-  struct stat ns {};
-  if (::stat("/proc/self/ns/pid", &ns) == 0) {
-    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
-    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
-  }
-  return id;
-}
-
-/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
-struct peer_memory {
-  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
-  bool readable = false;           ///< this rank can copy from the peer's memory
-  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
-  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
-  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
-};
-
-/// How a copy out of a peer's memory ended.
-enum class copy_result : std::uint8_t {
-  copied,   ///< every byte, and the peer had not aborted when the copy ended
-  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
-  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
-};
-
-/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
-inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
-  std::uint64_t live = 0;
-  const std::size_t total = from.bytes + sizeof live;
-  for (std::size_t done = 0; done < total;) {
-    iovec local[2];
-    iovec remote[2];
-    unsigned long n = 0;
-    if (done < from.bytes) {
-      local[n] = {dest + done, from.bytes - done};
-      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
-    }
-    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
-    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
-    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
-                   sizeof live - word_done};
-    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      return copy_result::failed;
-    }
-    done += static_cast<std::size_t>(k);
-  }
-  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/same_host.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3436,6 +3753,538 @@ class scratch_space {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/peer.hpp>
+// ---- begin <ddp/comm/tcp/shm_algorithms.hpp>
+/// \file The collectives of the same-host transport, over a group's shared-memory segment (shm_channel):
+/// every rank publishes pieces of its input in its region, then reads what it needs straight from the
+/// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
+/// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
+/// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
+/// into its next region, and copies the others' reduced slices of the previous piece out). From
+/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
+/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
+/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
+
+
+// ---- begin <ddp/comm/tcp/reduce.hpp>
+/// \file Element-wise reduction kernels of the TCP backend: dst = a (op) b over n elements, for every
+/// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
+
+
+// ---- begin <ddp/comm/average.hpp>
+/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
+/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float).
+
+
+
+namespace ddp::detail {
+
+/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
+inline void divide(const raw_tensor& t, int n) {
+  if (n == 1) return;
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_integral_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    } else if constexpr (std::is_floating_point_v<T>) {
+      // A power of two's reciprocal is exact, so multiplying by it gives the quotient's bits at a fraction of
+      // a division's cost; any other n divides.
+      if ((n & (n - 1)) == 0) {
+        const T inverse = T(1) / static_cast<T>(n);
+        for (std::size_t i = 0; i < t.size; ++i) p[i] *= inverse;
+      } else {
+        for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
+      }
+    } else {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    }
+  });
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/average.hpp>
+
+namespace ddp::tcp::detail {
+
+template <class T>
+inline constexpr bool is_half_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+/// The arithmetic type of T: float for bf16/f16, T otherwise.
+template <class T>
+using accumulate_t = std::conditional_t<is_half_v<T>, float, T>;
+
+template <class T, class F>
+void combine(T* dst, const T* a, const T* b, std::size_t n, F f) {
+  if constexpr (is_half_v<T>) {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = f(a[i], b[i]);
+  }
+}
+
+/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg_bytes divides at the end.
+template <class T>
+void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
+  using A = accumulate_t<T>;
+  switch (op) {
+    case reduce_op::sum:
+    case reduce_op::avg: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x + y); });
+    case reduce_op::prod: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x * y); });
+    case reduce_op::min: return combine(dst, a, b, n, [](A x, A y) { return y < x ? y : x; });
+    case reduce_op::max: return combine(dst, a, b, n, [](A x, A y) { return x < y ? y : x; });
+  }
+}
+
+/// Runtime-dtype dispatch of reduce_into over raw bytes.
+inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::size_t n, reduce_op op) {
+  visit_dtype(t, [&](auto tag) {
+    using T = decltype(tag);
+    reduce_into(static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, op);
+  });
+}
+
+/// Finishes avg on n elements: their sum divided by `ranks` as every backend averaging on the host does.
+inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, int ranks) {
+  if (op == reduce_op::avg) ddp::detail::divide(raw_tensor{data, n, t}, ranks);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/reduce.hpp>
+// ---- begin <ddp/comm/tcp/shm_channel.hpp>
+/// \file What a shared-memory collective sees while it executes one call: its region to fill, the phase
+/// barrier (post, then wait for every rank: spin briefly, then sleep on the futex in bounded slices that
+/// check each awaited rank's life, its abort notice and the deadline), and the regions to read after it.
+/// Every phase compares each rank's call description with this rank's, so mismatched calls raise
+/// mismatch_error naming both calls.
+
+#include <emmintrin.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// Thrown by the caller's first phase barrier when the peers have not arrived within its spin: the engine
+/// thread resumes the call, so the caller gets its work back at once.
+struct shm_handoff {};
+
+/// Spin this long at a barrier before sleeping on the futex (where the job has a core per rank).
+inline constexpr std::chrono::microseconds shm_spin{50};
+
+/// How a shared-memory call waits for its peers.
+struct shm_waiting {
+  /// How long a barrier spins before it sleeps: shm_spin, or nothing where ranks outnumber the cores (a
+  /// spinning rank would take the core its peer needs).
+  std::chrono::nanoseconds spin{shm_spin};
+  /// The first barrier gives up (shm_handoff) after spinning this long; zero: never.
+  std::chrono::nanoseconds handoff_after{0};
+  /// The call was handed off: its first region is filled and posted already.
+  bool resumed = false;
+  /// How long one futex sleep lasts before the checks run again.
+  std::chrono::milliseconds slice{20};
+  /// Runs between sleeps (the engine thread serves its sockets); empty on the caller's thread.
+  std::function<void()> between;
+  /// Where wait() reads whom the call waits for while it sleeps.
+  ddp::detail::stall_note* note = nullptr;
+};
+
+
+class shm_channel {
+ public:
+  shm_channel(shm_group& g, const call& c, clock::time_point deadline, shm_waiting how)
+      : g_(g), c_(c), desc_(header_of(c, 0)), deadline_(deadline), how_(std::move(how)), skip_(how_.resumed) {}
+
+  [[nodiscard]] const call& what() const { return c_; }
+  [[nodiscard]] int rank() const { return g_.me(); }
+  [[nodiscard]] int size() const { return g_.size(); }
+
+  /// This rank's region of the coming phase (write it before sync()).
+  char* fill() { return g_.data(g_.me(), g_.phase); }
+  /// Copies `bytes` from `src` into this rank's coming region at `offset` (done already where resumed).
+  void put(std::size_t offset, const void* src, std::size_t bytes) {
+    if (skip_ || bytes == 0) return;
+    std::memcpy(fill() + offset, src, bytes);
+    c_.grp->stats.add_bytes(c_.kind, bytes);
+  }
+  /// Counts `bytes` this rank published for the others outside put().
+  void count(std::size_t bytes) { c_.grp->stats.add_bytes(c_.kind, bytes); }
+  /// Group rank `r`'s region of the phase just completed by sync().
+  const char* at(int r) { return g_.data(r, g_.phase - 1); }
+
+  /// Copies `bytes` at `address` in group rank `r`'s memory to `dest` (same_host.hpp); a failed copy, or one
+  /// that overlapped the rank's abort, raises what ended the rank.
+  void copy_from(int r, std::uint64_t address, std::size_t bytes, char* dest) {
+    if (bytes == 0) return;
+    int code = 0;
+    const auto& peer = g_.world().memory[static_cast<std::size_t>(g_.world_rank(r))];
+    const copy_result got = copy_from_peer(peer, remote_block{address, bytes}, dest, code);
+    if (got == copy_result::copied) return;
+    // It aborted or died while this rank copied: its notice or its death shows within the next seconds.
+    for (const auto give_up = clock::now() + std::chrono::seconds(2); clock::now() < give_up;) {
+      check(r);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    throw peer_lost(label(r) + " failed during " + describe(desc_) + " while this rank copied from its memory (" +
+                        (got == copy_result::failed ? errno_text(code) : std::string("it aborted")) +
+                        "), and no notice of why arrived within 2 s. Check that rank's log for the first error",
+                    me_world(), g_.world_rank(r));
+  }
+
+  /// Posts the coming phase, waits until every rank has posted it, and checks that every rank runs this call.
+  void sync() {
+    const std::uint32_t target = g_.phase + 1;
+    auto& mine = g_.counters(g_.me());
+    if (!skip_) {
+      g_.head(g_.me(), g_.phase).call = desc_;
+      mine.posted.store(target, std::memory_order_seq_cst);
+      if (mine.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake(mine.posted);
+    }
+    const bool first = !synced_;
+    synced_ = true;
+    skip_ = false;
+    for (int r = 0; r < g_.size(); ++r)
+      if (r != g_.me()) await(r, target, first);
+    for (int r = 0; r < g_.size(); ++r) {
+      const frame_header& theirs = g_.head(r, g_.phase).call;
+      if (r != g_.me() && !same_call(desc_, theirs)) mismatch(r, theirs);
+    }
+    g_.phase = target;
+  }
+
+ private:
+  static bool reached(const shm_counters& c, std::uint32_t target) {
+    return static_cast<std::int32_t>(c.posted.load(std::memory_order_acquire) - target) >= 0;
+  }
+
+  void await(int r, std::uint32_t target, bool first) {
+    auto& theirs = g_.counters(r);
+    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
+    for (int i = 0; !reached(theirs, target); ++i) {
+      _mm_pause();
+      if ((i & 63) != 63 || clock::now() < spin_until) continue;
+      if (first && how_.handoff_after.count() > 0) throw shm_handoff{};
+      return sleep_until(r, theirs, target);
+    }
+  }
+
+  void sleep_until(int r, shm_counters& theirs, std::uint32_t target) {
+    theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (how_.note != nullptr) how_.note->set(label(r));
+    struct leave {
+      shm_counters& c;
+      ddp::detail::stall_note* note;
+      ~leave() {
+        c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        if (note != nullptr) note->set({});
+      }
+    } on_exit{theirs, how_.note};
+    const long slice = std::chrono::duration_cast<std::chrono::nanoseconds>(how_.slice).count();
+    while (true) {
+      const std::uint32_t seen = theirs.posted.load(std::memory_order_seq_cst);
+      if (static_cast<std::int32_t>(seen - target) >= 0) return;
+      check(r);
+      futex_wait(theirs.posted, seen, slice);
+      if (how_.between) how_.between();
+    }
+  }
+
+  /// Throws what keeps group rank `r` from posting: its abort, its death or exit, or the deadline.
+  void check(int r) {
+    const int w = g_.world_rank(r);
+    switch (g_.world().state_of(w)) {
+      case shm_state::running:
+      case shm_state::writing: break;
+      case shm_state::closed:
+        throw peer_lost(label(r) + " was lost during " + describe(desc_) +
+                            ": it closed its communicator or died. Check that rank's log for the first error; the "
+                            "job cannot continue without it",
+                        me_world(), w);
+      case shm_state::aborted: raise_abort(r);
+    }
+    if (clock::now() >= deadline_)
+      throw timeout_error(describe(desc_) + " did not complete within " + std::to_string(c_.grp->timeout.count()) +
+                              " ms, waiting for " + label(r) +
+                              ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
+                              "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
+                          me_world());
+  }
+
+  [[noreturn]] void raise_abort(int r) {
+    const auto& n = g_.world().notice_of(g_.world_rank(r));
+    const std::string msg = label(r) + " aborted " + describe(desc_) + ": " + std::string(n.text, n.text_bytes);
+    switch (static_cast<abort_kind>(n.kind)) {
+      case abort_kind::peer_lost: throw peer_lost(msg, me_world(), n.lost_rank);
+      case abort_kind::mismatch: throw mismatch_error(msg, me_world());
+      case abort_kind::timeout: throw timeout_error(msg, me_world());
+      case abort_kind::other: break;
+    }
+    throw error(msg, me_world());
+  }
+
+  [[noreturn]] void mismatch(int r, const frame_header& theirs) {
+    throw mismatch_error(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " +
+                             describe(theirs) +
+                             "; every rank must call the same collectives in the same order with the same counts, "
+                             "dtypes, operators and roots",
+                         me_world());
+  }
+
+  [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
+  /// "rank 1", plus the world rank inside a subgroup.
+  [[nodiscard]] std::string label(int r) const {
+    const bool sub = c_.grp->members.size() != static_cast<std::size_t>(g_.world().size());
+    return "rank " + std::to_string(r) + (sub ? " (world rank " + std::to_string(g_.world_rank(r)) + ")" : "");
+  }
+
+  shm_group& g_;
+  const call& c_;
+  frame_header desc_;
+  clock::time_point deadline_;
+  shm_waiting how_;
+  bool skip_;
+  bool synced_ = false;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_channel.hpp>
+
+namespace ddp::tcp::detail {
+
+/// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
+inline constexpr std::size_t shm_direct_bytes = 32 << 10;
+
+/// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
+/// the 2-core VM (bench/comm, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms); from it the
+/// two tie on an idle host and the single copies win on a loaded one (64 MiB: 98 ms against 181 ms).
+inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
+
+/// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
+template <class Src>
+void reduce_ranks(const call& c, char* dst, int n, std::size_t elems, Src src) {
+  const std::size_t bytes = elems * size_of(c.type);
+  if (n == 1) {
+    std::memmove(dst, src(0), bytes);
+    return;
+  }
+  reduce_bytes(c.type, dst, src(0), src(1), elems, c.op);
+  for (int p = 2; p < n; ++p) reduce_bytes(c.type, dst, dst, src(p), elems, c.op);
+}
+
+/// Splits `count` elements into pieces of at most `piece` elements: f(first element, elements) per piece.
+template <class F>
+void for_pieces(std::size_t count, std::size_t piece, F f) {
+  for (std::size_t first = 0; first < count; first += piece) f(first, std::min(piece, count - first));
+}
+
+/// Element offset of rank r's slice of `elems` elements split among n ranks.
+inline std::size_t slice_first(std::size_t elems, int r, int n) {
+  return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
+}
+
+/// all_reduce by single copies out of the peers' buffers (see the file comment).
+inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
+  ch.put(0, &mine, sizeof mine);
+  ch.sync();
+  std::vector<std::uint64_t>& where = g.addresses;
+  where.resize(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const auto first = [&](int r) { return slice_first(c.count, r, n); };
+  // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n + 1) * piece * es);
+  char* sum = parts + static_cast<std::size_t>(n) * piece * es;
+  for_pieces(first(me + 1) - first(me), piece, [&](std::size_t off, std::size_t k) {
+    const std::size_t at = (first(me) + off) * es;
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + at, k * es, parts + r * piece * es);
+    reduce_ranks(c, sum, n, k, [&](int r) { return r == me ? buf + at : parts + r * piece * es; });
+    finish_avg_bytes(c.type, sum, k, c.op, n);
+    std::memcpy(buf + at, sum, k * es);
+  });
+  ch.count(2 * (first(me + 1) - first(me)) * es * static_cast<std::size_t>(n - 1));  // as a ring would send
+  ch.sync();  // every slice reduced in its owner's buffer
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + first(r) * es, (first(r + 1) - first(r)) * es, buf + first(r) * es);
+  ch.sync();  // nobody reads this rank's buffer any more
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
+  if (c.count * es <= shm_direct_bytes) {
+    ch.put(0, buf, c.count * es);
+    ch.sync();
+    reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
+    return finish_avg_bytes(c.type, buf, c.count, c.op, n);
+  }
+  const std::size_t half = shm_region_bytes / 2;
+  const std::size_t piece = half / es;
+  const std::size_t passes = (c.count + piece - 1) / piece;
+  const auto elems = [&](std::size_t j) { return std::min(piece, c.count - j * piece); };
+  const auto slice = [&](std::size_t j, int r) { return slice_first(elems(j), r, n); };
+  for (std::size_t j = 0; j <= passes; ++j) {
+    for (int r = 0; j < passes && r < n; ++r)  // every slice but this rank's own, which it reads in place
+      if (r != me) ch.put(slice(j, r) * es, buf + (j * piece + slice(j, r)) * es, (slice(j, r + 1) - slice(j, r)) * es);
+    ch.sync();
+    if (j > 0) {  // the others' reduced slices of the previous piece
+      const std::size_t k = elems(j - 1);
+      for (int r = 0; r < n; ++r) {
+        if (r == me) continue;
+        const std::size_t a = slice_first(k, r, n), b = slice_first(k, r + 1, n);
+        std::memcpy(buf + ((j - 1) * piece + a) * es, ch.at(r) + half, (b - a) * es);
+      }
+    }
+    if (j < passes) {  // this rank's slice of this piece, into its next region and its buffer
+      const std::size_t k = elems(j);
+      const std::size_t a = slice_first(k, me, n), b = slice_first(k, me + 1, n);
+      char* out = ch.fill() + half;
+      const char* own = buf + (j * piece + a) * es;
+      reduce_ranks(c, out, n, b - a, [&](int r) { return r == me ? own : ch.at(r) + a * es; });
+      finish_avg_bytes(c.type, out, b - a, c.op, n);
+      std::memcpy(buf + (j * piece + a) * es, out, (b - a) * es);
+      ch.count((b - a) * es);
+    }
+  }
+}
+
+inline void shm_reduce_scatter(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  // This rank's own block is read in place, unless the output overlaps the input (then from its region).
+  const bool apart = out + block <= in || in + n * block <= out;
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me || !apart) ch.put(static_cast<std::size_t>(r) * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    const char* own = apart ? in + me * block + first * es : ch.at(me) + me * piece * es;
+    reduce_ranks(c, out + first * es, n, k, [&](int r) { return r == me ? own : ch.at(r) + me * piece * es; });
+  });
+  finish_avg_bytes(c.type, out, c.count, c.op, n);
+}
+
+inline void shm_all_gather(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  auto* out = static_cast<char*>(c.out);
+  if (out + me * block != c.in) std::memmove(out + me * block, c.in, block);
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    ch.put(0, out + me * block + first * es, k * es);
+    ch.sync();
+    for (int r = 0; r < n; ++r)
+      if (r != me) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
+  });
+}
+
+inline void shm_broadcast(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    if (root) ch.put(0, buf + first * es, k * es);
+    ch.sync();
+    if (!root) std::memcpy(buf + first * es, ch.at(c.root), k * es);
+  });
+}
+
+inline void shm_reduce(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    ch.put(0, buf + first * es, k * es);
+    ch.sync();
+    if (root) reduce_ranks(c, buf + first * es, ch.size(), k, [&](int r) { return ch.at(r); });
+  });
+  if (root) finish_avg_bytes(c.type, buf, c.count, c.op, ch.size());
+}
+
+inline void shm_gather(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  if (root) std::memmove(out + static_cast<std::size_t>(c.root) * block, in, block);
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    if (!root) ch.put(0, in + first * es, k * es);
+    ch.sync();
+    if (root)
+      for (int r = 0; r < ch.size(); ++r)
+        if (r != c.root) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
+  });
+}
+
+inline void shm_scatter(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    if (root)
+      for (int r = 0; r < n; ++r)
+        if (r != c.root) ch.put(r * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    if (!root) std::memcpy(out + first * es, ch.at(c.root) + ch.rank() * piece * es, k * es);
+  });
+  if (root) std::memmove(out, in + static_cast<std::size_t>(c.root) * block, block);
+}
+
+inline void shm_all_to_all(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), per = c.count / static_cast<std::size_t>(n), block = per * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  for_pieces(per, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.put(r * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    for (int r = 0; r < n; ++r)
+      if (r != me) std::memcpy(out + r * block + first * es, ch.at(r) + me * piece * es, k * es);
+  });
+  if (in != out) std::memmove(out + me * block, in + me * block, block);
+}
+
+/// Runs the collective `ch` describes over group segment `g`. A call with no elements moves nothing, as on
+/// the sockets.
+inline void shm_execute(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  if (c.kind == collective::barrier) return ch.sync();
+  if (c.count == 0) return;
+  switch (c.kind) {
+    case collective::all_reduce: return shm_all_reduce(ch, g);
+    case collective::reduce_scatter: return shm_reduce_scatter(ch);
+    case collective::all_gather: return shm_all_gather(ch);
+    case collective::broadcast: return shm_broadcast(ch);
+    case collective::reduce: return shm_reduce(ch);
+    case collective::gather: return shm_gather(ch);
+    case collective::scatter: return shm_scatter(ch);
+    case collective::all_to_all: return shm_all_to_all(ch);
+    case collective::barrier:
+    case collective::send_recv: break;  // barrier above; the engine matches sends and recvs over the sockets
+  }
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_algorithms.hpp>
 // ---- begin <ddp/comm/tcp/store.hpp>
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
@@ -3888,6 +4737,9 @@ namespace ddp::tcp::detail {
 /// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
 /// mismatch_error at once.
 inline constexpr std::chrono::milliseconds stall_notice_after{250};
+/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
+/// the engine thread and returning its work.
+inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
@@ -3899,7 +4751,8 @@ class engine : engine_errors {
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
     std::random_device random;
-    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
+    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -3918,11 +4771,12 @@ class engine : engine_errors {
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread.
-  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory) {
+  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
     std::unique_lock lock(mutex_);
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
+    pending_world_ = std::move(world);
     has_pending_sockets_ = true;
     lock.unlock();
     wake();
@@ -3932,6 +4786,44 @@ class engine : engine_errors {
   std::mutex& queue_mutex() { return mutex_; }
   /// Queues `c` while the caller already holds queue_mutex().
   void submit_locked(call c) { queue_.push_back(std::move(c)); }
+  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
+  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
+  bool claim_for_caller_locked(const call& c) {
+    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
+    busy_ = true;
+    return true;
+  }
+  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
+  /// peers are not there within shm_handoff_after.
+  void run_on_caller(call c) {
+    shm_waiting how;
+    const bool crowded = c.grp->shm->oversubscribed();
+    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+    how.note = note_.get();
+    std::unique_lock lock(mutex_, std::defer_lock);
+    try {
+      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
+      shm_execute(ch, *c.grp->shm);
+      c.done->finish();
+      lock.lock();
+    } catch (const shm_handoff&) {
+      c.resumed = true;
+      lock.lock();
+      queue_.push_front(std::move(c));
+    } catch (...) {
+      const auto e = std::current_exception();
+      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
+      c.done->fail(e);
+      lock.lock();
+      caller_failure_ = e;
+    }
+    busy_ = false;
+    const bool more = !queue_.empty() || caller_failure_;
+    lock.unlock();
+    if (more) wake();
+  }
   /// Wakes the engine thread from poll.
   void wake() {
     const std::uint64_t one = 1;
@@ -3989,13 +4881,24 @@ class engine : engine_errors {
         pending_sockets_.clear();
         pending_memory_.clear();
         has_pending_sockets_ = false;
+        shm_world_ = std::move(pending_world_);
+        if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
       if (stop_) break;
-      if (!queue_.empty()) {
+      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too
+        const auto e = std::exchange(caller_failure_, nullptr);
+        lock.unlock();
+        abort_peers(e);
+        continue;
+      }
+      if (!queue_.empty() && !busy_) {
         call c = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
         lock.unlock();
         run(c);
+        lock.lock();
+        busy_ = false;
         continue;
       }
       lock.unlock();
@@ -4008,12 +4911,15 @@ class engine : engine_errors {
     shutdown();
   }
 
-  /// Sleeps in poll until woken, serving the store, reading point-to-point frames and draining sends.
-  void idle_wait() {
+  /// Sleeps in poll until woken (at most `max_ms` unless negative), serving the store, reading
+  /// point-to-point frames and draining sends.
+  void idle_wait(int max_ms = -1) {
     const std::size_t peer_base = build_poll_set();
     auto first = clock::time_point::max();
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
-    const int rc = ::poll(fds_.data(), fds_.size(), first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1));
+    int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
+    if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
+    const int rc = ::poll(fds_.data(), fds_.size(), ms);
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
@@ -4050,7 +4956,10 @@ class engine : engine_errors {
     current_ = &c;
     deadline_ = clock::now() + c.grp->timeout;
     try {
-      if (c.side != p2p::none) {
+      if (c.over_shm()) {
+        run_shm(c);
+        c.done->finish();
+      } else if (c.side != p2p::none) {
         point_to_point(c);
       } else {
         exec_(*this, c);
@@ -4065,6 +4974,31 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
+  }
+
+  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end_life() {
+    std::uint64_t alive = live_value_;
+    live_.compare_exchange_strong(alive, ~live_value_);
+  }
+
+  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
+  void run_shm(call& c) {
+    shm_waiting how;
+    how.resumed = c.resumed;
+    how.slice = std::chrono::milliseconds(1);
+    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+    how.note = note_.get();
+    how.between = [this] {
+      idle_wait(0);
+      std::lock_guard lock(mutex_);
+      if (stop_) throw cancelled();  // to the peers, this rank is lost
+    };
+    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
+    // flight recorder's view, gives up first.
+    const auto deadline = deadline_ + how.slice;
+    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
+    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -4299,9 +5233,14 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
+    end_life();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
+    if (shm_world_) shm_world_->abort(notice);
+    {
+      std::lock_guard lock(mutex_);
+      failed_ = true;
+    }
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
@@ -4316,6 +5255,7 @@ class engine : engine_errors {
     const auto gone = destroyed();
     for (auto& c : left) c.done->fail(gone);
     for (auto& p : peers_) p.close(gone, !poisoned_);
+    if (shm_world_) shm_world_->release();
   }
 
   executor exec_;
@@ -4327,17 +5267,23 @@ class engine : engine_errors {
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
   std::atomic<std::uint64_t> live_{0};
+  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
                 "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
   scratch_space scratch_;
+  std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
   std::mutex mutex_;
   std::deque<call> queue_;
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
+  std::shared_ptr<shm_world> pending_world_;
   bool has_pending_sockets_ = false;
+  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
+  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
+  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
   bool stop_ = false;
   std::thread thread_;
 };
@@ -4390,91 +5336,6 @@ class channel {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/channel.hpp>
-// ---- begin <ddp/comm/tcp/reduce.hpp>
-/// \file Element-wise reduction kernels of the TCP backend: dst = a (op) b over n elements, for every
-/// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
-
-
-// ---- begin <ddp/comm/average.hpp>
-/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
-/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float).
-
-
-
-namespace ddp::detail {
-
-/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
-inline void divide(const raw_tensor& t, int n) {
-  if (n == 1) return;
-  visit_dtype(t.type, [&](auto zero) {
-    using T = decltype(zero);
-    auto* p = static_cast<T*>(t.data);
-    if constexpr (std::is_integral_v<T>) {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-    } else if constexpr (std::is_floating_point_v<T>) {
-      // A power of two's reciprocal is exact, so multiplying by it gives the quotient's bits at a fraction of
-      // a division's cost; any other n divides.
-      if ((n & (n - 1)) == 0) {
-        const T inverse = T(1) / static_cast<T>(n);
-        for (std::size_t i = 0; i < t.size; ++i) p[i] *= inverse;
-      } else {
-        for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
-      }
-    } else {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-    }
-  });
-}
-
-}  // namespace ddp::detail
-// ---- end <ddp/comm/average.hpp>
-
-namespace ddp::tcp::detail {
-
-template <class T>
-inline constexpr bool is_half_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
-
-/// The arithmetic type of T: float for bf16/f16, T otherwise.
-template <class T>
-using accumulate_t = std::conditional_t<is_half_v<T>, float, T>;
-
-template <class T, class F>
-void combine(T* dst, const T* a, const T* b, std::size_t n, F f) {
-  if constexpr (is_half_v<T>) {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = T(f(static_cast<float>(a[i]), static_cast<float>(b[i])));
-  } else {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = f(a[i], b[i]);
-  }
-}
-
-/// dst[i] = a[i] (op) b[i]; dst may alias a (not b). avg sums here; finish_avg_bytes divides at the end.
-template <class T>
-void reduce_into(T* dst, const T* a, const T* b, std::size_t n, reduce_op op) {
-  using A = accumulate_t<T>;
-  switch (op) {
-    case reduce_op::sum:
-    case reduce_op::avg: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x + y); });
-    case reduce_op::prod: return combine(dst, a, b, n, [](A x, A y) { return static_cast<A>(x * y); });
-    case reduce_op::min: return combine(dst, a, b, n, [](A x, A y) { return y < x ? y : x; });
-    case reduce_op::max: return combine(dst, a, b, n, [](A x, A y) { return x < y ? y : x; });
-  }
-}
-
-/// Runtime-dtype dispatch of reduce_into over raw bytes.
-inline void reduce_bytes(dtype t, void* dst, const void* a, const void* b, std::size_t n, reduce_op op) {
-  visit_dtype(t, [&](auto tag) {
-    using T = decltype(tag);
-    reduce_into(static_cast<T*>(dst), static_cast<const T*>(a), static_cast<const T*>(b), n, op);
-  });
-}
-
-/// Finishes avg on n elements: their sum divided by `ranks` as every backend averaging on the host does.
-inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, int ranks) {
-  if (op == reduce_op::avg) ddp::detail::divide(raw_tensor{data, n, t}, ranks);
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/reduce.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -4792,6 +5653,9 @@ struct config {
   /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
   /// (process_vm_readv); false sends every byte through the sockets.
   bool same_host_copy = true;
+  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
+  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
+  bool shared_memory = true;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -4799,7 +5663,7 @@ struct config {
 };
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_HANDSHAKE_TIMEOUT_MS,
 /// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
@@ -4815,6 +5679,10 @@ inline config options_from_env(config cfg = {}) {
                                         "1 to copy large frames between ranks on one host directly, 0 to send "
                                         "them through the sockets"))
     cfg.same_host_copy = *c == 1;
+  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
+                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
+                                        "send them through the sockets"))
+    cfg.shared_memory = *s == 1;
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
                                          "the time in milliseconds a new connection to the store or a mesh port "
                                          "gets to send its handshake"))
@@ -5515,10 +6383,53 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
+/// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
+/// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
+/// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
+inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_client& store) {
+  std::shared_ptr<shm_world> world;
+  std::string name;
+  if (cfg.rank == 0 && cfg.shared_memory) {
+    reap_stale_segments();
+    std::random_device random;
+    char nonce[24];
+    std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
+    name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
+    try {
+      world = std::make_shared<shm_world>(name, cfg.size, 0);
+    } catch (const error& e) {
+      log_line(0, std::string(e.what()) + "; the sockets carry everything");
+    }
+    const std::string published = world ? name : std::string();
+    store.set("ddp/shm", std::vector<std::uint8_t>(published.begin(), published.end()));
+  } else if (cfg.rank == 0) {
+    store.set("ddp/shm", {});
+  } else {
+    const auto bytes = store.get("ddp/shm");
+    name.assign(bytes.begin(), bytes.end());
+    if (cfg.shared_memory && !name.empty()) {
+      try {
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank);
+        if (!world->genuine()) world.reset();
+      } catch (const error&) {  // another host, or another user: the sockets carry everything
+        world.reset();
+      }
+    }
+  }
+  const auto key = [](int r) { return "ddp/shm_ok/" + std::to_string(r); };
+  store.set(key(cfg.rank), {static_cast<std::uint8_t>(world ? 1 : 0)});
+  bool all = true;
+  for (int r = 0; r < cfg.size; ++r) all = store.get(key(r)).at(0) == 1 && all;
+  if (cfg.rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (!all) world.reset();
+  return world;
+}
 
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
-/// and hands the mesh to `eng`; all by `deadline`.
-inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
+/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared-memory segment where every rank runs
+/// on this host, else null.
+inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint64_t token,
+                                       clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
   store_client store = by_file ? find_store(cfg, token, deadline)
                                : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
@@ -5542,7 +6453,14 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                     std::to_string(cfg.size - 1) +
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
-  eng.attach(std::move(sockets), std::move(memory));
+  auto world = map_shared_memory(cfg, store);
+  if (world) world->memory = memory;
+  if (cfg.rank == 0)
+    log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
+                        "this off)"
+                      : "collectives run through the sockets: not every rank can map shared memory with rank 0 "
+                        "(another host or user, or DDP_SHM=0)");
+  eng.attach(std::move(sockets), std::move(memory), world);
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
@@ -5554,6 +6472,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
+  return world;
 }
 
 }  // namespace ddp::tcp::detail
@@ -5619,7 +6538,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    detail::join(cfg, *engine_, token, deadline);
+    if (auto world = detail::join(cfg, *engine_, token, deadline))
+      group_->shm = std::make_shared<detail::shm_group>(std::move(world), group_->id, group_->members, group_->me);
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
@@ -5666,6 +6586,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
     }
+    if (group_->shm && ranks.size() > 1)
+      child->shm = std::make_shared<detail::shm_group>(group_->shm->world_ptr(), child->id, child->members, child->me);
     return communicator(engine_, std::move(child));
   }
 
@@ -5756,6 +6678,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     c.in = in;
     c.out = out;
     c.grp = group_;
+    work w;
     {
       std::lock_guard lock(engine_->queue_mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
@@ -5766,11 +6689,15 @@ class communicator : public ddp::detail::collective_front<communicator> {
         what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
                " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
       c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
-      work w(c.done);
-      engine_->submit_locked(std::move(c));
-      engine_->wake();
-      return w;
+      w = work(c.done);
+      if (!engine_->claim_for_caller_locked(c)) {
+        engine_->submit_locked(std::move(c));
+        engine_->wake();
+        return w;
+      }
     }
+    engine_->run_on_caller(std::move(c));  // shared memory with the engine idle: no hop between threads
+    return w;
   }
 
   std::shared_ptr<detail::engine> engine_;
@@ -6443,7 +7370,6 @@ class flat_state {
 
 #include <new>
 
-#include <sys/mman.h>
 
 // ---- begin <ddp/parallel/leaf_binding.hpp>
 /// \file leaf_binding: ties one leaf of the model (any type with ddp::storage_traits) to its place in the
@@ -12638,7 +13564,6 @@ class progress_bar {
 /// this host with torchrun's environment set, forwards or captures their output line by line, stops
 /// the others when one fails, and reports how every rank ended.
 
-#include <signal.h>
 #include <sys/wait.h>
 
 #include <csignal>

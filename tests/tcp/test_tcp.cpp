@@ -1,10 +1,16 @@
-// ddp::tcp in real processes: the conformance suite at 1-4 ranks (with same-host copies on, off and
-// mixed), steady-state allocations, the rendezvous store, strangers, lost peers, mismatched calls,
-// timeouts and destruction with operations in flight.
+// ddp::tcp in real processes: the conformance suite at 1-4 ranks (over shared memory, with same-host
+// copies on, off and mixed), steady-state allocations, the rendezvous store, strangers, lost peers (with
+// and without shared memory), mismatched calls, timeouts, destruction with operations in flight, and
+// shared-memory segments left behind by no exit path.
 
 #include <catch2/catch.hpp>
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -34,13 +40,39 @@ using ddp::testing::tcp::job;
 
 namespace {
 
-/// DDP_SAME_HOST_COPY per rank: "on" everywhere, "off" everywhere (every byte through the sockets, as
-/// between hosts), or "mixed" (rank 0 alone off: its peers must reach it through the sockets).
+/// DDP_SHM and DDP_SAME_HOST_COPY per rank: "shm" (collectives through shared memory, large all_reduce by
+/// single copies), "shm-nocopy" (shared memory only: large all_reduce pipelined through the segment), "on"
+/// (sockets with same-host copies), "off" everywhere (every byte through the sockets, as between hosts), or
+/// "mixed" (rank 0 alone off: every rank falls back to the sockets, and its peers must reach it without copies).
 std::function<ddp::launch::env_list(int)> same_host_copy(const std::string& mode) {
   return [mode](int rank) {
-    const bool on = mode == "on" || (mode == "mixed" && rank != 0);
-    return ddp::launch::env_list{{"DDP_SAME_HOST_COPY", on ? "1" : "0"}};
+    const bool on = mode == "on" || mode == "shm" || (mode == "mixed" && rank != 0);
+    const bool shm = mode == "shm" || mode == "shm-nocopy" || (mode == "mixed" && rank != 0);
+    return ddp::launch::env_list{{"DDP_SAME_HOST_COPY", on ? "1" : "0"}, {"DDP_SHM", shm ? "1" : "0"}};
   };
+}
+
+/// DDP_SHM on every rank: "1" or "0".
+std::function<ddp::launch::env_list(int)> shm_env(const std::string& on) {
+  return [on](int) { return ddp::launch::env_list{{"DDP_SHM", on}}; };
+}
+
+/// The names in /dev/shm that contain `part`.
+std::vector<std::string> shm_entries(const std::string& part) {
+  std::vector<std::string> found;
+  if (DIR* dir = ::opendir("/dev/shm")) {
+    while (const dirent* e = ::readdir(dir))
+      if (contains(e->d_name, part)) found.emplace_back(e->d_name);
+    ::closedir(dir);
+  }
+  return found;
+}
+
+/// The pid a rank printed as "pid=<n>;" in its output, as the "-<n>-" segment names carry it.
+std::string printed_pid(const std::string& output) {
+  const auto at = output.find("pid=");
+  return at == std::string::npos ? std::string("(no pid printed)")
+                                 : "-" + output.substr(at + 4, output.find(';', at) - at - 4) + "-";
 }
 
 /// Allocations of at least 64 KiB this process made: buffers, as opposed to bookkeeping.
@@ -62,7 +94,7 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
   const int n = GENERATE(1, 2, 3, 4);
-  const std::string copy = GENERATE(as<std::string>{}, "on", "off", "mixed");
+  const std::string copy = GENERATE(as<std::string>{}, "shm", "shm-nocopy", "on", "off", "mixed");
   CAPTURE(n, copy);
   const auto rs = run_ranks(
       n,
@@ -73,8 +105,9 @@ TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
       job(60s, 0, same_host_copy(copy)));
   require_all_ok(rs);
   if (n > 1) {  // rank 0 says how many peers it reads directly: all of them only when every rank allows it
-    const int readable = copy == "on" ? n - 1 : 0;
+    const int readable = copy == "on" || copy == "shm" ? n - 1 : 0;
     CHECK(contains(rs.ranks[0].output, "memory of " + std::to_string(readable) + " of its " + std::to_string(n - 1)));
+    CHECK(contains(rs.ranks[0].output, copy.starts_with("shm") ? "through shared memory" : "through the sockets"));
   }
 }
 
@@ -262,8 +295,10 @@ TEST_CASE("a rank with another job token cannot join", "[tcp][store]") {
 }
 
 TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every survivor within seconds", "[tcp][fault]") {
-  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20);
-  CAPTURE(count);
+  // Over shared memory: the direct exchange, the pipeline, and (from 16 MiB) the single copies.
+  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20, std::size_t{1} << 22);
+  const std::string shm = GENERATE(as<std::string>{}, "1", "0");
+  CAPTURE(count, shm);
   const auto rs = run_ranks(
       3,
       [count](int rank) {
@@ -287,8 +322,8 @@ TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every surv
         }
         throw std::runtime_error("the all_reduce completed without its third rank");
       },
-      [] {
-        auto o = job(30s);
+      [shm] {
+        auto o = job(30s, 0, shm_env(shm));
         o.stop_on_failure = false;  // rank 1's death is the test; the survivors must see it
         return o;
       }());
@@ -304,6 +339,7 @@ TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tc
     const char* first;   // a description every rank's message must contain
     const char* second;  // and another
   };
+  const std::string shm = GENERATE(as<std::string>{}, "1", "0");
   const auto v = GENERATE(variant{"op", "all_reduce(sum) of 1024 f32", "broadcast of 1024 f32 from root 0"},
                           variant{"dtype", "all_reduce(sum) of 1024 f32", "all_reduce(sum) of 1024 f64"},
                           variant{"count", "all_reduce(sum) of 1024 f32", "all_reduce(sum) of 8 f32"},
@@ -311,7 +347,7 @@ TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tc
                           // both ranks act as root and their broadcasts go through; the next call sees the other's frame
                           variant{"root", "sent broadcast of 1024 f32 from root", "called barrier (seq 1)"},
                           variant{"order", "all_reduce(sum) of 1024 f32 (seq 0)", "all_gather of 1024 f32 (seq 0)"});
-  CAPTURE(v.name);
+  CAPTURE(v.name, shm);
   const std::string kind = v.name;
   const auto rs = run_ranks(
       2,
@@ -347,12 +383,14 @@ TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tc
         }
         throw std::runtime_error("no mismatch_error");
       },
-      30s);
+      job(30s, 0, shm_env(shm)));
   require_all_ok(rs);
+  // Over shared memory both broadcasts meet in one phase, so each rank names both roots.
+  const bool roots = shm == "1" && kind == "root";
   for (const auto& r : rs.ranks) {
     INFO(r.output);
-    CHECK(contains(r.output, v.first));
-    CHECK(contains(r.output, v.second));
+    CHECK(contains(r.output, roots ? "broadcast of 1024 f32 from root 0 (seq 0)" : v.first));
+    CHECK(contains(r.output, roots ? "broadcast of 1024 f32 from root 1 (seq 0)" : v.second));
   }
 }
 
@@ -435,6 +473,72 @@ TEST_CASE("destroying a communicator with operations in flight does not hang", "
       },
       30s);
   require_all_ok(rs);
+}
+
+TEST_CASE("all_reduce over shared memory gives the same bits by single copies and through the segment", "[tcp][shm]") {
+  const int n = GENERATE(2, 3);
+  const std::string copy = GENERATE(as<std::string>{}, "1", "0");  // from 16 MiB: single copies, or the pipeline
+  CAPTURE(n, copy);
+  require_all_ok(run_ranks(
+      n,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        const std::size_t count = (std::size_t{1} << 22) + 3;
+        const auto value = [](int r, std::size_t i) { return static_cast<float>(r + 1) * 0.1F + static_cast<float>(i % 7); };
+        std::vector<float> sum(count), avg(count), top(count);
+        for (std::size_t i = 0; i < count; ++i) sum[i] = avg[i] = top[i] = value(rank, i);
+        comm.all_reduce(sum).wait();
+        comm.all_reduce(avg, ddp::reduce_op::avg).wait();
+        comm.all_reduce(top, ddp::reduce_op::max).wait();
+        for (std::size_t i = 0; i < count; ++i) {
+          float want = value(0, i);
+          for (int r = 1; r < comm.size(); ++r) want += value(r, i);  // in rank order, as the transport sums
+          expect(sum[i] == want, "sum at " + std::to_string(i));
+          expect(avg[i] == want / static_cast<float>(comm.size()), "avg at " + std::to_string(i));
+          expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
+        }
+      },
+      job(60s, 0, [copy](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SAME_HOST_COPY", copy}}; })));
+}
+
+TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank, and a killed job", "[tcp][shm]") {
+  // A segment a killed job left behind: named after a process that no longer exists.
+  const ::pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string stale = "/ddp-" + std::to_string(::getuid()) + "-" + std::to_string(dead) + "-stale";
+  const int fd = ::shm_open(stale.c_str(), O_CREAT | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  const bool kill_one = GENERATE(false, true);
+  CAPTURE(kill_one);
+  const auto rs = run_ranks(
+      3,
+      [kill_one](int rank) {
+        std::fprintf(stderr, "pid=%d;\n", static_cast<int>(::getpid()));
+        auto comm = ddp::tcp::communicator::from_env();
+        auto sub = comm.split(rank % 2, rank);  // a subgroup's segment too
+        std::vector<float> v(1 << 18, 1.0F);
+        comm.all_reduce(v).wait();
+        sub.all_reduce(v).wait();
+        if (kill_one && rank == 1) ::raise(SIGKILL);
+        try {
+          comm.all_reduce(v).wait();
+        } catch (const ddp::peer_lost& e) {
+          expect(kill_one, std::string("peer_lost without a killed rank: ") + e.what());
+        }
+      },
+      [] {
+        auto o = job(30s, 0, shm_env("1"));
+        o.stop_on_failure = false;
+        return o;
+      }());
+  INFO(all_output(rs));
+  CHECK(rs.ranks[0].ok());
+  CHECK(rs.ranks[2].ok());
+  CHECK(contains(rs.ranks[0].output, "through shared memory"));
+  CHECK(shm_entries(stale.substr(1)).empty());
+  CHECK(shm_entries(printed_pid(rs.ranks[0].output)).empty());
 }
 
 TEST_CASE("from_env reports a missing variable as config_error", "[tcp][config]") {

@@ -12,6 +12,7 @@
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/dtype.hpp>
 
@@ -27,6 +28,7 @@ struct group {
   std::uint64_t splits = 0;    ///< splits made from this group, for the children's ids
   ddp::detail::stats_counter stats;
   std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
+  std::shared_ptr<shm_group> shm;  ///< the group's shared-memory segment when every member is on this host; else null
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
@@ -49,6 +51,10 @@ struct call {
   std::shared_ptr<group> grp;
   std::uint64_t seq = 0;
   std::shared_ptr<ddp::detail::completion> done;
+  bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+
+  /// True for a collective that runs over its group's shared-memory segment.
+  [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
 };
 
 /// The header every frame of `c` carries, with payload `length`.

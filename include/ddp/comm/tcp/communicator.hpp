@@ -96,7 +96,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    detail::join(cfg, *engine_, token, deadline);
+    if (auto world = detail::join(cfg, *engine_, token, deadline))
+      group_->shm = std::make_shared<detail::shm_group>(std::move(world), group_->id, group_->members, group_->me);
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
@@ -143,6 +144,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
     }
+    if (group_->shm && ranks.size() > 1)
+      child->shm = std::make_shared<detail::shm_group>(group_->shm->world_ptr(), child->id, child->members, child->me);
     return communicator(engine_, std::move(child));
   }
 
@@ -233,6 +236,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     c.in = in;
     c.out = out;
     c.grp = group_;
+    work w;
     {
       std::lock_guard lock(engine_->queue_mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
@@ -243,11 +247,15 @@ class communicator : public ddp::detail::collective_front<communicator> {
         what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
                " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
       c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
-      work w(c.done);
-      engine_->submit_locked(std::move(c));
-      engine_->wake();
-      return w;
+      w = work(c.done);
+      if (!engine_->claim_for_caller_locked(c)) {
+        engine_->submit_locked(std::move(c));
+        engine_->wake();
+        return w;
+      }
     }
+    engine_->run_on_caller(std::move(c));  // shared memory with the engine idle: no hop between threads
+    return w;
   }
 
   std::shared_ptr<detail::engine> engine_;

@@ -29,6 +29,9 @@ struct config {
   /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
   /// (process_vm_readv); false sends every byte through the sockets.
   bool same_host_copy = true;
+  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
+  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
+  bool shared_memory = true;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -36,7 +39,7 @@ struct config {
 };
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_HANDSHAKE_TIMEOUT_MS,
 /// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
@@ -52,6 +55,10 @@ inline config options_from_env(config cfg = {}) {
                                         "1 to copy large frames between ranks on one host directly, 0 to send "
                                         "them through the sockets"))
     cfg.same_host_copy = *c == 1;
+  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
+                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
+                                        "send them through the sockets"))
+    cfg.shared_memory = *s == 1;
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
                                          "the time in milliseconds a new connection to the store or a mesh port "
                                          "gets to send its handshake"))

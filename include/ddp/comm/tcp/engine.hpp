@@ -3,6 +3,9 @@
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
 /// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
 /// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
+/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
+/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
 
 #include <sys/eventfd.h>
 
@@ -29,6 +32,8 @@
 #include <ddp/comm/tcp/peer.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_algorithms.hpp>
+#include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
 #include <ddp/comm/work.hpp>
@@ -40,6 +45,9 @@ namespace ddp::tcp::detail {
 /// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
 /// mismatch_error at once.
 inline constexpr std::chrono::milliseconds stall_notice_after{250};
+/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
+/// the engine thread and returning its work.
+inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
@@ -51,7 +59,8 @@ class engine : engine_errors {
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
     std::random_device random;
-    live_.store(((std::uint64_t{random()} << 32) ^ random()) | 1U);
+    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -70,11 +79,12 @@ class engine : engine_errors {
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread.
-  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory) {
+  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
     std::unique_lock lock(mutex_);
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
+    pending_world_ = std::move(world);
     has_pending_sockets_ = true;
     lock.unlock();
     wake();
@@ -84,6 +94,44 @@ class engine : engine_errors {
   std::mutex& queue_mutex() { return mutex_; }
   /// Queues `c` while the caller already holds queue_mutex().
   void submit_locked(call c) { queue_.push_back(std::move(c)); }
+  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
+  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
+  bool claim_for_caller_locked(const call& c) {
+    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
+    busy_ = true;
+    return true;
+  }
+  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
+  /// peers are not there within shm_handoff_after.
+  void run_on_caller(call c) {
+    shm_waiting how;
+    const bool crowded = c.grp->shm->oversubscribed();
+    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+    how.note = note_.get();
+    std::unique_lock lock(mutex_, std::defer_lock);
+    try {
+      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
+      shm_execute(ch, *c.grp->shm);
+      c.done->finish();
+      lock.lock();
+    } catch (const shm_handoff&) {
+      c.resumed = true;
+      lock.lock();
+      queue_.push_front(std::move(c));
+    } catch (...) {
+      const auto e = std::current_exception();
+      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
+      c.done->fail(e);
+      lock.lock();
+      caller_failure_ = e;
+    }
+    busy_ = false;
+    const bool more = !queue_.empty() || caller_failure_;
+    lock.unlock();
+    if (more) wake();
+  }
   /// Wakes the engine thread from poll.
   void wake() {
     const std::uint64_t one = 1;
@@ -141,13 +189,24 @@ class engine : engine_errors {
         pending_sockets_.clear();
         pending_memory_.clear();
         has_pending_sockets_ = false;
+        shm_world_ = std::move(pending_world_);
+        if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
       if (stop_) break;
-      if (!queue_.empty()) {
+      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too
+        const auto e = std::exchange(caller_failure_, nullptr);
+        lock.unlock();
+        abort_peers(e);
+        continue;
+      }
+      if (!queue_.empty() && !busy_) {
         call c = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
         lock.unlock();
         run(c);
+        lock.lock();
+        busy_ = false;
         continue;
       }
       lock.unlock();
@@ -160,12 +219,15 @@ class engine : engine_errors {
     shutdown();
   }
 
-  /// Sleeps in poll until woken, serving the store, reading point-to-point frames and draining sends.
-  void idle_wait() {
+  /// Sleeps in poll until woken (at most `max_ms` unless negative), serving the store, reading
+  /// point-to-point frames and draining sends.
+  void idle_wait(int max_ms = -1) {
     const std::size_t peer_base = build_poll_set();
     auto first = clock::time_point::max();
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
-    const int rc = ::poll(fds_.data(), fds_.size(), first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1));
+    int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
+    if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
+    const int rc = ::poll(fds_.data(), fds_.size(), ms);
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
@@ -202,7 +264,10 @@ class engine : engine_errors {
     current_ = &c;
     deadline_ = clock::now() + c.grp->timeout;
     try {
-      if (c.side != p2p::none) {
+      if (c.over_shm()) {
+        run_shm(c);
+        c.done->finish();
+      } else if (c.side != p2p::none) {
         point_to_point(c);
       } else {
         exec_(*this, c);
@@ -217,6 +282,31 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
+  }
+
+  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end_life() {
+    std::uint64_t alive = live_value_;
+    live_.compare_exchange_strong(alive, ~live_value_);
+  }
+
+  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
+  void run_shm(call& c) {
+    shm_waiting how;
+    how.resumed = c.resumed;
+    how.slice = std::chrono::milliseconds(1);
+    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+    how.note = note_.get();
+    how.between = [this] {
+      idle_wait(0);
+      std::lock_guard lock(mutex_);
+      if (stop_) throw cancelled();  // to the peers, this rank is lost
+    };
+    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
+    // flight recorder's view, gives up first.
+    const auto deadline = deadline_ + how.slice;
+    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
+    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -451,9 +541,14 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    live_.store(~live_.load());  // before any buffer is released: copies still running see it and discard
+    end_life();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
+    if (shm_world_) shm_world_->abort(notice);
+    {
+      std::lock_guard lock(mutex_);
+      failed_ = true;
+    }
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
@@ -468,6 +563,7 @@ class engine : engine_errors {
     const auto gone = destroyed();
     for (auto& c : left) c.done->fail(gone);
     for (auto& p : peers_) p.close(gone, !poisoned_);
+    if (shm_world_) shm_world_->release();
   }
 
   executor exec_;
@@ -479,17 +575,23 @@ class engine : engine_errors {
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
   std::atomic<std::uint64_t> live_{0};
+  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
   static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
                 "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
   scratch_space scratch_;
+  std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
   std::mutex mutex_;
   std::deque<call> queue_;
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
+  std::shared_ptr<shm_world> pending_world_;
   bool has_pending_sockets_ = false;
+  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
+  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
+  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
   bool stop_ = false;
   std::thread thread_;
 };

@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <random>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -20,6 +23,7 @@
 #include <ddp/comm/tcp/engine.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
 #include <ddp/comm/tcp/store_file.hpp>
@@ -179,10 +183,53 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
+/// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
+/// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
+/// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
+inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_client& store) {
+  std::shared_ptr<shm_world> world;
+  std::string name;
+  if (cfg.rank == 0 && cfg.shared_memory) {
+    reap_stale_segments();
+    std::random_device random;
+    char nonce[24];
+    std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
+    name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
+    try {
+      world = std::make_shared<shm_world>(name, cfg.size, 0);
+    } catch (const error& e) {
+      log_line(0, std::string(e.what()) + "; the sockets carry everything");
+    }
+    const std::string published = world ? name : std::string();
+    store.set("ddp/shm", std::vector<std::uint8_t>(published.begin(), published.end()));
+  } else if (cfg.rank == 0) {
+    store.set("ddp/shm", {});
+  } else {
+    const auto bytes = store.get("ddp/shm");
+    name.assign(bytes.begin(), bytes.end());
+    if (cfg.shared_memory && !name.empty()) {
+      try {
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank);
+        if (!world->genuine()) world.reset();
+      } catch (const error&) {  // another host, or another user: the sockets carry everything
+        world.reset();
+      }
+    }
+  }
+  const auto key = [](int r) { return "ddp/shm_ok/" + std::to_string(r); };
+  store.set(key(cfg.rank), {static_cast<std::uint8_t>(world ? 1 : 0)});
+  bool all = true;
+  for (int r = 0; r < cfg.size; ++r) all = store.get(key(r)).at(0) == 1 && all;
+  if (cfg.rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (!all) world.reset();
+  return world;
+}
 
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
-/// and hands the mesh to `eng`; all by `deadline`.
-inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::time_point deadline) {
+/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared-memory segment where every rank runs
+/// on this host, else null.
+inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint64_t token,
+                                       clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
   store_client store = by_file ? find_store(cfg, token, deadline)
                                : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
@@ -206,7 +253,14 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
                     std::to_string(cfg.size - 1) +
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
-  eng.attach(std::move(sockets), std::move(memory));
+  auto world = map_shared_memory(cfg, store);
+  if (world) world->memory = memory;
+  if (cfg.rank == 0)
+    log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
+                        "this off)"
+                      : "collectives run through the sockets: not every rank can map shared memory with rank 0 "
+                        "(another host or user, or DDP_SHM=0)");
+  eng.attach(std::move(sockets), std::move(memory), world);
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
@@ -218,6 +272,7 @@ inline void join(const config& cfg, engine& eng, std::uint64_t token, clock::tim
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
+  return world;
 }
 
 }  // namespace ddp::tcp::detail

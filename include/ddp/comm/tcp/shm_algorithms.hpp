@@ -1,0 +1,256 @@
+#pragma once
+/// \file The collectives of the same-host transport, over a group's shared-memory segment (shm_channel):
+/// every rank publishes pieces of its input in its region, then reads what it needs straight from the
+/// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
+/// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
+/// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
+/// into its next region, and copies the others' reduced slices of the previous piece out). From
+/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
+/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
+/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+#include <ddp/comm/tcp/reduce.hpp>
+#include <ddp/comm/tcp/shm_channel.hpp>
+
+namespace ddp::tcp::detail {
+
+/// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
+inline constexpr std::size_t shm_direct_bytes = 32 << 10;
+
+/// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
+/// the 2-core VM (bench/comm, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms); from it the
+/// two tie on an idle host and the single copies win on a loaded one (64 MiB: 98 ms against 181 ms).
+inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
+
+/// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
+template <class Src>
+void reduce_ranks(const call& c, char* dst, int n, std::size_t elems, Src src) {
+  const std::size_t bytes = elems * size_of(c.type);
+  if (n == 1) {
+    std::memmove(dst, src(0), bytes);
+    return;
+  }
+  reduce_bytes(c.type, dst, src(0), src(1), elems, c.op);
+  for (int p = 2; p < n; ++p) reduce_bytes(c.type, dst, dst, src(p), elems, c.op);
+}
+
+/// Splits `count` elements into pieces of at most `piece` elements: f(first element, elements) per piece.
+template <class F>
+void for_pieces(std::size_t count, std::size_t piece, F f) {
+  for (std::size_t first = 0; first < count; first += piece) f(first, std::min(piece, count - first));
+}
+
+/// Element offset of rank r's slice of `elems` elements split among n ranks.
+inline std::size_t slice_first(std::size_t elems, int r, int n) {
+  return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
+}
+
+/// all_reduce by single copies out of the peers' buffers (see the file comment).
+inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
+  ch.put(0, &mine, sizeof mine);
+  ch.sync();
+  std::vector<std::uint64_t>& where = g.addresses;
+  where.resize(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const auto first = [&](int r) { return slice_first(c.count, r, n); };
+  // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n + 1) * piece * es);
+  char* sum = parts + static_cast<std::size_t>(n) * piece * es;
+  for_pieces(first(me + 1) - first(me), piece, [&](std::size_t off, std::size_t k) {
+    const std::size_t at = (first(me) + off) * es;
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + at, k * es, parts + r * piece * es);
+    reduce_ranks(c, sum, n, k, [&](int r) { return r == me ? buf + at : parts + r * piece * es; });
+    finish_avg_bytes(c.type, sum, k, c.op, n);
+    std::memcpy(buf + at, sum, k * es);
+  });
+  ch.count(2 * (first(me + 1) - first(me)) * es * static_cast<std::size_t>(n - 1));  // as a ring would send
+  ch.sync();  // every slice reduced in its owner's buffer
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, where[static_cast<std::size_t>(r)] + first(r) * es, (first(r + 1) - first(r)) * es, buf + first(r) * es);
+  ch.sync();  // nobody reads this rank's buffer any more
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
+  if (c.count * es <= shm_direct_bytes) {
+    ch.put(0, buf, c.count * es);
+    ch.sync();
+    reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
+    return finish_avg_bytes(c.type, buf, c.count, c.op, n);
+  }
+  const std::size_t half = shm_region_bytes / 2;
+  const std::size_t piece = half / es;
+  const std::size_t passes = (c.count + piece - 1) / piece;
+  const auto elems = [&](std::size_t j) { return std::min(piece, c.count - j * piece); };
+  const auto slice = [&](std::size_t j, int r) { return slice_first(elems(j), r, n); };
+  for (std::size_t j = 0; j <= passes; ++j) {
+    for (int r = 0; j < passes && r < n; ++r)  // every slice but this rank's own, which it reads in place
+      if (r != me) ch.put(slice(j, r) * es, buf + (j * piece + slice(j, r)) * es, (slice(j, r + 1) - slice(j, r)) * es);
+    ch.sync();
+    if (j > 0) {  // the others' reduced slices of the previous piece
+      const std::size_t k = elems(j - 1);
+      for (int r = 0; r < n; ++r) {
+        if (r == me) continue;
+        const std::size_t a = slice_first(k, r, n), b = slice_first(k, r + 1, n);
+        std::memcpy(buf + ((j - 1) * piece + a) * es, ch.at(r) + half, (b - a) * es);
+      }
+    }
+    if (j < passes) {  // this rank's slice of this piece, into its next region and its buffer
+      const std::size_t k = elems(j);
+      const std::size_t a = slice_first(k, me, n), b = slice_first(k, me + 1, n);
+      char* out = ch.fill() + half;
+      const char* own = buf + (j * piece + a) * es;
+      reduce_ranks(c, out, n, b - a, [&](int r) { return r == me ? own : ch.at(r) + a * es; });
+      finish_avg_bytes(c.type, out, b - a, c.op, n);
+      std::memcpy(buf + (j * piece + a) * es, out, (b - a) * es);
+      ch.count((b - a) * es);
+    }
+  }
+}
+
+inline void shm_reduce_scatter(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  // This rank's own block is read in place, unless the output overlaps the input (then from its region).
+  const bool apart = out + block <= in || in + n * block <= out;
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me || !apart) ch.put(static_cast<std::size_t>(r) * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    const char* own = apart ? in + me * block + first * es : ch.at(me) + me * piece * es;
+    reduce_ranks(c, out + first * es, n, k, [&](int r) { return r == me ? own : ch.at(r) + me * piece * es; });
+  });
+  finish_avg_bytes(c.type, out, c.count, c.op, n);
+}
+
+inline void shm_all_gather(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  auto* out = static_cast<char*>(c.out);
+  if (out + me * block != c.in) std::memmove(out + me * block, c.in, block);
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    ch.put(0, out + me * block + first * es, k * es);
+    ch.sync();
+    for (int r = 0; r < n; ++r)
+      if (r != me) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
+  });
+}
+
+inline void shm_broadcast(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    if (root) ch.put(0, buf + first * es, k * es);
+    ch.sync();
+    if (!root) std::memcpy(buf + first * es, ch.at(c.root), k * es);
+  });
+}
+
+inline void shm_reduce(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    ch.put(0, buf + first * es, k * es);
+    ch.sync();
+    if (root) reduce_ranks(c, buf + first * es, ch.size(), k, [&](int r) { return ch.at(r); });
+  });
+  if (root) finish_avg_bytes(c.type, buf, c.count, c.op, ch.size());
+}
+
+inline void shm_gather(shm_channel& ch) {
+  const auto& c = ch.what();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  if (root) std::memmove(out + static_cast<std::size_t>(c.root) * block, in, block);
+  for_pieces(c.count, shm_region_bytes / es, [&](std::size_t first, std::size_t k) {
+    if (!root) ch.put(0, in + first * es, k * es);
+    ch.sync();
+    if (root)
+      for (int r = 0; r < ch.size(); ++r)
+        if (r != c.root) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
+  });
+}
+
+inline void shm_scatter(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const bool root = ch.rank() == c.root;
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    if (root)
+      for (int r = 0; r < n; ++r)
+        if (r != c.root) ch.put(r * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    if (!root) std::memcpy(out + first * es, ch.at(c.root) + ch.rank() * piece * es, k * es);
+  });
+  if (root) std::memmove(out, in + static_cast<std::size_t>(c.root) * block, block);
+}
+
+inline void shm_all_to_all(shm_channel& ch) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), per = c.count / static_cast<std::size_t>(n), block = per * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / static_cast<std::size_t>(n) / es;
+  for_pieces(per, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.put(r * piece * es, in + r * block + first * es, k * es);
+    ch.sync();
+    for (int r = 0; r < n; ++r)
+      if (r != me) std::memcpy(out + r * block + first * es, ch.at(r) + me * piece * es, k * es);
+  });
+  if (in != out) std::memmove(out + me * block, in + me * block, block);
+}
+
+/// Runs the collective `ch` describes over group segment `g`. A call with no elements moves nothing, as on
+/// the sockets.
+inline void shm_execute(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  if (c.kind == collective::barrier) return ch.sync();
+  if (c.count == 0) return;
+  switch (c.kind) {
+    case collective::all_reduce: return shm_all_reduce(ch, g);
+    case collective::reduce_scatter: return shm_reduce_scatter(ch);
+    case collective::all_gather: return shm_all_gather(ch);
+    case collective::broadcast: return shm_broadcast(ch);
+    case collective::reduce: return shm_reduce(ch);
+    case collective::gather: return shm_gather(ch);
+    case collective::scatter: return shm_scatter(ch);
+    case collective::all_to_all: return shm_all_to_all(ch);
+    case collective::barrier:
+    case collective::send_recv: break;  // barrier above; the engine matches sends and recvs over the sockets
+  }
+}
+
+}  // namespace ddp::tcp::detail
