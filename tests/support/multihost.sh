@@ -61,11 +61,13 @@ cleanup() {
   [ -n "${scratch:-}" ] && rm -rf "$scratch"
 }
 
-# What runs as pid 1 of a host: private /tmp, /dev/shm and /run, a hostname, a boot id, then the command.
+# What runs as pid 1 of a host: private /tmp, /dev/shm and /run, a hostname, a boot id, then the command. The
+# folders of /tmp named in MH_KEEP (a source or build tree there, which every host shares) are bound back in.
 host_init='
 mount --make-rprivate / &&
+mount -t tmpfs -o mode=755 tmpfs /run && mkdir /run/shared-tmp && mount --rbind /tmp /run/shared-tmp &&
 mount -t tmpfs -o mode=1777 tmpfs /tmp && mount -t tmpfs -o mode=1777 tmpfs /dev/shm &&
-mount -t tmpfs -o mode=755 tmpfs /run &&
+for kept in $MH_KEEP; do mkdir -p "/tmp/$kept" && mount --rbind "/run/shared-tmp/$kept" "/tmp/$kept" || exit 125; done &&
 hostname "ddp-host$MH_HOST" &&
 cat /proc/sys/kernel/random/uuid > /run/boot_id && mount --bind /run/boot_id /proc/sys/kernel/random/boot_id ||
 { echo "multihost: setting up host $MH_HOST failed" >&2; exit 125; }
@@ -120,6 +122,12 @@ for ((i = 0; i < hosts; i++)); do
 done
 
 export MH_HOSTS=$hosts MH_MASTER=10.200.0.1
+# The first folder below /tmp of this script's tree and of the working directory, where they lie in /tmp.
+MH_KEEP=""
+for path in "$(cd "$(dirname "$0")/../.." && pwd -P)" "$(pwd -P)"; do
+  case "$path" in /tmp/?*) top=${path#/tmp/}; top=${top%%/*}; case " $MH_KEEP " in *" $top "*) ;; *) MH_KEEP="$MH_KEEP $top" ;; esac ;; esac
+done
+export MH_KEEP
 [ -n "${DDP_TOKEN:-}" ] || export DDP_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 for ((i = 0; i < hosts; i++)); do
   (
