@@ -2892,13 +2892,12 @@ struct shm_rank_life {
   std::uint32_t kind = 0;                  ///< abort_kind of the error it aborted with
   std::int32_t lost_rank = -1;             ///< the world rank its peer_lost names
   std::uint32_t text_bytes = 0;
-  char text[1024];                         ///< the error's message
+  char text[max_abort_text];               ///< the error's message (as long as the sockets carry)
 };
 
 /// The job segment's layout.
 struct shm_world_layout {
   std::uint64_t magic = 0;  ///< written by rank 0 before it publishes the name
-  std::atomic<std::uint32_t> mapped{0};
 };
 
 /// The job segment, mapped by this rank.
@@ -2925,8 +2924,6 @@ class shm_world {
   [[nodiscard]] int size() const { return size_; }
   /// True when rank 0 wrote the magic: the segment is the job's.
   [[nodiscard]] bool genuine() { return layout().magic == magic; }
-  /// Counts this rank's mapping; the last of the job's ranks unlinks the name.
-  void mapped() { count_mapping(layout().mapped, name_, size_); }
 
   /// On the engine thread: holds this rank's robust mutex until release() or the process's death.
   void hold() { pthread_mutex_lock(&life(rank_).alive); }
@@ -2963,6 +2960,8 @@ class shm_world {
 
   /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
   std::vector<peer_memory> memory;
+  /// Every rank can copy straight out of every other rank's memory: collectives may use single copies.
+  bool single_copy = false;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
@@ -3036,14 +3035,8 @@ class shm_group {
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
-  /// True when this rank can copy straight out of every other member's memory (same_host.hpp).
-  [[nodiscard]] bool reads_all() const {
-    for (int r = 0; r < size(); ++r)
-      if (r != me_ && (world_->memory.size() <= static_cast<std::size_t>(world_rank(r)) ||
-                       !world_->memory[static_cast<std::size_t>(world_rank(r))].readable))
-        return false;
-    return true;
-  }
+  /// True when every rank can copy straight out of every other rank's memory (the same answer on every rank).
+  [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
@@ -3070,6 +3063,11 @@ class shm_group {
 // ---- end <ddp/comm/tcp/shm_group.hpp>
 
 namespace ddp::tcp::detail {
+
+/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
+/// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
+/// mismatch_error at once.
+inline constexpr std::chrono::milliseconds stall_notice_after{250};
 
 /// A set of ranks sharing the mesh: the world, or a subgroup made by split().
 struct group {
@@ -3968,7 +3966,8 @@ class shm_channel {
 
   void sleep_until(int r, shm_counters& theirs, std::uint32_t target) {
     theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (how_.note != nullptr) how_.note->set(label(r));
+    const auto notice_at = clock::now() + stall_notice_after;  // whom it waits for is published only past this
+    bool noticed = false;
     struct leave {
       shm_counters& c;
       ddp::detail::stall_note* note;
@@ -3982,6 +3981,10 @@ class shm_channel {
       const std::uint32_t seen = theirs.posted.load(std::memory_order_seq_cst);
       if (static_cast<std::int32_t>(seen - target) >= 0) return;
       check(r);
+      if (!noticed && how_.note != nullptr && clock::now() >= notice_at) {
+        how_.note->set(label(r));
+        noticed = true;
+      }
       futex_wait(theirs.posted, seen, slice);
       if (how_.between) how_.between();
     }
@@ -4733,10 +4736,6 @@ class store_server {
 
 namespace ddp::tcp::detail {
 
-/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
-/// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
-/// mismatch_error at once.
-inline constexpr std::chrono::milliseconds stall_notice_after{250};
 /// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
@@ -4884,13 +4883,13 @@ class engine : engine_errors {
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
-      if (stop_) break;
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too
-        const auto e = std::exchange(caller_failure_, nullptr);
+      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
+        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
         lock.unlock();
         abort_peers(e);
         continue;
       }
+      if (stop_) break;
       if (!queue_.empty() && !busy_) {
         call c = std::move(queue_.front());
         queue_.pop_front();
@@ -6383,6 +6382,18 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
+/// True when every rank of the job can copy straight out of every other rank's memory (the rows probe_memory
+/// published). One answer for every rank, so all of them choose the same algorithm for a collective; a probe that
+/// succeeded one way only (ptrace rules, one rank with CAP_SYS_PTRACE) counts as none.
+inline bool every_rank_reads_every_rank(const config& cfg, store_client& store) {
+  for (int j = 0; j < cfg.size; ++j) {
+    const auto row = store.get("ddp/memory_ok/" + std::to_string(j));
+    for (int k = 0; k < cfg.size; ++k)
+      if (k != j && (static_cast<std::size_t>(k) >= row.size() || row[static_cast<std::size_t>(k)] != 1)) return false;
+  }
+  return true;
+}
+
 /// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
 /// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
 /// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
@@ -6454,7 +6465,10 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto world = map_shared_memory(cfg, store);
-  if (world) world->memory = memory;
+  if (world) {
+    world->memory = memory;
+    world->single_copy = every_rank_reads_every_rank(cfg, store);
+  }
   if (cfg.rank == 0)
     log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
                         "this off)"

@@ -18,6 +18,11 @@
 
 namespace ddp::tcp::detail {
 
+/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
+/// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
+/// mismatch_error at once.
+inline constexpr std::chrono::milliseconds stall_notice_after{250};
+
 /// A set of ranks sharing the mesh: the world, or a subgroup made by split().
 struct group {
   std::vector<int> members;  ///< world rank of each group rank

@@ -41,10 +41,6 @@
 
 namespace ddp::tcp::detail {
 
-/// After a call has waited this long without a byte moving, the engine tells the group what it waits in
-/// (op_waiting) and publishes whom it waits for; a peer at the same step in another call then raises
-/// mismatch_error at once.
-inline constexpr std::chrono::milliseconds stall_notice_after{250};
 /// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
@@ -192,13 +188,13 @@ class engine : engine_errors {
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
-      if (stop_) break;
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too
-        const auto e = std::exchange(caller_failure_, nullptr);
+      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
+        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
         lock.unlock();
         abort_peers(e);
         continue;
       }
+      if (stop_) break;
       if (!queue_.empty() && !busy_) {
         call c = std::move(queue_.front());
         queue_.pop_front();

@@ -183,6 +183,18 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
+/// True when every rank of the job can copy straight out of every other rank's memory (the rows probe_memory
+/// published). One answer for every rank, so all of them choose the same algorithm for a collective; a probe that
+/// succeeded one way only (ptrace rules, one rank with CAP_SYS_PTRACE) counts as none.
+inline bool every_rank_reads_every_rank(const config& cfg, store_client& store) {
+  for (int j = 0; j < cfg.size; ++j) {
+    const auto row = store.get("ddp/memory_ok/" + std::to_string(j));
+    for (int k = 0; k < cfg.size; ++k)
+      if (k != j && (static_cast<std::size_t>(k) >= row.size() || row[static_cast<std::size_t>(k)] != 1)) return false;
+  }
+  return true;
+}
+
 /// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
 /// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
 /// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
@@ -254,7 +266,10 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto world = map_shared_memory(cfg, store);
-  if (world) world->memory = memory;
+  if (world) {
+    world->memory = memory;
+    world->single_copy = every_rank_reads_every_rank(cfg, store);
+  }
   if (cfg.rank == 0)
     log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
                         "this off)"

@@ -129,7 +129,8 @@ class shm_channel {
 
   void sleep_until(int r, shm_counters& theirs, std::uint32_t target) {
     theirs.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (how_.note != nullptr) how_.note->set(label(r));
+    const auto notice_at = clock::now() + stall_notice_after;  // whom it waits for is published only past this
+    bool noticed = false;
     struct leave {
       shm_counters& c;
       ddp::detail::stall_note* note;
@@ -143,6 +144,10 @@ class shm_channel {
       const std::uint32_t seen = theirs.posted.load(std::memory_order_seq_cst);
       if (static_cast<std::int32_t>(seen - target) >= 0) return;
       check(r);
+      if (!noticed && how_.note != nullptr && clock::now() >= notice_at) {
+        how_.note->set(label(r));
+        noticed = true;
+      }
       futex_wait(theirs.posted, seen, slice);
       if (how_.between) how_.between();
     }

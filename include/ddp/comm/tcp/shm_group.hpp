@@ -77,14 +77,8 @@ class shm_group {
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
-  /// True when this rank can copy straight out of every other member's memory (same_host.hpp).
-  [[nodiscard]] bool reads_all() const {
-    for (int r = 0; r < size(); ++r)
-      if (r != me_ && (world_->memory.size() <= static_cast<std::size_t>(world_rank(r)) ||
-                       !world_->memory[static_cast<std::size_t>(world_rank(r))].readable))
-        return false;
-    return true;
-  }
+  /// True when every rank can copy straight out of every other rank's memory (the same answer on every rank).
+  [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.

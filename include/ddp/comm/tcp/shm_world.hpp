@@ -47,13 +47,12 @@ struct shm_rank_life {
   std::uint32_t kind = 0;                  ///< abort_kind of the error it aborted with
   std::int32_t lost_rank = -1;             ///< the world rank its peer_lost names
   std::uint32_t text_bytes = 0;
-  char text[1024];                         ///< the error's message
+  char text[max_abort_text];               ///< the error's message (as long as the sockets carry)
 };
 
 /// The job segment's layout.
 struct shm_world_layout {
   std::uint64_t magic = 0;  ///< written by rank 0 before it publishes the name
-  std::atomic<std::uint32_t> mapped{0};
 };
 
 /// The job segment, mapped by this rank.
@@ -80,8 +79,6 @@ class shm_world {
   [[nodiscard]] int size() const { return size_; }
   /// True when rank 0 wrote the magic: the segment is the job's.
   [[nodiscard]] bool genuine() { return layout().magic == magic; }
-  /// Counts this rank's mapping; the last of the job's ranks unlinks the name.
-  void mapped() { count_mapping(layout().mapped, name_, size_); }
 
   /// On the engine thread: holds this rank's robust mutex until release() or the process's death.
   void hold() { pthread_mutex_lock(&life(rank_).alive); }
@@ -118,6 +115,8 @@ class shm_world {
 
   /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
   std::vector<peer_memory> memory;
+  /// Every rank can copy straight out of every other rank's memory: collectives may use single copies.
+  bool single_copy = false;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
