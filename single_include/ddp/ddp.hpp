@@ -2432,9 +2432,10 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
-/// ("/ddp-<uid>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked as soon as
-/// all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job died
-/// before every rank mapped it (its creator's pid is gone) is removed by the next job on the host.
+/// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
+/// as soon as all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job
+/// died before every rank mapped it (its creator's pid is gone) is removed by the next job on the host that runs
+/// in the same PID namespace (a container sharing /dev/shm but not the pids never judges another's segments).
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -2444,6 +2445,102 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 
 #include <cerrno>
 
+// ---- begin <ddp/comm/tcp/same_host.hpp>
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
+/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
+/// namespace has another namespace, where a pid names some unrelated process.
+struct host_identity {
+  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
+  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
+  std::uint64_t pid_ns_dev = 0;///< its device
+
+  /// Both known and equal: the pids of one process mean the same process for the other.
+  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
+    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
+  }
+};
+
+/// This process's host identity.
+inline host_identity this_host() {
+  host_identity id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (in >> boot) {
+    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
+    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) {
+    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
+    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
+  }
+  return id;
+}
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/same_host.hpp>
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
@@ -2686,8 +2783,12 @@ inline void log_line(int rank, const std::string& text) {
 
 namespace ddp::tcp::detail {
 
-/// The job's segment name prefix for this user: "/ddp-<uid>-".
-inline std::string shm_user_prefix() { return "/ddp-" + std::to_string(::getuid()) + "-"; }
+/// The job's segment name prefix for this user in this PID namespace: "/ddp-<uid>-<pid namespace inode>-".
+inline std::string shm_user_prefix() {
+  static const std::string prefix =
+      "/ddp-" + std::to_string(::getuid()) + "-" + std::to_string(this_host().pid_ns) + "-";
+  return prefix;
+}
 
 /// Removes this user's segments whose creator process is gone (jobs killed before every rank mapped them).
 inline void reap_stale_segments() {
@@ -2772,102 +2873,6 @@ inline void count_mapping(std::atomic<std::uint32_t>& mapped, const std::string&
 
 #include <ctime>
 
-// ---- begin <ddp/comm/tcp/same_host.hpp>
-/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
-/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
-/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
-/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
-/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
-/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
-/// remote region, so the word is read after the data).
-
-#include <sys/types.h>
-#include <sys/uio.h>
-
-
-
-namespace ddp::tcp::detail {
-
-/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
-/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
-inline constexpr std::size_t remote_min_bytes = 512 << 10;
-
-/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
-/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
-/// namespace has another namespace, where a pid names some unrelated process.
-struct host_identity {
-  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
-  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
-  std::uint64_t pid_ns_dev = 0;///< its device
-
-  /// Both known and equal: the pids of one process mean the same process for the other.
-  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
-    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
-  }
-};
-
-/// This process's host identity.
-inline host_identity this_host() {
-  host_identity id;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  if (in >> boot) {
-    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
-    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
-  }
-  struct stat ns {};
-  if (::stat("/proc/self/ns/pid", &ns) == 0) {
-    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
-    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
-  }
-  return id;
-}
-
-/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
-struct peer_memory {
-  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
-  bool readable = false;           ///< this rank can copy from the peer's memory
-  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
-  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
-  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
-};
-
-/// How a copy out of a peer's memory ended.
-enum class copy_result : std::uint8_t {
-  copied,   ///< every byte, and the peer had not aborted when the copy ended
-  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
-  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
-};
-
-/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
-inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
-  std::uint64_t live = 0;
-  const std::size_t total = from.bytes + sizeof live;
-  for (std::size_t done = 0; done < total;) {
-    iovec local[2];
-    iovec remote[2];
-    unsigned long n = 0;
-    if (done < from.bytes) {
-      local[n] = {dest + done, from.bytes - done};
-      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
-    }
-    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
-    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
-    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
-                   sizeof live - word_done};
-    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      return copy_result::failed;
-    }
-    done += static_cast<std::size_t>(k);
-  }
-  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/same_host.hpp>
 
 namespace ddp::tcp::detail {
 

@@ -1,8 +1,9 @@
 #pragma once
 /// \file POSIX shared-memory segments of the same-host transport: named per job
-/// ("/ddp-<uid>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked as soon as
-/// all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job died
-/// before every rank mapped it (its creator's pid is gone) is removed by the next job on the host.
+/// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
+/// as soon as all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job
+/// died before every rank mapped it (its creator's pid is gone) is removed by the next job on the host that runs
+/// in the same PID namespace (a container sharing /dev/shm but not the pids never judges another's segments).
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -19,13 +20,18 @@
 #include <string>
 #include <utility>
 
+#include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
 
-/// The job's segment name prefix for this user: "/ddp-<uid>-".
-inline std::string shm_user_prefix() { return "/ddp-" + std::to_string(::getuid()) + "-"; }
+/// The job's segment name prefix for this user in this PID namespace: "/ddp-<uid>-<pid namespace inode>-".
+inline std::string shm_user_prefix() {
+  static const std::string prefix =
+      "/ddp-" + std::to_string(::getuid()) + "-" + std::to_string(this_host().pid_ns) + "-";
+  return prefix;
+}
 
 /// Removes this user's segments whose creator process is gone (jobs killed before every rank mapped them).
 inline void reap_stale_segments() {
