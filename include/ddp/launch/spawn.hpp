@@ -4,10 +4,8 @@
 /// the others when one fails, and reports how every rank ended.
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,7 +22,6 @@
 #include <initializer_list>
 #include <iostream>
 #include <optional>
-#include <random>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -33,6 +30,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/launch/binding.hpp>
 #include <ddp/launch/exit_order.hpp>
+#include <ddp/launch/job_identity.hpp>
 
 namespace ddp::launch {
 
@@ -164,37 +162,6 @@ struct spawn_result {
 };
 
 namespace detail {
-
-/// A TCP port free on every interface right now (bind port 0, read it back, close).
-inline std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("open a socket to find a free port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    const int code = errno;
-    ::close(fd);
-    errno = code;
-    throw_errno("bind a socket to port 0 to find a free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-/// 128 random bits as 32 hex digits.
-inline std::string random_token() {
-  std::random_device rd;
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s;
-  for (int i = 0; i < 4; ++i) {
-    const std::uint32_t w = rd();
-    for (int b = 28; b >= 0; b -= 4) s += digits[(w >> b) & 0xFU];
-  }
-  return s;
-}
 
 /// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
 inline void write_all(int fd, std::string_view data) {
