@@ -3069,6 +3069,12 @@ class shm_group {
 
 namespace ddp::tcp::detail {
 
+/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
+inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
+  return "rank " + std::to_string(group_rank) +
+         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
+}
+
 /// After a call has waited this long without a byte moving, the engine tells the group what it waits in
 /// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
 /// mismatch_error at once.
@@ -3396,9 +3402,7 @@ class engine_errors {
     if (current_ == nullptr) return "rank " + std::to_string(world_rank);
     const auto& m = current_->grp->members;
     for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i] == world_rank)
-        return "rank " + std::to_string(i) +
-               (m.size() == static_cast<std::size_t>(size_) ? "" : " (world rank " + std::to_string(world_rank) + ")");
+      if (m[i] == world_rank) return rank_label(i, world_rank, m.size() != static_cast<std::size_t>(size_));
     return "world rank " + std::to_string(world_rank);
   }
   [[nodiscard]] std::string what_now() const {
@@ -4039,8 +4043,8 @@ class shm_channel {
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
   /// "rank 1", plus the world rank inside a subgroup.
   [[nodiscard]] std::string label(int r) const {
-    const bool sub = c_.grp->members.size() != static_cast<std::size_t>(g_.world().size());
-    return "rank " + std::to_string(r) + (sub ? " (world rank " + std::to_string(g_.world_rank(r)) + ")" : "");
+    return rank_label(static_cast<std::size_t>(r), g_.world_rank(r),
+                      c_.grp->members.size() != static_cast<std::size_t>(g_.world().size()));
   }
 
   shm_group& g_;

@@ -25,9 +25,7 @@ class engine_errors {
     if (current_ == nullptr) return "rank " + std::to_string(world_rank);
     const auto& m = current_->grp->members;
     for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i] == world_rank)
-        return "rank " + std::to_string(i) +
-               (m.size() == static_cast<std::size_t>(size_) ? "" : " (world rank " + std::to_string(world_rank) + ")");
+      if (m[i] == world_rank) return rank_label(i, world_rank, m.size() != static_cast<std::size_t>(size_));
     return "world rank " + std::to_string(world_rank);
   }
   [[nodiscard]] std::string what_now() const {
