@@ -8,8 +8,12 @@
 // messages -- and raw MPI_Allreduce. Ratios compare ddp with the better of the two Gloo paths. Every iteration starts after an
 // MPI_Barrier; its time is the slowest rank's; the table shows the median and
 // busbw = bytes * 2(N-1)/N / time. Each result is checked against the exact sum.
+// With --ddp-only, started by ddp-launch instead of mpirun (as users launch ddp, with its default binding), it
+// measures ddp::tcp alone, without MPI: its own barrier starts each iteration and its own max reduction finds the
+// slowest rank's time.
 //
 //   mpirun --allow-run-as-root --oversubscribe -np 2 build/bench/comm/ddp_bench_collectives [--max-bytes B] [--csv]
+//   build/tools/ddp-launch -n 2 build/bench/comm/ddp_bench_collectives --ddp-only [--max-bytes B] [--csv]
 
 #include <mpi.h>
 #include <stdlib.h>
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +48,24 @@ using clock_type = std::chrono::steady_clock;
 
 int g_rank = 0;
 int g_size = 1;
+bool g_mpi = true;  // false under --ddp-only: no MPI at all
+
+/// How the ranks start an iteration together and agree on its time (the slowest rank's).
+struct fence {
+  std::function<void()> barrier;
+  std::function<void(double&)> max;  ///< replaces the value with its maximum over the ranks
+};
+
+/// The fence through MPI (under mpirun).
+fence mpi_fence() {
+  return {[] { MPI_Barrier(MPI_COMM_WORLD); },
+          [](double& t) { MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD); }};
+}
+
+void fail() {
+  if (g_mpi) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::exit(1);
+}
 
 /// A free port chosen by rank 0 and shared with every rank.
 int shared_free_port() {
@@ -65,25 +88,26 @@ double cpu_seconds() {
 
 /// Median over iterations of the slowest rank's time of `op` (after an untimed `prepare`), in seconds; `cpu` gets the mean CPU
 /// seconds per iteration of rank 0's process (all its threads: the caller's and the transport's).
-double time_op(const std::function<void()>& prepare, const std::function<void()>& op, std::size_t bytes, double& cpu) {
+double time_op(const fence& f, const std::function<void()>& prepare, const std::function<void()>& op, std::size_t bytes,
+               double& cpu) {
   prepare();
-  MPI_Barrier(MPI_COMM_WORLD);
+  f.barrier();
   auto t0 = clock_type::now();
   op();  // warm-up, also sizes the run
   double first = std::chrono::duration<double>(clock_type::now() - t0).count();
-  MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  f.max(first);
   const int iters = std::clamp(static_cast<int>(0.3 / std::max(first, 1e-7)), bytes >= (16U << 20) ? 3 : 5, 200);
   std::vector<double> times;
   double cpu_in_op = 0;
   for (int i = 0; i < iters; ++i) {
     prepare();
-    MPI_Barrier(MPI_COMM_WORLD);
+    f.barrier();
     const double c0 = cpu_seconds();
     t0 = clock_type::now();
     op();
     double t = std::chrono::duration<double>(clock_type::now() - t0).count();
     cpu_in_op += cpu_seconds() - c0;
-    MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    f.max(t);
     times.push_back(t);
   }
   cpu = cpu_in_op / iters;
@@ -102,23 +126,50 @@ void verify(const std::vector<float>& v, const char* who) {
     for (int r = 0; r < g_size; ++r) want += static_cast<float>((r + static_cast<int>(i % 13)) % 7);
     if (v[i] != want) {
       std::fprintf(stderr, "rank %d: %s gave %f at %zu, expected %f\n", g_rank, who, v[i], i, want);
-      MPI_Abort(MPI_COMM_WORLD, 1);
+      fail();
     }
   }
+}
+
+/// --ddp-only: ddp::tcp as configured by default, ranks and rendezvous from ddp-launch's environment, no MPI.
+int run_ddp_only(std::size_t max_bytes, bool csv) {
+  auto comm = ddp::tcp::communicator::from_env();
+  g_rank = comm.rank();
+  g_size = comm.size();
+  const fence f{[&] { comm.barrier().wait(); },
+                [&](double& t) { comm.all_reduce(std::span<double>(&t, 1), ddp::reduce_op::max).wait(); }};
+  if (g_rank == 0)
+    std::printf("# f32 all_reduce(sum), ddp::tcp alone under ddp-launch, N=%d ranks, median (slowest rank)\n%10s %10s %9s\n",
+                g_size, "bytes", "ddp_us", "ddp_GB/s");
+  for (std::size_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
+    std::vector<float> buf(bytes / sizeof(float));
+    double cpu = 0;
+    const double t = time_op(f, [&] { fill(buf); }, [&] { comm.all_reduce(buf).wait(); }, bytes, cpu);
+    verify(buf, "ddp::tcp");
+    if (g_rank == 0) {
+      std::printf("%10zu %10.1f %9.2f\n", bytes, t * 1e6, 2.0 * (g_size - 1) / g_size * static_cast<double>(bytes) / 1e9 / t);
+      if (csv) std::printf("CSVDDP,%d,%zu,%.9f,%.9f\n", g_size, bytes, t, cpu);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   std::size_t max_bytes = 64U << 20;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--max-bytes") == 0 && i + 1 < argc) max_bytes = std::strtoull(argv[++i], nullptr, 10);
     if (std::strcmp(argv[i], "--csv") == 0) csv = true;
+    if (std::strcmp(argv[i], "--ddp-only") == 0) g_mpi = false;
   }
+  if (!g_mpi) return run_ddp_only(max_bytes, csv);
+  MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+  const fence f = mpi_fence();
 
   // ddp::tcp: rank and size come from OMPI_COMM_WORLD_*; the port from MASTER_PORT or rank 0's pick.
   if (std::getenv("MASTER_PORT") == nullptr) setenv("MASTER_PORT", std::to_string(shared_free_port()).c_str(), 1);
@@ -154,13 +205,13 @@ int main(int argc, char** argv) {
     std::vector<float> buf(count);
     const auto prepare = [&] { fill(buf); };
     double c_ddp = 0, c_gloo = 0, c_mpi = 0;
-    const double t_ddp = time_op(prepare, [&] { comm.all_reduce(buf).wait(); }, bytes, c_ddp);
+    const double t_ddp = time_op(f, prepare, [&] { comm.all_reduce(buf).wait(); }, bytes, c_ddp);
     verify(buf, "ddp::tcp");
     double c_sock = 0;
-    const double t_sock = time_op(prepare, [&] { comm_sockets.all_reduce(buf).wait(); }, bytes, c_sock);
+    const double t_sock = time_op(f, prepare, [&] { comm_sockets.all_reduce(buf).wait(); }, bytes, c_sock);
     verify(buf, "ddp::tcp over the sockets only");
     const double t_gloo = time_op(
-        prepare,
+        f, prepare,
         [&] {
           gloo::AllreduceOptions opts(gloo_ctx);
           opts.setOutput(buf.data(), count);
@@ -172,10 +223,10 @@ int main(int argc, char** argv) {
     verify(buf, "gloo");
     double c_hd = 0;
     gloo::AllreduceHalvingDoubling<float> halving_doubling(gloo_ctx, {buf.data()}, static_cast<int>(count));
-    const double t_hd = time_op(prepare, [&] { halving_doubling.run(); }, bytes, c_hd);
+    const double t_hd = time_op(f, prepare, [&] { halving_doubling.run(); }, bytes, c_hd);
     verify(buf, "gloo halving-doubling");
     const double t_mpi = time_op(
-        prepare,
+        f, prepare,
         [&] {
           MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
         },

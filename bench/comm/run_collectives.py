@@ -1,6 +1,8 @@
 #!/usr/bin/python3
-"""Runs ddp_bench_collectives under mpirun at N = 2, 4, 8 and writes docs/bench/collectives.md
-and docs/img/collectives.png (busbw and time against message size, ddp::tcp vs Gloo vs MPI_Allreduce).
+"""Runs ddp_bench_collectives at N = 2, 4, 8 twice: under `ddp-launch -n N --ddp-only` (ddp as users launch it,
+with ddp-launch's default binding, no MPI) and then under mpirun (ddp::tcp, Gloo and MPI_Allreduce side by side,
+mpirun's binding), and writes docs/bench/collectives.md and docs/img/collectives.png (busbw and time against message
+size). The ratios compare ddp under ddp-launch with Open MPI and Gloo under mpirun.
 
 usage: bench/comm/run_collectives.py BUILD_DIR [--ranks 2 4 8] [--max-bytes 67108864]
 """
@@ -33,6 +35,23 @@ def run(build, n, max_bytes):
     return cmd, rows
 
 
+def run_launched(build, n, max_bytes):
+    exe = os.path.join(build, "bench", "comm", "ddp_bench_collectives")
+    cmd = [os.path.join(build, "tools", "ddp-launch"), "-n", str(n), exe, "--ddp-only", "--csv", "--max-bytes",
+           str(max_bytes)]
+    print("+", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    out = done.stdout
+    rows = {}
+    for line in out.splitlines():
+        at = line.find("CSVDDP,")
+        if at >= 0:
+            f = line[at:].split(",")
+            rows[int(f[2])] = float(f[3])
+    binding = next((line for line in done.stderr.splitlines() if "bind" in line), "")  # ddp-launch's own line
+    return cmd, rows, binding
+
+
 def busbw(n, size, t):
     return 2.0 * (n - 1) / n * size / t / 1e9
 
@@ -60,9 +79,27 @@ def main():
     args = ap.parse_args()
 
     load = os.getloadavg()[0]
+    launched = {n: run_launched(args.build, n, args.max_bytes) for n in args.ranks}
     results = {n: run(args.build, n, args.max_bytes) for n in args.ranks}
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = ["# Collectives benchmark: ddp::tcp vs Gloo vs MPI_Allreduce", ""]
+    md += ["Each N runs twice, one right after the other: `ddp-launch -n N ddp_bench_collectives --ddp-only` (ddp "
+           "alone, as users launch it: ddp-launch's default binding, ddp's own barrier and max reduction for the "
+           "timing; the \"ddp-launch\" columns), then `mpirun -np N ddp_bench_collectives` (ddp::tcp, Gloo and "
+           "MPI_Allreduce in one job, mpirun's binding). Ratios: ddp under ddp-launch against Open MPI and the best "
+           "Gloo path under mpirun.", ""]
+    md += ["| N | 4 KiB: ddp-launch µs | MPI µs | best Gloo µs | ddp / MPI time | ddp / Gloo time | "
+           "busbw ddp-launch / MPI, 64 KiB–64 MiB (min … max) |", "|---:|---:|---:|---:|---:|---:|:---|"]
+    for n, (cmd, rows) in results.items():
+        mine = launched[n][1]
+        small = [r for r in rows if r[0] == 4096]
+        big = [r[4] / mine[r[0]] for r in rows if 64 << 10 <= r[0] <= 64 << 20 and r[0] in mine]
+        if small and 4096 in mine:
+            _, _, tg, th, tm = small[0][:5]
+            md.append(f"| {n} | {mine[4096] * 1e6:.1f} | {tm * 1e6:.1f} | {min(tg, th) * 1e6:.1f} | "
+                      f"{mine[4096] / tm:.2f}× | 1/{min(tg, th) / mine[4096]:.0f} | "
+                      + (f"{min(big):.2f} … {max(big):.2f}× |" if big else "– |"))
+    md.append("")
     md += [f"f32 all_reduce(sum), median over iterations of the slowest rank's time; "
            f"busbw = bytes * 2(N-1)/N / time. Machine: {cpu_model()}, {os.cpu_count()} cores "
            f"(load average {load:.1f} when started: other jobs shared the cores), {date}. "
@@ -77,19 +114,29 @@ def main():
     md += ["![busbw and time](../img/collectives.png)", ""]
     fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 8), squeeze=False)
     for col, (n, (cmd, rows)) in enumerate(results.items()):
-        md += [f"## N = {n}", "", f"`{' '.join(cmd[:-4] + ['build/bench/comm/ddp_bench_collectives'])}`", ""]
-        md += ["| size | ddp µs | Gloo µs | Gloo HD µs | MPI µs | ddp GB/s | Gloo GB/s | Gloo HD GB/s | MPI GB/s "
-               "| ddp / best Gloo busbw | ddp / best Gloo time | CPU ms per op: ddp / Gloo / Gloo HD |",
-               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lcmd, mine, binding = launched[n]
+        md += [f"## N = {n}", "", f"`build/tools/ddp-launch -n {n} build/bench/comm/ddp_bench_collectives --ddp-only` "
+               f"({binding.strip() or 'binding not printed'}), then "
+               f"`{' '.join(cmd[:-4] + ['build/bench/comm/ddp_bench_collectives'])}`", ""]
+        md += ["| size | ddp-launch µs | ddp-launch GB/s | ddp-launch / MPI busbw | ddp-launch / best Gloo busbw "
+               "| ddp (mpirun) µs | Gloo µs | Gloo HD µs | MPI µs | ddp (mpirun) GB/s | Gloo GB/s | Gloo HD GB/s "
+               "| MPI GB/s | CPU ms per op (mpirun): ddp / Gloo / Gloo HD |",
+               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for size, td, tg, th, tm, cd, cg, ch, _cm in rows:
             best = min(tg, th)
-            md.append(f"| {human(size)} | {td * 1e6:.1f} | {tg * 1e6:.1f} | {th * 1e6:.1f} | {tm * 1e6:.1f} | "
-                      f"{busbw(n, size, td):.2f} | {busbw(n, size, tg):.2f} | {busbw(n, size, th):.2f} | "
-                      f"{busbw(n, size, tm):.2f} | {best / td:.2f}× | {td / best:.3f} | "
+            tl = mine.get(size)
+            lcols = (f"{tl * 1e6:.1f} | {busbw(n, size, tl):.2f} | {tm / tl:.2f}× | {best / tl:.2f}×" if tl
+                     else "– | – | – | –")
+            md.append(f"| {human(size)} | {lcols} | {td * 1e6:.1f} | {tg * 1e6:.1f} | {th * 1e6:.1f} | "
+                      f"{tm * 1e6:.1f} | {busbw(n, size, td):.2f} | {busbw(n, size, tg):.2f} | "
+                      f"{busbw(n, size, th):.2f} | {busbw(n, size, tm):.2f} | "
                       f"{cd * 1e3:.2f} / {cg * 1e3:.2f} / {ch * 1e3:.2f} |")
         md.append("")
         sizes = [r[0] for r in rows]
-        for idx, (name, style) in enumerate([("ddp::tcp", "o-"), ("Gloo allreduce()", "s-"),
+        lsizes = sorted(mine)
+        axes[0][col].plot(lsizes, [busbw(n, s, mine[s]) for s in lsizes], "*-", label="ddp::tcp (ddp-launch)")
+        axes[1][col].plot(lsizes, [mine[s] * 1e6 for s in lsizes], "*-", label="ddp::tcp (ddp-launch)")
+        for idx, (name, style) in enumerate([("ddp::tcp (mpirun)", "o-"), ("Gloo allreduce()", "s-"),
                                              ("Gloo halving-doubling", "d-"), ("MPI_Allreduce", "^--")]):
             times = [r[1 + idx] for r in rows]
             axes[0][col].plot(sizes, [busbw(n, s, t) for s, t in zip(sizes, times)], style, label=name)
