@@ -9,6 +9,7 @@
 //    element; with a bf16 reduce dtype the sum is rounded again), so the masters agree within `tight`;
 //  - f32 training: the masters track it within `track`, the difference bf16 compute makes (weights at 2^-9 in the
 //    forward and backward, gradients at 2^-9), compounded over the steps.
+// The same scenarios run a float16 model under mixed_precision<float16> (11 bits: smaller errors, same bounds).
 // Tolerances are per tensor: |a − b| ≤ tol·max|b| over the tensor. The figures each run measured are printed
 // (to the file DDP_MIXED_REPORT names) so that the stated tolerances can be checked against them.
 
@@ -51,7 +52,9 @@ template <class T>
 struct mlp_of {
   linear_of<T> fc1, fc2, fc3;
 };
-using mlp16 = mlp_of<ddp::bfloat16>;
+/// The compute type of the precision policy among Ps (bf16 or f16).
+template <class... Ps>
+using compute_of = typename ddp::policies<Ps...>::precision::param_type;
 
 /// make_mlp(seed) rounded to bf16, held as T: the start every run of a comparison shares.
 template <class T>
@@ -118,7 +121,8 @@ named_values train_alone(optimizer_kind k, int count, F&& gradient) {
       opt.step(buffers);
       std::size_t i = 0;
       ddp::visit_parameters(m, [&](std::string_view, ddp::parameter<T>& p) {
-        std::transform(master[i].begin(), master[i].end(), p.value().begin(), [](float x) { return static_cast<T>(x); });
+        std::transform(master[i].begin(), master[i].end(), p.value().begin(),
+                       [](float x) { return static_cast<T>(x); });
         ++i;
       });
     }
@@ -171,12 +175,12 @@ struct master_piece {
 };
 
 /// Checks what the wrapper holds after a step: the owned buffers (what the optimizer steps) are f32 values and
-/// gradients, and the model's parameters hold the masters rounded to bf16, bit for bit (under full_shard after
+/// gradients, and the model's T parameters hold the masters rounded to T, bit for bit (under full_shard after
 /// dp.unshard_model()). Returns the master pieces.
-template <class DP>
+template <class T, class DP>
 std::vector<master_piece> check_masters(DP& dp) {
-  std::map<std::string, std::span<ddp::bfloat16>> params;
-  dp.for_each_parameter([&](std::string_view name, ddp::parameter<ddp::bfloat16>& p) { params[std::string(name)] = p.value(); });
+  std::map<std::string, std::span<T>> params;
+  dp.for_each_parameter([&](std::string_view name, ddp::parameter<T>& p) { params[std::string(name)] = p.value(); });
   std::vector<master_piece> pieces;
   for (const auto& b : dp.owned_buffers()) {
     REQUIRE(b.values.type == ddp::dtype::f32);
@@ -187,7 +191,7 @@ std::vector<master_piece> check_masters(DP& dp) {
       for (std::size_t i = 0; i < seg.numel; ++i) {
         const float m = v[seg.offset + i];
         INFO(seg.name << "[" << seg.start + i << "]: master " << m);
-        REQUIRE(params.at(seg.name)[seg.start + i].bits == ddp::bfloat16(m).bits);
+        REQUIRE(params.at(seg.name)[seg.start + i].bits == T(m).bits);
         piece.values.push_back(m);
       }
       pieces.push_back(std::move(piece));
@@ -219,14 +223,15 @@ inline void report_figure(const char* what, int rank, int n, double tight, doubl
     }
 }
 
-/// N ranks with policies Ps (mixed_precision among them) train the bf16 MLP; `micro` > 1 accumulates micro-batches
-/// under no_sync. The masters must be within `tight` of one process with the same mixed precision and within
-/// `track` of f32 training.
+/// N ranks with policies Ps (mixed_precision among them) train the MLP over the policy's compute type; `micro` > 1
+/// accumulates micro-batches under no_sync. The masters must be within `tight` of one process with the same mixed
+/// precision and within `track` of f32 training.
 template <class... Ps, class Comm>
 void check_mixed(Comm comm, const char* what, optimizer_kind k, double tight, double track, int micro = 1,
                  typename ddp::policies<Ps...>::sharding sharding = {}) {
-  mlp16 model = make_rounded_mlp<ddp::bfloat16>(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's is broadcast
-  ddp::data_parallel<mlp16, Ps...> dp{model, comm, sharding};
+  using T = compute_of<Ps...>;
+  mlp_of<T> model = make_rounded_mlp<T>(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's is broadcast
+  ddp::data_parallel<mlp_of<T>, Ps...> dp{model, comm, sharding};
   auto scope = [&](auto& l) { return dp.unshard(l); };
   auto report = [&](auto& p) { dp.gradient_ready(p); };
   const auto [begin, count] = shard_of(comm.rank(), comm.size());
@@ -248,8 +253,8 @@ void check_mixed(Comm comm, const char* what, optimizer_kind k, double tight, do
     }
   });
   dp.unshard_model();  // full_shard: the parameters hold the full (bf16) values
-  const auto pieces = check_masters(dp);
-  const double against_mixed = worst_error(pieces, one_process<ddp::bfloat16>(k, comm.size()));
+  const auto pieces = check_masters<T>(dp);
+  const double against_mixed = worst_error(pieces, one_process<T>(k, comm.size()));
   const double against_f32 = worst_error(pieces, one_process<float>(k));
   report_figure(what, comm.rank(), comm.size(), against_mixed, against_f32);
   INFO(what << ": worst per-tensor error against one process with the same mixed precision " << against_mixed
@@ -258,27 +263,28 @@ void check_mixed(Comm comm, const char* what, optimizer_kind k, double tight, do
   REQUIRE(against_f32 <= track);
 }
 
-/// N ranks with policies Ps (mixed_precision among them) train the bf16 MLP through the uneven first epoch of
-/// join_scenarios.hpp inside a join scope; the masters must be within `tight` of join_alone.
+/// N ranks with policies Ps (mixed_precision among them) train the MLP over the compute type through the uneven
+/// first epoch of join_scenarios.hpp inside a join scope; the masters must be within `tight` of join_alone.
 template <class... Ps, class Comm>
 void check_mixed_join(Comm comm, const char* what, optimizer_kind k, double tight,
                       typename ddp::policies<Ps...>::sharding sharding = {}) {
-  mlp16 model = make_rounded_mlp<ddp::bfloat16>(1 + static_cast<std::uint64_t>(comm.rank()));
-  ddp::data_parallel<mlp16, Ps...> dp{model, comm, sharding};
+  using T = compute_of<Ps...>;
+  mlp_of<T> model = make_rounded_mlp<T>(1 + static_cast<std::uint64_t>(comm.rank()));
+  ddp::data_parallel<mlp_of<T>, Ps...> dp{model, comm, sharding};
   auto scope = [&](auto& l) { return dp.unshard(l); };
+  auto report = [&](auto& p) { dp.gradient_ready(p); };
   with_optimizer(k, [&](auto& opt) {
     auto j = dp.join();
     for (int s = 0; s < uneven_batches(comm.rank(), 0); ++s) {
       dp.zero_grad();
-      forward_backward(model, join_batch_of(0, comm.rank(), s), 1.0F / join_batch, [&](auto& p) { dp.gradient_ready(p); },
-                       scope);
+      forward_backward(model, join_batch_of(0, comm.rank(), s), 1.0F / join_batch, report, scope);
       dp.step(opt);
     }
     j.finish(opt);
   });
   dp.verify_in_sync();
   dp.unshard_model();
-  const double against_mixed = worst_error(check_masters(dp), join_alone<ddp::bfloat16>(k, comm.size()));
+  const double against_mixed = worst_error(check_masters<T>(dp), join_alone<T>(k, comm.size()));
   report_figure(what, comm.rank(), comm.size(), against_mixed, -1);
   INFO(what << ": worst per-tensor error against one process with the same mixed precision " << against_mixed);
   REQUIRE(against_mixed <= tight);
@@ -290,6 +296,8 @@ void check_mixed_join(Comm comm, const char* what, optimizer_kind k, double tigh
 /// (bf16 parameters) is refused with a mismatch_error.
 template <class... Ps, class Comm>
 void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding sharding = {}) {
+  using T = compute_of<Ps...>;
+  using P = ddp::policies<Ps...>;
   std::string path = (std::filesystem::temp_directory_path() /
                       ("ddp_mixed_" + std::to_string(::getpid()) + ".safetensors")).string();
   ddp::broadcast_object(comm, path, 0);  // rank 0's name
@@ -304,10 +312,10 @@ void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding s
       dp.step(opt);
     }
     dp.unshard_model();
-    return check_masters(dp);
+    return check_masters<T>(dp);
   };
-  mlp16 first = make_rounded_mlp<ddp::bfloat16>(1);
-  ddp::data_parallel<mlp16, Ps...> dp{first, comm, sharding};
+  mlp_of<T> first = make_rounded_mlp<T>(1);
+  ddp::data_parallel<mlp_of<T>, Ps...> dp{first, comm, sharding};
   ddp::optim::adamw opt({.lr = 0.01, .weight_decay = 0.05});
   train(dp, opt, 0, 2);
   ddp::save(path, dp, opt);
@@ -322,8 +330,8 @@ void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding s
   }
   const auto want = train(dp, opt, 2, 4);
 
-  mlp16 second = make_rounded_mlp<ddp::bfloat16>(7);  // other values: the checkpoint must replace them
-  ddp::data_parallel<mlp16, Ps...> resumed{second, comm, sharding};
+  mlp_of<T> second = make_rounded_mlp<T>(7);  // other values: the checkpoint must replace them
+  ddp::data_parallel<mlp_of<T>, Ps...> resumed{second, comm, sharding};
   ddp::optim::adamw opt2({.lr = 0.01, .weight_decay = 0.05});
   ddp::load(path, resumed, opt2);
   const auto got = train(resumed, opt2, 2, 4);
@@ -334,17 +342,16 @@ void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding s
     REQUIRE(got[i].values == want[i].values);
   }
 
-  // The same model saved without the policy holds bf16 parameters: loading it under mixed precision is refused.
-  mlp16 third = make_rounded_mlp<ddp::bfloat16>(1);
-  ddp::data_parallel<mlp16, typename ddp::policies<Ps...>::backend, typename ddp::policies<Ps...>::sharding> plain{
-      third, comm, sharding};
+  // The same model saved without the policy holds 16-bit parameters: loading it under mixed precision is refused.
+  mlp_of<T> third = make_rounded_mlp<T>(1);
+  ddp::data_parallel<mlp_of<T>, typename P::backend, typename P::sharding> plain{third, comm, sharding};
   ddp::save(path, plain);
   try {
     ddp::load(path, resumed);
     FAIL("a checkpoint of bf16 parameters loaded into f32 masters");
   } catch (const ddp::mismatch_error& e) {
     INFO(e.what());
-    REQUIRE(std::string(e.what()).find("bf16") != std::string::npos);
+    REQUIRE(std::string(e.what()).find(std::string(ddp::to_string(ddp::dtype_v<T>))) != std::string::npos);
   }
   comm.barrier().wait();
   if (comm.rank() == 0) std::filesystem::remove(path);

@@ -1,4 +1,4 @@
-// Mixed precision (ddp::mixed_precision) over the TCP backend: every sharding policy at N = 1, 2, 3 forked ranks
+// Mixed precision (ddp::mixed_precision, bf16 and f16) over the TCP backend: every sharding policy at N = 1, 2, 3 ranks
 // (run_ranks: a 60 s job timeout, every collective times out at 45 s), against one process with the same mixed
 // precision and against f32 training (mixed_scenarios.hpp states the tolerances and why).
 #include <catch2/catch.hpp>
@@ -14,6 +14,8 @@ using ddp::backend::tcp;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
 using mixed = ddp::mixed_precision<ddp::bfloat16>;                         // reduce in f32
 using mixed16 = ddp::mixed_precision<ddp::bfloat16, ddp::bfloat16>;        // reduce in bf16
+using half = ddp::mixed_precision<ddp::float16>;                            // f16 compute, reduce in f32
+using half16 = ddp::mixed_precision<ddp::float16, ddp::float16>;            // f16 compute, reduce in f16
 }  // namespace
 
 TEST_CASE("tcp mixed precision: bf16 compute with f32 masters, every policy, equals one process and tracks f32",
@@ -34,6 +36,10 @@ TEST_CASE("tcp mixed precision: bf16 compute with f32 masters, every policy, equ
     check_mixed<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>, mixed16>(
         comm, "hybrid<shard_grad_op>, bf16 reduce", optimizer_kind::sgd_momentum, mixed_rounded, mixed_track_rounded, 1,
         hybrid_groups<ddp::shard_grad_op>(comm.size()));
+    check_mixed<tcp, tiny, ddp::full_shard, half>(comm, "full_shard, f16", optimizer_kind::adamw, mixed_exact,
+                                                  mixed_track);
+    check_mixed<tcp, tiny, half16>(comm, "replicate, f16, f16 reduce", optimizer_kind::sgd_momentum, mixed_rounded,
+                                   mixed_track_rounded);
   });
 }
 TEST_CASE("tcp mixed precision: with no_sync, a comm hook, deterministic reduction and join", "[mixed]") {
@@ -57,6 +63,8 @@ TEST_CASE("tcp mixed precision: checkpoints hold the f32 masters and resume bit 
     check_mixed_checkpoint<tcp, tiny, ddp::replicate, mixed>(comm);
     check_mixed_checkpoint<tcp, tiny, ddp::shard_grad_op, mixed16>(comm);
     check_mixed_checkpoint<tcp, tiny, ddp::full_shard, mixed>(comm);
+    check_mixed_checkpoint<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>, half>(
+        comm, hybrid_groups<ddp::shard_grad_op>(comm.size()));
     check_mixed_misuse<tcp>(comm);
   });
 }
