@@ -293,14 +293,21 @@ void check_mixed_join(Comm comm, const char* what, optimizer_kind k, double tigh
 /// Two steps of adamw, a checkpoint, two more steps; a fresh wrapper loading the checkpoint and taking the same two
 /// steps ends with the same masters, bit for bit. The file holds f32 tensors only (the masters and the f32
 /// optimizer state), and rank 0 reads their dtypes back from it. A checkpoint of the model saved without the policy
-/// (bf16 parameters) is refused with a mismatch_error.
+/// (bf16 parameters) is refused with a mismatch_error. `sharded`: save_sharded / load_sharded (a directory of
+/// parts, each read back), else save / load (one file).
 template <class... Ps, class Comm>
-void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding sharding = {}) {
+void check_mixed_checkpoint(Comm comm, bool sharded, typename ddp::policies<Ps...>::sharding sharding = {}) {
   using T = compute_of<Ps...>;
   using P = ddp::policies<Ps...>;
   std::string path = (std::filesystem::temp_directory_path() /
-                      ("ddp_mixed_" + std::to_string(::getpid()) + ".safetensors")).string();
+                      ("ddp_mixed_" + std::to_string(::getpid()) + (sharded ? "" : ".safetensors"))).string();
   ddp::broadcast_object(comm, path, 0);  // rank 0's name
+  auto save = [&](auto& dp, auto&... opt) {
+    sharded ? ddp::save_sharded(path, dp, opt...) : ddp::save(path, dp, opt...);
+  };
+  auto load = [&](auto& dp, auto&... opt) {
+    sharded ? ddp::load_sharded(path, dp, opt...) : ddp::load(path, dp, opt...);
+  };
   const auto [begin, count] = shard_of(comm.rank(), comm.size());
   const float scale = static_cast<float>(comm.size()) / global_batch;
   auto train = [&](auto& dp, auto& opt, int from, int to) {
@@ -318,22 +325,32 @@ void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding s
   ddp::data_parallel<mlp_of<T>, Ps...> dp{first, comm, sharding};
   ddp::optim::adamw opt({.lr = 0.01, .weight_decay = 0.05});
   train(dp, opt, 0, 2);
-  ddp::save(path, dp, opt);
+  save(dp, opt);
   if (comm.rank() == 0) {
-    const auto file = ddp::safetensors::reader::open(path);
-    REQUIRE(file.find("fc1.weight") != nullptr);
-    REQUIRE(file.find("optim.fc1.weight.exp_avg") != nullptr);
-    for (const auto& e : file.entries()) {
-      INFO("tensor " << e.name);
-      REQUIRE(e.type == ddp::dtype::f32);
+    std::vector<std::filesystem::path> files{path};
+    if (sharded) {
+      files.clear();
+      for (const auto& f : std::filesystem::directory_iterator(path))
+        if (f.path().extension() == ".safetensors") files.push_back(f.path());
+      REQUIRE(files.size() == static_cast<std::size_t>(comm.size()));
     }
+    std::size_t tensors = 0;
+    for (const auto& f : files) {
+      const auto file = ddp::safetensors::reader::open(f);
+      for (const auto& e : file.entries()) {
+        INFO(f << ": tensor " << e.name);
+        REQUIRE(e.type == ddp::dtype::f32);
+        ++tensors;
+      }
+    }
+    REQUIRE(tensors >= 6 * 3);  // 6 parameters and their exp_avg, exp_avg_sq (in pieces when sharded)
   }
   const auto want = train(dp, opt, 2, 4);
 
   mlp_of<T> second = make_rounded_mlp<T>(7);  // other values: the checkpoint must replace them
   ddp::data_parallel<mlp_of<T>, Ps...> resumed{second, comm, sharding};
   ddp::optim::adamw opt2({.lr = 0.01, .weight_decay = 0.05});
-  ddp::load(path, resumed, opt2);
+  load(resumed, opt2);
   const auto got = train(resumed, opt2, 2, 4);
   REQUIRE(got.size() == want.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -345,16 +362,17 @@ void check_mixed_checkpoint(Comm comm, typename ddp::policies<Ps...>::sharding s
   // The same model saved without the policy holds 16-bit parameters: loading it under mixed precision is refused.
   mlp_of<T> third = make_rounded_mlp<T>(1);
   ddp::data_parallel<mlp_of<T>, typename P::backend, typename P::sharding> plain{third, comm, sharding};
-  ddp::save(path, plain);
+  ddp::optim::sgd plain_opt({.lr = 0.1});
+  save(plain, plain_opt);
   try {
-    ddp::load(path, resumed);
+    load(resumed);
     FAIL("a checkpoint of bf16 parameters loaded into f32 masters");
   } catch (const ddp::mismatch_error& e) {
     INFO(e.what());
     REQUIRE(std::string(e.what()).find(std::string(ddp::to_string(ddp::dtype_v<T>))) != std::string::npos);
   }
   comm.barrier().wait();
-  if (comm.rank() == 0) std::filesystem::remove(path);
+  if (comm.rank() == 0) std::filesystem::remove_all(path);
 }
 
 /// A model whose parameters are not in the policy's compute dtype is refused with a config_error saying what to

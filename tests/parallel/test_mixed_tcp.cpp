@@ -60,11 +60,12 @@ TEST_CASE("tcp mixed precision: with no_sync, a comm hook, deterministic reducti
 TEST_CASE("tcp mixed precision: checkpoints hold the f32 masters and resume bit for bit; misuse is refused",
           "[mixed]") {
   ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) {
-    check_mixed_checkpoint<tcp, tiny, ddp::replicate, mixed>(comm);
-    check_mixed_checkpoint<tcp, tiny, ddp::shard_grad_op, mixed16>(comm);
-    check_mixed_checkpoint<tcp, tiny, ddp::full_shard, mixed>(comm);
+    check_mixed_checkpoint<tcp, tiny, ddp::replicate, mixed>(comm, false);
+    check_mixed_checkpoint<tcp, tiny, ddp::shard_grad_op, mixed16>(comm, false);
+    check_mixed_checkpoint<tcp, tiny, ddp::full_shard, mixed>(comm, false);
+    check_mixed_checkpoint<tcp, tiny, ddp::full_shard, mixed>(comm, true);
     check_mixed_checkpoint<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>, half>(
-        comm, hybrid_groups<ddp::shard_grad_op>(comm.size()));
+        comm, true, hybrid_groups<ddp::shard_grad_op>(comm.size()));
     check_mixed_misuse<tcp>(comm);
   });
 }

@@ -117,5 +117,6 @@ TEST_CASE("mpi mixed precision: replicate, shard_grad_op and full_shard equal on
       world(), "mpi replicate, f16, f16 reduce", optimizer_kind::adamw, mixed_rounded, mixed_track_rounded);
 }
 TEST_CASE("mpi mixed precision: the checkpoint holds the f32 masters and resumes bit for bit", "[mixed]") {
-  check_mixed_checkpoint<mpi, tiny, ddp::full_shard, ddp::mixed_precision<ddp::bfloat16>>(world());
+  check_mixed_checkpoint<mpi, tiny, ddp::full_shard, ddp::mixed_precision<ddp::bfloat16>>(world(), false);
+  check_mixed_checkpoint<mpi, tiny, ddp::shard_grad_op, ddp::mixed_precision<ddp::bfloat16>>(world(), true);
 }
