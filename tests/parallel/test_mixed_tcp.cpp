@@ -57,7 +57,7 @@ TEST_CASE("tcp mixed precision: with no_sync, a comm hook, deterministic reducti
     check_mixed_join<tcp, tiny, ddp::full_shard, mixed>(comm, "full_shard, join", optimizer_kind::adamw, mixed_exact);
   });
 }
-TEST_CASE("tcp mixed precision: checkpoints hold the f32 masters and resume bit for bit; misuse is refused",
+TEST_CASE("tcp mixed precision: checkpoints hold the f32 masters and resume bit for bit, and misuse is refused",
           "[mixed]") {
   ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) {
     check_mixed_checkpoint<tcp, tiny, ddp::replicate, mixed>(comm, false);
