@@ -452,6 +452,21 @@ raw_tensor as_raw(T&& t) {
 
 static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> && tensor<raw_tensor>);
 
+namespace detail {
+/// Copies the host elements of `from` into `to` (same length), converting each to `to`'s dtype (16-bit floats
+/// through float, rounding to nearest even).
+inline void convert(raw_tensor from, raw_tensor to) {
+  visit_dtype(from.type, [&]<class F>(F) {
+    visit_dtype(to.type, [&]<class T>(T) {
+      using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
+      const F* src = static_cast<const F*>(from.data);
+      T* dst = static_cast<T*>(to.data);
+      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(static_cast<wide>(src[i]));
+    });
+  });
+}
+}  // namespace detail
+
 }  // namespace ddp
 // ---- end <ddp/core/tensor_traits.hpp>
 
@@ -6747,7 +6762,7 @@ struct backend_of<tcp::communicator> {
 // ---- end <ddp/comm/tcp/communicator.hpp>
 
 // ---- begin <ddp/parallel/policies.hpp>
-/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
+/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.
 /// Policies may be given in any order; a missing category takes its default. The sharding policies carry
 /// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
 
@@ -6901,6 +6916,48 @@ static_assert(comm_hook<fp16_compress_hook>);
 
 }  // namespace ddp
 // ---- end <ddp/parallel/comm_hooks.hpp>
+// ---- begin <ddp/parallel/mixed_precision.hpp>
+/// \file The precision policies of ddp::data_parallel (PyTorch FSDP's `MixedPrecision(param_dtype, reduce_dtype)`).
+/// The model's own element type is its compute dtype: a model written over ddp::bfloat16 computes in bf16.
+/// ddp::mixed_precision<Param, Reduce> makes the wrapper keep f32 master weights of the Param-typed parameters
+/// (sharded where the strategy shards them), reduce their gradients in Reduce and step the optimizer on the
+/// masters, narrowing them into the model's parameters after each step (parallel/master_weights.hpp).
+
+
+
+namespace ddp {
+
+namespace detail {
+struct precision_category {};
+}  // namespace detail
+
+/// Parameters, gradients and optimizer state in the model's own dtypes (the default): no master weights.
+struct full_precision {
+  using policy_category = detail::precision_category;
+  static constexpr bool masters = false;  ///< no master weights are kept
+};
+
+/// Mixed precision: the model's parameters of type Param (bfloat16 or float16) are its compute copy; the wrapper
+/// keeps f32 master weights of them (sharded with the owned blocks), reduces their gradients in Reduce (float, or
+/// Param for half the bytes on the wire) into f32 master gradients, steps the optimizer (and its state) in f32,
+/// then narrows the masters into the parameters; under full_shard the unshard all-gathers the Param copy.
+/// Parameters already in f32 or f64 (such as norms kept wide) are stepped as they are. Checkpoints hold the masters.
+template <class Param = bfloat16, class Reduce = float>
+struct mixed_precision {
+  static_assert(std::is_same_v<Param, bfloat16> || std::is_same_v<Param, float16>,
+                "ddp::mixed_precision<Param, Reduce>: Param is the model's compute type, ddp::bfloat16 or "
+                "ddp::float16; write the model over it (an f32 model needs no mixed_precision policy).");
+  static_assert(std::is_same_v<Reduce, float> || std::is_same_v<Reduce, Param>,
+                "ddp::mixed_precision<Param, Reduce>: gradients are reduced in float (exact sums of the compute "
+                "dtype's gradients) or in Param itself (half the bytes); give one of those as Reduce.");
+  using policy_category = detail::precision_category;
+  using param_type = Param;    ///< the compute dtype (the model's parameters)
+  using reduce_type = Reduce;  ///< the dtype gradients travel and are summed in
+  static constexpr bool masters = true;  ///< f32 master weights are kept
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/mixed_precision.hpp>
 // ---- begin <ddp/parallel/options.hpp>
 /// \file ddp::data_parallel_options: the run-time settings of data_parallel.
 
@@ -7170,8 +7227,8 @@ constexpr bool check_policy() {
   static_assert(policy<P>,
                 "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
                 "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
-                "ddp::bucket_bytes<N> or a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
-                "own type with `using policy_category = ddp::comm_hook_policy;`).");
+                "ddp::bucket_bytes<N>, a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
+                "own type with `using policy_category = ddp::comm_hook_policy;`) or ddp::mixed_precision<...>.");
   return true;
 }
 
@@ -7234,12 +7291,23 @@ struct policies {
   static_assert((detail::in_category<detail::hook_category, Ps>() + ... + 0) <= 1,
                 "ddp::data_parallel: two comm hooks were given; keep one of ddp::plain_hook, bf16_compress_hook, "
                 "fp16_compress_hook.");
+  static_assert((detail::in_category<detail::precision_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two precision policies were given; keep one ddp::mixed_precision<...>.");
 
   using backend = typename detail::pick<detail::backend_category, backend::tcp, Ps...>::type;        ///< transport
   using sharding = typename detail::pick<detail::sharding_category, replicate, Ps...>::type;         ///< strategy
   using buckets = typename detail::pick<detail::bucket_category, bucket_bytes<(25U << 20)>, Ps...>::type;  ///< sizes
   using hook = typename detail::pick<detail::hook_category, plain_hook, Ps...>::type;                ///< compression
+  using precision = typename detail::pick<detail::precision_category, full_precision, Ps...>::type;  ///< masters
 };
+
+namespace detail {
+/// T is one of the policy types data_parallel<Model, Ps...> resolves (a constructor argument may be a value of it).
+template <class T, class... Ps>
+concept policy_of = one_of<T, typename policies<Ps...>::backend, typename policies<Ps...>::sharding,
+                           typename policies<Ps...>::buckets, typename policies<Ps...>::hook,
+                           typename policies<Ps...>::precision>;
+}  // namespace detail
 
 }  // namespace ddp
 // ---- end <ddp/parallel/policies.hpp>
@@ -7568,6 +7636,7 @@ struct param_slot {
 /// One dtype's flat values and gradients.
 struct arena {
   dtype type = dtype::f32;          ///< element type
+  dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
   aligned_bytes values;             ///< parameter values, in visit order
   aligned_bytes grads;              ///< gradients, same layout
@@ -7670,6 +7739,7 @@ class parameter_layout {
       auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
       if (it == arenas_.end()) {
         arenas_.emplace_back().type = s.type;
+        arenas_.back().reduce_type = s.type;
         it = arenas_.end() - 1;
       }
       s.arena = static_cast<std::size_t>(it - arenas_.begin());
@@ -8221,6 +8291,146 @@ class backward_opener {
 
 #include <limits>
 
+// ---- begin <ddp/parallel/master_weights.hpp>
+/// \file The rooms of ddp::mixed_precision inside data_parallel. apply_precision gives every arena of the compute
+/// dtype its reduce dtype before the strategy is built; a strategy widens each bucket's gradients into a
+/// reduce_staging before its collective (replicate: the staging is where the averaged gradients stay; the sharded
+/// strategies reduce-scatter it into owned gradients of the reduce dtype and release its pages once read);
+/// master_weights keeps the f32 copy of the owned values the optimizer steps and narrows it into them afterwards.
+///
+/// A step under mixed_precision<bf16, f32>: the backward writes bf16 gradients; each bucket is widened to f32 and
+/// reduced in f32 into the f32 owned gradients, which are the master gradients; the optimizer steps the f32
+/// master values (its state is f32); the masters are narrowed into the bf16 owned values, which the strategy
+/// then gathers as it does without mixed precision. Under mixed_precision<bf16, bf16> the reduction runs on the
+/// bf16 gradients themselves and the reduced owned gradients are widened into f32 master gradients.
+
+
+
+namespace ddp::detail {
+
+/// Gives the arenas of Precision's compute dtype its reduce dtype; throws ddp::config_error when the model has no
+/// parameter of the compute dtype or has parameters of another 16-bit dtype. Local.
+template <class Precision>
+void apply_precision(parameter_layout& layout, int rank) {
+  if constexpr (Precision::masters) {
+    const dtype compute = dtype_v<typename Precision::param_type>;
+    const std::string name(to_string(compute));
+    bool found = false;
+    for (auto& a : layout.arenas()) {
+      const auto& first = layout.slots()[a.params.front()];
+      if (a.type == compute) {
+        a.reduce_type = dtype_v<typename Precision::reduce_type>;
+        found = true;
+      } else if (size_of(a.type) == 2) {
+        throw config_error("data_parallel: ddp::mixed_precision computes in " + name + " but parameter '" + first.name +
+                           "' is " + std::string(to_string(a.type)) + "; keep one 16-bit compute dtype in the model "
+                           "and name it as the policy's Param", rank);
+      }
+    }
+    if (!found)
+      throw config_error("data_parallel: ddp::mixed_precision computes in " + name + " but the model has no " + name +
+                         " parameter" + (layout.slots().empty() ? std::string() : " (parameter '" +
+                         layout.slots().front().name + "' is " + std::string(to_string(layout.slots().front().type)) +
+                         ")") + "; ddp does not cast a model: its "
+                         "element type is its compute dtype, so write the model over ddp::" +
+                         (compute == dtype::bf16 ? "bfloat16" : "float16") + " (the wrapper keeps f32 masters), or "
+                         "drop the mixed_precision policy to train in the model's own dtype", rank);
+  }
+}
+
+/// Per arena whose reduce dtype differs from its dtype: room for its gradients in the reduce dtype, laid as the
+/// arena (element i of the arena at element i of the staging). Pages are released once a collective read them.
+class reduce_staging {
+ public:
+  explicit reduce_staging(const parameter_layout& layout) {
+    for (const auto& a : layout.arenas()) {
+      types_.push_back(a.reduce_type);
+      store_.emplace_back(a.reduce_type == a.type ? 0 : a.numel * size_of(a.reduce_type));
+    }
+  }
+  /// Where the gradients `own` (elements [begin, begin + own.size) of arena `a`, in the arena's dtype, wherever
+  /// they lie) are reduced: `own` itself when the arena reduces in its own dtype, else the staging's elements.
+  [[nodiscard]] raw_tensor at(raw_tensor own, std::size_t a, std::size_t begin) const {
+    if (store_[a].size() == 0) return own;
+    return {store_[a].data() + begin * size_of(types_[a]), own.size, types_[a], own.where};
+  }
+  /// at(), with `own` widened into the staging first (a bucket about to be reduced).
+  raw_tensor stage(raw_tensor own, std::size_t a, std::size_t begin) {
+    const raw_tensor to = at(own, a, begin);
+    if (to.data != own.data) convert(own, to);
+    return to;
+  }
+  /// Gives back the pages of the staging's elements [begin, begin + count) of arena `a` (their collective is done).
+  void release(std::size_t a, std::size_t begin, std::size_t count) noexcept {
+    if (store_[a].size() != 0) store_[a].release(begin * size_of(types_[a]), (begin + count) * size_of(types_[a]));
+  }
+
+ private:
+  std::vector<dtype> types_;          // per arena: its reduce dtype
+  std::vector<aligned_bytes> store_;  // per arena: empty where it reduces in its own dtype
+};
+
+/// The f32 master copy of the owned buffers of the compute dtype, which the optimizer steps: master values, and
+/// master gradients (the owned gradients themselves where they are reduced in f32, else an f32 copy widened before
+/// each step). Owned buffers of another dtype (f32, f64 parameters) are stepped as they are. Local.
+class master_weights {
+ public:
+  /// Under mixed_precision (Precision::masters), makes the masters of `owned` (the strategy's buffers, whose values
+  /// are final: after the broadcast); afterwards buffers() hands them out. Nothing under full_precision.
+  template <class Precision>
+  void attach(std::span<const optim::flat_buffer> owned) {
+    if constexpr (Precision::masters) attach(owned, dtype_v<typename Precision::param_type>);
+  }
+
+ private:
+  void attach(std::span<const optim::flat_buffer> owned, dtype compute) {
+    for (const auto& b : owned) {
+      optim::flat_buffer m = b;
+      auto& values = values_.emplace_back();
+      auto& grads = grads_.emplace_back();
+      if (b.values.type == compute) {
+        values.resize(b.values.size);
+        m.values = raw_tensor{values.data(), values.size(), dtype::f32, b.values.where};
+        convert(b.values, m.values);
+        if (b.grads.type != dtype::f32) {
+          grads.resize(b.grads.size);
+          m.grads = raw_tensor{grads.data(), grads.size(), dtype::f32, b.grads.where};
+        }
+      }
+      masters_.push_back(std::move(m));
+    }
+    on_ = true;
+  }
+
+ public:
+  /// What the optimizer steps and checkpoints hold: the masters once attached, else `owned`.
+  [[nodiscard]] std::span<const optim::flat_buffer> buffers(std::span<const optim::flat_buffer> owned) const noexcept {
+    return on_ ? std::span<const optim::flat_buffer>(masters_) : owned;
+  }
+  /// Runs `optimizer()` on the masters: the reduced gradients of `owned` are widened into the master gradients
+  /// first, and the master values narrowed into `owned`'s values afterwards.
+  template <class F>
+  void step(std::span<const optim::flat_buffer> owned, F&& optimizer) {
+    for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
+      if (masters_[i].grads.data != owned[i].grads.data) convert(owned[i].grads, masters_[i].grads);
+    optimizer();
+    narrow(owned);
+  }
+  /// The master values narrowed into `owned`'s values (after a step, or after a checkpoint filled the masters).
+  void narrow(std::span<const optim::flat_buffer> owned) const {
+    for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
+      if (masters_[i].values.data != owned[i].values.data) convert(masters_[i].values, owned[i].values);
+  }
+
+ private:
+  bool on_ = false;
+  std::vector<std::vector<float>> values_;    // per owned buffer: master values (empty where stepped as it is)
+  std::vector<std::vector<float>> grads_;     // per owned buffer: master gradients widened before each step
+  std::vector<optim::flat_buffer> masters_;   // per owned buffer: what the optimizer steps
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/master_weights.hpp>
 // ---- begin <ddp/parallel/ordered_reduction.hpp>
 /// \file Deterministic reduction (the sharding policies' deterministic knob): every element is summed in rank order,
 /// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
@@ -8435,7 +8645,7 @@ class sharded_core {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
-      own_grads_.emplace_back(a.numel / n * size_of(a.type));
+      own_grads_.emplace_back(a.numel / n * size_of(a.reduce_type));
       received_.emplace_back();
     }
     for (const auto& b : plan_.buckets) {
@@ -8511,8 +8721,10 @@ class sharded_core {
     sb.direct = sb.owned_zero;
     sb.owned_zero = false;
     if (b == 0) chained_ = 0;  // a new step
-    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, gradient_view(b))
-                                    : shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
+    const auto& bk = plan_.buckets[b];
+    const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
+    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, in)
+                                    : shard_.reduce_scatter(in, output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
         state_.wait(chained_);
@@ -8531,6 +8743,7 @@ class sharded_core {
         chain(chained_);
       }
     state_.wait(b);
+    staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) {
       const raw_tensor in = received(b), acc = owned_grads(b);
@@ -8709,25 +8922,27 @@ class sharded_core {
     return {values_pool_.data(pooled_[bk.unit].values, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
             bk.end - bk.begin, a.type, device::cpu()};
   }
-  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b) const {
-    const auto& a = layout_.arenas()[plan_.buckets[b].arena];
-    const std::size_t w = size_of(a.type);
+  /// Bucket `b`'s owned block in `store`, of elements of `type` (an arena's dtype, or its reduce dtype).
+  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b, dtype type) const {
+    const std::size_t w = size_of(type);
     const auto& block = buckets_[b].block;
-    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, a.type, device::cpu()};
+    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, type, device::cpu()};
   }
   /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
   [[nodiscard]] raw_tensor output(std::size_t b) { return buckets_[b].direct ? owned_grads(b) : received(b); }
   [[nodiscard]] raw_tensor received(std::size_t b) {
     const std::size_t a = plan_.buckets[b].arena;
     if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
-    return shard_view(received_, b);
+    return shard_view(received_, b, layout_.arenas()[a].reduce_type);
   }
-  [[nodiscard]] raw_tensor owned_grads(std::size_t b) const { return shard_view(own_grads_, b); }
+  [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
+    return shard_view(own_grads_, b, layout_.arenas()[plan_.buckets[b].arena].reduce_type);
+  }
   /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
-    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b);
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b, a.type);
     return a.value_view(buckets_[b].block.begin, buckets_[b].block.length);
   }
 
@@ -8765,6 +8980,7 @@ class sharded_core {
   bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
+  reduce_staging staging_{layout_};                     // mixed precision: buckets widened to the reduce dtype
 };
 
 }  // namespace ddp::detail
@@ -9423,8 +9639,10 @@ struct strategy<replicate, Comm> {
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
-      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
-        deterministic_(policy.deterministic) {}
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), staging_(layout),
+        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic) {
+    for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
+  }
 
   /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
@@ -9434,13 +9652,13 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
+      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b, true).grads));
     } else {
-      state_.launch(b, hook.launch(gradients(b)));
+      state_.launch(b, hook.launch(gradients(b, true)));
     }
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged
-  /// gradients back; → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged gradients
+  /// back (in the reduce dtype: under mixed precision into the staging, where the optimizer finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
@@ -9467,15 +9685,18 @@ struct strategy<replicate, Comm> {
   void unshard_model() {}
 
  private:
-  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b) {
+  /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.
+  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b, bool stage = false) {
     const auto& bk = plan_.buckets[b];
-    return {layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), comm_, b};
+    const raw_tensor own = layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin);
+    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b};
   }
 
   parameter_layout& layout_;
   const bucket_plan& plan_;
   step_state& state_;
   Comm comm_;
+  reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
@@ -9489,8 +9710,8 @@ static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, arc
 
 namespace ddp {
 
-/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
-/// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
+/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes, comm hook,
+/// precision; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook, full_precision).
 template <class Model, class... Ps>
 class data_parallel {
   using policy = policies<Ps...>;
@@ -9501,6 +9722,7 @@ class data_parallel {
   using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
   using sharding = typename policy::sharding;                                      ///< the sharding policy
   using hook_type = typename policy::hook;                                         ///< the comm hook
+  using precision = typename policy::precision;  ///< full_precision, or mixed_precision<Param, Reduce> (f32 masters)
   static_assert(communicator<communicator_type>);
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
@@ -9523,9 +9745,8 @@ class data_parallel {
       : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
                       [&] { return detail::value_of<hook_type>(first, rest...); },
                       detail::value_of<data_parallel_options>(rest...)) {
-    static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
-                   (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
-                    std::is_same_v<Rest, data_parallel_options>)),
+    static_assert((detail::policy_of<P, Ps...> && ... &&
+                   (detail::policy_of<Rest, Ps...> || std::is_same_v<Rest, data_parallel_options>)),
                   "ddp::data_parallel: a constructor argument is neither one of this wrapper's policies nor "
                   "ddp::data_parallel_options; pass values of the policy types the wrapper names, or let "
                   "`ddp::data_parallel dp{model, comm, policies...};` deduce the wrapper from them.");
@@ -9558,6 +9779,7 @@ class data_parallel {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
+    detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
     if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
     if (options_.broadcast_parameters) {
@@ -9565,6 +9787,7 @@ class data_parallel {
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
     }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
+    masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
@@ -9666,7 +9889,7 @@ class data_parallel {
   /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
-    run_step([&] { opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers())); });
+    run_step([&] { opt.step(owned_buffers()); });
   }
   /// finish_gradients(), then `opt.step()` for an optimizer that holds its own tensors (torch::optim), then the
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
@@ -9702,7 +9925,7 @@ class data_parallel {
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
   void attach(Opt& opt) {
-    opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+    opt.attach(owned_buffers());
   }
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
@@ -9774,13 +9997,13 @@ class data_parallel {
   }
   /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
   [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
-  /// Owning leaves (copied at the step's edges): takes the arenas' values into them after the values changed
-  /// outside a step (checkpoint loading calls it).
-  void values_changed() const { layout_.values_out(); }
-  /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
-  /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
+  /// After the values changed outside a step (checkpoint loading calls it): mixed precision narrows the f32 masters
+  /// into the owned values; owning leaves (copied at the step's edges) take the arenas' values.
+  void values_changed() const { masters_.narrow(strategy_->optimizer_buffers()); layout_.values_out(); }
+  /// The flat buffers the optimizer steps (mixed_precision: f32 masters): this rank's owned values and gradients
+  /// (the whole arenas under replicate) with the parameter pieces in them; checkpoints read and fill them.
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
-    return strategy_->optimizer_buffers();
+    return masters_.buffers(strategy_->optimizer_buffers());
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
@@ -9848,7 +10071,7 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    run_optimizer();
+    masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
     strategy_->after_step();
     layout_.values_out();
     state_.end();
@@ -9906,6 +10129,7 @@ class data_parallel {
   hook_type hook_;
   detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
+  detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
@@ -12746,6 +12970,9 @@ training_state collect_state(DP& dp, Opt* opt) {
     });
   }
   const auto everyone = all_gather_object(dp.comm(), described);
+  for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
+    for (const auto& d : rank_pieces)
+      if (const auto it = index.find(d.name); it != index.end()) st.tensors[it->second].type = d.type;
 
   // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
   std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
@@ -12900,8 +13127,8 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
 
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
 /// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
-/// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
-/// take the new values. Collective.
+/// into the parameter's place in the arenas (mixed precision: the f32 master pieces, narrowed there). Under
+/// replicate the pieces are the parameters (or their masters). Owning leaves then take the new values. Collective.
 template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
@@ -12915,11 +13142,17 @@ void refresh_parameters(DP& dp, const training_state& st) {
     for (std::size_t u = 0; u < members.size(); ++u) {
       typename DP::unshard_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
-        const std::size_t width = size_of(st.tensors[tensor].type);
+        const dtype type = st.tensors[tensor].type, home = slots[tensor].type;  // they differ under mixed precision
+        const std::size_t width = size_of(type);
+        std::vector<std::byte> wide;  // mixed precision: a master piece on its way to the compute-dtype parameter
         for (const auto& c : st.cover[tensor]) {
-          std::byte* dst = full + c.start * width;
+          if (type != home) wide.resize(c.numel * width);
+          std::byte* dst = type == home ? full + c.start * width : wide.data();
           if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
-          dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
+          dp.comm().broadcast(raw_tensor{dst, c.numel, type, device::cpu()}, c.rank).wait();
+          if (type != home)
+            convert(raw_tensor{dst, c.numel, type, device::cpu()},
+                    raw_tensor{full + c.start * size_of(home), c.numel, home, device::cpu()});
         }
       }
     }

@@ -94,21 +94,26 @@ std::vector<float> layer_forward(const Linear& l, const std::vector<float>& in, 
     }
   return y;
 }
-// Adds dW = δᵀ·in and db = Σδ into the gradients; returns δ·W (the gradient of the layer's input).
+// Adds dW = δᵀ·in and db = Σδ, summed in float, into the gradients (once per element, as a GEMM accumulating in
+// f32 writes a bf16 gradient: mixed_scenarios.hpp's bf16 model); returns δ·W (the gradient of the layer's input).
 template <class Linear>
 std::vector<float> layer_backward(Linear& l, const std::vector<float>& in, const std::vector<float>& delta,
                                          std::size_t n, bool skip_bias) {
   const std::size_t out = l.bias.numel(), width = l.weight.numel() / out;
-  std::vector<float> back(n * width, 0.0F);
+  std::vector<float> back(n * width, 0.0F), dw(out * width, 0.0F), db(out, 0.0F);
   for (std::size_t s = 0; s < n; ++s)
     for (std::size_t o = 0; o < out; ++o) {
       const float d = delta[s * out + o];
-      if (!skip_bias) l.bias.grad()[o] += d;
+      db[o] += d;
       for (std::size_t i = 0; i < width; ++i) {
-        l.weight.grad()[o * width + i] += d * in[s * width + i];
+        dw[o * width + i] += d * in[s * width + i];
         back[s * width + i] += d * l.weight.value()[o * width + i];
       }
     }
+  using G = std::remove_reference_t<decltype(l.weight.grad()[0])>;
+  for (std::size_t i = 0; i < dw.size(); ++i) l.weight.grad()[i] = static_cast<G>(l.weight.grad()[i] + dw[i]);
+  if (!skip_bias)
+    for (std::size_t o = 0; o < out; ++o) l.bias.grad()[o] = static_cast<G>(l.bias.grad()[o] + db[o]);
   return back;
 }
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include <ddp/comm/mpi/communicator.hpp>
 
 #include "join_scenarios.hpp"
+#include "mixed_scenarios.hpp"
 #include "scenarios.hpp"
 
 namespace {
@@ -101,4 +102,21 @@ TEST_CASE("mpi join: replicate, shard_grad_op, full_shard and hybrid with uneven
 }
 TEST_CASE("mpi join: a scope dropped without finish(opt) makes the next call throw", "[join][errors]") {
   check_join_errors<mpi>(world());
+}
+
+// Mixed precision (ddp::mixed_precision): bf16 and f16 compute with f32 masters (mixed_scenarios.hpp states the
+// tolerances).
+TEST_CASE("mpi mixed precision: replicate, shard_grad_op and full_shard equal one process and track f32", "[mixed]") {
+  using mixed = ddp::mixed_precision<ddp::bfloat16>;
+  check_mixed<mpi, tiny, mixed>(world(), "mpi replicate", optimizer_kind::adamw, mixed_exact, mixed_track);
+  check_mixed<mpi, tiny, ddp::full_shard, mixed>(world(), "mpi full_shard", optimizer_kind::sgd_nesterov, mixed_exact,
+                                                 mixed_track);
+  check_mixed<mpi, tiny, ddp::shard_grad_op, ddp::mixed_precision<ddp::bfloat16, ddp::bfloat16>>(
+      world(), "mpi shard_grad_op, bf16 reduce", optimizer_kind::sgd_momentum, mixed_rounded, mixed_track_rounded);
+  check_mixed<mpi, tiny, ddp::mixed_precision<ddp::float16, ddp::float16>>(
+      world(), "mpi replicate, f16, f16 reduce", optimizer_kind::adamw, mixed_rounded, mixed_track_rounded);
+}
+TEST_CASE("mpi mixed precision: the checkpoint holds the f32 masters and resumes bit for bit", "[mixed]") {
+  check_mixed_checkpoint<mpi, tiny, ddp::full_shard, ddp::mixed_precision<ddp::bfloat16>>(world(), false);
+  check_mixed_checkpoint<mpi, tiny, ddp::shard_grad_op, ddp::mixed_precision<ddp::bfloat16>>(world(), true);
 }

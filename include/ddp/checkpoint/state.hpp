@@ -141,6 +141,9 @@ training_state collect_state(DP& dp, Opt* opt) {
     });
   }
   const auto everyone = all_gather_object(dp.comm(), described);
+  for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
+    for (const auto& d : rank_pieces)
+      if (const auto it = index.find(d.name); it != index.end()) st.tensors[it->second].type = d.type;
 
   // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
   std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
@@ -295,8 +298,8 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
 
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
 /// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
-/// into the parameter's place in the arenas. Under replicate the pieces are the parameters. Owning leaves then
-/// take the new values. Collective.
+/// into the parameter's place in the arenas (mixed precision: the f32 master pieces, narrowed there). Under
+/// replicate the pieces are the parameters (or their masters). Owning leaves then take the new values. Collective.
 template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
@@ -310,11 +313,17 @@ void refresh_parameters(DP& dp, const training_state& st) {
     for (std::size_t u = 0; u < members.size(); ++u) {
       typename DP::unshard_guard scope(dp, {u});
       for (const auto& [tensor, full] : members[u]) {
-        const std::size_t width = size_of(st.tensors[tensor].type);
+        const dtype type = st.tensors[tensor].type, home = slots[tensor].type;  // they differ under mixed precision
+        const std::size_t width = size_of(type);
+        std::vector<std::byte> wide;  // mixed precision: a master piece on its way to the compute-dtype parameter
         for (const auto& c : st.cover[tensor]) {
-          std::byte* dst = full + c.start * width;
+          if (type != home) wide.resize(c.numel * width);
+          std::byte* dst = type == home ? full + c.start * width : wide.data();
           if (c.rank == dp.rank()) std::memmove(dst, st.at(tensor, c.start, c.numel), c.numel * width);  // may be dst
-          dp.comm().broadcast(raw_tensor{dst, c.numel, st.tensors[tensor].type, device::cpu()}, c.rank).wait();
+          dp.comm().broadcast(raw_tensor{dst, c.numel, type, device::cpu()}, c.rank).wait();
+          if (type != home)
+            convert(raw_tensor{dst, c.numel, type, device::cpu()},
+                    raw_tensor{full + c.start * size_of(home), c.numel, home, device::cpu()});
         }
       }
     }

@@ -79,4 +79,19 @@ raw_tensor as_raw(T&& t) {
 
 static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> && tensor<raw_tensor>);
 
+namespace detail {
+/// Copies the host elements of `from` into `to` (same length), converting each to `to`'s dtype (16-bit floats
+/// through float, rounding to nearest even).
+inline void convert(raw_tensor from, raw_tensor to) {
+  visit_dtype(from.type, [&]<class F>(F) {
+    visit_dtype(to.type, [&]<class T>(T) {
+      using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
+      const F* src = static_cast<const F*>(from.data);
+      T* dst = static_cast<T*>(to.data);
+      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(static_cast<wide>(src[i]));
+    });
+  });
+}
+}  // namespace detail
+
 }  // namespace ddp

@@ -83,6 +83,7 @@ struct param_slot {
 /// One dtype's flat values and gradients.
 struct arena {
   dtype type = dtype::f32;          ///< element type
+  dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
   aligned_bytes values;             ///< parameter values, in visit order
   aligned_bytes grads;              ///< gradients, same layout
@@ -185,6 +186,7 @@ class parameter_layout {
       auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
       if (it == arenas_.end()) {
         arenas_.emplace_back().type = s.type;
+        arenas_.back().reduce_type = s.type;
         it = arenas_.end() - 1;
       }
       s.arena = static_cast<std::size_t>(it - arenas_.begin());

@@ -36,6 +36,7 @@
 #include <ddp/parallel/full_shard.hpp>
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/join.hpp>
+#include <ddp/parallel/master_weights.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/replica_check.hpp>
@@ -47,8 +48,8 @@
 
 namespace ddp {
 
-/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes,
-/// comm hook; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook).
+/// Data-parallel wrapper of `Model` with policies `Ps...` in any order (backend, sharding, bucket_bytes, comm hook,
+/// precision; defaults: backend::tcp, replicate, bucket_bytes<25 MiB, 1 MiB>, plain_hook, full_precision).
 template <class Model, class... Ps>
 class data_parallel {
   using policy = policies<Ps...>;
@@ -59,6 +60,7 @@ class data_parallel {
   using communicator_type = backend_communicator_t<typename policy::backend>;     ///< the backend's communicator
   using sharding = typename policy::sharding;                                      ///< the sharding policy
   using hook_type = typename policy::hook;                                         ///< the comm hook
+  using precision = typename policy::precision;  ///< full_precision, or mixed_precision<Param, Reduce> (f32 masters)
   static_assert(communicator<communicator_type>);
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
@@ -81,9 +83,8 @@ class data_parallel {
       : data_parallel(values_given{}, model, std::move(comm), detail::value_of<sharding>(first, rest...),
                       [&] { return detail::value_of<hook_type>(first, rest...); },
                       detail::value_of<data_parallel_options>(rest...)) {
-    static_assert((detail::one_of<P, typename policy::backend, sharding, typename policy::buckets, hook_type> && ... &&
-                   (detail::one_of<Rest, typename policy::backend, sharding, typename policy::buckets, hook_type> ||
-                    std::is_same_v<Rest, data_parallel_options>)),
+    static_assert((detail::policy_of<P, Ps...> && ... &&
+                   (detail::policy_of<Rest, Ps...> || std::is_same_v<Rest, data_parallel_options>)),
                   "ddp::data_parallel: a constructor argument is neither one of this wrapper's policies nor "
                   "ddp::data_parallel_options; pass values of the policy types the wrapper names, or let "
                   "`ddp::data_parallel dp{model, comm, policies...};` deduce the wrapper from them.");
@@ -116,6 +117,7 @@ class data_parallel {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
+    detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
     if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
     if (options_.broadcast_parameters) {
@@ -123,6 +125,7 @@ class data_parallel {
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
     }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
+    masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
@@ -224,7 +227,7 @@ class data_parallel {
   /// arenas (or the owned shards).
   template <optim::flat_optimizer Opt>
   void step(Opt& opt) {
-    run_step([&] { opt.step(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers())); });
+    run_step([&] { opt.step(owned_buffers()); });
   }
   /// finish_gradients(), then `opt.step()` for an optimizer that holds its own tensors (torch::optim), then the
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
@@ -260,7 +263,7 @@ class data_parallel {
   /// Allocates the optimizer's state for this wrapper's layout without stepping (before loading a checkpoint).
   template <optim::flat_optimizer Opt>
   void attach(Opt& opt) {
-    opt.attach(std::span<const optim::flat_buffer>(strategy_->optimizer_buffers()));
+    opt.attach(owned_buffers());
   }
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
@@ -332,13 +335,13 @@ class data_parallel {
   }
   /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
   [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
-  /// Owning leaves (copied at the step's edges): takes the arenas' values into them after the values changed
-  /// outside a step (checkpoint loading calls it).
-  void values_changed() const { layout_.values_out(); }
-  /// The flat buffers the optimizer steps: this rank's owned values and gradients (the whole arenas under
-  /// replicate) with the parameter pieces in them; checkpoints read and fill the owned values through them.
+  /// After the values changed outside a step (checkpoint loading calls it): mixed precision narrows the f32 masters
+  /// into the owned values; owning leaves (copied at the step's edges) take the arenas' values.
+  void values_changed() const { masters_.narrow(strategy_->optimizer_buffers()); layout_.values_out(); }
+  /// The flat buffers the optimizer steps (mixed_precision: f32 masters): this rank's owned values and gradients
+  /// (the whole arenas under replicate) with the parameter pieces in them; checkpoints read and fill them.
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
-    return strategy_->optimizer_buffers();
+    return masters_.buffers(strategy_->optimizer_buffers());
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
@@ -406,7 +409,7 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    run_optimizer();
+    masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
     strategy_->after_step();
     layout_.values_out();
     state_.end();
@@ -464,6 +467,7 @@ class data_parallel {
   hook_type hook_;
   detail::step_state state_;                // the phases of the step, its buckets and units
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
+  detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)

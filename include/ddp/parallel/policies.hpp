@@ -1,5 +1,5 @@
 #pragma once
-/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook.
+/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.
 /// Policies may be given in any order; a missing category takes its default. The sharding policies carry
 /// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
 
@@ -8,6 +8,7 @@
 
 #include <ddp/comm/backend.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/mixed_precision.hpp>
 #include <ddp/parallel/options.hpp>
 
 namespace ddp {
@@ -79,8 +80,8 @@ constexpr bool check_policy() {
   static_assert(policy<P>,
                 "ddp::data_parallel: one of the policies is not a ddp policy; use a backend (ddp::backend::tcp, "
                 "mpi, nccl), a sharding (ddp::replicate, shard_grad_op, full_shard, hybrid<...>), "
-                "ddp::bucket_bytes<N> or a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
-                "own type with `using policy_category = ddp::comm_hook_policy;`).");
+                "ddp::bucket_bytes<N>, a comm hook (ddp::plain_hook, bf16_compress_hook, fp16_compress_hook, or your "
+                "own type with `using policy_category = ddp::comm_hook_policy;`) or ddp::mixed_precision<...>.");
   return true;
 }
 
@@ -143,11 +144,22 @@ struct policies {
   static_assert((detail::in_category<detail::hook_category, Ps>() + ... + 0) <= 1,
                 "ddp::data_parallel: two comm hooks were given; keep one of ddp::plain_hook, bf16_compress_hook, "
                 "fp16_compress_hook.");
+  static_assert((detail::in_category<detail::precision_category, Ps>() + ... + 0) <= 1,
+                "ddp::data_parallel: two precision policies were given; keep one ddp::mixed_precision<...>.");
 
   using backend = typename detail::pick<detail::backend_category, backend::tcp, Ps...>::type;        ///< transport
   using sharding = typename detail::pick<detail::sharding_category, replicate, Ps...>::type;         ///< strategy
   using buckets = typename detail::pick<detail::bucket_category, bucket_bytes<(25U << 20)>, Ps...>::type;  ///< sizes
   using hook = typename detail::pick<detail::hook_category, plain_hook, Ps...>::type;                ///< compression
+  using precision = typename detail::pick<detail::precision_category, full_precision, Ps...>::type;  ///< masters
 };
+
+namespace detail {
+/// T is one of the policy types data_parallel<Model, Ps...> resolves (a constructor argument may be a value of it).
+template <class T, class... Ps>
+concept policy_of = one_of<T, typename policies<Ps...>::backend, typename policies<Ps...>::sharding,
+                           typename policies<Ps...>::buckets, typename policies<Ps...>::hook,
+                           typename policies<Ps...>::precision>;
+}  // namespace detail
 
 }  // namespace ddp

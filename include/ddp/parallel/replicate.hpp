@@ -13,6 +13,7 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/master_weights.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -41,8 +42,10 @@ struct strategy<replicate, Comm> {
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
-      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), buffers_(whole_arenas(layout)),
-        deterministic_(policy.deterministic) {}
+      : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), staging_(layout),
+        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic) {
+    for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
+  }
 
   /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
   template <class Hook>
@@ -52,13 +55,13 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b).grads));
+      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b, true).grads));
     } else {
-      state_.launch(b, hook.launch(gradients(b)));
+      state_.launch(b, hook.launch(gradients(b, true)));
     }
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged
-  /// gradients back; → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged gradients
+  /// back (in the reduce dtype: under mixed precision into the staging, where the optimizer finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
@@ -85,15 +88,18 @@ struct strategy<replicate, Comm> {
   void unshard_model() {}
 
  private:
-  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b) {
+  /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.
+  [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b, bool stage = false) {
     const auto& bk = plan_.buckets[b];
-    return {layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin), comm_, b};
+    const raw_tensor own = layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin);
+    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b};
   }
 
   parameter_layout& layout_;
   const bucket_plan& plan_;
   step_state& state_;
   Comm comm_;
+  reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients

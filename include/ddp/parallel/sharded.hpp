@@ -42,6 +42,7 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
+#include <ddp/parallel/master_weights.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -101,7 +102,7 @@ class sharded_core {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
       own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
-      own_grads_.emplace_back(a.numel / n * size_of(a.type));
+      own_grads_.emplace_back(a.numel / n * size_of(a.reduce_type));
       received_.emplace_back();
     }
     for (const auto& b : plan_.buckets) {
@@ -177,8 +178,10 @@ class sharded_core {
     sb.direct = sb.owned_zero;
     sb.owned_zero = false;
     if (b == 0) chained_ = 0;  // a new step
-    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, gradient_view(b))
-                                    : shard_.reduce_scatter(gradient_view(b), output(b), reduce_op::avg));
+    const auto& bk = plan_.buckets[b];
+    const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
+    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, in)
+                                    : shard_.reduce_scatter(in, output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
         state_.wait(chained_);
@@ -197,6 +200,7 @@ class sharded_core {
         chain(chained_);
       }
     state_.wait(b);
+    staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) {
       const raw_tensor in = received(b), acc = owned_grads(b);
@@ -375,25 +379,27 @@ class sharded_core {
     return {values_pool_.data(pooled_[bk.unit].values, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
             bk.end - bk.begin, a.type, device::cpu()};
   }
-  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b) const {
-    const auto& a = layout_.arenas()[plan_.buckets[b].arena];
-    const std::size_t w = size_of(a.type);
+  /// Bucket `b`'s owned block in `store`, of elements of `type` (an arena's dtype, or its reduce dtype).
+  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b, dtype type) const {
+    const std::size_t w = size_of(type);
     const auto& block = buckets_[b].block;
-    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, a.type, device::cpu()};
+    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, type, device::cpu()};
   }
   /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
   [[nodiscard]] raw_tensor output(std::size_t b) { return buckets_[b].direct ? owned_grads(b) : received(b); }
   [[nodiscard]] raw_tensor received(std::size_t b) {
     const std::size_t a = plan_.buckets[b].arena;
     if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
-    return shard_view(received_, b);
+    return shard_view(received_, b, layout_.arenas()[a].reduce_type);
   }
-  [[nodiscard]] raw_tensor owned_grads(std::size_t b) const { return shard_view(own_grads_, b); }
+  [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
+    return shard_view(own_grads_, b, layout_.arenas()[plan_.buckets[b].arena].reduce_type);
+  }
   /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
-    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b);
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
+    if (values_ == owned_value_home::own_copy) return shard_view(own_values_, b, a.type);
     return a.value_view(buckets_[b].block.begin, buckets_[b].block.length);
   }
 
@@ -431,6 +437,7 @@ class sharded_core {
   bool deterministic_;                                  // sum in rank order (the policy's deterministic knob)
   ordered_reduction scattered_;                         // deterministic: each bucket's exchanged blocks
   ordered_reduction replicated_;                        // deterministic hybrid: each owned block from every group
+  reduce_staging staging_{layout_};                     // mixed precision: buckets widened to the reduce dtype
 };
 
 }  // namespace ddp::detail
