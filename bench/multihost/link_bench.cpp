@@ -9,18 +9,27 @@
 //       LOCAL_WORLD_SIZE, one per host), beside Ψ (the parameters' bytes) and the payload ddp counted
 //   link_bench step --hook plain|bf16 --after-backward 0|1 [--dims ...] [--steps 7] [--batch 8]
 //       median step time of replicate with 4 MiB buckets (first 1 MiB) overlapping the backward, or with one
-//       bucket larger than the model (--after-backward 1), which launches once the whole backward has run
+//       bucket larger than the model (--after-backward 1), which launches once the whole backward has run;
+//       with --trace 1 every rank also prints, per step, when its backward began and ended and when each bucket
+//       launched and completed (seconds since the backward began), what the hook's launch and complete cost, and
+//       how often the scheduler preempted the launching thread inside the launch
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/ddp.hpp>
@@ -99,25 +108,175 @@ int run_allreduce(tcp_comm& comm, const arguments& a) {
   return 0;
 }
 
+/// One step's timeline on this rank, in seconds since its backward began: when each bucket launched, what the
+/// hook's launch (the bf16 hook's narrowing included) and complete cost, and when its reduction completed, which
+/// a watcher thread sees by blocking on each bucket's work in launch order (it sleeps otherwise).
+class step_trace {
+ public:
+  step_trace() : watcher_([this] { watch(); }) {}
+  step_trace(const step_trace&) = delete;
+  ~step_trace() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    watcher_.join();
+  }
+  /// The process's trace (the hooks are default-constructed by data_parallel, so they find it here).
+  static step_trace& get() {
+    static step_trace t;
+    return t;
+  }
+  /// The backward begins: a new timeline.
+  void begin_backward() {
+    std::lock_guard lock(mutex_);
+    t0_ = clock_type::now();
+    buckets_.clear();
+  }
+  /// Bucket `b` launched at `start`; its launch took until now, during which the scheduler took the CPU from
+  /// this thread `preempted` times; `w` completes with its reduction.
+  void launched(std::size_t b, clock_type::time_point start, long preempted, ddp::work w) {
+    std::lock_guard lock(mutex_);
+    if (buckets_.size() <= b) buckets_.resize(b + 1);
+    buckets_[b].launch = since(start);
+    buckets_[b].launch_cost = std::chrono::duration<double>(clock_type::now() - start).count();
+    buckets_[b].preempted = preempted;
+    queue_.emplace_back(b, std::move(w));
+    cv_.notify_all();
+  }
+  /// Bucket `b`'s hook completed it, which took since `start`.
+  void completed(std::size_t b, clock_type::time_point start) {
+    std::lock_guard lock(mutex_);
+    if (buckets_.size() > b) buckets_[b].complete_cost = std::chrono::duration<double>(clock_type::now() - start).count();
+  }
+  /// The step's timeline as JSON, once the watcher has seen every launched bucket complete.
+  std::string json(int rank, int step, double forward_start, double backward_end, double reduced, double step_end) {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return queue_.empty() && !watching_; });
+    std::string out = "{\"mode\": \"trace\", \"rank\": " + std::to_string(rank) + ", \"step\": " + std::to_string(step) +
+                      ", \"forward_start\": " + std::to_string(forward_start) + ", \"backward_end\": " +
+                      std::to_string(backward_end) + ", \"reduced\": " + std::to_string(reduced) + ", \"step_end\": " +
+                      std::to_string(step_end) + ", \"buckets\": [";
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const auto& r = buckets_[b];
+      out += (b ? ", " : "") + std::string("[") + std::to_string(r.launch) + ", " + std::to_string(r.launch_cost) + ", " +
+             std::to_string(r.done) + ", " + std::to_string(r.complete_cost) + ", " + std::to_string(r.preempted) + "]";
+    }
+    return out + "]}";
+  }
+  /// Seconds from the backward's start to `t`.
+  double since(clock_type::time_point t) const { return std::chrono::duration<double>(t - t0_).count(); }
+
+ private:
+  struct bucket_times {
+    double launch = 0, launch_cost = 0, done = 0, complete_cost = 0;
+    long preempted = 0;
+  };
+  void watch() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      auto [b, w] = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+      watching_ = true;
+      lock.unlock();
+      try {
+        w.wait();
+      } catch (const std::exception&) {  // the step's own wait reports the failure
+      }
+      const auto t = clock_type::now();
+      lock.lock();
+      watching_ = false;
+      buckets_[b].done = since(t);
+      cv_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  clock_type::time_point t0_ = clock_type::now();
+  std::vector<bucket_times> buckets_;
+  std::vector<std::pair<std::size_t, ddp::work>> queue_;
+  bool watching_ = false;
+  bool stop_ = false;
+  std::thread watcher_;
+};
+
+/// Involuntary context switches of the calling thread so far (the scheduler took the CPU from it).
+long preemptions() {
+  rusage u{};
+  ::getrusage(RUSAGE_THREAD, &u);
+  return u.ru_nivcsw;
+}
+
+/// CPU seconds (user + system) used so far by the calling thread (RUSAGE_THREAD) or the whole process.
+double cpu_seconds(int who) {
+  rusage u{};
+  ::getrusage(who, &u);
+  const auto s = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return s(u.ru_utime) + s(u.ru_stime);
+}
+
+/// `Hook` with every launch and complete recorded in step_trace::get().
+template <class Hook>
+struct traced_hook : Hook {
+  template <class Comm>
+  ddp::work launch(const ddp::bucket_gradients<Comm>& b) {
+    const long preempted = preemptions();
+    const auto start = clock_type::now();
+    ddp::work w = Hook::launch(b);
+    step_trace::get().launched(b.index, start, preemptions() - preempted, w);
+    return w;
+  }
+  template <class Comm>
+  void complete(const ddp::bucket_gradients<Comm>& b) {
+    const auto start = clock_type::now();
+    Hook::complete(b);
+    step_trace::get().completed(b.index, start);
+  }
+};
+
 /// Step times: whole steps, and their forward + backward (bucket launches included, before dp.step's wait).
 struct step_times {
   std::vector<double> step, forward_backward;
 };
 
-/// Runs `steps` training steps of `dp` after one warm-up step and times them.
+/// Runs `steps` training steps of `dp` after one warm-up step and times them; with `trace`, prints every step's
+/// timeline (step_trace) after it.
 template <class DP, class Opt>
-step_times train(DP& dp, bench::mlp& model, Opt& opt, std::size_t batch, int steps) {
+step_times train(DP& dp, bench::mlp& model, Opt& opt, std::size_t batch, int steps, bool trace = false) {
   step_times times;
+  double thread_cpu = 0, process_cpu = 0;
+  auto timed_from = clock_type::now();
   for (int i = 0; i <= steps; ++i) {
+    if (i == 1) {
+      thread_cpu = cpu_seconds(RUSAGE_THREAD);
+      process_cpu = cpu_seconds(RUSAGE_SELF);
+      timed_from = clock_type::now();
+    }
     const auto t0 = clock_type::now();
     dp.zero_grad();
-    bench::forward_backward(dp, model, batch);
-    const double fb = seconds_since(t0);
+    bench::forward_backward(dp, model, batch, [&] {
+      if (trace) step_trace::get().begin_backward();
+    });
+    const auto backward_end = clock_type::now();
+    dp.finish_gradients();
+    const auto reduced = clock_type::now();
     dp.step(opt);
+    if (trace) {
+      auto& t = step_trace::get();
+      std::printf("%s\n", t.json(dp.rank(), i, t.since(t0), t.since(backward_end), t.since(reduced),
+                                 t.since(clock_type::now())).c_str());
+    }
     if (i == 0) continue;
     times.step.push_back(seconds_since(t0));
-    times.forward_backward.push_back(fb);
+    times.forward_backward.push_back(std::chrono::duration<double>(backward_end - t0).count());
   }
+  if (trace)  // the training thread's CPU time and the rest of the process's (the progress engine's) per step
+    std::printf("{\"mode\": \"cpu\", \"rank\": %d, \"wall\": %.6f, \"training_thread\": %.6f, \"other_threads\": %.6f}\n",
+                dp.rank(), seconds_since(timed_from) / steps, (cpu_seconds(RUSAGE_THREAD) - thread_cpu) / steps,
+                (cpu_seconds(RUSAGE_SELF) - process_cpu - cpu_seconds(RUSAGE_THREAD) + thread_cpu) / steps);
   return times;
 }
 
@@ -166,7 +325,7 @@ int run_step(tcp_comm& comm, const arguments& a, const char* hook, bool after) {
   ddp::optim::sgd opt({.lr = 1e-3, .momentum = 0.9});
   const auto batch = static_cast<std::size_t>(a.number("--batch", 8));
   comm.barrier().wait();
-  auto times = train(dp, model, opt, batch, static_cast<int>(a.number("--steps", 7)));
+  auto times = train(dp, model, opt, batch, static_cast<int>(a.number("--steps", 7)), a.number("--trace", 0) != 0);
   // This rank's compute per step without communication (forward + backward under no_sync): median of 3.
   std::vector<double> alone;
   for (int i = 0; i < 3; ++i) {
@@ -190,8 +349,10 @@ int run_step(tcp_comm& comm, const arguments& a, const char* hook, bool after) {
   return 0;
 }
 
-template <class Hook>
+template <class Hook, bool Traced = false>
 int run_step_with(tcp_comm& comm, const arguments& a, const char* hook) {
+  if constexpr (!Traced)
+    if (a.number("--trace", 0) != 0) return run_step_with<traced_hook<Hook>, true>(comm, a, hook);
   if (a.number("--after-backward", 0) != 0)
     return run_step<Hook, ddp::bucket_bytes<(1U << 30), (1U << 30)>>(comm, a, hook, true);
   return run_step<Hook, ddp::bucket_bytes<(4U << 20), (1U << 20)>>(comm, a, hook, false);

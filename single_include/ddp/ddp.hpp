@@ -58,11 +58,13 @@ enum class dtype : std::uint8_t { f32, f64, bf16, f16, i32, i64, u8 };
 
 namespace detail {
 
+/// Rounds to nearest, ties to even; a NaN stays a (quiet) NaN. Without branches, so that loops over it vectorize.
 constexpr std::uint16_t float_to_bf16_bits(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
-  if ((bits & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);  // quiet NaN
-  const std::uint32_t rounding = 0x7fffU + ((bits >> 16) & 1U);                                       // nearest, ties to even
-  return static_cast<std::uint16_t>((bits + rounding) >> 16);
+  const std::uint32_t rounded = (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16;
+  const std::uint32_t quiet_nan = (bits >> 16) | 0x40U;
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>((bits & 0x7fffffffU) > 0x7f800000U);  // all ones or 0
+  return static_cast<std::uint16_t>((rounded & ~is_nan) | (quiet_nan & is_nan));
 }
 
 constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
@@ -6860,8 +6862,8 @@ static_assert(comm_hook<plain_hook>);
 
 namespace detail {
 
-/// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (so sums of large values
-/// do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
+/// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (multiplied by its reciprocal in
+/// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
 /// Half buffer per bucket, made on the bucket's first launch.
 template <class Half>
 class compress_hook {
@@ -6871,9 +6873,10 @@ class compress_hook {
   work launch(const bucket_gradients<Comm>& b) {
     if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
     auto& half = scratch(b);
-    const double scale = 1.0 / b.world_size();
     visit_typed(b, [&](auto g) {
-      for (std::size_t i = 0; i < half.size(); ++i) half[i] = Half(static_cast<float>(g[i] * scale));
+      using T = typename decltype(g)::value_type;
+      const T scale = static_cast<T>(1.0 / b.world_size());
+      in_blocks(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
     });
     return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
   }
@@ -6883,12 +6886,23 @@ class compress_hook {
     const auto& half = scratch(b);
     visit_typed(b, [&](auto g) {
       using T = typename decltype(g)::value_type;
-      for (std::size_t i = 0; i < g.size(); ++i) g[i] = static_cast<T>(static_cast<float>(half[i]));
+      in_blocks(g.size(), [&](std::size_t i) { g[i] = static_cast<T>(static_cast<float>(half[i])); });
     });
   }
 
  private:
   static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
+  /// Calls f(i) for every i below n, in blocks of 16 with a fixed trip count, which compilers vectorize also at
+  /// -O2 (GCC's cost model there refuses a loop of unknown length but takes a fixed block): the bf16 narrowing of
+  /// a bucket runs several times faster than over the plain loop, on the thread that runs the backward.
+  template <class F>
+  static void in_blocks(std::size_t n, F&& f) {
+    constexpr std::size_t block = 16;
+    std::size_t i = 0;
+    for (; i + block <= n; i += block)
+      for (std::size_t k = 0; k < block; ++k) f(i + k);
+    for (; i < n; ++i) f(i);
+  }
   template <class Comm>
   std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
     if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);

@@ -49,6 +49,29 @@ TEST_CASE("bfloat16 rounds to nearest even", "[dtype]") {
   }
 }
 
+TEST_CASE("bfloat16 rounds every float to the nearer neighbour, ties to even, and keeps NaN a NaN", "[dtype]") {
+  // Walk a dense stride of all float bit patterns: the result is the truncation `down` or the next value up in
+  // magnitude, whichever is nearer (ties: the even one). The top finite binade's round-up to infinity is left to the
+  // case above (float's max rounds to infinity), since infinity has no distance to compare.
+  std::uint64_t mismatches = 0;
+  for (std::uint64_t bits = 0; bits <= 0xffffffffULL; bits += 4099) {
+    const float f = std::bit_cast<float>(static_cast<std::uint32_t>(bits));
+    const auto ours = ddp::bfloat16(f).bits;
+    if (std::isnan(f)) {
+      if (!std::isnan(static_cast<float>(ddp::bfloat16::from_bits(ours)))) ++mismatches;
+      continue;
+    }
+    const auto down = static_cast<std::uint16_t>(bits >> 16);
+    const auto up = static_cast<std::uint16_t>(down + 1U);
+    if ((down & 0x7fffU) >= 0x7f7fU) continue;  // the top finite binade's last value, and infinity
+    const double below = std::fabs(double(f) - double(static_cast<float>(ddp::bfloat16::from_bits(down))));
+    const double above = std::fabs(double(f) - double(static_cast<float>(ddp::bfloat16::from_bits(up))));
+    const auto expected = below < above ? down : above < below ? up : (down & 1U) != 0 ? up : down;
+    if (ours != expected) ++mismatches;
+  }
+  REQUIRE(mismatches == 0);
+}
+
 TEST_CASE("dtype metadata", "[dtype]") {
   STATIC_REQUIRE(ddp::dtype_v<float> == ddp::dtype::f32);
   STATIC_REQUIRE(ddp::dtype_v<ddp::bfloat16> == ddp::dtype::bf16);

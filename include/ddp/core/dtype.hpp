@@ -14,11 +14,13 @@ enum class dtype : std::uint8_t { f32, f64, bf16, f16, i32, i64, u8 };
 
 namespace detail {
 
+/// Rounds to nearest, ties to even; a NaN stays a (quiet) NaN. Without branches, so that loops over it vectorize.
 constexpr std::uint16_t float_to_bf16_bits(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
-  if ((bits & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((bits >> 16) | 0x40U);  // quiet NaN
-  const std::uint32_t rounding = 0x7fffU + ((bits >> 16) & 1U);                                       // nearest, ties to even
-  return static_cast<std::uint16_t>((bits + rounding) >> 16);
+  const std::uint32_t rounded = (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16;
+  const std::uint32_t quiet_nan = (bits >> 16) | 0x40U;
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>((bits & 0x7fffffffU) > 0x7f800000U);  // all ones or 0
+  return static_cast<std::uint16_t>((rounded & ~is_nan) | (quiet_nan & is_nan));
 }
 
 constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
