@@ -2457,6 +2457,7 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <random>
 
 
 namespace ddp::tcp::detail {
@@ -2503,6 +2504,31 @@ struct peer_memory {
   bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
   std::uint64_t live_address = 0;  ///< where the peer keeps its live word
   std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// This process's live word, which peers on this host read after each copy from its memory: it changes once
+/// when the engine aborts, before any buffer is released, so a copy that overlapped the release is recognised
+/// and discarded.
+class live_word {
+ public:
+  live_word() {
+    std::random_device random;
+    value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    word_.store(value_);
+  }
+  /// The word itself (peers read it at its address).
+  [[nodiscard]] const std::atomic<std::uint64_t>& word() const { return word_; }
+  /// Changes the word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end() {
+    std::uint64_t alive = value_;
+    word_.compare_exchange_strong(alive, ~value_);
+  }
+
+ private:
+  std::atomic<std::uint64_t> word_{0};
+  std::uint64_t value_ = 0;  ///< the word's value until the engine aborts
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
 };
 
 /// How a copy out of a peer's memory ended.
@@ -3148,18 +3174,103 @@ struct recv_part {
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
 /// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
 /// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
-/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
-/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
-/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
+/// Calls arrive through a call_queue; collectives of groups on one host run over shared memory, on the
+/// caller's thread when the engine is idle, else on the engine thread between sleeps that serve the sockets
+/// (shm_run.hpp).
 
 #include <sys/eventfd.h>
 
-#include <deque>
-#include <random>
 
+// ---- begin <ddp/comm/tcp/call_queue.hpp>
+/// \file The calls submitted to the engine, in submission order, and who runs them. The engine thread takes
+/// them one at a time; a shared-memory call submitted while nothing runs or waits may run on the caller's
+/// thread instead (shm_run.hpp), and goes back to the front of the queue when its peers are late. One mutex
+/// guards the queue and orders the submissions (callers take it to number their calls).
+
+#include <deque>
+
+
+namespace ddp::tcp::detail {
+
+class call_queue {
+ public:
+  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with push_locked().
+  std::mutex& mutex() { return mutex_; }
+  /// With mutex() held: queues `c` behind the others.
+  void push_locked(call c) { calls_.push_back(std::move(c)); }
+  /// With mutex() held: true (and the queue claimed) when shared-memory call `c` may run on the caller's
+  /// thread now, because nothing runs or waits before it and the engine has not failed.
+  bool claim_locked(const call& c) {
+    if (!c.over_shm() || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    busy_ = true;
+    return true;
+  }
+  /// Ends the caller's claim: `back` (a call handed off) goes to the front, `failure` (what a call on the
+  /// caller's thread failed with) waits for the engine thread to tell the peers. True when the engine thread
+  /// has work.
+  bool release(std::optional<call> back, std::exception_ptr failure) {
+    std::lock_guard lock(mutex_);
+    if (back) calls_.push_front(std::move(*back));
+    if (failure) caller_failure_ = std::move(failure);
+    busy_ = false;
+    return !calls_.empty() || caller_failure_;
+  }
+
+  // ---- the engine thread's side ----
+
+  /// With mutex() held: the next call, claimed, where none runs.
+  std::optional<call> take_locked() {
+    if (calls_.empty() || busy_) return std::nullopt;
+    std::optional<call> c(std::move(calls_.front()));
+    calls_.pop_front();
+    busy_ = true;
+    return c;
+  }
+  /// The call take_locked() gave has completed.
+  void finished() {
+    std::lock_guard lock(mutex_);
+    busy_ = false;
+  }
+  /// With mutex() held: what a call on the caller's thread failed with (once), or null.
+  std::exception_ptr take_caller_failure_locked() { return std::exchange(caller_failure_, nullptr); }
+  /// The engine aborted: later calls run (and fail) on the engine thread.
+  void fail() {
+    std::lock_guard lock(mutex_);
+    failed_ = true;
+  }
+  /// Asks the engine thread to stop.
+  void stop() {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  /// With mutex() held: true once stop() was called.
+  [[nodiscard]] bool stopping_locked() const { return stop_; }
+  /// True once stop() was called.
+  [[nodiscard]] bool stopping() {
+    std::lock_guard lock(mutex_);
+    return stop_;
+  }
+  /// Removes and returns every call still queued.
+  std::deque<call> drain() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(calls_, {});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::deque<call> calls_;
+  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
+  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
+  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
+  bool stop_ = false;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/call_queue.hpp>
 // ---- begin <ddp/comm/tcp/engine_errors.hpp>
-/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
-/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+/// \file The errors the TCP engine raises, the checks that find a mismatched step before a sleep, and the
+/// abort notices that carry errors to the peers. Every message names this rank, the peer, the call and what
+/// to do; the engine derives from this to build them.
 
 
 // ---- begin <ddp/comm/tcp/frame_reader.hpp>
@@ -3390,6 +3501,210 @@ class mailbox {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/matching.hpp>
+// ---- begin <ddp/comm/tcp/peer.hpp>
+/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
+/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
+
+
+// ---- begin <ddp/comm/tcp/frame_writer.hpp>
+/// \file The sending half of a peer stream: a queue of frames written with sendmsg as the socket accepts
+/// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
+/// already half written is completed, so the peer can still parse the abort notice behind it.
+
+
+
+
+namespace ddp::tcp::detail {
+
+/// One queued frame.
+struct tx_item {
+  frame_header hdr;
+  const char* data = nullptr;
+  std::size_t sent = 0;                           ///< bytes of header + payload already written
+  std::shared_ptr<ddp::detail::completion> done;  ///< finished when written (point-to-point sends)
+  remote_block where{};                           ///< a remote frame's payload
+  [[nodiscard]] std::size_t total() const { return sizeof(frame_header) + hdr.length; }
+  [[nodiscard]] const char* payload() const {
+    return (hdr.flags & frame_remote) != 0 ? reinterpret_cast<const char*>(&where) : data;
+  }
+};
+
+class frame_writer {
+ public:
+  /// True while frames wait to be written.
+  [[nodiscard]] bool pending() const { return head_ < queue_.size(); }
+
+  /// Queues a frame; `data` (hdr.length bytes) must stay valid until it is written.
+  void push(tx_item item) { queue_.push_back(std::move(item)); }
+
+  /// Writes what the socket `fd` accepts; true if bytes moved. Returns the errno of a failed write in
+  /// `failure` (0 when none); finished frames complete their `done`.
+  bool write_some(int fd, int& failure) {
+    bool moved = false;
+    failure = 0;
+    while (pending()) {
+      tx_item& t = queue_[head_];
+      iovec iov[2];
+      int n = 0;
+      if (t.sent < sizeof(frame_header))
+        iov[n++] = {reinterpret_cast<char*>(&t.hdr) + t.sent, sizeof(frame_header) - t.sent};
+      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+      if (t.hdr.length > payload_done)
+        iov[n++] = {const_cast<char*>(t.payload()) + payload_done, t.hdr.length - payload_done};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<std::size_t>(n);
+      const ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) failure = errno;
+        break;
+      }
+      moved = moved || k > 0;
+      t.sent += static_cast<std::size_t>(k);
+      if (t.sent < t.total()) break;
+      if (t.done) t.done->finish();
+      t.done.reset();
+      if (++head_ == queue_.size()) clear();
+    }
+    return moved;
+  }
+
+  /// On abort: completes the frame already half written (blocking until `limit`), fails the completions of
+  /// every frame still queued with `e`, and empties the queue. False if the stream was left mid-frame.
+  bool abandon(int fd, std::exception_ptr e, clock::time_point limit) {
+    bool clean = true;
+    if (pending() && queue_[head_].sent > 0) {
+      const tx_item& t = queue_[head_];
+      const std::size_t header_left = t.sent < sizeof(frame_header) ? sizeof(frame_header) - t.sent : 0;
+      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
+      clean = send_all(fd, reinterpret_cast<const char*>(&t.hdr) + (sizeof(frame_header) - header_left), header_left,
+                       limit) == io_status::ok &&
+              send_all(fd, t.payload() + payload_done, t.hdr.length - payload_done, limit) == io_status::ok;
+    }
+    for (std::size_t i = head_; i < queue_.size(); ++i)
+      if (queue_[i].done) queue_[i].done->fail(e);
+    clear();
+    return clean;
+  }
+
+  /// True when the stream stands between frames (nothing half written).
+  [[nodiscard]] bool at_boundary() const { return !pending() || queue_[head_].sent == 0; }
+
+ private:
+  void clear() {
+    queue_.clear();
+    head_ = 0;
+  }
+  std::vector<tx_item> queue_;
+  std::size_t head_ = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/frame_writer.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Where the payload being read from a peer goes.
+enum class target : std::uint8_t {
+  control,     ///< nowhere: a control frame (no payload)
+  collective,  ///< the executing call's expected destination, or `remote` for a remote frame
+  posted,      ///< the recv its send matched
+  stray,       ///< a buffer of its own, until the recv is posted
+};
+
+struct peer {
+  socket_fd fd;
+  frame_writer out;
+  frame_reader in;
+  peer_memory memory;
+  mailbox mail;
+  target into = target::control;
+  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
+  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+  bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
+  frame_header expect;
+  char* expect_dest = nullptr;
+  remote_block remote{};                ///< the remote frame being received
+  std::uint64_t unacked = 0;            ///< remote frames sent to it and not yet copied
+  std::optional<frame_header> waiting;  ///< the call it last said it waits in (op_waiting)
+
+  /// Its stream may be read now: a collective frame's header waits there until its call expects it.
+  [[nodiscard]] bool readable() const {
+    return fd.valid() && !in.ended() && (in.state() != read_state::holding || expecting);
+  }
+  /// Frames to it are still queued, or copies of remote frames it has not acknowledged.
+  [[nodiscard]] bool sending() const { return out.pending() || unacked > 0; }
+  /// The executing call cannot end before this peer does something.
+  [[nodiscard]] bool awaited() const { return expecting || sending(); }
+  /// The executing call expects the next collective frame from this peer to carry `h`, its payload for `dest`.
+  void await(const frame_header& h, char* dest) {
+    expecting = true;
+    expect = h;
+    expect_dest = dest;
+  }
+
+  /// On abort: forgets what the call expects and the copies it offered; fails every recv with `e`.
+  void fail(const std::exception_ptr& e) {
+    expecting = false;
+    unacked = 0;
+    mail.fail_all(e);
+    if (matched) matched->done->fail(e);
+    matched.reset();
+  }
+
+  /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
+  /// behind it (until `limit`), so the peer can parse it.
+  void abort(const std::exception_ptr& e, const abort_notice& notice, clock::time_point limit) {
+    fail(e);
+    if (!fd.valid()) return;
+    const bool open = !in.ended();
+    if (!out.abandon(fd.get(), e, open ? limit : clock::now()) || !open) return;
+    if (send_all(fd.get(), &notice.header, sizeof notice.header, limit) == io_status::ok)
+      send_all(fd.get(), notice.text.data(), notice.text.size(), limit);
+  }
+
+  /// On destruction: fails the queued frames with `gone`, says goodbye where asked and the stream is at a
+  /// frame boundary, drains what the peer sent and closes.
+  void close(const std::exception_ptr& gone, bool say_bye) {
+    if (!fd.valid()) return;
+    const auto limit = clock::now() + std::chrono::milliseconds(100);
+    if (out.abandon(fd.get(), gone, limit) && say_bye) {
+      frame_header bye;
+      bye.op = op_bye;
+      send_all(fd.get(), &bye, sizeof bye, limit);
+    }
+    char sink[4096];
+    while (::recv(fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
+    }
+    fd.reset();
+  }
+};
+
+/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
+class scratch_space {
+ public:
+  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
+  char* get(int which, std::size_t bytes) {
+    auto& s = buffers_[which];
+    if (s.size < bytes) {
+      s.data.reset();  // free first, so the peak is the new size, not both
+      s.data.reset(new char[bytes]);
+      s.size = bytes;
+    }
+    return s.data.get();
+  }
+
+ private:
+  struct buffer {
+    std::unique_ptr<char[]> data;
+    std::size_t size = 0;
+  };
+  buffer buffers_[2];
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/peer.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3437,6 +3752,28 @@ class engine_errors {
                              "; every rank must call the same collectives in the same order with the same counts, "
                              "dtypes, operators and roots",
                          rank_);
+  }
+
+  /// Raises mismatch_error where one of `peers` (by world rank) is at the executing call's step (group and
+  /// sequence number) in another call: a frame of it waits unread, or it said it waits in that call. Runs
+  /// before every sleep, so calls that only receive, or only send, on both sides fail at once instead of at
+  /// the timeout.
+  void check_same_step(const std::vector<peer>& peers) const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers.size(); ++r) {
+      const peer& p = peers[r];
+      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
+      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+    }
+  }
+
+  /// The ranks of `peers` the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list(const std::vector<peer>& peers) const {
+    std::string waiting;
+    for (std::size_t r = 0; r < peers.size(); ++r)
+      if (peers[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
   }
 
   [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
@@ -3556,210 +3893,13 @@ class engine_errors {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/engine_errors.hpp>
-// ---- begin <ddp/comm/tcp/frame_writer.hpp>
-/// \file The sending half of a peer stream: a queue of frames written with sendmsg as the socket accepts
-/// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
-/// already half written is completed, so the peer can still parse the abort notice behind it.
+// ---- begin <ddp/comm/tcp/shm_run.hpp>
+/// \file Running a collective over its group's shared-memory segment, on either thread. On the caller's
+/// thread (the engine idle: no hop between threads) until its first barrier has spun shm_handoff_after
+/// without its peers; then, or from the start where the engine is busy, on the engine thread, which sleeps
+/// in 1 ms slices and serves its sockets between them.
 
 
-
-
-namespace ddp::tcp::detail {
-
-/// One queued frame.
-struct tx_item {
-  frame_header hdr;
-  const char* data = nullptr;
-  std::size_t sent = 0;                           ///< bytes of header + payload already written
-  std::shared_ptr<ddp::detail::completion> done;  ///< finished when written (point-to-point sends)
-  remote_block where{};                           ///< a remote frame's payload
-  [[nodiscard]] std::size_t total() const { return sizeof(frame_header) + hdr.length; }
-  [[nodiscard]] const char* payload() const {
-    return (hdr.flags & frame_remote) != 0 ? reinterpret_cast<const char*>(&where) : data;
-  }
-};
-
-class frame_writer {
- public:
-  /// True while frames wait to be written.
-  [[nodiscard]] bool pending() const { return head_ < queue_.size(); }
-
-  /// Queues a frame; `data` (hdr.length bytes) must stay valid until it is written.
-  void push(tx_item item) { queue_.push_back(std::move(item)); }
-
-  /// Writes what the socket `fd` accepts; true if bytes moved. Returns the errno of a failed write in
-  /// `failure` (0 when none); finished frames complete their `done`.
-  bool write_some(int fd, int& failure) {
-    bool moved = false;
-    failure = 0;
-    while (pending()) {
-      tx_item& t = queue_[head_];
-      iovec iov[2];
-      int n = 0;
-      if (t.sent < sizeof(frame_header))
-        iov[n++] = {reinterpret_cast<char*>(&t.hdr) + t.sent, sizeof(frame_header) - t.sent};
-      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
-      if (t.hdr.length > payload_done)
-        iov[n++] = {const_cast<char*>(t.payload()) + payload_done, t.hdr.length - payload_done};
-      msghdr msg{};
-      msg.msg_iov = iov;
-      msg.msg_iovlen = static_cast<std::size_t>(n);
-      const ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (k < 0) {
-        if (errno == EINTR) continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK) failure = errno;
-        break;
-      }
-      moved = moved || k > 0;
-      t.sent += static_cast<std::size_t>(k);
-      if (t.sent < t.total()) break;
-      if (t.done) t.done->finish();
-      t.done.reset();
-      if (++head_ == queue_.size()) clear();
-    }
-    return moved;
-  }
-
-  /// On abort: completes the frame already half written (blocking until `limit`), fails the completions of
-  /// every frame still queued with `e`, and empties the queue. False if the stream was left mid-frame.
-  bool abandon(int fd, std::exception_ptr e, clock::time_point limit) {
-    bool clean = true;
-    if (pending() && queue_[head_].sent > 0) {
-      const tx_item& t = queue_[head_];
-      const std::size_t header_left = t.sent < sizeof(frame_header) ? sizeof(frame_header) - t.sent : 0;
-      const std::size_t payload_done = t.sent > sizeof(frame_header) ? t.sent - sizeof(frame_header) : 0;
-      clean = send_all(fd, reinterpret_cast<const char*>(&t.hdr) + (sizeof(frame_header) - header_left), header_left,
-                       limit) == io_status::ok &&
-              send_all(fd, t.payload() + payload_done, t.hdr.length - payload_done, limit) == io_status::ok;
-    }
-    for (std::size_t i = head_; i < queue_.size(); ++i)
-      if (queue_[i].done) queue_[i].done->fail(e);
-    clear();
-    return clean;
-  }
-
-  /// True when the stream stands between frames (nothing half written).
-  [[nodiscard]] bool at_boundary() const { return !pending() || queue_[head_].sent == 0; }
-
- private:
-  void clear() {
-    queue_.clear();
-    head_ = 0;
-  }
-  std::vector<tx_item> queue_;
-  std::size_t head_ = 0;
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/frame_writer.hpp>
-// ---- begin <ddp/comm/tcp/peer.hpp>
-/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
-/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
-
-
-
-namespace ddp::tcp::detail {
-
-/// Where the payload being read from a peer goes.
-enum class target : std::uint8_t {
-  control,     ///< nowhere: a control frame (no payload)
-  collective,  ///< the executing call's expected destination, or `remote` for a remote frame
-  posted,      ///< the recv its send matched
-  stray,       ///< a buffer of its own, until the recv is posted
-};
-
-struct peer {
-  socket_fd fd;
-  frame_writer out;
-  frame_reader in;
-  peer_memory memory;
-  mailbox mail;
-  target into = target::control;
-  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
-  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
-  bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
-  frame_header expect;
-  char* expect_dest = nullptr;
-  remote_block remote{};                ///< the remote frame being received
-  std::uint64_t unacked = 0;            ///< remote frames sent to it and not yet copied
-  std::optional<frame_header> waiting;  ///< the call it last said it waits in (op_waiting)
-
-  /// Its stream may be read now: a collective frame's header waits there until its call expects it.
-  [[nodiscard]] bool readable() const {
-    return fd.valid() && !in.ended() && (in.state() != read_state::holding || expecting);
-  }
-  /// Frames to it are still queued, or copies of remote frames it has not acknowledged.
-  [[nodiscard]] bool sending() const { return out.pending() || unacked > 0; }
-  /// The executing call cannot end before this peer does something.
-  [[nodiscard]] bool awaited() const { return expecting || sending(); }
-  /// The executing call expects the next collective frame from this peer to carry `h`, its payload for `dest`.
-  void await(const frame_header& h, char* dest) {
-    expecting = true;
-    expect = h;
-    expect_dest = dest;
-  }
-
-  /// On abort: forgets what the call expects and the copies it offered; fails every recv with `e`.
-  void fail(const std::exception_ptr& e) {
-    expecting = false;
-    unacked = 0;
-    mail.fail_all(e);
-    if (matched) matched->done->fail(e);
-    matched.reset();
-  }
-
-  /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
-  /// behind it (until `limit`), so the peer can parse it.
-  void abort(const std::exception_ptr& e, const abort_notice& notice, clock::time_point limit) {
-    fail(e);
-    if (!fd.valid()) return;
-    const bool open = !in.ended();
-    if (!out.abandon(fd.get(), e, open ? limit : clock::now()) || !open) return;
-    if (send_all(fd.get(), &notice.header, sizeof notice.header, limit) == io_status::ok)
-      send_all(fd.get(), notice.text.data(), notice.text.size(), limit);
-  }
-
-  /// On destruction: fails the queued frames with `gone`, says goodbye where asked and the stream is at a
-  /// frame boundary, drains what the peer sent and closes.
-  void close(const std::exception_ptr& gone, bool say_bye) {
-    if (!fd.valid()) return;
-    const auto limit = clock::now() + std::chrono::milliseconds(100);
-    if (out.abandon(fd.get(), gone, limit) && say_bye) {
-      frame_header bye;
-      bye.op = op_bye;
-      send_all(fd.get(), &bye, sizeof bye, limit);
-    }
-    char sink[4096];
-    while (::recv(fd.get(), sink, sizeof sink, MSG_DONTWAIT) > 0) {
-    }
-    fd.reset();
-  }
-};
-
-/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
-class scratch_space {
- public:
-  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
-  char* get(int which, std::size_t bytes) {
-    auto& s = buffers_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
-  }
-
- private:
-  struct buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  buffer buffers_[2];
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/peer.hpp>
 // ---- begin <ddp/comm/tcp/shm_algorithms.hpp>
 /// \file The collectives of the same-host transport, over a group's shared-memory segment (shm_channel):
 /// every rank publishes pieces of its input in its region, then reads what it needs straight from the
@@ -4297,6 +4437,49 @@ inline void shm_execute(shm_channel& ch, shm_group& g) {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/shm_algorithms.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
+/// the engine thread and returning its work.
+inline constexpr std::chrono::microseconds shm_handoff_after{100};
+
+/// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
+/// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
+inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
+  shm_waiting how;
+  const bool crowded = c.grp->shm->oversubscribed();
+  how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+  how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+  how.note = note;
+  try {
+    shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
+    shm_execute(ch, *c.grp->shm);
+    return true;
+  } catch (const shm_handoff&) {
+    c.resumed = true;
+    return false;
+  }
+}
+
+/// Runs (or resumes) shared-memory call `c` on the engine thread by `deadline`, calling `serve` between
+/// sleeps (it serves the sockets, and throws to cancel the call).
+inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::stall_note* note,
+                              std::function<void()> serve) {
+  shm_waiting how;
+  how.resumed = c.resumed;
+  how.slice = std::chrono::milliseconds(1);
+  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+  how.note = note;
+  how.between = std::move(serve);
+  // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
+  // flight recorder's view, gives up first.
+  shm_channel ch(*c.grp->shm, c, deadline + how.slice, std::move(how));
+  shm_execute(ch, *c.grp->shm);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_run.hpp>
 // ---- begin <ddp/comm/tcp/store.hpp>
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
@@ -4745,10 +4928,6 @@ class store_server {
 
 namespace ddp::tcp::detail {
 
-/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
-/// the engine thread and returning its work.
-inline constexpr std::chrono::microseconds shm_handoff_after{100};
-
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
 using executor = void (*)(engine&, call&);
@@ -4758,9 +4937,6 @@ class engine : engine_errors {
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
-    std::random_device random;
-    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
-    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -4770,10 +4946,7 @@ class engine : engine_errors {
 
   /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
   ~engine() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
+    queue_.stop();
     wake();
     thread_.join();
   }
@@ -4781,7 +4954,7 @@ class engine : engine_errors {
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
   /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
   void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
-    std::unique_lock lock(mutex_);
+    std::unique_lock lock(queue_.mutex());
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
     pending_world_ = std::move(world);
@@ -4790,47 +4963,23 @@ class engine : engine_errors {
     wake();
   }
 
-  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
-  std::mutex& queue_mutex() { return mutex_; }
-  /// Queues `c` while the caller already holds queue_mutex().
-  void submit_locked(call c) { queue_.push_back(std::move(c)); }
-  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
-  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
-  bool claim_for_caller_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
-    busy_ = true;
-    return true;
-  }
-  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
-  /// peers are not there within shm_handoff_after.
+  /// The calls submitted, and who runs them.
+  call_queue& queue() { return queue_; }
+  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
+  /// the engine thread if the peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
-    shm_waiting how;
-    const bool crowded = c.grp->shm->oversubscribed();
-    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    std::unique_lock lock(mutex_, std::defer_lock);
+    std::optional<call> back;
+    std::exception_ptr failure;
     try {
-      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch, *c.grp->shm);
-      c.done->finish();
-      lock.lock();
-    } catch (const shm_handoff&) {
-      c.resumed = true;
-      lock.lock();
-      queue_.push_front(std::move(c));
+      if (run_shm_on_caller(c, note_.get())) c.done->finish();
+      else back = std::move(c);
     } catch (...) {
-      const auto e = std::current_exception();
-      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
-      c.done->fail(e);
-      lock.lock();
-      caller_failure_ = e;
+      failure = std::current_exception();
+      live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      c.done->fail(failure);
     }
-    busy_ = false;
-    const bool more = !queue_.empty() || caller_failure_;
-    lock.unlock();
-    if (more) wake();
+    if (queue_.release(std::move(back), std::move(failure))) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -4839,9 +4988,8 @@ class engine : engine_errors {
   }
 
   [[nodiscard]] int rank() const { return rank_; }
-  /// The word peers on this host read after each copy from this process: it changes once when the engine
-  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
-  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// This process's live word (same_host.hpp), which peers on this host read after each copy from it.
+  [[nodiscard]] const live_word& live() const { return live_; }
   /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
   [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
 
@@ -4880,7 +5028,7 @@ class engine : engine_errors {
 
   void loop() {
     while (true) {
-      std::unique_lock lock(mutex_);
+      std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -4892,21 +5040,18 @@ class engine : engine_errors {
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
-        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
+      // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
+      // would see a clean close).
+      if (const auto e = queue_.take_caller_failure_locked()) {
         lock.unlock();
         abort_peers(e);
         continue;
       }
-      if (stop_) break;
-      if (!queue_.empty() && !busy_) {
-        call c = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
+      if (queue_.stopping_locked()) break;
+      if (auto c = queue_.take_locked()) {
         lock.unlock();
-        run(c);
-        lock.lock();
-        busy_ = false;
+        run(*c);
+        queue_.finished();
         continue;
       }
       lock.unlock();
@@ -4965,7 +5110,10 @@ class engine : engine_errors {
     deadline_ = clock::now() + c.grp->timeout;
     try {
       if (c.over_shm()) {
-        run_shm(c);
+        run_shm_on_engine(c, deadline_, note_.get(), [this] {
+          idle_wait(0);
+          if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+        });
         c.done->finish();
       } else if (c.side != p2p::none) {
         point_to_point(c);
@@ -4982,31 +5130,6 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
-  }
-
-  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
-  void end_life() {
-    std::uint64_t alive = live_value_;
-    live_.compare_exchange_strong(alive, ~live_value_);
-  }
-
-  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
-  void run_shm(call& c) {
-    shm_waiting how;
-    how.resumed = c.resumed;
-    how.slice = std::chrono::milliseconds(1);
-    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    how.between = [this] {
-      idle_wait(0);
-      std::lock_guard lock(mutex_);
-      if (stop_) throw cancelled();  // to the peers, this rank is lost
-    };
-    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
-    // flight recorder's view, gives up first.
-    const auto deadline = deadline_ + how.slice;
-    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
-    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -5055,7 +5178,7 @@ class engine : engine_errors {
     int failure = 0;
     const bool moved = p.out.write_some(p.fd.get(), failure);
     if (failure == 0) return moved;
-    if (current_ != nullptr && current_->side == p2p::none) check_same_step();  // a frame shows a mismatch: say so
+    if (current_ != nullptr && current_->side == p2p::none) check_same_step(peers_);  // a frame shows a mismatch: say so
     throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
   }
 
@@ -5183,7 +5306,7 @@ class engine : engine_errors {
         if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].in.ended())
           throw lost(static_cast<int>(r), 0, farewell(peers_[r].in));
       if (done()) return;
-      check_same_step();
+      check_same_step(peers_);
       build_poll_set();
       const int until_deadline = poll_ms(deadline_);
       const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
@@ -5191,8 +5314,7 @@ class engine : engine_errors {
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
-        std::lock_guard lock(mutex_);
-        if (stop_) throw cancelled();  // to the peers, this rank is lost
+        if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
@@ -5200,20 +5322,7 @@ class engine : engine_errors {
         stall_noticed = true;
         notice_stall();
       }
-      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list());
-    }
-  }
-
-  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
-  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
-  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
-  void check_same_step() const {
-    const frame_header mine = header_of(*current_, 0);
-    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
-    for (std::size_t r = 0; r < peers_.size(); ++r) {
-      const peer& p = peers_[r];
-      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
-      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list(peers_));
     }
   }
 
@@ -5224,16 +5333,8 @@ class engine : engine_errors {
     h.op = op_waiting;
     for (const int member : current_->grp->members)
       if (member != rank_ && at(member).fd.valid() && !at(member).in.ended()) post(member, h, nullptr, nullptr);
-    note_->set(waiting_list());
+    note_->set(waiting_list(peers_));
     noted_ = true;
-  }
-
-  /// The ranks the executing call waits for: "rank 1, rank 3".
-  [[nodiscard]] std::string waiting_list() const {
-    std::string waiting;
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      if (peers_[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
-    return waiting;
   }
 
   // ---- failure and shutdown ----------------------------------------------------------------
@@ -5241,27 +5342,19 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    end_life();  // before any buffer is released: copies still running see it and discard
+    live_.end();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
-    {
-      std::lock_guard lock(mutex_);
-      failed_ = true;
-    }
+    queue_.fail();
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
 
   /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
   void shutdown() {
-    std::deque<call> left;
-    {
-      std::lock_guard lock(mutex_);
-      left.swap(queue_);
-    }
     const auto gone = destroyed();
-    for (auto& c : left) c.done->fail(gone);
+    for (auto& c : queue_.drain()) c.done->fail(gone);
     for (auto& p : peers_) p.close(gone, !poisoned_);
     if (shm_world_) shm_world_->release();
   }
@@ -5274,25 +5367,17 @@ class engine : engine_errors {
   std::vector<pollfd> fds_;
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
-  std::atomic<std::uint64_t> live_{0};
-  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
-  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
-                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
   scratch_space scratch_;
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
-  std::mutex mutex_;
-  std::deque<call> queue_;
+  call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
   std::shared_ptr<shm_world> pending_world_;
   bool has_pending_sockets_ = false;
-  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
-  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
-  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
-  bool stop_ = false;
   std::thread thread_;
 };
 
@@ -6466,7 +6551,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store, eng.live_word());
+  auto memory = probe_memory(cfg, store, eng.live().word());
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
@@ -6599,7 +6684,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     auto child = std::make_shared<detail::group>();
     std::uint64_t nth = 0;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       nth = group_->splits++;
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
@@ -6703,7 +6788,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     c.grp = group_;
     work w;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
@@ -6713,8 +6798,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
                " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
       c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       w = work(c.done);
-      if (!engine_->claim_for_caller_locked(c)) {
-        engine_->submit_locked(std::move(c));
+      if (!engine_->queue().claim_locked(c)) {
+        engine_->queue().push_locked(std::move(c));
         engine_->wake();
         return w;
       }

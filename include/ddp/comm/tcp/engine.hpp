@@ -3,9 +3,9 @@
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
 /// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
 /// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
-/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
-/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
-/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
+/// Calls arrive through a call_queue; collectives of groups on one host run over shared memory, on the
+/// caller's thread when the engine is idle, else on the engine thread between sleeps that serve the sockets
+/// (shm_run.hpp).
 
 #include <sys/eventfd.h>
 
@@ -14,17 +14,16 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/call.hpp>
+#include <ddp/comm/tcp/call_queue.hpp>
 #include <ddp/comm/tcp/engine_errors.hpp>
 #include <ddp/comm/tcp/frame_reader.hpp>
 #include <ddp/comm/tcp/frame_writer.hpp>
@@ -32,7 +31,7 @@
 #include <ddp/comm/tcp/peer.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
-#include <ddp/comm/tcp/shm_algorithms.hpp>
+#include <ddp/comm/tcp/shm_run.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
@@ -40,10 +39,6 @@
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
-
-/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
-/// the engine thread and returning its work.
-inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
@@ -54,9 +49,6 @@ class engine : engine_errors {
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
       : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
-    std::random_device random;
-    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
-    live_.store(live_value_);
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
     peers_.resize(static_cast<std::size_t>(size));
@@ -66,10 +58,7 @@ class engine : engine_errors {
 
   /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
   ~engine() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
+    queue_.stop();
     wake();
     thread_.join();
   }
@@ -77,7 +66,7 @@ class engine : engine_errors {
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
   /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
   void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
-    std::unique_lock lock(mutex_);
+    std::unique_lock lock(queue_.mutex());
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
     pending_world_ = std::move(world);
@@ -86,47 +75,23 @@ class engine : engine_errors {
     wake();
   }
 
-  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
-  std::mutex& queue_mutex() { return mutex_; }
-  /// Queues `c` while the caller already holds queue_mutex().
-  void submit_locked(call c) { queue_.push_back(std::move(c)); }
-  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
-  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
-  bool claim_for_caller_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
-    busy_ = true;
-    return true;
-  }
-  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
-  /// peers are not there within shm_handoff_after.
+  /// The calls submitted, and who runs them.
+  call_queue& queue() { return queue_; }
+  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
+  /// the engine thread if the peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
-    shm_waiting how;
-    const bool crowded = c.grp->shm->oversubscribed();
-    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    std::unique_lock lock(mutex_, std::defer_lock);
+    std::optional<call> back;
+    std::exception_ptr failure;
     try {
-      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch, *c.grp->shm);
-      c.done->finish();
-      lock.lock();
-    } catch (const shm_handoff&) {
-      c.resumed = true;
-      lock.lock();
-      queue_.push_front(std::move(c));
+      if (run_shm_on_caller(c, note_.get())) c.done->finish();
+      else back = std::move(c);
     } catch (...) {
-      const auto e = std::current_exception();
-      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
-      c.done->fail(e);
-      lock.lock();
-      caller_failure_ = e;
+      failure = std::current_exception();
+      live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      c.done->fail(failure);
     }
-    busy_ = false;
-    const bool more = !queue_.empty() || caller_failure_;
-    lock.unlock();
-    if (more) wake();
+    if (queue_.release(std::move(back), std::move(failure))) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -135,9 +100,8 @@ class engine : engine_errors {
   }
 
   [[nodiscard]] int rank() const { return rank_; }
-  /// The word peers on this host read after each copy from this process: it changes once when the engine
-  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
-  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// This process's live word (same_host.hpp), which peers on this host read after each copy from it.
+  [[nodiscard]] const live_word& live() const { return live_; }
   /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
   [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
 
@@ -176,7 +140,7 @@ class engine : engine_errors {
 
   void loop() {
     while (true) {
-      std::unique_lock lock(mutex_);
+      std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -188,21 +152,18 @@ class engine : engine_errors {
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
       }
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
-        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
+      // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
+      // would see a clean close).
+      if (const auto e = queue_.take_caller_failure_locked()) {
         lock.unlock();
         abort_peers(e);
         continue;
       }
-      if (stop_) break;
-      if (!queue_.empty() && !busy_) {
-        call c = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
+      if (queue_.stopping_locked()) break;
+      if (auto c = queue_.take_locked()) {
         lock.unlock();
-        run(c);
-        lock.lock();
-        busy_ = false;
+        run(*c);
+        queue_.finished();
         continue;
       }
       lock.unlock();
@@ -261,7 +222,10 @@ class engine : engine_errors {
     deadline_ = clock::now() + c.grp->timeout;
     try {
       if (c.over_shm()) {
-        run_shm(c);
+        run_shm_on_engine(c, deadline_, note_.get(), [this] {
+          idle_wait(0);
+          if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+        });
         c.done->finish();
       } else if (c.side != p2p::none) {
         point_to_point(c);
@@ -278,31 +242,6 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
-  }
-
-  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
-  void end_life() {
-    std::uint64_t alive = live_value_;
-    live_.compare_exchange_strong(alive, ~live_value_);
-  }
-
-  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
-  void run_shm(call& c) {
-    shm_waiting how;
-    how.resumed = c.resumed;
-    how.slice = std::chrono::milliseconds(1);
-    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    how.between = [this] {
-      idle_wait(0);
-      std::lock_guard lock(mutex_);
-      if (stop_) throw cancelled();  // to the peers, this rank is lost
-    };
-    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
-    // flight recorder's view, gives up first.
-    const auto deadline = deadline_ + how.slice;
-    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
-    shm_execute(ch, *c.grp->shm);
   }
 
   /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
@@ -351,7 +290,7 @@ class engine : engine_errors {
     int failure = 0;
     const bool moved = p.out.write_some(p.fd.get(), failure);
     if (failure == 0) return moved;
-    if (current_ != nullptr && current_->side == p2p::none) check_same_step();  // a frame shows a mismatch: say so
+    if (current_ != nullptr && current_->side == p2p::none) check_same_step(peers_);  // a frame shows a mismatch: say so
     throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
   }
 
@@ -479,7 +418,7 @@ class engine : engine_errors {
         if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].in.ended())
           throw lost(static_cast<int>(r), 0, farewell(peers_[r].in));
       if (done()) return;
-      check_same_step();
+      check_same_step(peers_);
       build_poll_set();
       const int until_deadline = poll_ms(deadline_);
       const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
@@ -487,8 +426,7 @@ class engine : engine_errors {
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
-        std::lock_guard lock(mutex_);
-        if (stop_) throw cancelled();  // to the peers, this rank is lost
+        if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
@@ -496,20 +434,7 @@ class engine : engine_errors {
         stall_noticed = true;
         notice_stall();
       }
-      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list());
-    }
-  }
-
-  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
-  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
-  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
-  void check_same_step() const {
-    const frame_header mine = header_of(*current_, 0);
-    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
-    for (std::size_t r = 0; r < peers_.size(); ++r) {
-      const peer& p = peers_[r];
-      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
-      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list(peers_));
     }
   }
 
@@ -520,16 +445,8 @@ class engine : engine_errors {
     h.op = op_waiting;
     for (const int member : current_->grp->members)
       if (member != rank_ && at(member).fd.valid() && !at(member).in.ended()) post(member, h, nullptr, nullptr);
-    note_->set(waiting_list());
+    note_->set(waiting_list(peers_));
     noted_ = true;
-  }
-
-  /// The ranks the executing call waits for: "rank 1, rank 3".
-  [[nodiscard]] std::string waiting_list() const {
-    std::string waiting;
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      if (peers_[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
-    return waiting;
   }
 
   // ---- failure and shutdown ----------------------------------------------------------------
@@ -537,27 +454,19 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    end_life();  // before any buffer is released: copies still running see it and discard
+    live_.end();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
-    {
-      std::lock_guard lock(mutex_);
-      failed_ = true;
-    }
+    queue_.fail();
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
 
   /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
   void shutdown() {
-    std::deque<call> left;
-    {
-      std::lock_guard lock(mutex_);
-      left.swap(queue_);
-    }
     const auto gone = destroyed();
-    for (auto& c : left) c.done->fail(gone);
+    for (auto& c : queue_.drain()) c.done->fail(gone);
     for (auto& p : peers_) p.close(gone, !poisoned_);
     if (shm_world_) shm_world_->release();
   }
@@ -570,25 +479,17 @@ class engine : engine_errors {
   std::vector<pollfd> fds_;
   std::exception_ptr poisoned_;
   clock::time_point deadline_{};
-  std::atomic<std::uint64_t> live_{0};
-  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
-  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
-                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
   scratch_space scratch_;
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
-  std::mutex mutex_;
-  std::deque<call> queue_;
+  call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
   std::shared_ptr<shm_world> pending_world_;
   bool has_pending_sockets_ = false;
-  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
-  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
-  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
-  bool stop_ = false;
   std::thread thread_;
 };
 

@@ -1,15 +1,18 @@
 #pragma once
-/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
-/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+/// \file The errors the TCP engine raises, the checks that find a mismatched step before a sleep, and the
+/// abort notices that carry errors to the peers. Every message names this rank, the peer, the call and what
+/// to do; the engine derives from this to build them.
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <ddp/comm/tcp/call.hpp>
 #include <ddp/comm/tcp/frame_reader.hpp>
 #include <ddp/comm/tcp/matching.hpp>
+#include <ddp/comm/tcp/peer.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
@@ -60,6 +63,28 @@ class engine_errors {
                              "; every rank must call the same collectives in the same order with the same counts, "
                              "dtypes, operators and roots",
                          rank_);
+  }
+
+  /// Raises mismatch_error where one of `peers` (by world rank) is at the executing call's step (group and
+  /// sequence number) in another call: a frame of it waits unread, or it said it waits in that call. Runs
+  /// before every sleep, so calls that only receive, or only send, on both sides fail at once instead of at
+  /// the timeout.
+  void check_same_step(const std::vector<peer>& peers) const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers.size(); ++r) {
+      const peer& p = peers[r];
+      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
+      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+    }
+  }
+
+  /// The ranks of `peers` the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list(const std::vector<peer>& peers) const {
+    std::string waiting;
+    for (std::size_t r = 0; r < peers.size(); ++r)
+      if (peers[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
   }
 
   [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
