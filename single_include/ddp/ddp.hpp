@@ -2430,6 +2430,33 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 
 #include <thread>
 
+// ---- begin <ddp/comm/tcp/scratch.hpp>
+/// \file Scratch memory the algorithms keep between calls: it only grows, uninitialized, so steady state
+/// allocates and touches no new memory.
+
+
+namespace ddp::tcp::detail {
+
+/// One scratch buffer; growing discards its contents.
+class scratch_buffer {
+ public:
+  /// The buffer, at least `bytes` long.
+  char* get(std::size_t bytes) {
+    if (size_ < bytes) {
+      data_.reset();  // free first, so the peak is the new size, not both
+      data_.reset(new char[bytes]);
+      size_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/scratch.hpp>
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
 /// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
@@ -3071,13 +3098,7 @@ class shm_group {
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
-  char* scratch(std::size_t bytes) {
-    if (scratch_.size() < bytes) {
-      scratch_ = {};
-      scratch_.resize(bytes);
-    }
-    return scratch_.data();
-  }
+  char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 
  private:
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
@@ -3085,7 +3106,7 @@ class shm_group {
   std::vector<int> members_;
   int me_;
   shm_mapping map_;
-  std::vector<char> scratch_;
+  scratch_buffer scratch_;
   /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
   bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
 };
@@ -3094,12 +3115,6 @@ class shm_group {
 // ---- end <ddp/comm/tcp/shm_group.hpp>
 
 namespace ddp::tcp::detail {
-
-/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
-inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
-  return "rank " + std::to_string(group_rank) +
-         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
-}
 
 /// After a call has waited this long without a byte moving, the engine tells the group what it waits in
 /// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
@@ -3501,6 +3516,62 @@ class mailbox {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/matching.hpp>
+// ---- begin <ddp/comm/tcp/messages.hpp>
+/// \file The sentences the socket path (engine_errors.hpp) and the shared-memory path (shm_channel.hpp) share,
+/// so a peer lost, a mismatch, a timeout or an abort notice reads the same whichever path raised it.
+
+
+
+namespace ddp::tcp::detail {
+
+/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
+inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
+  return "rank " + std::to_string(group_rank) +
+         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
+}
+
+/// peer_lost on `rank`: `who` (world rank `peer`) was lost during `during`, `how` (e.g. "it closed its
+/// communicator").
+inline peer_lost lost_peer(const std::string& who, const std::string& during, const std::string& how, int rank,
+                           int peer, int code = 0) {
+  return peer_lost(who + " was lost during " + during + ": " + how +
+                       ". Check that rank's log for the first error; the job cannot continue without it",
+                   rank, peer, code);
+}
+
+/// mismatch_error on `rank`: `calls` names each rank's call ("rank 0 called ..., rank 1 sent ...").
+inline mismatch_error different_calls(const std::string& calls, int rank) {
+  return mismatch_error(calls + "; every rank must call the same collectives in the same order with the same "
+                                "counts, dtypes, operators and roots",
+                        rank);
+}
+
+/// timeout_error on `rank`: the call `what` did not complete within `timeout`, waiting for `waiting`.
+inline timeout_error call_timeout(const std::string& what, std::chrono::milliseconds timeout,
+                                  const std::string& waiting, int rank) {
+  return timeout_error(what + " did not complete within " + std::to_string(timeout.count()) + " ms, waiting for " +
+                           waiting +
+                           ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
+                           "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
+                       rank);
+}
+
+/// Raises on `rank` the error of the kind a peer's abort notice carries: `who` aborted `during` with `text`
+/// (a peer_lost names `lost_rank`).
+[[noreturn]] inline void raise_notice(abort_kind kind, const std::string& who, const std::string& during,
+                                      const std::string& text, int rank, int lost_rank) {
+  const std::string msg = who + " aborted " + during + ": " + text;
+  switch (kind) {
+    case abort_kind::peer_lost: throw peer_lost(msg, rank, lost_rank);
+    case abort_kind::mismatch: throw mismatch_error(msg, rank);
+    case abort_kind::timeout: throw timeout_error(msg, rank);
+    case abort_kind::other: break;
+  }
+  throw error(msg, rank);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/messages.hpp>
 // ---- begin <ddp/comm/tcp/peer.hpp>
 /// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
 /// transfers, what the executing call expects from it, and the same-host copies in flight either way.
@@ -3681,28 +3752,6 @@ struct peer {
   }
 };
 
-/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
-class scratch_space {
- public:
-  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
-  char* get(int which, std::size_t bytes) {
-    auto& s = buffers_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
-  }
-
- private:
-  struct buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  buffer buffers_[2];
-};
-
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/peer.hpp>
 
@@ -3732,9 +3781,7 @@ class engine_errors {
   }
 
   [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
-    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
-                         ". Check that rank's log for the first error; the job cannot continue without it",
-                     rank_, world_peer, code);
+    return lost_peer(label(world_peer), what_now(), how, rank_, world_peer, code);
   }
 
   /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
@@ -3742,16 +3789,14 @@ class engine_errors {
                                    const char* how = " sent ") const {
     // A frame of this rank's previous step: both calls of that step went through (each only sent).
     const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
-    throw mismatch_error(label(rank_) + " called " + describe(want) +
-                             (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
-                             how + describe(got) +
-                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
-                                                         " bytes where " + std::to_string(want.length) +
-                                                         " were expected"
-                                                   : std::string()) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         rank_);
+    throw different_calls(label(rank_) + " called " + describe(want) +
+                              (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
+                              how + describe(got) +
+                              (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
+                                                          " bytes where " + std::to_string(want.length) +
+                                                          " were expected"
+                                                    : std::string()),
+                          rank_);
   }
 
   /// Raises mismatch_error where one of `peers` (by world rank) is at the executing call's step (group and
@@ -3819,11 +3864,7 @@ class engine_errors {
               rank_));
   }
   [[nodiscard]] timeout_error timed_out(const std::string& waiting) const {
-    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
-                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
-                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                         rank_);
+    return call_timeout(what_now(), current_->grp->timeout, waiting.empty() ? std::string("nothing") : waiting, rank_);
   }
 
   /// The abort frame that tells the peers of `e`, with the error's kind so they raise the same type.
@@ -3857,16 +3898,9 @@ class engine_errors {
     std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
     if (h.length > max_abort_text || recv_all(fd, text.data(), text.size(), clock::now() + std::chrono::seconds(2)) != io_status::ok)
       text = "(its message was lost)";
-    const std::string msg = label(world_peer) + " aborted " +
-                            (current_ != nullptr ? what_now() : std::string("while this rank ran no operation")) +
-                            ": " + text;
-    switch (static_cast<abort_kind>(h.flags)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
-      case abort_kind::timeout: throw timeout_error(msg, rank_);
-      case abort_kind::other: break;
-    }
-    throw error(msg, rank_);
+    raise_notice(static_cast<abort_kind>(h.flags), label(world_peer),
+                 current_ != nullptr ? what_now() : std::string("while this rank ran no operation"), text, rank_,
+                 h.lost_rank);
   }
 
   /// Looks behind the frame just received on `fd` for the peer's abort notice (2 s at most, skipping the
@@ -4092,7 +4126,9 @@ class shm_channel {
       if (r != g_.me()) await(r, target, first);
     for (int r = 0; r < g_.size(); ++r) {
       const frame_header& theirs = g_.head(r, g_.phase).call;
-      if (r != g_.me() && !same_call(desc_, theirs)) mismatch(r, theirs);
+      if (r != g_.me() && !same_call(desc_, theirs))
+        throw different_calls(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " + describe(theirs),
+                              me_world());
     }
     g_.phase = target;
   }
@@ -4146,38 +4182,14 @@ class shm_channel {
       case shm_state::running:
       case shm_state::writing: break;
       case shm_state::closed:
-        throw peer_lost(label(r) + " was lost during " + describe(desc_) +
-                            ": it closed its communicator or died. Check that rank's log for the first error; the "
-                            "job cannot continue without it",
-                        me_world(), w);
-      case shm_state::aborted: raise_abort(r);
+        throw lost_peer(label(r), describe(desc_), "it closed its communicator or died", me_world(), w);
+      case shm_state::aborted: {
+        const auto& n = g_.world().notice_of(w);
+        raise_notice(static_cast<abort_kind>(n.kind), label(r), describe(desc_), std::string(n.text, n.text_bytes),
+                     me_world(), n.lost_rank);
+      }
     }
-    if (clock::now() >= deadline_)
-      throw timeout_error(describe(desc_) + " did not complete within " + std::to_string(c_.grp->timeout.count()) +
-                              " ms, waiting for " + label(r) +
-                              ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                              "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                          me_world());
-  }
-
-  [[noreturn]] void raise_abort(int r) {
-    const auto& n = g_.world().notice_of(g_.world_rank(r));
-    const std::string msg = label(r) + " aborted " + describe(desc_) + ": " + std::string(n.text, n.text_bytes);
-    switch (static_cast<abort_kind>(n.kind)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, me_world(), n.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, me_world());
-      case abort_kind::timeout: throw timeout_error(msg, me_world());
-      case abort_kind::other: break;
-    }
-    throw error(msg, me_world());
-  }
-
-  [[noreturn]] void mismatch(int r, const frame_header& theirs) {
-    throw mismatch_error(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " +
-                             describe(theirs) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         me_world());
+    if (clock::now() >= deadline_) throw call_timeout(describe(desc_), c_.grp->timeout, label(r), me_world());
   }
 
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
@@ -5019,7 +5031,7 @@ class engine : engine_errors {
   }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
-  char* scratch(int which, std::size_t bytes) { return scratch_.get(which, bytes); }
+  char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
 
  private:
   peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
@@ -5370,7 +5382,7 @@ class engine : engine_errors {
   live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
-  scratch_space scratch_;
+  scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
   call_queue queue_;  ///< its mutex guards the attachment below too

@@ -29,7 +29,7 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 /// its environment; neither is stopped when the other fails. Returns each launcher's status and output.
 dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(int node)> args,
                               std::function<dl::env_list(int node)> env = {}) {
-  const std::string port = std::to_string(ddp::testing::tcp::free_port());
+  const std::string port = std::to_string(ddp::testing::free_port());
   dl::spawn_options o;
   o.output = dl::output_mode::capture;
   o.timeout = 30s;

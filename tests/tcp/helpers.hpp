@@ -1,5 +1,6 @@
 #pragma once
-// Helpers shared by the ddp::tcp tests: expectations inside forked ranks, free ports, job options.
+// Helpers shared by the ddp::tcp tests: expectations inside forked ranks, job options (free ports:
+// support/free_port.hpp).
 
 #include <chrono>
 #include <functional>
@@ -7,8 +8,9 @@
 #include <string>
 #include <utility>
 
-#include <ddp/comm/tcp/socket.hpp>
 #include <ddp/launch/spawn.hpp>
+
+#include "support/free_port.hpp"
 
 namespace ddp::testing::tcp {
 
@@ -17,12 +19,6 @@ inline bool contains(const std::string& s, const std::string& part) { return s.f
 /// Fails the rank (exit 1 via the exception) unless `cond`.
 inline void expect(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error("expectation failed: " + what);
-}
-
-/// A TCP port nobody listens on right now, for tests whose strangers must know the store's port.
-inline int free_port() {
-  auto fd = ddp::tcp::detail::listen_on("127.0.0.1", 0, -1, "a port probe");
-  return ddp::tcp::detail::local_endpoint(fd.get()).port;
 }
 
 /// Options of a job: whole-job limit, known port and token, extra variables.

@@ -31,6 +31,7 @@
 #include <ddp/comm/tcp/peer.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/scratch.hpp>
 #include <ddp/comm/tcp/shm_run.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
@@ -131,7 +132,7 @@ class engine : engine_errors {
   }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
-  char* scratch(int which, std::size_t bytes) { return scratch_.get(which, bytes); }
+  char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
 
  private:
   peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
@@ -482,7 +483,7 @@ class engine : engine_errors {
   live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
-  scratch_space scratch_;
+  scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
   call_queue queue_;  ///< its mutex guards the attachment below too

@@ -96,26 +96,4 @@ struct peer {
   }
 };
 
-/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
-class scratch_space {
- public:
-  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
-  char* get(int which, std::size_t bytes) {
-    auto& s = buffers_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
-  }
-
- private:
-  struct buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  buffer buffers_[2];
-};
-
 }  // namespace ddp::tcp::detail
