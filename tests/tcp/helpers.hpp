@@ -3,11 +3,13 @@
 // support/free_port.hpp).
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
+#include <ddp/core/error.hpp>
 #include <ddp/launch/spawn.hpp>
 
 #include "support/free_port.hpp"
@@ -19,6 +21,23 @@ inline bool contains(const std::string& s, const std::string& part) { return s.f
 /// Fails the rank (exit 1 via the exception) unless `cond`.
 inline void expect(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error("expectation failed: " + what);
+}
+
+/// Runs `body` in a rank, which must end in ddp::mismatch_error: printed to stderr (the test reads it there);
+/// anything else fails the rank.
+inline void expect_mismatch(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const ddp::mismatch_error& e) {
+    std::fprintf(stderr, "mismatch: %s\n", e.what());
+    return;
+  }
+  throw std::runtime_error("no mismatch_error");
+}
+
+/// DDP_SHM on every rank: "1" (collectives and sends through shared memory) or "0" (through the sockets).
+inline std::function<ddp::launch::env_list(int)> shm_env(const std::string& on) {
+  return [on](int) { return ddp::launch::env_list{{"DDP_SHM", on}}; };
 }
 
 /// Options of a job: whole-job limit, known port and token, extra variables.

@@ -1,8 +1,8 @@
 #pragma once
 /// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
-/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
-/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+/// a frame_reader routes point-to-point frames to the mailbox (peer_io.hpp, which also moves them through
+/// the shared-memory rings on one host) and holds a collective frame until its call expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
 /// Calls arrive through a call_queue; collectives of groups on one host run over shared memory, on the
 /// caller's thread when the engine is idle, else on the engine thread between sleeps that serve the sockets
 /// (shm_run.hpp).
@@ -29,6 +29,7 @@
 #include <ddp/comm/tcp/frame_writer.hpp>
 #include <ddp/comm/tcp/matching.hpp>
 #include <ddp/comm/tcp/peer.hpp>
+#include <ddp/comm/tcp/peer_io.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/scratch.hpp>
@@ -45,14 +46,13 @@ class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
 using executor = void (*)(engine&, call&);
 
-class engine : engine_errors {
+class engine : peer_io {
  public:
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
-      : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
+      : peer_io(rank, size), exec_(exec), store_(std::move(store)) {
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
-    peers_.resize(static_cast<std::size_t>(size));
     thread_ = std::thread([this] { loop(); });
   }
   engine(const engine&) = delete;
@@ -65,12 +65,15 @@ class engine : engine_errors {
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
-  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
+  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment and point-to-point
+  /// rings (null: none).
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world,
+              std::unique_ptr<shm_rings> rings) {
     std::unique_lock lock(queue_.mutex());
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
     pending_world_ = std::move(world);
+    pending_rings_ = std::move(rings);
     has_pending_sockets_ = true;
     lock.unlock();
     wake();
@@ -135,8 +138,6 @@ class engine : engine_errors {
   char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
 
  private:
-  peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
-
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
@@ -152,6 +153,7 @@ class engine : engine_errors {
         has_pending_sockets_ = false;
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
+        use_rings(std::move(pending_rings_));
       }
       // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
       // would see a clean close).
@@ -180,12 +182,14 @@ class engine : engine_errors {
   /// Sleeps in poll until woken (at most `max_ms` unless negative), serving the store, reading
   /// point-to-point frames and draining sends.
   void idle_wait(int max_ms = -1) {
+    serve_rings();
     const std::size_t peer_base = build_poll_set();
     auto first = clock::time_point::max();
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), ms);
+    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    after_sleep();
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
@@ -195,6 +199,7 @@ class engine : engine_errors {
       if (peers_[r].out.pending()) write_some(static_cast<int>(r));
       if (peers_[r].readable()) read_some(static_cast<int>(r));
     }
+    serve_rings();  // an op_ring frame may have woken it
   }
 
   /// Fills fds_: the wake-up descriptor, the store's, then one entry per peer; returns the peers' base.
@@ -245,56 +250,6 @@ class engine : engine_errors {
     noted_ = false;
   }
 
-  /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
-  void point_to_point(call& c) {
-    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
-    const frame_header h = header_of(c, c.count * size_of(c.type));
-    peer& p = at(world_peer);
-    if (c.side == p2p::send && world_peer != rank_) {
-      c.grp->stats.add_bytes(c.kind, h.length);
-      return post(world_peer, h, c.in, c.done);
-    }
-    if (c.side == p2p::send) {  // to itself
-      const auto* in = static_cast<const char*>(c.in);
-      if (auto r = p.mail.take_recv(h)) deliver(*r, h, in, rank_);
-      else p.mail.keep({h, std::vector<char>(in, in + h.length)});
-      return c.done->finish();
-    }
-    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout, c.grp->timeout};
-    if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
-    if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
-    p.mail.post(std::move(want));
-  }
-
-  /// Completes the recv `r` with the send `got` whose payload is `data`.
-  void deliver(const posted_recv& r, const frame_header& got, const char* data, int world_peer) {
-    if (!fits(r, got)) throw p2p_mismatch(r, got, world_peer);
-    if (got.length > 0) std::memcpy(r.dest, data, got.length);
-    r.done->finish();
-  }
-
-  /// Fails the recvs no send matched within the timeout.
-  void expire_recvs() {
-    const auto now = clock::now();
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      peers_[r].mail.expire(now, [&](const posted_recv& x) { return recv_expired(x, static_cast<int>(r)); });
-  }
-
-  void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
-    at(world_peer).out.push({h, static_cast<const char*>(data), 0, std::move(done)});
-    write_some(world_peer);  // most small frames leave at once, before any poll
-  }
-
-  /// Writes what the peer's socket accepts; true if bytes moved.
-  bool write_some(int world_peer) {
-    auto& p = at(world_peer);
-    int failure = 0;
-    const bool moved = p.out.write_some(p.fd.get(), failure);
-    if (failure == 0) return moved;
-    if (current_ != nullptr && current_->side == p2p::none) check_same_step(peers_);  // a frame shows a mismatch: say so
-    throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
-  }
-
   /// Reads what the peer has sent, frame by frame; true if bytes moved.
   bool read_some(int world_peer) {
     auto& p = at(world_peer);
@@ -316,7 +271,8 @@ class engine : engine_errors {
   void on_end(int world_peer) {
     auto& p = at(world_peer);
     if (p.in.state() == read_state::corrupt) throw corrupt_stream(world_peer, malformed(p.in.header()));
-    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0)
+    if (p.ring) read_ring(world_peer);  // what it sent through its ring before it left
+    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0 || (p.ring && p.ring->busy()))
       throw lost(world_peer, p.in.error_code(), farewell(p.in));
   }
 
@@ -324,7 +280,7 @@ class engine : engine_errors {
   void dispatch(int world_peer) {
     auto& p = at(world_peer);
     const frame_header& h = p.in.header();
-    p.into = target::control;
+    p.sink.into = target::control;
     switch (h.op) {
       case op_abort: p.in.close(); raise_abort(world_peer, h, p.fd.get());
       case op_waiting:
@@ -332,22 +288,15 @@ class engine : engine_errors {
         p.waiting->op = h.flags;
         p.waiting->flags = 0;
         return p.in.accept(nullptr);
+      case op_ring: return p.in.accept(nullptr);  // the rings are served after the sockets
       case op_ack:
         if (p.unacked == 0) throw corrupt_stream(world_peer, "an acknowledgement of a copy this rank never offered");
         --p.unacked;
         return p.in.accept(nullptr);
       default: break;
     }
-    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) return;  // a collective frame: held for its call
-    if (auto r = p.mail.take_recv(h)) {
-      if (!fits(*r, h)) throw p2p_mismatch(*r, h, world_peer);
-      p.matched = std::move(r);
-      p.into = target::posted;
-      return p.in.accept(p.matched->dest);
-    }
-    p.stray_buf.resize(h.length);
-    p.into = target::stray;
-    p.in.accept(p.stray_buf.data());
+    if (h.op == static_cast<std::uint8_t>(collective::send_recv)) route_send(world_peer, p.sink, p.in);
+    // else a collective frame: held for its call
   }
 
   /// The executing call expects the held collective frame: check it, then receive its payload.
@@ -356,29 +305,22 @@ class engine : engine_errors {
     const frame_header& got = p.in.header();
     const bool remote = (got.flags & frame_remote) != 0;
     if (!same_call(p.expect, got) || (!remote && got.length != p.expect.length)) throw_mismatch(world_peer, p.expect, got);
-    p.into = target::collective;
+    p.sink.into = target::collective;
     p.in.accept(remote ? reinterpret_cast<char*>(&p.remote) : p.expect_dest);
   }
 
   void finish_payload(int world_peer) {
     auto& p = at(world_peer);
-    switch (p.into) {
+    switch (p.sink.into) {
       case target::control: break;
       case target::collective:
         if ((p.in.header().flags & frame_remote) != 0) copy_remote(world_peer);
         p.expecting = false;
         break;
       case target::posted:
-        p.matched->done->finish();
-        p.matched.reset();
-        break;
-      case target::stray:  // its recv may have been posted while the payload was arriving
-        if (auto r = p.mail.take_recv(p.in.header())) deliver(*r, p.in.header(), p.stray_buf.data(), world_peer);
-        else p.mail.keep({p.in.header(), std::move(p.stray_buf)});
-        p.stray_buf = {};
-        break;
+      case target::stray: return finish_send(world_peer, p.sink, p.in.header());
     }
-    p.into = target::control;
+    p.sink.into = target::control;
   }
 
   /// Copies a remote frame's data out of the peer's memory into the expected destination, then acknowledges it.
@@ -468,7 +410,10 @@ class engine : engine_errors {
   void shutdown() {
     const auto gone = destroyed();
     for (auto& c : queue_.drain()) c.done->fail(gone);
-    for (auto& p : peers_) p.close(gone, !poisoned_);
+    for (auto& p : peers_) {
+      if (p.ring) p.ring->fail(gone);
+      p.close(gone, !poisoned_);
+    }
     if (shm_world_) shm_world_->release();
   }
 
@@ -476,9 +421,7 @@ class engine : engine_errors {
   std::optional<store_server> store_;
   std::size_t store_base_ = 0;
   socket_fd wake_;
-  std::vector<peer> peers_;
   std::vector<pollfd> fds_;
-  std::exception_ptr poisoned_;
   clock::time_point deadline_{};
   live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
@@ -490,6 +433,7 @@ class engine : engine_errors {
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
   std::shared_ptr<shm_world> pending_world_;
+  std::unique_ptr<shm_rings> pending_rings_;
   bool has_pending_sockets_ = false;
   std::thread thread_;
 };
