@@ -200,8 +200,9 @@ class peer_io : protected engine_errors {
     return moved;
   }
 
-  /// Wakes `world_peer`'s engine from poll: data or room waits in a ring.
+  /// Wakes `world_peer`'s engine from poll: data or room waits in a ring (unless its stream ended: it left).
   void ring(int world_peer) {
+    if (at(world_peer).in.ended()) return;
     frame_header h;
     h.op = op_ring;
     post(world_peer, h, nullptr, nullptr);
