@@ -2345,6 +2345,8 @@ inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of
 /// The sender has waited a while in the call this header describes (its op in `flags`), so a receiver in
 /// another call at the same step raises mismatch_error instead of waiting for the timeout.
 inline constexpr std::uint8_t op_waiting = 203;
+/// Data, or room, waits for the receiver in a shared-memory ring (shm_rings.hpp): its engine sleeps in poll.
+inline constexpr std::uint8_t op_ring = 204;
 
 inline constexpr std::uint64_t max_abort_text = 4096;           ///< longest abort message carried
 inline constexpr std::uint64_t max_frame_bytes = std::uint64_t{1} << 40;  ///< longer payloads mean a corrupt stream
@@ -2359,7 +2361,7 @@ inline constexpr std::uint8_t frame_remote = 1;
 /// The header of every frame (40 bytes, host byte order: the mesh connects ranks of one architecture).
 struct frame_header {
   std::uint32_t magic = frame_magic;
-  std::uint8_t op = 0;        ///< ddp::collective, or a control op (op_abort, op_bye, op_ack, op_waiting)
+  std::uint8_t op = 0;        ///< ddp::collective, or a control op (op_abort, op_bye, op_ack, op_waiting, op_ring)
   std::uint8_t type = 0;      ///< ddp::dtype
   std::uint8_t reduce = 0;    ///< ddp::reduce_op (0 where none applies)
   std::uint8_t flags = 0;     ///< abort_kind (op_abort), frame_remote (collectives), the call's op (op_waiting)
@@ -2405,7 +2407,7 @@ constexpr bool has_root(std::uint8_t op) {
 inline const char* malformed(const frame_header& h) {
   if (h.magic != frame_magic) return "bytes that are not a ddp frame";
   if (h.op == op_abort) return h.length > max_abort_text ? "an abort notice longer than its limit" : nullptr;
-  if (h.op == op_bye || h.op == op_ack || h.op == op_waiting)
+  if (h.op == op_bye || h.op == op_ack || h.op == op_waiting || h.op == op_ring)
     return h.length != 0 ? "a control frame with a payload" : nullptr;
   if (h.op >= collective_count) return "a frame of unknown kind";
   if ((h.flags & frame_remote) != 0 && h.length != sizeof(remote_block)) return "a remote frame of the wrong length";
@@ -2418,6 +2420,7 @@ inline std::string describe(const frame_header& h) {
   if (h.op == op_bye) return "a goodbye (it closed its communicator)";
   if (h.op == op_ack) return "an acknowledgement of a same-host copy";
   if (h.op == op_waiting) return "a notice that it waits";
+  if (h.op == op_ring) return "a notice that a shared-memory ring waits";
   if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
   const auto c = static_cast<collective>(h.op);
   std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));
@@ -2447,6 +2450,33 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 
 #include <thread>
 
+// ---- begin <ddp/comm/tcp/scratch.hpp>
+/// \file Scratch memory the algorithms keep between calls: it only grows, uninitialized, so steady state
+/// allocates and touches no new memory.
+
+
+namespace ddp::tcp::detail {
+
+/// One scratch buffer; growing discards its contents.
+class scratch_buffer {
+ public:
+  /// The buffer, at least `bytes` long.
+  char* get(std::size_t bytes) {
+    if (size_ < bytes) {
+      data_.reset();  // free first, so the peak is the new size, not both
+      data_.reset(new char[bytes]);
+      size_ = bytes;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  std::size_t size_ = 0;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/scratch.hpp>
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
 /// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
@@ -2474,6 +2504,7 @@ inline bool same_call(const frame_header& want, const frame_header& got) {
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <random>
 
 
 namespace ddp::tcp::detail {
@@ -2520,6 +2551,31 @@ struct peer_memory {
   bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
   std::uint64_t live_address = 0;  ///< where the peer keeps its live word
   std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// This process's live word, which peers on this host read after each copy from its memory: it changes once
+/// when the engine aborts, before any buffer is released, so a copy that overlapped the release is recognised
+/// and discarded.
+class live_word {
+ public:
+  live_word() {
+    std::random_device random;
+    value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    word_.store(value_);
+  }
+  /// The word itself (peers read it at its address).
+  [[nodiscard]] const std::atomic<std::uint64_t>& word() const { return word_; }
+  /// Changes the word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end() {
+    std::uint64_t alive = value_;
+    word_.compare_exchange_strong(alive, ~value_);
+  }
+
+ private:
+  std::atomic<std::uint64_t> word_{0};
+  std::uint64_t value_ = 0;  ///< the word's value until the engine aborts
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
 };
 
 /// How a copy out of a peer's memory ended.
@@ -3062,13 +3118,7 @@ class shm_group {
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
-  char* scratch(std::size_t bytes) {
-    if (scratch_.size() < bytes) {
-      scratch_ = {};
-      scratch_.resize(bytes);
-    }
-    return scratch_.data();
-  }
+  char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 
  private:
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
@@ -3076,7 +3126,7 @@ class shm_group {
   std::vector<int> members_;
   int me_;
   shm_mapping map_;
-  std::vector<char> scratch_;
+  scratch_buffer scratch_;
   /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
   bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
 };
@@ -3085,12 +3135,6 @@ class shm_group {
 // ---- end <ddp/comm/tcp/shm_group.hpp>
 
 namespace ddp::tcp::detail {
-
-/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
-inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
-  return "rank " + std::to_string(group_rank) +
-         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
-}
 
 /// After a call has waited this long without a byte moving, the engine tells the group what it waits in
 /// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
@@ -3163,20 +3207,105 @@ struct recv_part {
 // ---- begin <ddp/comm/tcp/engine.hpp>
 /// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
-/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
-/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
-/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
-/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
-/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
+/// a frame_reader routes point-to-point frames to the mailbox (peer_io.hpp, which also moves them through
+/// the shared-memory rings on one host) and holds a collective frame until its call expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+/// Calls arrive through a call_queue; collectives of groups on one host run over shared memory, on the
+/// caller's thread when the engine is idle, else on the engine thread between sleeps that serve the sockets
+/// (shm_run.hpp).
 
 #include <sys/eventfd.h>
 
-#include <deque>
-#include <random>
 
+// ---- begin <ddp/comm/tcp/call_queue.hpp>
+/// \file The calls submitted to the engine, in submission order, and who runs them. The engine thread takes
+/// them one at a time; a shared-memory call submitted while nothing runs or waits may run on the caller's
+/// thread instead (shm_run.hpp), and goes back to the front of the queue when its peers are late. One mutex
+/// guards the queue and orders the submissions (callers take it to number their calls).
+
+#include <deque>
+
+
+namespace ddp::tcp::detail {
+
+class call_queue {
+ public:
+  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with push_locked().
+  std::mutex& mutex() { return mutex_; }
+  /// With mutex() held: queues `c` behind the others.
+  void push_locked(call c) { calls_.push_back(std::move(c)); }
+  /// With mutex() held: true (and the queue claimed) when shared-memory call `c` may run on the caller's
+  /// thread now, because nothing runs or waits before it and the engine has not failed.
+  bool claim_locked(const call& c) {
+    if (!c.over_shm() || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    busy_ = true;
+    return true;
+  }
+  /// Ends the caller's claim: `back` (a call handed off) goes to the front, `failure` (what a call on the
+  /// caller's thread failed with) waits for the engine thread to tell the peers. True when the engine thread
+  /// has work.
+  bool release(std::optional<call> back, std::exception_ptr failure) {
+    std::lock_guard lock(mutex_);
+    if (back) calls_.push_front(std::move(*back));
+    if (failure) caller_failure_ = std::move(failure);
+    busy_ = false;
+    return !calls_.empty() || caller_failure_;
+  }
+
+  // ---- the engine thread's side ----
+
+  /// With mutex() held: the next call, claimed, where none runs.
+  std::optional<call> take_locked() {
+    if (calls_.empty() || busy_) return std::nullopt;
+    std::optional<call> c(std::move(calls_.front()));
+    calls_.pop_front();
+    busy_ = true;
+    return c;
+  }
+  /// The call take_locked() gave has completed.
+  void finished() {
+    std::lock_guard lock(mutex_);
+    busy_ = false;
+  }
+  /// With mutex() held: what a call on the caller's thread failed with (once), or null.
+  std::exception_ptr take_caller_failure_locked() { return std::exchange(caller_failure_, nullptr); }
+  /// The engine aborted: later calls run (and fail) on the engine thread.
+  void fail() {
+    std::lock_guard lock(mutex_);
+    failed_ = true;
+  }
+  /// Asks the engine thread to stop.
+  void stop() {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  /// With mutex() held: true once stop() was called.
+  [[nodiscard]] bool stopping_locked() const { return stop_; }
+  /// True once stop() was called.
+  [[nodiscard]] bool stopping() {
+    std::lock_guard lock(mutex_);
+    return stop_;
+  }
+  /// Removes and returns every call still queued.
+  std::deque<call> drain() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(calls_, {});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::deque<call> calls_;
+  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
+  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
+  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
+  bool stop_ = false;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/call_queue.hpp>
 // ---- begin <ddp/comm/tcp/engine_errors.hpp>
-/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
-/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+/// \file The errors the TCP engine raises, the checks that find a mismatched step before a sleep, and the
+/// abort notices that carry errors to the peers. Every message names this rank, the peer, the call and what
+/// to do; the engine derives from this to build them.
 
 
 // ---- begin <ddp/comm/tcp/frame_reader.hpp>
@@ -3407,172 +3536,68 @@ class mailbox {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/matching.hpp>
+// ---- begin <ddp/comm/tcp/messages.hpp>
+/// \file The sentences the socket path (engine_errors.hpp) and the shared-memory path (shm_channel.hpp) share,
+/// so a peer lost, a mismatch, a timeout or an abort notice reads the same whichever path raised it.
+
+
 
 namespace ddp::tcp::detail {
 
-class engine_errors {
- protected:
-  engine_errors(int rank, int size) : rank_(rank), size_(size) {}
+/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
+inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
+  return "rank " + std::to_string(group_rank) +
+         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
+}
 
-  /// The rank label errors use: the group rank, plus the world rank inside a subgroup.
-  [[nodiscard]] std::string label(int world_rank) const {
-    if (current_ == nullptr) return "rank " + std::to_string(world_rank);
-    const auto& m = current_->grp->members;
-    for (std::size_t i = 0; i < m.size(); ++i)
-      if (m[i] == world_rank) return rank_label(i, world_rank, m.size() != static_cast<std::size_t>(size_));
-    return "world rank " + std::to_string(world_rank);
-  }
-  [[nodiscard]] std::string what_now() const {
-    return current_ != nullptr ? describe(header_of(*current_, 0)) : std::string("a point-to-point transfer");
-  }
+/// peer_lost on `rank`: `who` (world rank `peer`) was lost during `during`, `how` (e.g. "it closed its
+/// communicator").
+inline peer_lost lost_peer(const std::string& who, const std::string& during, const std::string& how, int rank,
+                           int peer, int code = 0) {
+  return peer_lost(who + " was lost during " + during + ": " + how +
+                       ". Check that rank's log for the first error; the job cannot continue without it",
+                   rank, peer, code);
+}
 
-  /// How a peer's stream ended, for peer_lost.
-  [[nodiscard]] static std::string farewell(const frame_reader& in) {
-    if (in.state() == read_state::said_bye) return "it closed its communicator";
-    if (in.error_code() != 0) return "receiving from it failed (" + errno_text(in.error_code()) + ")";
-    return "it closed the connection or died";
-  }
+/// mismatch_error on `rank`: `calls` names each rank's call ("rank 0 called ..., rank 1 sent ...").
+inline mismatch_error different_calls(const std::string& calls, int rank) {
+  return mismatch_error(calls + "; every rank must call the same collectives in the same order with the same "
+                                "counts, dtypes, operators and roots",
+                        rank);
+}
 
-  [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
-    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
-                         ". Check that rank's log for the first error; the job cannot continue without it",
-                     rank_, world_peer, code);
-  }
+/// timeout_error on `rank`: the call `what` did not complete within `timeout`, waiting for `waiting`.
+inline timeout_error call_timeout(const std::string& what, std::chrono::milliseconds timeout,
+                                  const std::string& waiting, int rank) {
+  return timeout_error(what + " did not complete within " + std::to_string(timeout.count()) + " ms, waiting for " +
+                           waiting +
+                           ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
+                           "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
+                       rank);
+}
 
-  /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
-  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& want, const frame_header& got,
-                                   const char* how = " sent ") const {
-    // A frame of this rank's previous step: both calls of that step went through (each only sent).
-    const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
-    throw mismatch_error(label(rank_) + " called " + describe(want) +
-                             (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
-                             how + describe(got) +
-                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
-                                                         " bytes where " + std::to_string(want.length) +
-                                                         " were expected"
-                                                   : std::string()) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         rank_);
+/// Raises on `rank` the error of the kind a peer's abort notice carries: `who` aborted `during` with `text`
+/// (a peer_lost names `lost_rank`).
+[[noreturn]] inline void raise_notice(abort_kind kind, const std::string& who, const std::string& during,
+                                      const std::string& text, int rank, int lost_rank) {
+  const std::string msg = who + " aborted " + during + ": " + text;
+  switch (kind) {
+    case abort_kind::peer_lost: throw peer_lost(msg, rank, lost_rank);
+    case abort_kind::mismatch: throw mismatch_error(msg, rank);
+    case abort_kind::timeout: throw timeout_error(msg, rank);
+    case abort_kind::other: break;
   }
-
-  [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
-    return mismatch_error(label(rank_) + " called recv of " + std::to_string(r.want.count) + " " +
-                              std::string(to_string(static_cast<dtype>(r.want.type))) + " with tag " +
-                              std::to_string(r.tag) + ", " + label(world_peer) + " sent " + describe(got) +
-                              "; a send and its recv must have the same count and dtype",
-                          rank_);
-  }
-
-  [[nodiscard]] std::exception_ptr recv_expired(const posted_recv& x, int world_peer) const {
-    return std::make_exception_ptr(timeout_error(
-        "recv of " + std::to_string(x.want.count) + " " + std::string(to_string(static_cast<dtype>(x.want.type))) +
-            " with tag " + std::to_string(x.tag) + " from " + label(world_peer) + " found no matching send within " +
-            std::to_string(x.timeout.count()) + " ms; check that the peer sends with the same tag, or raise the timeout",
-        rank_));
-  }
-
-  [[nodiscard]] error corrupt_stream(int world_peer, const char* why) const {
-    return error(label(world_peer) + " sent " + why + (current_ != nullptr ? " during " + what_now() : std::string()) +
-                     "; every rank must run the same ddp version, and nothing else may write to the mesh sockets",
-                 rank_);
-  }
-  [[nodiscard]] error unreadable(int world_peer) const {
-    return error(label(world_peer) + " sent the address of its data, but this rank cannot read that process's "
-                                     "memory; every rank must run the same ddp version",
-                 rank_);
-  }
-  [[nodiscard]] error abandoned_copy(int world_peer) const {
-    return error(label(world_peer) + " aborted " + what_now() + " while this rank copied its data, and its abort "
-                                     "notice did not arrive within 2 s; check that rank's log for the first error",
-                 rank_);
-  }
-  [[nodiscard]] peer_lost cancelled() const {
-    return peer_lost(what_now() + " was cancelled because its communicator was destroyed; wait() for every "
-                                  "operation before the communicator goes out of scope",
-                     rank_, rank_);
-  }
-  [[nodiscard]] std::exception_ptr destroyed() const {
-    return std::make_exception_ptr(
-        error("the communicator was destroyed before this operation ran; wait() for every operation before the "
-              "communicator goes out of scope",
-              rank_));
-  }
-  [[nodiscard]] timeout_error timed_out(const std::string& waiting) const {
-    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
-                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
-                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                         rank_);
-  }
-
-  /// The abort frame that tells the peers of `e`, with the error's kind so they raise the same type.
-  [[nodiscard]] static abort_notice notice_of(const std::exception_ptr& e) {
-    abort_notice n;
-    n.header.op = op_abort;
-    auto kind = abort_kind::other;
-    try {
-      std::rethrow_exception(e);
-    } catch (const peer_lost& x) {
-      kind = abort_kind::peer_lost;
-      n.header.lost_rank = x.peer();
-      n.text = x.what();
-    } catch (const mismatch_error& x) {
-      kind = abort_kind::mismatch;
-      n.text = x.what();
-    } catch (const timeout_error& x) {
-      kind = abort_kind::timeout;
-      n.text = x.what();
-    } catch (const std::exception& x) {
-      n.text = x.what();
-    }
-    n.text.resize(std::min<std::size_t>(n.text.size(), max_abort_text));
-    n.header.flags = static_cast<std::uint8_t>(kind);
-    n.header.length = n.text.size();
-    return n;
-  }
-
-  /// Reads the abort frame `h` announced on `fd` and raises the error it carries.
-  [[noreturn]] void raise_abort(int world_peer, const frame_header& h, int fd) const {
-    std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
-    if (h.length > max_abort_text || recv_all(fd, text.data(), text.size(), clock::now() + std::chrono::seconds(2)) != io_status::ok)
-      text = "(its message was lost)";
-    const std::string msg = label(world_peer) + " aborted " +
-                            (current_ != nullptr ? what_now() : std::string("while this rank ran no operation")) +
-                            ": " + text;
-    switch (static_cast<abort_kind>(h.flags)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
-      case abort_kind::timeout: throw timeout_error(msg, rank_);
-      case abort_kind::other: break;
-    }
-    throw error(msg, rank_);
-  }
-
-  /// Looks behind the frame just received on `fd` for the peer's abort notice (2 s at most, skipping the
-  /// frames it wrote before aborting) and raises it; returns if the stream ends or holds none.
-  void raise_abort_behind(int world_peer, int fd) const {
-    const auto limit = clock::now() + std::chrono::seconds(2);
-    char sink[4096];
-    frame_header h;
-    while (recv_all(fd, &h, sizeof h, limit) == io_status::ok && malformed(h) == nullptr && h.op != op_bye) {
-      if (h.op == op_abort) raise_abort(world_peer, h, fd);
-      for (std::uint64_t left = h.length; left > 0;) {
-        const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
-        if (recv_all(fd, sink, k, limit) != io_status::ok) return;
-        left -= k;
-      }
-    }
-  }
-
-  int rank_;
-  int size_;
-  const call* current_ = nullptr;  ///< the call executing now, or nullptr
-  frame_header finished_;          ///< the last collective this rank completed, named when a peer's frame of it arrives late
-};
+  throw error(msg, rank);
+}
 
 }  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/engine_errors.hpp>
+// ---- end <ddp/comm/tcp/messages.hpp>
+// ---- begin <ddp/comm/tcp/peer.hpp>
+/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
+/// transfers, what the executing call expects from it, the same-host copies in flight either way, and, on
+/// one host with shared memory, its point-to-point rings (shm_rings.hpp).
+
+
 // ---- begin <ddp/comm/tcp/frame_writer.hpp>
 /// \file The sending half of a peer stream: a queue of frames written with sendmsg as the socket accepts
 /// them, header and payload in one call, straight out of the caller's buffers (no copy). On abort the frame
@@ -3669,11 +3694,118 @@ class frame_writer {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/frame_writer.hpp>
-// ---- begin <ddp/comm/tcp/peer.hpp>
-/// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
-/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
+// ---- begin <ddp/comm/tcp/shm_rings.hpp>
+/// \file Point-to-point between ranks of one host: per ordered pair of ranks a single-producer,
+/// single-consumer byte ring in the job's segment `<job segment>-p2p`, carrying the same frames (header and
+/// payload) a socket would. Only engine threads touch the rings: the sender's writes what fits and the
+/// receiver's reads what is there, straight into the matched recv. No system call on the fast path; a rank's
+/// engine that sleeps in poll says so in its bell word, and a peer that wrote to it (or freed room in a ring
+/// the sleeper waits to write) rings it with an op_ring frame on the socket. Every rank maps the segment with
+/// O_CREAT at the rendezvous; the last to map it unlinks it.
 
 
+
+
+namespace ddp::tcp::detail {
+
+/// Data bytes of one ring: a larger frame passes in pieces as the receiver reads.
+inline constexpr std::size_t ring_bytes = 1 << 20;
+
+/// A ring's counters, each on its own cache line; the bytes in the ring are written - read.
+struct ring_head {
+  alignas(64) std::atomic<std::uint64_t> written{0};     ///< bytes the sender has put in, ever
+  alignas(64) std::atomic<std::uint64_t> read{0};        ///< bytes the receiver has taken out, ever
+  alignas(64) std::atomic<std::uint32_t> room_wanted{0};  ///< the sender found it full: ring it on reading
+};
+
+/// A rank's bell word: 1 while its engine sleeps in poll (a writer must ring it), on its own cache line.
+struct ring_bell {
+  alignas(64) std::atomic<std::uint32_t> asleep{0};
+};
+
+/// One direction between two ranks, seen from either end.
+class shm_ring {
+ public:
+  shm_ring(ring_head* head, char* data) : head_(head), data_(data) {}
+
+  /// Sender: copies what fits of `n` bytes at `src` in; returns how many.
+  std::size_t write(const char* src, std::size_t n) {
+    const std::uint64_t w = head_->written.load(std::memory_order_relaxed);
+    const std::uint64_t r = head_->read.load(std::memory_order_seq_cst);
+    const std::size_t k = std::min<std::size_t>(n, ring_bytes - static_cast<std::size_t>(w - r));
+    const std::size_t at = static_cast<std::size_t>(w % ring_bytes), first = std::min(k, ring_bytes - at);
+    std::memcpy(data_ + at, src, first);
+    std::memcpy(data_, src + first, k - first);
+    head_->written.store(w + k, std::memory_order_seq_cst);
+    return k;
+  }
+  /// Receiver: copies up to `n` bytes out to `dest`; returns how many, or -1 with errno EAGAIN when empty
+  /// (frame_reader's read function).
+  ssize_t read(char* dest, std::size_t n) {
+    const std::uint64_t r = head_->read.load(std::memory_order_relaxed);
+    const std::uint64_t w = head_->written.load(std::memory_order_seq_cst);
+    const std::size_t k = std::min<std::size_t>(n, static_cast<std::size_t>(w - r));
+    if (k == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    const std::size_t at = static_cast<std::size_t>(r % ring_bytes), first = std::min(k, ring_bytes - at);
+    std::memcpy(dest, data_ + at, first);
+    std::memcpy(dest + first, data_, k - first);
+    head_->read.store(r + k, std::memory_order_seq_cst);
+    return static_cast<ssize_t>(k);
+  }
+  /// True when the receiver has bytes to read.
+  [[nodiscard]] bool readable() const {
+    return head_->written.load(std::memory_order_seq_cst) != head_->read.load(std::memory_order_seq_cst);
+  }
+  /// Sender, on a full ring: asks the receiver to ring it when it reads; true if room appeared meanwhile.
+  bool want_room() {
+    head_->room_wanted.store(1, std::memory_order_seq_cst);
+    return head_->written.load(std::memory_order_relaxed) - head_->read.load(std::memory_order_seq_cst) < ring_bytes;
+  }
+  /// Receiver, after reading: true (once) when the sender waits for room and must be rung.
+  bool room_wanted() {
+    return head_->room_wanted.load(std::memory_order_seq_cst) != 0 && head_->room_wanted.exchange(0) != 0;
+  }
+
+ private:
+  ring_head* head_;
+  char* data_;
+};
+
+/// The job's rings, mapped by this rank.
+class shm_rings {
+ public:
+  /// Maps (creating it if first) the rings of the job segment `job_name` of `size` ranks, as rank `me`.
+  shm_rings(const std::string& job_name, int size, int me) : size_(static_cast<std::size_t>(size)) {
+    const std::string name = job_name + "-p2p";
+    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me);
+    count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, size);
+  }
+  shm_rings(const shm_rings&) = delete;
+
+  /// The ring from world rank `from` to world rank `to`.
+  [[nodiscard]] shm_ring ring(int from, int to) const {
+    char* at = map_.data() + offset_of_ring(static_cast<std::size_t>(from) * size_ + static_cast<std::size_t>(to));
+    return {reinterpret_cast<ring_head*>(at), at + sizeof(ring_head)};
+  }
+  /// World rank `r`'s bell.
+  [[nodiscard]] ring_bell& bell(int r) const {
+    return reinterpret_cast<ring_bell*>(map_.data() + 64)[static_cast<std::size_t>(r)];
+  }
+
+ private:
+  /// Bytes before ring `i`: the mapping count, the bells, then the rings.
+  [[nodiscard]] std::size_t offset_of_ring(std::size_t i) const {
+    return 64 + size_ * sizeof(ring_bell) + i * (sizeof(ring_head) + ring_bytes);
+  }
+  std::size_t size_;
+  shm_mapping map_;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_rings.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3685,15 +3817,47 @@ enum class target : std::uint8_t {
   stray,       ///< a buffer of its own, until the recv is posted
 };
 
+/// Where the payload being read from one of a peer's streams goes.
+struct payload_sink {
+  target into = target::control;
+  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
+  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+
+  /// On abort: fails the recv being filled.
+  void fail(const std::exception_ptr& e) {
+    if (matched) matched->done->fail(e);
+    matched.reset();
+  }
+};
+
+/// A peer's point-to-point transfers through the shared-memory rings: sends queue here and go into `out`
+/// as it has room; frames read out of `in` go to their recvs as from a socket.
+struct ring_link {
+  shm_ring in;   ///< from the peer
+  shm_ring out;  ///< to the peer
+  frame_reader reader;
+  payload_sink sink;
+  std::deque<tx_item> queue;  ///< sends not yet wholly in `out` (the first perhaps in part)
+
+  /// A frame is half read or half written: the peer's end now loses data.
+  [[nodiscard]] bool busy() const { return !queue.empty() || reader.mid_frame(); }
+  /// On abort: fails the queued sends and the recv being filled.
+  void fail(const std::exception_ptr& e) {
+    for (auto& t : queue)
+      if (t.done) t.done->fail(e);
+    queue.clear();
+    sink.fail(e);
+  }
+};
+
 struct peer {
   socket_fd fd;
   frame_writer out;
   frame_reader in;
   peer_memory memory;
   mailbox mail;
-  target into = target::control;
-  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
-  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+  payload_sink sink;               ///< where the payload being read from the socket goes
+  std::optional<ring_link> ring;   ///< point-to-point through shared memory (same host, DDP_SHM), else none
   bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
   frame_header expect;
   char* expect_dest = nullptr;
@@ -3721,8 +3885,8 @@ struct peer {
     expecting = false;
     unacked = 0;
     mail.fail_all(e);
-    if (matched) matched->done->fail(e);
-    matched.reset();
+    sink.fail(e);
+    if (ring) ring->fail(e);
   }
 
   /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
@@ -3753,30 +3917,391 @@ struct peer {
   }
 };
 
-/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
-class scratch_space {
- public:
-  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
-  char* get(int which, std::size_t bytes) {
-    auto& s = buffers_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/peer.hpp>
+
+namespace ddp::tcp::detail {
+
+class engine_errors {
+ protected:
+  engine_errors(int rank, int size) : rank_(rank), size_(size) {}
+
+  /// The rank label errors use: the group rank, plus the world rank inside a subgroup.
+  [[nodiscard]] std::string label(int world_rank) const {
+    if (current_ == nullptr) return "rank " + std::to_string(world_rank);
+    const auto& m = current_->grp->members;
+    for (std::size_t i = 0; i < m.size(); ++i)
+      if (m[i] == world_rank) return rank_label(i, world_rank, m.size() != static_cast<std::size_t>(size_));
+    return "world rank " + std::to_string(world_rank);
+  }
+  [[nodiscard]] std::string what_now() const {
+    return current_ != nullptr ? describe(header_of(*current_, 0)) : std::string("a point-to-point transfer");
   }
 
- private:
-  struct buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  buffer buffers_[2];
+  /// How a peer's stream ended, for peer_lost.
+  [[nodiscard]] static std::string farewell(const frame_reader& in) {
+    if (in.state() == read_state::said_bye) return "it closed its communicator";
+    if (in.error_code() != 0) return "receiving from it failed (" + errno_text(in.error_code()) + ")";
+    return "it closed the connection or died";
+  }
+
+  [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
+    return lost_peer(label(world_peer), what_now(), how, rank_, world_peer, code);
+  }
+
+  /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
+  [[noreturn]] void throw_mismatch(int world_peer, const frame_header& want, const frame_header& got,
+                                   const char* how = " sent ") const {
+    // A frame of this rank's previous step: both calls of that step went through (each only sent).
+    const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
+    throw different_calls(label(rank_) + " called " + describe(want) +
+                              (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
+                              how + describe(got) +
+                              (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
+                                                          " bytes where " + std::to_string(want.length) +
+                                                          " were expected"
+                                                    : std::string()),
+                          rank_);
+  }
+
+  /// Raises mismatch_error where one of `peers` (by world rank) is at the executing call's step (group and
+  /// sequence number) in another call: a frame of it waits unread, or it said it waits in that call. Runs
+  /// before every sleep, so calls that only receive, or only send, on both sides fail at once instead of at
+  /// the timeout.
+  void check_same_step(const std::vector<peer>& peers) const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers.size(); ++r) {
+      const peer& p = peers[r];
+      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
+      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+    }
+  }
+
+  /// The ranks of `peers` the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list(const std::vector<peer>& peers) const {
+    std::string waiting;
+    for (std::size_t r = 0; r < peers.size(); ++r)
+      if (peers[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
+  }
+
+  [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
+    return mismatch_error(label(rank_) + " called recv of " + std::to_string(r.want.count) + " " +
+                              std::string(to_string(static_cast<dtype>(r.want.type))) + " with tag " +
+                              std::to_string(r.tag) + ", " + label(world_peer) + " sent " + describe(got) +
+                              "; a send and its recv must have the same count and dtype",
+                          rank_);
+  }
+
+  [[nodiscard]] std::exception_ptr recv_expired(const posted_recv& x, int world_peer) const {
+    return std::make_exception_ptr(timeout_error(
+        "recv of " + std::to_string(x.want.count) + " " + std::string(to_string(static_cast<dtype>(x.want.type))) +
+            " with tag " + std::to_string(x.tag) + " from " + label(world_peer) + " found no matching send within " +
+            std::to_string(x.timeout.count()) + " ms; check that the peer sends with the same tag, or raise the timeout",
+        rank_));
+  }
+
+  [[nodiscard]] error corrupt_stream(int world_peer, const char* why) const {
+    return error(label(world_peer) + " sent " + why + (current_ != nullptr ? " during " + what_now() : std::string()) +
+                     "; every rank must run the same ddp version, and nothing else may write to the mesh sockets",
+                 rank_);
+  }
+  [[nodiscard]] error unreadable(int world_peer) const {
+    return error(label(world_peer) + " sent the address of its data, but this rank cannot read that process's "
+                                     "memory; every rank must run the same ddp version",
+                 rank_);
+  }
+  [[nodiscard]] error abandoned_copy(int world_peer) const {
+    return error(label(world_peer) + " aborted " + what_now() + " while this rank copied its data, and its abort "
+                                     "notice did not arrive within 2 s; check that rank's log for the first error",
+                 rank_);
+  }
+  [[nodiscard]] peer_lost cancelled() const {
+    return peer_lost(what_now() + " was cancelled because its communicator was destroyed; wait() for every "
+                                  "operation before the communicator goes out of scope",
+                     rank_, rank_);
+  }
+  [[nodiscard]] std::exception_ptr destroyed() const {
+    return std::make_exception_ptr(
+        error("the communicator was destroyed before this operation ran; wait() for every operation before the "
+              "communicator goes out of scope",
+              rank_));
+  }
+  [[nodiscard]] timeout_error timed_out(const std::string& waiting) const {
+    return call_timeout(what_now(), current_->grp->timeout, waiting.empty() ? std::string("nothing") : waiting, rank_);
+  }
+
+  /// The abort frame that tells the peers of `e`, with the error's kind so they raise the same type.
+  [[nodiscard]] static abort_notice notice_of(const std::exception_ptr& e) {
+    abort_notice n;
+    n.header.op = op_abort;
+    auto kind = abort_kind::other;
+    try {
+      std::rethrow_exception(e);
+    } catch (const peer_lost& x) {
+      kind = abort_kind::peer_lost;
+      n.header.lost_rank = x.peer();
+      n.text = x.what();
+    } catch (const mismatch_error& x) {
+      kind = abort_kind::mismatch;
+      n.text = x.what();
+    } catch (const timeout_error& x) {
+      kind = abort_kind::timeout;
+      n.text = x.what();
+    } catch (const std::exception& x) {
+      n.text = x.what();
+    }
+    n.text.resize(std::min<std::size_t>(n.text.size(), max_abort_text));
+    n.header.flags = static_cast<std::uint8_t>(kind);
+    n.header.length = n.text.size();
+    return n;
+  }
+
+  /// Reads the abort frame `h` announced on `fd` and raises the error it carries.
+  [[noreturn]] void raise_abort(int world_peer, const frame_header& h, int fd) const {
+    std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
+    if (h.length > max_abort_text || recv_all(fd, text.data(), text.size(), clock::now() + std::chrono::seconds(2)) != io_status::ok)
+      text = "(its message was lost)";
+    raise_notice(static_cast<abort_kind>(h.flags), label(world_peer),
+                 current_ != nullptr ? what_now() : std::string("while this rank ran no operation"), text, rank_,
+                 h.lost_rank);
+  }
+
+  /// Looks behind the frame just received on `fd` for the peer's abort notice (2 s at most, skipping the
+  /// frames it wrote before aborting) and raises it; returns if the stream ends or holds none.
+  void raise_abort_behind(int world_peer, int fd) const {
+    const auto limit = clock::now() + std::chrono::seconds(2);
+    char sink[4096];
+    frame_header h;
+    while (recv_all(fd, &h, sizeof h, limit) == io_status::ok && malformed(h) == nullptr && h.op != op_bye) {
+      if (h.op == op_abort) raise_abort(world_peer, h, fd);
+      for (std::uint64_t left = h.length; left > 0;) {
+        const auto k = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
+        if (recv_all(fd, sink, k, limit) != io_status::ok) return;
+        left -= k;
+      }
+    }
+  }
+
+  int rank_;
+  int size_;
+  const call* current_ = nullptr;  ///< the call executing now, or nullptr
+  frame_header finished_;          ///< the last collective this rank completed, named when a peer's frame of it arrives late
 };
 
 }  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/peer.hpp>
+// ---- end <ddp/comm/tcp/engine_errors.hpp>
+// ---- begin <ddp/comm/tcp/peer_io.hpp>
+/// \file The engine's peers and the transfers outside a collective's algorithm: frames posted on the
+/// sockets, and point-to-point sends and recvs, over the sockets or, on one host with shared memory, the
+/// rings (shm_rings.hpp). A send's frame, from either, goes to the recv it matches (mailbox, matching.hpp) or
+/// aside until its recv comes, so both carry the same errors: a count or dtype mismatch, a recv's timeout,
+/// peer_lost when the peer's socket ends. The engine (engine.hpp) derives from this; only its thread calls it.
+
+
+
+namespace ddp::tcp::detail {
+
+class peer_io : protected engine_errors {
+ protected:
+  peer_io(int rank, int size) : engine_errors(rank, size), peers_(static_cast<std::size_t>(size)) {}
+
+  peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
+
+  /// Point-to-point goes through `rings` from now on (mapped at the rendezvous; null: the sockets).
+  void use_rings(std::unique_ptr<shm_rings> rings) {
+    rings_ = std::move(rings);
+    for (int r = 0; rings_ && r < size_; ++r)
+      if (r != rank_) at(r).ring = ring_link{rings_->ring(r, rank_), rings_->ring(rank_, r), {}, {}, {}};
+  }
+
+  /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
+  void point_to_point(call& c) {
+    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
+    const frame_header h = header_of(c, c.count * size_of(c.type));
+    peer& p = at(world_peer);
+    if (c.side == p2p::send && world_peer != rank_) {
+      c.grp->stats.add_bytes(c.kind, h.length);
+      if (!p.ring) return post(world_peer, h, c.in, c.done);
+      if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
+      p.ring->queue.push_back({h, static_cast<const char*>(c.in), 0, c.done});
+      write_ring(world_peer);
+      return;
+    }
+    if (c.side == p2p::send) {  // to itself
+      const auto* in = static_cast<const char*>(c.in);
+      if (auto r = p.mail.take_recv(h)) deliver(*r, h, in, rank_);
+      else p.mail.keep({h, std::vector<char>(in, in + h.length)});
+      return c.done->finish();
+    }
+    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout, c.grp->timeout};
+    if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
+    if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
+    p.mail.post(std::move(want));
+  }
+
+  /// Raises mismatch_error, on the recv `r` (taken from its mailbox, so no abort reaches it) and in the
+  /// engine, unless the send `got` from `world_peer` fits it.
+  void check_fits(const posted_recv& r, const frame_header& got, int world_peer) const {
+    if (fits(r, got)) return;
+    const auto e = p2p_mismatch(r, got, world_peer);
+    r.done->fail(std::make_exception_ptr(e));
+    throw e;
+  }
+
+  /// Completes the recv `r` with the send `got` whose payload is `data`.
+  void deliver(const posted_recv& r, const frame_header& got, const char* data, int world_peer) {
+    check_fits(r, got, world_peer);
+    if (got.length > 0) std::memcpy(r.dest, data, got.length);
+    r.done->finish();
+  }
+
+  /// A send's header arrived on `in` (`world_peer`'s socket or ring): its payload goes straight into the recv
+  /// it matches, else into a buffer of `s` until its recv comes.
+  void route_send(int world_peer, payload_sink& s, frame_reader& in) {
+    const frame_header& h = in.header();
+    if (auto r = at(world_peer).mail.take_recv(h)) {
+      check_fits(*r, h, world_peer);
+      s.matched = std::move(r);
+      s.into = target::posted;
+      return in.accept(s.matched->dest);
+    }
+    s.stray_buf.resize(h.length);
+    s.into = target::stray;
+    in.accept(s.stray_buf.data());
+  }
+
+  /// The payload of send `h`, routed into `s` by route_send, has arrived.
+  void finish_send(int world_peer, payload_sink& s, const frame_header& h) {
+    auto& p = at(world_peer);
+    if (s.into == target::posted) {
+      s.matched->done->finish();
+      s.matched.reset();
+    } else {  // its recv may have been posted while the payload was arriving
+      if (auto r = p.mail.take_recv(h)) deliver(*r, h, s.stray_buf.data(), world_peer);
+      else p.mail.keep({h, std::move(s.stray_buf)});
+      s.stray_buf = {};
+    }
+    s.into = target::control;
+  }
+
+  /// Fails the recvs no send matched within the timeout.
+  void expire_recvs() {
+    const auto now = clock::now();
+    for (std::size_t r = 0; r < peers_.size(); ++r)
+      peers_[r].mail.expire(now, [&](const posted_recv& x) { return recv_expired(x, static_cast<int>(r)); });
+  }
+
+  void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
+    at(world_peer).out.push({h, static_cast<const char*>(data), 0, std::move(done)});
+    write_some(world_peer);  // most small frames leave at once, before any poll
+  }
+
+  /// Writes what the peer's socket accepts; true if bytes moved.
+  bool write_some(int world_peer) {
+    auto& p = at(world_peer);
+    int failure = 0;
+    const bool moved = p.out.write_some(p.fd.get(), failure);
+    if (failure == 0) return moved;
+    if (current_ != nullptr && current_->side == p2p::none) check_same_step(peers_);  // a frame shows a mismatch: say so
+    throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
+  }
+
+  // ---- the rings ----
+
+  /// Moves point-to-point frames through every ring, both ways; true if bytes moved.
+  bool serve_rings() {
+    bool moved = false;
+    for (int r = 0; rings_ && !poisoned_ && r < size_; ++r) {
+      if (!at(r).ring) continue;
+      moved = write_ring(r) || moved;
+      moved = read_ring(r) || moved;
+    }
+    return moved;
+  }
+
+  /// Before the engine sleeps `ms` in poll: raises this rank's bell, so writers ring it, and looks at the rings
+  /// once more. Returns how long to sleep (0: bytes moved). It does not spin first: measured on the loaded
+  /// 2-core VM (bench/comm ddp_bench_p2p), a 50 us spin took the core the peer's threads needed (4 KiB
+  /// ping-pong: 105 us one way against 34 us without).
+  int before_sleep(int ms) {
+    if (!rings_ || poisoned_ || ms == 0) return ms;
+    rings_->bell(rank_).asleep.store(1, std::memory_order_seq_cst);
+    return serve_rings() ? 0 : ms;
+  }
+  /// After the sleep: writers need not ring this rank.
+  void after_sleep() {
+    if (rings_) rings_->bell(rank_).asleep.store(0, std::memory_order_seq_cst);
+  }
+
+  /// Writes what fits of the sends queued for `world_peer`'s ring, and rings it if it sleeps; true if bytes moved.
+  bool write_ring(int world_peer) {
+    auto& l = *at(world_peer).ring;
+    bool moved = false;
+    while (!l.queue.empty()) {
+      tx_item& t = l.queue.front();
+      const bool header = t.sent < sizeof t.hdr;
+      const char* from = header ? reinterpret_cast<const char*>(&t.hdr) + t.sent : t.data + (t.sent - sizeof t.hdr);
+      const std::size_t left = header ? sizeof t.hdr - t.sent : t.total() - t.sent;
+      const std::size_t k = l.out.write(from, left);
+      t.sent += k;
+      moved = moved || k > 0;
+      if (t.sent == t.total()) {
+        if (t.done) t.done->finish();
+        l.queue.pop_front();
+      } else if (k < left && !l.out.want_room()) {
+        break;  // full: the reader rings this rank when it makes room
+      }
+    }
+    auto& bell = rings_->bell(world_peer).asleep;
+    if (moved && bell.load(std::memory_order_seq_cst) != 0 && bell.exchange(0) != 0) ring(world_peer);
+    return moved;
+  }
+
+  /// Reads the frames in `world_peer`'s ring into their recvs (or aside), and rings it if it waits for room;
+  /// true if bytes moved.
+  bool read_ring(int world_peer) {
+    auto& l = *at(world_peer).ring;
+    bool moved = false;
+    const auto from_ring = [&l](char* buf, std::size_t n) { return l.in.read(buf, n); };
+    while (true) {
+      const read_event ev = l.reader.advance(from_ring, moved);
+      if (ev == read_event::blocked) break;
+      const frame_header& h = l.reader.header();
+      if (ev == read_event::ended || h.op != static_cast<std::uint8_t>(collective::send_recv)) {
+        const char* why = malformed(h);
+        throw corrupt_stream(world_peer, why != nullptr ? why : "a frame other than a send through its ring");
+      }
+      if (ev == read_event::header) route_send(world_peer, l.sink, l.reader);
+      else finish_send(world_peer, l.sink, h);
+    }
+    if (moved && l.in.room_wanted()) ring(world_peer);
+    return moved;
+  }
+
+  /// Wakes `world_peer`'s engine from poll: data or room waits in a ring (unless its stream ended: it left).
+  void ring(int world_peer) {
+    if (at(world_peer).in.ended()) return;
+    frame_header h;
+    h.op = op_ring;
+    post(world_peer, h, nullptr, nullptr);
+  }
+
+  std::vector<peer> peers_;
+  std::exception_ptr poisoned_;        ///< what aborted the engine, or null
+  std::unique_ptr<shm_rings> rings_;  ///< point-to-point through shared memory, or null
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/peer_io.hpp>
+// ---- begin <ddp/comm/tcp/shm_run.hpp>
+/// \file Running a collective over its group's shared-memory segment, on either thread. On the caller's
+/// thread (the engine idle: no hop between threads) until its first barrier has spun shm_handoff_after
+/// without its peers; then, or from the start where the engine is busy, on the engine thread, which sleeps
+/// in 1 ms slices and serves its sockets between them.
+
+
 // ---- begin <ddp/comm/tcp/shm_algorithms.hpp>
 /// \file The collectives of the same-host transport, over a group's shared-memory segment (shm_channel):
 /// every rank publishes pieces of its input in its region, then reads what it needs straight from the
@@ -3969,7 +4494,9 @@ class shm_channel {
       if (r != g_.me()) await(r, target, first);
     for (int r = 0; r < g_.size(); ++r) {
       const frame_header& theirs = g_.head(r, g_.phase).call;
-      if (r != g_.me() && !same_call(desc_, theirs)) mismatch(r, theirs);
+      if (r != g_.me() && !same_call(desc_, theirs))
+        throw different_calls(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " + describe(theirs),
+                              me_world());
     }
     g_.phase = target;
   }
@@ -4023,38 +4550,14 @@ class shm_channel {
       case shm_state::running:
       case shm_state::writing: break;
       case shm_state::closed:
-        throw peer_lost(label(r) + " was lost during " + describe(desc_) +
-                            ": it closed its communicator or died. Check that rank's log for the first error; the "
-                            "job cannot continue without it",
-                        me_world(), w);
-      case shm_state::aborted: raise_abort(r);
+        throw lost_peer(label(r), describe(desc_), "it closed its communicator or died", me_world(), w);
+      case shm_state::aborted: {
+        const auto& n = g_.world().notice_of(w);
+        raise_notice(static_cast<abort_kind>(n.kind), label(r), describe(desc_), std::string(n.text, n.text_bytes),
+                     me_world(), n.lost_rank);
+      }
     }
-    if (clock::now() >= deadline_)
-      throw timeout_error(describe(desc_) + " did not complete within " + std::to_string(c_.grp->timeout.count()) +
-                              " ms, waiting for " + label(r) +
-                              ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                              "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                          me_world());
-  }
-
-  [[noreturn]] void raise_abort(int r) {
-    const auto& n = g_.world().notice_of(g_.world_rank(r));
-    const std::string msg = label(r) + " aborted " + describe(desc_) + ": " + std::string(n.text, n.text_bytes);
-    switch (static_cast<abort_kind>(n.kind)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, me_world(), n.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, me_world());
-      case abort_kind::timeout: throw timeout_error(msg, me_world());
-      case abort_kind::other: break;
-    }
-    throw error(msg, me_world());
-  }
-
-  [[noreturn]] void mismatch(int r, const frame_header& theirs) {
-    throw mismatch_error(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " +
-                             describe(theirs) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         me_world());
+    if (clock::now() >= deadline_) throw call_timeout(describe(desc_), c_.grp->timeout, label(r), me_world());
   }
 
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
@@ -4314,6 +4817,49 @@ inline void shm_execute(shm_channel& ch, shm_group& g) {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/shm_algorithms.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
+/// the engine thread and returning its work.
+inline constexpr std::chrono::microseconds shm_handoff_after{100};
+
+/// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
+/// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
+inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
+  shm_waiting how;
+  const bool crowded = c.grp->shm->oversubscribed();
+  how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
+  how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+  how.note = note;
+  try {
+    shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
+    shm_execute(ch, *c.grp->shm);
+    return true;
+  } catch (const shm_handoff&) {
+    c.resumed = true;
+    return false;
+  }
+}
+
+/// Runs (or resumes) shared-memory call `c` on the engine thread by `deadline`, calling `serve` between
+/// sleeps (it serves the sockets, and throws to cancel the call).
+inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::stall_note* note,
+                              std::function<void()> serve) {
+  shm_waiting how;
+  how.resumed = c.resumed;
+  how.slice = std::chrono::milliseconds(1);
+  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+  how.note = note;
+  how.between = std::move(serve);
+  // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
+  // flight recorder's view, gives up first.
+  shm_channel ch(*c.grp->shm, c, deadline + how.slice, std::move(how));
+  shm_execute(ch, *c.grp->shm);
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_run.hpp>
 // ---- begin <ddp/comm/tcp/store.hpp>
 /// \file The rendezvous key-value store: rank 0 serves it at MASTER_ADDR:MASTER_PORT (driven by the
 /// progress engine's poll loop, no thread of its own); every rank is a client (set/get/wait/add).
@@ -4396,11 +4942,12 @@ class handshake_acceptor {
     return done;
   }
 
-  /// Logs that the connection from `from` was refused because `why`, and closes it: bytes already queued
-  /// are discarded unread (up to 1 MiB, no copy), so a stranger that stopped sending sees an orderly close.
-  void refuse(socket_fd& fd, const std::string& from, const std::string& why) const {
-    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why +
-                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
+  /// Logs that the connection from `from` was refused because `why` (`who`: what it probably is, or the
+  /// fix), and closes it: bytes already queued are discarded unread (up to 1 MiB, no copy), so a stranger that
+  /// stopped sending sees an orderly close.
+  void refuse(socket_fd& fd, const std::string& from, const std::string& why,
+              const std::string& who = "a process outside this job, or a rank started with another DDP_TOKEN") const {
+    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why + " (" + who + "); the job goes on");
     [[maybe_unused]] const auto n = ::recv(fd.get(), nullptr, 1 << 20, MSG_TRUNC | MSG_DONTWAIT);
     fd.reset();
   }
@@ -4762,92 +5309,60 @@ class store_server {
 
 namespace ddp::tcp::detail {
 
-/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
-/// the engine thread and returning its work.
-inline constexpr std::chrono::microseconds shm_handoff_after{100};
-
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
 using executor = void (*)(engine&, call&);
 
-class engine : engine_errors {
+class engine : peer_io {
  public:
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
-      : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
-    std::random_device random;
-    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
-    live_.store(live_value_);
+      : peer_io(rank, size), exec_(exec), store_(std::move(store)) {
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
-    peers_.resize(static_cast<std::size_t>(size));
     thread_ = std::thread([this] { loop(); });
   }
   engine(const engine&) = delete;
 
   /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
   ~engine() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
+    queue_.stop();
     wake();
     thread_.join();
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
-  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
-    std::unique_lock lock(mutex_);
+  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment and point-to-point
+  /// rings (null: none).
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world,
+              std::unique_ptr<shm_rings> rings) {
+    std::unique_lock lock(queue_.mutex());
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
     pending_world_ = std::move(world);
+    pending_rings_ = std::move(rings);
     has_pending_sockets_ = true;
     lock.unlock();
     wake();
   }
 
-  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
-  std::mutex& queue_mutex() { return mutex_; }
-  /// Queues `c` while the caller already holds queue_mutex().
-  void submit_locked(call c) { queue_.push_back(std::move(c)); }
-  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
-  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
-  bool claim_for_caller_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
-    busy_ = true;
-    return true;
-  }
-  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
-  /// peers are not there within shm_handoff_after.
+  /// The calls submitted, and who runs them.
+  call_queue& queue() { return queue_; }
+  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
+  /// the engine thread if the peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
-    shm_waiting how;
-    const bool crowded = c.grp->shm->oversubscribed();
-    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    std::unique_lock lock(mutex_, std::defer_lock);
+    std::optional<call> back;
+    std::exception_ptr failure;
     try {
-      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch, *c.grp->shm);
-      c.done->finish();
-      lock.lock();
-    } catch (const shm_handoff&) {
-      c.resumed = true;
-      lock.lock();
-      queue_.push_front(std::move(c));
+      if (run_shm_on_caller(c, note_.get())) c.done->finish();
+      else back = std::move(c);
     } catch (...) {
-      const auto e = std::current_exception();
-      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
-      c.done->fail(e);
-      lock.lock();
-      caller_failure_ = e;
+      failure = std::current_exception();
+      live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      c.done->fail(failure);
     }
-    busy_ = false;
-    const bool more = !queue_.empty() || caller_failure_;
-    lock.unlock();
-    if (more) wake();
+    if (queue_.release(std::move(back), std::move(failure))) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -4856,9 +5371,8 @@ class engine : engine_errors {
   }
 
   [[nodiscard]] int rank() const { return rank_; }
-  /// The word peers on this host read after each copy from this process: it changes once when the engine
-  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
-  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// This process's live word (same_host.hpp), which peers on this host read after each copy from it.
+  [[nodiscard]] const live_word& live() const { return live_; }
   /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
   [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
 
@@ -4888,16 +5402,14 @@ class engine : engine_errors {
   }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
-  char* scratch(int which, std::size_t bytes) { return scratch_.get(which, bytes); }
+  char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
 
  private:
-  peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
-
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
     while (true) {
-      std::unique_lock lock(mutex_);
+      std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -4908,22 +5420,20 @@ class engine : engine_errors {
         has_pending_sockets_ = false;
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
+        use_rings(std::move(pending_rings_));
       }
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
-        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
+      // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
+      // would see a clean close).
+      if (const auto e = queue_.take_caller_failure_locked()) {
         lock.unlock();
         abort_peers(e);
         continue;
       }
-      if (stop_) break;
-      if (!queue_.empty() && !busy_) {
-        call c = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
+      if (queue_.stopping_locked()) break;
+      if (auto c = queue_.take_locked()) {
         lock.unlock();
-        run(c);
-        lock.lock();
-        busy_ = false;
+        run(*c);
+        queue_.finished();
         continue;
       }
       lock.unlock();
@@ -4939,12 +5449,14 @@ class engine : engine_errors {
   /// Sleeps in poll until woken (at most `max_ms` unless negative), serving the store, reading
   /// point-to-point frames and draining sends.
   void idle_wait(int max_ms = -1) {
+    serve_rings();
     const std::size_t peer_base = build_poll_set();
     auto first = clock::time_point::max();
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), ms);
+    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    after_sleep();
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
@@ -4954,6 +5466,7 @@ class engine : engine_errors {
       if (peers_[r].out.pending()) write_some(static_cast<int>(r));
       if (peers_[r].readable()) read_some(static_cast<int>(r));
     }
+    serve_rings();  // an op_ring frame may have woken it
   }
 
   /// Fills fds_: the wake-up descriptor, the store's, then one entry per peer; returns the peers' base.
@@ -4982,7 +5495,10 @@ class engine : engine_errors {
     deadline_ = clock::now() + c.grp->timeout;
     try {
       if (c.over_shm()) {
-        run_shm(c);
+        run_shm_on_engine(c, deadline_, note_.get(), [this] {
+          idle_wait(0);
+          if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+        });
         c.done->finish();
       } else if (c.side != p2p::none) {
         point_to_point(c);
@@ -4999,81 +5515,6 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
-  }
-
-  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
-  void end_life() {
-    std::uint64_t alive = live_value_;
-    live_.compare_exchange_strong(alive, ~live_value_);
-  }
-
-  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
-  void run_shm(call& c) {
-    shm_waiting how;
-    how.resumed = c.resumed;
-    how.slice = std::chrono::milliseconds(1);
-    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    how.between = [this] {
-      idle_wait(0);
-      std::lock_guard lock(mutex_);
-      if (stop_) throw cancelled();  // to the peers, this rank is lost
-    };
-    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
-    // flight recorder's view, gives up first.
-    const auto deadline = deadline_ + how.slice;
-    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
-    shm_execute(ch, *c.grp->shm);
-  }
-
-  /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
-  void point_to_point(call& c) {
-    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
-    const frame_header h = header_of(c, c.count * size_of(c.type));
-    peer& p = at(world_peer);
-    if (c.side == p2p::send && world_peer != rank_) {
-      c.grp->stats.add_bytes(c.kind, h.length);
-      return post(world_peer, h, c.in, c.done);
-    }
-    if (c.side == p2p::send) {  // to itself
-      const auto* in = static_cast<const char*>(c.in);
-      if (auto r = p.mail.take_recv(h)) deliver(*r, h, in, rank_);
-      else p.mail.keep({h, std::vector<char>(in, in + h.length)});
-      return c.done->finish();
-    }
-    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout, c.grp->timeout};
-    if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
-    if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
-    p.mail.post(std::move(want));
-  }
-
-  /// Completes the recv `r` with the send `got` whose payload is `data`.
-  void deliver(const posted_recv& r, const frame_header& got, const char* data, int world_peer) {
-    if (!fits(r, got)) throw p2p_mismatch(r, got, world_peer);
-    if (got.length > 0) std::memcpy(r.dest, data, got.length);
-    r.done->finish();
-  }
-
-  /// Fails the recvs no send matched within the timeout.
-  void expire_recvs() {
-    const auto now = clock::now();
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      peers_[r].mail.expire(now, [&](const posted_recv& x) { return recv_expired(x, static_cast<int>(r)); });
-  }
-
-  void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
-    at(world_peer).out.push({h, static_cast<const char*>(data), 0, std::move(done)});
-    write_some(world_peer);  // most small frames leave at once, before any poll
-  }
-
-  /// Writes what the peer's socket accepts; true if bytes moved.
-  bool write_some(int world_peer) {
-    auto& p = at(world_peer);
-    int failure = 0;
-    const bool moved = p.out.write_some(p.fd.get(), failure);
-    if (failure == 0) return moved;
-    if (current_ != nullptr && current_->side == p2p::none) check_same_step();  // a frame shows a mismatch: say so
-    throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
   }
 
   /// Reads what the peer has sent, frame by frame; true if bytes moved.
@@ -5097,7 +5538,8 @@ class engine : engine_errors {
   void on_end(int world_peer) {
     auto& p = at(world_peer);
     if (p.in.state() == read_state::corrupt) throw corrupt_stream(world_peer, malformed(p.in.header()));
-    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0)
+    if (p.ring) read_ring(world_peer);  // what it sent through its ring before it left
+    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0 || (p.ring && p.ring->busy()))
       throw lost(world_peer, p.in.error_code(), farewell(p.in));
   }
 
@@ -5105,7 +5547,7 @@ class engine : engine_errors {
   void dispatch(int world_peer) {
     auto& p = at(world_peer);
     const frame_header& h = p.in.header();
-    p.into = target::control;
+    p.sink.into = target::control;
     switch (h.op) {
       case op_abort: p.in.close(); raise_abort(world_peer, h, p.fd.get());
       case op_waiting:
@@ -5113,22 +5555,15 @@ class engine : engine_errors {
         p.waiting->op = h.flags;
         p.waiting->flags = 0;
         return p.in.accept(nullptr);
+      case op_ring: return p.in.accept(nullptr);  // the rings are served after the sockets
       case op_ack:
         if (p.unacked == 0) throw corrupt_stream(world_peer, "an acknowledgement of a copy this rank never offered");
         --p.unacked;
         return p.in.accept(nullptr);
       default: break;
     }
-    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) return;  // a collective frame: held for its call
-    if (auto r = p.mail.take_recv(h)) {
-      if (!fits(*r, h)) throw p2p_mismatch(*r, h, world_peer);
-      p.matched = std::move(r);
-      p.into = target::posted;
-      return p.in.accept(p.matched->dest);
-    }
-    p.stray_buf.resize(h.length);
-    p.into = target::stray;
-    p.in.accept(p.stray_buf.data());
+    if (h.op == static_cast<std::uint8_t>(collective::send_recv)) route_send(world_peer, p.sink, p.in);
+    // else a collective frame: held for its call
   }
 
   /// The executing call expects the held collective frame: check it, then receive its payload.
@@ -5137,29 +5572,22 @@ class engine : engine_errors {
     const frame_header& got = p.in.header();
     const bool remote = (got.flags & frame_remote) != 0;
     if (!same_call(p.expect, got) || (!remote && got.length != p.expect.length)) throw_mismatch(world_peer, p.expect, got);
-    p.into = target::collective;
+    p.sink.into = target::collective;
     p.in.accept(remote ? reinterpret_cast<char*>(&p.remote) : p.expect_dest);
   }
 
   void finish_payload(int world_peer) {
     auto& p = at(world_peer);
-    switch (p.into) {
+    switch (p.sink.into) {
       case target::control: break;
       case target::collective:
         if ((p.in.header().flags & frame_remote) != 0) copy_remote(world_peer);
         p.expecting = false;
         break;
       case target::posted:
-        p.matched->done->finish();
-        p.matched.reset();
-        break;
-      case target::stray:  // its recv may have been posted while the payload was arriving
-        if (auto r = p.mail.take_recv(p.in.header())) deliver(*r, p.in.header(), p.stray_buf.data(), world_peer);
-        else p.mail.keep({p.in.header(), std::move(p.stray_buf)});
-        p.stray_buf = {};
-        break;
+      case target::stray: return finish_send(world_peer, p.sink, p.in.header());
     }
-    p.into = target::control;
+    p.sink.into = target::control;
   }
 
   /// Copies a remote frame's data out of the peer's memory into the expected destination, then acknowledges it.
@@ -5200,7 +5628,7 @@ class engine : engine_errors {
         if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].in.ended())
           throw lost(static_cast<int>(r), 0, farewell(peers_[r].in));
       if (done()) return;
-      check_same_step();
+      check_same_step(peers_);
       build_poll_set();
       const int until_deadline = poll_ms(deadline_);
       const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
@@ -5208,8 +5636,7 @@ class engine : engine_errors {
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
-        std::lock_guard lock(mutex_);
-        if (stop_) throw cancelled();  // to the peers, this rank is lost
+        if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
@@ -5217,20 +5644,7 @@ class engine : engine_errors {
         stall_noticed = true;
         notice_stall();
       }
-      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list());
-    }
-  }
-
-  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
-  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
-  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
-  void check_same_step() const {
-    const frame_header mine = header_of(*current_, 0);
-    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
-    for (std::size_t r = 0; r < peers_.size(); ++r) {
-      const peer& p = peers_[r];
-      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
-      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list(peers_));
     }
   }
 
@@ -5241,16 +5655,8 @@ class engine : engine_errors {
     h.op = op_waiting;
     for (const int member : current_->grp->members)
       if (member != rank_ && at(member).fd.valid() && !at(member).in.ended()) post(member, h, nullptr, nullptr);
-    note_->set(waiting_list());
+    note_->set(waiting_list(peers_));
     noted_ = true;
-  }
-
-  /// The ranks the executing call waits for: "rank 1, rank 3".
-  [[nodiscard]] std::string waiting_list() const {
-    std::string waiting;
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      if (peers_[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
-    return waiting;
   }
 
   // ---- failure and shutdown ----------------------------------------------------------------
@@ -5258,28 +5664,23 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    end_life();  // before any buffer is released: copies still running see it and discard
+    live_.end();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
-    {
-      std::lock_guard lock(mutex_);
-      failed_ = true;
-    }
+    queue_.fail();
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
 
   /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
   void shutdown() {
-    std::deque<call> left;
-    {
-      std::lock_guard lock(mutex_);
-      left.swap(queue_);
-    }
     const auto gone = destroyed();
-    for (auto& c : left) c.done->fail(gone);
-    for (auto& p : peers_) p.close(gone, !poisoned_);
+    for (auto& c : queue_.drain()) c.done->fail(gone);
+    for (auto& p : peers_) {
+      if (p.ring) p.ring->fail(gone);
+      p.close(gone, !poisoned_);
+    }
     if (shm_world_) shm_world_->release();
   }
 
@@ -5287,29 +5688,20 @@ class engine : engine_errors {
   std::optional<store_server> store_;
   std::size_t store_base_ = 0;
   socket_fd wake_;
-  std::vector<peer> peers_;
   std::vector<pollfd> fds_;
-  std::exception_ptr poisoned_;
   clock::time_point deadline_{};
-  std::atomic<std::uint64_t> live_{0};
-  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
-  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
-                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
-  scratch_space scratch_;
+  scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
-  std::mutex mutex_;
-  std::deque<call> queue_;
+  call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
   std::shared_ptr<shm_world> pending_world_;
+  std::unique_ptr<shm_rings> pending_rings_;
   bool has_pending_sockets_ = false;
-  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
-  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
-  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
-  bool stop_ = false;
   std::thread thread_;
 };
 
@@ -6483,7 +6875,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store, eng.live_word());
+  auto memory = probe_memory(cfg, store, eng.live().word());
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
@@ -6496,11 +6888,12 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
     world->single_copy = every_rank_reads_every_rank(cfg, store);
   }
   if (cfg.rank == 0)
-    log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
-                        "this off)"
-                      : "collectives run through the sockets: not every rank can map shared memory with rank 0 "
-                        "(another host or user, or DDP_SHM=0)");
-  eng.attach(std::move(sockets), std::move(memory), world);
+    log_line(0, world ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
+                        "turns this off)"
+                      : "collectives and sends run through the sockets: not every rank can map shared memory with "
+                        "rank 0 (another host or user, or DDP_SHM=0)");
+  auto rings = world ? std::make_unique<shm_rings>(world->name(), cfg.size, cfg.rank) : nullptr;
+  eng.attach(std::move(sockets), std::move(memory), world, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
@@ -6616,7 +7009,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     auto child = std::make_shared<detail::group>();
     std::uint64_t nth = 0;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       nth = group_->splits++;
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
@@ -6720,7 +7113,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     c.grp = group_;
     work w;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
@@ -6730,8 +7123,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
                " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
       c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       w = work(c.done);
-      if (!engine_->claim_for_caller_locked(c)) {
-        engine_->submit_locked(std::move(c));
+      if (!engine_->queue().claim_locked(c)) {
+        engine_->queue().push_locked(std::move(c));
         engine_->wake();
         return w;
       }

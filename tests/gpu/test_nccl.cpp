@@ -4,10 +4,6 @@
 // the timeout that aborts the communicator.
 #include <catch2/catch.hpp>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -24,6 +20,7 @@
 #include <ddp/comm/backend.hpp>
 #include <ddp/comm/env.hpp>
 #include <gpu/gpu_ranks.hpp>
+#include <support/free_port.hpp>
 
 namespace {
 
@@ -160,19 +157,6 @@ class device_adapter : public ddp::detail::object_collectives<device_adapter> {
 
 static_assert(ddp::communicator<device_adapter>, "the device adapter must model ddp::communicator.");
 
-/// A free TCP port on this host (rank 0 asks the OS for one).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 }  // namespace
 
 TEST_CASE("nccl: the conformance suite passes on host buffers staged by the communicator", "[gpu][nccl][conformance]") {
@@ -196,7 +180,7 @@ TEST_CASE("nccl: the conformance suite passes on device buffers", "[gpu][nccl][c
 TEST_CASE("nccl: from_env joins through the TCP store on LOCAL_RANK's device", "[gpu][nccl]") {
   ddp::testing::place_rank_on_gpu();
   auto boot = world();
-  int port = boot.rank() == 0 ? free_port() : 0;
+  int port = boot.rank() == 0 ? ddp::testing::free_port() : 0;
   boot.broadcast(std::span<int>(&port, 1), 0).wait();
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);

@@ -25,11 +25,12 @@ namespace {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-/// Runs one ddp-launch per node (node r gets --node-rank r and the others, then args(r)) with env(r) added to
-/// its environment; neither is stopped when the other fails. Returns each launcher's status and output.
-dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(int node)> args,
-                              std::function<dl::env_list(int node)> env = {}) {
-  const std::string port = std::to_string(ddp::testing::tcp::free_port());
+/// Runs `launchers` processes, launcher i executing command(i, port), where port is the job's MASTER_PORT, with
+/// env(i) added to its environment; none is stopped when another fails. Returns each one's status and output.
+dl::spawn_result run_launchers(int launchers,
+                               std::function<std::vector<std::string>(int i, const std::string& port)> command,
+                               std::function<dl::env_list(int i)> env = {}) {
+  const std::string port = std::to_string(ddp::testing::free_port());
   dl::spawn_options o;
   o.output = dl::output_mode::capture;
   o.timeout = 30s;
@@ -37,12 +38,9 @@ dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(
   o.stop_on_failure = false;  // each launcher must stop on its own
   o.extra_env = std::move(env);
   return dl::spawn(
-      nodes,
-      [&](int node) {
-        std::vector<std::string> argv{DDP_LAUNCH_EXE, "--nnodes", std::to_string(nodes), "--node-rank",
-                                      std::to_string(node), "--master-addr", "127.0.0.1", "--master-port", port};
-        const auto mine = args(node);
-        argv.insert(argv.end(), mine.begin(), mine.end());
+      launchers,
+      [&](int i) {
+        auto argv = command(i, port);
         std::vector<char*> raw;
         for (auto& a : argv) raw.push_back(a.data());
         raw.push_back(nullptr);
@@ -50,6 +48,23 @@ dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(
         std::_Exit(127);
       },
       o);
+}
+
+/// The command line of ddp-launch as node `node` of `nodes` with MASTER_PORT `port`, then `args`.
+std::vector<std::string> launcher(int nodes, int node, const std::string& port, const std::vector<std::string>& args) {
+  std::vector<std::string> argv{DDP_LAUNCH_EXE, "--nnodes", std::to_string(nodes), "--node-rank", std::to_string(node),
+                                "--master-addr", "127.0.0.1", "--master-port", port};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+/// Runs one ddp-launch per node (node r gets --node-rank r and the others, then args(r)) with env(r) added to
+/// its environment; neither is stopped when the other fails. Returns each launcher's status and output.
+dl::spawn_result launch_nodes(int nodes, std::function<std::vector<std::string>(int node)> args,
+                              std::function<dl::env_list(int node)> env = {}) {
+  return run_launchers(
+      nodes, [&](int node, const std::string& port) { return launcher(nodes, node, port, args(node)); },
+      std::move(env));
 }
 
 /// launch_nodes with the same `args` on every node.
@@ -165,4 +180,42 @@ TEST_CASE("ddp-launch --nnodes: launchers with different --max-restarts or --npr
   CHECK(ranks.ranks[0].exit_code == 1);
   CHECK(contains(ranks.ranks[0].output, "it runs 2 ranks per node, node 0 1 (every node needs the same"));
   CHECK(ranks.ranks[1].exit_code == 1);
+}
+
+TEST_CASE("ddp-launch --nnodes: a launcher claiming a --node-rank another holds is refused and the job goes on",
+          "[launch][nodes]") {
+  // A job of 3 nodes: node 1 twice at once (one is refused while node 0 still waits for node 2), node 2 after
+  // 1.5 s, and node 2 again after 4 s, while the job's ranks run.
+  struct start {
+    int node;
+    const char* delay;
+  };
+  const std::vector<start> starts{{0, "0"}, {1, "0"}, {1, "0"}, {2, "1.5"}, {2, "4"}};
+  const std::vector<std::string> job{"--bind", "none", "-n", "1", "--", "/bin/sh", "-c", "sleep 5; echo ran $RANK"};
+  const auto rs = run_launchers(static_cast<int>(starts.size()), [&](int i, const std::string& port) {
+    auto argv = launcher(3, starts[i].node, port, job);
+    argv.insert(argv.begin(), {"/bin/sh", "-c", std::string("sleep ") + starts[i].delay + "; exec \"$0\" \"$@\""});
+    return argv;
+  });
+  std::string all;
+  for (const auto& r : rs.ranks) all += r.output + "\n----\n";
+  INFO(all);
+  const auto refused = [&](std::size_t i, int node) {
+    return rs.ranks[i].exit_code == 1 &&
+           contains(rs.ranks[i].output, "refused node " + std::to_string(node) +
+                                            ": another launcher of this job already holds node rank " +
+                                            std::to_string(node)) &&
+           contains(rs.ranks[i].output, "give every node its own --node-rank in 0..2");
+  };
+  // Exactly one of the two node-1 launchers joined; the other, and the late node 2, were refused.
+  CHECK(refused(1, 1) != refused(2, 1));
+  const std::size_t node1 = refused(1, 1) ? 2 : 1;
+  CHECK(refused(4, 2));
+  for (const std::size_t i : {std::size_t{0}, node1, std::size_t{3}}) {
+    CHECK(rs.ranks[i].exit_code == 0);
+    CHECK(contains(rs.ranks[i].output, "ran " + std::to_string(starts[i].node)));
+  }
+  CHECK(contains(rs.ranks[0].output, "it claims node rank 1, which another launcher of this job holds"));
+  CHECK(contains(rs.ranks[0].output, "it claims node rank 2, which another launcher of this job holds (give every "
+                                     "node its own --node-rank in 0..2); the job goes on"));
 }

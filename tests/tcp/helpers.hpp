@@ -1,14 +1,18 @@
 #pragma once
-// Helpers shared by the ddp::tcp tests: expectations inside forked ranks, free ports, job options.
+// Helpers shared by the ddp::tcp tests: expectations inside forked ranks, job options (free ports:
+// support/free_port.hpp).
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
-#include <ddp/comm/tcp/socket.hpp>
+#include <ddp/core/error.hpp>
 #include <ddp/launch/spawn.hpp>
+
+#include "support/free_port.hpp"
 
 namespace ddp::testing::tcp {
 
@@ -19,10 +23,21 @@ inline void expect(bool cond, const std::string& what) {
   if (!cond) throw std::runtime_error("expectation failed: " + what);
 }
 
-/// A TCP port nobody listens on right now, for tests whose strangers must know the store's port.
-inline int free_port() {
-  auto fd = ddp::tcp::detail::listen_on("127.0.0.1", 0, -1, "a port probe");
-  return ddp::tcp::detail::local_endpoint(fd.get()).port;
+/// Runs `body` in a rank, which must end in ddp::mismatch_error: printed to stderr (the test reads it there);
+/// anything else fails the rank.
+inline void expect_mismatch(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const ddp::mismatch_error& e) {
+    std::fprintf(stderr, "mismatch: %s\n", e.what());
+    return;
+  }
+  throw std::runtime_error("no mismatch_error");
+}
+
+/// DDP_SHM on every rank: "1" (collectives and sends through shared memory) or "0" (through the sockets).
+inline std::function<ddp::launch::env_list(int)> shm_env(const std::string& on) {
+  return [on](int) { return ddp::launch::env_list{{"DDP_SHM", on}}; };
 }
 
 /// Options of a job: whole-job limit, known port and token, extra variables.

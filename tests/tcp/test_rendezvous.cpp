@@ -27,7 +27,7 @@ using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
 using ddp::testing::tcp::contains;
 using ddp::testing::tcp::expect;
-using ddp::testing::tcp::free_port;
+using ddp::testing::free_port;
 using ddp::testing::tcp::job;
 namespace d = ddp::tcp::detail;
 

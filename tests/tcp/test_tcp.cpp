@@ -35,8 +35,10 @@ using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
 using ddp::testing::tcp::contains;
 using ddp::testing::tcp::expect;
-using ddp::testing::tcp::free_port;
+using ddp::testing::tcp::expect_mismatch;
+using ddp::testing::free_port;
 using ddp::testing::tcp::job;
+using ddp::testing::tcp::shm_env;
 
 namespace {
 
@@ -50,11 +52,6 @@ std::function<ddp::launch::env_list(int)> same_host_copy(const std::string& mode
     const bool shm = mode == "shm" || mode == "shm-nocopy" || (mode == "mixed" && rank != 0);
     return ddp::launch::env_list{{"DDP_SAME_HOST_COPY", on ? "1" : "0"}, {"DDP_SHM", shm ? "1" : "0"}};
   };
-}
-
-/// DDP_SHM on every rank: "1" or "0".
-std::function<ddp::launch::env_list(int)> shm_env(const std::string& on) {
-  return [on](int) { return ddp::launch::env_list{{"DDP_SHM", on}}; };
 }
 
 /// The names in /dev/shm that contain `part`.
@@ -356,7 +353,7 @@ TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tc
         std::vector<float> f(1024, 1.0F), gathered(2048);
         std::vector<double> d(1024, 1.0);
         std::vector<float> small(8, 1.0F);
-        try {
+        expect_mismatch([&] {
           if (rank == 0 && kind == "root") {
             comm.broadcast(f, 0).wait();
           } else if (rank == 0) {
@@ -377,11 +374,7 @@ TEST_CASE("mismatched calls raise mismatch_error naming both ranks' calls", "[tc
             comm.all_reduce(f).wait();
           }
           comm.barrier().wait();  // a rank whose own call went through learns of the mismatch here
-        } catch (const ddp::mismatch_error& e) {
-          std::fprintf(stderr, "mismatch: %s\n", e.what());
-          return;
-        }
-        throw std::runtime_error("no mismatch_error");
+        });
       },
       job(30s, 0, shm_env(shm)));
   require_all_ok(rs);
@@ -422,6 +415,8 @@ TEST_CASE("an operation a peer never joins raises timeout_error at the deadline"
 }
 
 TEST_CASE("a recv that no send matches in time fails and its buffer stays untouched", "[tcp][timeout]") {
+  const std::string shm = GENERATE(as<std::string>{}, "1", "0");  // through the shared-memory rings, the sockets
+  CAPTURE(shm);
   const auto rs = run_ranks(
       2,
       [](int rank) {
@@ -442,7 +437,7 @@ TEST_CASE("a recv that no send matches in time fails and its buffer stays untouc
         comm.barrier().wait();  // by now rank 1's late frame has reached rank 0
         if (rank == 0) expect(v[0] == -7 && v[15] == -7, "the late send did not write the abandoned buffer");
       },
-      job(30s, 0, [](int) { return ddp::launch::env_list{{"DDP_TIMEOUT_MS", "1000"}}; }));
+      job(30s, 0, [shm](int) { return ddp::launch::env_list{{"DDP_TIMEOUT_MS", "1000"}, {"DDP_SHM", shm}}; }));
   require_all_ok(rs);
   // The engine expires the recv, or wait() gives up first: either way a timeout naming the recv.
   CHECK(contains(rs.ranks[0].output, "recv of 16 i32 with tag 5 from rank 1"));

@@ -6,7 +6,9 @@
 /// before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
 /// node 0 sends every node the job's verdict. Every frame is 40 bytes and carries the token's hash; joining
 /// has a deadline, strangers are refused, and a launcher whose peer's connection ends (its host died: TCP
-/// keepalive) stops its ranks.
+/// keepalive) stops its ranks. Node 0 keeps listening while the job runs: a launcher of this job that claims a
+/// node rank another launcher holds (while joining or later) is told so in a `taken` frame and refused, and
+/// the job goes on.
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -83,13 +85,13 @@ namespace detail {
 inline constexpr std::uint32_t control_magic = 0x6464704c;  // "ddpL"
 
 /// What a control frame says.
-enum class control_kind : std::uint32_t { hello = 1, go, failed, stop, done, verdict };
+enum class control_kind : std::uint32_t { hello = 1, go, failed, stop, done, verdict, taken };
 
 /// The one frame of the control channel.
 struct control_frame {
   std::uint32_t magic = control_magic;
   control_kind kind = control_kind::hello;
-  std::int32_t node = 0;     ///< hello: the sender's node rank; failed, stop, verdict: the failing node
+  std::int32_t node = 0;     ///< hello, taken: the sender's node rank; failed, stop, verdict: the failing node
   std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher); hello: ranks per node
   std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello: the number of nodes
   std::int32_t restarts = 0; ///< hello: the sender's --max-restarts
@@ -209,9 +211,8 @@ class node_link {
   }
 
   void accept_nodes(tcp::detail::clock::time_point deadline) {
-    tcp::detail::handshake_acceptor acceptor(
-        tcp::detail::listen_on("0.0.0.0", plan_.control_port, 0, "the launchers' control port"),
-        sizeof(detail::control_frame), {}, 0, "the launchers' control port");
+    acceptor_.emplace(tcp::detail::listen_on("0.0.0.0", plan_.control_port, 0, "the launchers' control port"),
+                      sizeof(detail::control_frame), tcp::detail::handshake_limits{}, 0, "the launchers' control port");
     peers_.resize(static_cast<std::size_t>(plan_.nodes));
     done_.assign(static_cast<std::size_t>(plan_.nodes), false);
     buffers_.resize(peers_.size());
@@ -224,39 +225,53 @@ class node_link {
                             " in time; start ddp-launch on every node with the same --nnodes, --master-addr, "
                             "--master-port and DDP_TOKEN, or raise --join-timeout");
       fds.clear();
-      acceptor.fill(fds);
+      acceptor_->fill(fds);
       ::poll(fds.data(), fds.size(), std::min(tcp::detail::poll_ms(deadline), 1000));
-      for (auto& a : acceptor.on_events(fds, 0)) {
-        detail::control_frame got;
-        std::memcpy(&got, a.hello.data(), sizeof got);
-        std::string why;
-        if (got.magic != detail::control_magic || got.kind != detail::control_kind::hello)
-          why = "its first bytes are not a ddp-launch hello";
-        else if (got.token != token_)
-          why = "wrong job token";
-        else if (got.status != plan_.nodes)
-          why = "it belongs to a job of " + std::to_string(got.status) + " nodes";
-        else if (got.rank != plan_.nproc_per_node)
-          why = "it runs " + std::to_string(got.rank) + " ranks per node, node 0 " +
-                std::to_string(plan_.nproc_per_node) + " (every node needs the same --nproc-per-node)";
-        else if (got.restarts != plan_.max_restarts)
-          why = "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
-                std::to_string(plan_.max_restarts);
-        else if (got.node <= 0 || got.node >= plan_.nodes)
-          why = "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
-        else if (peers_[static_cast<std::size_t>(got.node)].valid())
-          throw config_error("two launchers claim node rank " + std::to_string(got.node) +
-                             "; give every node its own --node-rank in 0.." + std::to_string(plan_.nodes - 1));
-        if (!why.empty()) {
-          acceptor.refuse(a.fd, a.from, why);
-          continue;
-        }
-        detail::keep_alive(a.fd.get());
-        peers_[static_cast<std::size_t>(got.node)] = std::move(a.fd);
-        --missing;
-      }
+      for (auto& a : acceptor_->on_events(fds, 0))
+        if (admit(a, true)) --missing;
     }
     for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::go, {}));
+  }
+
+  /// Node 0: why the launcher that sent `got` may not join this job, or nothing.
+  [[nodiscard]] std::string refusal(const detail::control_frame& got) const {
+    if (got.magic != detail::control_magic || got.kind != detail::control_kind::hello)
+      return "its first bytes are not a ddp-launch hello";
+    if (got.token != token_) return "wrong job token";
+    if (got.status != plan_.nodes) return "it belongs to a job of " + std::to_string(got.status) + " nodes";
+    if (got.rank != plan_.nproc_per_node)
+      return "it runs " + std::to_string(got.rank) + " ranks per node, node 0 " + std::to_string(plan_.nproc_per_node) +
+             " (every node needs the same --nproc-per-node)";
+    if (got.restarts != plan_.max_restarts)
+      return "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
+             std::to_string(plan_.max_restarts);
+    if (got.node <= 0 || got.node >= plan_.nodes)
+      return "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
+    return {};
+  }
+
+  /// Node 0: the launcher of arrival `a` joins, if it may and the job is `joining` and its node rank is free
+  /// (true); else it is refused (one of this job whose node rank is taken hears why in a `taken` frame) and
+  /// the job goes on.
+  bool admit(tcp::detail::arrival& a, bool joining) {
+    detail::control_frame got;
+    std::memcpy(&got, a.hello.data(), sizeof got);
+    const std::string why = refusal(got);
+    if (why.empty() && (!joining || peers_[static_cast<std::size_t>(got.node)].valid())) {
+      send(a.fd, frame(detail::control_kind::taken, {got.node, -1, 0, 0}));
+      if (a.fd.valid())
+        acceptor_->refuse(a.fd, a.from,
+                          "it claims node rank " + std::to_string(got.node) + ", which another launcher of this job holds",
+                          "give every node its own --node-rank in 0.." + std::to_string(plan_.nodes - 1));
+      return false;
+    }
+    if (!why.empty()) {
+      acceptor_->refuse(a.fd, a.from, why);
+      return false;
+    }
+    detail::keep_alive(a.fd.get());
+    peers_[static_cast<std::size_t>(got.node)] = std::move(a.fd);
+    return true;
   }
 
   void join_node_0(tcp::detail::clock::time_point deadline) {
@@ -284,8 +299,14 @@ class node_link {
       ::poll(&p, 1, static_cast<int>(std::chrono::milliseconds(slice).count()));
     }
     detail::control_frame go;
-    if (!sent || tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) != tcp::detail::io_status::ok ||
-        go.magic != detail::control_magic || go.kind != detail::control_kind::go || go.token != token_)
+    const bool answered = sent && tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) == tcp::detail::io_status::ok &&
+                          go.magic == detail::control_magic && go.token == token_;
+    if (answered && go.kind == detail::control_kind::taken)
+      throw config_error("node 0's launcher at " + plan_.master_addr + ":" + std::to_string(plan_.control_port) +
+                         " refused node " + std::to_string(plan_.node_rank) + ": another launcher of this job already "
+                         "holds node rank " + std::to_string(plan_.node_rank) + " (the job goes on without this one); "
+                         "give every node its own --node-rank in 0.." + std::to_string(plan_.nodes - 1));
+    if (!answered || go.kind != detail::control_kind::go)
       throw config_error("node 0's launcher at " + plan_.master_addr + ":" + std::to_string(plan_.control_port) +
                          " refused node " + std::to_string(plan_.node_rank) +
                          " or did not answer in time: give every launcher the same DDP_TOKEN and --nnodes, and "
@@ -310,7 +331,10 @@ class node_link {
   void service(int wait_ms) {
     std::vector<pollfd> fds;
     for (auto& p : peers_) fds.push_back({p.valid() ? p.get() : -1, POLLIN, 0});
+    if (acceptor_) acceptor_->fill(fds);  // node 0: a late launcher is refused while the job goes on
     ::poll(fds.data(), fds.size(), wait_ms);
+    if (acceptor_)
+      for (auto& a : acceptor_->on_events(fds, peers_.size())) admit(a, false);
     for (std::size_t k = 0; k < peers_.size(); ++k) {
       if (fds[k].revents == 0 || !peers_[k].valid()) continue;
       auto& buf = buffers_[k];
@@ -375,6 +399,7 @@ class node_link {
   std::uint64_t token_;
   std::vector<tcp::detail::socket_fd> peers_;  ///< node 0: index = node rank (0 unused); others: [0] = node 0
   std::vector<std::string> buffers_;           ///< bytes of a frame not yet whole, per peer
+  std::optional<tcp::detail::handshake_acceptor> acceptor_;  ///< node 0: the control port, open for the whole job
   std::vector<bool> done_;                     ///< node 0: which nodes' ranks all ended (or who was lost)
   bool reported_ = false;
   std::optional<node_failure> first_;          ///< node 0: the failure that began first so far

@@ -80,11 +80,12 @@ class handshake_acceptor {
     return done;
   }
 
-  /// Logs that the connection from `from` was refused because `why`, and closes it: bytes already queued
-  /// are discarded unread (up to 1 MiB, no copy), so a stranger that stopped sending sees an orderly close.
-  void refuse(socket_fd& fd, const std::string& from, const std::string& why) const {
-    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why +
-                        " (a process outside this job, or a rank started with another DDP_TOKEN); the job goes on");
+  /// Logs that the connection from `from` was refused because `why` (`who`: what it probably is, or the
+  /// fix), and closes it: bytes already queued are discarded unread (up to 1 MiB, no copy), so a stranger that
+  /// stopped sending sees an orderly close.
+  void refuse(socket_fd& fd, const std::string& from, const std::string& why,
+              const std::string& who = "a process outside this job, or a rank started with another DDP_TOKEN") const {
+    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why + " (" + who + "); the job goes on");
     [[maybe_unused]] const auto n = ::recv(fd.get(), nullptr, 1 << 20, MSG_TRUNC | MSG_DONTWAIT);
     fd.reset();
   }

@@ -19,12 +19,6 @@
 
 namespace ddp::tcp::detail {
 
-/// How errors name a rank: its group rank, plus its world rank when the group is a subgroup.
-inline std::string rank_label(std::size_t group_rank, int world_rank, bool subgroup) {
-  return "rank " + std::to_string(group_rank) +
-         (subgroup ? " (world rank " + std::to_string(world_rank) + ")" : std::string());
-}
-
 /// After a call has waited this long without a byte moving, the engine tells the group what it waits in
 /// (op_waiting) and publishes whom it waits for (over shared memory: only whom); a peer at the same step in another call then raises
 /// mismatch_error at once.

@@ -134,7 +134,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     auto child = std::make_shared<detail::group>();
     std::uint64_t nth = 0;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       nth = group_->splits++;
     }
     child->id = detail::mix_id(group_->id, nth, static_cast<std::uint64_t>(static_cast<std::uint32_t>(color)));
@@ -238,7 +238,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     c.grp = group_;
     work w;
     {
-      std::lock_guard lock(engine_->queue_mutex());
+      std::lock_guard lock(engine_->queue().mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
       std::string what = detail::describe(detail::header_of(c, 0));
@@ -248,8 +248,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
                " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
       c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
       w = work(c.done);
-      if (!engine_->claim_for_caller_locked(c)) {
-        engine_->submit_locked(std::move(c));
+      if (!engine_->queue().claim_locked(c)) {
+        engine_->queue().push_locked(std::move(c));
         engine_->wake();
         return w;
       }

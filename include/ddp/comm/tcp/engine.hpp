@@ -1,11 +1,11 @@
 #pragma once
 /// \file The progress engine: ONE thread per job owns the mesh sockets, runs the queued calls in order and
 /// sleeps in poll() when idle. Per peer (peer.hpp), sends queue in a frame_writer drained by the same loop;
-/// a frame_reader routes point-to-point frames to the mailbox and holds a collective frame until its call
-/// expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
-/// Collectives of groups on one host run over shared memory (shm_algorithms.hpp): on the caller's thread
-/// when the engine is idle (no queue, no hop between threads), else, or once the caller's first barrier
-/// has spun without its peers, on the engine thread between sleeps that serve the sockets.
+/// a frame_reader routes point-to-point frames to the mailbox (peer_io.hpp, which also moves them through
+/// the shared-memory rings on one host) and holds a collective frame until its call expects it. Errors abort the call, reach the peers in an abort frame and poison the engine.
+/// Calls arrive through a call_queue; collectives of groups on one host run over shared memory, on the
+/// caller's thread when the engine is idle, else on the engine thread between sleeps that serve the sockets
+/// (shm_run.hpp).
 
 #include <sys/eventfd.h>
 
@@ -14,25 +14,26 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/call.hpp>
+#include <ddp/comm/tcp/call_queue.hpp>
 #include <ddp/comm/tcp/engine_errors.hpp>
 #include <ddp/comm/tcp/frame_reader.hpp>
 #include <ddp/comm/tcp/frame_writer.hpp>
 #include <ddp/comm/tcp/matching.hpp>
 #include <ddp/comm/tcp/peer.hpp>
+#include <ddp/comm/tcp/peer_io.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
-#include <ddp/comm/tcp/shm_algorithms.hpp>
+#include <ddp/comm/tcp/scratch.hpp>
+#include <ddp/comm/tcp/shm_run.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
@@ -41,92 +42,60 @@
 
 namespace ddp::tcp::detail {
 
-/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
-/// the engine thread and returning its work.
-inline constexpr std::chrono::microseconds shm_handoff_after{100};
-
 class engine;
 /// Runs one collective call's algorithm on the engine thread (ddp::tcp::detail::run_collective).
 using executor = void (*)(engine&, call&);
 
-class engine : engine_errors {
+class engine : peer_io {
  public:
   /// Starts the engine thread; `store` is rank 0's rendezvous server (served by the same poll loop).
   engine(int rank, int size, executor exec, std::optional<store_server> store)
-      : engine_errors(rank, size), exec_(exec), store_(std::move(store)) {
-    std::random_device random;
-    live_value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
-    live_.store(live_value_);
+      : peer_io(rank, size), exec_(exec), store_(std::move(store)) {
     wake_ = socket_fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_.valid()) throw error("cannot create an eventfd for the progress engine: " + errno_text(errno), rank);
-    peers_.resize(static_cast<std::size_t>(size));
     thread_ = std::thread([this] { loop(); });
   }
   engine(const engine&) = delete;
 
   /// Fails the calls still queued, aborts the one in flight, says goodbye to the peers and joins the thread.
   ~engine() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
+    queue_.stop();
     wake();
     thread_.join();
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment (null: none).
-  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world) {
-    std::unique_lock lock(mutex_);
+  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment and point-to-point
+  /// rings (null: none).
+  void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world,
+              std::unique_ptr<shm_rings> rings) {
+    std::unique_lock lock(queue_.mutex());
     pending_sockets_ = std::move(sockets);
     pending_memory_ = std::move(memory);
     pending_world_ = std::move(world);
+    pending_rings_ = std::move(rings);
     has_pending_sockets_ = true;
     lock.unlock();
     wake();
   }
 
-  /// The mutex that orders submissions; callers take it to assign sequence numbers atomically with submit.
-  std::mutex& queue_mutex() { return mutex_; }
-  /// Queues `c` while the caller already holds queue_mutex().
-  void submit_locked(call c) { queue_.push_back(std::move(c)); }
-  /// With queue_mutex() held: true (and the engine claimed) when shared-memory call `c` may run on the
-  /// caller's thread now, because nothing runs or waits before it and the engine has not failed.
-  bool claim_for_caller_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !queue_.empty() || failed_ || caller_failure_) return false;
-    busy_ = true;
-    return true;
-  }
-  /// Runs the claimed shared-memory call `c` on the caller's thread; hands it to the engine thread if the
-  /// peers are not there within shm_handoff_after.
+  /// The calls submitted, and who runs them.
+  call_queue& queue() { return queue_; }
+  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
+  /// the engine thread if the peers are not there within shm_handoff_after.
   void run_on_caller(call c) {
-    shm_waiting how;
-    const bool crowded = c.grp->shm->oversubscribed();
-    how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-    how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    std::unique_lock lock(mutex_, std::defer_lock);
+    std::optional<call> back;
+    std::exception_ptr failure;
     try {
-      shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
-      shm_execute(ch, *c.grp->shm);
-      c.done->finish();
-      lock.lock();
-    } catch (const shm_handoff&) {
-      c.resumed = true;
-      lock.lock();
-      queue_.push_front(std::move(c));
+      if (run_shm_on_caller(c, note_.get())) c.done->finish();
+      else back = std::move(c);
     } catch (...) {
-      const auto e = std::current_exception();
-      end_life();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(e));  // the peers must hear of it even if this process exits
-      c.done->fail(e);
-      lock.lock();
-      caller_failure_ = e;
+      failure = std::current_exception();
+      live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
+      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      c.done->fail(failure);
     }
-    busy_ = false;
-    const bool more = !queue_.empty() || caller_failure_;
-    lock.unlock();
-    if (more) wake();
+    if (queue_.release(std::move(back), std::move(failure))) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -135,9 +104,8 @@ class engine : engine_errors {
   }
 
   [[nodiscard]] int rank() const { return rank_; }
-  /// The word peers on this host read after each copy from this process: it changes once when the engine
-  /// aborts, before any buffer is released, so a copy that overlapped the release is recognised and discarded.
-  [[nodiscard]] const std::atomic<std::uint64_t>& live_word() const { return live_; }
+  /// This process's live word (same_host.hpp), which peers on this host read after each copy from it.
+  [[nodiscard]] const live_word& live() const { return live_; }
   /// What the engine waits for while stalled; completions carry it into wait()'s timeout message.
   [[nodiscard]] std::shared_ptr<const ddp::detail::stall_note> note() const { return note_; }
 
@@ -167,16 +135,14 @@ class engine : engine_errors {
   }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
-  char* scratch(int which, std::size_t bytes) { return scratch_.get(which, bytes); }
+  char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
 
  private:
-  peer& at(int world_rank) { return peers_[static_cast<std::size_t>(world_rank)]; }
-
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
     while (true) {
-      std::unique_lock lock(mutex_);
+      std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -187,22 +153,20 @@ class engine : engine_errors {
         has_pending_sockets_ = false;
         shm_world_ = std::move(pending_world_);
         if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
+        use_rings(std::move(pending_rings_));
       }
-      if (caller_failure_) {  // a call on the caller's thread failed: tell the peers over the sockets too (also
-        const auto e = std::exchange(caller_failure_, nullptr);  // when stopping, or they would see a clean close)
+      // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
+      // would see a clean close).
+      if (const auto e = queue_.take_caller_failure_locked()) {
         lock.unlock();
         abort_peers(e);
         continue;
       }
-      if (stop_) break;
-      if (!queue_.empty() && !busy_) {
-        call c = std::move(queue_.front());
-        queue_.pop_front();
-        busy_ = true;
+      if (queue_.stopping_locked()) break;
+      if (auto c = queue_.take_locked()) {
         lock.unlock();
-        run(c);
-        lock.lock();
-        busy_ = false;
+        run(*c);
+        queue_.finished();
         continue;
       }
       lock.unlock();
@@ -218,12 +182,14 @@ class engine : engine_errors {
   /// Sleeps in poll until woken (at most `max_ms` unless negative), serving the store, reading
   /// point-to-point frames and draining sends.
   void idle_wait(int max_ms = -1) {
+    serve_rings();
     const std::size_t peer_base = build_poll_set();
     auto first = clock::time_point::max();
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), ms);
+    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    after_sleep();
     expire_recvs();
     if (rc <= 0) return;
     if (fds_[0].revents & POLLIN) drain_wake();
@@ -233,6 +199,7 @@ class engine : engine_errors {
       if (peers_[r].out.pending()) write_some(static_cast<int>(r));
       if (peers_[r].readable()) read_some(static_cast<int>(r));
     }
+    serve_rings();  // an op_ring frame may have woken it
   }
 
   /// Fills fds_: the wake-up descriptor, the store's, then one entry per peer; returns the peers' base.
@@ -261,7 +228,10 @@ class engine : engine_errors {
     deadline_ = clock::now() + c.grp->timeout;
     try {
       if (c.over_shm()) {
-        run_shm(c);
+        run_shm_on_engine(c, deadline_, note_.get(), [this] {
+          idle_wait(0);
+          if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+        });
         c.done->finish();
       } else if (c.side != p2p::none) {
         point_to_point(c);
@@ -278,81 +248,6 @@ class engine : engine_errors {
     current_ = nullptr;
     if (noted_) note_->set({});
     noted_ = false;
-  }
-
-  /// Changes the live word, once, from either thread: after it, no copy out of this process's buffers counts.
-  void end_life() {
-    std::uint64_t alive = live_value_;
-    live_.compare_exchange_strong(alive, ~live_value_);
-  }
-
-  /// Runs (or resumes) shared-memory call `c`, serving the sockets between its sleeps.
-  void run_shm(call& c) {
-    shm_waiting how;
-    how.resumed = c.resumed;
-    how.slice = std::chrono::milliseconds(1);
-    how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
-    how.note = note_.get();
-    how.between = [this] {
-      idle_wait(0);
-      std::lock_guard lock(mutex_);
-      if (stop_) throw cancelled();  // to the peers, this rank is lost
-    };
-    // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
-    // flight recorder's view, gives up first.
-    const auto deadline = deadline_ + how.slice;
-    shm_channel ch(*c.grp->shm, c, deadline, std::move(how));
-    shm_execute(ch, *c.grp->shm);
-  }
-
-  /// send: queue the frame (or deliver it locally); recv: take a stray frame or post the receive.
-  void point_to_point(call& c) {
-    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
-    const frame_header h = header_of(c, c.count * size_of(c.type));
-    peer& p = at(world_peer);
-    if (c.side == p2p::send && world_peer != rank_) {
-      c.grp->stats.add_bytes(c.kind, h.length);
-      return post(world_peer, h, c.in, c.done);
-    }
-    if (c.side == p2p::send) {  // to itself
-      const auto* in = static_cast<const char*>(c.in);
-      if (auto r = p.mail.take_recv(h)) deliver(*r, h, in, rank_);
-      else p.mail.keep({h, std::vector<char>(in, in + h.length)});
-      return c.done->finish();
-    }
-    posted_recv want{h.group, c.tag, h, static_cast<char*>(c.out), c.done, clock::now() + c.grp->timeout, c.grp->timeout};
-    if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
-    if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
-    p.mail.post(std::move(want));
-  }
-
-  /// Completes the recv `r` with the send `got` whose payload is `data`.
-  void deliver(const posted_recv& r, const frame_header& got, const char* data, int world_peer) {
-    if (!fits(r, got)) throw p2p_mismatch(r, got, world_peer);
-    if (got.length > 0) std::memcpy(r.dest, data, got.length);
-    r.done->finish();
-  }
-
-  /// Fails the recvs no send matched within the timeout.
-  void expire_recvs() {
-    const auto now = clock::now();
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      peers_[r].mail.expire(now, [&](const posted_recv& x) { return recv_expired(x, static_cast<int>(r)); });
-  }
-
-  void post(int world_peer, const frame_header& h, const void* data, std::shared_ptr<ddp::detail::completion> done) {
-    at(world_peer).out.push({h, static_cast<const char*>(data), 0, std::move(done)});
-    write_some(world_peer);  // most small frames leave at once, before any poll
-  }
-
-  /// Writes what the peer's socket accepts; true if bytes moved.
-  bool write_some(int world_peer) {
-    auto& p = at(world_peer);
-    int failure = 0;
-    const bool moved = p.out.write_some(p.fd.get(), failure);
-    if (failure == 0) return moved;
-    if (current_ != nullptr && current_->side == p2p::none) check_same_step();  // a frame shows a mismatch: say so
-    throw lost(world_peer, failure, "sending to it failed (" + errno_text(failure) + ")");
   }
 
   /// Reads what the peer has sent, frame by frame; true if bytes moved.
@@ -376,7 +271,8 @@ class engine : engine_errors {
   void on_end(int world_peer) {
     auto& p = at(world_peer);
     if (p.in.state() == read_state::corrupt) throw corrupt_stream(world_peer, malformed(p.in.header()));
-    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0)
+    if (p.ring) read_ring(world_peer);  // what it sent through its ring before it left
+    if (p.expecting || p.in.mid_frame() || p.mail.waiting() || p.unacked > 0 || (p.ring && p.ring->busy()))
       throw lost(world_peer, p.in.error_code(), farewell(p.in));
   }
 
@@ -384,7 +280,7 @@ class engine : engine_errors {
   void dispatch(int world_peer) {
     auto& p = at(world_peer);
     const frame_header& h = p.in.header();
-    p.into = target::control;
+    p.sink.into = target::control;
     switch (h.op) {
       case op_abort: p.in.close(); raise_abort(world_peer, h, p.fd.get());
       case op_waiting:
@@ -392,22 +288,15 @@ class engine : engine_errors {
         p.waiting->op = h.flags;
         p.waiting->flags = 0;
         return p.in.accept(nullptr);
+      case op_ring: return p.in.accept(nullptr);  // the rings are served after the sockets
       case op_ack:
         if (p.unacked == 0) throw corrupt_stream(world_peer, "an acknowledgement of a copy this rank never offered");
         --p.unacked;
         return p.in.accept(nullptr);
       default: break;
     }
-    if (h.op != static_cast<std::uint8_t>(collective::send_recv)) return;  // a collective frame: held for its call
-    if (auto r = p.mail.take_recv(h)) {
-      if (!fits(*r, h)) throw p2p_mismatch(*r, h, world_peer);
-      p.matched = std::move(r);
-      p.into = target::posted;
-      return p.in.accept(p.matched->dest);
-    }
-    p.stray_buf.resize(h.length);
-    p.into = target::stray;
-    p.in.accept(p.stray_buf.data());
+    if (h.op == static_cast<std::uint8_t>(collective::send_recv)) route_send(world_peer, p.sink, p.in);
+    // else a collective frame: held for its call
   }
 
   /// The executing call expects the held collective frame: check it, then receive its payload.
@@ -416,29 +305,22 @@ class engine : engine_errors {
     const frame_header& got = p.in.header();
     const bool remote = (got.flags & frame_remote) != 0;
     if (!same_call(p.expect, got) || (!remote && got.length != p.expect.length)) throw_mismatch(world_peer, p.expect, got);
-    p.into = target::collective;
+    p.sink.into = target::collective;
     p.in.accept(remote ? reinterpret_cast<char*>(&p.remote) : p.expect_dest);
   }
 
   void finish_payload(int world_peer) {
     auto& p = at(world_peer);
-    switch (p.into) {
+    switch (p.sink.into) {
       case target::control: break;
       case target::collective:
         if ((p.in.header().flags & frame_remote) != 0) copy_remote(world_peer);
         p.expecting = false;
         break;
       case target::posted:
-        p.matched->done->finish();
-        p.matched.reset();
-        break;
-      case target::stray:  // its recv may have been posted while the payload was arriving
-        if (auto r = p.mail.take_recv(p.in.header())) deliver(*r, p.in.header(), p.stray_buf.data(), world_peer);
-        else p.mail.keep({p.in.header(), std::move(p.stray_buf)});
-        p.stray_buf = {};
-        break;
+      case target::stray: return finish_send(world_peer, p.sink, p.in.header());
     }
-    p.into = target::control;
+    p.sink.into = target::control;
   }
 
   /// Copies a remote frame's data out of the peer's memory into the expected destination, then acknowledges it.
@@ -479,7 +361,7 @@ class engine : engine_errors {
         if ((peers_[r].expecting || peers_[r].unacked > 0) && peers_[r].in.ended())
           throw lost(static_cast<int>(r), 0, farewell(peers_[r].in));
       if (done()) return;
-      check_same_step();
+      check_same_step(peers_);
       build_poll_set();
       const int until_deadline = poll_ms(deadline_);
       const bool may_stall = !stall_noticed && until_deadline > static_cast<int>(stall_notice_after.count());
@@ -487,8 +369,7 @@ class engine : engine_errors {
       if (rc < 0 && errno != EINTR) throw error("poll failed: " + errno_text(errno), rank_, errno);
       if (fds_[0].revents & POLLIN) {
         drain_wake();
-        std::lock_guard lock(mutex_);
-        if (stop_) throw cancelled();  // to the peers, this rank is lost
+        if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
       }
       if (store_) store_->on_events(fds_, store_base_);
       expire_recvs();
@@ -496,20 +377,7 @@ class engine : engine_errors {
         stall_noticed = true;
         notice_stall();
       }
-      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list());
-    }
-  }
-
-  /// Raises mismatch_error where a peer is at the executing call's step (group and sequence number) in
-  /// another call: a frame of it waits unread, or it said it waits in that call. Runs before every sleep,
-  /// so calls that only receive, or only send, on both sides fail at once instead of at the timeout.
-  void check_same_step() const {
-    const frame_header mine = header_of(*current_, 0);
-    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
-    for (std::size_t r = 0; r < peers_.size(); ++r) {
-      const peer& p = peers_[r];
-      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
-      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+      if (rc == 0 && clock::now() >= deadline_) throw timed_out(waiting_list(peers_));
     }
   }
 
@@ -520,16 +388,8 @@ class engine : engine_errors {
     h.op = op_waiting;
     for (const int member : current_->grp->members)
       if (member != rank_ && at(member).fd.valid() && !at(member).in.ended()) post(member, h, nullptr, nullptr);
-    note_->set(waiting_list());
+    note_->set(waiting_list(peers_));
     noted_ = true;
-  }
-
-  /// The ranks the executing call waits for: "rank 1, rank 3".
-  [[nodiscard]] std::string waiting_list() const {
-    std::string waiting;
-    for (std::size_t r = 0; r < peers_.size(); ++r)
-      if (peers_[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
-    return waiting;
   }
 
   // ---- failure and shutdown ----------------------------------------------------------------
@@ -537,28 +397,23 @@ class engine : engine_errors {
   /// Changes the live word, completes frames already half written (so the streams stay parseable), drops
   /// the rest, sends every peer an abort frame carrying the error, and poisons the engine.
   void abort_peers(std::exception_ptr e) {
-    end_life();  // before any buffer is released: copies still running see it and discard
+    live_.end();  // before any buffer is released: copies still running see it and discard
     poisoned_ = e;
     const abort_notice notice = notice_of(e);
     if (shm_world_) shm_world_->abort(notice);
-    {
-      std::lock_guard lock(mutex_);
-      failed_ = true;
-    }
+    queue_.fail();
     const auto limit = clock::now() + std::chrono::seconds(1);
     for (auto& p : peers_) p.abort(e, notice, limit);
   }
 
   /// On destruction: fail what is queued, say goodbye where the stream is at a frame boundary, close.
   void shutdown() {
-    std::deque<call> left;
-    {
-      std::lock_guard lock(mutex_);
-      left.swap(queue_);
-    }
     const auto gone = destroyed();
-    for (auto& c : left) c.done->fail(gone);
-    for (auto& p : peers_) p.close(gone, !poisoned_);
+    for (auto& c : queue_.drain()) c.done->fail(gone);
+    for (auto& p : peers_) {
+      if (p.ring) p.ring->fail(gone);
+      p.close(gone, !poisoned_);
+    }
     if (shm_world_) shm_world_->release();
   }
 
@@ -566,29 +421,20 @@ class engine : engine_errors {
   std::optional<store_server> store_;
   std::size_t store_base_ = 0;
   socket_fd wake_;
-  std::vector<peer> peers_;
   std::vector<pollfd> fds_;
-  std::exception_ptr poisoned_;
   clock::time_point deadline_{};
-  std::atomic<std::uint64_t> live_{0};
-  std::uint64_t live_value_ = 0;  ///< the live word's value until the engine aborts
-  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
-                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+  live_word live_;
   std::shared_ptr<ddp::detail::stall_note> note_ = std::make_shared<ddp::detail::stall_note>();
   bool noted_ = false;
-  scratch_space scratch_;
+  scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
-  std::mutex mutex_;
-  std::deque<call> queue_;
+  call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
   std::shared_ptr<shm_world> pending_world_;
+  std::unique_ptr<shm_rings> pending_rings_;
   bool has_pending_sockets_ = false;
-  bool busy_ = false;                  ///< a call runs, on the engine thread or the caller's
-  bool failed_ = false;                ///< the engine aborted: later calls fail on the engine thread
-  std::exception_ptr caller_failure_;  ///< a call on the caller's thread failed: the engine tells the peers
-  bool stop_ = false;
   std::thread thread_;
 };
 

@@ -1,15 +1,19 @@
 #pragma once
-/// \file The errors the TCP engine raises, and the abort notices that carry them to the peers. Every
-/// message names this rank, the peer, the call and what to do; the engine derives from this to build them.
+/// \file The errors the TCP engine raises, the checks that find a mismatched step before a sleep, and the
+/// abort notices that carry errors to the peers. Every message names this rank, the peer, the call and what
+/// to do; the engine derives from this to build them.
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <ddp/comm/tcp/call.hpp>
 #include <ddp/comm/tcp/frame_reader.hpp>
 #include <ddp/comm/tcp/matching.hpp>
+#include <ddp/comm/tcp/messages.hpp>
+#include <ddp/comm/tcp/peer.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
@@ -40,9 +44,7 @@ class engine_errors {
   }
 
   [[nodiscard]] peer_lost lost(int world_peer, int code, const std::string& how) const {
-    return peer_lost(label(world_peer) + " was lost during " + what_now() + ": " + how +
-                         ". Check that rank's log for the first error; the job cannot continue without it",
-                     rank_, world_peer, code);
+    return lost_peer(label(world_peer), what_now(), how, rank_, world_peer, code);
   }
 
   /// The mismatch_error naming this rank's call `want` and what the peer `got` sent (or waits in) instead.
@@ -50,16 +52,36 @@ class engine_errors {
                                    const char* how = " sent ") const {
     // A frame of this rank's previous step: both calls of that step went through (each only sent).
     const bool earlier = got.group == finished_.group && got.seq == finished_.seq && got.group == want.group;
-    throw mismatch_error(label(rank_) + " called " + describe(want) +
-                             (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
-                             how + describe(got) +
-                             (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
-                                                         " bytes where " + std::to_string(want.length) +
-                                                         " were expected"
-                                                   : std::string()) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         rank_);
+    throw different_calls(label(rank_) + " called " + describe(want) +
+                              (earlier ? " after " + describe(finished_) : std::string()) + ", " + label(world_peer) +
+                              how + describe(got) +
+                              (same_call(want, got) ? " with a payload of " + std::to_string(got.length) +
+                                                          " bytes where " + std::to_string(want.length) +
+                                                          " were expected"
+                                                    : std::string()),
+                          rank_);
+  }
+
+  /// Raises mismatch_error where one of `peers` (by world rank) is at the executing call's step (group and
+  /// sequence number) in another call: a frame of it waits unread, or it said it waits in that call. Runs
+  /// before every sleep, so calls that only receive, or only send, on both sides fail at once instead of at
+  /// the timeout.
+  void check_same_step(const std::vector<peer>& peers) const {
+    const frame_header mine = header_of(*current_, 0);
+    const auto other = [&](const frame_header& h) { return h.group == mine.group && h.seq == mine.seq && !same_call(mine, h); };
+    for (std::size_t r = 0; r < peers.size(); ++r) {
+      const peer& p = peers[r];
+      if (p.in.state() == read_state::holding && other(p.in.header())) throw_mismatch(static_cast<int>(r), mine, p.in.header());
+      if (p.waiting && other(*p.waiting)) throw_mismatch(static_cast<int>(r), mine, *p.waiting, " waits in ");
+    }
+  }
+
+  /// The ranks of `peers` the executing call waits for: "rank 1, rank 3".
+  [[nodiscard]] std::string waiting_list(const std::vector<peer>& peers) const {
+    std::string waiting;
+    for (std::size_t r = 0; r < peers.size(); ++r)
+      if (peers[r].awaited()) waiting += (waiting.empty() ? "" : ", ") + label(static_cast<int>(r));
+    return waiting;
   }
 
   [[nodiscard]] mismatch_error p2p_mismatch(const posted_recv& r, const frame_header& got, int world_peer) const {
@@ -105,11 +127,7 @@ class engine_errors {
               rank_));
   }
   [[nodiscard]] timeout_error timed_out(const std::string& waiting) const {
-    return timeout_error(what_now() + " did not complete within " + std::to_string(current_->grp->timeout.count()) +
-                             " ms, waiting for " + (waiting.empty() ? std::string("nothing") : waiting) +
-                             ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                             "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                         rank_);
+    return call_timeout(what_now(), current_->grp->timeout, waiting.empty() ? std::string("nothing") : waiting, rank_);
   }
 
   /// The abort frame that tells the peers of `e`, with the error's kind so they raise the same type.
@@ -143,16 +161,9 @@ class engine_errors {
     std::string text(std::min<std::uint64_t>(h.length, max_abort_text), '\0');
     if (h.length > max_abort_text || recv_all(fd, text.data(), text.size(), clock::now() + std::chrono::seconds(2)) != io_status::ok)
       text = "(its message was lost)";
-    const std::string msg = label(world_peer) + " aborted " +
-                            (current_ != nullptr ? what_now() : std::string("while this rank ran no operation")) +
-                            ": " + text;
-    switch (static_cast<abort_kind>(h.flags)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, rank_, h.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, rank_);
-      case abort_kind::timeout: throw timeout_error(msg, rank_);
-      case abort_kind::other: break;
-    }
-    throw error(msg, rank_);
+    raise_notice(static_cast<abort_kind>(h.flags), label(world_peer),
+                 current_ != nullptr ? what_now() : std::string("while this rank ran no operation"), text, rank_,
+                 h.lost_rank);
   }
 
   /// Looks behind the frame just received on `fd` for the peer's abort notice (2 s at most, skipping the

@@ -1,10 +1,12 @@
 #pragma once
 /// \file What the TCP engine keeps per peer: the two halves of its stream, its mailbox of point-to-point
-/// transfers, what the executing call expects from it, and the same-host copies in flight either way.
+/// transfers, what the executing call expects from it, the same-host copies in flight either way, and, on
+/// one host with shared memory, its point-to-point rings (shm_rings.hpp).
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -16,6 +18,7 @@
 #include <ddp/comm/tcp/matching.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_rings.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 
 namespace ddp::tcp::detail {
@@ -28,15 +31,47 @@ enum class target : std::uint8_t {
   stray,       ///< a buffer of its own, until the recv is posted
 };
 
+/// Where the payload being read from one of a peer's streams goes.
+struct payload_sink {
+  target into = target::control;
+  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
+  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+
+  /// On abort: fails the recv being filled.
+  void fail(const std::exception_ptr& e) {
+    if (matched) matched->done->fail(e);
+    matched.reset();
+  }
+};
+
+/// A peer's point-to-point transfers through the shared-memory rings: sends queue here and go into `out`
+/// as it has room; frames read out of `in` go to their recvs as from a socket.
+struct ring_link {
+  shm_ring in;   ///< from the peer
+  shm_ring out;  ///< to the peer
+  frame_reader reader;
+  payload_sink sink;
+  std::deque<tx_item> queue;  ///< sends not yet wholly in `out` (the first perhaps in part)
+
+  /// A frame is half read or half written: the peer's end now loses data.
+  [[nodiscard]] bool busy() const { return !queue.empty() || reader.mid_frame(); }
+  /// On abort: fails the queued sends and the recv being filled.
+  void fail(const std::exception_ptr& e) {
+    for (auto& t : queue)
+      if (t.done) t.done->fail(e);
+    queue.clear();
+    sink.fail(e);
+  }
+};
+
 struct peer {
   socket_fd fd;
   frame_writer out;
   frame_reader in;
   peer_memory memory;
   mailbox mail;
-  target into = target::control;
-  std::optional<posted_recv> matched;  ///< the recv of the send being read (target::posted)
-  std::vector<char> stray_buf;         ///< the send being read ahead of its recv (target::stray)
+  payload_sink sink;               ///< where the payload being read from the socket goes
+  std::optional<ring_link> ring;   ///< point-to-point through shared memory (same host, DDP_SHM), else none
   bool expecting = false;  ///< the executing call waits for a frame from this peer: `expect`, into expect_dest
   frame_header expect;
   char* expect_dest = nullptr;
@@ -64,8 +99,8 @@ struct peer {
     expecting = false;
     unacked = 0;
     mail.fail_all(e);
-    if (matched) matched->done->fail(e);
-    matched.reset();
+    sink.fail(e);
+    if (ring) ring->fail(e);
   }
 
   /// On abort: fail(e), then, where the stream is open, completes the frame half written and sends `notice`
@@ -94,28 +129,6 @@ struct peer {
     }
     fd.reset();
   }
-};
-
-/// Two scratch buffers for the algorithms, kept by the engine: they only grow, uninitialized.
-class scratch_space {
- public:
-  /// Buffer `which` (0 or 1) of at least `bytes`; growing discards its contents.
-  char* get(int which, std::size_t bytes) {
-    auto& s = buffers_[which];
-    if (s.size < bytes) {
-      s.data.reset();  // free first, so the peak is the new size, not both
-      s.data.reset(new char[bytes]);
-      s.size = bytes;
-    }
-    return s.data.get();
-  }
-
- private:
-  struct buffer {
-    std::unique_ptr<char[]> data;
-    std::size_t size = 0;
-  };
-  buffer buffers_[2];
 };
 
 }  // namespace ddp::tcp::detail

@@ -39,6 +39,8 @@ inline constexpr std::uint8_t op_ack = 202;    ///< the sender has copied one of
 /// The sender has waited a while in the call this header describes (its op in `flags`), so a receiver in
 /// another call at the same step raises mismatch_error instead of waiting for the timeout.
 inline constexpr std::uint8_t op_waiting = 203;
+/// Data, or room, waits for the receiver in a shared-memory ring (shm_rings.hpp): its engine sleeps in poll.
+inline constexpr std::uint8_t op_ring = 204;
 
 inline constexpr std::uint64_t max_abort_text = 4096;           ///< longest abort message carried
 inline constexpr std::uint64_t max_frame_bytes = std::uint64_t{1} << 40;  ///< longer payloads mean a corrupt stream
@@ -53,7 +55,7 @@ inline constexpr std::uint8_t frame_remote = 1;
 /// The header of every frame (40 bytes, host byte order: the mesh connects ranks of one architecture).
 struct frame_header {
   std::uint32_t magic = frame_magic;
-  std::uint8_t op = 0;        ///< ddp::collective, or a control op (op_abort, op_bye, op_ack, op_waiting)
+  std::uint8_t op = 0;        ///< ddp::collective, or a control op (op_abort, op_bye, op_ack, op_waiting, op_ring)
   std::uint8_t type = 0;      ///< ddp::dtype
   std::uint8_t reduce = 0;    ///< ddp::reduce_op (0 where none applies)
   std::uint8_t flags = 0;     ///< abort_kind (op_abort), frame_remote (collectives), the call's op (op_waiting)
@@ -99,7 +101,7 @@ constexpr bool has_root(std::uint8_t op) {
 inline const char* malformed(const frame_header& h) {
   if (h.magic != frame_magic) return "bytes that are not a ddp frame";
   if (h.op == op_abort) return h.length > max_abort_text ? "an abort notice longer than its limit" : nullptr;
-  if (h.op == op_bye || h.op == op_ack || h.op == op_waiting)
+  if (h.op == op_bye || h.op == op_ack || h.op == op_waiting || h.op == op_ring)
     return h.length != 0 ? "a control frame with a payload" : nullptr;
   if (h.op >= collective_count) return "a frame of unknown kind";
   if ((h.flags & frame_remote) != 0 && h.length != sizeof(remote_block)) return "a remote frame of the wrong length";
@@ -112,6 +114,7 @@ inline std::string describe(const frame_header& h) {
   if (h.op == op_bye) return "a goodbye (it closed its communicator)";
   if (h.op == op_ack) return "an acknowledgement of a same-host copy";
   if (h.op == op_waiting) return "a notice that it waits";
+  if (h.op == op_ring) return "a notice that a shared-memory ring waits";
   if (h.op >= collective_count) return "a frame of unknown kind " + std::to_string(h.op);
   const auto c = static_cast<collective>(h.op);
   std::string s = c == collective::send_recv ? "send" : std::string(to_string(c));

@@ -23,6 +23,7 @@
 #include <ddp/comm/tcp/engine.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_rings.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
@@ -258,7 +259,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store, eng.live_word());
+  auto memory = probe_memory(cfg, store, eng.live().word());
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
@@ -271,11 +272,12 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
     world->single_copy = every_rank_reads_every_rank(cfg, store);
   }
   if (cfg.rank == 0)
-    log_line(0, world ? "collectives run through shared memory: every rank is on this host (DDP_SHM=0 turns "
-                        "this off)"
-                      : "collectives run through the sockets: not every rank can map shared memory with rank 0 "
-                        "(another host or user, or DDP_SHM=0)");
-  eng.attach(std::move(sockets), std::move(memory), world);
+    log_line(0, world ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
+                        "turns this off)"
+                      : "collectives and sends run through the sockets: not every rank can map shared memory with "
+                        "rank 0 (another host or user, or DDP_SHM=0)");
+  auto rings = world ? std::make_unique<shm_rings>(world->name(), cfg.size, cfg.rank) : nullptr;
+  eng.attach(std::move(sockets), std::move(memory), world, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {

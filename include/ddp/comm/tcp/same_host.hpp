@@ -11,10 +11,12 @@
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <fstream>
+#include <random>
 #include <string>
 
 #include <ddp/comm/tcp/protocol.hpp>
@@ -63,6 +65,31 @@ struct peer_memory {
   bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
   std::uint64_t live_address = 0;  ///< where the peer keeps its live word
   std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// This process's live word, which peers on this host read after each copy from its memory: it changes once
+/// when the engine aborts, before any buffer is released, so a copy that overlapped the release is recognised
+/// and discarded.
+class live_word {
+ public:
+  live_word() {
+    std::random_device random;
+    value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    word_.store(value_);
+  }
+  /// The word itself (peers read it at its address).
+  [[nodiscard]] const std::atomic<std::uint64_t>& word() const { return word_; }
+  /// Changes the word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end() {
+    std::uint64_t alive = value_;
+    word_.compare_exchange_strong(alive, ~value_);
+  }
+
+ private:
+  std::atomic<std::uint64_t> word_{0};
+  std::uint64_t value_ = 0;  ///< the word's value until the engine aborts
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
 };
 
 /// How a copy out of a peer's memory ended.

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include <ddp/comm/tcp/call.hpp>
+#include <ddp/comm/tcp/messages.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
@@ -106,7 +107,9 @@ class shm_channel {
       if (r != g_.me()) await(r, target, first);
     for (int r = 0; r < g_.size(); ++r) {
       const frame_header& theirs = g_.head(r, g_.phase).call;
-      if (r != g_.me() && !same_call(desc_, theirs)) mismatch(r, theirs);
+      if (r != g_.me() && !same_call(desc_, theirs))
+        throw different_calls(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " + describe(theirs),
+                              me_world());
     }
     g_.phase = target;
   }
@@ -160,38 +163,14 @@ class shm_channel {
       case shm_state::running:
       case shm_state::writing: break;
       case shm_state::closed:
-        throw peer_lost(label(r) + " was lost during " + describe(desc_) +
-                            ": it closed its communicator or died. Check that rank's log for the first error; the "
-                            "job cannot continue without it",
-                        me_world(), w);
-      case shm_state::aborted: raise_abort(r);
+        throw lost_peer(label(r), describe(desc_), "it closed its communicator or died", me_world(), w);
+      case shm_state::aborted: {
+        const auto& n = g_.world().notice_of(w);
+        raise_notice(static_cast<abort_kind>(n.kind), label(r), describe(desc_), std::string(n.text, n.text_bytes),
+                     me_world(), n.lost_rank);
+      }
     }
-    if (clock::now() >= deadline_)
-      throw timeout_error(describe(desc_) + " did not complete within " + std::to_string(c_.grp->timeout.count()) +
-                              " ms, waiting for " + label(r) +
-                              ": a peer is stuck, dead or calling a different collective; check every rank's log, or "
-                              "raise the timeout (config::timeout, DDP_TIMEOUT_MS)",
-                          me_world());
-  }
-
-  [[noreturn]] void raise_abort(int r) {
-    const auto& n = g_.world().notice_of(g_.world_rank(r));
-    const std::string msg = label(r) + " aborted " + describe(desc_) + ": " + std::string(n.text, n.text_bytes);
-    switch (static_cast<abort_kind>(n.kind)) {
-      case abort_kind::peer_lost: throw peer_lost(msg, me_world(), n.lost_rank);
-      case abort_kind::mismatch: throw mismatch_error(msg, me_world());
-      case abort_kind::timeout: throw timeout_error(msg, me_world());
-      case abort_kind::other: break;
-    }
-    throw error(msg, me_world());
-  }
-
-  [[noreturn]] void mismatch(int r, const frame_header& theirs) {
-    throw mismatch_error(label(g_.me()) + " called " + describe(desc_) + ", " + label(r) + " called " +
-                             describe(theirs) +
-                             "; every rank must call the same collectives in the same order with the same counts, "
-                             "dtypes, operators and roots",
-                         me_world());
+    if (clock::now() >= deadline_) throw call_timeout(describe(desc_), c_.grp->timeout, label(r), me_world());
   }
 
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ddp/comm/tcp/protocol.hpp>
+#include <ddp/comm/tcp/scratch.hpp>
 #include <ddp/comm/tcp/shm_segment.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 
@@ -82,13 +83,7 @@ class shm_group {
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
-  char* scratch(std::size_t bytes) {
-    if (scratch_.size() < bytes) {
-      scratch_ = {};
-      scratch_.resize(bytes);
-    }
-    return scratch_.data();
-  }
+  char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 
  private:
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
@@ -96,7 +91,7 @@ class shm_group {
   std::vector<int> members_;
   int me_;
   shm_mapping map_;
-  std::vector<char> scratch_;
+  scratch_buffer scratch_;
   /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
   bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
 };

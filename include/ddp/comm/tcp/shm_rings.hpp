@@ -1,0 +1,120 @@
+#pragma once
+/// \file Point-to-point between ranks of one host: per ordered pair of ranks a single-producer,
+/// single-consumer byte ring in the job's segment `<job segment>-p2p`, carrying the same frames (header and
+/// payload) a socket would. Only engine threads touch the rings: the sender's writes what fits and the
+/// receiver's reads what is there, straight into the matched recv. No system call on the fast path; a rank's
+/// engine that sleeps in poll says so in its bell word, and a peer that wrote to it (or freed room in a ring
+/// the sleeper waits to write) rings it with an op_ring frame on the socket. Every rank maps the segment with
+/// O_CREAT at the rendezvous; the last to map it unlinks it.
+
+#include <sys/types.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include <ddp/comm/tcp/shm_segment.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Data bytes of one ring: a larger frame passes in pieces as the receiver reads.
+inline constexpr std::size_t ring_bytes = 1 << 20;
+
+/// A ring's counters, each on its own cache line; the bytes in the ring are written - read.
+struct ring_head {
+  alignas(64) std::atomic<std::uint64_t> written{0};     ///< bytes the sender has put in, ever
+  alignas(64) std::atomic<std::uint64_t> read{0};        ///< bytes the receiver has taken out, ever
+  alignas(64) std::atomic<std::uint32_t> room_wanted{0};  ///< the sender found it full: ring it on reading
+};
+
+/// A rank's bell word: 1 while its engine sleeps in poll (a writer must ring it), on its own cache line.
+struct ring_bell {
+  alignas(64) std::atomic<std::uint32_t> asleep{0};
+};
+
+/// One direction between two ranks, seen from either end.
+class shm_ring {
+ public:
+  shm_ring(ring_head* head, char* data) : head_(head), data_(data) {}
+
+  /// Sender: copies what fits of `n` bytes at `src` in; returns how many.
+  std::size_t write(const char* src, std::size_t n) {
+    const std::uint64_t w = head_->written.load(std::memory_order_relaxed);
+    const std::uint64_t r = head_->read.load(std::memory_order_seq_cst);
+    const std::size_t k = std::min<std::size_t>(n, ring_bytes - static_cast<std::size_t>(w - r));
+    const std::size_t at = static_cast<std::size_t>(w % ring_bytes), first = std::min(k, ring_bytes - at);
+    std::memcpy(data_ + at, src, first);
+    std::memcpy(data_, src + first, k - first);
+    head_->written.store(w + k, std::memory_order_seq_cst);
+    return k;
+  }
+  /// Receiver: copies up to `n` bytes out to `dest`; returns how many, or -1 with errno EAGAIN when empty
+  /// (frame_reader's read function).
+  ssize_t read(char* dest, std::size_t n) {
+    const std::uint64_t r = head_->read.load(std::memory_order_relaxed);
+    const std::uint64_t w = head_->written.load(std::memory_order_seq_cst);
+    const std::size_t k = std::min<std::size_t>(n, static_cast<std::size_t>(w - r));
+    if (k == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    const std::size_t at = static_cast<std::size_t>(r % ring_bytes), first = std::min(k, ring_bytes - at);
+    std::memcpy(dest, data_ + at, first);
+    std::memcpy(dest + first, data_, k - first);
+    head_->read.store(r + k, std::memory_order_seq_cst);
+    return static_cast<ssize_t>(k);
+  }
+  /// True when the receiver has bytes to read.
+  [[nodiscard]] bool readable() const {
+    return head_->written.load(std::memory_order_seq_cst) != head_->read.load(std::memory_order_seq_cst);
+  }
+  /// Sender, on a full ring: asks the receiver to ring it when it reads; true if room appeared meanwhile.
+  bool want_room() {
+    head_->room_wanted.store(1, std::memory_order_seq_cst);
+    return head_->written.load(std::memory_order_relaxed) - head_->read.load(std::memory_order_seq_cst) < ring_bytes;
+  }
+  /// Receiver, after reading: true (once) when the sender waits for room and must be rung.
+  bool room_wanted() {
+    return head_->room_wanted.load(std::memory_order_seq_cst) != 0 && head_->room_wanted.exchange(0) != 0;
+  }
+
+ private:
+  ring_head* head_;
+  char* data_;
+};
+
+/// The job's rings, mapped by this rank.
+class shm_rings {
+ public:
+  /// Maps (creating it if first) the rings of the job segment `job_name` of `size` ranks, as rank `me`.
+  shm_rings(const std::string& job_name, int size, int me) : size_(static_cast<std::size_t>(size)) {
+    const std::string name = job_name + "-p2p";
+    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me);
+    count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, size);
+  }
+  shm_rings(const shm_rings&) = delete;
+
+  /// The ring from world rank `from` to world rank `to`.
+  [[nodiscard]] shm_ring ring(int from, int to) const {
+    char* at = map_.data() + offset_of_ring(static_cast<std::size_t>(from) * size_ + static_cast<std::size_t>(to));
+    return {reinterpret_cast<ring_head*>(at), at + sizeof(ring_head)};
+  }
+  /// World rank `r`'s bell.
+  [[nodiscard]] ring_bell& bell(int r) const {
+    return reinterpret_cast<ring_bell*>(map_.data() + 64)[static_cast<std::size_t>(r)];
+  }
+
+ private:
+  /// Bytes before ring `i`: the mapping count, the bells, then the rings.
+  [[nodiscard]] std::size_t offset_of_ring(std::size_t i) const {
+    return 64 + size_ * sizeof(ring_bell) + i * (sizeof(ring_head) + ring_bytes);
+  }
+  std::size_t size_;
+  shm_mapping map_;
+};
+
+}  // namespace ddp::tcp::detail
