@@ -152,8 +152,14 @@ class engine : peer_io {
         pending_memory_.clear();
         has_pending_sockets_ = false;
         shm_world_ = std::move(pending_world_);
-        if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
         use_rings(std::move(pending_rings_));
+        if (shm_world_) {
+          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock, which
+          // this thread also takes while holding it: one lock order.
+          lock.unlock();
+          shm_world_->hold();
+          continue;
+        }
       }
       // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
       // would see a clean close).
