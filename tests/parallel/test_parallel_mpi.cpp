@@ -7,6 +7,7 @@
 #include <ddp/comm/mpi/communicator.hpp>
 
 #include "join_scenarios.hpp"
+#include "rebuild_scenarios.hpp"
 #include "scenarios.hpp"
 
 namespace {
@@ -101,4 +102,10 @@ TEST_CASE("mpi join: replicate, shard_grad_op, full_shard and hybrid with uneven
 }
 TEST_CASE("mpi join: a scope dropped without finish(opt) makes the next call throw", "[join][errors]") {
   check_join_errors<mpi>(world());
+}
+TEST_CASE("mpi rebuild: buckets in the backward's order on every rank (rank 1's own order differing), equal to one "
+          "process; deterministic bits unchanged by the rebuild", "[rebuild]") {
+  check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5);
+  check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5, closeness::per_element, 2, {}, {}, true);
+  check_rebuilt_deterministic<mpi>(world());
 }

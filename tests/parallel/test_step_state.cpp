@@ -5,6 +5,7 @@
 
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ddp/optim/sgd.hpp>
@@ -236,12 +237,53 @@ TEST_CASE("recorded: replicate all-reduces each bucket as it completes, no_sync 
     dp.step(opt);  // legal after finish_gradients: steps the same gradients, no second reduction
     REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
                                    "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3", "wait #0", "wait #1",
-                                   "wait #2", "wait #3"});
+                                   "wait #2", "wait #3", "world broadcast 6 i64 #4", "wait #4"});  // rank 0's order
     REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 2.0));  // two accumulated backwards, averaged over equal ranks
     log.clear();
     dp.unshard_model();
   }
   REQUIRE(log.calls().empty());  // neither unshard_model nor the destructor communicates under replicate
+}
+
+/// net visited fc3, fc2, fc1: the backward {2, 1, 0} reports slots 1, 0, 3, 2, 5, 4, not reverse visit order.
+struct reversed_net {
+  net& m;
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (const auto& [name, l] : {std::pair<std::string, layer*>{"fc3", &m.fc3}, {"fc2", &m.fc2}, {"fc1", &m.fc1}}) {
+      f(name + ".w", l->w);
+      f(name + ".b", l->b);
+    }
+  }
+};
+
+TEST_CASE("recorded: rebuilt buckets launch in the backward's order, the first one before the backward ends",
+          "[step][rebuild]") {
+  net m = make_net();
+  reversed_net view{m};
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<reversed_net, recording_backend, four_floats> dp{view, comm};
+  log.clear();
+  dp.zero_grad();
+  backward(dp, m, {2});  // fc3 is in; the planned first bucket [12, 16) waits for fc1, the backward's last layer
+  REQUIRE(log.calls().empty());
+  backward(dp, m, {1, 0});
+  REQUIRE(log.calls().size() == 4);
+  dp.step(opt);  // the step's waits, then rank 0's ready order, broadcast once
+  REQUIRE(strings(log.calls().end() - 2, log.calls().end()) == strings{"world broadcast 6 i64 #4", "wait #4"});
+  REQUIRE(dp.bucket_count() == 5);  // [0, 4) fc3, [8, 10) fc2.b, [4, 8) fc2.w, [14, 16) fc1.b, [10, 14) fc1.w
+  log.clear();
+  dp.zero_grad();
+  backward(dp, m, {2});
+  REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0"});  // fc3's bucket, before the backward ends
+  backward(dp, m, {1});
+  REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 2 f32 #1", "world all_reduce 4 f32 #2"});
+  backward(dp, m, {0});
+  dp.step(opt);
+  REQUIRE(log.calls().size() == 10);  // five all-reduces and their waits: no second rebuild
+  REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 1.0 - 0.1 * 1.0));
 }
 
 TEST_CASE("recorded: shard_grad_op reduce-scatters each bucket, then all-gathers every bucket after the step",

@@ -31,7 +31,7 @@
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/backward_scopes.hpp>
-#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/bucket_rebuild.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
 #include <ddp/parallel/hybrid.hpp>
@@ -176,6 +176,7 @@ class data_parallel {
     reduce_launched();
     join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
     state_.finish();
+    rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
   /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
@@ -342,6 +343,8 @@ class data_parallel {
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The gradient buckets in launch order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
+  [[nodiscard]] const detail::bucket_plan& buckets() const noexcept { return plan_; }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
   /// The sharding policy's value: the settings the strategy uses.
@@ -463,6 +466,7 @@ class data_parallel {
   detail::bucket_plan plan_;
   hook_type hook_;
   detail::step_state state_;                // the phases of the step, its buckets and units
+  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && !strategy_type::sharded};  // after the first step
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
