@@ -3,11 +3,15 @@
 // loopback communicator (replicate, shard_grad_op, full_shard with prefetch, hybrid, no_sync, several buckets).
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <cstdlib>
+#include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <ddp/comm/average.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/data_parallel.hpp>
@@ -15,6 +19,22 @@
 #include <ddp/parallel/unit_pool.hpp>
 
 #include "recording_comm.hpp"
+
+namespace {
+std::atomic<std::size_t> allocations{0};  // every plain operator new of this executable
+}  // namespace
+
+// Counts allocations for the join-recording test (replaces the global operator new of this executable).
+void* operator new(std::size_t bytes) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // g++ pairs the inlined new with free(): it is malloc's
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t /*bytes*/) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
 
 namespace {
 
@@ -593,4 +613,47 @@ TEST_CASE("recorded: inside a join scope a step's first collective counts the ac
   REQUIRE(log.calls().empty());
   REQUIRE_THROWS_WITH(dp.step(opt), Catch::Contains("ended without j.finish(opt)"));
   REQUIRE_THROWS_WITH(forward(dp, m, {0}), Catch::Contains("ended without j.finish(opt)"));
+}
+
+TEST_CASE("join state: recording full_shard steps allocates nothing once the records have held a step as long",
+          "[step][join]") {
+  using kind = ddp::detail::step_event::kind;
+  ddp::detail::join_state j(true);
+  j.open_scope(ddp::detail::step_phase::idle, 0);
+  const std::vector<std::size_t> units{0, 1, 2};
+  const auto one_step = [&] {
+    for (std::size_t k = 0; k < 8; ++k) {
+      j.note(kind::acquire, units);
+      j.note(kind::report, {}, k);
+      j.note(kind::release, std::span<const std::size_t>(units).first(k % 3 + 1));
+    }
+    j.end_step();
+  };
+  one_step();
+  one_step();
+  const std::size_t before = allocations.load();
+  for (int s = 0; s < 3; ++s) one_step();
+  REQUIRE(allocations.load() == before);
+  const auto& replay = j.shadow(1, 0);  // the last step taken, as a shadow step replays it
+  REQUIRE(replay.events.size() == 24);
+  REQUIRE(replay.events[4].slot == 1);
+  REQUIRE(std::vector<std::size_t>(replay.units_of(replay.events[5]).begin(), replay.units_of(replay.events[5]).end()) ==
+          std::vector<std::size_t>{0, 1});
+}
+
+TEST_CASE("scale: exact factors multiply in the element type, others round once from double; divide uses it",
+          "[step][join]") {
+  std::vector<float> f{1.0F, 3.0F, 0.1F};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<float>(f)), 4.0 / 3.0);
+  REQUIRE(f == std::vector<float>{static_cast<float>(4.0 / 3.0), 4.0F, static_cast<float>(0.1F * (4.0 / 3.0))});
+  std::vector<double> d{3.0, -0.5};
+  ddp::detail::divide(ddp::raw_tensor::of(std::span<double>(d)), 4);
+  REQUIRE(d == std::vector<double>{0.75, -0.125});
+  std::vector<std::int32_t> i{7, -7};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<std::int32_t>(i)), 0.5);
+  ddp::detail::divide(ddp::raw_tensor::of(std::span<std::int32_t>(i)), 2);  // truncates toward zero
+  REQUIRE(i == std::vector<std::int32_t>{1, -1});
+  std::vector<ddp::bfloat16> h{ddp::bfloat16(3.0F)};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<ddp::bfloat16>(h)), 0.5);
+  REQUIRE(static_cast<float>(h[0]) == 1.5F);
 }
