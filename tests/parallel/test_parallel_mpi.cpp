@@ -95,6 +95,7 @@ TEST_CASE("mpi join: replicate, shard_grad_op, full_shard and hybrid with uneven
           "[join]") {
   auto comm = world();
   check_join<mpi, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  check_join<mpi, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 2, true);  // rebuilt
   check_join<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5);
   check_join<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
   check_join<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,

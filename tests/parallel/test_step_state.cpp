@@ -113,6 +113,26 @@ TEST_CASE("bucket planner: reverse visit order, first bucket smaller, boundaries
   REQUIRE(plan.buckets[1].params == std::vector<std::size_t>{3, 4});
 }
 
+TEST_CASE("bucket planner: in ready order, contiguous runs that fit, a slot beyond the capacity cut in pieces",
+          "[step][rebuild]") {
+  net m = make_net();  // slots fc1.w [0, 4), fc1.b [4, 6), fc2.w [6, 10), fc2.b [10, 12), fc3.w [12, 14), fc3.b [14, 16)
+  ddp::detail::parameter_layout layout(m);
+  using order = std::vector<std::size_t>;
+  const order weight_first{4, 5, 2, 3, 0, 1};  // first bucket 2 floats, then 4: no two slots fit together
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, weight_first, 16, 8)) ==
+          std::vector<bucket_range>{{12, 14, 2}, {14, 16, 2}, {6, 10, 1}, {10, 12, 1}, {0, 4, 0}, {4, 6, 0}});
+  // 3 then 6 floats: fc1.w and fc2.b would fit but are not contiguous; fc2.b and fc2.w are, and fit
+  const auto forward_layers = ddp::detail::plan_in_ready_order(layout, order{1, 0, 3, 2, 5, 4}, 24, 12);
+  REQUIRE(ranges(forward_layers) == std::vector<bucket_range>{{4, 6, 0}, {0, 4, 0}, {6, 12, 1}, {12, 16, 2}});
+  REQUIRE(forward_layers.of_param[3] == std::vector<std::size_t>{2});
+  // 1 then 3 floats: fc3.b, fc2.w and fc1.w exceed them and are cut from their ends
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, order{5, 4, 3, 2, 1, 0}, 12, 4)) ==
+          std::vector<bucket_range>{{15, 16, 2}, {14, 15, 2}, {12, 14, 2}, {10, 12, 1}, {7, 10, 1}, {6, 7, 1},
+                                    {4, 6, 0}, {1, 4, 0}, {0, 1, 0}});
+  REQUIRE(ddp::detail::in_reverse_visit_order(layout, order{5, 4, 3, 2, 1, 0}));
+  REQUIRE(!ddp::detail::in_reverse_visit_order(layout, weight_first));
+}
+
 TEST_CASE("bucket planner: sharded buckets hold multiples of N and never cross a unit", "[step]") {
   net m = make_net();
   ddp::detail::parameter_layout layout(m, 4);  // N = 4: units start at 0, 8, 16; the arena is 20 long

@@ -94,7 +94,8 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
 /// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
 /// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
-/// pieces, last elements first. Buckets launch in the order their last slot became ready.
+/// pieces, last elements first (after the first piece, of the full capacity). Buckets launch in the order their
+/// last slot became ready.
 inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
                                        std::size_t capacity_bytes, std::size_t first_bytes) {
   const auto arenas = layout.arenas();
@@ -121,10 +122,12 @@ inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span
       }
       const auto& low = slots[arenas[a].params[run_lo]];
       const auto& high = slots[arenas[a].params[run_hi]];
-      for (std::size_t end = high.offset + high.numel; end > low.offset;) {  // one piece unless a slot exceeds cap
-        const std::size_t begin = std::max(low.offset, end > cap ? end - cap : 0);
+      // One piece, unless a slot exceeds the capacity: then pieces of `cap`, further ones of the full capacity.
+      for (std::size_t end = high.offset + high.numel, piece = cap; end > low.offset;) {
+        const std::size_t begin = std::max(low.offset, end > piece ? end - piece : 0);
         made.emplace_back(when[last], make_bucket(layout, a, begin, end));
         end = begin;
+        piece = std::max<std::size_t>(1, capacity_bytes / width);
       }
       i = last + 1;
     }
