@@ -105,7 +105,7 @@ TEST_CASE("mpi join: a scope dropped without finish(opt) makes the next call thr
   check_join_errors<mpi>(world());
 }
 TEST_CASE("mpi rebuild: buckets in the backward's order on every rank (rank 1's own order differing), equal to one "
-          "process; deterministic bits unchanged by the rebuild", "[rebuild]") {
+          "process, deterministic bits unchanged by the rebuild", "[rebuild]") {
   check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5);
   check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5, closeness::per_element, 2, {}, {}, true);
   check_rebuilt_deterministic<mpi>(world());

@@ -661,7 +661,7 @@ TEST_CASE("join state: recording full_shard steps allocates nothing once the rec
           std::vector<std::size_t>{0, 1});
 }
 
-TEST_CASE("scale: exact factors multiply in the element type, others round once from double; divide uses it",
+TEST_CASE("scale: exact factors multiply in the element type, others round once from double, divide uses it",
           "[step][join]") {
   std::vector<float> f{1.0F, 3.0F, 0.1F};
   ddp::detail::scale(ddp::raw_tensor::of(std::span<float>(f)), 4.0 / 3.0);
