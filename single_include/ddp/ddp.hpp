@@ -7792,7 +7792,7 @@ inline void require_adopting(const parameter_layout& layout, int rank) {
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// reported in this step, and the order of the reports; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
 /// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
 
 

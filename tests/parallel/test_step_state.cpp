@@ -218,8 +218,14 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   raises([&] { st.abandon(); }, "bucket 1 cannot go from launched to waiting");
   for (std::size_t b = 1; b < 5; ++b) st.complete(b);
   REQUIRE(st.unit_settled(2));
+  raises([&] { st.replan(); }, "cannot rebuild the buckets while the step is reporting (it must be finished)");
   st.finish();
   REQUIRE(st.phase() == step_phase::finished);
+  REQUIRE(st.report_order().size() == 6);  // every slot, once, in the order reported
+  st.replan();  // the plan's buckets again, each reduced: the finished step stays finished
+  REQUIRE(st.launched() == 5);
+  REQUIRE(st.bucket(4).phase == bucket_phase::reduced);
+  REQUIRE(st.unit_buckets(2).size() == 2);
   st.end();
   REQUIRE(st.phase() == step_phase::idle);
   st.begin(unused);  // every bucket waits again
