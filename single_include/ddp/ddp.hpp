@@ -4321,11 +4321,33 @@ class peer_io : protected engine_errors {
 
 // ---- begin <ddp/comm/average.hpp>
 /// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
-/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float).
+/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float); and scaling by a factor.
 
 
 
 namespace ddp::detail {
+
+/// Multiplies every element of the host buffer `t` by `factor`: in the element type where `factor` is exact in
+/// it (the product then rounds once, as it would through double), else in double, rounded to the element type
+/// (bf16/f16 through float; integers truncate toward zero).
+inline void scale(const raw_tensor& t, double factor) {
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_floating_point_v<T>) {
+      if (static_cast<double>(static_cast<T>(factor)) == factor) {
+        const T exact = static_cast<T>(factor);
+        for (std::size_t i = 0; i < t.size; ++i) p[i] *= exact;
+        return;
+      }
+    }
+    for (std::size_t i = 0; i < t.size; ++i)
+      if constexpr (std::is_arithmetic_v<T>)
+        p[i] = static_cast<T>(static_cast<double>(p[i]) * factor);
+      else
+        p[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(p[i])) * factor));
+  });
+}
 
 /// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
 inline void divide(const raw_tensor& t, int n) {
@@ -4335,15 +4357,12 @@ inline void divide(const raw_tensor& t, int n) {
     auto* p = static_cast<T*>(t.data);
     if constexpr (std::is_integral_v<T>) {
       for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-    } else if constexpr (std::is_floating_point_v<T>) {
+    } else if ((n & (n - 1)) == 0) {
       // A power of two's reciprocal is exact, so multiplying by it gives the quotient's bits at a fraction of
-      // a division's cost; any other n divides.
-      if ((n & (n - 1)) == 0) {
-        const T inverse = T(1) / static_cast<T>(n);
-        for (std::size_t i = 0; i < t.size; ++i) p[i] *= inverse;
-      } else {
-        for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
-      }
+      // a division's cost.
+      scale(t, 1.0 / n);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
     } else {
       for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
     }
@@ -5419,8 +5438,14 @@ class engine : peer_io {
         pending_memory_.clear();
         has_pending_sockets_ = false;
         shm_world_ = std::move(pending_world_);
-        if (shm_world_) shm_world_->hold();  // from now until release() or death, peers see this rank alive
         use_rings(std::move(pending_rings_));
+        if (shm_world_) {
+          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock, which
+          // this thread also takes while holding it: one lock order.
+          lock.unlock();
+          shm_world_->hold();
+          continue;
+        }
       }
       // A call on the caller's thread failed: tell the peers over the sockets too (also when stopping, or they
       // would see a clean close).
@@ -7550,6 +7575,10 @@ struct data_parallel_options {
   bool error_on_missing = true;
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
+  /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
+  /// ready (rank 0's, broadcast once), so later steps launch them as early as the backward allows (PyTorch DDP
+  /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
+  bool rebuild_buckets = true;
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
@@ -7720,13 +7749,11 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 // ---- end <ddp/parallel/policies.hpp>
 // ---- begin <ddp/parallel/data_parallel.hpp>
 /// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
-///
-/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any type with
-/// ddp::storage_traits) into flat arenas (one per dtype), checks that all ranks hold the same model and
-/// broadcasts rank 0's values. During the backward each finished gradient is reported, by the user with
-/// gradient_ready(p) or by the leaf's framework itself (autograd); a bucket whose parameters have all reported launches its
-/// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
-/// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
+/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any storage_traits type) into
+/// flat arenas (one per dtype), checks that all ranks hold the same model and broadcasts rank 0's values. In the
+/// backward each finished gradient is reported (gradient_ready(p), or the leaf's framework's autograd); a bucket whose
+/// parameters have all reported launches its reduction at once, in plan order, the same on every rank (under
+/// replicate replanned once in the first step's ready order). finish_gradients() waits; step(opt) runs the optimizer.
 
 
 // ---- begin <ddp/optim/flat.hpp>
@@ -8246,13 +8273,14 @@ inline void require_adopting(const parameter_layout& layout, int rank) {
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// reported in this step, and the order of the reports; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
 /// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
 
 
 // ---- begin <ddp/parallel/bucket_planner.hpp>
 /// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
-/// buckets whose gradients the backward produces first are launched first.
+/// buckets whose gradients the backward produces first are launched first, and replanned in the order a
+/// step's gradients became ready (parallel/bucket_rebuild.hpp).
 
 #include <iterator>
 
@@ -8276,9 +8304,27 @@ enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
 struct bucket_plan {
-  std::vector<bucket> buckets;                        ///< launch order: reverse visit order
+  std::vector<bucket> buckets;                        ///< launch order: reverse visit order, or ready order once rebuilt
   std::vector<std::vector<std::size_t>> of_param;     ///< per slot, indices into `buckets`
+
+  /// Fills `of_param` from `buckets` for a layout of `slots` parameters.
+  void index(std::size_t slots) {
+    of_param.assign(slots, {});
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (const std::size_t s : buckets[b].params) of_param[s].push_back(b);
+  }
 };
+
+/// The bucket [begin, end) of arena `a`, holding every non-empty slot it overlaps.
+inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::size_t begin, std::size_t end) {
+  const auto slots = layout.slots();
+  bucket b{.arena = a, .begin = begin, .end = end, .params = {}, .last_slot = 0, .unit = 0};
+  for (const std::size_t s : layout.arenas()[a].params)
+    if (slots[s].offset < end && slots[s].offset + slots[s].numel > begin && slots[s].numel > 0) b.params.push_back(s);
+  b.last_slot = b.params.empty() ? 0 : b.params.back();
+  b.unit = slots[b.last_slot].unit;
+  return b;
+}
 
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
 /// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
@@ -8302,12 +8348,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
       const std::size_t cap = std::max(multiple, (first ? first_bytes : capacity_bytes) / width / multiple * multiple);
       const std::size_t floor = *std::prev(std::lower_bound(unit_starts.begin(), unit_starts.end(), end));
       const std::size_t begin = std::max(end > cap ? end - cap : 0, floor);
-      bucket b{.arena = a, .begin = begin, .end = end, .params = {}, .last_slot = 0, .unit = 0};
-      for (const std::size_t s : arenas[a].params)
-        if (slots[s].offset < end && slots[s].offset + slots[s].numel > begin && slots[s].numel > 0) b.params.push_back(s);
-      b.last_slot = b.params.empty() ? 0 : b.params.back();
-      b.unit = slots[b.last_slot].unit;
-      plan.buckets.push_back(std::move(b));
+      plan.buckets.push_back(make_bucket(layout, a, begin, end));
       end = begin;
       first = false;
     }
@@ -8315,9 +8356,56 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
   std::stable_sort(plan.buckets.begin(), plan.buckets.end(), [](const bucket& x, const bucket& y) {
     return std::tie(x.last_slot, x.end) > std::tie(y.last_slot, y.end);
   });
-  plan.of_param.resize(slots.size());
-  for (std::size_t b = 0; b < plan.buckets.size(); ++b)
-    for (const std::size_t s : plan.buckets[b].params) plan.of_param[s].push_back(b);
+  plan.index(slots.size());
+  return plan;
+}
+
+/// Buckets in the order of `ready` (every slot once, in the order their gradients became ready), for a layout
+/// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
+/// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
+/// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
+/// pieces, last elements first (after the first piece, of the full capacity). Buckets launch in the order their
+/// last slot became ready.
+inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
+                                       std::size_t capacity_bytes, std::size_t first_bytes) {
+  const auto arenas = layout.arenas();
+  const auto slots = layout.slots();
+  std::vector<std::size_t> place(slots.size());  // a slot's index among its arena's slots
+  for (const auto& a : arenas)
+    for (std::size_t k = 0; k < a.params.size(); ++k) place[a.params[k]] = k;
+  std::vector<std::pair<std::size_t, bucket>> made;  // (when its last slot became ready, the bucket)
+  for (std::size_t a = 0; a < arenas.size(); ++a) {
+    std::vector<std::size_t> seq, when;  // arena a's non-empty slots in ready order, and their places in `ready`
+    for (std::size_t i = 0; i < ready.size(); ++i)
+      if (slots[ready[i]].arena == a && slots[ready[i]].numel > 0) {
+        seq.push_back(ready[i]);
+        when.push_back(i);
+      }
+    const std::size_t width = size_of(arenas[a].type);
+    for (std::size_t i = 0; i < seq.size();) {
+      const std::size_t cap = std::max<std::size_t>(1, (i == 0 ? first_bytes : capacity_bytes) / width);
+      std::size_t lo = place[seq[i]], hi = lo, total = slots[seq[i]].numel, last = i, run_lo = lo, run_hi = hi;
+      for (std::size_t j = i + 1; j < seq.size() && (total += slots[seq[j]].numel) <= cap; ++j) {
+        lo = std::min(lo, place[seq[j]]);
+        hi = std::max(hi, place[seq[j]]);
+        if (hi - lo == j - i) std::tie(last, run_lo, run_hi) = std::tuple(j, lo, hi);
+      }
+      const auto& low = slots[arenas[a].params[run_lo]];
+      const auto& high = slots[arenas[a].params[run_hi]];
+      // One piece, unless a slot exceeds the capacity: then pieces of `cap`, further ones of the full capacity.
+      for (std::size_t end = high.offset + high.numel, piece = cap; end > low.offset;) {
+        const std::size_t begin = std::max(low.offset, end > piece ? end - piece : 0);
+        made.emplace_back(when[last], make_bucket(layout, a, begin, end));
+        end = begin;
+        piece = std::max<std::size_t>(1, capacity_bytes / width);
+      }
+      i = last + 1;
+    }
+  }
+  std::stable_sort(made.begin(), made.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  bucket_plan plan;
+  for (auto& m : made) plan.buckets.push_back(std::move(m.second));
+  plan.index(slots.size());
   return plan;
 }
 
@@ -8395,8 +8483,8 @@ class step_state {
   step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
       : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
     for (auto& u : units_) u.values = values;
-    unit_buckets_.resize(units);
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) unit_buckets_[plan.buckets[b].unit].push_back(b);
+    index_units();
+    order_.reserve(slots);
   }
   step_state(const step_state&) = delete;
   step_state& operator=(const step_state&) = delete;
@@ -8430,6 +8518,7 @@ class step_state {
       r.pending = plan_.buckets[b].params.size();
     }
     std::fill(reported_.begin(), reported_.end(), 0);
+    order_.clear();
     next_ = 0;
     phase_ = step_phase::reporting;
     for (std::size_t s = 0; s < unused.size(); ++s)
@@ -8440,9 +8529,12 @@ class step_state {
     expect_step(phase_ == step_phase::reporting, "report a gradient", "reporting");
     if (reported_[s]) return false;
     reported_[s] = 1;
+    order_.push_back(s);
     for (const std::size_t b : plan_.of_param[s]) --buckets_[b].pending;
     return true;
   }
+  /// The slots that reported in this step, in the order they reported.
+  [[nodiscard]] std::span<const std::size_t> report_order() const noexcept { return order_; }
   /// Whether slot `s` reported in this step.
   [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
   /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
@@ -8458,6 +8550,15 @@ class step_state {
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::reduced);
     phase_ = step_phase::finished;
+  }
+  /// The plan was rebuilt (parallel/bucket_rebuild.hpp) in a finished step: one reduced record per new bucket.
+  void replan() {
+    expect_step(phase_ == step_phase::finished, "rebuild the buckets", "finished");
+    buckets_.clear();
+    buckets_.resize(plan_.buckets.size());
+    for (auto& r : buckets_) r.phase = bucket_phase::reduced;
+    next_ = buckets_.size();
+    index_units();
   }
   /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
   void abandon() {
@@ -8548,6 +8649,10 @@ class step_state {
   }
 
  private:
+  void index_units() {
+    unit_buckets_.assign(units_.size(), {});
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) unit_buckets_[plan_.buckets[b].unit].push_back(b);
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
                 "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
@@ -8581,6 +8686,7 @@ class step_state {
   std::vector<unit_record> units_;
   std::vector<std::vector<std::size_t>> unit_buckets_;
   std::vector<char> reported_;  // per slot
+  std::vector<std::size_t> order_;  // the slots that reported in this step, in order
   std::size_t next_ = 0;        // the next bucket to launch
   step_phase phase_ = step_phase::idle;
   int rank_;
@@ -8658,6 +8764,63 @@ class backward_opener {
 
 }  // namespace ddp
 // ---- end <ddp/parallel/backward_scopes.hpp>
+// ---- begin <ddp/parallel/bucket_rebuild.hpp>
+/// \file Buckets rebuilt in the order of the first step's gradients (PyTorch DDP rebuilds its buckets after the
+/// first iteration). The first synchronized step records the order in which its gradients became ready
+/// (step_state::report_order); rank 0's order is broadcast, so every rank plans the same buckets whatever order
+/// its own backward ran in; and unless that order is the reverse visit order the planner already assumed, the
+/// buckets are planned again in it (plan_in_ready_order), once, so that later steps launch each bucket as soon as
+/// the backward has produced its gradients. Under replicate (data_parallel_options::rebuild_buckets); the
+/// sharded strategies keep buckets inside units and follow their unshard scopes, and keep the planned order.
+
+
+
+namespace ddp::detail {
+
+/// Whether `ready` lists every arena's non-empty slots in reverse visit order (the order plan_buckets assumes).
+inline bool in_reverse_visit_order(const parameter_layout& layout, std::span<const std::size_t> ready) {
+  const auto slots = layout.slots();
+  std::vector<std::size_t> last(layout.arenas().size(), slots.size());  // per arena, the last slot seen
+  for (const std::size_t s : ready) {
+    if (slots[s].numel == 0) continue;
+    if (last[slots[s].arena] < s) return false;
+    last[slots[s].arena] = s;
+  }
+  return true;
+}
+
+/// The one rebuild of a wrapper's buckets, after its first synchronized step.
+class bucket_rebuild {
+ public:
+  /// `enabled`: rebuild after the first step; false keeps the planned buckets for good.
+  explicit bucket_rebuild(bool enabled) noexcept : pending_(enabled) {}
+
+  /// Collective the first time (a broadcast of rank 0's order over `comm` when it has several ranks), called on
+  /// every rank once its step is finished: replans `plan` in rank 0's ready order and moves `state` to it.
+  template <class Comm>
+  void after_step(Comm& comm, const parameter_layout& layout, bucket_plan& plan, step_state& state,
+                  std::size_t capacity_bytes, std::size_t first_bytes) {
+    if (!pending_) return;
+    pending_ = false;
+    const auto slots = layout.slots();
+    std::vector<std::int64_t> agreed;  // this rank's order, then the slots that never reported (empty ones)
+    agreed.reserve(slots.size());
+    for (const std::size_t s : state.report_order()) agreed.push_back(static_cast<std::int64_t>(s));
+    for (std::size_t s = 0; s < slots.size(); ++s)
+      if (!state.reported(s)) agreed.push_back(static_cast<std::int64_t>(s));
+    if (comm.size() > 1) comm.broadcast(std::span<std::int64_t>(agreed), 0).wait();
+    const std::vector<std::size_t> ready(agreed.begin(), agreed.end());
+    if (in_reverse_visit_order(layout, ready)) return;
+    plan = plan_in_ready_order(layout, ready, capacity_bytes, first_bytes);
+    state.replan();
+  }
+
+ private:
+  bool pending_;  // the first step has not been taken yet
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/bucket_rebuild.hpp>
 // ---- begin <ddp/parallel/full_shard.hpp>
 /// \file The full_shard strategy (ZeRO-3, FSDP FULL_SHARD): parameters live as owned blocks only. When the
 /// user opens an unshard scope on a unit (dp.unshard(model.fc2)), the unit's parameters are bound to a pooled
@@ -8843,11 +9006,16 @@ class master_weights {
 /// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
 /// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
 /// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
-/// times more beyond); the sum then runs where the operation completes.
+/// times more beyond); the sum then runs where the operation completes. A group of two needs none of it: each
+/// element of its sum is one addition, whose bits IEEE 754 makes the same in either order (ordered_sum_needed).
 
 
 
 namespace ddp::detail {
+
+/// Whether a group of `n` ranks must sum in rank order itself: with n ≤ 2 every element of a sum is a single
+/// addition, which commutes bit for bit, so any backend's all-reduce gives the rank-order bits at its own cost.
+constexpr bool ordered_sum_needed(int n) noexcept { return n > 2; }
 
 /// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
 class ordered_reduction {
@@ -9698,9 +9866,27 @@ namespace detail {
 /// reports its gradient.
 struct step_event {
   enum class kind : std::uint8_t { acquire, release, report };
-  kind what = kind::report;          ///< the call
-  std::vector<std::size_t> units{};  ///< acquire, release: the scope's units
-  std::size_t slot = 0;              ///< report: the parameter
+  kind what = kind::report;  ///< the call
+  std::size_t first = 0;     ///< acquire, release: where the scope's units start in the step_record's units
+  std::size_t count = 0;     ///< acquire, release: how many units
+  std::size_t slot = 0;      ///< report: the parameter
+};
+
+/// The calls of one full_shard step, in order; the units of all its scopes in one list, so that recording a
+/// step allocates nothing once the record has held a step as long.
+struct step_record {
+  std::vector<step_event> events;   ///< the calls
+  std::vector<std::size_t> units;   ///< every acquire's and release's units, one after another
+
+  /// Event `e`'s units.
+  [[nodiscard]] std::span<const std::size_t> units_of(const step_event& e) const noexcept {
+    return std::span<const std::size_t>(units).subspan(e.first, e.count);
+  }
+  /// Forgets the calls, keeping the memory.
+  void clear() noexcept {
+    events.clear();
+    units.clear();
+  }
 };
 
 /// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
@@ -9755,17 +9941,7 @@ class join_state {
   /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
   void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
     if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
-    const double factor = static_cast<double>(world) / active_ranks_;
-    for (const auto& b : buffers)
-      visit_dtype(b.grads.type, [&](auto zero) {
-        using T = decltype(zero);
-        T* g = static_cast<T*>(b.grads.data);
-        for (std::size_t i = 0; i < b.grads.size; ++i)
-          if constexpr (std::is_arithmetic_v<T>)
-            g[i] = static_cast<T>(static_cast<double>(g[i]) * factor);
-          else
-            g[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(g[i])) * factor));
-      });
+    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
   }
   /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
   /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
@@ -9774,15 +9950,16 @@ class join_state {
     if (shadowing_) {
       shadowing_ = false;
     } else if (trace_ && open_) {
-      replay_.swap(recording_);
+      std::swap(replay_, recording_);
       recording_.clear();
     }
   }
   /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
   /// `units` opens or closes, or `slot` reports.
   void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
-    if (trace_ && open_ && active_)
-      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
+    if (!trace_ || !open_ || !active_) return;
+    recording_.events.push_back({.what = what, .first = recording_.units.size(), .count = units.size(), .slot = slot});
+    recording_.units.insert(recording_.units.end(), units.begin(), units.end());
   }
 
   /// This rank ran out of batches (finish begins); a step must not be in progress.
@@ -9794,8 +9971,8 @@ class join_state {
     active_ = false;
   }
   /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
-  [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
-    if (trace_ && replay_.empty())
+  [[nodiscard]] const step_record& shadow(int active, int rank) {
+    if (trace_ && replay_.events.empty())
       throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
                   "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
                   "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
@@ -9820,8 +9997,8 @@ class join_state {
   bool shadowing_ = false;             // this step is a shadow of the others'
   bool dropped_ = false;               // a scope ended without finish(opt)
   int active_ranks_ = 0;               // ranks training in this step
-  std::vector<step_event> recording_;  // full_shard: the calls of the step in progress
-  std::vector<step_event> replay_;     // full_shard: the calls of the last step taken
+  step_record recording_;              // full_shard: the calls of the step in progress
+  step_record replay_;                 // full_shard: the calls of the last step taken
 };
 
 }  // namespace detail
@@ -9851,9 +10028,10 @@ class [[nodiscard]] join_scope {
     dp.join_.leave(dp.state_.phase(), rank_);
     while (const int active = detail::join_state::count(dp.comm_, 0)) {
       dp.zero_grad();
-      for (const auto& e : dp.join_.shadow(active, rank_)) {
-        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(e.units);
-        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(e.units);
+      const detail::step_record& replay = dp.join_.shadow(active, rank_);
+      for (const auto& e : replay.events) {
+        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(replay.units_of(e));
+        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(replay.units_of(e));
         else dp.report(e.slot);
       }
       dp.step(opt);
@@ -10047,29 +10225,30 @@ struct strategy<replicate, Comm> {
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
       : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), staging_(layout),
-        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic) {
+        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic),
+        in_rank_order_(deterministic_ && ordered_sum_needed(comm_.size())) {
     for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
   }
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic beyond two ranks: an
+  /// all_gather; with two, the plain all-reduce's single addition per element is deterministic already).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
-    if (deterministic_) {
-      if constexpr (!std::is_same_v<Hook, plain_hook>)
+    if constexpr (!std::is_same_v<Hook, plain_hook>)
+      if (deterministic_)
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b, true).grads));
-    } else {
-      state_.launch(b, hook.launch(gradients(b, true)));
-    }
+    state_.launch(b, in_rank_order_ ? ordered_.gather_all(comm_, b, gradients(b, true).grads)
+                                    : hook.launch(gradients(b, true)));
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged gradients
-  /// back (in the reduce dtype: under mixed precision into the staging, where the optimizer finds them); → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
+  /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer
+  /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
-    if (deterministic_)
+    if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
     else
       hook.complete(gradients(b));
@@ -10106,6 +10285,7 @@ struct strategy<replicate, Comm> {
   reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
+  bool in_rank_order_;         // deterministic with more than two ranks: gather, then sum in rank order
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 
@@ -10248,6 +10428,7 @@ class data_parallel {
     reduce_launched();
     join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
     state_.finish();
+    rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
   /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
@@ -10414,6 +10595,8 @@ class data_parallel {
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The gradient buckets in launch order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
+  [[nodiscard]] const detail::bucket_plan& buckets() const noexcept { return plan_; }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
   /// The sharding policy's value: the settings the strategy uses.
@@ -10535,6 +10718,7 @@ class data_parallel {
   detail::bucket_plan plan_;
   hook_type hook_;
   detail::step_state state_;                // the phases of the step, its buckets and units
+  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && !strategy_type::sharded};  // after the first step
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -78,14 +80,26 @@ inline mlp join_reference(optimizer_kind k, int n) {
 /// N ranks with policies Ps (the sharding policy's value `sharding`), each on its own number of batches inside
 /// a join scope per epoch, end with the parameters of join_reference; the replicas agree (verify_in_sync).
 /// `micro` > 1 (replicate) accumulates the first micro - 1 samples of each batch one by one under no_sync.
+/// `weight_first` reports each layer's weight before its bias, which is not reverse visit order: replicate
+/// rebuilds its buckets after the first step, and the shadow steps run on the rebuilt buckets.
 template <class... Ps, class Comm>
 void check_join(Comm comm, optimizer_kind k, double tol, closeness how = closeness::per_element,
-                typename ddp::policies<Ps...>::sharding sharding = {}, std::size_t micro = 1) {
+                typename ddp::policies<Ps...>::sharding sharding = {}, std::size_t micro = 1,
+                bool weight_first = false) {
   mlp model = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   {
     ddp::data_parallel<mlp, Ps...> dp{model, comm, sharding};
     auto scope = [&](auto& l) { return dp.unshard(l); };
-    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    ddp::parameter<float>* bias = nullptr;  // weight_first: the layer's bias, reported after its weight
+    auto report = [&](ddp::parameter<float>& p) {
+      if (weight_first && bias == nullptr) {
+        bias = &p;
+        return;
+      }
+      dp.gradient_ready(p);
+      if (bias != nullptr) dp.gradient_ready(*std::exchange(bias, nullptr));
+    };
+    const auto planned = dp.bucket_count();
     with_optimizer(k, [&](auto& opt) {
       for (int e = 0; e < join_epochs; ++e) {
         auto j = dp.join();
@@ -105,6 +119,8 @@ void check_join(Comm comm, optimizer_kind k, double tol, closeness how = closene
     });
     dp.verify_in_sync();
     dp.unshard_model();
+    if (weight_first && std::is_same_v<typename ddp::policies<Ps...>::sharding, ddp::replicate>)
+      REQUIRE(dp.bucket_count() != planned);  // rebuilt: buckets stop between each layer's weight and bias
   }
   mlp want = join_reference(k, comm.size());
   require_close(model, want, tol, how);

@@ -19,6 +19,7 @@ TEST_CASE("tcp join: replicate with uneven batch counts equals one process on th
     check_join<tcp>(comm, optimizer_kind::sgd_momentum, 1e-5);
     check_join<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5);
     check_join<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 3);  // no_sync
+    check_join<tcp, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 3, true);  // rebuilt
     check_join<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,
                           ddp::replicate{.deterministic = true});
     check_join<tcp, tiny, ddp::fp16_compress_hook>(comm, optimizer_kind::sgd_momentum, 1e-2, closeness::per_tensor);

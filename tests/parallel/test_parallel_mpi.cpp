@@ -8,6 +8,7 @@
 
 #include "join_scenarios.hpp"
 #include "mixed_scenarios.hpp"
+#include "rebuild_scenarios.hpp"
 #include "scenarios.hpp"
 
 namespace {
@@ -95,6 +96,7 @@ TEST_CASE("mpi join: replicate, shard_grad_op, full_shard and hybrid with uneven
           "[join]") {
   auto comm = world();
   check_join<mpi, tiny>(comm, optimizer_kind::adamw, 1e-5);
+  check_join<mpi, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 2, true);  // rebuilt
   check_join<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, 1e-5);
   check_join<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
   check_join<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::sgd_nesterov, 1e-5, closeness::per_element,
@@ -119,4 +121,10 @@ TEST_CASE("mpi mixed precision: replicate, shard_grad_op and full_shard equal on
 TEST_CASE("mpi mixed precision: the checkpoint holds the f32 masters and resumes bit for bit", "[mixed]") {
   check_mixed_checkpoint<mpi, tiny, ddp::full_shard, ddp::mixed_precision<ddp::bfloat16>>(world(), false);
   check_mixed_checkpoint<mpi, tiny, ddp::shard_grad_op, ddp::mixed_precision<ddp::bfloat16>>(world(), true);
+}
+TEST_CASE("mpi rebuild: buckets in the backward's order on every rank (rank 1's own order differing), equal to one "
+          "process, deterministic bits unchanged by the rebuild", "[rebuild]") {
+  check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5);
+  check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5, closeness::per_element, 2, {}, {}, true);
+  check_rebuilt_deterministic<mpi>(world());
 }

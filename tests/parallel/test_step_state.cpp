@@ -3,10 +3,15 @@
 // loopback communicator (replicate, shard_grad_op, full_shard with prefetch, hybrid, no_sync, several buckets).
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <cstdlib>
+#include <new>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include <ddp/comm/average.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/data_parallel.hpp>
@@ -14,6 +19,22 @@
 #include <ddp/parallel/unit_pool.hpp>
 
 #include "recording_comm.hpp"
+
+namespace {
+std::atomic<std::size_t> allocations{0};  // every plain operator new of this executable
+}  // namespace
+
+// Counts allocations for the join-recording test (replaces the global operator new of this executable).
+void* operator new(std::size_t bytes) {
+  allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // g++ pairs the inlined new with free(): it is malloc's
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t /*bytes*/) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
 
 namespace {
 
@@ -90,6 +111,26 @@ TEST_CASE("bucket planner: reverse visit order, first bucket smaller, boundaries
   REQUIRE(plan.of_param[0] == std::vector<std::size_t>{3, 4});  // fc1.w [0, 4) overlaps [2, 6) and [0, 2)
   REQUIRE(plan.of_param[4] == std::vector<std::size_t>{1});      // fc3.w [12, 14)
   REQUIRE(plan.buckets[1].params == std::vector<std::size_t>{3, 4});
+}
+
+TEST_CASE("bucket planner: in ready order, contiguous runs that fit, a slot beyond the capacity cut in pieces",
+          "[step][rebuild]") {
+  net m = make_net();  // slots fc1.w [0, 4), fc1.b [4, 6), fc2.w [6, 10), fc2.b [10, 12), fc3.w [12, 14), fc3.b [14, 16)
+  ddp::detail::parameter_layout layout(m);
+  using order = std::vector<std::size_t>;
+  const order weight_first{4, 5, 2, 3, 0, 1};  // first bucket 2 floats, then 4: no two slots fit together
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, weight_first, 16, 8)) ==
+          std::vector<bucket_range>{{12, 14, 2}, {14, 16, 2}, {6, 10, 1}, {10, 12, 1}, {0, 4, 0}, {4, 6, 0}});
+  // 3 then 6 floats: fc1.w and fc2.b would fit but are not contiguous; fc2.b and fc2.w are, and fit
+  const auto forward_layers = ddp::detail::plan_in_ready_order(layout, order{1, 0, 3, 2, 5, 4}, 24, 12);
+  REQUIRE(ranges(forward_layers) == std::vector<bucket_range>{{4, 6, 0}, {0, 4, 0}, {6, 12, 1}, {12, 16, 2}});
+  REQUIRE(forward_layers.of_param[3] == std::vector<std::size_t>{2});
+  // 1 then 3 floats: fc3.b, fc2.w and fc1.w exceed them and are cut from their ends
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, order{5, 4, 3, 2, 1, 0}, 12, 4)) ==
+          std::vector<bucket_range>{{15, 16, 2}, {14, 15, 2}, {12, 14, 2}, {10, 12, 1}, {7, 10, 1}, {6, 7, 1},
+                                    {4, 6, 0}, {1, 4, 0}, {0, 1, 0}});
+  REQUIRE(ddp::detail::in_reverse_visit_order(layout, order{5, 4, 3, 2, 1, 0}));
+  REQUIRE(!ddp::detail::in_reverse_visit_order(layout, weight_first));
 }
 
 TEST_CASE("bucket planner: sharded buckets hold multiples of N and never cross a unit", "[step]") {
@@ -177,8 +218,14 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   raises([&] { st.abandon(); }, "bucket 1 cannot go from launched to waiting");
   for (std::size_t b = 1; b < 5; ++b) st.complete(b);
   REQUIRE(st.unit_settled(2));
+  raises([&] { st.replan(); }, "cannot rebuild the buckets while the step is reporting (it must be finished)");
   st.finish();
   REQUIRE(st.phase() == step_phase::finished);
+  REQUIRE(st.report_order().size() == 6);  // every slot, once, in the order reported
+  st.replan();  // the plan's buckets again, each reduced: the finished step stays finished
+  REQUIRE(st.launched() == 5);
+  REQUIRE(st.bucket(4).phase == bucket_phase::reduced);
+  REQUIRE(st.unit_buckets(2).size() == 2);
   st.end();
   REQUIRE(st.phase() == step_phase::idle);
   st.begin(unused);  // every bucket waits again
@@ -236,12 +283,53 @@ TEST_CASE("recorded: replicate all-reduces each bucket as it completes, no_sync 
     dp.step(opt);  // legal after finish_gradients: steps the same gradients, no second reduction
     REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
                                    "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3", "wait #0", "wait #1",
-                                   "wait #2", "wait #3"});
+                                   "wait #2", "wait #3", "world broadcast 6 i64 #4", "wait #4"});  // rank 0's order
     REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 2.0));  // two accumulated backwards, averaged over equal ranks
     log.clear();
     dp.unshard_model();
   }
   REQUIRE(log.calls().empty());  // neither unshard_model nor the destructor communicates under replicate
+}
+
+/// net visited fc3, fc2, fc1: the backward {2, 1, 0} reports slots 1, 0, 3, 2, 5, 4, not reverse visit order.
+struct reversed_net {
+  net& m;
+  template <class F>
+  void visit_parameters(F&& f) {
+    for (const auto& [name, l] : {std::pair<std::string, layer*>{"fc3", &m.fc3}, {"fc2", &m.fc2}, {"fc1", &m.fc1}}) {
+      f(name + ".w", l->w);
+      f(name + ".b", l->b);
+    }
+  }
+};
+
+TEST_CASE("recorded: rebuilt buckets launch in the backward's order, the first one before the backward ends",
+          "[step][rebuild]") {
+  net m = make_net();
+  reversed_net view{m};
+  recording_comm comm(0, 2);
+  auto& log = comm.log();
+  ddp::optim::sgd opt({.lr = 0.1});
+  ddp::data_parallel<reversed_net, recording_backend, four_floats> dp{view, comm};
+  log.clear();
+  dp.zero_grad();
+  backward(dp, m, {2});  // fc3 is in; the planned first bucket [12, 16) waits for fc1, the backward's last layer
+  REQUIRE(log.calls().empty());
+  backward(dp, m, {1, 0});
+  REQUIRE(log.calls().size() == 4);
+  dp.step(opt);  // the step's waits, then rank 0's ready order, broadcast once
+  REQUIRE(strings(log.calls().end() - 2, log.calls().end()) == strings{"world broadcast 6 i64 #4", "wait #4"});
+  REQUIRE(dp.bucket_count() == 5);  // [0, 4) fc3, [8, 10) fc2.b, [4, 8) fc2.w, [14, 16) fc1.b, [10, 14) fc1.w
+  log.clear();
+  dp.zero_grad();
+  backward(dp, m, {2});
+  REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0"});  // fc3's bucket, before the backward ends
+  backward(dp, m, {1});
+  REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 2 f32 #1", "world all_reduce 4 f32 #2"});
+  backward(dp, m, {0});
+  dp.step(opt);
+  REQUIRE(log.calls().size() == 10);  // five all-reduces and their waits: no second rebuild
+  REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 1.0 - 0.1 * 1.0));
 }
 
 TEST_CASE("recorded: shard_grad_op reduce-scatters each bucket, then all-gathers every bucket after the step",
@@ -551,4 +639,47 @@ TEST_CASE("recorded: inside a join scope a step's first collective counts the ac
   REQUIRE(log.calls().empty());
   REQUIRE_THROWS_WITH(dp.step(opt), Catch::Contains("ended without j.finish(opt)"));
   REQUIRE_THROWS_WITH(forward(dp, m, {0}), Catch::Contains("ended without j.finish(opt)"));
+}
+
+TEST_CASE("join state: recording full_shard steps allocates nothing once the records have held a step as long",
+          "[step][join]") {
+  using kind = ddp::detail::step_event::kind;
+  ddp::detail::join_state j(true);
+  j.open_scope(ddp::detail::step_phase::idle, 0);
+  const std::vector<std::size_t> units{0, 1, 2};
+  const auto one_step = [&] {
+    for (std::size_t k = 0; k < 8; ++k) {
+      j.note(kind::acquire, units);
+      j.note(kind::report, {}, k);
+      j.note(kind::release, std::span<const std::size_t>(units).first(k % 3 + 1));
+    }
+    j.end_step();
+  };
+  one_step();
+  one_step();
+  const std::size_t before = allocations.load();
+  for (int s = 0; s < 3; ++s) one_step();
+  REQUIRE(allocations.load() == before);
+  const auto& replay = j.shadow(1, 0);  // the last step taken, as a shadow step replays it
+  REQUIRE(replay.events.size() == 24);
+  REQUIRE(replay.events[4].slot == 1);
+  REQUIRE(std::vector<std::size_t>(replay.units_of(replay.events[5]).begin(), replay.units_of(replay.events[5]).end()) ==
+          std::vector<std::size_t>{0, 1});
+}
+
+TEST_CASE("scale: exact factors multiply in the element type, others round once from double, divide uses it",
+          "[step][join]") {
+  std::vector<float> f{1.0F, 3.0F, 0.1F};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<float>(f)), 4.0 / 3.0);
+  REQUIRE(f == std::vector<float>{static_cast<float>(4.0 / 3.0), 4.0F, static_cast<float>(0.1F * (4.0 / 3.0))});
+  std::vector<double> d{3.0, -0.5};
+  ddp::detail::divide(ddp::raw_tensor::of(std::span<double>(d)), 4);
+  REQUIRE(d == std::vector<double>{0.75, -0.125});
+  std::vector<std::int32_t> i{7, -7};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<std::int32_t>(i)), 0.5);
+  ddp::detail::divide(ddp::raw_tensor::of(std::span<std::int32_t>(i)), 2);  // truncates toward zero
+  REQUIRE(i == std::vector<std::int32_t>{1, -1});
+  std::vector<ddp::bfloat16> h{ddp::bfloat16(3.0F)};
+  ddp::detail::scale(ddp::raw_tensor::of(std::span<ddp::bfloat16>(h)), 0.5);
+  REQUIRE(static_cast<float>(h[0]) == 1.5F);
 }

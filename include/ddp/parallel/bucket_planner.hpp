@@ -1,6 +1,7 @@
 #pragma once
 /// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
-/// buckets whose gradients the backward produces first are launched first.
+/// buckets whose gradients the backward produces first are launched first, and replanned in the order a
+/// step's gradients became ready (parallel/bucket_rebuild.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -8,6 +9,7 @@
 #include <iterator>
 #include <span>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ddp/core/dtype.hpp>
@@ -32,9 +34,27 @@ enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
 struct bucket_plan {
-  std::vector<bucket> buckets;                        ///< launch order: reverse visit order
+  std::vector<bucket> buckets;                        ///< launch order: reverse visit order, or ready order once rebuilt
   std::vector<std::vector<std::size_t>> of_param;     ///< per slot, indices into `buckets`
+
+  /// Fills `of_param` from `buckets` for a layout of `slots` parameters.
+  void index(std::size_t slots) {
+    of_param.assign(slots, {});
+    for (std::size_t b = 0; b < buckets.size(); ++b)
+      for (const std::size_t s : buckets[b].params) of_param[s].push_back(b);
+  }
 };
+
+/// The bucket [begin, end) of arena `a`, holding every non-empty slot it overlaps.
+inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::size_t begin, std::size_t end) {
+  const auto slots = layout.slots();
+  bucket b{.arena = a, .begin = begin, .end = end, .params = {}, .last_slot = 0, .unit = 0};
+  for (const std::size_t s : layout.arenas()[a].params)
+    if (slots[s].offset < end && slots[s].offset + slots[s].numel > begin && slots[s].numel > 0) b.params.push_back(s);
+  b.last_slot = b.params.empty() ? 0 : b.params.back();
+  b.unit = slots[b.last_slot].unit;
+  return b;
+}
 
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
 /// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
@@ -58,12 +78,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
       const std::size_t cap = std::max(multiple, (first ? first_bytes : capacity_bytes) / width / multiple * multiple);
       const std::size_t floor = *std::prev(std::lower_bound(unit_starts.begin(), unit_starts.end(), end));
       const std::size_t begin = std::max(end > cap ? end - cap : 0, floor);
-      bucket b{.arena = a, .begin = begin, .end = end, .params = {}, .last_slot = 0, .unit = 0};
-      for (const std::size_t s : arenas[a].params)
-        if (slots[s].offset < end && slots[s].offset + slots[s].numel > begin && slots[s].numel > 0) b.params.push_back(s);
-      b.last_slot = b.params.empty() ? 0 : b.params.back();
-      b.unit = slots[b.last_slot].unit;
-      plan.buckets.push_back(std::move(b));
+      plan.buckets.push_back(make_bucket(layout, a, begin, end));
       end = begin;
       first = false;
     }
@@ -71,9 +86,56 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
   std::stable_sort(plan.buckets.begin(), plan.buckets.end(), [](const bucket& x, const bucket& y) {
     return std::tie(x.last_slot, x.end) > std::tie(y.last_slot, y.end);
   });
-  plan.of_param.resize(slots.size());
-  for (std::size_t b = 0; b < plan.buckets.size(); ++b)
-    for (const std::size_t s : plan.buckets[b].params) plan.of_param[s].push_back(b);
+  plan.index(slots.size());
+  return plan;
+}
+
+/// Buckets in the order of `ready` (every slot once, in the order their gradients became ready), for a layout
+/// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
+/// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
+/// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
+/// pieces, last elements first (after the first piece, of the full capacity). Buckets launch in the order their
+/// last slot became ready.
+inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
+                                       std::size_t capacity_bytes, std::size_t first_bytes) {
+  const auto arenas = layout.arenas();
+  const auto slots = layout.slots();
+  std::vector<std::size_t> place(slots.size());  // a slot's index among its arena's slots
+  for (const auto& a : arenas)
+    for (std::size_t k = 0; k < a.params.size(); ++k) place[a.params[k]] = k;
+  std::vector<std::pair<std::size_t, bucket>> made;  // (when its last slot became ready, the bucket)
+  for (std::size_t a = 0; a < arenas.size(); ++a) {
+    std::vector<std::size_t> seq, when;  // arena a's non-empty slots in ready order, and their places in `ready`
+    for (std::size_t i = 0; i < ready.size(); ++i)
+      if (slots[ready[i]].arena == a && slots[ready[i]].numel > 0) {
+        seq.push_back(ready[i]);
+        when.push_back(i);
+      }
+    const std::size_t width = size_of(arenas[a].type);
+    for (std::size_t i = 0; i < seq.size();) {
+      const std::size_t cap = std::max<std::size_t>(1, (i == 0 ? first_bytes : capacity_bytes) / width);
+      std::size_t lo = place[seq[i]], hi = lo, total = slots[seq[i]].numel, last = i, run_lo = lo, run_hi = hi;
+      for (std::size_t j = i + 1; j < seq.size() && (total += slots[seq[j]].numel) <= cap; ++j) {
+        lo = std::min(lo, place[seq[j]]);
+        hi = std::max(hi, place[seq[j]]);
+        if (hi - lo == j - i) std::tie(last, run_lo, run_hi) = std::tuple(j, lo, hi);
+      }
+      const auto& low = slots[arenas[a].params[run_lo]];
+      const auto& high = slots[arenas[a].params[run_hi]];
+      // One piece, unless a slot exceeds the capacity: then pieces of `cap`, further ones of the full capacity.
+      for (std::size_t end = high.offset + high.numel, piece = cap; end > low.offset;) {
+        const std::size_t begin = std::max(low.offset, end > piece ? end - piece : 0);
+        made.emplace_back(when[last], make_bucket(layout, a, begin, end));
+        end = begin;
+        piece = std::max<std::size_t>(1, capacity_bytes / width);
+      }
+      i = last + 1;
+    }
+  }
+  std::stable_sort(made.begin(), made.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  bucket_plan plan;
+  for (auto& m : made) plan.buckets.push_back(std::move(m.second));
+  plan.index(slots.size());
   return plan;
 }
 

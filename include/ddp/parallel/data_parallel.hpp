@@ -1,12 +1,10 @@
 #pragma once
 /// \file ddp::data_parallel: wraps any model for data-parallel training (PyTorch DDP semantics).
-///
-/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any type with
-/// ddp::storage_traits) into flat arenas (one per dtype), checks that all ranks hold the same model and
-/// broadcasts rank 0's values. During the backward each finished gradient is reported, by the user with
-/// gradient_ready(p) or by the leaf's framework itself (autograd); a bucket whose parameters have all reported launches its
-/// asynchronous reduction at once (buckets launch in plan order, the same on every rank).
-/// finish_gradients() waits for them; step(opt) then runs the optimizer over the flat arenas.
+/// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any storage_traits type) into
+/// flat arenas (one per dtype), checks that all ranks hold the same model and broadcasts rank 0's values. In the
+/// backward each finished gradient is reported (gradient_ready(p), or the leaf's framework's autograd); a bucket whose
+/// parameters have all reported launches its reduction at once, in plan order, the same on every rank (under
+/// replicate replanned once in the first step's ready order). finish_gradients() waits; step(opt) runs the optimizer.
 
 #include <algorithm>
 #include <cstddef>
@@ -31,7 +29,7 @@
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/backward_scopes.hpp>
-#include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/bucket_rebuild.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
 #include <ddp/parallel/hybrid.hpp>
@@ -179,6 +177,7 @@ class data_parallel {
     reduce_launched();
     join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
     state_.finish();
+    rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
   /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
@@ -345,6 +344,8 @@ class data_parallel {
   }
   /// Number of gradient buckets (launch units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
+  /// The gradient buckets in launch order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
+  [[nodiscard]] const detail::bucket_plan& buckets() const noexcept { return plan_; }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
   /// The sharding policy's value: the settings the strategy uses.
@@ -466,6 +467,7 @@ class data_parallel {
   detail::bucket_plan plan_;
   hook_type hook_;
   detail::step_state state_;                // the phases of the step, its buckets and units
+  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && !strategy_type::sharded};  // after the first step
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused

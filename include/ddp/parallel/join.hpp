@@ -18,11 +18,11 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include <ddp/comm/average.hpp>
 #include <ddp/comm/reduce_op.hpp>
-#include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/step_state.hpp>
@@ -35,9 +35,27 @@ namespace detail {
 /// reports its gradient.
 struct step_event {
   enum class kind : std::uint8_t { acquire, release, report };
-  kind what = kind::report;          ///< the call
-  std::vector<std::size_t> units{};  ///< acquire, release: the scope's units
-  std::size_t slot = 0;              ///< report: the parameter
+  kind what = kind::report;  ///< the call
+  std::size_t first = 0;     ///< acquire, release: where the scope's units start in the step_record's units
+  std::size_t count = 0;     ///< acquire, release: how many units
+  std::size_t slot = 0;      ///< report: the parameter
+};
+
+/// The calls of one full_shard step, in order; the units of all its scopes in one list, so that recording a
+/// step allocates nothing once the record has held a step as long.
+struct step_record {
+  std::vector<step_event> events;   ///< the calls
+  std::vector<std::size_t> units;   ///< every acquire's and release's units, one after another
+
+  /// Event `e`'s units.
+  [[nodiscard]] std::span<const std::size_t> units_of(const step_event& e) const noexcept {
+    return std::span<const std::size_t>(units).subspan(e.first, e.count);
+  }
+  /// Forgets the calls, keeping the memory.
+  void clear() noexcept {
+    events.clear();
+    units.clear();
+  }
 };
 
 /// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
@@ -92,17 +110,7 @@ class join_state {
   /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
   void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
     if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
-    const double factor = static_cast<double>(world) / active_ranks_;
-    for (const auto& b : buffers)
-      visit_dtype(b.grads.type, [&](auto zero) {
-        using T = decltype(zero);
-        T* g = static_cast<T*>(b.grads.data);
-        for (std::size_t i = 0; i < b.grads.size; ++i)
-          if constexpr (std::is_arithmetic_v<T>)
-            g[i] = static_cast<T>(static_cast<double>(g[i]) * factor);
-          else
-            g[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(g[i])) * factor));
-      });
+    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
   }
   /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
   /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
@@ -111,15 +119,16 @@ class join_state {
     if (shadowing_) {
       shadowing_ = false;
     } else if (trace_ && open_) {
-      replay_.swap(recording_);
+      std::swap(replay_, recording_);
       recording_.clear();
     }
   }
   /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
   /// `units` opens or closes, or `slot` reports.
   void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
-    if (trace_ && open_ && active_)
-      recording_.push_back({.what = what, .units = {units.begin(), units.end()}, .slot = slot});
+    if (!trace_ || !open_ || !active_) return;
+    recording_.events.push_back({.what = what, .first = recording_.units.size(), .count = units.size(), .slot = slot});
+    recording_.units.insert(recording_.units.end(), units.begin(), units.end());
   }
 
   /// This rank ran out of batches (finish begins); a step must not be in progress.
@@ -131,8 +140,8 @@ class join_state {
     active_ = false;
   }
   /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
-  [[nodiscard]] const std::vector<step_event>& shadow(int active, int rank) {
-    if (trace_ && replay_.empty())
+  [[nodiscard]] const step_record& shadow(int active, int rank) {
+    if (trace_ && replay_.events.empty())
       throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
                   "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
                   "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
@@ -157,8 +166,8 @@ class join_state {
   bool shadowing_ = false;             // this step is a shadow of the others'
   bool dropped_ = false;               // a scope ended without finish(opt)
   int active_ranks_ = 0;               // ranks training in this step
-  std::vector<step_event> recording_;  // full_shard: the calls of the step in progress
-  std::vector<step_event> replay_;     // full_shard: the calls of the last step taken
+  step_record recording_;              // full_shard: the calls of the step in progress
+  step_record replay_;                 // full_shard: the calls of the last step taken
 };
 
 }  // namespace detail
@@ -188,9 +197,10 @@ class [[nodiscard]] join_scope {
     dp.join_.leave(dp.state_.phase(), rank_);
     while (const int active = detail::join_state::count(dp.comm_, 0)) {
       dp.zero_grad();
-      for (const auto& e : dp.join_.shadow(active, rank_)) {
-        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(e.units);
-        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(e.units);
+      const detail::step_record& replay = dp.join_.shadow(active, rank_);
+      for (const auto& e : replay.events) {
+        if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(replay.units_of(e));
+        else if (e.what == detail::step_event::kind::release) dp.strategy_->release(replay.units_of(e));
         else dp.report(e.slot);
       }
       dp.step(opt);

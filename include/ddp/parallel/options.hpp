@@ -19,6 +19,10 @@ struct data_parallel_options {
   bool error_on_missing = true;
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
+  /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
+  /// ready (rank 0's, broadcast once), so later steps launch them as early as the backward allows (PyTorch DDP
+  /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
+  bool rebuild_buckets = true;
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model

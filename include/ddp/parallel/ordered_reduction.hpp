@@ -3,7 +3,8 @@
 /// ((g0 + g1) + g2) + ..., by ddp on the host, whatever the backend, bucket size or algorithm. The collectives
 /// only move bytes: an all_to_all for a reduce-scatter (the same bytes as a ring reduce-scatter) and an
 /// all_gather for an all-reduce ((N-1)·S bytes per rank against a ring's 2·(N-1)/N·S: equal at N = 2, N/2
-/// times more beyond); the sum then runs where the operation completes.
+/// times more beyond); the sum then runs where the operation completes. A group of two needs none of it: each
+/// element of its sum is one addition, whose bits IEEE 754 makes the same in either order (ordered_sum_needed).
 
 #include <cstddef>
 #include <span>
@@ -17,6 +18,10 @@
 #include <ddp/parallel/arena.hpp>
 
 namespace ddp::detail {
+
+/// Whether a group of `n` ranks must sum in rank order itself: with n ≤ 2 every element of a sum is a single
+/// addition, which commutes bit for bit, so any backend's all-reduce gives the rank-order bits at its own cost.
+constexpr bool ordered_sum_needed(int n) noexcept { return n > 2; }
 
 /// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
 class ordered_reduction {

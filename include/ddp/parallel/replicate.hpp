@@ -43,29 +43,30 @@ struct strategy<replicate, Comm> {
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
       : layout_(layout), plan_(plan), state_(state), comm_(std::move(comm)), staging_(layout),
-        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic) {
+        buffers_(whole_arenas(layout)), deterministic_(policy.deterministic),
+        in_rank_order_(deterministic_ && ordered_sum_needed(comm_.size())) {
     for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
   }
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic: an all_gather).
+  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic beyond two ranks: an
+  /// all_gather; with two, the plain all-reduce's single addition per element is deterministic already).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
-    if (deterministic_) {
-      if constexpr (!std::is_same_v<Hook, plain_hook>)
+    if constexpr (!std::is_same_v<Hook, plain_hook>)
+      if (deterministic_)
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-      state_.launch(b, ordered_.gather_all(comm_, b, gradients(b, true).grads));
-    } else {
-      state_.launch(b, hook.launch(gradients(b, true)));
-    }
+    state_.launch(b, in_rank_order_ ? ordered_.gather_all(comm_, b, gradients(b, true).grads)
+                                    : hook.launch(gradients(b, true)));
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic: the rank-order sum) writes the averaged gradients
-  /// back (in the reduce dtype: under mixed precision into the staging, where the optimizer finds them); → reduced.
+  /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
+  /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer
+  /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
     state_.wait(b);
-    if (deterministic_)
+    if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
     else
       hook.complete(gradients(b));
@@ -102,6 +103,7 @@ struct strategy<replicate, Comm> {
   reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
+  bool in_rank_order_;         // deterministic with more than two ranks: gather, then sum in rank order
   ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
 };
 

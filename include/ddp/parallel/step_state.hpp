@@ -3,7 +3,7 @@
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
+/// reported in this step, and the order of the reports; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
 /// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
 
 #include <algorithm>
@@ -90,8 +90,8 @@ class step_state {
   step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
       : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
     for (auto& u : units_) u.values = values;
-    unit_buckets_.resize(units);
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) unit_buckets_[plan.buckets[b].unit].push_back(b);
+    index_units();
+    order_.reserve(slots);
   }
   step_state(const step_state&) = delete;
   step_state& operator=(const step_state&) = delete;
@@ -125,6 +125,7 @@ class step_state {
       r.pending = plan_.buckets[b].params.size();
     }
     std::fill(reported_.begin(), reported_.end(), 0);
+    order_.clear();
     next_ = 0;
     phase_ = step_phase::reporting;
     for (std::size_t s = 0; s < unused.size(); ++s)
@@ -135,9 +136,12 @@ class step_state {
     expect_step(phase_ == step_phase::reporting, "report a gradient", "reporting");
     if (reported_[s]) return false;
     reported_[s] = 1;
+    order_.push_back(s);
     for (const std::size_t b : plan_.of_param[s]) --buckets_[b].pending;
     return true;
   }
+  /// The slots that reported in this step, in the order they reported.
+  [[nodiscard]] std::span<const std::size_t> report_order() const noexcept { return order_; }
   /// Whether slot `s` reported in this step.
   [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
   /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
@@ -153,6 +157,15 @@ class step_state {
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::reduced);
     phase_ = step_phase::finished;
+  }
+  /// The plan was rebuilt (parallel/bucket_rebuild.hpp) in a finished step: one reduced record per new bucket.
+  void replan() {
+    expect_step(phase_ == step_phase::finished, "rebuild the buckets", "finished");
+    buckets_.clear();
+    buckets_.resize(plan_.buckets.size());
+    for (auto& r : buckets_) r.phase = bucket_phase::reduced;
+    next_ = buckets_.size();
+    index_units();
   }
   /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
   void abandon() {
@@ -243,6 +256,10 @@ class step_state {
   }
 
  private:
+  void index_units() {
+    unit_buckets_.assign(units_.size(), {});
+    for (std::size_t b = 0; b < plan_.buckets.size(); ++b) unit_buckets_[plan_.buckets[b].unit].push_back(b);
+  }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
                 "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
@@ -276,6 +293,7 @@ class step_state {
   std::vector<unit_record> units_;
   std::vector<std::vector<std::size_t>> unit_buckets_;
   std::vector<char> reported_;  // per slot
+  std::vector<std::size_t> order_;  // the slots that reported in this step, in order
   std::size_t next_ = 0;        // the next bucket to launch
   step_phase phase_ = step_phase::idle;
   int rank_;
