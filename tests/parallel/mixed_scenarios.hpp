@@ -240,15 +240,7 @@ void check_mixed(Comm comm, const char* what, optimizer_kind k, double tight, do
     for (int s = 0; s < steps; ++s) {
       dp.zero_grad();
       const batch mine = make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count);
-      for (int m = 0; m + 1 < micro; ++m) {
-        auto guard = dp.no_sync();
-        const std::size_t a = count * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro);
-        const std::size_t b = count * static_cast<std::size_t>(m + 1) / static_cast<std::size_t>(micro);
-        forward_backward(model, mine.slice(a, b - a), scale, report, scope);
-        guard.close();
-      }
-      const std::size_t last = count * static_cast<std::size_t>(micro - 1) / static_cast<std::size_t>(micro);
-      forward_backward(model, mine.slice(last, count - last), scale, report, scope);
+      over_micro_batches(dp, mine, micro, [&](const batch& b) { forward_backward(model, b, scale, report, scope); });
       dp.step(opt);
     }
   });

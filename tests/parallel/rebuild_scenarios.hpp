@@ -86,15 +86,7 @@ mlp check_rebuilt_training(Comm comm, optimizer_kind k, double tol, closeness ho
       for (int s = 0; s < steps; ++s) {
         dp.zero_grad();
         const batch mine = make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count);
-        for (int m = 0; m + 1 < micro; ++m) {
-          auto guard = dp.no_sync();
-          const std::size_t a = count * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro);
-          const std::size_t b = count * static_cast<std::size_t>(m + 1) / static_cast<std::size_t>(micro);
-          backward(mine.slice(a, b - a));
-          guard.close();
-        }
-        const std::size_t last = count * static_cast<std::size_t>(micro - 1) / static_cast<std::size_t>(micro);
-        backward(mine.slice(last, count - last));
+        over_micro_batches(dp, mine, micro, backward);
         dp.step(opt);
         const auto positions = ready_positions(dp.buckets(), reversed_backward_order);
         if (options.rebuild_buckets) {

@@ -57,6 +57,19 @@ void with_optimizer(optimizer_kind k, F&& body) {
   }
 }
 
+/// Splits `mine` into `micro` micro-batches: runs `pass` on each but the last inside dp.no_sync() (closed after it:
+/// sharded policies complete the micro-batch's reduce-scatters), then on the last outside, where the step syncs.
+template <class DP, class Pass>
+void over_micro_batches(DP& dp, const batch& mine, int micro, Pass&& pass) {
+  const auto cut = [&](int m) { return mine.n * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro); };
+  for (int m = 0; m + 1 < micro; ++m) {
+    auto guard = dp.no_sync();
+    pass(mine.slice(cut(m), cut(m + 1) - cut(m)));
+    guard.close();
+  }
+  pass(mine.slice(cut(micro - 1), mine.n - cut(micro - 1)));
+}
+
 /// One process on the whole batch: the ground truth.
 inline mlp reference_training(optimizer_kind k) {
   mlp m = make_mlp(1);
@@ -123,15 +136,7 @@ void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1
       for (int s = 0; s < steps; ++s) {
         dp.zero_grad();
         const batch mine = make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count);
-        for (int m = 0; m + 1 < micro; ++m) {
-          auto guard = dp.no_sync();
-          const std::size_t a = count * static_cast<std::size_t>(m) / static_cast<std::size_t>(micro);
-          const std::size_t b = count * static_cast<std::size_t>(m + 1) / static_cast<std::size_t>(micro);
-          forward_backward(model, mine.slice(a, b - a), scale, report, scope);
-          guard.close();  // sharded: completes this micro-batch's reduce-scatters
-        }
-        const std::size_t last = count * static_cast<std::size_t>(micro - 1) / static_cast<std::size_t>(micro);
-        forward_backward(model, mine.slice(last, count - last), scale, report, scope);
+        over_micro_batches(dp, mine, micro, [&](const batch& b) { forward_backward(model, b, scale, report, scope); });
         dp.step(opt);
       }
     });
