@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -271,6 +272,21 @@ TEST_CASE("ten idle connections on every mesh port neither fail nor delay the re
   WARN("the last rank's rendezvous took " << quiet << " s alone and " << crowded
                                           << " s with ten idle connections on every mesh port");
   CHECK(crowded - quiet < 1.0);
+}
+
+TEST_CASE("run_ranks refuses to fork the ranks beside a thread of the test, and forks beside a side process",
+          "[tcp][store]") {
+  // A thread forked mid-allocation left AddressSanitizer's allocator locked in a rank, whose engine then hung.
+  std::atomic<bool> release{false};
+  std::thread beside([&] {
+    while (!release) std::this_thread::sleep_for(1ms);
+  });
+  CHECK_THROWS_AS(run_ranks(1, [](int) {}, 10s), std::logic_error);
+  release = true;
+  beside.join();
+  side_process helper([] { std::this_thread::sleep_for(30s); });
+  require_all_ok(run_ranks(1, [](int) {}, 10s));
+  CHECK(helper.stop() == "");
 }
 
 TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect deadline", "[tcp][store][timeout]") {
