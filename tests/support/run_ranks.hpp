@@ -37,8 +37,16 @@ inline int thread_count() {
   return n;
 }
 
-/// The threads before main: the test's main thread and a sanitizer's own (ThreadSanitizer's background thread).
-inline const int threads_at_start = thread_count();
+#if defined(__SANITIZE_THREAD__)
+/// ThreadSanitizer's background thread, which it starts beside the first thread the program creates.
+inline constexpr int sanitizer_threads = 1;
+#else
+/// No sanitizer thread (AddressSanitizer starts none).
+inline constexpr int sanitizer_threads = 0;
+#endif
+
+/// The threads run_ranks may fork beside: the test's main thread (and those before main) and a sanitizer's own.
+inline const int threads_at_start = thread_count() + sanitizer_threads;
 
 /// Throws unless the test process runs no thread of its own (one that has just been joined may take a moment to
 /// leave /proc): the ranks are forked without exec, and a lock such a thread holds at the fork stays locked in
