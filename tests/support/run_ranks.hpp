@@ -12,9 +12,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <dirent.h>
+
 #include <chrono>
 #include <functional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -22,7 +26,44 @@
 
 namespace ddp::testing {
 
-/// Runs body(rank) in `n` forked ranks with torchrun's environment; output is captured; a failing
+/// The threads of this process (entries of /proc/self/task); 0 when that cannot be read.
+inline int thread_count() {
+  DIR* dir = ::opendir("/proc/self/task");
+  if (dir == nullptr) return 0;
+  int n = 0;
+  while (const dirent* e = ::readdir(dir))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(dir);
+  return n;
+}
+
+#if defined(__SANITIZE_THREAD__)
+/// ThreadSanitizer's background thread, which it starts beside the first thread the program creates.
+inline constexpr int sanitizer_threads = 1;
+#else
+/// No sanitizer thread (AddressSanitizer starts none).
+inline constexpr int sanitizer_threads = 0;
+#endif
+
+/// The threads run_ranks may fork beside: the test's main thread (and those before main) and a sanitizer's own.
+inline const int threads_at_start = thread_count() + sanitizer_threads;
+
+/// Throws unless the test process runs no thread of its own (one that has just been joined may take a moment to
+/// leave /proc): the ranks are forked without exec, and a lock such a thread holds at the fork stays locked in
+/// every rank (AddressSanitizer's allocator's: the rank's progress engine hangs at its first allocation).
+inline void require_no_thread_beside_fork() {
+  using namespace std::chrono_literals;
+  for (int tries = 0; thread_count() > threads_at_start; ++tries) {
+    if (tries == 100)
+      throw std::logic_error(std::to_string(thread_count() - threads_at_start) +
+                             " thread(s) of the test run while run_ranks forks the ranks: a lock one holds would "
+                             "stay locked in the ranks; run the helper in a side_process (support/side_process.hpp)");
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+/// Runs body(rank) in `n` forked ranks with torchrun's environment (no other thread of the test may run: it
+/// throws std::logic_error if one does); output is captured; a failing
 /// rank stops the others; `options.timeout` (default 60 s) kills the whole job. Every rank also gets
 /// DDP_TIMEOUT_MS at three quarters of the job's timeout, so a stuck collective raises
 /// ddp::timeout_error (with its message in the output) before the job is killed; options.extra_env
@@ -30,6 +71,7 @@ namespace ddp::testing {
 inline ddp::launch::spawn_result run_ranks(int n, const std::function<void(int rank)>& body,
                                            ddp::launch::spawn_options options) {
   using namespace std::chrono_literals;
+  require_no_thread_beside_fork();
   options.output = ddp::launch::output_mode::capture;
   if (options.timeout.count() <= 0) options.timeout = 60s;
   const auto op_timeout = std::to_string((options.timeout * 3 / 4).count());

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,12 +20,14 @@
 #include <ddp/comm/tcp/communicator.hpp>
 
 #include "support/run_ranks.hpp"
+#include "support/side_process.hpp"
 #include "tcp/helpers.hpp"
 
 using namespace std::chrono_literals;
 using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
+using ddp::testing::side_process;
 using ddp::testing::tcp::contains;
 using ddp::testing::tcp::expect;
 using ddp::testing::free_port;
@@ -222,8 +225,7 @@ namespace {
 /// the last rank's rendezvous time; with `strangers`, ten idle connections wait on every mesh port first.
 double last_rank_rendezvous(bool strangers) {
   const int port = free_port();
-  std::atomic<bool> done{false};
-  std::thread stranger([port, strangers, &done] {
+  side_process stranger([port, strangers] {
     if (!strangers) return;
     // Knows the job token (it reads the mesh addresses from the store) and opens idle connections.
     d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
@@ -238,7 +240,7 @@ double last_rank_rendezvous(bool strangers) {
                                              static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1))),
                                              d::clock::now() + 5s, -1, "mesh", ""));
     }
-    for (int i = 0; i < 300 && !done; ++i) std::this_thread::sleep_for(100ms);  // held until the job ends
+    std::this_thread::sleep_for(30s);  // held until the job ends (stop())
   });
   const auto rs = run_ranks(
       3,
@@ -253,8 +255,7 @@ double last_rank_rendezvous(bool strangers) {
         expect(v[0] == 3.0F, "all_reduce after the idle strangers");
       },
       job(40s, port, [](int) { return ddp::launch::env_list{{"DDP_CONNECT_TIMEOUT_MS", "15000"}}; }));
-  done = true;
-  stranger.join();
+  CHECK(stranger.stop() == "");
   require_all_ok(rs);
   double took = 1e9;
   const auto at = rs.ranks[2].output.find("rendezvous took ");
@@ -273,9 +274,24 @@ TEST_CASE("ten idle connections on every mesh port neither fail nor delay the re
   CHECK(crowded - quiet < 1.0);
 }
 
+TEST_CASE("run_ranks refuses to fork the ranks beside a thread of the test, and forks beside a side process",
+          "[tcp][store]") {
+  // A thread forked mid-allocation left AddressSanitizer's allocator locked in a rank, whose engine then hung.
+  std::atomic<bool> release{false};
+  std::thread beside([&] {
+    while (!release) std::this_thread::sleep_for(1ms);
+  });
+  CHECK_THROWS_AS(run_ranks(1, [](int) {}, 10s), std::logic_error);
+  release = true;
+  beside.join();
+  side_process helper([] { std::this_thread::sleep_for(30s); });
+  require_all_ok(run_ranks(1, [](int) {}, 10s));
+  CHECK(helper.stop() == "");
+}
+
 TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect deadline", "[tcp][store][timeout]") {
   const int port = free_port();
-  std::thread fake_rank1([port] {
+  side_process fake_rank1([port] {
     // Passes rank 0's mesh handshake as rank 1 of 2, then never publishes its memory probe.
     const std::uint64_t token = d::token_hash("tcp-tests");
     d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, d::clock::now() + 10s);
@@ -286,9 +302,9 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
                                     d::clock::now() + 5s, 1, "rank 0", "");
     const d::mesh_hello hello{d::mesh_hello{}.magic, 1, 2, 1, token};
     std::uint8_t ok = 0;
-    CHECK(d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 5s) == d::io_status::ok);
-    CHECK(d::recv_all(fd.get(), &ok, 1, d::clock::now() + 5s) == d::io_status::ok);
-    CHECK(d::recv_all(fd.get(), &ok, 1, d::clock::now() + 15s) == d::io_status::closed);  // rank 0 gave up
+    expect(d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 5s) == d::io_status::ok, "hello sent");
+    expect(d::recv_all(fd.get(), &ok, 1, d::clock::now() + 5s) == d::io_status::ok, "hello accepted");
+    expect(d::recv_all(fd.get(), &ok, 1, d::clock::now() + 15s) == d::io_status::closed, "rank 0 gave up");
   });
   const auto rs = run_ranks(
       1,
@@ -296,7 +312,7 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
       job(60s, port, [](int) {
         return ddp::launch::env_list{{"WORLD_SIZE", "2"}, {"DDP_CONNECT_TIMEOUT_MS", "1500"}, {"DDP_TIMEOUT_MS", "40000"}};
       }));
-  fake_rank1.join();
+  CHECK(fake_rank1.join() == "");
   require_all_ok(rs);
   CHECK(contains(rs.ranks[0].output, "connect deadline"));
 }

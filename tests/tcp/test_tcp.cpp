@@ -27,12 +27,14 @@
 
 #include "conformance/conformance.hpp"
 #include "support/run_ranks.hpp"
+#include "support/side_process.hpp"
 #include "tcp/helpers.hpp"
 
 using namespace std::chrono_literals;
 using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
+using ddp::testing::side_process;
 using ddp::testing::tcp::contains;
 using ddp::testing::tcp::expect;
 using ddp::testing::tcp::expect_mismatch;
@@ -186,7 +188,7 @@ TEST_CASE("the store serves set get add and a blocking wait and refuses stranger
 TEST_CASE("a stranger on the store port during a job is refused and the job goes on", "[tcp][store]") {
   namespace d = ddp::tcp::detail;
   const int port = free_port();
-  std::thread stranger([port] {
+  side_process stranger([port] {
     // Wrong token, then garbage, while the ranks run collectives.
     for (int attempt = 0; attempt < 2; ++attempt) {
       auto fd = d::connect_with_retry("127.0.0.1", static_cast<std::uint16_t>(port), d::clock::now() + 10s, -1,
@@ -199,7 +201,7 @@ TEST_CASE("a stranger on the store port during a job is refused and the job goes
         d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
       }
       std::uint8_t byte = 0;
-      CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed);
+      expect(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed, "the stranger refused");
     }
   });
   const auto rs = run_ranks(
@@ -219,7 +221,7 @@ TEST_CASE("a stranger on the store port during a job is refused and the job goes
         comm.barrier().wait();
       },
       job(30s, port));
-  stranger.join();
+  CHECK(stranger.join() == "");
   require_all_ok(rs);
   INFO(rs.ranks[0].output);
   CHECK(contains(rs.ranks[0].output, "refused a connection to the store"));
@@ -230,7 +232,7 @@ TEST_CASE("a stranger on the store port during a job is refused and the job goes
 TEST_CASE("strangers on a mesh port during the rendezvous are refused and the job goes on", "[tcp][store]") {
   namespace d = ddp::tcp::detail;
   const int port = free_port();
-  std::thread stranger([port] {
+  side_process stranger([port] {
     // Knows the store's token (it reads rank 0's mesh address) but not the mesh handshake's.
     d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
                           d::clock::now() + 10s);
@@ -248,7 +250,7 @@ TEST_CASE("strangers on a mesh port during the rendezvous are refused and the jo
         d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
       }
       std::uint8_t byte = 0;
-      CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed);
+      expect(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 5s) == d::io_status::closed, "the stranger refused");
     }
   });
   const auto rs = run_ranks(
@@ -261,7 +263,7 @@ TEST_CASE("strangers on a mesh port during the rendezvous are refused and the jo
         expect(v[0] == 2.0F, "all_reduce after the strangers");
       },
       job(30s, port));
-  stranger.join();
+  CHECK(stranger.join() == "");
   require_all_ok(rs);
   INFO(rs.ranks[0].output);
   CHECK(contains(rs.ranks[0].output, "refused a connection to the mesh port"));
