@@ -4,7 +4,11 @@ with ddp-launch's default binding, no MPI) and then under mpirun (ddp::tcp, Gloo
 mpirun's binding), and writes docs/bench/collectives.md and docs/img/collectives.png (busbw and time against message
 size). The ratios compare ddp under ddp-launch with Open MPI and Gloo under mpirun.
 
-usage: bench/comm/run_collectives.py BUILD_DIR [--ranks 2 4 8] [--max-bytes 67108864]
+usage: bench/comm/run_collectives.py BUILD_DIR [--ranks 2 4 8] [--max-bytes 67108864] [--save RAW.json]
+       bench/comm/run_collectives.py --replay RAW.json
+
+--save writes the measurements (and the machine they ran on) to RAW.json and stops: for a machine without
+matplotlib, such as a lent benchmark host; --replay writes the tables and the plot from such a file.
 """
 
 import argparse
@@ -14,10 +18,7 @@ import platform
 import subprocess
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,17 +72,50 @@ def cpu_model():
     return platform.processor()
 
 
+def measure(build, ranks, max_bytes):
+    """Runs every N under ddp-launch, then under mpirun; returns what write_docs needs, JSON-ready."""
+    load = os.getloadavg()[0]
+    launched = {n: run_launched(build, n, max_bytes) for n in ranks}
+    results = {n: run(build, n, max_bytes) for n in ranks}
+    return {"load": load, "cpu": cpu_model(), "cores": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "launched": {str(n): [c, {str(s): t for s, t in rows.items()}, b] for n, (c, rows, b) in launched.items()},
+            "results": {str(n): [c, rows] for n, (c, rows) in results.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("build")
+    ap.add_argument("build", nargs="?")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--save", help="write the raw measurements here and stop")
+    ap.add_argument("--replay", help="write the docs from raw measurements --save wrote, running nothing")
     args = ap.parse_args()
+    if args.replay:
+        with open(args.replay) as f:
+            raw = json.load(f)
+    elif args.build:
+        raw = measure(args.build, args.ranks, args.max_bytes)
+    else:
+        ap.error("give BUILD_DIR, or --replay RAW.json")
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(raw, f)
+        print("wrote", args.save)
+        return 0
+    write_docs(raw)
+    return 0
 
-    load = os.getloadavg()[0]
-    launched = {n: run_launched(args.build, n, args.max_bytes) for n in args.ranks}
-    results = {n: run(args.build, n, args.max_bytes) for n in args.ranks}
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+def write_docs(raw):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    load, date, cpu, cores = raw["load"], raw["date"], raw["cpu"], raw["cores"]
+    launched = {int(n): (c, {int(s): t for s, t in rows.items()}, b) for n, (c, rows, b) in raw["launched"].items()}
+    results = {int(n): (c, [tuple(r) for r in rows]) for n, (c, rows) in raw["results"].items()}
     md = ["# Collectives benchmark: ddp::tcp vs Gloo vs MPI_Allreduce", ""]
     md += ["Each N runs twice, one right after the other: `ddp-launch -n N ddp_bench_collectives --ddp-only` (ddp "
            "alone, as users launch it: ddp-launch's default binding, ddp's own barrier and max reduction for the "
@@ -101,8 +135,8 @@ def main():
                       + (f"{min(big):.2f} … {max(big):.2f}× |" if big else "– |"))
     md.append("")
     md += [f"f32 all_reduce(sum), median over iterations of the slowest rank's time; "
-           f"busbw = bytes * 2(N-1)/N / time. Machine: {cpu_model()}, {os.cpu_count()} cores "
-           f"(load average {load:.1f} when started: other jobs shared the cores), {date}. "
+           f"busbw = bytes * 2(N-1)/N / time. Machine: {cpu}, {cores} cores "
+           f"(load average {load:.1f} when started), {date}. "
            "Ranks beyond the core count are oversubscribed. Gloo is Debian's libgloo over "
            "gloo::transport::tcp on 127.0.0.1, measured two ways: `gloo::allreduce(AllreduceOptions)` (the call "
            "PyTorch's ProcessGroupGloo makes) and a cached `gloo::AllreduceHalvingDoubling` (Gloo's fastest small-"

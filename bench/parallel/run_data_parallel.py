@@ -3,6 +3,7 @@
 implementations so machine load drifts hit all of them alike. Writes docs/bench/data_parallel.md and the plot.
 
 usage: /usr/bin/python3 bench/parallel/run_data_parallel.py --build build [--rounds 3] [--steps 20] [--worlds 1,2,4]
+       [--python /usr/bin/python3]
 """
 import argparse
 import datetime
@@ -81,7 +82,7 @@ def run_one(impl, n, a):
                               "OPENBLAS_NUM_THREADS=1", exe, "--backend", "mpi"] + common,
                              capture_output=True, text=True, timeout=a.timeout, check=True).stdout
         return last_json(out)
-    return last_json(spawn_env_ranks(["/usr/bin/python3", os.path.join(HERE, "torch_ddp_step.py")] + common, n,
+    return last_json(spawn_env_ranks([a.python, os.path.join(HERE, "torch_ddp_step.py")] + common, n,
                                      a.timeout))
 
 
@@ -107,6 +108,7 @@ def main():
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--impls", default="ddp tcp,ddp mpi,pytorch,ddp solo")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--python", default="/usr/bin/python3", help="the Python with PyTorch, for the PyTorch DDP runs")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "data_parallel.md"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "data_parallel.png"))
     a = ap.parse_args()
