@@ -49,7 +49,8 @@ def run_launched(build, n, max_bytes):
         if at >= 0:
             f = line[at:].split(",")
             rows[int(f[2])] = float(f[3])
-    binding = next((line for line in done.stderr.splitlines() if "bind" in line), "")  # ddp-launch's own line
+    binding = next((line for line in done.stderr.splitlines()
+                    if line.startswith("ddp-launch:") and ("bound" in line or "bind" in line)), "")  # its own line
     return cmd, rows, binding
 
 
