@@ -138,3 +138,38 @@ TEST_CASE("the mesh runs on DDP_INTERFACE's network, the store on MASTER_ADDR's"
   CHECK(chosen_sent >= (std::uint64_t{4} << 20));  // this host's share of the all_reduce crossed the chosen link
   CHECK(other_sent < (std::uint64_t{1} << 20));    // the rendezvous only
 }
+
+TEST_CASE("a 4 MiB all_reduce: rank prints what its host sent on eth0 meanwhile", "[.][hier_bytes]") {
+  auto comm = join();
+  const int n = comm.size();
+  std::vector<float> v(std::size_t{1} << 20, static_cast<float>(comm.rank() + 1));
+  // Read before the first barrier, which no rank passes before every rank entered it: no all_reduce byte is missed.
+  const auto before = tx_bytes("eth0");
+  comm.barrier().wait();
+  comm.all_reduce(v).wait();
+  comm.barrier().wait();  // every rank's all_reduce has ended, so all its bytes have crossed
+  const auto sent = tx_bytes("eth0") - before;
+  REQUIRE(v.front() == static_cast<float>(n * (n + 1) / 2));
+  REQUIRE(v.back() == static_cast<float>(n * (n + 1) / 2));
+  std::printf("hier_bytes: rank %d: its host sent %llu bytes\n", comm.rank(), static_cast<unsigned long long>(sent));
+}
+
+TEST_CASE("all_reduce until rank DDP_VICTIM kills itself: every other rank raises peer_lost", "[.][survive]") {
+  auto comm = join();
+  const int victim = env_int("DDP_VICTIM");
+  std::vector<float> v(1 << 18, 1.0F);
+  const auto now = [] { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); };
+  try {
+    for (int i = 0; i < 100000; ++i) {
+      if (i == 20 && comm.rank() == victim) {
+        std::ofstream(std::getenv("DDP_VICTIM_STAMP")) << std::fixed << now() << std::endl;
+        ::raise(SIGKILL);
+      }
+      comm.all_reduce(v).wait();
+    }
+  } catch (const ddp::peer_lost& e) {
+    std::printf("survivor %d raised peer_lost at %.6f: %s\n", comm.rank(), now(), e.what());
+    return;
+  }
+  FAIL("the victim never died");
+}

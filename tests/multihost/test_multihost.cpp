@@ -11,7 +11,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "support/multihost.hpp"
 
@@ -29,7 +31,137 @@ std::string launch(const std::string& tag, const std::string& env = "", const st
                "--join-timeout 30 " + options + " -- " DDP_MULTIHOST_RANK_EXE " '" + tag + "'";
 }
 
+/// Ranks per host: layout[h] lists the world ranks host h runs.
+using layout = std::vector<std::vector<int>>;
+
+/// `hosts` hosts, every other option as by default.
+host_options on(std::size_t hosts) {
+  host_options o;
+  o.hosts = static_cast<int>(hosts);
+  return o;
+}
+
+int world_size(const layout& l) {
+  std::size_t n = 0;
+  for (const auto& h : l) n += h.size();
+  return static_cast<int>(n);
+}
+
+/// The command each host runs without a launcher: its ranks of `l` (any number per host, in any order) each run
+/// ddp_multihost_rank's case `tag` with `env` before it. Each rank's exit status is printed ("rank R exited S"),
+/// then what the host's /dev/shm holds afterwards ("shm left: [...]"); the host's status is 0 where every rank's is.
+std::string ranks(const layout& l, const std::string& tag, const std::string& env = "") {
+  std::string cmd = "case $MH_HOST in ";
+  for (std::size_t h = 0; h < l.size(); ++h) {
+    cmd += std::to_string(h) + ") R='";
+    for (const int r : l[h]) cmd += std::to_string(r) + " ";
+    cmd += "';; ";
+  }
+  return cmd + "esac; s=0; p=''; for r in $R; do " + env + " RANK=$r WORLD_SIZE=" + std::to_string(world_size(l)) +
+         " MASTER_ADDR=$MH_MASTER MASTER_PORT=29400 DDP_TIMEOUT_MS=30000 DDP_CONNECT_TIMEOUT_MS=30000 "
+         DDP_MULTIHOST_RANK_EXE " '" + tag + "' & p=\"$p $r:$!\"; done; "
+         "for x in $p; do wait ${x#*:}; e=$?; echo \"rank ${x%:*} exited $e\"; [ $e = 0 ] || s=$e; done; "
+         "echo \"shm left: [$(ls /dev/shm)]\"; exit $s";
+}
+
+/// Every number that follows `key` in `text`.
+std::vector<double> numbers_after(const std::string& text, const std::string& key) {
+  std::vector<double> found;
+  for (auto at = text.find(key); at != std::string::npos; at = text.find(key, at + 1))
+    found.push_back(std::atof(text.c_str() + at + key.size()));
+  return found;
+}
+
+/// The payload bytes host `h` sends to the others in an all_reduce of `bytes`: hierarchical, its lead's share of
+/// the all_reduce among one lead per host (a ring sends 2 (H-1)/H of the buffer); flat, a ring over the world
+/// ranks in order, in which each rank whose successor is on another host sends that host 2 (N-1)/N of it.
+double predicted_crossing(const layout& l, std::size_t h, double bytes, bool hierarchical) {
+  const double hosts = static_cast<double>(l.size());
+  if (hierarchical) return 2 * (hosts - 1) / hosts * bytes;
+  const int n = world_size(l);
+  std::vector<std::size_t> host_of(static_cast<std::size_t>(n));
+  for (std::size_t k = 0; k < l.size(); ++k)
+    for (const int r : l[k]) host_of[static_cast<std::size_t>(r)] = k;
+  double sent = 0;
+  for (const int r : l[h])
+    if (host_of[static_cast<std::size_t>((r + 1) % n)] != h) sent += 2.0 * (n - 1) / n * bytes;
+  return sent;
+}
+
+/// Runs the conformance suite on `l`, every rank with `env`; nothing is left in any host's /dev/shm.
+void conformance_on(const layout& l, const std::string& env = "") {
+  const auto hosts = run_on_hosts(on(l.size()), ranks(l, "[conformance]", env));
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  for (const auto& h : hosts.hosts) CHECK(contains(h.output, "shm left: []"));
+}
+
+/// Checks what each host of `l` sent on its link in a 4 MiB all_reduce against the prediction.
+void crossing_on(const layout& l, bool hierarchical) {
+  const auto hosts = run_on_hosts(on(l.size()),
+                                  ranks(l, "[hier_bytes]", hierarchical ? "" : "DDP_SHM=0"));
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  constexpr double bytes = 4 << 20;
+  for (std::size_t h = 0; h < l.size(); ++h) {
+    const double want = predicted_crossing(l, h, bytes, hierarchical);
+    const auto got = numbers_after(hosts.hosts[h].output, "its host sent ");
+    REQUIRE(got.size() == l[h].size());
+    for (const double sent : got) {
+      std::printf("%s, host %zu of %d ranks: %.0f bytes on the link, %.0f of payload predicted (%.3fx)\n",
+                  hierarchical ? "hierarchical" : "flat (DDP_SHM=0)", h, world_size(l), sent, want, sent / want);
+      CHECK(sent >= want);         // the payload at least
+      CHECK(sent <= 1.1 * want);   // plus the headers of frames, TCP and Ethernet (0.3% here)
+    }
+  }
+}
+
+/// A rank of `l` kills itself in a loop of all_reduces: every other rank raises peer_lost (printing when), and no
+/// host's /dev/shm holds anything afterwards.
+void survivors_on(const layout& l, int victim) {
+  const auto stamp = std::filesystem::path(DDP_MULTIHOST_SHARED_DIR) / ("survive." + std::to_string(::getpid()));
+  const auto hosts = run_on_hosts(on(l.size()),
+                                  ranks(l, "[survive]", "DDP_VICTIM=" + std::to_string(victim) + " DDP_VICTIM_STAMP=" + stamp.string()));
+  INFO(hosts.describe());
+  double killed = 0;
+  REQUIRE((std::ifstream(stamp) >> killed));
+  std::filesystem::remove(stamp);
+  for (std::size_t h = 0; h < l.size(); ++h) {
+    const auto& out = hosts.hosts[h].output;
+    for (const int r : l[h]) CHECK(contains(out, "rank " + std::to_string(r) + " exited " + (r == victim ? "137" : "0")));
+    const auto raised = numbers_after(out, "raised peer_lost at ");
+    CHECK(raised.size() == l[h].size() - (contains(out, "rank " + std::to_string(victim) + " exited") ? 1 : 0));
+    for (const double t : raised) {
+      std::printf("victim rank %d: a survivor on host %zu raised peer_lost %.3f s after the kill\n", victim, h, t - killed);
+      CHECK(t - killed < 3.0);  // 1 s is the promise; slack for a loaded machine
+    }
+    CHECK(contains(out, "shm left: []"));
+  }
+}
+
 }  // namespace
+
+TEST_CASE("hierarchical collectives pass the conformance suite on 2 hosts x 2 ranks with shared memory off, on 1 + 2 "
+          "and on 2 + 3 ranks placed alternately", "[mh_hier_conformance]") {
+  conformance_on({{0, 1}, {2, 3}}, "DDP_SHM=0");
+  conformance_on({{0}, {1, 2}});
+  conformance_on({{0, 2}, {1, 3, 4}});
+}
+
+TEST_CASE("a 4 MiB all_reduce sends each host's bytes across the link once: what the hierarchy predicts, not the "
+          "flat ring", "[mh_hier_bytes]") {
+  crossing_on({{0, 1}, {2, 3}}, true);
+  crossing_on({{0, 1}, {2, 3}}, false);
+  crossing_on({{0}, {1, 2}}, true);
+  crossing_on({{0, 2}, {1, 3, 4}}, true);
+}
+
+TEST_CASE("a rank SIGKILLed in a hierarchical all_reduce: every survivor raises peer_lost, /dev/shm is empty",
+          "[mh_hier_kill]") {
+  survivors_on({{0, 1}, {2, 3}}, 3);  // a member of host 1 that is not its lead
+  survivors_on({{0, 1}, {2, 3}}, 2);  // host 1's lead, in the all_reduce across hosts
+  survivors_on({{0, 2}, {1, 3, 4}}, 1);
+}
 
 TEST_CASE("2 hosts x 2 ranks pass the conformance suite, ranks copy memory only within a host", "[mh_conformance]") {
   const auto hosts = run_on_hosts({}, launch("[conformance]"));
@@ -37,6 +169,7 @@ TEST_CASE("2 hosts x 2 ranks pass the conformance suite, ranks copy memory only 
   REQUIRE(hosts.ok());
   // rank 0 reads the memory of rank 1 (its host) and of neither rank of the other host.
   CHECK(contains(hosts.hosts[0].output, "memory of 1 of its 3 peers"));
+  CHECK(contains(hosts.hosts[0].output, "shared memory inside each host and the sockets across them"));
 }
 
 TEST_CASE("2 hosts x 2 ranks: replicate, shard_grad_op, full_shard and hybrid (a shard group per host) equal one "

@@ -14,6 +14,7 @@
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
+#include <ddp/comm/tcp/shm_hosts.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/dtype.hpp>
 
@@ -35,6 +36,8 @@ struct group {
   ddp::detail::stats_counter stats;
   std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
   std::shared_ptr<shm_group> shm;  ///< the group's shared-memory segment when every member is on this host; else null
+  std::shared_ptr<const shm_hosts> hosts;  ///< the job's shared memory, for the groups split() makes; null: none
+  std::shared_ptr<host_plan> hier;  ///< where the group spans hosts with two members or more on one: its hierarchy
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
