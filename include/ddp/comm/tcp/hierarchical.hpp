@@ -70,7 +70,7 @@ inline void use_shared_memory(group& g, std::shared_ptr<const shm_hosts> hosts) 
   }
   if (world.size() > 1)
     plan->shm = std::make_shared<shm_group>(g.hosts->segment, mix_id(g.id, 0x686f7374, static_cast<std::uint64_t>(world.front())),
-                                            std::move(world), plan->me_local);
+                                            std::move(world), plan->me_local, plan->local);
   g.hier = std::move(plan);
 }
 

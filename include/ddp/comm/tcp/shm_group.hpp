@@ -43,9 +43,11 @@ struct alignas(64) shm_region_head {
 /// The group's segment, mapped by this rank, and the group's phase count.
 class shm_group {
  public:
-  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`.
-  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me)
-      : world_(std::move(world)), members_(std::move(members)), me_(me) {
+  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`;
+  /// `ranks`, where given, are the members' ranks in the group the messages name (a hierarchical group's).
+  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me,
+            std::vector<int> ranks = {})
+      : world_(std::move(world)), members_(std::move(members)), ranks_(std::move(ranks)), me_(me) {
     char hex[16];
     std::snprintf(hex, sizeof hex, "%08x", id);
     const std::string name = world_->name() + "-" + hex;
@@ -59,6 +61,8 @@ class shm_group {
   [[nodiscard]] int me() const { return me_; }
   [[nodiscard]] int size() const { return static_cast<int>(members_.size()); }
   [[nodiscard]] int world_rank(int r) const { return members_[static_cast<std::size_t>(r)]; }
+  /// Member `r`'s rank in the group the messages name.
+  [[nodiscard]] int group_rank(int r) const { return ranks_.empty() ? r : ranks_[static_cast<std::size_t>(r)]; }
 
   /// Group rank `r`'s counters.
   shm_counters& counters(int r) { return reinterpret_cast<shm_counters*>(map_.data() + 64)[r]; }
@@ -87,6 +91,7 @@ class shm_group {
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
   std::shared_ptr<shm_world> world_;
   std::vector<int> members_;
+  std::vector<int> ranks_;
   int me_;
   shm_mapping map_;
   scratch_buffer scratch_;
