@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -60,6 +61,12 @@ inline void use_shared_memory(group& g, std::shared_ptr<const shm_hosts> hosts) 
     return;
   }
   if (plan->hosts() == g.size()) return;  // one member per host: nothing to share
+  for (int j = 0; j < plan->hosts(); ++j) {
+    plan->host_start.push_back(static_cast<int>(plan->by_host.size()));
+    for (int r = 0; r < g.size(); ++r)
+      if (plan->host_of[static_cast<std::size_t>(r)] == j) plan->by_host.push_back(r);
+  }
+  plan->host_start.push_back(g.size());
   const int mine = plan->host_of[static_cast<std::size_t>(g.me)];
   std::vector<int> world;
   for (int r = 0; r < g.size(); ++r) {
@@ -123,6 +130,81 @@ inline void hierarchical_broadcast(engine& e, call& c, host_plan& p) {
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
 }
 
+/// all_gather: gather into each host's lead, the leads exchange their hosts' blocks over the sockets, each lead
+/// broadcasts the whole result inside its host.
+inline void hierarchical_all_gather(engine& e, call& c, host_plan& p) {
+  const std::size_t block = c.count * size_of(c.type), n = static_cast<std::size_t>(c.grp->size());
+  const bool lead = p.me_local == 0;
+  char* bundles = lead ? e.scratch(1, n * block) : nullptr;  // every host's blocks, host after host
+  const auto bundle = [&](int j) { return bundles + static_cast<std::size_t>(p.host_start[static_cast<std::size_t>(j)]) * block; };
+  call step = c;
+  step.root = 0;  // the lead, in `local`
+  step.out = lead ? bundle(p.host()) : nullptr;
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_gather(ch); });
+  else std::memmove(bundle(p.host()), c.in, block);
+  auto* out = static_cast<char*>(c.out);
+  if (lead) {
+    channel ch(e, step, p.lead_world, p.host());
+    thread_local std::vector<recv_part> parts;
+    parts.clear();
+    for (int j = 0; j < p.hosts(); ++j) {
+      if (j == p.host()) continue;
+      ch.send(j, bundle(p.host()), static_cast<std::size_t>(p.local.size()) * block);
+      parts.push_back({j, bundle(j), static_cast<std::size_t>(p.ranks_on(j)) * block});
+    }
+    ch.recv_all(parts);
+    ch.flush();
+    for (std::size_t i = 0; i < n; ++i) std::memcpy(out + static_cast<std::size_t>(p.by_host[i]) * block, bundles + i * block, block);
+  }
+  step.count = c.count * n;
+  step.out = out;
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
+}
+
+/// reduce_scatter: reduce the whole input into each host's lead, the leads send each other lead the partial
+/// blocks of its host's ranks over the sockets and sum what they receive in host order, each lead scatters its
+/// host's blocks inside it.
+inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
+  const std::size_t block = c.count * size_of(c.type), n = static_cast<std::size_t>(c.grp->size());
+  const bool lead = p.me_local == 0;
+  const std::size_t here = p.local.size();
+  char* sum = lead ? e.scratch(0, n * block) : nullptr;  // this host's partial sums of every block
+  // Per other host j, its partial sums of this host's blocks; then the results, in `local` order.
+  char* parts_in = lead ? e.scratch(1, static_cast<std::size_t>(p.hosts()) * here * block) : nullptr;
+  const auto slot = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
+  call step = partial_step(c);
+  step.root = 0;  // the lead, in `local`
+  step.count = c.count * n;
+  if (lead) std::memcpy(sum, c.in, n * block);
+  // shm_reduce only reads the buffer of a rank other than the root: the input stays untouched.
+  step.out = lead ? sum : const_cast<void*>(c.in);
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
+  step.count = c.count;
+  if (lead) {
+    channel ch(e, step, p.lead_world, p.host());
+    for (int j = 0; j < p.hosts(); ++j)
+      for (int k = p.host_start[static_cast<std::size_t>(j)]; j != p.host() && k < p.host_start[static_cast<std::size_t>(j) + 1]; ++k)
+        ch.send(j, sum + static_cast<std::size_t>(p.by_host[static_cast<std::size_t>(k)]) * block, block);
+    thread_local std::vector<recv_part> parts;
+    for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
+      parts.clear();
+      for (int j = 0; j < p.hosts(); ++j)
+        if (j != p.host()) parts.push_back({j, slot(j, i), block});
+      ch.recv_all(parts);
+    }
+    ch.flush();
+    const int me = p.host();
+    for (std::size_t i = 0; i < here; ++i) {
+      const char* own = sum + static_cast<std::size_t>(p.local[i]) * block;
+      reduce_ranks(step, slot(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : slot(j, i); });
+    }
+  }
+  step.in = lead ? slot(p.host(), 0) : nullptr;
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
+  else std::memcpy(c.out, slot(p.host(), 0), block);
+  finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
+}
+
 /// The engine's executor: runs collective call `c` on the engine thread, hierarchically where its group has a
 /// host_plan and the collective a hierarchical algorithm.
 inline void run_group_collective(engine& e, call& c) {
@@ -131,6 +213,8 @@ inline void run_group_collective(engine& e, call& c) {
   switch (c.kind) {
     case collective::all_reduce: return hierarchical_all_reduce(e, c, *p);
     case collective::broadcast: return hierarchical_broadcast(e, c, *p);
+    case collective::all_gather: return hierarchical_all_gather(e, c, *p);
+    case collective::reduce_scatter: return hierarchical_reduce_scatter(e, c, *p);
     default: return run_collective(e, c);
   }
 }

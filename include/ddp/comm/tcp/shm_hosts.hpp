@@ -28,12 +28,18 @@ struct host_plan {
   std::vector<int> host_of;        ///< per group rank, the index of its host
   std::vector<int> leads;          ///< per host, its lowest group rank
   std::vector<int> lead_world;     ///< per host, its lowest group rank's world rank
+  std::vector<int> by_host;        ///< the group ranks by host (in host order), ascending within each
+  std::vector<int> host_start;     ///< where host j's ranks start in `by_host` (one more entry: the group's size)
   std::vector<int> local;          ///< the group ranks on this rank's host, ascending
   int me_local = 0;                ///< this rank's place in `local`
   std::shared_ptr<shm_group> shm;  ///< `local`'s segment; null where this rank is its host's only member
 
   /// The number of hosts the group spans.
   [[nodiscard]] int hosts() const { return static_cast<int>(leads.size()); }
+  /// The number of group ranks on host `j`.
+  [[nodiscard]] int ranks_on(int j) const {
+    return host_start[static_cast<std::size_t>(j) + 1] - host_start[static_cast<std::size_t>(j)];
+  }
   /// The index of this rank's host.
   [[nodiscard]] int host() const { return host_of[static_cast<std::size_t>(local.front())]; }
   /// The place in `local` of group rank `r`, which is on this host.
