@@ -89,7 +89,11 @@ TEST_CASE("hybrid keeps its all-gathers inside a host: fewer bytes cross the lin
       [&] { check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5); });
   std::printf("crosslink: rank %d's host sent %llu bytes under full_shard, %llu under hybrid<full_shard>\n",
               comm.rank(), static_cast<unsigned long long>(whole), static_cast<unsigned long long>(hybrid));
-  CHECK(hybrid * 2 < whole);  // 4.3x fewer here: the shard all-reduce alone crosses, not the gathers
+  // Over the sockets alone (DDP_SHM=0) 4.3x fewer here: the shard all-reduce alone crosses, not the gathers. With
+  // shared memory full_shard's collectives are hierarchical, each host's share crossing once: 1.9x fewer.
+  const char* shm = std::getenv("DDP_SHM");
+  if (shm != nullptr && std::string(shm) == "0") CHECK(hybrid * 2 < whole);
+  else CHECK(hybrid < whole);
 }
 
 TEST_CASE("all_reduce until rank DDP_VICTIM kills itself (in the first attempt, a restart ends after 20)",

@@ -179,12 +179,15 @@ TEST_CASE("2 hosts x 2 ranks: replicate, shard_grad_op, full_shard and hybrid (a
   REQUIRE(hosts.ok());
 }
 
-TEST_CASE("hybrid's shard groups stay inside a host: less than half of full_shard's bytes cross between hosts",
+TEST_CASE("hybrid's shard groups stay inside a host: fewer of its bytes cross between hosts than full_shard's (less "
+          "than half over the sockets alone)",
           "[mh_crosslink]") {
-  const auto hosts = run_on_hosts({}, launch("[crosslink]"));
-  INFO(hosts.describe());
-  REQUIRE(hosts.ok());
-  CHECK(contains(hosts.hosts[0].output, "under hybrid<full_shard>"));
+  for (const std::string env : {"", "DDP_SHM=0"}) {
+    const auto hosts = run_on_hosts({}, launch("[crosslink]", env));
+    INFO(hosts.describe());
+    REQUIRE(hosts.ok());
+    CHECK(contains(hosts.hosts[0].output, "under hybrid<full_shard>"));
+  }
 }
 
 TEST_CASE("2 hosts x 2 ranks join through tcp://host:port and file:///shared/path", "[mh_init]") {

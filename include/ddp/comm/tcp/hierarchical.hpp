@@ -200,6 +200,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
     }
   }
   step.in = lead ? slot(p.host(), 0) : nullptr;
+  step.out = c.out;
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
   else std::memcpy(c.out, slot(p.host(), 0), block);
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
