@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <ddp/comm/tcp/hierarchical.hpp>
+
 #include "support/multihost.hpp"
 
 using ddp::testing::host_options;
@@ -261,4 +263,45 @@ TEST_CASE("with two interfaces per host, DDP_INTERFACE=eth1 carries the mesh and
   INFO(hosts.describe());
   REQUIRE(hosts.ok());
   CHECK(contains(hosts.hosts[0].output, "rank 0's mesh on 10.200.1.1 (eth1)"));
+}
+
+TEST_CASE("a group's share of the hosts: hierarchical where it spans hosts with two members on one, its leads, its "
+          "ranks by host and this rank's place (needs no simulated hosts)", "[mh_plan]") {
+  namespace d = ddp::tcp::detail;
+  auto hosts = std::make_shared<d::shm_hosts>();
+  hosts->host_of = {0, 1, 0, 1, 1, 5};  // world ranks 0 and 2 on one host, 1, 3 and 4 on another, 5 alone
+  const auto group_of = [&](std::vector<int> members, int me, std::shared_ptr<const d::shm_hosts> of) {
+    auto g = std::make_shared<d::group>();
+    g->members = std::move(members);
+    g->me = me;
+    g->id = 7;
+    d::use_shared_memory(*g, std::move(of));
+    return g;
+  };
+  using v = std::vector<int>;
+  const auto world = group_of({0, 1, 2, 3, 4, 5}, 5, hosts);  // this rank is alone on its host: no segment
+  REQUIRE(world->hier);
+  CHECK(!world->shm);
+  CHECK(!world->hier->shm);
+  CHECK(world->hier->leads == v{0, 1, 5});
+  CHECK(world->hier->lead_world == v{0, 1, 5});
+  CHECK(world->hier->host_of == v{0, 1, 0, 1, 1, 2});
+  CHECK(world->hier->by_host == v{0, 2, 1, 3, 4, 5});
+  CHECK(world->hier->host_start == v{0, 2, 5, 6});
+  CHECK(world->hier->local == v{5});
+  CHECK(world->hier->host() == 2);
+  // Group ranks 0, 1, 2 are world ranks 5, 4, 3: hosts go in the order of their lowest group rank.
+  const auto split = group_of({5, 4, 3}, 0, hosts);
+  REQUIRE(split->hier);
+  CHECK(split->hier->leads == v{0, 1});
+  CHECK(split->hier->lead_world == v{5, 4});
+  CHECK(split->hier->host_of == v{0, 1, 1});
+  CHECK(split->hier->ranks_on(1) == 2);
+  CHECK(split->hier->local == v{0});
+  const auto one_per_host = group_of({0, 1, 5}, 2, hosts);
+  CHECK(!one_per_host->hier);
+  CHECK(!one_per_host->shm);
+  const auto without = group_of({0, 1, 2, 3, 4, 5}, 5, nullptr);  // DDP_SHM=0, or a rank that cannot map
+  CHECK(!without->hier);
+  CHECK(!without->shm);
 }
