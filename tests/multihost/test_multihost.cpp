@@ -143,11 +143,12 @@ void survivors_on(const layout& l, int victim) {
 
 }  // namespace
 
-TEST_CASE("hierarchical collectives pass the conformance suite on 2 hosts x 2 ranks with shared memory off, on 1 + 2 "
-          "and on 2 + 3 ranks placed alternately", "[mh_hier_conformance]") {
+TEST_CASE("hierarchical collectives pass the conformance suite on 2 hosts x 2 ranks with shared memory off, on 1 + 2, "
+          "on 2 + 3 ranks placed alternately and on 2 + 1 + 2", "[mh_hier_conformance]") {
   conformance_on({{0, 1}, {2, 3}}, "DDP_SHM=0");
   conformance_on({{0}, {1, 2}});
   conformance_on({{0, 2}, {1, 3, 4}});
+  conformance_on({{0, 3}, {1}, {2, 4}});  // 3 hosts: the leads' steps have two peers each
 }
 
 TEST_CASE("a 4 MiB all_reduce sends each host's bytes across the link once: what the hierarchy predicts, not the "
@@ -156,6 +157,7 @@ TEST_CASE("a 4 MiB all_reduce sends each host's bytes across the link once: what
   crossing_on({{0, 1}, {2, 3}}, false);
   crossing_on({{0}, {1, 2}}, true);
   crossing_on({{0, 2}, {1, 3, 4}}, true);
+  crossing_on({{0, 3}, {1}, {2, 4}}, true);
 }
 
 TEST_CASE("a rank SIGKILLed in a hierarchical all_reduce: every survivor raises peer_lost, /dev/shm is empty",

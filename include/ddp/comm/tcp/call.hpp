@@ -61,6 +61,9 @@ struct call {
   std::uint64_t seq = 0;
   std::shared_ptr<ddp::detail::completion> done;
   bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+  /// Where not 0, the group its frames name instead of grp->id: a hierarchical call's step across hosts, whose
+  /// frames (op, root) differ from the call's own, so no check takes them for another call at the same step.
+  std::uint32_t wire_group = 0;
 
   /// True for a collective that runs over its group's shared-memory segment.
   [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
@@ -74,7 +77,7 @@ inline frame_header header_of(const call& c, std::uint64_t length) {
   h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
   if (has_root(h.op)) h.root = c.root;
   if (c.kind == collective::send_recv) h.tag = c.tag;
-  h.group = c.grp->id;
+  h.group = c.wire_group != 0 ? c.wire_group : c.grp->id;
   h.seq = c.seq;
   h.count = c.count;
   h.length = length;

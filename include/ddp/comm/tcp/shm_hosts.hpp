@@ -5,6 +5,7 @@
 /// some host gets a host_plan: its members on this host (over their own segment) and one member per host
 /// that speaks for it over the sockets (hierarchical.hpp runs the collectives).
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct host_plan {
   std::vector<int> local;          ///< the group ranks on this rank's host, ascending
   int me_local = 0;                ///< this rank's place in `local`
   std::shared_ptr<shm_group> shm;  ///< `local`'s segment; null where this rank is its host's only member
+  std::uint32_t across = 0;        ///< the group id the frames of the steps across hosts carry
 
   /// The number of hosts the group spans.
   [[nodiscard]] int hosts() const { return static_cast<int>(leads.size()); }
