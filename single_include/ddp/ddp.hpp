@@ -3174,6 +3174,7 @@ struct host_plan {
   std::vector<int> local;          ///< the group ranks on this rank's host, ascending
   int me_local = 0;                ///< this rank's place in `local`
   std::shared_ptr<shm_group> shm;  ///< `local`'s segment; null where this rank is its host's only member
+  std::uint32_t across = 0;        ///< the group id the frames of the steps across hosts carry
 
   /// The number of hosts the group spans.
   [[nodiscard]] int hosts() const { return static_cast<int>(leads.size()); }
@@ -3237,6 +3238,9 @@ struct call {
   std::uint64_t seq = 0;
   std::shared_ptr<ddp::detail::completion> done;
   bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+  /// Where not 0, the group its frames name instead of grp->id: a hierarchical call's step across hosts, whose
+  /// frames (op, root) differ from the call's own, so no check takes them for another call at the same step.
+  std::uint32_t wire_group = 0;
 
   /// True for a collective that runs over its group's shared-memory segment.
   [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
@@ -3250,7 +3254,7 @@ inline frame_header header_of(const call& c, std::uint64_t length) {
   h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
   if (has_root(h.op)) h.root = c.root;
   if (c.kind == collective::send_recv) h.tag = c.tag;
-  h.group = c.grp->id;
+  h.group = c.wire_group != 0 ? c.wire_group : c.grp->id;
   h.seq = c.seq;
   h.count = c.count;
   h.length = length;
@@ -6284,6 +6288,7 @@ inline void use_shared_memory(group& g, std::shared_ptr<const shm_hosts> hosts) 
     plan->local.push_back(r);
     world.push_back(g.members[static_cast<std::size_t>(r)]);
   }
+  plan->across = mix_id(g.id, 0x61637273, 0);
   if (world.size() > 1)
     plan->shm = std::make_shared<shm_group>(g.hosts->segment, mix_id(g.id, 0x686f7374, static_cast<std::uint64_t>(world.front())),
                                             std::move(world), plan->me_local, plan->local);
@@ -6310,15 +6315,21 @@ void on_this_host(engine& e, const call& step, host_plan& p, F f) {
   f(ch);
 }
 
+/// Runs step `f(channel&)` of `step` over the sockets among `members`, one per host (world ranks, in host order).
+template <class F>
+void across_hosts(engine& e, const call& step, const host_plan& p, const std::vector<int>& members, F f) {
+  call across = step;
+  across.wire_group = p.across;
+  channel ch(e, across, members, p.host());
+  f(ch);
+}
+
 /// all_reduce: reduce into each host's lead, all_reduce among the leads, broadcast inside each host.
 inline void hierarchical_all_reduce(engine& e, call& c, host_plan& p) {
   call step = partial_step(c);
   step.root = 0;  // the lead, in `local`
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
-  if (p.me_local == 0) {
-    channel ch(e, step, p.lead_world, p.host());
-    all_reduce(ch);
-  }
+  if (p.me_local == 0) across_hosts(e, step, p, p.lead_world, [](channel& ch) { all_reduce(ch); });
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
 }
@@ -6332,8 +6343,7 @@ inline void hierarchical_broadcast(engine& e, call& c, host_plan& p) {
     std::vector<int> speakers = p.lead_world;
     speakers[static_cast<std::size_t>(root_host)] = c.grp->members[static_cast<std::size_t>(c.root)];
     step.root = root_host;
-    channel ch(e, step, speakers, p.host());
-    broadcast(ch);
+    across_hosts(e, step, p, speakers, [](channel& ch) { broadcast(ch); });
   }
   step.root = p.local_index(speaker);
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
@@ -6353,16 +6363,17 @@ inline void hierarchical_all_gather(engine& e, call& c, host_plan& p) {
   else std::memmove(bundle(p.host()), c.in, block);
   auto* out = static_cast<char*>(c.out);
   if (lead) {
-    channel ch(e, step, p.lead_world, p.host());
-    thread_local std::vector<recv_part> parts;
-    parts.clear();
-    for (int j = 0; j < p.hosts(); ++j) {
-      if (j == p.host()) continue;
-      ch.send(j, bundle(p.host()), static_cast<std::size_t>(p.local.size()) * block);
-      parts.push_back({j, bundle(j), static_cast<std::size_t>(p.ranks_on(j)) * block});
-    }
-    ch.recv_all(parts);
-    ch.flush();
+    across_hosts(e, step, p, p.lead_world, [&](channel& ch) {
+      thread_local std::vector<recv_part> parts;
+      parts.clear();
+      for (int j = 0; j < p.hosts(); ++j) {
+        if (j == p.host()) continue;
+        ch.send(j, bundle(p.host()), static_cast<std::size_t>(p.local.size()) * block);
+        parts.push_back({j, bundle(j), static_cast<std::size_t>(p.ranks_on(j)) * block});
+      }
+      ch.recv_all(parts);
+      ch.flush();
+    });
     for (std::size_t i = 0; i < n; ++i) std::memcpy(out + static_cast<std::size_t>(p.by_host[i]) * block, bundles + i * block, block);
   }
   step.count = c.count * n;
@@ -6390,18 +6401,19 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
   step.count = c.count;
   if (lead) {
-    channel ch(e, step, p.lead_world, p.host());
-    for (int j = 0; j < p.hosts(); ++j)
-      for (int k = p.host_start[static_cast<std::size_t>(j)]; j != p.host() && k < p.host_start[static_cast<std::size_t>(j) + 1]; ++k)
-        ch.send(j, sum + static_cast<std::size_t>(p.by_host[static_cast<std::size_t>(k)]) * block, block);
-    thread_local std::vector<recv_part> parts;
-    for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
-      parts.clear();
+    across_hosts(e, step, p, p.lead_world, [&](channel& ch) {
       for (int j = 0; j < p.hosts(); ++j)
-        if (j != p.host()) parts.push_back({j, slot(j, i), block});
-      ch.recv_all(parts);
-    }
-    ch.flush();
+        for (int k = p.host_start[static_cast<std::size_t>(j)]; j != p.host() && k < p.host_start[static_cast<std::size_t>(j) + 1]; ++k)
+          ch.send(j, sum + static_cast<std::size_t>(p.by_host[static_cast<std::size_t>(k)]) * block, block);
+      thread_local std::vector<recv_part> parts;
+      for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
+        parts.clear();
+        for (int j = 0; j < p.hosts(); ++j)
+          if (j != p.host()) parts.push_back({j, slot(j, i), block});
+        ch.recv_all(parts);
+      }
+      ch.flush();
+    });
     const int me = p.host();
     for (std::size_t i = 0; i < here; ++i) {
       const char* own = sum + static_cast<std::size_t>(p.local[i]) * block;
