@@ -117,6 +117,7 @@ inline void hierarchical_all_reduce(engine& e, call& c, host_plan& p) {
   step.root = 0;  // the lead, in `local`
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
   if (p.me_local == 0) across_hosts(e, step, p, p.lead_world, [](channel& ch) { all_reduce(ch); });
+  step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
 }
@@ -209,6 +210,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
   }
   step.in = lead ? slot(p.host(), 0) : nullptr;
   step.out = c.out;
+  step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
   else std::memcpy(c.out, slot(p.host(), 0), block);
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
