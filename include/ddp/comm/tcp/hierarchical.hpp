@@ -5,16 +5,17 @@
 /// over the sockets (all_reduce: one member per host, in host order), and each lead broadcasts the result to
 /// its host (shm_broadcast); avg divides once at the end, by the group's size. broadcast: the root sends to the
 /// lead of every other host over the sockets (broadcast), and each of them, or the root on its own host,
-/// broadcasts it inside its host. The other collectives run over the sockets as in a group without shared
-/// memory. Every step runs on the engine thread: the shared-memory steps serve the sockets between their
-/// sleeps, and a death on either transport fails the call as it fails a flat one.
+/// broadcasts it inside its host. all_gather: gather into each lead, the leads exchange their hosts' blocks,
+/// each lead broadcasts the whole result inside its host. reduce_scatter: reduce into each lead, each lead
+/// sends every other lead the partial sums of that host's blocks and sums what it receives in host order, each
+/// lead scatters its host's blocks. reduce, gather, scatter, all_to_all and barrier run over the sockets as in
+/// a group without shared memory. Every step runs on the engine thread: the shared-memory steps serve the
+/// sockets between their sleeps, and a death on either transport fails the call as it fails a flat one.
 
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -29,7 +30,7 @@
 
 namespace ddp::tcp::detail {
 
-/// A group identifier all members compute alike from (parent id, split number, color).
+/// A group identifier all members compute alike from three numbers (a split's: parent id, split number, color).
 inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
   std::uint64_t h = 0x9e3779b97f4a7c15ULL;
   for (const std::uint64_t v : {a, b, c}) {
