@@ -143,19 +143,35 @@ TEST_CASE("the mesh runs on DDP_INTERFACE's network, the store on MASTER_ADDR's"
   CHECK(other_sent < (std::uint64_t{1} << 20));    // the rendezvous only
 }
 
-TEST_CASE("a 4 MiB all_reduce: rank prints what its host sent on eth0 meanwhile", "[.][hier_bytes]") {
+TEST_CASE("all_reduce, all_gather, reduce_scatter and broadcast (from rank 0) of about 4 MiB: rank prints what its "
+          "host sent on eth0 during each", "[.][hier_bytes]") {
   auto comm = join();
-  const int n = comm.size();
-  std::vector<float> v(std::size_t{1} << 20, static_cast<float>(comm.rank() + 1));
-  // Read before the first barrier, which no rank passes before every rank entered it: no all_reduce byte is missed.
-  const auto before = tx_bytes("eth0");
-  comm.barrier().wait();
-  comm.all_reduce(v).wait();
-  comm.barrier().wait();  // every rank's all_reduce has ended, so all its bytes have crossed
-  const auto sent = tx_bytes("eth0") - before;
-  REQUIRE(v.front() == static_cast<float>(n * (n + 1) / 2));
-  REQUIRE(v.back() == static_cast<float>(n * (n + 1) / 2));
-  std::printf("hier_bytes: rank %d: its host sent %llu bytes\n", comm.rank(), static_cast<unsigned long long>(sent));
+  const auto n = static_cast<std::size_t>(comm.size());
+  const std::size_t k = (std::size_t{1} << 20) / n;  // each rank's block of all_gather and reduce_scatter
+  const auto value = static_cast<float>(comm.rank() + 1);
+  std::vector<float> whole(n * k, value), block(k, value);
+  const float sum = static_cast<float>(n * (n + 1) / 2);
+  // The bytes this host sent during `run`: read before the first barrier, which no rank passes before every rank
+  // entered it, and after the second, which none passes before every rank's collective ended.
+  const auto measure = [&](const char* name, std::size_t bytes, auto run) {
+    const auto before = tx_bytes("eth0");
+    comm.barrier().wait();
+    run();
+    comm.barrier().wait();
+    std::printf("hier_bytes: rank %d: %s of %zu bytes: its host sent %llu bytes\n", comm.rank(), name, bytes,
+                static_cast<unsigned long long>(tx_bytes("eth0") - before));
+  };
+  measure("all_reduce", n * k * sizeof(float), [&] { comm.all_reduce(whole).wait(); });
+  REQUIRE(whole.front() == sum);
+  REQUIRE(whole.back() == sum);
+  measure("all_gather", n * k * sizeof(float), [&] { comm.all_gather(block, whole).wait(); });
+  for (std::size_t r = 0; r < n; ++r) REQUIRE(whole[r * k + k - 1] == static_cast<float>(r + 1));
+  std::fill(whole.begin(), whole.end(), value);
+  measure("reduce_scatter", n * k * sizeof(float), [&] { comm.reduce_scatter(whole, block).wait(); });
+  REQUIRE(block.front() == sum);
+  REQUIRE(block.back() == sum);
+  measure("broadcast", n * k * sizeof(float), [&] { comm.broadcast(whole, 0).wait(); });
+  REQUIRE(whole.back() == 1.0F);
 }
 
 TEST_CASE("all_reduce until rank DDP_VICTIM kills itself: every other rank raises peer_lost", "[.][survive]") {
