@@ -136,6 +136,7 @@ void crossing_on(const layout& l, bool hierarchical) {
       CHECK(static_cast<double>(sent) <= 1.1 * want + 20000);
     }
     CHECK(measured == 4 * static_cast<int>(l[h].size()));
+    CHECK(contains(hosts.hosts[h].output, "shm left: []"));
   }
 }
 

@@ -188,13 +188,16 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
-/// Per rank, its host: the lowest rank whose host identity is its own (a rank whose identity cannot be read is
-/// alone on its host).
+/// Per rank, its host: the lowest rank whose host identity is its own. Ranks whose identity cannot be read count
+/// as one host: mapping its segment (map_shared_memory) then tells whether they share one, as on one host.
 inline std::vector<int> hosts_of(const std::vector<host_identity>& hosts) {
+  const auto same = [](const host_identity& a, const host_identity& b) {
+    return a.boot == b.boot && a.pid_ns == b.pid_ns && a.pid_ns_dev == b.pid_ns_dev;
+  };
   std::vector<int> host_of(hosts.size());
   for (std::size_t r = 0; r < hosts.size(); ++r) {
     std::size_t j = 0;
-    while (j < r && !hosts[j].shares_pids_with(hosts[r])) ++j;
+    while (j < r && !same(hosts[j], hosts[r])) ++j;
     host_of[r] = static_cast<int>(j);
   }
   return host_of;
