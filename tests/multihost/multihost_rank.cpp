@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -192,4 +193,29 @@ TEST_CASE("all_reduce until rank DDP_VICTIM kills itself: every other rank raise
     return;
   }
   FAIL("the victim never died");
+}
+
+TEST_CASE("after a good all_reduce, the last rank calls broadcast (DDP_FAULT=mismatch) or its all_reduce 4 s late "
+          "(timeout): every rank prints the error it raised", "[.][fault]") {
+  auto comm = join();
+  const std::string fault = std::getenv("DDP_FAULT");
+  const bool odd = comm.rank() == comm.size() - 1;
+  std::vector<float> v(1 << 18, 1.0F);
+  comm.all_reduce(v).wait();
+  const auto raised = [&](const char* type) { std::printf("fault: rank %d raised %s\n", comm.rank(), type); };
+  try {
+    if (odd && fault == "mismatch") {
+      comm.broadcast(v, 0).wait();
+    } else {
+      if (odd) std::this_thread::sleep_for(std::chrono::seconds(4));
+      comm.all_reduce(v).wait();
+    }
+  } catch (const ddp::mismatch_error&) {
+    return raised("mismatch_error");
+  } catch (const ddp::timeout_error&) {
+    return raised("timeout_error");
+  } catch (const ddp::peer_lost&) {
+    return raised("peer_lost");
+  }
+  FAIL("no rank noticed the fault");
 }

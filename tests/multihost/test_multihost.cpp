@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -59,9 +60,9 @@ std::string ranks(const layout& l, const std::string& tag, const std::string& en
     for (const int r : l[h]) cmd += std::to_string(r) + " ";
     cmd += "';; ";
   }
-  return cmd + "esac; s=0; p=''; for r in $R; do " + env + " RANK=$r WORLD_SIZE=" + std::to_string(world_size(l)) +
-         " MASTER_ADDR=$MH_MASTER MASTER_PORT=29400 DDP_TIMEOUT_MS=30000 DDP_CONNECT_TIMEOUT_MS=30000 "
-         DDP_MULTIHOST_RANK_EXE " '" + tag + "' & p=\"$p $r:$!\"; done; "
+  return cmd + "esac; s=0; p=''; for r in $R; do RANK=$r WORLD_SIZE=" + std::to_string(world_size(l)) +
+         " MASTER_ADDR=$MH_MASTER MASTER_PORT=29400 DDP_TIMEOUT_MS=30000 DDP_CONNECT_TIMEOUT_MS=30000 " + env +
+         " " DDP_MULTIHOST_RANK_EXE " '" + tag + "' & p=\"$p $r:$!\"; done; "
          "for x in $p; do wait ${x#*:}; e=$?; echo \"rank ${x%:*} exited $e\"; [ $e = 0 ] || s=$e; done; "
          "echo \"shm left: [$(ls /dev/shm)]\"; exit $s";
 }
@@ -163,7 +164,52 @@ void survivors_on(const layout& l, int victim) {
   }
 }
 
+/// Per rank, the error it raised in case [fault] of `l` with `env` ("rank R raised TYPE").
+std::vector<std::string> faults_on(const layout& l, const std::string& env) {
+  const auto hosts = run_on_hosts(on(l.size()), ranks(l, "[fault]", env));
+  INFO(hosts.describe());
+  REQUIRE(hosts.ok());
+  std::vector<std::string> raised(static_cast<std::size_t>(world_size(l)));
+  for (const auto& h : hosts.hosts) {
+    std::istringstream lines(h.output);
+    for (std::string line; std::getline(lines, line);) {
+      int rank = -1;
+      char type[32] = {};
+      const auto at = line.find("fault: rank ");
+      if (at != std::string::npos && std::sscanf(line.c_str() + at, "fault: rank %d raised %31s", &rank, type) == 2)
+        raised.at(static_cast<std::size_t>(rank)) = type;
+    }
+    CHECK(contains(h.output, "shm left: []"));
+  }
+  return raised;
+}
+
 }  // namespace
+
+TEST_CASE("a hierarchical group fails as a flat one: mismatch_error on every rank when one calls another collective, "
+          "timeout_error (or peer_lost from a rank that timed out first) when one comes too late", "[mh_hier_fault]") {
+  for (const layout& l : {layout{{0, 1}, {2, 3}}, layout{{0, 2}, {1, 3, 4}}}) {
+    for (const std::string fault : {"DDP_FAULT=mismatch", "DDP_FAULT=timeout DDP_TIMEOUT_MS=2000"}) {
+      const auto hierarchical = faults_on(l, fault);
+      const auto flat = faults_on(l, fault + " DDP_SHM=0");
+      CAPTURE(fault, world_size(l));
+      if (fault == "DDP_FAULT=mismatch") {
+        for (std::size_t r = 0; r < flat.size(); ++r) {
+          CAPTURE(r);
+          CHECK(flat[r] == "mismatch_error");
+          CHECK(hierarchical[r] == "mismatch_error");
+        }
+        continue;
+      }
+      // A rank that times out first aborts; the others, as timing has it on both paths, time out themselves or
+      // find it gone (the late rank finds every peer gone or aborted).
+      for (const auto& path : {flat, hierarchical}) {
+        CHECK(std::count(path.begin(), path.end(), "timeout_error") > 0);
+        for (const auto& type : path) CHECK((type == "timeout_error" || type == "peer_lost"));
+      }
+    }
+  }
+}
 
 TEST_CASE("hierarchical collectives pass the conformance suite on 2 hosts x 2 ranks with shared memory off, on 1 + 2, "
           "on 2 + 3 ranks placed alternately and on 2 + 1 + 2", "[mh_hier_conformance]") {
