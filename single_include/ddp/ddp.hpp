@@ -2301,7 +2301,8 @@ class collective_front : public object_collectives<Derived> {
 
 // ---- begin <ddp/comm/tcp/channel.hpp>
 /// \file What a collective's algorithm sees of the engine while it executes one call: group ranks, frames
-/// to and from them, scratch memory. It speaks group ranks; the engine speaks world ranks.
+/// to and from them, scratch memory. It speaks group ranks; the engine speaks world ranks. A step of a
+/// hierarchical collective (hierarchical.hpp) runs over some of the group's members only.
 
 
 // ---- begin <ddp/comm/tcp/call.hpp>
@@ -2935,10 +2936,11 @@ inline void count_mapping(std::atomic<std::uint32_t>& mapped, const std::string&
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/shm_segment.hpp>
 // ---- begin <ddp/comm/tcp/shm_world.hpp>
-/// \file The job's shared-memory segment, when every rank runs on one host: per rank, a robust mutex its
-/// engine thread holds for its lifetime (the kernel marks it when the process dies, even by SIGKILL, so a
-/// survivor sees the death with one load) and the state it left in: running, closed, or aborted with the
-/// error its peers then raise. Rank 0 creates it at the rendezvous; it is unlinked once all ranks mapped it.
+/// \file The job's shared-memory segment of one host (the whole job's where every rank runs on one host): per
+/// world rank, a robust mutex its engine thread holds for its lifetime (the kernel marks it when the process
+/// dies, even by SIGKILL, so a survivor sees the death with one load) and the state it left in: running,
+/// closed, or aborted with the error its peers then raise. The host's lowest rank (rank 0 on one host) creates
+/// it at the rendezvous; it is unlinked once all the host's ranks mapped it.
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -2983,10 +2985,12 @@ class shm_world {
  public:
   static constexpr std::uint64_t magic = 0x444450534d574c44ULL;  // "DDPSMWLD"
 
-  /// Maps the job segment `name` of `size` ranks (rank 0 creates it and writes the magic; the others open it).
-  shm_world(std::string name, int size, int rank) : name_(std::move(name)), size_(size), rank_(rank) {
-    map_ = shm_mapping::open(name_, bytes(size), rank == 0, rank == 0, rank);
-    if (rank == 0) layout().magic = magic;
+  /// Maps the segment `name` of a job of `size` ranks, `local` of them on this host, as world rank `rank` (the
+  /// `creator` creates it and writes the magic; the others open it).
+  shm_world(std::string name, int size, int rank, bool creator, int local)
+      : name_(std::move(name)), size_(size), local_(local), rank_(rank) {
+    map_ = shm_mapping::open(name_, bytes(size), creator, creator, rank);
+    if (creator) layout().magic = magic;
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
@@ -3000,6 +3004,8 @@ class shm_world {
   [[nodiscard]] const std::string& name() const { return name_; }
   /// The job's number of ranks.
   [[nodiscard]] int size() const { return size_; }
+  /// The job's ranks on this host (size() where every rank is on this host).
+  [[nodiscard]] int local_size() const { return local_; }
   /// True when rank 0 wrote the magic: the segment is the job's.
   [[nodiscard]] bool genuine() { return layout().magic == magic; }
 
@@ -3038,7 +3044,7 @@ class shm_world {
 
   /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
   std::vector<peer_memory> memory;
-  /// Every rank can copy straight out of every other rank's memory: collectives may use single copies.
+  /// Every rank on this host can copy straight out of every other one's memory: collectives may use single copies.
   bool single_copy = false;
 
  private:
@@ -3050,6 +3056,7 @@ class shm_world {
 
   std::string name_;
   int size_;
+  int local_;
   int rank_;
   shm_mapping map_;
 };
@@ -3078,9 +3085,11 @@ struct alignas(64) shm_region_head {
 /// The group's segment, mapped by this rank, and the group's phase count.
 class shm_group {
  public:
-  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`.
-  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me)
-      : world_(std::move(world)), members_(std::move(members)), me_(me) {
+  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`;
+  /// `ranks`, where given, are the members' ranks in the group the messages name (a hierarchical group's).
+  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me,
+            std::vector<int> ranks = {})
+      : world_(std::move(world)), members_(std::move(members)), ranks_(std::move(ranks)), me_(me) {
     char hex[16];
     std::snprintf(hex, sizeof hex, "%08x", id);
     const std::string name = world_->name() + "-" + hex;
@@ -3091,11 +3100,11 @@ class shm_group {
   shm_group(const shm_group&) = delete;
 
   [[nodiscard]] shm_world& world() { return *world_; }
-  /// The job segment, for the segments of subgroups.
-  [[nodiscard]] const std::shared_ptr<shm_world>& world_ptr() const { return world_; }
   [[nodiscard]] int me() const { return me_; }
   [[nodiscard]] int size() const { return static_cast<int>(members_.size()); }
   [[nodiscard]] int world_rank(int r) const { return members_[static_cast<std::size_t>(r)]; }
+  /// Member `r`'s rank in the group the messages name.
+  [[nodiscard]] int group_rank(int r) const { return ranks_.empty() ? r : ranks_[static_cast<std::size_t>(r)]; }
 
   /// Group rank `r`'s counters.
   shm_counters& counters(int r) { return reinterpret_cast<shm_counters*>(map_.data() + 64)[r]; }
@@ -3107,13 +3116,13 @@ class shm_group {
   }
   char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
 
-  /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
+  /// True where the job has more ranks on this host than the host has cores: waits sleep at once instead of spinning.
   [[nodiscard]] bool oversubscribed() const { return oversubscribed_; }
 
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
-  /// True when every rank can copy straight out of every other rank's memory (the same answer on every rank).
+  /// True when every rank of the host can copy straight out of every other one's memory (the same answer on each).
   [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
@@ -3124,15 +3133,67 @@ class shm_group {
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
   std::shared_ptr<shm_world> world_;
   std::vector<int> members_;
+  std::vector<int> ranks_;
   int me_;
   shm_mapping map_;
   scratch_buffer scratch_;
   /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
-  bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
+  bool oversubscribed_ = static_cast<unsigned>(world_->local_size()) > std::max(1U, std::thread::hardware_concurrency());
 };
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/shm_group.hpp>
+// ---- begin <ddp/comm/tcp/shm_hosts.hpp>
+/// \file Which ranks of a job share a host, and what a group spanning hosts makes of it. The rendezvous leaves
+/// the job's shared memory as shm_hosts: this host's segment and each world rank's host. A group with every
+/// member on this host runs over one segment of its own; a group spanning hosts with two members or more on
+/// some host gets a host_plan: its members on this host (over their own segment) and one member per host
+/// that speaks for it over the sockets (hierarchical.hpp runs the collectives).
+
+
+
+namespace ddp::tcp::detail {
+
+/// The job's shared memory as the rendezvous left it (absent where any rank cannot use it, or DDP_SHM=0).
+struct shm_hosts {
+  /// This host's segment (the job's only one where every rank is on this host); null where this rank is its
+  /// host's only rank.
+  std::shared_ptr<shm_world> segment;
+  /// Per world rank, its host: the lowest world rank on the same host.
+  std::vector<int> host_of;
+};
+
+/// A group spanning hosts, with two members or more on some host: its hosts in the order of their lowest group
+/// rank, and this rank's host's members.
+struct host_plan {
+  std::vector<int> host_of;        ///< per group rank, the index of its host
+  std::vector<int> leads;          ///< per host, its lowest group rank
+  std::vector<int> lead_world;     ///< per host, its lowest group rank's world rank
+  std::vector<int> by_host;        ///< the group ranks by host (in host order), ascending within each
+  std::vector<int> host_start;     ///< where host j's ranks start in `by_host` (one more entry: the group's size)
+  std::vector<int> local;          ///< the group ranks on this rank's host, ascending
+  int me_local = 0;                ///< this rank's place in `local`
+  std::shared_ptr<shm_group> shm;  ///< `local`'s segment; null where this rank is its host's only member
+  std::uint32_t across = 0;        ///< the group id the frames of the steps across hosts carry
+
+  /// The number of hosts the group spans.
+  [[nodiscard]] int hosts() const { return static_cast<int>(leads.size()); }
+  /// The number of group ranks on host `j`.
+  [[nodiscard]] int ranks_on(int j) const {
+    return host_start[static_cast<std::size_t>(j) + 1] - host_start[static_cast<std::size_t>(j)];
+  }
+  /// The index of this rank's host.
+  [[nodiscard]] int host() const { return host_of[static_cast<std::size_t>(local.front())]; }
+  /// The place in `local` of group rank `r`, which is on this host.
+  [[nodiscard]] int local_index(int r) const {
+    int i = 0;
+    while (local[static_cast<std::size_t>(i)] != r) ++i;
+    return i;
+  }
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_hosts.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3152,6 +3213,8 @@ struct group {
   ddp::detail::stats_counter stats;
   std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
   std::shared_ptr<shm_group> shm;  ///< the group's shared-memory segment when every member is on this host; else null
+  std::shared_ptr<const shm_hosts> hosts;  ///< the job's shared memory, for the groups split() makes; null: none
+  std::shared_ptr<host_plan> hier;  ///< where the group spans hosts with two members or more on one: its hierarchy
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
@@ -3175,6 +3238,9 @@ struct call {
   std::uint64_t seq = 0;
   std::shared_ptr<ddp::detail::completion> done;
   bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+  /// Where not 0, the group its frames name instead of grp->id: a hierarchical call's step across hosts, whose
+  /// frames (op, root) differ from the call's own, so no check takes them for another call at the same step.
+  std::uint32_t wire_group = 0;
 
   /// True for a collective that runs over its group's shared-memory segment.
   [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
@@ -3188,7 +3254,7 @@ inline frame_header header_of(const call& c, std::uint64_t length) {
   h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
   if (has_root(h.op)) h.root = c.root;
   if (c.kind == collective::send_recv) h.tag = c.tag;
-  h.group = c.grp->id;
+  h.group = c.wire_group != 0 ? c.wire_group : c.grp->id;
   h.seq = c.seq;
   h.count = c.count;
   h.length = length;
@@ -4582,7 +4648,7 @@ class shm_channel {
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
   /// "rank 1", plus the world rank inside a subgroup.
   [[nodiscard]] std::string label(int r) const {
-    return rank_label(static_cast<std::size_t>(r), g_.world_rank(r),
+    return rank_label(static_cast<std::size_t>(g_.group_rank(r)), g_.world_rank(r),
                       c_.grp->members.size() != static_cast<std::size_t>(g_.world().size()));
   }
 
@@ -5419,6 +5485,14 @@ class engine : peer_io {
   void flush() {
     pump([&] { return std::none_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.sending(); }); });
   }
+  /// Between the sleeps of a hierarchical collective's shared-memory step: serves the sockets without blocking;
+  /// throws to cancel the call.
+  void serve_sockets() {
+    idle_wait(0);
+    if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+  }
+  /// The executing call's deadline.
+  [[nodiscard]] clock::time_point deadline() const { return deadline_; }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
   char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }
@@ -5737,19 +5811,21 @@ namespace ddp::tcp::detail {
 
 class channel {
  public:
-  channel(engine& e, call& c) : e_(e), c_(c), g_(*c.grp) {}
+  channel(engine& e, call& c) : channel(e, c, c.grp->members, c.grp->me) {}
+  /// Over `members` (world ranks; this process is members[me]) instead of the call's whole group.
+  channel(engine& e, call& c, const std::vector<int>& members, int me) : e_(e), c_(c), members_(members), me_(me) {}
 
   /// The call being executed.
   [[nodiscard]] const call& what() const { return c_; }
   /// This process's group rank.
-  [[nodiscard]] int rank() const { return g_.me; }
+  [[nodiscard]] int rank() const { return me_; }
   /// The group's size.
-  [[nodiscard]] int size() const { return g_.size(); }
+  [[nodiscard]] int size() const { return static_cast<int>(members_.size()); }
 
   /// Queues a frame of `bytes` payload to group rank `to`; `data` must stay valid and unchanged until
   /// flush() (a peer on this host may copy it straight from this process's memory until then).
   void send(int to, const void* data, std::size_t bytes) {
-    g_.stats.add_bytes(c_.kind, bytes);
+    c_.grp->stats.add_bytes(c_.kind, bytes);
     e_.send_collective(world(to), header_of(c_, bytes), data);
   }
   /// Receives the next frame from group rank `from` into `dest` (exactly `bytes`), sends progressing meanwhile.
@@ -5770,10 +5846,11 @@ class channel {
   char* scratch(int which, std::size_t bytes) { return e_.scratch(which, bytes); }
 
  private:
-  [[nodiscard]] int world(int group_rank) const { return g_.members[static_cast<std::size_t>(group_rank)]; }
+  [[nodiscard]] int world(int group_rank) const { return members_[static_cast<std::size_t>(group_rank)]; }
   engine& e_;
   call& c_;
-  group& g_;
+  const std::vector<int>& members_;
+  int me_;
 };
 
 }  // namespace ddp::tcp::detail
@@ -6150,6 +6227,227 @@ inline config config_from_env() {
 
 }  // namespace ddp::tcp
 // ---- end <ddp/comm/tcp/config.hpp>
+// ---- begin <ddp/comm/tcp/hierarchical.hpp>
+/// \file Collectives of a group spanning hosts with two members or more on some host (shm_hosts.hpp): shared
+/// memory inside each host, the sockets across them, so each host's bytes cross its link once. all_reduce:
+/// the members of each host reduce into their lowest (shm_reduce, in group-rank order), these leads all-reduce
+/// over the sockets (all_reduce: one member per host, in host order), and each lead broadcasts the result to
+/// its host (shm_broadcast); avg divides once at the end, by the group's size. broadcast: the root sends to the
+/// lead of every other host over the sockets (broadcast), and each of them, or the root on its own host,
+/// broadcasts it inside its host. all_gather: gather into each lead, the leads exchange their hosts' blocks,
+/// each lead broadcasts the whole result inside its host. reduce_scatter: reduce into each lead, each lead
+/// sends every other lead the partial sums of that host's blocks and sums what it receives in host order, each
+/// lead scatters its host's blocks. reduce, gather, scatter, all_to_all and barrier run over the sockets as in
+/// a group without shared memory. Every step runs on the engine thread: the shared-memory steps serve the
+/// sockets between their sleeps, and a death on either transport fails the call as it fails a flat one.
+
+
+
+namespace ddp::tcp::detail {
+
+/// A group identifier all members compute alike from three numbers (a split's: parent id, split number, color).
+inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
+  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
+  for (const std::uint64_t v : {a, b, c}) {
+    h = (h ^ v) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+  }
+  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
+}
+
+/// Gives group `g` (its members, place and id set) its share of the job's shared memory `hosts`: one segment
+/// for the whole group where every member is on this host; a host_plan where it spans hosts and some host
+/// holds two members or more; else nothing (the sockets carry everything).
+inline void use_shared_memory(group& g, std::shared_ptr<const shm_hosts> hosts) {
+  g.hosts = std::move(hosts);
+  if (!g.hosts || g.size() < 2) return;
+  auto plan = std::make_shared<host_plan>();
+  for (int r = 0; r < g.size(); ++r) {
+    const int host = g.hosts->host_of[static_cast<std::size_t>(g.members[static_cast<std::size_t>(r)])];
+    int k = 0;
+    while (k < plan->hosts() && g.hosts->host_of[static_cast<std::size_t>(plan->lead_world[static_cast<std::size_t>(k)])] != host) ++k;
+    if (k == plan->hosts()) {
+      plan->leads.push_back(r);
+      plan->lead_world.push_back(g.members[static_cast<std::size_t>(r)]);
+    }
+    plan->host_of.push_back(k);
+  }
+  if (plan->hosts() == 1) {  // every member on this host
+    if (g.hosts->segment) g.shm = std::make_shared<shm_group>(g.hosts->segment, g.id, g.members, g.me);
+    return;
+  }
+  if (plan->hosts() == g.size()) return;  // one member per host: nothing to share
+  for (int j = 0; j < plan->hosts(); ++j) {
+    plan->host_start.push_back(static_cast<int>(plan->by_host.size()));
+    for (int r = 0; r < g.size(); ++r)
+      if (plan->host_of[static_cast<std::size_t>(r)] == j) plan->by_host.push_back(r);
+  }
+  plan->host_start.push_back(g.size());
+  const int mine = plan->host_of[static_cast<std::size_t>(g.me)];
+  std::vector<int> world;
+  for (int r = 0; r < g.size(); ++r) {
+    if (plan->host_of[static_cast<std::size_t>(r)] != mine) continue;
+    if (r == g.me) plan->me_local = static_cast<int>(plan->local.size());
+    plan->local.push_back(r);
+    world.push_back(g.members[static_cast<std::size_t>(r)]);
+  }
+  plan->across = mix_id(g.id, 0x61637273, 0);
+  if (world.size() > 1)
+    plan->shm = std::make_shared<shm_group>(g.hosts->segment, mix_id(g.id, 0x686f7374, static_cast<std::uint64_t>(world.front())),
+                                            std::move(world), plan->me_local, plan->local);
+  g.hier = std::move(plan);
+}
+
+/// Call `c` as its partial steps run it: avg sums (the whole call divides once, at the end).
+inline call partial_step(const call& c) {
+  call step = c;
+  if (step.op == reduce_op::avg) step.op = reduce_op::sum;
+  return step;
+}
+
+/// Runs shared-memory step `f(shm_channel&)` of `step` among this host's members of the group, on the engine
+/// thread, serving the sockets between its sleeps.
+template <class F>
+void on_this_host(engine& e, const call& step, host_plan& p, F f) {
+  shm_waiting how;
+  how.slice = std::chrono::milliseconds(1);
+  how.spin = p.shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+  how.between = [&e] { e.serve_sockets(); };
+  // One slice past the call's deadline, as run_shm_on_engine gives: wait() gives up first.
+  shm_channel ch(*p.shm, step, e.deadline() + how.slice, std::move(how));
+  f(ch);
+}
+
+/// Runs step `f(channel&)` of `step` over the sockets among `members`, one per host (world ranks, in host order).
+template <class F>
+void across_hosts(engine& e, const call& step, const host_plan& p, const std::vector<int>& members, F f) {
+  call across = step;
+  across.wire_group = p.across;
+  channel ch(e, across, members, p.host());
+  f(ch);
+}
+
+/// all_reduce: reduce into each host's lead, all_reduce among the leads, broadcast inside each host.
+inline void hierarchical_all_reduce(engine& e, call& c, host_plan& p) {
+  call step = partial_step(c);
+  step.root = 0;  // the lead, in `local`
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
+  if (p.me_local == 0) across_hosts(e, step, p, p.lead_world, [](channel& ch) { all_reduce(ch); });
+  step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
+  finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
+}
+
+/// broadcast: from the root to the lead of every other host, then inside each host.
+inline void hierarchical_broadcast(engine& e, call& c, host_plan& p) {
+  const int root_host = p.host_of[static_cast<std::size_t>(c.root)];
+  const int speaker = p.host() == root_host ? c.root : p.leads[static_cast<std::size_t>(p.host())];
+  call step = c;
+  if (c.grp->me == speaker) {
+    std::vector<int> speakers = p.lead_world;
+    speakers[static_cast<std::size_t>(root_host)] = c.grp->members[static_cast<std::size_t>(c.root)];
+    step.root = root_host;
+    across_hosts(e, step, p, speakers, [](channel& ch) { broadcast(ch); });
+  }
+  step.root = p.local_index(speaker);
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
+}
+
+/// all_gather: gather into each host's lead, the leads exchange their hosts' blocks over the sockets, each lead
+/// broadcasts the whole result inside its host.
+inline void hierarchical_all_gather(engine& e, call& c, host_plan& p) {
+  const std::size_t block = c.count * size_of(c.type), n = static_cast<std::size_t>(c.grp->size());
+  const bool lead = p.me_local == 0;
+  char* bundles = lead ? e.scratch(1, n * block) : nullptr;  // every host's blocks, host after host
+  const auto bundle = [&](int j) { return bundles + static_cast<std::size_t>(p.host_start[static_cast<std::size_t>(j)]) * block; };
+  call step = c;
+  step.root = 0;  // the lead, in `local`
+  step.out = lead ? bundle(p.host()) : nullptr;
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_gather(ch); });
+  else std::memmove(bundle(p.host()), c.in, block);
+  auto* out = static_cast<char*>(c.out);
+  if (lead) {
+    across_hosts(e, step, p, p.lead_world, [&](channel& ch) {
+      thread_local std::vector<recv_part> parts;
+      parts.clear();
+      for (int j = 0; j < p.hosts(); ++j) {
+        if (j == p.host()) continue;
+        ch.send(j, bundle(p.host()), static_cast<std::size_t>(p.local.size()) * block);
+        parts.push_back({j, bundle(j), static_cast<std::size_t>(p.ranks_on(j)) * block});
+      }
+      ch.recv_all(parts);
+      ch.flush();
+    });
+    for (std::size_t i = 0; i < n; ++i) std::memcpy(out + static_cast<std::size_t>(p.by_host[i]) * block, bundles + i * block, block);
+  }
+  step.count = c.count * n;
+  step.out = out;
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_broadcast(ch); });
+}
+
+/// reduce_scatter: reduce the whole input into each host's lead, the leads send each other lead the partial
+/// blocks of its host's ranks over the sockets and sum what they receive in host order, each lead scatters its
+/// host's blocks inside it.
+inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
+  const std::size_t block = c.count * size_of(c.type), n = static_cast<std::size_t>(c.grp->size());
+  const bool lead = p.me_local == 0;
+  const std::size_t here = p.local.size();
+  char* sum = lead ? e.scratch(0, n * block) : nullptr;  // this host's partial sums of every block
+  // Per other host j, its partial sums of this host's blocks; then the results, in `local` order.
+  char* parts_in = lead ? e.scratch(1, static_cast<std::size_t>(p.hosts()) * here * block) : nullptr;
+  const auto slot = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
+  call step = partial_step(c);
+  step.root = 0;  // the lead, in `local`
+  step.count = c.count * n;
+  if (lead) std::memcpy(sum, c.in, n * block);
+  // shm_reduce only reads the buffer of a rank other than the root: the input stays untouched.
+  step.out = lead ? sum : const_cast<void*>(c.in);
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_reduce(ch); });
+  step.count = c.count;
+  if (lead) {
+    across_hosts(e, step, p, p.lead_world, [&](channel& ch) {
+      for (int j = 0; j < p.hosts(); ++j)
+        for (int k = p.host_start[static_cast<std::size_t>(j)]; j != p.host() && k < p.host_start[static_cast<std::size_t>(j) + 1]; ++k)
+          ch.send(j, sum + static_cast<std::size_t>(p.by_host[static_cast<std::size_t>(k)]) * block, block);
+      thread_local std::vector<recv_part> parts;
+      for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
+        parts.clear();
+        for (int j = 0; j < p.hosts(); ++j)
+          if (j != p.host()) parts.push_back({j, slot(j, i), block});
+        ch.recv_all(parts);
+      }
+      ch.flush();
+    });
+    const int me = p.host();
+    for (std::size_t i = 0; i < here; ++i) {
+      const char* own = sum + static_cast<std::size_t>(p.local[i]) * block;
+      reduce_ranks(step, slot(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : slot(j, i); });
+    }
+  }
+  step.in = lead ? slot(p.host(), 0) : nullptr;
+  step.out = c.out;
+  step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
+  if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
+  else std::memcpy(c.out, slot(p.host(), 0), block);
+  finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
+}
+
+/// The engine's executor: runs collective call `c` on the engine thread, hierarchically where its group has a
+/// host_plan and the collective a hierarchical algorithm.
+inline void run_group_collective(engine& e, call& c) {
+  host_plan* p = c.grp->hier.get();
+  if (p == nullptr || c.count == 0) return run_collective(e, c);
+  switch (c.kind) {
+    case collective::all_reduce: return hierarchical_all_reduce(e, c, *p);
+    case collective::broadcast: return hierarchical_broadcast(e, c, *p);
+    case collective::all_gather: return hierarchical_all_gather(e, c, *p);
+    case collective::reduce_scatter: return hierarchical_reduce_scatter(e, c, *p);
+    default: return run_collective(e, c);
+  }
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/hierarchical.hpp>
 // ---- begin <ddp/comm/tcp/init_method.hpp>
 /// \file torch.distributed's init methods for ddp::tcp: "env://" (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 /// from the environment), "tcp://host:port" (rank 0's store there) and "file:///path" (rank 0's store found
@@ -6782,9 +7080,10 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
 /// (random until the engine aborts); a peer with the same identity that reads the word back with
 /// process_vm_readv runs on this host as this user, and reads it again after every copy. A peer on another
 /// machine or in another PID namespace (a container, a simulated host) is never probed: its pid would name
-/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody.
+/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody. `hosts` gets
+/// every rank's host identity.
 inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
-                                             const std::atomic<std::uint64_t>& live) {
+                                             const std::atomic<std::uint64_t>& live, std::vector<host_identity>& hosts) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -6800,6 +7099,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
   std::vector<std::uint8_t> readable(n, 0);
+  hosts.assign(n, mine.host);
   for (std::size_t j = 0; j < n; ++j) {
     if (j == me) continue;
     const auto bytes = store.get(key("memory", j));
@@ -6809,6 +7109,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
                   "ddp version",
                   cfg.rank);
     std::memcpy(&theirs, bytes.data(), sizeof theirs);
+    hosts[j] = theirs.host;
     if (!cfg.same_host_copy || theirs.address == 0 || !mine.host.shares_pids_with(theirs.host)) continue;
     std::uint64_t seen = 0;
     iovec local{&seen, sizeof seen};
@@ -6825,45 +7126,65 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
-/// True when every rank of the job can copy straight out of every other rank's memory (the rows probe_memory
+/// Per rank, its host: the lowest rank whose host identity is its own. Ranks whose identity cannot be read count
+/// as one host: mapping its segment (map_shared_memory) then tells whether they share one, as on one host.
+inline std::vector<int> hosts_of(const std::vector<host_identity>& hosts) {
+  const auto same = [](const host_identity& a, const host_identity& b) {
+    return a.boot == b.boot && a.pid_ns == b.pid_ns && a.pid_ns_dev == b.pid_ns_dev;
+  };
+  std::vector<int> host_of(hosts.size());
+  for (std::size_t r = 0; r < hosts.size(); ++r) {
+    std::size_t j = 0;
+    while (j < r && !same(hosts[j], hosts[r])) ++j;
+    host_of[r] = static_cast<int>(j);
+  }
+  return host_of;
+}
+
+/// True when every rank of `ranks` can copy straight out of every other one's memory (the rows probe_memory
 /// published). One answer for every rank, so all of them choose the same algorithm for a collective; a probe that
 /// succeeded one way only (ptrace rules, one rank with CAP_SYS_PTRACE) counts as none.
-inline bool every_rank_reads_every_rank(const config& cfg, store_client& store) {
-  for (int j = 0; j < cfg.size; ++j) {
+inline bool every_rank_reads_every_rank(store_client& store, const std::vector<int>& ranks) {
+  for (const int j : ranks) {
     const auto row = store.get("ddp/memory_ok/" + std::to_string(j));
-    for (int k = 0; k < cfg.size; ++k)
+    for (const int k : ranks)
       if (k != j && (static_cast<std::size_t>(k) >= row.size() || row[static_cast<std::size_t>(k)] != 1)) return false;
   }
   return true;
 }
 
-/// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
-/// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
-/// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
-inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_client& store) {
+/// Maps this host's shared-memory segment where every rank can: on each host with two ranks or more the lowest
+/// (rank 0 where every rank is on one host) removes what killed jobs left, creates the segment and publishes its
+/// name; the host's other ranks map it; every rank says whether it could (same host and user, DDP_SHM not 0) and
+/// the creator unlinks the name once all have answered. Null where any rank cannot: the sockets carry everything.
+inline std::shared_ptr<shm_hosts> map_shared_memory(const config& cfg, store_client& store, std::vector<int> host_of) {
+  const int lead = host_of[static_cast<std::size_t>(cfg.rank)];
+  const bool one_host = std::all_of(host_of.begin(), host_of.end(), [](int h) { return h == 0; });
+  const int local = static_cast<int>(std::count(host_of.begin(), host_of.end(), lead));
+  const std::string where = one_host ? "ddp/shm" : "ddp/shm/" + std::to_string(lead);
   std::shared_ptr<shm_world> world;
   std::string name;
-  if (cfg.rank == 0 && cfg.shared_memory) {
-    reap_stale_segments();
-    std::random_device random;
-    char nonce[24];
-    std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
-    name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
-    try {
-      world = std::make_shared<shm_world>(name, cfg.size, 0);
-    } catch (const error& e) {
-      log_line(0, std::string(e.what()) + "; the sockets carry everything");
+  if (local > 1 && cfg.rank == lead) {
+    if (cfg.shared_memory) {
+      reap_stale_segments();
+      std::random_device random;
+      char nonce[24];
+      std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
+      name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
+      try {
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank, true, local);
+      } catch (const error& e) {
+        log_line(cfg.rank, std::string(e.what()) + "; the sockets carry everything");
+      }
     }
     const std::string published = world ? name : std::string();
-    store.set("ddp/shm", std::vector<std::uint8_t>(published.begin(), published.end()));
-  } else if (cfg.rank == 0) {
-    store.set("ddp/shm", {});
-  } else {
-    const auto bytes = store.get("ddp/shm");
+    store.set(where, std::vector<std::uint8_t>(published.begin(), published.end()));
+  } else if (local > 1) {
+    const auto bytes = store.get(where);
     name.assign(bytes.begin(), bytes.end());
     if (cfg.shared_memory && !name.empty()) {
       try {
-        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank);
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank, false, local);
         if (!world->genuine()) world.reset();
       } catch (const error&) {  // another host, or another user: the sockets carry everything
         world.reset();
@@ -6871,18 +7192,21 @@ inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_cli
     }
   }
   const auto key = [](int r) { return "ddp/shm_ok/" + std::to_string(r); };
-  store.set(key(cfg.rank), {static_cast<std::uint8_t>(world ? 1 : 0)});
+  store.set(key(cfg.rank), {static_cast<std::uint8_t>((local > 1 ? world != nullptr : cfg.shared_memory) ? 1 : 0)});
   bool all = true;
   for (int r = 0; r < cfg.size; ++r) all = store.get(key(r)).at(0) == 1 && all;
-  if (cfg.rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
-  if (!all) world.reset();
-  return world;
+  if (cfg.rank == lead && !name.empty()) ::shm_unlink(name.c_str());
+  if (!all) return nullptr;
+  auto hosts = std::make_shared<shm_hosts>();
+  hosts->segment = std::move(world);
+  hosts->host_of = std::move(host_of);
+  return hosts;
 }
 
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
-/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared-memory segment where every rank runs
-/// on this host, else null.
-inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint64_t token,
+/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
+/// every rank can map its host's), else null.
+inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
                                        clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
   store_client store = by_file ? find_store(cfg, token, deadline)
@@ -6900,25 +7224,32 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store, eng.live().word());
+  std::vector<host_identity> identities;
+  auto memory = probe_memory(cfg, store, eng.live().word(), identities);
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
                     std::to_string(cfg.size - 1) +
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
-  auto world = map_shared_memory(cfg, store);
-  if (world) {
-    world->memory = memory;
-    world->single_copy = every_rank_reads_every_rank(cfg, store);
+  auto hosts = map_shared_memory(cfg, store, hosts_of(identities));
+  const bool one_host = hosts && hosts->segment && hosts->segment->local_size() == cfg.size;
+  if (hosts && hosts->segment) {
+    std::vector<int> local;
+    for (int r = 0; r < cfg.size; ++r)
+      if (hosts->host_of[static_cast<std::size_t>(r)] == hosts->host_of[static_cast<std::size_t>(cfg.rank)]) local.push_back(r);
+    hosts->segment->memory = memory;
+    hosts->segment->single_copy = every_rank_reads_every_rank(store, local);
   }
   if (cfg.rank == 0)
-    log_line(0, world ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
-                        "turns this off)"
-                      : "collectives and sends run through the sockets: not every rank can map shared memory with "
-                        "rank 0 (another host or user, or DDP_SHM=0)");
-  auto rings = world ? std::make_unique<shm_rings>(world->name(), cfg.size, cfg.rank) : nullptr;
-  eng.attach(std::move(sockets), std::move(memory), world, std::move(rings));
+    log_line(0, one_host ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
+                           "turns this off)"
+                : hosts  ? "collectives run through shared memory inside each host and the sockets across them "
+                           "(hierarchical; DDP_SHM=0 turns this off); sends run through the sockets"
+                         : "collectives and sends run through the sockets: not every rank can map shared memory with "
+                           "the ranks of its host (another user, or DDP_SHM=0)");
+  auto rings = one_host ? std::make_unique<shm_rings>(hosts->segment->name(), cfg.size, cfg.rank) : nullptr;
+  eng.attach(std::move(sockets), std::move(memory), hosts ? hosts->segment : nullptr, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
@@ -6930,7 +7261,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
-  return world;
+  return hosts;
 }
 
 }  // namespace ddp::tcp::detail
@@ -6939,16 +7270,6 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
 namespace ddp::tcp {
 
 namespace detail {
-
-/// A group identifier all members compute alike from (parent id, split number, color).
-inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
-  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
-  for (const std::uint64_t v : {a, b, c}) {
-    h = (h ^ v) * 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-  }
-  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
-}
 
 /// The group's name in flight record files: its identifier in hex, the same on every member.
 inline std::string group_label(std::uint32_t id) {
@@ -6987,7 +7308,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
       detail::publish_store(cfg, token, port, addresses);
     }
-    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_group_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
@@ -6996,8 +7317,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    if (auto world = detail::join(cfg, *engine_, token, deadline))
-      group_->shm = std::make_shared<detail::shm_group>(std::move(world), group_->id, group_->members, group_->me);
+    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, token, deadline));
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
@@ -7044,8 +7364,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
     }
-    if (group_->shm && ranks.size() > 1)
-      child->shm = std::make_shared<detail::shm_group>(group_->shm->world_ptr(), child->id, child->members, child->me);
+    detail::use_shared_memory(*child, group_->hosts);
     return communicator(engine_, std::move(child));
   }
 

@@ -14,6 +14,7 @@
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
+#include <ddp/comm/tcp/shm_hosts.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/dtype.hpp>
 
@@ -35,6 +36,8 @@ struct group {
   ddp::detail::stats_counter stats;
   std::shared_ptr<ddp::detail::flight_recorder> flight;  ///< the group's last collectives (null when off)
   std::shared_ptr<shm_group> shm;  ///< the group's shared-memory segment when every member is on this host; else null
+  std::shared_ptr<const shm_hosts> hosts;  ///< the job's shared memory, for the groups split() makes; null: none
+  std::shared_ptr<host_plan> hier;  ///< where the group spans hosts with two members or more on one: its hierarchy
 
   [[nodiscard]] int size() const { return static_cast<int>(members.size()); }
 };
@@ -58,6 +61,9 @@ struct call {
   std::uint64_t seq = 0;
   std::shared_ptr<ddp::detail::completion> done;
   bool resumed = false;  ///< a shared-memory call the caller's thread started and handed to the engine
+  /// Where not 0, the group its frames name instead of grp->id: a hierarchical call's step across hosts, whose
+  /// frames (op, root) differ from the call's own, so no check takes them for another call at the same step.
+  std::uint32_t wire_group = 0;
 
   /// True for a collective that runs over its group's shared-memory segment.
   [[nodiscard]] bool over_shm() const { return side == p2p::none && grp->shm != nullptr; }
@@ -71,7 +77,7 @@ inline frame_header header_of(const call& c, std::uint64_t length) {
   h.reduce = has_reduce(h.op) ? static_cast<std::uint8_t>(c.op) : 0;
   if (has_root(h.op)) h.root = c.root;
   if (c.kind == collective::send_recv) h.tag = c.tag;
-  h.group = c.grp->id;
+  h.group = c.wire_group != 0 ? c.wire_group : c.grp->id;
   h.seq = c.seq;
   h.count = c.count;
   h.length = length;

@@ -27,6 +27,7 @@
 #include <ddp/comm/tcp/algorithms.hpp>
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/engine.hpp>
+#include <ddp/comm/tcp/hierarchical.hpp>
 #include <ddp/comm/tcp/init_method.hpp>
 #include <ddp/comm/tcp/rendezvous.hpp>
 #include <ddp/comm/tcp/socket.hpp>
@@ -39,16 +40,6 @@
 namespace ddp::tcp {
 
 namespace detail {
-
-/// A group identifier all members compute alike from (parent id, split number, color).
-inline std::uint32_t mix_id(std::uint64_t a, std::uint64_t b, std::uint64_t c) {
-  std::uint64_t h = 0x9e3779b97f4a7c15ULL;
-  for (const std::uint64_t v : {a, b, c}) {
-    h = (h ^ v) * 0xff51afd7ed558ccdULL;
-    h ^= h >> 33;
-  }
-  return static_cast<std::uint32_t>(h) | 1U;  // 0 stays unused
-}
 
 /// The group's name in flight record files: its identifier in hex, the same on every member.
 inline std::string group_label(std::uint32_t id) {
@@ -87,7 +78,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
       detail::publish_store(cfg, token, port, addresses);
     }
-    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_collective, std::move(server));
+    engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_group_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
     group_->me = cfg.rank;
     group_->id = detail::mix_id(0, 0, static_cast<std::uint64_t>(cfg.size));
@@ -96,8 +87,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    if (auto world = detail::join(cfg, *engine_, token, deadline))
-      group_->shm = std::make_shared<detail::shm_group>(std::move(world), group_->id, group_->members, group_->me);
+    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, token, deadline));
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
@@ -144,8 +134,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       child->members.push_back(group_->members[static_cast<std::size_t>(ranks[i])]);
       if (ranks[i] == rank()) child->me = static_cast<int>(i);
     }
-    if (group_->shm && ranks.size() > 1)
-      child->shm = std::make_shared<detail::shm_group>(group_->shm->world_ptr(), child->id, child->members, child->me);
+    detail::use_shared_memory(*child, group_->hosts);
     return communicator(engine_, std::move(child));
   }
 

@@ -133,6 +133,14 @@ class engine : peer_io {
   void flush() {
     pump([&] { return std::none_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.sending(); }); });
   }
+  /// Between the sleeps of a hierarchical collective's shared-memory step: serves the sockets without blocking;
+  /// throws to cancel the call.
+  void serve_sockets() {
+    idle_wait(0);
+    if (queue_.stopping()) throw cancelled();  // to the peers, this rank is lost
+  }
+  /// The executing call's deadline.
+  [[nodiscard]] clock::time_point deadline() const { return deadline_; }
   /// Scratch buffer `which` (0 or 1) of at least `bytes`: it only grows, uninitialized, and growing discards
   /// its contents, so steady state allocates and touches no new memory.
   char* scratch(int which, std::size_t bytes) { return scratch_[which].get(bytes); }

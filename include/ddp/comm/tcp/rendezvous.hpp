@@ -23,6 +23,7 @@
 #include <ddp/comm/tcp/engine.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_hosts.hpp>
 #include <ddp/comm/tcp/shm_rings.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
@@ -141,9 +142,10 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
 /// (random until the engine aborts); a peer with the same identity that reads the word back with
 /// process_vm_readv runs on this host as this user, and reads it again after every copy. A peer on another
 /// machine or in another PID namespace (a container, a simulated host) is never probed: its pid would name
-/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody.
+/// an unrelated process here. Ranks with same_host_copy off publish no address and read nobody. `hosts` gets
+/// every rank's host identity.
 inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& store,
-                                             const std::atomic<std::uint64_t>& live) {
+                                             const std::atomic<std::uint64_t>& live, std::vector<host_identity>& hosts) {
   struct probe {
     std::uint64_t pid = 0;
     std::uint64_t address = 0;
@@ -159,6 +161,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   store.set(key("memory", me), std::vector<std::uint8_t>(raw, raw + sizeof mine));
   std::vector<peer_memory> peers(n);
   std::vector<std::uint8_t> readable(n, 0);
+  hosts.assign(n, mine.host);
   for (std::size_t j = 0; j < n; ++j) {
     if (j == me) continue;
     const auto bytes = store.get(key("memory", j));
@@ -168,6 +171,7 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
                   "ddp version",
                   cfg.rank);
     std::memcpy(&theirs, bytes.data(), sizeof theirs);
+    hosts[j] = theirs.host;
     if (!cfg.same_host_copy || theirs.address == 0 || !mine.host.shares_pids_with(theirs.host)) continue;
     std::uint64_t seen = 0;
     iovec local{&seen, sizeof seen};
@@ -184,45 +188,65 @@ inline std::vector<peer_memory> probe_memory(const config& cfg, store_client& st
   return peers;
 }
 
-/// True when every rank of the job can copy straight out of every other rank's memory (the rows probe_memory
+/// Per rank, its host: the lowest rank whose host identity is its own. Ranks whose identity cannot be read count
+/// as one host: mapping its segment (map_shared_memory) then tells whether they share one, as on one host.
+inline std::vector<int> hosts_of(const std::vector<host_identity>& hosts) {
+  const auto same = [](const host_identity& a, const host_identity& b) {
+    return a.boot == b.boot && a.pid_ns == b.pid_ns && a.pid_ns_dev == b.pid_ns_dev;
+  };
+  std::vector<int> host_of(hosts.size());
+  for (std::size_t r = 0; r < hosts.size(); ++r) {
+    std::size_t j = 0;
+    while (j < r && !same(hosts[j], hosts[r])) ++j;
+    host_of[r] = static_cast<int>(j);
+  }
+  return host_of;
+}
+
+/// True when every rank of `ranks` can copy straight out of every other one's memory (the rows probe_memory
 /// published). One answer for every rank, so all of them choose the same algorithm for a collective; a probe that
 /// succeeded one way only (ptrace rules, one rank with CAP_SYS_PTRACE) counts as none.
-inline bool every_rank_reads_every_rank(const config& cfg, store_client& store) {
-  for (int j = 0; j < cfg.size; ++j) {
+inline bool every_rank_reads_every_rank(store_client& store, const std::vector<int>& ranks) {
+  for (const int j : ranks) {
     const auto row = store.get("ddp/memory_ok/" + std::to_string(j));
-    for (int k = 0; k < cfg.size; ++k)
+    for (const int k : ranks)
       if (k != j && (static_cast<std::size_t>(k) >= row.size() || row[static_cast<std::size_t>(k)] != 1)) return false;
   }
   return true;
 }
 
-/// Maps the job's shared-memory segment when every rank can: rank 0 removes what killed jobs left, creates
-/// the segment and publishes its name; every other rank maps it and says whether it could (same host, same
-/// user, DDP_SHM not 0); rank 0 unlinks the name once all have answered. Null where any rank cannot.
-inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_client& store) {
+/// Maps this host's shared-memory segment where every rank can: on each host with two ranks or more the lowest
+/// (rank 0 where every rank is on one host) removes what killed jobs left, creates the segment and publishes its
+/// name; the host's other ranks map it; every rank says whether it could (same host and user, DDP_SHM not 0) and
+/// the creator unlinks the name once all have answered. Null where any rank cannot: the sockets carry everything.
+inline std::shared_ptr<shm_hosts> map_shared_memory(const config& cfg, store_client& store, std::vector<int> host_of) {
+  const int lead = host_of[static_cast<std::size_t>(cfg.rank)];
+  const bool one_host = std::all_of(host_of.begin(), host_of.end(), [](int h) { return h == 0; });
+  const int local = static_cast<int>(std::count(host_of.begin(), host_of.end(), lead));
+  const std::string where = one_host ? "ddp/shm" : "ddp/shm/" + std::to_string(lead);
   std::shared_ptr<shm_world> world;
   std::string name;
-  if (cfg.rank == 0 && cfg.shared_memory) {
-    reap_stale_segments();
-    std::random_device random;
-    char nonce[24];
-    std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
-    name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
-    try {
-      world = std::make_shared<shm_world>(name, cfg.size, 0);
-    } catch (const error& e) {
-      log_line(0, std::string(e.what()) + "; the sockets carry everything");
+  if (local > 1 && cfg.rank == lead) {
+    if (cfg.shared_memory) {
+      reap_stale_segments();
+      std::random_device random;
+      char nonce[24];
+      std::snprintf(nonce, sizeof nonce, "%08x%08x", random(), random());
+      name = shm_user_prefix() + std::to_string(::getpid()) + "-" + nonce;
+      try {
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank, true, local);
+      } catch (const error& e) {
+        log_line(cfg.rank, std::string(e.what()) + "; the sockets carry everything");
+      }
     }
     const std::string published = world ? name : std::string();
-    store.set("ddp/shm", std::vector<std::uint8_t>(published.begin(), published.end()));
-  } else if (cfg.rank == 0) {
-    store.set("ddp/shm", {});
-  } else {
-    const auto bytes = store.get("ddp/shm");
+    store.set(where, std::vector<std::uint8_t>(published.begin(), published.end()));
+  } else if (local > 1) {
+    const auto bytes = store.get(where);
     name.assign(bytes.begin(), bytes.end());
     if (cfg.shared_memory && !name.empty()) {
       try {
-        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank);
+        world = std::make_shared<shm_world>(name, cfg.size, cfg.rank, false, local);
         if (!world->genuine()) world.reset();
       } catch (const error&) {  // another host, or another user: the sockets carry everything
         world.reset();
@@ -230,18 +254,21 @@ inline std::shared_ptr<shm_world> map_shared_memory(const config& cfg, store_cli
     }
   }
   const auto key = [](int r) { return "ddp/shm_ok/" + std::to_string(r); };
-  store.set(key(cfg.rank), {static_cast<std::uint8_t>(world ? 1 : 0)});
+  store.set(key(cfg.rank), {static_cast<std::uint8_t>((local > 1 ? world != nullptr : cfg.shared_memory) ? 1 : 0)});
   bool all = true;
   for (int r = 0; r < cfg.size; ++r) all = store.get(key(r)).at(0) == 1 && all;
-  if (cfg.rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
-  if (!all) world.reset();
-  return world;
+  if (cfg.rank == lead && !name.empty()) ::shm_unlink(name.c_str());
+  if (!all) return nullptr;
+  auto hosts = std::make_shared<shm_hosts>();
+  hosts->segment = std::move(world);
+  hosts->host_of = std::move(host_of);
+  return hosts;
 }
 
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
-/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared-memory segment where every rank runs
-/// on this host, else null.
-inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint64_t token,
+/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
+/// every rank can map its host's), else null.
+inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
                                        clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
   store_client store = by_file ? find_store(cfg, token, deadline)
@@ -259,25 +286,32 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
                                            : ""));
   }
   auto sockets = build_mesh(cfg, store, token, host, deadline);
-  auto memory = probe_memory(cfg, store, eng.live().word());
+  std::vector<host_identity> identities;
+  auto memory = probe_memory(cfg, store, eng.live().word(), identities);
   if (cfg.rank == 0) {
     const auto readable = std::count_if(memory.begin(), memory.end(), [](const auto& m) { return m.readable; });
     log_line(0, "rank 0 copies large frames straight from the memory of " + std::to_string(readable) + " of its " +
                     std::to_string(cfg.size - 1) +
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
-  auto world = map_shared_memory(cfg, store);
-  if (world) {
-    world->memory = memory;
-    world->single_copy = every_rank_reads_every_rank(cfg, store);
+  auto hosts = map_shared_memory(cfg, store, hosts_of(identities));
+  const bool one_host = hosts && hosts->segment && hosts->segment->local_size() == cfg.size;
+  if (hosts && hosts->segment) {
+    std::vector<int> local;
+    for (int r = 0; r < cfg.size; ++r)
+      if (hosts->host_of[static_cast<std::size_t>(r)] == hosts->host_of[static_cast<std::size_t>(cfg.rank)]) local.push_back(r);
+    hosts->segment->memory = memory;
+    hosts->segment->single_copy = every_rank_reads_every_rank(store, local);
   }
   if (cfg.rank == 0)
-    log_line(0, world ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
-                        "turns this off)"
-                      : "collectives and sends run through the sockets: not every rank can map shared memory with "
-                        "rank 0 (another host or user, or DDP_SHM=0)");
-  auto rings = world ? std::make_unique<shm_rings>(world->name(), cfg.size, cfg.rank) : nullptr;
-  eng.attach(std::move(sockets), std::move(memory), world, std::move(rings));
+    log_line(0, one_host ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "
+                           "turns this off)"
+                : hosts  ? "collectives run through shared memory inside each host and the sockets across them "
+                           "(hierarchical; DDP_SHM=0 turns this off); sends run through the sockets"
+                         : "collectives and sends run through the sockets: not every rank can map shared memory with "
+                           "the ranks of its host (another user, or DDP_SHM=0)");
+  auto rings = one_host ? std::make_unique<shm_rings>(hosts->segment->name(), cfg.size, cfg.rank) : nullptr;
+  eng.attach(std::move(sockets), std::move(memory), hosts ? hosts->segment : nullptr, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
   store.add("ddp/joined", 1);
   while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
@@ -289,7 +323,7 @@ inline std::shared_ptr<shm_world> join(const config& cfg, engine& eng, std::uint
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
-  return world;
+  return hosts;
 }
 
 }  // namespace ddp::tcp::detail

@@ -176,7 +176,7 @@ class shm_channel {
   [[nodiscard]] int me_world() const { return g_.world_rank(g_.me()); }
   /// "rank 1", plus the world rank inside a subgroup.
   [[nodiscard]] std::string label(int r) const {
-    return rank_label(static_cast<std::size_t>(r), g_.world_rank(r),
+    return rank_label(static_cast<std::size_t>(g_.group_rank(r)), g_.world_rank(r),
                       c_.grp->members.size() != static_cast<std::size_t>(g_.world().size()));
   }
 

@@ -43,9 +43,11 @@ struct alignas(64) shm_region_head {
 /// The group's segment, mapped by this rank, and the group's phase count.
 class shm_group {
  public:
-  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`.
-  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me)
-      : world_(std::move(world)), members_(std::move(members)), me_(me) {
+  /// Maps (creating it if first) the segment of the group `id` of `members` (world ranks) in the job segment `world`;
+  /// `ranks`, where given, are the members' ranks in the group the messages name (a hierarchical group's).
+  shm_group(std::shared_ptr<shm_world> world, std::uint32_t id, std::vector<int> members, int me,
+            std::vector<int> ranks = {})
+      : world_(std::move(world)), members_(std::move(members)), ranks_(std::move(ranks)), me_(me) {
     char hex[16];
     std::snprintf(hex, sizeof hex, "%08x", id);
     const std::string name = world_->name() + "-" + hex;
@@ -56,11 +58,11 @@ class shm_group {
   shm_group(const shm_group&) = delete;
 
   [[nodiscard]] shm_world& world() { return *world_; }
-  /// The job segment, for the segments of subgroups.
-  [[nodiscard]] const std::shared_ptr<shm_world>& world_ptr() const { return world_; }
   [[nodiscard]] int me() const { return me_; }
   [[nodiscard]] int size() const { return static_cast<int>(members_.size()); }
   [[nodiscard]] int world_rank(int r) const { return members_[static_cast<std::size_t>(r)]; }
+  /// Member `r`'s rank in the group the messages name.
+  [[nodiscard]] int group_rank(int r) const { return ranks_.empty() ? r : ranks_[static_cast<std::size_t>(r)]; }
 
   /// Group rank `r`'s counters.
   shm_counters& counters(int r) { return reinterpret_cast<shm_counters*>(map_.data() + 64)[r]; }
@@ -72,13 +74,13 @@ class shm_group {
   }
   char* data(int r, std::uint32_t phase) { return reinterpret_cast<char*>(&head(r, phase)) + sizeof(shm_region_head); }
 
-  /// True where the job has more ranks than this host has cores: waits sleep at once instead of spinning.
+  /// True where the job has more ranks on this host than the host has cores: waits sleep at once instead of spinning.
   [[nodiscard]] bool oversubscribed() const { return oversubscribed_; }
 
   /// Phases this rank has completed (posted and seen every rank post); the engine's queue orders the calls.
   std::uint32_t phase = 0;
 
-  /// True when every rank can copy straight out of every other rank's memory (the same answer on every rank).
+  /// True when every rank of the host can copy straight out of every other one's memory (the same answer on each).
   [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
@@ -89,11 +91,12 @@ class shm_group {
   static constexpr std::size_t region_stride() { return sizeof(shm_region_head) + shm_region_bytes; }
   std::shared_ptr<shm_world> world_;
   std::vector<int> members_;
+  std::vector<int> ranks_;
   int me_;
   shm_mapping map_;
   scratch_buffer scratch_;
   /// Read once: the count of cores costs a file read (glibc reads /sys), more than a small collective.
-  bool oversubscribed_ = static_cast<unsigned>(world_->size()) > std::max(1U, std::thread::hardware_concurrency());
+  bool oversubscribed_ = static_cast<unsigned>(world_->local_size()) > std::max(1U, std::thread::hardware_concurrency());
 };
 
 }  // namespace ddp::tcp::detail

@@ -1,8 +1,9 @@
 #pragma once
-/// \file The job's shared-memory segment, when every rank runs on one host: per rank, a robust mutex its
-/// engine thread holds for its lifetime (the kernel marks it when the process dies, even by SIGKILL, so a
-/// survivor sees the death with one load) and the state it left in: running, closed, or aborted with the
-/// error its peers then raise. Rank 0 creates it at the rendezvous; it is unlinked once all ranks mapped it.
+/// \file The job's shared-memory segment of one host (the whole job's where every rank runs on one host): per
+/// world rank, a robust mutex its engine thread holds for its lifetime (the kernel marks it when the process
+/// dies, even by SIGKILL, so a survivor sees the death with one load) and the state it left in: running,
+/// closed, or aborted with the error its peers then raise. The host's lowest rank (rank 0 on one host) creates
+/// it at the rendezvous; it is unlinked once all the host's ranks mapped it.
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -60,10 +61,12 @@ class shm_world {
  public:
   static constexpr std::uint64_t magic = 0x444450534d574c44ULL;  // "DDPSMWLD"
 
-  /// Maps the job segment `name` of `size` ranks (rank 0 creates it and writes the magic; the others open it).
-  shm_world(std::string name, int size, int rank) : name_(std::move(name)), size_(size), rank_(rank) {
-    map_ = shm_mapping::open(name_, bytes(size), rank == 0, rank == 0, rank);
-    if (rank == 0) layout().magic = magic;
+  /// Maps the segment `name` of a job of `size` ranks, `local` of them on this host, as world rank `rank` (the
+  /// `creator` creates it and writes the magic; the others open it).
+  shm_world(std::string name, int size, int rank, bool creator, int local)
+      : name_(std::move(name)), size_(size), local_(local), rank_(rank) {
+    map_ = shm_mapping::open(name_, bytes(size), creator, creator, rank);
+    if (creator) layout().magic = magic;
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
@@ -77,6 +80,8 @@ class shm_world {
   [[nodiscard]] const std::string& name() const { return name_; }
   /// The job's number of ranks.
   [[nodiscard]] int size() const { return size_; }
+  /// The job's ranks on this host (size() where every rank is on this host).
+  [[nodiscard]] int local_size() const { return local_; }
   /// True when rank 0 wrote the magic: the segment is the job's.
   [[nodiscard]] bool genuine() { return layout().magic == magic; }
 
@@ -115,7 +120,7 @@ class shm_world {
 
   /// What this rank may read of each world rank's memory (same_host.hpp), set once at the rendezvous.
   std::vector<peer_memory> memory;
-  /// Every rank can copy straight out of every other rank's memory: collectives may use single copies.
+  /// Every rank on this host can copy straight out of every other one's memory: collectives may use single copies.
   bool single_copy = false;
 
  private:
@@ -127,6 +132,7 @@ class shm_world {
 
   std::string name_;
   int size_;
+  int local_;
   int rank_;
   shm_mapping map_;
 };
