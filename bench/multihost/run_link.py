@@ -99,13 +99,15 @@ def policies(args):
         logs = on_hosts(launch(args.build, 2, f"policy --policy {policy} --steps {steps}"), args.rate)
         hosts = json_lines(logs)
         psi = hosts[0]["psi_bytes"]
-        # Bytes a host sends across the link per step, for H = 2 hosts of K = 2 ranks (N = 4, ring by rank: one
-        # ring edge per host crosses, carrying what one rank sends): all_reduce 2Ψ(N-1)/N, reduce_scatter and
-        # all_gather Ψ(N-1)/N each; hybrid<full_shard>: the K ranks of a host each all-reduce their Ψ/K shard with
-        # their counterpart, 2(Ψ/K)(H-1)/H each, 2Ψ(H-1)/H per host; its gathers stay inside the host.
-        n = 4
-        theory = {"replicate": 2 * psi * (n - 1) / n, "shard_grad_op": 2 * psi * (n - 1) / n,
-                  "full_shard": 3 * psi * (n - 1) / n, "hybrid": 2 * psi * (2 - 1) / 2}[policy]
+        # Bytes a host sends across the link per step, for H = 2 hosts of K = 2 ranks. The groups spanning both
+        # hosts are hierarchical (docs/tcp.md): each host's lead carries the host's share over the sockets, so
+        # all_reduce sends 2Ψ(H-1)/H per host, reduce_scatter and all_gather Ψ(H-1)/H each; hybrid<full_shard>:
+        # the K ranks of a host each all-reduce their Ψ/K shard with their counterpart, 2Ψ(H-1)/H per host, its
+        # gathers inside the host. (DDP_SHM=0, the flat rings over N = 4: 2Ψ(N-1)/N and Ψ(N-1)/N.)
+        h = 2
+        share = psi * (h - 1) / h
+        theory = {"replicate": 2 * share, "shard_grad_op": 2 * share, "full_shard": 3 * share,
+                  "hybrid": 2 * share}[policy]
         for h in hosts:
             rows.append({"policy": h["policy"], "rank": h["rank"], "psi_bytes": psi, "steps": h["steps"],
                          "link_bytes_per_step": h["link_tx_bytes"] / h["steps"], "theory_bytes": theory,
@@ -386,12 +388,12 @@ def write(r):
            "Each host's first rank reads eth0's `tx_bytes` (`/sys/class/net/eth0/statistics`) after a barrier, runs "
            "10 steps (after one warm-up step; the rendezvous and the construction are before it), and reads it after a "
            "barrier: all bytes the host put on the link, TCP/IP and Ethernet headers and ACKs included. Model: the "
-           "naive MLP of 8 layers 1024×1024 (Ψ = parameter bytes). Theory, per host: the ring over ranks 0..3 crosses "
-           "the link on one edge per host, which carries what one rank sends: all_reduce 2Ψ(N−1)/N, reduce_scatter "
-           "and all_gather Ψ(N−1)/N each (N = 4): replicate 1.5Ψ, shard_grad_op 1.5Ψ (reduce-scatter + all-gather), "
-           "full_shard 2.25Ψ (two all-gathers + reduce-scatter); hybrid<full_shard> with a shard group per host: the "
-           "all-reduce of each rank's Ψ/2 shard with its counterpart on the other host, 2Ψ(R−1)/R = Ψ per host (R = "
-           "2 hosts), the all-gathers and reduce-scatters inside the host.", "",
+           "naive MLP of 8 layers 1024×1024 (Ψ = parameter bytes). Theory, per host: the groups spanning both hosts "
+           "are hierarchical (shared memory inside a host, each host's lead on the link): all_reduce 2Ψ(H−1)/H, "
+           "reduce_scatter and all_gather Ψ(H−1)/H each (H = 2 hosts): replicate Ψ, shard_grad_op Ψ (reduce-scatter "
+           "+ all-gather), full_shard 1.5Ψ (two all-gathers + reduce-scatter); hybrid<full_shard> with a shard group "
+           "per host: the all-reduce of each rank's Ψ/2 shard with its counterpart on the other host, 2Ψ(H−1)/H = Ψ "
+           "per host, the all-gathers and reduce-scatters inside the host.", "",
            "| policy | host (rank) | Ψ MB | link bytes/step MB | theory MB | link / theory − 1 | payload/step of that rank MB |",
            "|---|---:|---:|---:|---:|---:|---:|"]
     for row in r["policies"]:
