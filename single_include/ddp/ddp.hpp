@@ -3218,8 +3218,9 @@ struct recv_part {
 
 // ---- begin <ddp/comm/tcp/call_queue.hpp>
 /// \file The calls submitted to the engine, in submission order, and who runs them. The engine thread takes
-/// them one at a time; a shared-memory call submitted while nothing runs or waits may run on the caller's
-/// thread instead (shm_run.hpp), and goes back to the front of the queue when its peers are late. One mutex
+/// them one at a time; a shared-memory call (a collective of a group on one host, or a send or recv through
+/// the rings) submitted while nothing runs or waits may run on the caller's thread instead (shm_run.hpp,
+/// peer_io.hpp): a collective goes back to the front of the queue when its peers are late, a recv stays posted. One mutex
 /// guards the queue and orders the submissions (callers take it to number their calls).
 
 #include <deque>
@@ -3233,10 +3234,11 @@ class call_queue {
   std::mutex& mutex() { return mutex_; }
   /// With mutex() held: queues `c` behind the others.
   void push_locked(call c) { calls_.push_back(std::move(c)); }
-  /// With mutex() held: true (and the queue claimed) when shared-memory call `c` may run on the caller's
-  /// thread now, because nothing runs or waits before it and the engine has not failed.
+  /// With mutex() held: true (and the queue claimed) when call `c` may run on the caller's thread now: a
+  /// collective over shared memory, or a send or recv where the job has shared memory, with nothing running or
+  /// waiting before it and the engine not failed.
   bool claim_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    if (c.grp->shm == nullptr || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
     busy_ = true;
     return true;
   }
@@ -4203,13 +4205,18 @@ class engine_errors {
 // ---- begin <ddp/comm/tcp/peer_io.hpp>
 /// \file The engine's peers and the transfers outside a collective's algorithm: frames posted on the
 /// sockets, and point-to-point sends and recvs, over the sockets or, on one host with shared memory, the
-/// rings (shm_rings.hpp). A send's frame, from either, goes to the recv it matches (mailbox, matching.hpp) or
+/// rings (shm_rings.hpp), on the engine thread or, where the engine is idle, on the caller's. A send's frame, from either, goes to the recv it matches (mailbox, matching.hpp) or
 /// aside until its recv comes, so both carry the same errors: a count or dtype mismatch, a recv's timeout,
-/// peer_lost when the peer's socket ends. The engine (engine.hpp) derives from this; only its thread calls it.
+/// peer_lost when the peer's socket ends. The engine (engine.hpp) derives from this; whoever holds its io mutex calls it.
+
+#include <sched.h>
 
 
 
 namespace ddp::tcp::detail {
+
+/// A send or recv on the caller's thread spins this long before it yields the core between looks at the ring.
+inline constexpr std::chrono::microseconds p2p_spin{5};
 
 class peer_io : protected engine_errors {
  protected:
@@ -4247,6 +4254,50 @@ class peer_io : protected engine_errors {
     if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
     if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
     p.mail.post(std::move(want));
+  }
+
+  /// On the caller's thread, with the engine's io mutex held and the queue claimed (engine.hpp): runs point-to-point
+  /// call `c` through its peer's ring (false, untouched, where the peer has none: the engine thread runs it).
+  /// Until the call completes it moves bytes through the ring itself, with its bell down (no peer rings this rank
+  /// meanwhile), giving up after `patience` without a byte moving: the engine thread then goes on with it. It
+  /// spins for p2p_spin, then yields the core between looks (on a loaded host the peer may need this core to
+  /// send: measured on the 2-core VM, 4 KiB ping-pong took 125 us one way with a 100 us spin, 8 us yielding).
+  /// `wake` says the engine thread must be woken: to heed a recv's deadline, or to finish a socket write.
+  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, bool& wake) {
+    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
+    if (world_peer != rank_ && !at(world_peer).ring) return false;
+    point_to_point(c);
+    if (world_peer != rank_ && !c.done->test()) {
+      auto& bell = rings_->bell(rank_).asleep;
+      bell.store(0, std::memory_order_seq_cst);  // the engine sleeps in poll: this thread serves the ring for it
+      const auto start = clock::now();
+      auto until = start + patience;
+      for (int i = 0; !c.done->test(); ++i) {
+        if (c.side == p2p::send ? write_ring(world_peer) : read_ring(world_peer)) until = clock::now() + patience;
+        if ((i & 15) != 15) {
+          _mm_pause();
+          continue;
+        }
+        const auto now = clock::now();
+        if (now >= until) break;
+        if (now - start >= p2p_spin) sched_yield();
+      }
+      // The bell stays down while the engine has nothing to read or write in a ring: the next call on this thread
+      // reads what comes, and no peer wakes the sleeping engine for it. Else raise it, then look once more.
+      if (ring_work()) {
+        bell.store(1, std::memory_order_seq_cst);
+        serve_rings();
+      }
+    }
+    wake = !c.done->test() || std::any_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.out.pending(); });
+    return true;
+  }
+
+  /// True while a recv is posted or a frame is half read or half written in a ring: the engine must hear of
+  /// ring traffic.
+  [[nodiscard]] bool ring_work() const {
+    return std::any_of(peers_.begin(), peers_.end(),
+                       [](const peer& p) { return p.mail.waiting() || (p.ring && p.ring->busy()); });
   }
 
   /// Raises mismatch_error, on the recv `r` (taken from its mailbox, so no abort reaches it) and in the
@@ -4953,13 +5004,18 @@ namespace ddp::tcp::detail {
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
+/// How long the caller's thread waits for its peers before handing call `c` to the engine thread: not at all
+/// (a microsecond) where the job has more ranks than cores, as a spinning rank would take its peer's core.
+inline std::chrono::nanoseconds handoff_spin(const call& c) {
+  return c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(std::chrono::microseconds(1)) : shm_handoff_after;
+}
+
 /// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
 /// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
 inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
   shm_waiting how;
-  const bool crowded = c.grp->shm->oversubscribed();
-  how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-  how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+  how.handoff_after = handoff_spin(c);
+  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
   how.note = note;
   try {
     shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
@@ -5479,19 +5535,28 @@ class engine : peer_io {
   call_queue& queue() { return queue_; }
   /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
   /// the engine thread if the peers are not there within shm_handoff_after.
+  /// A point-to-point call runs through its peer's ring, with the engine's io mutex taken while the engine
+  /// thread sleeps in poll (peer_io.hpp); a recv not there within shm_handoff_after stays posted for the engine.
   void run_on_caller(call c) {
     std::optional<call> back;
     std::exception_ptr failure;
+    bool wake_engine = false;
     try {
-      if (run_shm_on_caller(c, note_.get())) c.done->finish();
-      else back = std::move(c);
+      if (c.side != p2p::none) {
+        std::lock_guard io(io_);
+        if (!point_to_point_on_caller(c, handoff_spin(c), wake_engine)) back = std::move(c);
+      } else if (run_shm_on_caller(c, note_.get())) {
+        c.done->finish();
+      } else {
+        back = std::move(c);
+      }
     } catch (...) {
       failure = std::current_exception();
       live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
       c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
       c.done->fail(failure);
     }
-    if (queue_.release(std::move(back), std::move(failure))) wake();
+    if (queue_.release(std::move(back), std::move(failure)) || wake_engine) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -5537,6 +5602,7 @@ class engine : peer_io {
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
+    const std::lock_guard io(io_lock_);  // released only while idle_wait() sleeps in poll
     while (true) {
       std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
@@ -5590,7 +5656,10 @@ class engine : peer_io {
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    const int sleep_ms = before_sleep(ms);
+    io_lock_.unlock();  // the caller's thread may run a send or recv meanwhile
+    const int rc = ::poll(fds_.data(), fds_.size(), sleep_ms);
+    io_lock_.lock();
     after_sleep();
     expire_recvs();
     if (rc <= 0) return;
@@ -5831,6 +5900,10 @@ class engine : peer_io {
   scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
+  /// Guards the peers, the rings and the mailboxes: held by the engine thread except while it sleeps in
+  /// idle_wait()'s poll, and by the caller's thread running a send or recv (after claiming the queue).
+  std::mutex io_;
+  std::unique_lock<std::mutex> io_lock_{io_, std::defer_lock};  ///< the engine thread's hold on io_
   call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
@@ -14537,7 +14610,6 @@ class progress_bar {
 /// NUMA node (ranks spread over the nodes in blocks, several ranks sharing a node when there are more ranks
 /// than nodes).
 
-#include <sched.h>
 
 
 
