@@ -5616,10 +5616,12 @@ class engine : peer_io {
         shm_world_ = std::move(pending_world_);
         use_rings(std::move(pending_rings_));
         if (shm_world_) {
-          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock, which
-          // this thread also takes while holding it: one lock order.
+          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock and the
+          // io mutex, which this thread also takes while holding it: one lock order.
           lock.unlock();
+          io_lock_.unlock();
           shm_world_->hold();
+          io_lock_.lock();
           continue;
         }
       }
