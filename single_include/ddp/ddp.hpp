@@ -3284,8 +3284,9 @@ struct recv_part {
 
 // ---- begin <ddp/comm/tcp/call_queue.hpp>
 /// \file The calls submitted to the engine, in submission order, and who runs them. The engine thread takes
-/// them one at a time; a shared-memory call submitted while nothing runs or waits may run on the caller's
-/// thread instead (shm_run.hpp), and goes back to the front of the queue when its peers are late. One mutex
+/// them one at a time; a shared-memory call (a collective of a group on one host, or a send or recv through
+/// the rings) submitted while nothing runs or waits may run on the caller's thread instead (shm_run.hpp,
+/// peer_io.hpp): a collective goes back to the front of the queue when its peers are late, a recv stays posted. One mutex
 /// guards the queue and orders the submissions (callers take it to number their calls).
 
 #include <deque>
@@ -3299,10 +3300,11 @@ class call_queue {
   std::mutex& mutex() { return mutex_; }
   /// With mutex() held: queues `c` behind the others.
   void push_locked(call c) { calls_.push_back(std::move(c)); }
-  /// With mutex() held: true (and the queue claimed) when shared-memory call `c` may run on the caller's
-  /// thread now, because nothing runs or waits before it and the engine has not failed.
+  /// With mutex() held: true (and the queue claimed) when call `c` may run on the caller's thread now: a
+  /// collective over shared memory, or a send or recv where the job has shared memory, with nothing running or
+  /// waiting before it and the engine not failed.
   bool claim_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    if (c.grp->shm == nullptr || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
     busy_ = true;
     return true;
   }
@@ -3771,6 +3773,114 @@ class frame_writer {
 
 
 
+// ---- begin <ddp/comm/tcp/shm_copy.hpp>
+/// \file Copying into shared memory that peers read (the collectives' regions, the point-to-point rings). A
+/// rank rewrites its regions while the peers still hold the previous contents in their caches, and an
+/// ordinary store must first take each such line back. How much that costs depends on how far apart the
+/// cores sit, which on a virtual machine changes while a job runs. Measured on the 2-core VM (two processes
+/// on two cores, 512 KiB copied into lines the other had read, then read by it): with the two cores close,
+/// ordinary stores took 53 us and the reader 13 us, streaming stores 18 us and the reader some 50 us from
+/// memory (f32 all_reduce of 1 MiB: 68 us against 158 us); with them far apart, ordinary stores took 210-230 us
+/// and the reader 47 us, streaming stores 18 us and the reader 51 us (1 MiB: 458 us against 113 us). So every
+/// process times its large copies and uses whichever kind of store costs less, both sides counted: ordinary
+/// stores unless they take more than stream_penalty times as long as streaming ones.
+
+#include <emmintrin.h>
+
+
+namespace ddp::tcp::detail {
+
+/// Copies `n` bytes from `src` to `dst` (not overlapping) with streaming stores, which leave no line in this
+/// core's cache and take none back from the peers'.
+inline void stream_copy(void* dst, const void* src, std::size_t n) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  const std::size_t head = std::min<std::size_t>(n, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  const std::size_t body = n / 64 * 64;
+  for (std::size_t i = 0; i < body; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + body, s + body, n - body);
+  _mm_sfence();  // the streamed lines are visible before the phase (or the ring's count) is posted
+}
+
+/// Streaming stores win where ordinary ones take more than this many times as long: the reader then fetches
+/// the streamed lines from memory, which costs it about as much again as the streaming stores cost the writer.
+inline constexpr unsigned stream_penalty = 4;
+
+/// Copies from this size are timed; smaller ones follow the latest choice (a few lines: nothing to measure).
+inline constexpr std::size_t store_probe_bytes = 16 << 10;
+
+/// Copies below this size always use ordinary stores: a few lines cost less than the store fence.
+inline constexpr std::size_t stream_min_bytes = 4 << 10;
+
+/// Which kind of store this process uses for copies into shared memory, chosen from its timed copies. Shared
+/// by every thread of the process (the choice follows the cores, not the call); races only blur a sample.
+class store_choice {
+ public:
+  /// Copies `n` bytes from `src` to `dst` (not overlapping) with the store kind that costs less now.
+  void copy(void* dst, const void* src, std::size_t n) {
+    if (n < stream_min_bytes) return static_cast<void>(std::memcpy(dst, src, n));
+    const bool streaming = streaming_.load(std::memory_order_relaxed);
+    if (n < store_probe_bytes) return streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
+    // Every probe_every-th large copy tries the other kind, so a change of placement is seen.
+    const bool probe = (copies_.fetch_add(1, std::memory_order_relaxed) % probe_every) == probe_every - 1;
+    const bool stream = streaming != probe;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (stream) stream_copy(dst, src, n);
+    else std::memcpy(dst, src, n);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    record(stream ? stream_ : ordinary_, static_cast<std::uint64_t>(ns) * 1024 / n);
+    const std::uint64_t o = best(ordinary_), s = best(stream_);
+    if (o != 0 && s != 0) streaming_.store(o > stream_penalty * s, std::memory_order_relaxed);
+  }
+
+ private:
+  static constexpr unsigned probe_every = 32;
+  static constexpr unsigned kept = 4;  ///< samples kept per kind; the least counts (a preempted copy only inflates)
+  /// The latest `kept` timings of one kind of store, in ns per KiB (0: none yet).
+  struct samples {
+    std::atomic<std::uint64_t> ns[kept]{};
+    std::atomic<unsigned> next{0};
+  };
+
+  static void record(samples& s, std::uint64_t ns_per_kib) {
+    s.ns[s.next.fetch_add(1, std::memory_order_relaxed) % kept].store(ns_per_kib, std::memory_order_relaxed);
+  }
+  static std::uint64_t best(const samples& s) {
+    std::uint64_t least = 0;
+    for (const auto& x : s.ns) {
+      const std::uint64_t v = x.load(std::memory_order_relaxed);
+      if (v != 0 && (least == 0 || v < least)) least = v;
+    }
+    return least;
+  }
+
+  std::atomic<bool> streaming_{false};
+  std::atomic<unsigned> copies_{probe_every - 1};  ///< the first large copy probes streaming stores
+  samples ordinary_{};
+  samples stream_{};
+};
+
+/// The process's store choice.
+inline store_choice& shared_stores() {
+  static store_choice choice;
+  return choice;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_copy.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3800,8 +3910,8 @@ class shm_ring {
     const std::uint64_t r = head_->read.load(std::memory_order_seq_cst);
     const std::size_t k = std::min<std::size_t>(n, ring_bytes - static_cast<std::size_t>(w - r));
     const std::size_t at = static_cast<std::size_t>(w % ring_bytes), first = std::min(k, ring_bytes - at);
-    std::memcpy(data_ + at, src, first);
-    std::memcpy(data_, src + first, k - first);
+    shared_stores().copy(data_ + at, src, first);  // the receiver holds the ring's lines (shm_copy.hpp)
+    shared_stores().copy(data_, src + first, k - first);
     head_->written.store(w + k, std::memory_order_seq_cst);
     return k;
   }
@@ -4161,13 +4271,18 @@ class engine_errors {
 // ---- begin <ddp/comm/tcp/peer_io.hpp>
 /// \file The engine's peers and the transfers outside a collective's algorithm: frames posted on the
 /// sockets, and point-to-point sends and recvs, over the sockets or, on one host with shared memory, the
-/// rings (shm_rings.hpp). A send's frame, from either, goes to the recv it matches (mailbox, matching.hpp) or
+/// rings (shm_rings.hpp), on the engine thread or, where the engine is idle, on the caller's. A send's frame, from either, goes to the recv it matches (mailbox, matching.hpp) or
 /// aside until its recv comes, so both carry the same errors: a count or dtype mismatch, a recv's timeout,
-/// peer_lost when the peer's socket ends. The engine (engine.hpp) derives from this; only its thread calls it.
+/// peer_lost when the peer's socket ends. The engine (engine.hpp) derives from this; whoever holds its io mutex calls it.
+
+#include <sched.h>
 
 
 
 namespace ddp::tcp::detail {
+
+/// A send or recv on the caller's thread spins this long before it yields the core between looks at the ring.
+inline constexpr std::chrono::microseconds p2p_spin{5};
 
 class peer_io : protected engine_errors {
  protected:
@@ -4205,6 +4320,50 @@ class peer_io : protected engine_errors {
     if (auto s = p.mail.take_stray(h.group, c.tag)) return deliver(want, s->hdr, s->data.data(), world_peer);
     if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
     p.mail.post(std::move(want));
+  }
+
+  /// On the caller's thread, with the engine's io mutex held and the queue claimed (engine.hpp): runs point-to-point
+  /// call `c` through its peer's ring (false, untouched, where the peer has none: the engine thread runs it).
+  /// Until the call completes it moves bytes through the ring itself, with its bell down (no peer rings this rank
+  /// meanwhile), giving up after `patience` without a byte moving: the engine thread then goes on with it. It
+  /// spins for p2p_spin, then yields the core between looks (on a loaded host the peer may need this core to
+  /// send: measured on the 2-core VM, 4 KiB ping-pong took 125 us one way with a 100 us spin, 8 us yielding).
+  /// `wake` says the engine thread must be woken: to heed a recv's deadline, or to finish a socket write.
+  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, bool& wake) {
+    const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
+    if (world_peer != rank_ && !at(world_peer).ring) return false;
+    point_to_point(c);
+    if (world_peer != rank_ && !c.done->test()) {
+      auto& bell = rings_->bell(rank_).asleep;
+      bell.store(0, std::memory_order_seq_cst);  // the engine sleeps in poll: this thread serves the ring for it
+      const auto start = clock::now();
+      auto until = start + patience;
+      for (int i = 0; !c.done->test(); ++i) {
+        if (c.side == p2p::send ? write_ring(world_peer) : read_ring(world_peer)) until = clock::now() + patience;
+        if ((i & 15) != 15) {
+          _mm_pause();
+          continue;
+        }
+        const auto now = clock::now();
+        if (now >= until) break;
+        if (now - start >= p2p_spin) sched_yield();
+      }
+      // The bell stays down while the engine has nothing to read or write in a ring: the next call on this thread
+      // reads what comes, and no peer wakes the sleeping engine for it. Else raise it, then look once more.
+      if (ring_work()) {
+        bell.store(1, std::memory_order_seq_cst);
+        serve_rings();
+      }
+    }
+    wake = !c.done->test() || std::any_of(peers_.begin(), peers_.end(), [](const peer& p) { return p.out.pending(); });
+    return true;
+  }
+
+  /// True while a recv is posted or a frame is half read or half written in a ring: the engine must hear of
+  /// ring traffic.
+  [[nodiscard]] bool ring_work() const {
+    return std::any_of(peers_.begin(), peers_.end(),
+                       [](const peer& p) { return p.mail.waiting() || (p.ring && p.ring->busy()); });
   }
 
   /// Raises mismatch_error, on the recv `r` (taken from its mailbox, so no abort reaches it) and in the
@@ -4491,7 +4650,6 @@ inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, i
 /// Every phase compares each rank's call description with this rank's, so mismatched calls raise
 /// mismatch_error naming both calls.
 
-#include <emmintrin.h>
 
 
 
@@ -4536,7 +4694,7 @@ class shm_channel {
   /// Copies `bytes` from `src` into this rank's coming region at `offset` (done already where resumed).
   void put(std::size_t offset, const void* src, std::size_t bytes) {
     if (skip_ || bytes == 0) return;
-    std::memcpy(fill() + offset, src, bytes);
+    shared_stores().copy(fill() + offset, src, bytes);
     c_.grp->stats.add_bytes(c_.kind, bytes);
   }
   /// Counts `bytes` this rank published for the others outside put().
@@ -4761,11 +4919,14 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
     if (j < passes) {  // this rank's slice of this piece, into its next region and its buffer
       const std::size_t k = elems(j);
       const std::size_t a = slice_first(k, me, n), b = slice_first(k, me + 1, n);
-      char* out = ch.fill() + half;
+      // Reduced in private memory, then copied into the buffer and the region (shm_copy.hpp: the peers hold
+      // the region's lines, so it takes the stores that cost less).
+      char* out = g.scratch((b - a) * es);
       const char* own = buf + (j * piece + a) * es;
       reduce_ranks(c, out, n, b - a, [&](int r) { return r == me ? own : ch.at(r) + a * es; });
       finish_avg_bytes(c.type, out, b - a, c.op, n);
       std::memcpy(buf + (j * piece + a) * es, out, (b - a) * es);
+      shared_stores().copy(ch.fill() + half, out, (b - a) * es);
       ch.count((b - a) * es);
     }
   }
@@ -4909,13 +5070,18 @@ namespace ddp::tcp::detail {
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
+/// How long the caller's thread waits for its peers before handing call `c` to the engine thread: not at all
+/// (a microsecond) where the job has more ranks than cores, as a spinning rank would take its peer's core.
+inline std::chrono::nanoseconds handoff_spin(const call& c) {
+  return c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(std::chrono::microseconds(1)) : shm_handoff_after;
+}
+
 /// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
 /// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
 inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
   shm_waiting how;
-  const bool crowded = c.grp->shm->oversubscribed();
-  how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-  how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+  how.handoff_after = handoff_spin(c);
+  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
   how.note = note;
   try {
     shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
@@ -5435,19 +5601,28 @@ class engine : peer_io {
   call_queue& queue() { return queue_; }
   /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
   /// the engine thread if the peers are not there within shm_handoff_after.
+  /// A point-to-point call runs through its peer's ring, with the engine's io mutex taken while the engine
+  /// thread sleeps in poll (peer_io.hpp); a recv not there within shm_handoff_after stays posted for the engine.
   void run_on_caller(call c) {
     std::optional<call> back;
     std::exception_ptr failure;
+    bool wake_engine = false;
     try {
-      if (run_shm_on_caller(c, note_.get())) c.done->finish();
-      else back = std::move(c);
+      if (c.side != p2p::none) {
+        std::lock_guard io(io_);
+        if (!point_to_point_on_caller(c, handoff_spin(c), wake_engine)) back = std::move(c);
+      } else if (run_shm_on_caller(c, note_.get())) {
+        c.done->finish();
+      } else {
+        back = std::move(c);
+      }
     } catch (...) {
       failure = std::current_exception();
       live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
       c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
       c.done->fail(failure);
     }
-    if (queue_.release(std::move(back), std::move(failure))) wake();
+    if (queue_.release(std::move(back), std::move(failure)) || wake_engine) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -5501,6 +5676,7 @@ class engine : peer_io {
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
+    const std::lock_guard io(io_lock_);  // released only while idle_wait() sleeps in poll
     while (true) {
       std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
@@ -5514,10 +5690,12 @@ class engine : peer_io {
         shm_world_ = std::move(pending_world_);
         use_rings(std::move(pending_rings_));
         if (shm_world_) {
-          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock, which
-          // this thread also takes while holding it: one lock order.
+          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock and the
+          // io mutex, which this thread also takes while holding it: one lock order.
           lock.unlock();
+          io_lock_.unlock();
           shm_world_->hold();
+          io_lock_.lock();
           continue;
         }
       }
@@ -5554,7 +5732,10 @@ class engine : peer_io {
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    const int sleep_ms = before_sleep(ms);
+    io_lock_.unlock();  // the caller's thread may run a send or recv meanwhile
+    const int rc = ::poll(fds_.data(), fds_.size(), sleep_ms);
+    io_lock_.lock();
     after_sleep();
     expire_recvs();
     if (rc <= 0) return;
@@ -5795,6 +5976,10 @@ class engine : peer_io {
   scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
+  /// Guards the peers, the rings and the mailboxes: held by the engine thread except while it sleeps in
+  /// idle_wait()'s poll, and by the caller's thread running a send or recv (after claiming the queue).
+  std::mutex io_;
+  std::unique_lock<std::mutex> io_lock_{io_, std::defer_lock};  ///< the engine thread's hold on io_
   call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;
@@ -14746,7 +14931,6 @@ class progress_bar {
 /// NUMA node (ranks spread over the nodes in blocks, several ranks sharing a node when there are more ranks
 /// than nodes).
 
-#include <sched.h>
 
 
 

@@ -1,7 +1,8 @@
 #pragma once
 /// \file The calls submitted to the engine, in submission order, and who runs them. The engine thread takes
-/// them one at a time; a shared-memory call submitted while nothing runs or waits may run on the caller's
-/// thread instead (shm_run.hpp), and goes back to the front of the queue when its peers are late. One mutex
+/// them one at a time; a shared-memory call (a collective of a group on one host, or a send or recv through
+/// the rings) submitted while nothing runs or waits may run on the caller's thread instead (shm_run.hpp,
+/// peer_io.hpp): a collective goes back to the front of the queue when its peers are late, a recv stays posted. One mutex
 /// guards the queue and orders the submissions (callers take it to number their calls).
 
 #include <deque>
@@ -20,10 +21,11 @@ class call_queue {
   std::mutex& mutex() { return mutex_; }
   /// With mutex() held: queues `c` behind the others.
   void push_locked(call c) { calls_.push_back(std::move(c)); }
-  /// With mutex() held: true (and the queue claimed) when shared-memory call `c` may run on the caller's
-  /// thread now, because nothing runs or waits before it and the engine has not failed.
+  /// With mutex() held: true (and the queue claimed) when call `c` may run on the caller's thread now: a
+  /// collective over shared memory, or a send or recv where the job has shared memory, with nothing running or
+  /// waiting before it and the engine not failed.
   bool claim_locked(const call& c) {
-    if (!c.over_shm() || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    if (c.grp->shm == nullptr || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
     busy_ = true;
     return true;
   }

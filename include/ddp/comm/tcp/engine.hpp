@@ -83,19 +83,28 @@ class engine : peer_io {
   call_queue& queue() { return queue_; }
   /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
   /// the engine thread if the peers are not there within shm_handoff_after.
+  /// A point-to-point call runs through its peer's ring, with the engine's io mutex taken while the engine
+  /// thread sleeps in poll (peer_io.hpp); a recv not there within shm_handoff_after stays posted for the engine.
   void run_on_caller(call c) {
     std::optional<call> back;
     std::exception_ptr failure;
+    bool wake_engine = false;
     try {
-      if (run_shm_on_caller(c, note_.get())) c.done->finish();
-      else back = std::move(c);
+      if (c.side != p2p::none) {
+        std::lock_guard io(io_);
+        if (!point_to_point_on_caller(c, handoff_spin(c), wake_engine)) back = std::move(c);
+      } else if (run_shm_on_caller(c, note_.get())) {
+        c.done->finish();
+      } else {
+        back = std::move(c);
+      }
     } catch (...) {
       failure = std::current_exception();
       live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
       c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
       c.done->fail(failure);
     }
-    if (queue_.release(std::move(back), std::move(failure))) wake();
+    if (queue_.release(std::move(back), std::move(failure)) || wake_engine) wake();
   }
   /// Wakes the engine thread from poll.
   void wake() {
@@ -149,6 +158,7 @@ class engine : peer_io {
   // ---- the thread -------------------------------------------------------------------------
 
   void loop() {
+    const std::lock_guard io(io_lock_);  // released only while idle_wait() sleeps in poll
     while (true) {
       std::unique_lock lock(queue_.mutex());
       if (has_pending_sockets_) {
@@ -162,10 +172,12 @@ class engine : peer_io {
         shm_world_ = std::move(pending_world_);
         use_rings(std::move(pending_rings_));
         if (shm_world_) {
-          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock, which
-          // this thread also takes while holding it: one lock order.
+          // From now until release() or death, peers see this rank alive. Taken outside the queue's lock and the
+          // io mutex, which this thread also takes while holding it: one lock order.
           lock.unlock();
+          io_lock_.unlock();
           shm_world_->hold();
+          io_lock_.lock();
           continue;
         }
       }
@@ -202,7 +214,10 @@ class engine : peer_io {
     for (const auto& p : peers_) first = std::min(first, p.mail.next_deadline());
     int ms = first == clock::time_point::max() ? -1 : std::max(poll_ms(first), 1);
     if (max_ms >= 0) ms = ms < 0 ? max_ms : std::min(ms, max_ms);
-    const int rc = ::poll(fds_.data(), fds_.size(), before_sleep(ms));
+    const int sleep_ms = before_sleep(ms);
+    io_lock_.unlock();  // the caller's thread may run a send or recv meanwhile
+    const int rc = ::poll(fds_.data(), fds_.size(), sleep_ms);
+    io_lock_.lock();
     after_sleep();
     expire_recvs();
     if (rc <= 0) return;
@@ -443,6 +458,10 @@ class engine : peer_io {
   scratch_buffer scratch_[2];
   std::shared_ptr<shm_world> shm_world_;  ///< the job's segment (engine thread), null without shared memory
 
+  /// Guards the peers, the rings and the mailboxes: held by the engine thread except while it sleeps in
+  /// idle_wait()'s poll, and by the caller's thread running a send or recv (after claiming the queue).
+  std::mutex io_;
+  std::unique_lock<std::mutex> io_lock_{io_, std::defer_lock};  ///< the engine thread's hold on io_
   call_queue queue_;  ///< its mutex guards the attachment below too
   std::vector<socket_fd> pending_sockets_;
   std::vector<peer_memory> pending_memory_;

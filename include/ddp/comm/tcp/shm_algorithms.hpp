@@ -114,11 +114,14 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
     if (j < passes) {  // this rank's slice of this piece, into its next region and its buffer
       const std::size_t k = elems(j);
       const std::size_t a = slice_first(k, me, n), b = slice_first(k, me + 1, n);
-      char* out = ch.fill() + half;
+      // Reduced in private memory, then copied into the buffer and the region (shm_copy.hpp: the peers hold
+      // the region's lines, so it takes the stores that cost less).
+      char* out = g.scratch((b - a) * es);
       const char* own = buf + (j * piece + a) * es;
       reduce_ranks(c, out, n, b - a, [&](int r) { return r == me ? own : ch.at(r) + a * es; });
       finish_avg_bytes(c.type, out, b - a, c.op, n);
       std::memcpy(buf + (j * piece + a) * es, out, (b - a) * es);
+      shared_stores().copy(ch.fill() + half, out, (b - a) * es);
       ch.count((b - a) * es);
     }
   }

@@ -18,6 +18,7 @@
 #include <ddp/comm/tcp/messages.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_copy.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/work.hpp>
@@ -64,7 +65,7 @@ class shm_channel {
   /// Copies `bytes` from `src` into this rank's coming region at `offset` (done already where resumed).
   void put(std::size_t offset, const void* src, std::size_t bytes) {
     if (skip_ || bytes == 0) return;
-    std::memcpy(fill() + offset, src, bytes);
+    shared_stores().copy(fill() + offset, src, bytes);
     c_.grp->stats.add_bytes(c_.kind, bytes);
   }
   /// Counts `bytes` this rank published for the others outside put().

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <string>
 
+#include <ddp/comm/tcp/shm_copy.hpp>
 #include <ddp/comm/tcp/shm_segment.hpp>
 
 namespace ddp::tcp::detail {
@@ -47,8 +48,8 @@ class shm_ring {
     const std::uint64_t r = head_->read.load(std::memory_order_seq_cst);
     const std::size_t k = std::min<std::size_t>(n, ring_bytes - static_cast<std::size_t>(w - r));
     const std::size_t at = static_cast<std::size_t>(w % ring_bytes), first = std::min(k, ring_bytes - at);
-    std::memcpy(data_ + at, src, first);
-    std::memcpy(data_, src + first, k - first);
+    shared_stores().copy(data_ + at, src, first);  // the receiver holds the ring's lines (shm_copy.hpp)
+    shared_stores().copy(data_, src + first, k - first);
     head_->written.store(w + k, std::memory_order_seq_cst);
     return k;
   }

@@ -19,13 +19,18 @@ namespace ddp::tcp::detail {
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
+/// How long the caller's thread waits for its peers before handing call `c` to the engine thread: not at all
+/// (a microsecond) where the job has more ranks than cores, as a spinning rank would take its peer's core.
+inline std::chrono::nanoseconds handoff_spin(const call& c) {
+  return c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(std::chrono::microseconds(1)) : shm_handoff_after;
+}
+
 /// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
 /// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
 inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
   shm_waiting how;
-  const bool crowded = c.grp->shm->oversubscribed();
-  how.handoff_after = crowded ? std::chrono::microseconds(1) : shm_handoff_after;
-  how.spin = crowded ? std::chrono::nanoseconds(0) : how.spin;
+  how.handoff_after = handoff_spin(c);
+  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
   how.note = note;
   try {
     shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
