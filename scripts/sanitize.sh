@@ -8,7 +8,7 @@
 #   tsan   ThreadSanitizer                                                           -> build-tsan/
 #
 # DDP_SANITIZE_LABELS (a ctest label regex, default "tcp|launch|parallel|checkpoint") picks the suites;
-# DDP_SANITIZE_JOBS (default: nproc) the build and ctest parallelism; DDP_SANITIZE_TIMEOUT_SCALE (default 3 under
+# DDP_SANITIZE_JOBS (default: nproc) the build and ctest parallelism; DDP_SANITIZE_TIMEOUT_SCALE (default 4 under
 # asan, 5 under tsan) multiplies every test's ctest limit, as the instrumented code runs that much slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ reports=$PWD/$build/reports
 case "$kind" in
   asan)
     flags="-fsanitize=address,undefined -fno-sanitize-recover=all"
-    scale=3
+    scale=4
     run_env=(ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:check_initialization_order=1:log_path=$reports/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
              UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}")
     # Tests under mpirun: Open MPI keeps allocations until exit (scripts/sanitize/openmpi.lsan.supp says which);
