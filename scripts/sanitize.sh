@@ -8,7 +8,8 @@
 #   tsan   ThreadSanitizer                                                           -> build-tsan/
 #
 # DDP_SANITIZE_LABELS (a ctest label regex, default "tcp|launch|parallel|checkpoint") picks the suites;
-# DDP_SANITIZE_JOBS (default: nproc) the build and ctest parallelism.
+# DDP_SANITIZE_JOBS (default: nproc) the build and ctest parallelism; DDP_SANITIZE_TIMEOUT_SCALE (default 4 under
+# asan, 5 under tsan) multiplies every test's ctest limit, as the instrumented code runs that much slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:-asan}
@@ -20,6 +21,7 @@ reports=$PWD/$build/reports
 case "$kind" in
   asan)
     flags="-fsanitize=address,undefined -fno-sanitize-recover=all"
+    scale=4
     run_env=(ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:check_initialization_order=1:log_path=$reports/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
              UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}")
     # Tests under mpirun: Open MPI keeps allocations until exit (scripts/sanitize/openmpi.lsan.supp says which);
@@ -31,6 +33,7 @@ case "$kind" in
     ;;
   tsan)
     flags="-fsanitize=thread"
+    scale=5
     run_env=(TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:log_path=$reports/tsan${TSAN_OPTIONS:+:$TSAN_OPTIONS}")
     # Tests under mpirun: Open MPI's TCP transport orders two of its own locks both ways (openmpi.tsan.supp).
     mpi_env=(TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/scripts/sanitize/openmpi.tsan.supp:log_path=$reports/tsan${TSAN_OPTIONS:+:$TSAN_OPTIONS}")
@@ -47,6 +50,7 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # -O1 -g keeps the run fast enough and the stacks readable; assertions stay on (no NDEBUG).
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE= "${launcher[@]}" \
   -DCMAKE_CXX_FLAGS="-O1 -g -fno-omit-frame-pointer $flags" \
+  -DDDP_TEST_TIMEOUT_SCALE="${DDP_SANITIZE_TIMEOUT_SCALE:-$scale}" \
   -DDDP_WITH_CUDA=OFF -DDDP_WITH_NCCL=OFF -DDDP_BUILD_EXAMPLES=OFF
 targets=()
 [[ "tcp" =~ ^($labels)$ ]] && targets+=(ddp_tcp_tests)

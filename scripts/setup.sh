@@ -9,6 +9,7 @@ packages=(
   libeigen3-dev                                  # the Eigen adapter's tests, example and bench
   libgloo-dev python3-torch python3-numpy python3-matplotlib  # benchmarks' anchors, checkpoint interop, plots
   libtorch-dev                                   # the LibTorch adapter: its tests, example and bench
+  clang-14 libclang-rt-14-dev                    # scripts/fuzz.sh: libFuzzer with ASan and UBSan
 )
 export DEBIAN_FRONTEND=noninteractive
 missing=()
