@@ -71,37 +71,32 @@ constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
 }
 
-constexpr std::uint32_t round_shift_even(std::uint32_t value, unsigned shift) noexcept {
-  const std::uint32_t kept = value >> shift;
-  const std::uint32_t rest = value & ((1U << shift) - 1U);
-  const std::uint32_t half = 1U << (shift - 1U);
-  return kept + ((rest > half || (rest == half && (kept & 1U))) ? 1U : 0U);
-}
-
+/// Rounds to nearest, ties to even; beyond the largest half, infinity; a NaN stays a (quiet) NaN with the top of its
+/// payload. Without branches, so that loops over it vectorize: a subnormal half is rounded by the float adder itself
+/// (|value| + 0.5 has its last place at the smallest subnormal half, and IEEE addition, in the default rounding
+/// mode, rounds ties to even).
 constexpr std::uint16_t float_to_f16_bits(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
-  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t sign = (bits >> 16) & 0x8000U;
   const std::uint32_t abs = bits & 0x7fffffffU;
-  if (abs > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U | ((abs >> 13) & 0x3ffU));  // NaN
-  if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to or beyond infinity
-  if (abs >= 0x38800000U)                                                     // normal half
-    return static_cast<std::uint16_t>(sign | round_shift_even(abs - 0x38000000U, 13));
-  if (abs < 0x33000000U) return sign;  // below half the smallest subnormal: zero
-  const std::uint32_t exponent = abs >> 23;
-  const std::uint32_t mantissa = (abs & 0x7fffffU) | 0x800000U;
-  return static_cast<std::uint16_t>(sign | round_shift_even(mantissa, 126U - exponent));
+  const std::uint32_t normal = (abs - 0x38000000U + 0xfffU + ((abs >> 13) & 1U)) >> 13;  // rebiased, rounded
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(abs) + 0.5F) - 0x3f000000U;
+  const std::uint32_t finite = abs < 0x38800000U ? subnormal : (normal < 0x7c00U ? normal : 0x7c00U);
+  const std::uint32_t nan = 0x7e00U | ((abs >> 13) & 0x3ffU);
+  return static_cast<std::uint16_t>(sign | (abs > 0x7f800000U ? nan : finite));
 }
 
+/// Widens exactly; without branches, so that loops over it vectorize: the bits move into float's places and are
+/// rebiased; infinity and NaN take the top exponent, and a subnormal half is renormalized by an exact float subtraction.
 constexpr float f16_bits_to_float(std::uint16_t half) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000U) << 16;
-  const std::uint32_t exponent = (half >> 10) & 0x1fU;
-  const std::uint32_t mantissa = half & 0x3ffU;
-  if (exponent == 0) {
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24F;
-    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000U | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112U) << 23) | (mantissa << 13));
+  const std::uint32_t shifted = static_cast<std::uint32_t>(half & 0x7fffU) << 13;  // exponent and mantissa in place
+  const std::uint32_t exponent = shifted & 0x0f800000U;
+  const std::uint32_t normal = shifted + 0x38000000U;   // exponent rebiased from 15 to 127
+  const std::uint32_t special = normal + 0x38000000U;   // infinity and NaN: exponent 255
+  const std::uint32_t tiny = std::bit_cast<std::uint32_t>(std::bit_cast<float>(normal + 0x00800000U) - 0x1p-14F);
+  const std::uint32_t magnitude = exponent == 0x0f800000U ? special : (exponent == 0 ? tiny : normal);
+  return std::bit_cast<float>(magnitude | sign);
 }
 
 }  // namespace detail
@@ -383,6 +378,27 @@ inline constexpr bool leaf_is_view = [] {
 /// \file tensor_traits: the customization point that tells the library where a tensor keeps its elements.
 
 
+// ---- begin <ddp/core/detail/blocked.hpp>
+/// \file ddp::detail::for_each_blocked: an element loop the compiler vectorizes also at -O2, for the conversions
+/// between f32 and the 16-bit floats (mixed precision's masters, the compression hooks' buckets).
+
+
+namespace ddp::detail {
+
+/// Calls f(i) for every i below n, in blocks of 16 with a fixed trip count, which compilers vectorize also at -O2
+/// (GCC's cost model there refuses a loop of unknown length but takes a fixed block): narrowing f32 to bf16 runs
+/// several times faster than over the plain loop.
+template <class F>
+void for_each_blocked(std::size_t n, F&& f) {
+  constexpr std::size_t block = 16;
+  std::size_t i = 0;
+  for (; i + block <= n; i += block)
+    for (std::size_t k = 0; k < block; ++k) f(i + k);
+  for (; i < n; ++i) f(i);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/core/detail/blocked.hpp>
 
 namespace ddp {
 
@@ -456,14 +472,14 @@ static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> &&
 
 namespace detail {
 /// Copies the host elements of `from` into `to` (same length), converting each to `to`'s dtype (16-bit floats
-/// through float, rounding to nearest even).
+/// through float, rounding to nearest even; a NaN stays a NaN), in blocks that vectorize (for_each_blocked).
 inline void convert(raw_tensor from, raw_tensor to) {
   visit_dtype(from.type, [&]<class F>(F) {
     visit_dtype(to.type, [&]<class T>(T) {
       using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
       const F* src = static_cast<const F*>(from.data);
       T* dst = static_cast<T*>(to.data);
-      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(static_cast<wide>(src[i]));
+      for_each_blocked(from.size, [&](std::size_t i) { dst[i] = static_cast<T>(static_cast<wide>(src[i])); });
     });
   });
 }
@@ -7294,33 +7310,17 @@ class compress_hook {
     visit_typed(b, [&](auto g) {
       using T = typename decltype(g)::value_type;
       const T scale = static_cast<T>(1.0 / b.world_size());
-      in_blocks(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
+      for_each_blocked(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
     });
     return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
   }
   template <class Comm>
   void complete(const bucket_gradients<Comm>& b) {
-    if (!compressed(b.type())) return;
-    const auto& half = scratch(b);
-    visit_typed(b, [&](auto g) {
-      using T = typename decltype(g)::value_type;
-      in_blocks(g.size(), [&](std::size_t i) { g[i] = static_cast<T>(static_cast<float>(half[i])); });
-    });
+    if (compressed(b.type())) convert(as_raw(std::span<const Half>(scratch(b))), b.grads);
   }
 
  private:
   static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
-  /// Calls f(i) for every i below n, in blocks of 16 with a fixed trip count, which compilers vectorize also at
-  /// -O2 (GCC's cost model there refuses a loop of unknown length but takes a fixed block): the bf16 narrowing of
-  /// a bucket runs several times faster than over the plain loop, on the thread that runs the backward.
-  template <class F>
-  static void in_blocks(std::size_t n, F&& f) {
-    constexpr std::size_t block = 16;
-    std::size_t i = 0;
-    for (; i + block <= n; i += block)
-      for (std::size_t k = 0; k < block; ++k) f(i + k);
-    for (; i < n; ++i) f(i);
-  }
   template <class Comm>
   std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
     if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
@@ -10047,6 +10047,50 @@ class [[nodiscard]] join_scope {
 
 }  // namespace ddp
 // ---- end <ddp/parallel/join.hpp>
+// ---- begin <ddp/parallel/no_sync.hpp>
+/// \file ddp::no_sync_guard: the scope of a gradient-accumulation span, what dp.no_sync() returns (PyTorch's
+/// `with model.no_sync():`). It only counts the open spans; data_parallel decides what a span means for its policy.
+
+
+namespace ddp {
+
+/// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
+/// accumulate locally without communication; under the sharding strategies each micro-batch is
+/// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
+/// it at the end of the span. The destructor issues no collective: it only ends the span.
+template <class DataParallel>
+class [[nodiscard]] no_sync_guard {
+ public:
+  /// Opens a span of `dp` (dp.no_sync() checks that one may open).
+  explicit no_sync_guard(DataParallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
+  no_sync_guard(const no_sync_guard&) = delete;
+  no_sync_guard& operator=(const no_sync_guard&) = delete;
+  /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
+  void close() {
+    if (!dp_) return;
+    DataParallel& dp = *dp_;
+    end_span();
+    if constexpr (sharded) dp.finish_gradients();
+  }
+  /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
+  /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
+  ~no_sync_guard() {
+    if (!dp_) return;
+    if (sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
+    end_span();
+  }
+
+ private:
+  static constexpr bool sharded = DataParallel::strategy_type::sharded;
+  void end_span() noexcept {
+    --dp_->no_sync_depth_;
+    dp_ = nullptr;
+  }
+  DataParallel* dp_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/no_sync.hpp>
 // ---- begin <ddp/parallel/replica_check.hpp>
 /// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
 /// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
@@ -10431,37 +10475,8 @@ class data_parallel {
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
-  /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
-  /// accumulate locally without communication; under the sharding strategies each micro-batch is
-  /// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
-  /// it at the end of the span. The destructor issues no collective: it only ends the span.
-  class [[nodiscard]] no_sync_guard {
-   public:
-    explicit no_sync_guard(data_parallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
-    void close() {
-      if (!dp_) return;
-      data_parallel& dp = *dp_;
-      end_span();
-      if constexpr (strategy_type::sharded) dp.finish_gradients();
-    }
-    /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
-    /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
-    ~no_sync_guard() {
-      if (!dp_) return;
-      if (strategy_type::sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
-      end_span();
-    }
-
-   private:
-    void end_span() noexcept {
-      --dp_->no_sync_depth_;
-      dp_ = nullptr;
-    }
-    data_parallel* dp_;
-  };
+  /// Scope returned by no_sync() (parallel/no_sync.hpp): while open, gradients accumulate without a step.
+  using no_sync_guard = ddp::no_sync_guard<data_parallel>;
   /// Starts a gradient-accumulation span (see no_sync_guard); the next synchronized backward reduces the
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
@@ -10731,6 +10746,7 @@ class data_parallel {
   detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
+  friend class ddp::no_sync_guard<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type
