@@ -11779,8 +11779,22 @@ struct backend_of<ddp::mpi::communicator> {
 // ---- begin <ddp/comm/nccl/from_env.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
 #define DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
-/// \file ddp::nccl::communicator::from_env(): the ncclUniqueId travels from rank 0 over ddp::tcp's rendezvous
-/// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the only NCCL header that includes the TCP backend.
+/// \file ddp::nccl::communicator::from_env(): the ncclUniqueId travels from rank 0 through ddp::tcp's rendezvous
+/// store alone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; DDP_TOKEN and DDP_CONNECT_TIMEOUT_MS as for ddp::tcp):
+/// rank 0 serves the store on a thread of its own while the id is exchanged; no mesh and no progress engine.
+
+#include <poll.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 // ---- begin <ddp/comm/nccl/communicator.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
@@ -11788,7 +11802,7 @@ struct backend_of<ddp::mpi::communicator> {
 /// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
 ///
 /// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
-///   the constructor, or through ddp::tcp's rendezvous with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
+///   the constructor, or through ddp::tcp's rendezvous store with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
 ///   communicator is non-blocking, so
 ///   initialization, split and every enqueue are bounded by config::timeout.
 /// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
@@ -12649,8 +12663,15 @@ class op_state final : public ddp::detail::work_state {
 namespace ddp::nccl {
 
 namespace detail {
-/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp.
+/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp's store.
 struct env_rendezvous;
+
+/// A new ncclUniqueId: rank 0 makes it, the other ranks join with it.
+inline ncclUniqueId new_unique_id() {
+  ncclUniqueId id{};
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) fail(r, "ncclGetUniqueId", 0);
+  return id;
+}
 }  // namespace detail
 
 /// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
@@ -12661,24 +12682,22 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
     requires(!std::same_as<std::remove_cvref_t<Bootstrap>, communicator>) && ddp::communicator<std::remove_cvref_t<Bootstrap>>
-  explicit communicator(Bootstrap& bootstrap, config settings = {}) {
-    ncclUniqueId id{};
-    if (bootstrap.rank() == 0)
-      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) detail::fail(r, "ncclGetUniqueId", 0);
-    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
-    std::memcpy(bytes.data(), &id, sizeof id);
-    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
-    std::memcpy(&id, bytes.data(), sizeof id);
-    group_ = std::make_shared<detail::group>(id, bootstrap.rank(), bootstrap.size(), settings);
-  }
+  explicit communicator(Bootstrap& bootstrap, config settings = {})
+      : communicator(broadcast_id(bootstrap), bootstrap.rank(), bootstrap.size(), settings) {}
+
+  /// Collective over `size` ranks that hold the same `id` (rank 0's ncclGetUniqueId, carried by the caller's own
+  /// means): joins as `rank` on config::device (ncclCommInitRankConfig).
+  communicator(const ncclUniqueId& id, int rank, int size, config settings = {})
+      : group_(std::make_shared<detail::group>(id, rank, size, settings)) {}
 
   /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
-  /// ddp-launch set them): the id travels over ddp::tcp's rendezvous; the device is config::device, else LOCAL_RANK
-  /// modulo the number of visible devices. Defined in <ddp/comm/nccl/from_env.hpp>, which brings ddp::tcp along.
+  /// ddp-launch set them): the id travels through ddp::tcp's rendezvous store alone (no mesh, no engine); the device
+  /// is config::device, else LOCAL_RANK modulo the number of visible devices. Defined in
+  /// <ddp/comm/nccl/from_env.hpp>, which brings the store's client and server along.
   template <class Rendezvous = detail::env_rendezvous>
   static communicator from_env(config settings = {}) {
     static_assert(requires { sizeof(Rendezvous); },
-                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
+                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous store: include "
                   "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
                   "constructor.");
     return Rendezvous::join(settings);
@@ -12952,6 +12971,17 @@ class communicator : public ddp::detail::collective_front<communicator> {
                    " inside the whole buffer); pass separate buffers or that exact block");
   }
 
+  /// Rank 0's new ncclUniqueId, broadcast over `bootstrap`.
+  template <class Bootstrap>
+  static ncclUniqueId broadcast_id(Bootstrap& bootstrap) {
+    ncclUniqueId id = bootstrap.rank() == 0 ? detail::new_unique_id() : ncclUniqueId{};
+    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return id;
+  }
+
   std::shared_ptr<detail::group> group_;
 };
 
@@ -12977,12 +13007,91 @@ struct backend_of<ddp::nccl::communicator> {
 
 namespace ddp::nccl::detail {
 
+/// Rank 0's rendezvous store, served by a thread of its own until destroyed.
+class served_store {
+ public:
+  /// Serves `server` at once.
+  explicit served_store(tcp::detail::store_server server) : server_(std::move(server)), thread_([this] { serve(); }) {}
+  served_store(const served_store&) = delete;
+  served_store& operator=(const served_store&) = delete;
+  ~served_store() {
+    stop_ = true;
+    thread_.join();
+  }
+  /// Throws what stopped the serving thread, if anything did.
+  void check() const {
+    if (stopped_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  void serve() noexcept {
+    try {
+      std::vector<pollfd> fds;
+      while (!stop_) {
+        fds.clear();
+        std::size_t base = 0;
+        server_.fill(fds, base);
+        ::poll(fds.data(), fds.size(), 10);
+        server_.on_events(fds, base);
+      }
+    } catch (...) {
+      failure_ = std::current_exception();
+      stopped_ = true;
+    }
+  }
+
+  tcp::detail::store_server server_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> stopped_{false};
+  std::exception_ptr failure_;
+  std::thread thread_;  // last: starts once the members it serves exist
+};
+
 /// Joins the job the environment describes, on config::device or else LOCAL_RANK modulo the visible devices.
 struct env_rendezvous {
   static communicator join(config settings) {
     if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
-    auto bootstrap = tcp::communicator::from_env();
-    return communicator(bootstrap, settings);
+    const tcp::config cfg = tcp::config_from_env();
+    if (cfg.size == 1) return communicator(new_unique_id(), 0, 1, settings);
+    if (cfg.master_port == 0)
+      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                         cfg.rank);
+    return communicator(exchange_id(cfg), cfg.rank, cfg.size, settings);
+  }
+
+  /// Rank 0's new id, set in its store; every other rank gets it; rank 0 serves until every rank has it.
+  static ncclUniqueId exchange_id(const tcp::config& cfg) {
+    const std::uint64_t token = tcp::detail::token_hash(cfg.token);
+    const auto deadline = tcp::detail::clock::now() + cfg.connect_timeout;
+    std::optional<served_store> served;
+    if (cfg.rank == 0)
+      served.emplace(tcp::detail::store_server(
+          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+          {cfg.handshake_timeout, cfg.max_pending_handshakes}));
+    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+    ncclUniqueId id{};
+    if (cfg.rank == 0) {
+      id = new_unique_id();
+      const auto* raw = reinterpret_cast<const std::uint8_t*>(&id);
+      store.set("ddp/nccl/id", std::vector<std::uint8_t>(raw, raw + sizeof id));
+    } else {
+      const auto bytes = store.get("ddp/nccl/id");
+      if (bytes.size() != sizeof id)
+        throw error("rank 0 published a malformed ncclUniqueId; every rank must run the same ddp version", cfg.rank);
+      std::memcpy(&id, bytes.data(), sizeof id);
+    }
+    store.add("ddp/nccl/joined", 1);
+    while (cfg.rank == 0 && store.add("ddp/nccl/joined", 0) < cfg.size) {  // the store outlives every rank's get
+      served->check();
+      if (tcp::detail::clock::now() > deadline)
+        throw timeout_error("not every rank fetched the ncclUniqueId from rank 0's store before the connect "
+                            "deadline; start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the "
+                            "connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                            0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return id;
   }
 };
 

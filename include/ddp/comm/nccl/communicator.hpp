@@ -2,7 +2,7 @@
 /// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
 ///
 /// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
-///   the constructor, or through ddp::tcp's rendezvous with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
+///   the constructor, or through ddp::tcp's rendezvous store with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
 ///   communicator is non-blocking, so
 ///   initialization, split and every enqueue are bounded by config::timeout.
 /// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
@@ -60,8 +60,15 @@
 namespace ddp::nccl {
 
 namespace detail {
-/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp.
+/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp's store.
 struct env_rendezvous;
+
+/// A new ncclUniqueId: rank 0 makes it, the other ranks join with it.
+inline ncclUniqueId new_unique_id() {
+  ncclUniqueId id{};
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) fail(r, "ncclGetUniqueId", 0);
+  return id;
+}
 }  // namespace detail
 
 /// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
@@ -72,24 +79,22 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
     requires(!std::same_as<std::remove_cvref_t<Bootstrap>, communicator>) && ddp::communicator<std::remove_cvref_t<Bootstrap>>
-  explicit communicator(Bootstrap& bootstrap, config settings = {}) {
-    ncclUniqueId id{};
-    if (bootstrap.rank() == 0)
-      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) detail::fail(r, "ncclGetUniqueId", 0);
-    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
-    std::memcpy(bytes.data(), &id, sizeof id);
-    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
-    std::memcpy(&id, bytes.data(), sizeof id);
-    group_ = std::make_shared<detail::group>(id, bootstrap.rank(), bootstrap.size(), settings);
-  }
+  explicit communicator(Bootstrap& bootstrap, config settings = {})
+      : communicator(broadcast_id(bootstrap), bootstrap.rank(), bootstrap.size(), settings) {}
+
+  /// Collective over `size` ranks that hold the same `id` (rank 0's ncclGetUniqueId, carried by the caller's own
+  /// means): joins as `rank` on config::device (ncclCommInitRankConfig).
+  communicator(const ncclUniqueId& id, int rank, int size, config settings = {})
+      : group_(std::make_shared<detail::group>(id, rank, size, settings)) {}
 
   /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
-  /// ddp-launch set them): the id travels over ddp::tcp's rendezvous; the device is config::device, else LOCAL_RANK
-  /// modulo the number of visible devices. Defined in <ddp/comm/nccl/from_env.hpp>, which brings ddp::tcp along.
+  /// ddp-launch set them): the id travels through ddp::tcp's rendezvous store alone (no mesh, no engine); the device
+  /// is config::device, else LOCAL_RANK modulo the number of visible devices. Defined in
+  /// <ddp/comm/nccl/from_env.hpp>, which brings the store's client and server along.
   template <class Rendezvous = detail::env_rendezvous>
   static communicator from_env(config settings = {}) {
     static_assert(requires { sizeof(Rendezvous); },
-                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
+                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous store: include "
                   "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
                   "constructor.");
     return Rendezvous::join(settings);
@@ -361,6 +366,17 @@ class communicator : public ddp::detail::collective_front<communicator> {
     fail(info, "input and output overlap in device memory other than in place (the " +
                    std::to_string(block_of.size) + "-element block of rank " + std::to_string(rank()) +
                    " inside the whole buffer); pass separate buffers or that exact block");
+  }
+
+  /// Rank 0's new ncclUniqueId, broadcast over `bootstrap`.
+  template <class Bootstrap>
+  static ncclUniqueId broadcast_id(Bootstrap& bootstrap) {
+    ncclUniqueId id = bootstrap.rank() == 0 ? detail::new_unique_id() : ncclUniqueId{};
+    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return id;
   }
 
   std::shared_ptr<detail::group> group_;
