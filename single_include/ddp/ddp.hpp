@@ -1144,53 +1144,10 @@ inline constexpr detail::visit_parameters_fn visit_parameters{};
 
 // ---- begin <ddp/comm/backend.hpp>
 /// \file Backend policy tags and the mappings between a tag and its communicator type.
-/// Each backend's header specializes backend_traits for its tag and backend_of for its communicator.
+/// Each backend's header specializes backend_traits for its tag (deriving from detail::backend_binding, which checks
+/// the communicator against the concept); its communicator names its tag as `using backend_tag = ...;`.
 
 
-
-namespace ddp {
-
-namespace detail {
-struct backend_category {};
-}  // namespace detail
-
-/// Backend policies: which communicator data_parallel expects.
-namespace backend {
-/// The library's own TCP transport (ddp::tcp::communicator); the default.
-struct tcp { using policy_category = detail::backend_category; };
-/// Open MPI (ddp::mpi::communicator).
-struct mpi { using policy_category = detail::backend_category; };
-/// NCCL over CUDA device memory (ddp::nccl::communicator).
-struct nccl { using policy_category = detail::backend_category; };
-}  // namespace backend
-
-/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
-template <class Backend>
-struct backend_traits {
-  static_assert(detail::dependent_false<Backend>,
-                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
-                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
-};
-
-/// The communicator type of backend tag B.
-template <class B>
-using backend_communicator_t = typename backend_traits<B>::communicator;
-
-/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
-/// deduces the backend from). Specialized by each backend's header beside backend_traits.
-template <class Comm>
-struct backend_of {
-  static_assert(detail::dependent_false<Comm>,
-                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
-                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
-};
-
-/// The backend tag of communicator type Comm.
-template <class Comm>
-using backend_of_t = typename backend_of<Comm>::type;
-
-}  // namespace ddp
-// ---- end <ddp/comm/backend.hpp>
 // ---- begin <ddp/comm/communicator.hpp>
 /// \file The ddp::communicator concept every backend (tcp, mpi, nccl) models.
 ///
@@ -1488,6 +1445,67 @@ concept communicator =
 
 }  // namespace ddp
 // ---- end <ddp/comm/communicator.hpp>
+
+namespace ddp {
+
+namespace detail {
+struct backend_category {};
+}  // namespace detail
+
+/// Backend policies: which communicator data_parallel expects.
+namespace backend {
+/// The library's own TCP transport (ddp::tcp::communicator); the default.
+struct tcp { using policy_category = detail::backend_category; };
+/// Open MPI (ddp::mpi::communicator).
+struct mpi { using policy_category = detail::backend_category; };
+/// NCCL over CUDA device memory (ddp::nccl::communicator).
+struct nccl { using policy_category = detail::backend_category; };
+}  // namespace backend
+
+/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
+template <class Backend>
+struct backend_traits {
+  static_assert(detail::dependent_false<Backend>,
+                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
+                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+};
+
+/// The communicator type of backend tag B.
+template <class B>
+using backend_communicator_t = typename backend_traits<B>::communicator;
+
+namespace detail {
+/// What backend_traits<Tag> holds for a backend whose communicator is Comm; checks that Comm models the concept.
+template <class Comm>
+struct backend_binding {
+  static_assert(ddp::communicator<Comm>,
+                "ddp: this backend's communicator must model ddp::communicator; add the missing member the concept "
+                "in <ddp/comm/communicator.hpp> names.");
+  using communicator = Comm;  ///< the backend's communicator
+};
+}  // namespace detail
+
+/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
+/// deduces the backend from): the communicator's `backend_tag`, or a specialization of backend_of.
+template <class Comm>
+struct backend_of {
+  static_assert(detail::dependent_false<Comm>,
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
+                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+};
+/// A communicator that names its tag (`using backend_tag = backend::mpi;`) deduces it.
+template <class Comm>
+  requires requires { typename Comm::backend_tag; }
+struct backend_of<Comm> {
+  using type = typename Comm::backend_tag;  ///< the communicator's backend tag
+};
+
+/// The backend tag of communicator type Comm.
+template <class Comm>
+using backend_of_t = typename backend_of<Comm>::type;
+
+}  // namespace ddp
+// ---- end <ddp/comm/backend.hpp>
 // ---- begin <ddp/comm/env.hpp>
 /// \file Reading a rank's place in the job from the environment (torchrun's env:// and Open MPI's variables).
 
@@ -2151,30 +2169,16 @@ class collective_front : public object_collectives<Derived> {
   template <tensor In, tensor Out>
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::gather, "gather", std::nullopt, in, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, out.size, in.size, "output", "input");
-    }
-    verify(c);
-    return counted(c, at_root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+    call_info c = open_rooted(collective::gather, "gather", in, out, root);
+    return counted(c, self().rank() == root ? 0 : in.bytes(), self().launch_gather(c, in, out));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
   template <tensor In, tensor Out>
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::scatter, "scatter", std::nullopt, out, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, in.size, out.size, "input", "output");
-    }
-    verify(c);
-    return counted(c, at_root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+    call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
+    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -2232,6 +2236,21 @@ class collective_front : public object_collectives<Derived> {
     if constexpr (Derived::duties.sequence)
       c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
     if constexpr (requires { self().device(); }) c.device = self().device();
+    return c;
+  }
+
+  /// Opens gather or scatter: each rank's k elements (gather's input, scatter's output) travel between it and its
+  /// block of root's N·k elements (the other buffer), which the root checks.
+  call_info open_rooted(collective kind, const char* name, const raw_tensor& in, const raw_tensor& out, int root) {
+    const bool to_root = kind == collective::gather;
+    const raw_tensor& mine = to_root ? in : out;
+    call_info c = open(kind, name, std::nullopt, mine, root);
+    check_rank(c, root, "root");
+    if (self().rank() == root) {
+      same_type(c, in, out);
+      blocks(c, (to_root ? out : in).size, mine.size, to_root ? "output" : "input", to_root ? "input" : "output");
+    }
+    verify(c);
     return c;
   }
 
@@ -11520,6 +11539,7 @@ namespace ddp::mpi {
 /// and gets its own error handler back after the last one.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::mpi;  ///< the backend tag data_parallel deduces from this communicator
   /// MPI_COMM_WORLD, initializing MPI (MPI_THREAD_MULTIPLE) on first use and finalizing it at exit.
   static communicator world(int& argc, char**& argv, config settings = {}) {
     detail::runtime::ensure(&argc, &argv);
@@ -11754,23 +11774,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::mpi::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::mpi
 
-namespace ddp {
-/// backend::mpi selects ddp::mpi::communicator.
+/// backend::mpi selects ddp::mpi::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::mpi> {
-  using communicator = ddp::mpi::communicator;
-};
-/// ddp::mpi::communicator deduces backend::mpi.
-template <>
-struct backend_of<ddp::mpi::communicator> {
-  using type = backend::mpi;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp::mpi::communicator> {};
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
 // ---- end <ddp/comm/mpi/communicator.hpp>
 #endif
@@ -12678,6 +12686,7 @@ inline ncclUniqueId new_unique_id() {
 /// copy finalizes and destroys the NCCL communicator.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
@@ -12802,43 +12811,33 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
-    const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{in, true, false}}, [&](const std::vector<void*>& p) {
-        return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
-      return grouped([&] {
-        const auto type = detail::datatype(in.type);
-        for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, in.size), in.size, type, r, group_->comm,
-                                              group_->stream());
-              e != ncclSuccess && e != ncclInProgress)
-            return e;
-        return ncclSend(p[0], in.size, type, root, group_->comm, group_->stream());
-      });
-    });
+    return rooted_blocks(info, in, out, true);
   }
 
   work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    return rooted_blocks(info, out, in, false);
+  }
+
+  /// gather (`to_root`: each rank's `mine` into its block of the root's `whole`) or scatter (each rank's block of
+  /// the root's `whole` into its `mine`): a send or receive per rank, grouped at the root with its own.
+  work rooted_blocks(const call& info, const raw_tensor& mine, const raw_tensor& whole, bool to_root) {
     const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{out, false, true}}, [&](const std::vector<void*>& p) {
-        return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    const auto type = detail::datatype(mine.type);
+    const auto transfer = [&](bool send, void* p, int peer) {
+      return send ? ncclSend(p, mine.size, type, peer, group_->comm, group_->stream())
+                  : ncclRecv(p, mine.size, type, peer, group_->comm, group_->stream());
+    };
+    const detail::argument own{mine, to_root, !to_root};
+    if (rank() != root)
+      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+    disjoint(info, mine, whole);
+    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
-        const auto type = detail::datatype(out.type);
         for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclSend(block(p[0], in, r, out.size), out.size, type, r, group_->comm,
-                                              group_->stream());
+          if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
               e != ncclSuccess && e != ncclInProgress)
             return e;
-        return ncclRecv(p[1], out.size, type, root, group_->comm, group_->stream());
+        return transfer(to_root, p[0], root);
       });
     });
   }
@@ -12985,23 +12984,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::nccl::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::nccl
 
-namespace ddp {
-/// backend::nccl selects ddp::nccl::communicator.
+/// backend::nccl selects ddp::nccl::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::nccl> {
-  using communicator = ddp::nccl::communicator;
-};
-/// ddp::nccl::communicator deduces backend::nccl.
-template <>
-struct backend_of<ddp::nccl::communicator> {
-  using type = backend::nccl;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::nccl> : ddp::detail::backend_binding<ddp::nccl::communicator> {};
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 // ---- end <ddp/comm/nccl/communicator.hpp>
 

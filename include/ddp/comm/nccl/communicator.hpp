@@ -75,6 +75,7 @@ inline ncclUniqueId new_unique_id() {
 /// copy finalizes and destroys the NCCL communicator.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
@@ -199,43 +200,33 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
-    const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{in, true, false}}, [&](const std::vector<void*>& p) {
-        return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
-      return grouped([&] {
-        const auto type = detail::datatype(in.type);
-        for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, in.size), in.size, type, r, group_->comm,
-                                              group_->stream());
-              e != ncclSuccess && e != ncclInProgress)
-            return e;
-        return ncclSend(p[0], in.size, type, root, group_->comm, group_->stream());
-      });
-    });
+    return rooted_blocks(info, in, out, true);
   }
 
   work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    return rooted_blocks(info, out, in, false);
+  }
+
+  /// gather (`to_root`: each rank's `mine` into its block of the root's `whole`) or scatter (each rank's block of
+  /// the root's `whole` into its `mine`): a send or receive per rank, grouped at the root with its own.
+  work rooted_blocks(const call& info, const raw_tensor& mine, const raw_tensor& whole, bool to_root) {
     const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{out, false, true}}, [&](const std::vector<void*>& p) {
-        return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    const auto type = detail::datatype(mine.type);
+    const auto transfer = [&](bool send, void* p, int peer) {
+      return send ? ncclSend(p, mine.size, type, peer, group_->comm, group_->stream())
+                  : ncclRecv(p, mine.size, type, peer, group_->comm, group_->stream());
+    };
+    const detail::argument own{mine, to_root, !to_root};
+    if (rank() != root)
+      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+    disjoint(info, mine, whole);
+    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
-        const auto type = detail::datatype(out.type);
         for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclSend(block(p[0], in, r, out.size), out.size, type, r, group_->comm,
-                                              group_->stream());
+          if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
               e != ncclSuccess && e != ncclInProgress)
             return e;
-        return ncclRecv(p[1], out.size, type, root, group_->comm, group_->stream());
+        return transfer(to_root, p[0], root);
       });
     });
   }
@@ -382,20 +373,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::nccl::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::nccl
 
-namespace ddp {
-/// backend::nccl selects ddp::nccl::communicator.
+/// backend::nccl selects ddp::nccl::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::nccl> {
-  using communicator = ddp::nccl::communicator;
-};
-/// ddp::nccl::communicator deduces backend::nccl.
-template <>
-struct backend_of<ddp::nccl::communicator> {
-  using type = backend::nccl;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::nccl> : ddp::detail::backend_binding<ddp::nccl::communicator> {};
