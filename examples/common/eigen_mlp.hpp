@@ -20,6 +20,8 @@
 #include <ddp/adapters/eigen.hpp>
 #include <ddp/core/trainable.hpp>
 
+#include "batch_result.hpp"
+
 namespace example {
 
 /// Row-major float matrix: activations are [batch, features], weights [out, in].
@@ -104,25 +106,19 @@ class eigen_mlp {
   layer fc1, fc2, fc3;  ///< the layers
 };
 
-/// Loss sum and correct predictions of one batch.
-struct eigen_batch_result {
-  double loss_sum = 0;      ///< sum of per-sample cross-entropy losses
-  std::size_t correct = 0;  ///< samples whose arg-max logit is the label
-};
-
 /// Forward and backward of an eigen_mlp with reused activation buffers; every product is an Eigen GEMM.
 class eigen_trainer {
  public:
   /// Forward on `x` ([batch, in], row-major) with `labels`; keeps what backward() needs.
   template <class Model>
-  eigen_batch_result forward(const Model& m, std::span<const float> x, std::span<const std::uint8_t> labels) {
+  batch_result forward(const Model& m, std::span<const float> x, std::span<const std::uint8_t> labels) {
     const auto n = static_cast<Eigen::Index>(labels.size());
     x_ = Eigen::Map<const row_matrix>(x.data(), n, m.fc1.weight.cols());
     linear_forward(m.fc1, x_, h1_, true);
     linear_forward(m.fc2, h1_, h2_, true);
     linear_forward(m.fc3, h2_, logits_, false);
     dlogits_.resize(n, logits_.cols());
-    eigen_batch_result r;
+    batch_result r;
     for (Eigen::Index i = 0; i < n; ++i) {
       Eigen::Index best = 0;
       const float zmax = logits_.row(i).maxCoeff(&best);

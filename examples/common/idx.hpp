@@ -1,9 +1,11 @@
 #pragma once
 /// \file Reading gzip'd IDX files (MNIST, Fashion-MNIST) as Debian's dataset packages ship them.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -89,6 +91,35 @@ inline image_set load_idx_split(const std::filesystem::path& dir, const std::str
   s.pixels.resize(pixels.size());
   for (std::size_t i = 0; i < pixels.size(); ++i) s.pixels[i] = (static_cast<float>(pixels[i]) / 255.0F - mean) / stddev;
   return s;
+}
+
+/// Fashion-MNIST's two splits.
+struct fashion_mnist {
+  image_set train;  ///< the training images
+  image_set test;   ///< the test images
+};
+/// Fashion-MNIST's training and test splits from `dir`, standardized with the training set's mean and deviation;
+/// the training split cut to its first `limit` images (0: all).
+inline fashion_mnist load_fashion_mnist(const std::filesystem::path& dir, std::size_t limit) {
+  fashion_mnist d{load_idx_split(dir, "train", 0.2860F, 0.3530F), load_idx_split(dir, "t10k", 0.2860F, 0.3530F)};
+  if (limit > 0 && limit < d.train.size()) {
+    d.train.labels.resize(limit);
+    d.train.pixels.resize(limit * d.train.features());
+  }
+  return d;
+}
+
+/// The rows of `data` at `indices`, packed into `x` and `y`.
+inline void gather_batch(const image_set& data, std::span<const std::size_t> indices, std::vector<float>& x,
+                         std::vector<std::uint8_t>& y) {
+  const std::size_t f = data.features();
+  x.resize(indices.size() * f);
+  y.resize(indices.size());
+  for (std::size_t r = 0; r < indices.size(); ++r) {
+    std::copy_n(data.pixels.begin() + static_cast<std::ptrdiff_t>(indices[r] * f), f,
+                x.begin() + static_cast<std::ptrdiff_t>(r * f));
+    y[r] = data.labels[indices[r]];
+  }
 }
 
 }  // namespace example

@@ -16,6 +16,8 @@
 
 #include <ddp/core/parameter.hpp>
 
+#include "batch_result.hpp"
+
 namespace example {
 
 /// y = x·weightᵀ + bias; weight is [out, in].
@@ -50,12 +52,6 @@ inline mlp make_mlp(std::size_t in, std::size_t h1, std::size_t h2, std::size_t 
   linear c = make_linear(h2, classes, rng);
   return {std::move(a), std::move(b), std::move(c)};
 }
-
-/// Loss sum and correct predictions of one batch.
-struct batch_result {
-  double loss_sum = 0;      ///< sum of per-sample cross-entropy losses
-  std::size_t correct = 0;  ///< samples whose arg-max logit is the label
-};
 
 /// Forward and backward of an mlp with reused activation buffers.
 class mlp_trainer {

@@ -71,37 +71,38 @@ constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
 }
 
-constexpr std::uint32_t round_shift_even(std::uint32_t value, unsigned shift) noexcept {
-  const std::uint32_t kept = value >> shift;
-  const std::uint32_t rest = value & ((1U << shift) - 1U);
-  const std::uint32_t half = 1U << (shift - 1U);
-  return kept + ((rest > half || (rest == half && (kept & 1U))) ? 1U : 0U);
-}
-
+/// Rounds to nearest, ties to even; beyond the largest half, infinity; a NaN stays a (quiet) NaN with the top of its
+/// payload. Without branches (masks, not conditionals), so that loops over it vectorize: a subnormal half is rounded by the float adder itself
+/// (|value| + 0.5 has its last place at the smallest subnormal half, and IEEE addition, in the default rounding
+/// mode, rounds ties to even).
 constexpr std::uint16_t float_to_f16_bits(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
-  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t sign = (bits >> 16) & 0x8000U;
   const std::uint32_t abs = bits & 0x7fffffffU;
-  if (abs > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U | ((abs >> 13) & 0x3ffU));  // NaN
-  if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to or beyond infinity
-  if (abs >= 0x38800000U)                                                     // normal half
-    return static_cast<std::uint16_t>(sign | round_shift_even(abs - 0x38000000U, 13));
-  if (abs < 0x33000000U) return sign;  // below half the smallest subnormal: zero
-  const std::uint32_t exponent = abs >> 23;
-  const std::uint32_t mantissa = (abs & 0x7fffffU) | 0x800000U;
-  return static_cast<std::uint16_t>(sign | round_shift_even(mantissa, 126U - exponent));
+  const std::uint32_t normal = (abs - 0x38000000U + 0xfffU + ((abs >> 13) & 1U)) >> 13;  // rebiased, rounded
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(abs) + 0.5F) - 0x3f000000U;
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(abs > 0x7f800000U);      // all ones or 0
+  const std::uint32_t is_small = 0U - static_cast<std::uint32_t>(abs < 0x38800000U);    // a subnormal half or 0
+  const std::uint32_t is_huge = 0U - static_cast<std::uint32_t>(abs >= 0x477ff000U);    // rounds to infinity
+  const std::uint32_t finite = (normal & ~is_small & ~is_huge) | (subnormal & is_small) | (0x7c00U & is_huge);
+  const std::uint32_t nan = 0x7e00U | ((abs >> 13) & 0x3ffU);
+  return static_cast<std::uint16_t>(sign | (finite & ~is_nan) | (nan & is_nan));
 }
 
+/// Widens exactly; without branches (masks, not conditionals), so that loops over it vectorize: the bits move into
+/// float's places and are rebiased; infinity and NaN take the top exponent, and a subnormal half is renormalized by an
+/// exact float subtraction.
 constexpr float f16_bits_to_float(std::uint16_t half) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000U) << 16;
-  const std::uint32_t exponent = (half >> 10) & 0x1fU;
-  const std::uint32_t mantissa = half & 0x3ffU;
-  if (exponent == 0) {
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24F;
-    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000U | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112U) << 23) | (mantissa << 13));
+  const std::uint32_t shifted = static_cast<std::uint32_t>(half & 0x7fffU) << 13;  // exponent and mantissa in place
+  const std::uint32_t exponent = shifted & 0x0f800000U;
+  const std::uint32_t normal = shifted + 0x38000000U;   // exponent rebiased from 15 to 127
+  const std::uint32_t is_special = 0U - static_cast<std::uint32_t>(exponent == 0x0f800000U);  // infinity, NaN
+  const std::uint32_t is_tiny = 0U - static_cast<std::uint32_t>(exponent == 0);               // subnormal, zero
+  const std::uint32_t tiny = std::bit_cast<std::uint32_t>(std::bit_cast<float>(normal + 0x00800000U) - 0x1p-14F);
+  const std::uint32_t top = normal + (is_special & 0x38000000U);  // infinity and NaN: exponent 255
+  const std::uint32_t magnitude = (top & ~is_tiny) | (tiny & is_tiny);
+  return std::bit_cast<float>(magnitude | sign);
 }
 
 }  // namespace detail
@@ -383,6 +384,27 @@ inline constexpr bool leaf_is_view = [] {
 /// \file tensor_traits: the customization point that tells the library where a tensor keeps its elements.
 
 
+// ---- begin <ddp/core/detail/blocked.hpp>
+/// \file ddp::detail::for_each_blocked: an element loop the compiler vectorizes also at -O2, for the conversions
+/// between f32 and the 16-bit floats (mixed precision's masters, the compression hooks' buckets).
+
+
+namespace ddp::detail {
+
+/// Calls f(i) for every i below n, in blocks of 16 with a fixed trip count, which compilers vectorize also at -O2
+/// (GCC's cost model there refuses a loop of unknown length but takes a fixed block): narrowing f32 to bf16 runs
+/// several times faster than over the plain loop.
+template <class F>
+void for_each_blocked(std::size_t n, F&& f) {
+  constexpr std::size_t block = 16;
+  std::size_t i = 0;
+  for (; i + block <= n; i += block)
+    for (std::size_t k = 0; k < block; ++k) f(i + k);
+  for (; i < n; ++i) f(i);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/core/detail/blocked.hpp>
 
 namespace ddp {
 
@@ -456,14 +478,14 @@ static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> &&
 
 namespace detail {
 /// Copies the host elements of `from` into `to` (same length), converting each to `to`'s dtype (16-bit floats
-/// through float, rounding to nearest even).
+/// through float, rounding to nearest even; a NaN stays a NaN), in blocks that vectorize (for_each_blocked).
 inline void convert(raw_tensor from, raw_tensor to) {
   visit_dtype(from.type, [&]<class F>(F) {
     visit_dtype(to.type, [&]<class T>(T) {
       using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
       const F* src = static_cast<const F*>(from.data);
       T* dst = static_cast<T*>(to.data);
-      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(static_cast<wide>(src[i]));
+      for_each_blocked(from.size, [&](std::size_t i) { dst[i] = static_cast<T>(static_cast<wide>(src[i])); });
     });
   });
 }
@@ -1128,53 +1150,10 @@ inline constexpr detail::visit_parameters_fn visit_parameters{};
 
 // ---- begin <ddp/comm/backend.hpp>
 /// \file Backend policy tags and the mappings between a tag and its communicator type.
-/// Each backend's header specializes backend_traits for its tag and backend_of for its communicator.
+/// Each backend's header specializes backend_traits for its tag (deriving from detail::backend_binding, which checks
+/// the communicator against the concept); its communicator names its tag as `using backend_tag = ...;`.
 
 
-
-namespace ddp {
-
-namespace detail {
-struct backend_category {};
-}  // namespace detail
-
-/// Backend policies: which communicator data_parallel expects.
-namespace backend {
-/// The library's own TCP transport (ddp::tcp::communicator); the default.
-struct tcp { using policy_category = detail::backend_category; };
-/// Open MPI (ddp::mpi::communicator).
-struct mpi { using policy_category = detail::backend_category; };
-/// NCCL over CUDA device memory (ddp::nccl::communicator).
-struct nccl { using policy_category = detail::backend_category; };
-}  // namespace backend
-
-/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
-template <class Backend>
-struct backend_traits {
-  static_assert(detail::dependent_false<Backend>,
-                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
-                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
-};
-
-/// The communicator type of backend tag B.
-template <class B>
-using backend_communicator_t = typename backend_traits<B>::communicator;
-
-/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
-/// deduces the backend from). Specialized by each backend's header beside backend_traits.
-template <class Comm>
-struct backend_of {
-  static_assert(detail::dependent_false<Comm>,
-                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
-                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
-};
-
-/// The backend tag of communicator type Comm.
-template <class Comm>
-using backend_of_t = typename backend_of<Comm>::type;
-
-}  // namespace ddp
-// ---- end <ddp/comm/backend.hpp>
 // ---- begin <ddp/comm/communicator.hpp>
 /// \file The ddp::communicator concept every backend (tcp, mpi, nccl) models.
 ///
@@ -1472,6 +1451,67 @@ concept communicator =
 
 }  // namespace ddp
 // ---- end <ddp/comm/communicator.hpp>
+
+namespace ddp {
+
+namespace detail {
+struct backend_category {};
+}  // namespace detail
+
+/// Backend policies: which communicator data_parallel expects.
+namespace backend {
+/// The library's own TCP transport (ddp::tcp::communicator); the default.
+struct tcp { using policy_category = detail::backend_category; };
+/// Open MPI (ddp::mpi::communicator).
+struct mpi { using policy_category = detail::backend_category; };
+/// NCCL over CUDA device memory (ddp::nccl::communicator).
+struct nccl { using policy_category = detail::backend_category; };
+}  // namespace backend
+
+/// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
+template <class Backend>
+struct backend_traits {
+  static_assert(detail::dependent_false<Backend>,
+                "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
+                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+};
+
+/// The communicator type of backend tag B.
+template <class B>
+using backend_communicator_t = typename backend_traits<B>::communicator;
+
+namespace detail {
+/// What backend_traits<Tag> holds for a backend whose communicator is Comm; checks that Comm models the concept.
+template <class Comm>
+struct backend_binding {
+  static_assert(ddp::communicator<Comm>,
+                "ddp: this backend's communicator must model ddp::communicator; add the missing member the concept "
+                "in <ddp/comm/communicator.hpp> names.");
+  using communicator = Comm;  ///< the backend's communicator
+};
+}  // namespace detail
+
+/// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
+/// deduces the backend from): the communicator's `backend_tag`, or a specialization of backend_of.
+template <class Comm>
+struct backend_of {
+  static_assert(detail::dependent_false<Comm>,
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
+                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+};
+/// A communicator that names its tag (`using backend_tag = backend::mpi;`) deduces it.
+template <class Comm>
+  requires requires { typename Comm::backend_tag; }
+struct backend_of<Comm> {
+  using type = typename Comm::backend_tag;  ///< the communicator's backend tag
+};
+
+/// The backend tag of communicator type Comm.
+template <class Comm>
+using backend_of_t = typename backend_of<Comm>::type;
+
+}  // namespace ddp
+// ---- end <ddp/comm/backend.hpp>
 // ---- begin <ddp/comm/env.hpp>
 /// \file Reading a rank's place in the job from the environment (torchrun's env:// and Open MPI's variables).
 
@@ -2135,30 +2175,16 @@ class collective_front : public object_collectives<Derived> {
   template <tensor In, tensor Out>
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::gather, "gather", std::nullopt, in, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, out.size, in.size, "output", "input");
-    }
-    verify(c);
-    return counted(c, at_root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+    call_info c = open_rooted(collective::gather, "gather", in, out, root);
+    return counted(c, self().rank() == root ? 0 : in.bytes(), self().launch_gather(c, in, out));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
   template <tensor In, tensor Out>
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::scatter, "scatter", std::nullopt, out, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, in.size, out.size, "input", "output");
-    }
-    verify(c);
-    return counted(c, at_root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+    call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
+    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -2216,6 +2242,21 @@ class collective_front : public object_collectives<Derived> {
     if constexpr (Derived::duties.sequence)
       c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
     if constexpr (requires { self().device(); }) c.device = self().device();
+    return c;
+  }
+
+  /// Opens gather or scatter: each rank's k elements (gather's input, scatter's output) travel between it and its
+  /// block of root's N·k elements (the other buffer), which the root checks.
+  call_info open_rooted(collective kind, const char* name, const raw_tensor& in, const raw_tensor& out, int root) {
+    const bool to_root = kind == collective::gather;
+    const raw_tensor& mine = to_root ? in : out;
+    call_info c = open(kind, name, std::nullopt, mine, root);
+    check_rank(c, root, "root");
+    if (self().rank() == root) {
+      same_type(c, in, out);
+      blocks(c, (to_root ? out : in).size, mine.size, to_root ? "output" : "input", to_root ? "input" : "output");
+    }
+    verify(c);
     return c;
   }
 
@@ -7798,33 +7839,17 @@ class compress_hook {
     visit_typed(b, [&](auto g) {
       using T = typename decltype(g)::value_type;
       const T scale = static_cast<T>(1.0 / b.world_size());
-      in_blocks(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
+      for_each_blocked(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
     });
     return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
   }
   template <class Comm>
   void complete(const bucket_gradients<Comm>& b) {
-    if (!compressed(b.type())) return;
-    const auto& half = scratch(b);
-    visit_typed(b, [&](auto g) {
-      using T = typename decltype(g)::value_type;
-      in_blocks(g.size(), [&](std::size_t i) { g[i] = static_cast<T>(static_cast<float>(half[i])); });
-    });
+    if (compressed(b.type())) convert(as_raw(std::span<const Half>(scratch(b))), b.grads);
   }
 
  private:
   static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
-  /// Calls f(i) for every i below n, in blocks of 16 with a fixed trip count, which compilers vectorize also at
-  /// -O2 (GCC's cost model there refuses a loop of unknown length but takes a fixed block): the bf16 narrowing of
-  /// a bucket runs several times faster than over the plain loop, on the thread that runs the backward.
-  template <class F>
-  static void in_blocks(std::size_t n, F&& f) {
-    constexpr std::size_t block = 16;
-    std::size_t i = 0;
-    for (; i + block <= n; i += block)
-      for (std::size_t k = 0; k < block; ++k) f(i + k);
-    for (; i < n; ++i) f(i);
-  }
   template <class Comm>
   std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
     if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
@@ -10551,6 +10576,50 @@ class [[nodiscard]] join_scope {
 
 }  // namespace ddp
 // ---- end <ddp/parallel/join.hpp>
+// ---- begin <ddp/parallel/no_sync.hpp>
+/// \file ddp::no_sync_guard: the scope of a gradient-accumulation span, what dp.no_sync() returns (PyTorch's
+/// `with model.no_sync():`). It only counts the open spans; data_parallel decides what a span means for its policy.
+
+
+namespace ddp {
+
+/// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
+/// accumulate locally without communication; under the sharding strategies each micro-batch is
+/// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
+/// it at the end of the span. The destructor issues no collective: it only ends the span.
+template <class DataParallel>
+class [[nodiscard]] no_sync_guard {
+ public:
+  /// Opens a span of `dp` (dp.no_sync() checks that one may open).
+  explicit no_sync_guard(DataParallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
+  no_sync_guard(const no_sync_guard&) = delete;
+  no_sync_guard& operator=(const no_sync_guard&) = delete;
+  /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
+  void close() {
+    if (!dp_) return;
+    DataParallel& dp = *dp_;
+    end_span();
+    if constexpr (sharded) dp.finish_gradients();
+  }
+  /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
+  /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
+  ~no_sync_guard() {
+    if (!dp_) return;
+    if (sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
+    end_span();
+  }
+
+ private:
+  static constexpr bool sharded = DataParallel::strategy_type::sharded;
+  void end_span() noexcept {
+    --dp_->no_sync_depth_;
+    dp_ = nullptr;
+  }
+  DataParallel* dp_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/no_sync.hpp>
 // ---- begin <ddp/parallel/replica_check.hpp>
 /// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
 /// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
@@ -10935,37 +11004,8 @@ class data_parallel {
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
-  /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
-  /// accumulate locally without communication; under the sharding strategies each micro-batch is
-  /// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
-  /// it at the end of the span. The destructor issues no collective: it only ends the span.
-  class [[nodiscard]] no_sync_guard {
-   public:
-    explicit no_sync_guard(data_parallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
-    void close() {
-      if (!dp_) return;
-      data_parallel& dp = *dp_;
-      end_span();
-      if constexpr (strategy_type::sharded) dp.finish_gradients();
-    }
-    /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
-    /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
-    ~no_sync_guard() {
-      if (!dp_) return;
-      if (strategy_type::sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
-      end_span();
-    }
-
-   private:
-    void end_span() noexcept {
-      --dp_->no_sync_depth_;
-      dp_ = nullptr;
-    }
-    data_parallel* dp_;
-  };
+  /// Scope returned by no_sync() (parallel/no_sync.hpp): while open, gradients accumulate without a step.
+  using no_sync_guard = ddp::no_sync_guard<data_parallel>;
   /// Starts a gradient-accumulation span (see no_sync_guard); the next synchronized backward reduces the
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
@@ -11235,6 +11275,7 @@ class data_parallel {
   detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
+  friend class ddp::no_sync_guard<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type
@@ -12008,6 +12049,7 @@ namespace ddp::mpi {
 /// and gets its own error handler back after the last one.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::mpi;  ///< the backend tag data_parallel deduces from this communicator
   /// MPI_COMM_WORLD, initializing MPI (MPI_THREAD_MULTIPLE) on first use and finalizing it at exit.
   static communicator world(int& argc, char**& argv, config settings = {}) {
     detail::runtime::ensure(&argc, &argv);
@@ -12242,23 +12284,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::mpi::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::mpi
 
-namespace ddp {
-/// backend::mpi selects ddp::mpi::communicator.
+/// backend::mpi selects ddp::mpi::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::mpi> {
-  using communicator = ddp::mpi::communicator;
-};
-/// ddp::mpi::communicator deduces backend::mpi.
-template <>
-struct backend_of<ddp::mpi::communicator> {
-  using type = backend::mpi;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp::mpi::communicator> {};
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_MPI_COMMUNICATOR_HPP
 // ---- end <ddp/comm/mpi/communicator.hpp>
 #endif
@@ -12267,8 +12297,22 @@ struct backend_of<ddp::mpi::communicator> {
 // ---- begin <ddp/comm/nccl/from_env.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
 #define DDP_SINGLE_HEADER_DDP_COMM_NCCL_FROM_ENV_HPP
-/// \file ddp::nccl::communicator::from_env(): the ncclUniqueId travels from rank 0 over ddp::tcp's rendezvous
-/// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); the only NCCL header that includes the TCP backend.
+/// \file ddp::nccl::communicator::from_env(): the ncclUniqueId travels from rank 0 through ddp::tcp's rendezvous
+/// store alone (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; DDP_TOKEN and DDP_CONNECT_TIMEOUT_MS as for ddp::tcp):
+/// rank 0 serves the store on a thread of its own while the id is exchanged; no mesh and no progress engine.
+
+#include <poll.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 // ---- begin <ddp/comm/nccl/communicator.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
@@ -12276,7 +12320,7 @@ struct backend_of<ddp::mpi::communicator> {
 /// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
 ///
 /// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
-///   the constructor, or through ddp::tcp's rendezvous with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
+///   the constructor, or through ddp::tcp's rendezvous store with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
 ///   communicator is non-blocking, so
 ///   initialization, split and every enqueue are bounded by config::timeout.
 /// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
@@ -13137,36 +13181,42 @@ class op_state final : public ddp::detail::work_state {
 namespace ddp::nccl {
 
 namespace detail {
-/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp.
+/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp's store.
 struct env_rendezvous;
+
+/// A new ncclUniqueId: rank 0 makes it, the other ranks join with it.
+inline ncclUniqueId new_unique_id() {
+  ncclUniqueId id{};
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) fail(r, "ncclGetUniqueId", 0);
+  return id;
+}
 }  // namespace detail
 
 /// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
 /// copy finalizes and destroys the NCCL communicator.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
     requires(!std::same_as<std::remove_cvref_t<Bootstrap>, communicator>) && ddp::communicator<std::remove_cvref_t<Bootstrap>>
-  explicit communicator(Bootstrap& bootstrap, config settings = {}) {
-    ncclUniqueId id{};
-    if (bootstrap.rank() == 0)
-      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) detail::fail(r, "ncclGetUniqueId", 0);
-    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
-    std::memcpy(bytes.data(), &id, sizeof id);
-    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
-    std::memcpy(&id, bytes.data(), sizeof id);
-    group_ = std::make_shared<detail::group>(id, bootstrap.rank(), bootstrap.size(), settings);
-  }
+  explicit communicator(Bootstrap& bootstrap, config settings = {})
+      : communicator(broadcast_id(bootstrap), bootstrap.rank(), bootstrap.size(), settings) {}
+
+  /// Collective over `size` ranks that hold the same `id` (rank 0's ncclGetUniqueId, carried by the caller's own
+  /// means): joins as `rank` on config::device (ncclCommInitRankConfig).
+  communicator(const ncclUniqueId& id, int rank, int size, config settings = {})
+      : group_(std::make_shared<detail::group>(id, rank, size, settings)) {}
 
   /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
-  /// ddp-launch set them): the id travels over ddp::tcp's rendezvous; the device is config::device, else LOCAL_RANK
-  /// modulo the number of visible devices. Defined in <ddp/comm/nccl/from_env.hpp>, which brings ddp::tcp along.
+  /// ddp-launch set them): the id travels through ddp::tcp's rendezvous store alone (no mesh, no engine); the device
+  /// is config::device, else LOCAL_RANK modulo the number of visible devices. Defined in
+  /// <ddp/comm/nccl/from_env.hpp>, which brings the store's client and server along.
   template <class Rendezvous = detail::env_rendezvous>
   static communicator from_env(config settings = {}) {
     static_assert(requires { sizeof(Rendezvous); },
-                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
+                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous store: include "
                   "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
                   "constructor.");
     return Rendezvous::join(settings);
@@ -13271,43 +13321,33 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
-    const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{in, true, false}}, [&](const std::vector<void*>& p) {
-        return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
-      return grouped([&] {
-        const auto type = detail::datatype(in.type);
-        for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, in.size), in.size, type, r, group_->comm,
-                                              group_->stream());
-              e != ncclSuccess && e != ncclInProgress)
-            return e;
-        return ncclSend(p[0], in.size, type, root, group_->comm, group_->stream());
-      });
-    });
+    return rooted_blocks(info, in, out, true);
   }
 
   work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    return rooted_blocks(info, out, in, false);
+  }
+
+  /// gather (`to_root`: each rank's `mine` into its block of the root's `whole`) or scatter (each rank's block of
+  /// the root's `whole` into its `mine`): a send or receive per rank, grouped at the root with its own.
+  work rooted_blocks(const call& info, const raw_tensor& mine, const raw_tensor& whole, bool to_root) {
     const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{out, false, true}}, [&](const std::vector<void*>& p) {
-        return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    const auto type = detail::datatype(mine.type);
+    const auto transfer = [&](bool send, void* p, int peer) {
+      return send ? ncclSend(p, mine.size, type, peer, group_->comm, group_->stream())
+                  : ncclRecv(p, mine.size, type, peer, group_->comm, group_->stream());
+    };
+    const detail::argument own{mine, to_root, !to_root};
+    if (rank() != root)
+      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+    disjoint(info, mine, whole);
+    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
-        const auto type = detail::datatype(out.type);
         for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclSend(block(p[0], in, r, out.size), out.size, type, r, group_->comm,
-                                              group_->stream());
+          if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
               e != ncclSuccess && e != ncclInProgress)
             return e;
-        return ncclRecv(p[1], out.size, type, root, group_->comm, group_->stream());
+        return transfer(to_root, p[0], root);
       });
     });
   }
@@ -13440,37 +13480,115 @@ class communicator : public ddp::detail::collective_front<communicator> {
                    " inside the whole buffer); pass separate buffers or that exact block");
   }
 
+  /// Rank 0's new ncclUniqueId, broadcast over `bootstrap`.
+  template <class Bootstrap>
+  static ncclUniqueId broadcast_id(Bootstrap& bootstrap) {
+    ncclUniqueId id = bootstrap.rank() == 0 ? detail::new_unique_id() : ncclUniqueId{};
+    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return id;
+  }
+
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::nccl::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::nccl
 
-namespace ddp {
-/// backend::nccl selects ddp::nccl::communicator.
+/// backend::nccl selects ddp::nccl::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::nccl> {
-  using communicator = ddp::nccl::communicator;
-};
-/// ddp::nccl::communicator deduces backend::nccl.
-template <>
-struct backend_of<ddp::nccl::communicator> {
-  using type = backend::nccl;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::nccl> : ddp::detail::backend_binding<ddp::nccl::communicator> {};
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_COMMUNICATOR_HPP
 // ---- end <ddp/comm/nccl/communicator.hpp>
 
 namespace ddp::nccl::detail {
 
+/// Rank 0's rendezvous store, served by a thread of its own until destroyed.
+class served_store {
+ public:
+  /// Serves `server` at once.
+  explicit served_store(tcp::detail::store_server server) : server_(std::move(server)), thread_([this] { serve(); }) {}
+  served_store(const served_store&) = delete;
+  served_store& operator=(const served_store&) = delete;
+  ~served_store() {
+    stop_ = true;
+    thread_.join();
+  }
+  /// Throws what stopped the serving thread, if anything did.
+  void check() const {
+    if (stopped_) std::rethrow_exception(failure_);
+  }
+
+ private:
+  void serve() noexcept {
+    try {
+      std::vector<pollfd> fds;
+      while (!stop_) {
+        fds.clear();
+        std::size_t base = 0;
+        server_.fill(fds, base);
+        ::poll(fds.data(), fds.size(), 10);
+        server_.on_events(fds, base);
+      }
+    } catch (...) {
+      failure_ = std::current_exception();
+      stopped_ = true;
+    }
+  }
+
+  tcp::detail::store_server server_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> stopped_{false};
+  std::exception_ptr failure_;
+  std::thread thread_;  // last: starts once the members it serves exist
+};
+
 /// Joins the job the environment describes, on config::device or else LOCAL_RANK modulo the visible devices.
 struct env_rendezvous {
   static communicator join(config settings) {
     if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
-    auto bootstrap = tcp::communicator::from_env();
-    return communicator(bootstrap, settings);
+    const tcp::config cfg = tcp::config_from_env();
+    if (cfg.size == 1) return communicator(new_unique_id(), 0, 1, settings);
+    if (cfg.master_port == 0)
+      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                         cfg.rank);
+    return communicator(exchange_id(cfg), cfg.rank, cfg.size, settings);
+  }
+
+  /// Rank 0's new id, set in its store; every other rank gets it; rank 0 serves until every rank has it.
+  static ncclUniqueId exchange_id(const tcp::config& cfg) {
+    const std::uint64_t token = tcp::detail::token_hash(cfg.token);
+    const auto deadline = tcp::detail::clock::now() + cfg.connect_timeout;
+    std::optional<served_store> served;
+    if (cfg.rank == 0)
+      served.emplace(tcp::detail::store_server(
+          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+          {cfg.handshake_timeout, cfg.max_pending_handshakes}));
+    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+    ncclUniqueId id{};
+    if (cfg.rank == 0) {
+      id = new_unique_id();
+      const auto* raw = reinterpret_cast<const std::uint8_t*>(&id);
+      store.set("ddp/nccl/id", std::vector<std::uint8_t>(raw, raw + sizeof id));
+    } else {
+      const auto bytes = store.get("ddp/nccl/id");
+      if (bytes.size() != sizeof id)
+        throw error("rank 0 published a malformed ncclUniqueId; every rank must run the same ddp version", cfg.rank);
+      std::memcpy(&id, bytes.data(), sizeof id);
+    }
+    store.add("ddp/nccl/joined", 1);
+    while (cfg.rank == 0 && store.add("ddp/nccl/joined", 0) < cfg.size) {  // the store outlives every rank's get
+      served->check();
+      if (tcp::detail::clock::now() > deadline)
+        throw timeout_error("not every rank fetched the ncclUniqueId from rank 0's store before the connect "
+                            "deadline; start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the "
+                            "connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+                            0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return id;
   }
 };
 

@@ -1,13 +1,16 @@
 // Host-side parts of the CUDA and NCCL backends that need no device, so they run on every machine: the dtype
-// and operator mapping to NCCL, and the errors that CUDA and NCCL failures become.
+// and operator mapping to NCCL, the errors that CUDA and NCCL failures become, and from_env's id exchange.
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <string>
 
 #include <ddp/comm/nccl/error.hpp>
+#include <ddp/comm/nccl/from_env.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/cuda/error.hpp>
+#include <support/run_ranks.hpp>
 
 TEST_CASE("every ddp dtype maps to the NCCL type of its size and kind", "[cuda][nccl]") {
   CHECK(ddp::nccl::detail::datatype(ddp::dtype::f32) == ncclFloat32);
@@ -66,4 +69,29 @@ TEST_CASE("a CUDA failure is a ddp::cuda_error naming the call, CUDA's error and
   } catch (const ddp::cuda_error& e) {
     CHECK_THAT(std::string(e.what()), Catch::Contains("ctest -L gpu"));
   }
+}
+
+TEST_CASE("nccl from_env: every rank gets rank 0's ncclUniqueId through the rendezvous store alone", "[cuda][nccl]") {
+  const auto result = ddp::testing::run_ranks(3, [](int) {
+    const ncclUniqueId id = ddp::nccl::detail::env_rendezvous::exchange_id(ddp::tcp::config_from_env());
+    const auto* bytes = reinterpret_cast<const unsigned char*>(&id);
+    std::string hex;
+    for (std::size_t i = 0; i < sizeof id; ++i) {
+      char two[3];
+      std::snprintf(two, sizeof two, "%02x", bytes[i]);
+      hex += two;
+    }
+    std::printf("id %s\n", hex.c_str());
+    std::fflush(stdout);
+  });
+  ddp::testing::require_all_ok(result);
+  const auto id_of = [&](int r) {
+    const std::string& out = result.ranks[static_cast<std::size_t>(r)].output;
+    const auto at = out.find("id ");
+    REQUIRE(at != std::string::npos);
+    return out.substr(at + 3, 2 * sizeof(ncclUniqueId));
+  };
+  CHECK(id_of(0) != std::string(2 * sizeof(ncclUniqueId), '0'));  // rank 0 made one
+  CHECK(id_of(1) == id_of(0));
+  CHECK(id_of(2) == id_of(0));
 }

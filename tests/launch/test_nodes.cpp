@@ -73,25 +73,32 @@ dl::spawn_result launch_nodes(int nodes, const std::vector<std::string>& args,
   return launch_nodes(nodes, [args](int) { return args; }, std::move(env));
 }
 
+/// A launcher's arguments for two ranks (no CPU binding) running `script` under /bin/sh, `options` before the script.
+std::vector<std::string> sh_on_two_ranks(const std::string& script, std::vector<std::string> options = {}) {
+  std::vector<std::string> args{"--bind", "none", "-n", "2"};
+  args.insert(args.end(), options.begin(), options.end());
+  args.insert(args.end(), {"--", "/bin/sh", "-c", script});
+  return args;
+}
+
 }  // namespace
 
 TEST_CASE("ddp-launch --nnodes: RANK = node x K + LOCAL_RANK and torchrun's other variables", "[launch][nodes]") {
-  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--", "/bin/sh", "-c",
-                                   "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
-                                   "$GROUP_WORLD_SIZE $MASTER_ADDR ${#DDP_TOKEN}"});
+  const auto rs = launch_nodes(2, sh_on_two_ranks("echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK "
+                                                  "$GROUP_WORLD_SIZE $MASTER_ADDR ${#DDP_TOKEN}"));
   INFO(rs.ranks[0].output + rs.ranks[1].output);
   REQUIRE(rs.ok());
-  CHECK(contains(rs.ranks[0].output, "[rank 0] 0 4 0 2 0 2 127.0.0.1 "));
-  CHECK(contains(rs.ranks[0].output, "[rank 1] 1 4 1 2 0 2 127.0.0.1 "));
-  CHECK(contains(rs.ranks[1].output, "[rank 2] 2 4 0 2 1 2 127.0.0.1 "));
-  CHECK(contains(rs.ranks[1].output, "[rank 3] 3 4 1 2 1 2 127.0.0.1 "));
+  // rank, world size, local rank, local world size, node, nodes, master address (node r holds ranks 2r and 2r+1)
+  const char* const expected[] = {"[rank 0] 0 4 0 2 0 2 127.0.0.1 ", "[rank 1] 1 4 1 2 0 2 127.0.0.1 ",
+                                  "[rank 2] 2 4 0 2 1 2 127.0.0.1 ", "[rank 3] 3 4 1 2 1 2 127.0.0.1 "};
+  for (std::size_t r = 0; r < 4; ++r) CHECK(contains(rs.ranks[r / 2].output, expected[r]));
 }
 
 TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks, both exit with its status",
           "[launch][nodes]") {
   const auto t0 = std::chrono::steady_clock::now();
-  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
-                                   "if [ $RANK = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 30"});
+  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 3 ]; then sleep 0.5; exit 7; fi; exec sleep 30",
+                                                  {"--grace", "1"}));
   const auto took = std::chrono::steady_clock::now() - t0;
   INFO(rs.ranks[0].output + rs.ranks[1].output);
   CHECK(took < 15s);  // far below the ranks' 30 s sleep
@@ -105,9 +112,9 @@ TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks, b
 
 TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an error (a lost peer's symptom)",
           "[launch][nodes]") {
-  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--grace", "1", "--", "/bin/sh", "-c",
-                                   "if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
-                                   "if [ $RANK = 3 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30"});
+  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
+                                                  "if [ $RANK = 3 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30",
+                                                  {"--grace", "1"}));
   INFO(rs.ranks[0].output + rs.ranks[1].output);
   for (const auto& node : rs.ranks) {
     CHECK(node.exit_code == 128 + 9);
@@ -152,9 +159,9 @@ TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file, 
 
 TEST_CASE("ddp-launch --nnodes --max-restarts: a rank failing on node 1 restarts every node's ranks",
           "[launch][nodes][restart]") {
-  const auto rs = launch_nodes(2, {"--bind", "none", "-n", "2", "--max-restarts", "1", "--", "/bin/sh", "-c",
-                                   "echo attempt $DDP_RESTART_COUNT; "
-                                   "if [ $RANK = 3 ] && [ $DDP_RESTART_COUNT = 0 ]; then exit 9; fi"});
+  const auto rs = launch_nodes(2, sh_on_two_ranks("echo attempt $DDP_RESTART_COUNT; "
+                                                  "if [ $RANK = 3 ] && [ $DDP_RESTART_COUNT = 0 ]; then exit 9; fi",
+                                                  {"--max-restarts", "1"}));
   INFO(rs.ranks[0].output + rs.ranks[1].output);
   REQUIRE(rs.ok());
   CHECK(contains(rs.ranks[0].output, "node 0: restarting ranks 0..1 (restart 1 of 1)"));

@@ -4,8 +4,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <ddp/core/dtype.hpp>
+#include <ddp/core/tensor_traits.hpp>
 
 TEST_CASE("float16 rounds every float like the hardware conversion", "[dtype]") {
   // _Float16 conversions in g++ round to nearest even; walk a dense stride of all float bit patterns.
@@ -79,4 +81,29 @@ TEST_CASE("dtype metadata", "[dtype]") {
   STATIC_REQUIRE(ddp::size_of(ddp::dtype::u8) == 1);
   CHECK(ddp::to_string(ddp::dtype::f16) == "f16");
   CHECK(ddp::visit_dtype(ddp::dtype::i64, [](auto v) { return sizeof(v); }) == 8);
+}
+
+TEST_CASE("detail::convert rounds each element as the 16-bit types do, blocks and tails alike, NaN staying NaN",
+          "[dtype]") {
+  for (const std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{17},
+                              std::size_t{40}}) {
+    std::vector<float> wide(n);
+    for (std::size_t i = 0; i < n; ++i)  // ties, subnormals, overflow, infinities and NaNs among ordinary values
+      wide[i] = i % 5 == 4 ? std::numeric_limits<float>::quiet_NaN()
+                           : std::ldexp(1.0F + static_cast<float>(i) * 0x1p-9F, static_cast<int>(i % 41) - 26) *
+                                 (i % 2 == 0 ? 1.0F : -1.0F) * (i % 7 == 6 ? 1e30F : 1.0F);
+    std::vector<ddp::bfloat16> b(n);
+    std::vector<ddp::float16> h(n);
+    std::vector<float> back(n);
+    ddp::detail::convert(ddp::as_raw(wide), ddp::as_raw(b));
+    ddp::detail::convert(ddp::as_raw(wide), ddp::as_raw(h));
+    for (std::size_t i = 0; i < n; ++i) {
+      CHECK(b[i].bits == ddp::bfloat16(wide[i]).bits);
+      CHECK(h[i].bits == ddp::float16(wide[i]).bits);
+      CHECK(std::isnan(static_cast<float>(h[i])) == std::isnan(wide[i]));
+    }
+    ddp::detail::convert(ddp::as_raw(h), ddp::as_raw(back));
+    for (std::size_t i = 0; i < n; ++i)
+      CHECK(std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(static_cast<float>(h[i])));
+  }
 }

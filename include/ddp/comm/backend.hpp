@@ -1,9 +1,11 @@
 #pragma once
 /// \file Backend policy tags and the mappings between a tag and its communicator type.
-/// Each backend's header specializes backend_traits for its tag and backend_of for its communicator.
+/// Each backend's header specializes backend_traits for its tag (deriving from detail::backend_binding, which checks
+/// the communicator against the concept); its communicator names its tag as `using backend_tag = ...;`.
 
 #include <type_traits>
 
+#include <ddp/comm/communicator.hpp>
 #include <ddp/core/detail/dependent_false.hpp>
 
 namespace ddp {
@@ -34,13 +36,30 @@ struct backend_traits {
 template <class B>
 using backend_communicator_t = typename backend_traits<B>::communicator;
 
+namespace detail {
+/// What backend_traits<Tag> holds for a backend whose communicator is Comm; checks that Comm models the concept.
+template <class Comm>
+struct backend_binding {
+  static_assert(ddp::communicator<Comm>,
+                "ddp: this backend's communicator must model ddp::communicator; add the missing member the concept "
+                "in <ddp/comm/communicator.hpp> names.");
+  using communicator = Comm;  ///< the backend's communicator
+};
+}  // namespace detail
+
 /// Maps a communicator type to its backend tag, `using type = ...;` (what `ddp::data_parallel dp{model, comm};`
-/// deduces the backend from). Specialized by each backend's header beside backend_traits.
+/// deduces the backend from): the communicator's `backend_tag`, or a specialization of backend_of.
 template <class Comm>
 struct backend_of {
   static_assert(detail::dependent_false<Comm>,
                 "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
                 "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+};
+/// A communicator that names its tag (`using backend_tag = backend::mpi;`) deduces it.
+template <class Comm>
+  requires requires { typename Comm::backend_tag; }
+struct backend_of<Comm> {
+  using type = typename Comm::backend_tag;  ///< the communicator's backend tag
 };
 
 /// The backend tag of communicator type Comm.

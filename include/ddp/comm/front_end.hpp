@@ -114,30 +114,16 @@ class collective_front : public object_collectives<Derived> {
   template <tensor In, tensor Out>
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::gather, "gather", std::nullopt, in, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, out.size, in.size, "output", "input");
-    }
-    verify(c);
-    return counted(c, at_root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+    call_info c = open_rooted(collective::gather, "gather", in, out, root);
+    return counted(c, self().rank() == root ? 0 : in.bytes(), self().launch_gather(c, in, out));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
   template <tensor In, tensor Out>
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
-    call_info c = open(collective::scatter, "scatter", std::nullopt, out, root);
-    check_rank(c, root, "root");
-    const bool at_root = self().rank() == root;
-    if (at_root) {
-      same_type(c, in, out);
-      blocks(c, in.size, out.size, "input", "output");
-    }
-    verify(c);
-    return counted(c, at_root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+    call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
+    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -195,6 +181,21 @@ class collective_front : public object_collectives<Derived> {
     if constexpr (Derived::duties.sequence)
       c.sequence = self().front().sequence.fetch_add(1, std::memory_order_relaxed);
     if constexpr (requires { self().device(); }) c.device = self().device();
+    return c;
+  }
+
+  /// Opens gather or scatter: each rank's k elements (gather's input, scatter's output) travel between it and its
+  /// block of root's N·k elements (the other buffer), which the root checks.
+  call_info open_rooted(collective kind, const char* name, const raw_tensor& in, const raw_tensor& out, int root) {
+    const bool to_root = kind == collective::gather;
+    const raw_tensor& mine = to_root ? in : out;
+    call_info c = open(kind, name, std::nullopt, mine, root);
+    check_rank(c, root, "root");
+    if (self().rank() == root) {
+      same_type(c, in, out);
+      blocks(c, (to_root ? out : in).size, mine.size, to_root ? "output" : "input", to_root ? "input" : "output");
+    }
+    verify(c);
     return c;
   }
 

@@ -27,37 +27,38 @@ constexpr float bf16_bits_to_float(std::uint16_t bits) noexcept {
   return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
 }
 
-constexpr std::uint32_t round_shift_even(std::uint32_t value, unsigned shift) noexcept {
-  const std::uint32_t kept = value >> shift;
-  const std::uint32_t rest = value & ((1U << shift) - 1U);
-  const std::uint32_t half = 1U << (shift - 1U);
-  return kept + ((rest > half || (rest == half && (kept & 1U))) ? 1U : 0U);
-}
-
+/// Rounds to nearest, ties to even; beyond the largest half, infinity; a NaN stays a (quiet) NaN with the top of its
+/// payload. Without branches (masks, not conditionals), so that loops over it vectorize: a subnormal half is rounded by the float adder itself
+/// (|value| + 0.5 has its last place at the smallest subnormal half, and IEEE addition, in the default rounding
+/// mode, rounds ties to even).
 constexpr std::uint16_t float_to_f16_bits(float value) noexcept {
   const auto bits = std::bit_cast<std::uint32_t>(value);
-  const auto sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000U);
+  const std::uint32_t sign = (bits >> 16) & 0x8000U;
   const std::uint32_t abs = bits & 0x7fffffffU;
-  if (abs > 0x7f800000U) return static_cast<std::uint16_t>(sign | 0x7e00U | ((abs >> 13) & 0x3ffU));  // NaN
-  if (abs >= 0x477ff000U) return static_cast<std::uint16_t>(sign | 0x7c00U);  // rounds to or beyond infinity
-  if (abs >= 0x38800000U)                                                     // normal half
-    return static_cast<std::uint16_t>(sign | round_shift_even(abs - 0x38000000U, 13));
-  if (abs < 0x33000000U) return sign;  // below half the smallest subnormal: zero
-  const std::uint32_t exponent = abs >> 23;
-  const std::uint32_t mantissa = (abs & 0x7fffffU) | 0x800000U;
-  return static_cast<std::uint16_t>(sign | round_shift_even(mantissa, 126U - exponent));
+  const std::uint32_t normal = (abs - 0x38000000U + 0xfffU + ((abs >> 13) & 1U)) >> 13;  // rebiased, rounded
+  const std::uint32_t subnormal = std::bit_cast<std::uint32_t>(std::bit_cast<float>(abs) + 0.5F) - 0x3f000000U;
+  const std::uint32_t is_nan = 0U - static_cast<std::uint32_t>(abs > 0x7f800000U);      // all ones or 0
+  const std::uint32_t is_small = 0U - static_cast<std::uint32_t>(abs < 0x38800000U);    // a subnormal half or 0
+  const std::uint32_t is_huge = 0U - static_cast<std::uint32_t>(abs >= 0x477ff000U);    // rounds to infinity
+  const std::uint32_t finite = (normal & ~is_small & ~is_huge) | (subnormal & is_small) | (0x7c00U & is_huge);
+  const std::uint32_t nan = 0x7e00U | ((abs >> 13) & 0x3ffU);
+  return static_cast<std::uint16_t>(sign | (finite & ~is_nan) | (nan & is_nan));
 }
 
+/// Widens exactly; without branches (masks, not conditionals), so that loops over it vectorize: the bits move into
+/// float's places and are rebiased; infinity and NaN take the top exponent, and a subnormal half is renormalized by an
+/// exact float subtraction.
 constexpr float f16_bits_to_float(std::uint16_t half) noexcept {
   const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000U) << 16;
-  const std::uint32_t exponent = (half >> 10) & 0x1fU;
-  const std::uint32_t mantissa = half & 0x3ffU;
-  if (exponent == 0) {
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24F;
-    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000U | (mantissa << 13));
-  return std::bit_cast<float>(sign | ((exponent + 112U) << 23) | (mantissa << 13));
+  const std::uint32_t shifted = static_cast<std::uint32_t>(half & 0x7fffU) << 13;  // exponent and mantissa in place
+  const std::uint32_t exponent = shifted & 0x0f800000U;
+  const std::uint32_t normal = shifted + 0x38000000U;   // exponent rebiased from 15 to 127
+  const std::uint32_t is_special = 0U - static_cast<std::uint32_t>(exponent == 0x0f800000U);  // infinity, NaN
+  const std::uint32_t is_tiny = 0U - static_cast<std::uint32_t>(exponent == 0);               // subnormal, zero
+  const std::uint32_t tiny = std::bit_cast<std::uint32_t>(std::bit_cast<float>(normal + 0x00800000U) - 0x1p-14F);
+  const std::uint32_t top = normal + (is_special & 0x38000000U);  // infinity and NaN: exponent 255
+  const std::uint32_t magnitude = (top & ~is_tiny) | (tiny & is_tiny);
+  return std::bit_cast<float>(magnitude | sign);
 }
 
 }  // namespace detail

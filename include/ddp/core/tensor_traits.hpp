@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <ddp/core/detail/blocked.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 
@@ -81,14 +82,14 @@ static_assert(tensor<std::vector<float>> && tensor<std::span<const bfloat16>> &&
 
 namespace detail {
 /// Copies the host elements of `from` into `to` (same length), converting each to `to`'s dtype (16-bit floats
-/// through float, rounding to nearest even).
+/// through float, rounding to nearest even; a NaN stays a NaN), in blocks that vectorize (for_each_blocked).
 inline void convert(raw_tensor from, raw_tensor to) {
   visit_dtype(from.type, [&]<class F>(F) {
     visit_dtype(to.type, [&]<class T>(T) {
       using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
       const F* src = static_cast<const F*>(from.data);
       T* dst = static_cast<T*>(to.data);
-      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(static_cast<wide>(src[i]));
+      for_each_blocked(from.size, [&](std::size_t i) { dst[i] = static_cast<T>(static_cast<wide>(src[i])); });
     });
   });
 }

@@ -35,6 +35,7 @@
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/join.hpp>
 #include <ddp/parallel/master_weights.hpp>
+#include <ddp/parallel/no_sync.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/replica_check.hpp>
@@ -180,37 +181,8 @@ class data_parallel {
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
 
-  /// Scope returned by no_sync(): while open, gradients accumulate without a step. Under replicate they
-  /// accumulate locally without communication; under the sharding strategies each micro-batch is
-  /// reduce-scattered into the sharded gradients, which close() (or dp.finish_gradients()) completes — call
-  /// it at the end of the span. The destructor issues no collective: it only ends the span.
-  class [[nodiscard]] no_sync_guard {
-   public:
-    explicit no_sync_guard(data_parallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
-    no_sync_guard(const no_sync_guard&) = delete;
-    no_sync_guard& operator=(const no_sync_guard&) = delete;
-    /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
-    void close() {
-      if (!dp_) return;
-      data_parallel& dp = *dp_;
-      end_span();
-      if constexpr (strategy_type::sharded) dp.finish_gradients();
-    }
-    /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
-    /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
-    ~no_sync_guard() {
-      if (!dp_) return;
-      if (strategy_type::sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
-      end_span();
-    }
-
-   private:
-    void end_span() noexcept {
-      --dp_->no_sync_depth_;
-      dp_ = nullptr;
-    }
-    data_parallel* dp_;
-  };
+  /// Scope returned by no_sync() (parallel/no_sync.hpp): while open, gradients accumulate without a step.
+  using no_sync_guard = ddp::no_sync_guard<data_parallel>;
   /// Starts a gradient-accumulation span (see no_sync_guard); the next synchronized backward reduces the
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
@@ -480,6 +452,7 @@ class data_parallel {
   detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
+  friend class ddp::no_sync_guard<data_parallel>;
 };
 
 /// `ddp::data_parallel dp{model, comm, policies...};` deduces the backend from the communicator's type

@@ -55,6 +55,7 @@ namespace ddp::mpi {
 /// and gets its own error handler back after the last one.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::mpi;  ///< the backend tag data_parallel deduces from this communicator
   /// MPI_COMM_WORLD, initializing MPI (MPI_THREAD_MULTIPLE) on first use and finalizing it at exit.
   static communicator world(int& argc, char**& argv, config settings = {}) {
     detail::runtime::ensure(&argc, &argv);
@@ -289,20 +290,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::mpi::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::mpi
 
-namespace ddp {
-/// backend::mpi selects ddp::mpi::communicator.
+/// backend::mpi selects ddp::mpi::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::mpi> {
-  using communicator = ddp::mpi::communicator;
-};
-/// ddp::mpi::communicator deduces backend::mpi.
-template <>
-struct backend_of<ddp::mpi::communicator> {
-  using type = backend::mpi;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp::mpi::communicator> {};

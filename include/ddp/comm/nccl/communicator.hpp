@@ -2,7 +2,7 @@
 /// \file ddp::nccl::communicator: the ddp::communicator over NCCL, for buffers in CUDA device memory.
 ///
 /// - Start-up: the ncclUniqueId travels from rank 0 through any other communicator (ddp::tcp, ddp::mpi) given to
-///   the constructor, or through ddp::tcp's rendezvous with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
+///   the constructor, or through ddp::tcp's rendezvous store with from_env() (<ddp/comm/nccl/from_env.hpp>). The NCCL
 ///   communicator is non-blocking, so
 ///   initialization, split and every enqueue are bounded by config::timeout.
 /// - Streams: every operation runs on the communicator's own stream, ordered after the work queued so far on
@@ -60,36 +60,42 @@
 namespace ddp::nccl {
 
 namespace detail {
-/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp.
+/// from_env()'s way in: defined by <ddp/comm/nccl/from_env.hpp>, so only its users include ddp::tcp's store.
 struct env_rendezvous;
+
+/// A new ncclUniqueId: rank 0 makes it, the other ranks join with it.
+inline ncclUniqueId new_unique_id() {
+  ncclUniqueId id{};
+  if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) fail(r, "ncclGetUniqueId", 0);
+  return id;
+}
 }  // namespace detail
 
 /// A group of CUDA devices (one per rank) modelling ddp::communicator over NCCL. Copies share the group; the last
 /// copy finalizes and destroys the NCCL communicator.
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
+  using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
     requires(!std::same_as<std::remove_cvref_t<Bootstrap>, communicator>) && ddp::communicator<std::remove_cvref_t<Bootstrap>>
-  explicit communicator(Bootstrap& bootstrap, config settings = {}) {
-    ncclUniqueId id{};
-    if (bootstrap.rank() == 0)
-      if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) detail::fail(r, "ncclGetUniqueId", 0);
-    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
-    std::memcpy(bytes.data(), &id, sizeof id);
-    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
-    std::memcpy(&id, bytes.data(), sizeof id);
-    group_ = std::make_shared<detail::group>(id, bootstrap.rank(), bootstrap.size(), settings);
-  }
+  explicit communicator(Bootstrap& bootstrap, config settings = {})
+      : communicator(broadcast_id(bootstrap), bootstrap.rank(), bootstrap.size(), settings) {}
+
+  /// Collective over `size` ranks that hold the same `id` (rank 0's ncclGetUniqueId, carried by the caller's own
+  /// means): joins as `rank` on config::device (ncclCommInitRankConfig).
+  communicator(const ncclUniqueId& id, int rank, int size, config settings = {})
+      : group_(std::make_shared<detail::group>(id, rank, size, settings)) {}
 
   /// Joins the job described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun and
-  /// ddp-launch set them): the id travels over ddp::tcp's rendezvous; the device is config::device, else LOCAL_RANK
-  /// modulo the number of visible devices. Defined in <ddp/comm/nccl/from_env.hpp>, which brings ddp::tcp along.
+  /// ddp-launch set them): the id travels through ddp::tcp's rendezvous store alone (no mesh, no engine); the device
+  /// is config::device, else LOCAL_RANK modulo the number of visible devices. Defined in
+  /// <ddp/comm/nccl/from_env.hpp>, which brings the store's client and server along.
   template <class Rendezvous = detail::env_rendezvous>
   static communicator from_env(config settings = {}) {
     static_assert(requires { sizeof(Rendezvous); },
-                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous: include "
+                  "ddp::nccl::communicator::from_env joins through ddp::tcp's rendezvous store: include "
                   "<ddp/comm/nccl/from_env.hpp> (or <ddp/ddp.hpp>), or pass a bootstrap communicator to the "
                   "constructor.");
     return Rendezvous::join(settings);
@@ -194,43 +200,33 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
-    const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{in, true, false}}, [&](const std::vector<void*>& p) {
-        return ncclSend(p[0], in.size, detail::datatype(in.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
-      return grouped([&] {
-        const auto type = detail::datatype(in.type);
-        for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclRecv(block(p[1], out, r, in.size), in.size, type, r, group_->comm,
-                                              group_->stream());
-              e != ncclSuccess && e != ncclInProgress)
-            return e;
-        return ncclSend(p[0], in.size, type, root, group_->comm, group_->stream());
-      });
-    });
+    return rooted_blocks(info, in, out, true);
   }
 
   work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+    return rooted_blocks(info, out, in, false);
+  }
+
+  /// gather (`to_root`: each rank's `mine` into its block of the root's `whole`) or scatter (each rank's block of
+  /// the root's `whole` into its `mine`): a send or receive per rank, grouped at the root with its own.
+  work rooted_blocks(const call& info, const raw_tensor& mine, const raw_tensor& whole, bool to_root) {
     const int root = info.peer;
-    if (rank() != root) {
-      return launch(info, {{out, false, true}}, [&](const std::vector<void*>& p) {
-        return ncclRecv(p[0], out.size, detail::datatype(out.type), root, group_->comm, group_->stream());
-      });
-    }
-    disjoint(info, in, out);
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    const auto type = detail::datatype(mine.type);
+    const auto transfer = [&](bool send, void* p, int peer) {
+      return send ? ncclSend(p, mine.size, type, peer, group_->comm, group_->stream())
+                  : ncclRecv(p, mine.size, type, peer, group_->comm, group_->stream());
+    };
+    const detail::argument own{mine, to_root, !to_root};
+    if (rank() != root)
+      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+    disjoint(info, mine, whole);
+    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
-        const auto type = detail::datatype(out.type);
         for (int r = 0; r < size(); ++r)
-          if (const ncclResult_t e = ncclSend(block(p[0], in, r, out.size), out.size, type, r, group_->comm,
-                                              group_->stream());
+          if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
               e != ncclSuccess && e != ncclInProgress)
             return e;
-        return ncclRecv(p[1], out.size, type, root, group_->comm, group_->stream());
+        return transfer(to_root, p[0], root);
       });
     });
   }
@@ -363,23 +359,22 @@ class communicator : public ddp::detail::collective_front<communicator> {
                    " inside the whole buffer); pass separate buffers or that exact block");
   }
 
+  /// Rank 0's new ncclUniqueId, broadcast over `bootstrap`.
+  template <class Bootstrap>
+  static ncclUniqueId broadcast_id(Bootstrap& bootstrap) {
+    ncclUniqueId id = bootstrap.rank() == 0 ? detail::new_unique_id() : ncclUniqueId{};
+    std::array<std::uint8_t, sizeof(ncclUniqueId)> bytes{};
+    std::memcpy(bytes.data(), &id, sizeof id);
+    bootstrap.broadcast(std::span<std::uint8_t>(bytes), 0).wait();
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return id;
+  }
+
   std::shared_ptr<detail::group> group_;
 };
 
-static_assert(ddp::communicator<communicator>,
-              "ddp::nccl::communicator must model ddp::communicator; add the missing member the concept names.");
-
 }  // namespace ddp::nccl
 
-namespace ddp {
-/// backend::nccl selects ddp::nccl::communicator.
+/// backend::nccl selects ddp::nccl::communicator (checked against the ddp::communicator concept there).
 template <>
-struct backend_traits<backend::nccl> {
-  using communicator = ddp::nccl::communicator;
-};
-/// ddp::nccl::communicator deduces backend::nccl.
-template <>
-struct backend_of<ddp::nccl::communicator> {
-  using type = backend::nccl;
-};
-}  // namespace ddp
+struct ddp::backend_traits<ddp::backend::nccl> : ddp::detail::backend_binding<ddp::nccl::communicator> {};
