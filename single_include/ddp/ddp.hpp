@@ -6451,6 +6451,14 @@ inline config config_from_env() {
   return options_from_env(std::move(cfg));
 }
 
+/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
+inline void require_store_address(const config& cfg) {
+  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
+    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                       cfg.rank);
+}
+
 }  // namespace ddp::tcp
 // ---- end <ddp/comm/tcp/config.hpp>
 // ---- begin <ddp/comm/tcp/hierarchical.hpp>
@@ -6829,6 +6837,20 @@ class store_client {
   clock::time_point deadline_;
   std::string where_;
 };
+
+/// Counts this rank in `key` once it is done with rank 0's store; rank 0 then waits, calling `check()` between
+/// looks, until all `size` ranks have counted, so its store outlives every rank's last get, and raises
+/// timeout_error(`late`) past `deadline`.
+template <class Check>
+void count_in(store_client& store, const std::string& key, int rank, int size, clock::time_point deadline,
+              const std::string& late, Check check) {
+  store.add(key, 1);
+  while (rank == 0 && store.add(key, 0) < size) {
+    check();
+    if (clock::now() > deadline) throw timeout_error(late, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/store_client.hpp>
@@ -7477,15 +7499,10 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
   auto rings = one_host ? std::make_unique<shm_rings>(hosts->segment->name(), cfg.size, cfg.rank) : nullptr;
   eng.attach(std::move(sockets), std::move(memory), hosts ? hosts->segment : nullptr, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
-  store.add("ddp/joined", 1);
-  while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
-    check_no_twin(store, 0);
-    if (clock::now() > deadline)
-      throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
-                          "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-                          0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  count_in(store, "ddp/joined", cfg.rank, cfg.size, deadline,
+           "not every rank finished the rendezvous before the connect deadline; check every rank's log, or raise "
+           "the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+           [&] { check_no_twin(store, 0); });
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
   return hosts;
 }
@@ -7516,10 +7533,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
                          cfg.rank);
-    if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
-      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                         cfg.rank);
+    require_store_address(cfg);
     const std::uint64_t token = detail::token_hash(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
@@ -12304,7 +12318,6 @@ struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp
 #include <poll.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -13550,10 +13563,7 @@ struct env_rendezvous {
     if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
     const tcp::config cfg = tcp::config_from_env();
     if (cfg.size == 1) return communicator(new_unique_id(), 0, 1, settings);
-    if (cfg.master_port == 0)
-      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                         cfg.rank);
+    tcp::require_store_address(cfg);
     return communicator(exchange_id(cfg), cfg.rank, cfg.size, settings);
   }
 
@@ -13578,16 +13588,11 @@ struct env_rendezvous {
         throw error("rank 0 published a malformed ncclUniqueId; every rank must run the same ddp version", cfg.rank);
       std::memcpy(&id, bytes.data(), sizeof id);
     }
-    store.add("ddp/nccl/joined", 1);
-    while (cfg.rank == 0 && store.add("ddp/nccl/joined", 0) < cfg.size) {  // the store outlives every rank's get
-      served->check();
-      if (tcp::detail::clock::now() > deadline)
-        throw timeout_error("not every rank fetched the ncclUniqueId from rank 0's store before the connect "
-                            "deadline; start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the "
-                            "connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-                            0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    tcp::detail::count_in(store, "ddp/nccl/joined", cfg.rank, cfg.size, deadline,
+                          "not every rank fetched the ncclUniqueId from rank 0's store before the connect deadline; "
+                          "start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the connect timeout "
+                          "(DDP_CONNECT_TIMEOUT_MS)",
+                          [&] { served->check(); });
     return id;
   }
 };

@@ -6,7 +6,6 @@
 #include <poll.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -73,10 +72,7 @@ struct env_rendezvous {
     if (settings.device < 0) settings.device = read_env_config().local_rank % cuda::device_count();
     const tcp::config cfg = tcp::config_from_env();
     if (cfg.size == 1) return communicator(new_unique_id(), 0, 1, settings);
-    if (cfg.master_port == 0)
-      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                         cfg.rank);
+    tcp::require_store_address(cfg);
     return communicator(exchange_id(cfg), cfg.rank, cfg.size, settings);
   }
 
@@ -101,16 +97,11 @@ struct env_rendezvous {
         throw error("rank 0 published a malformed ncclUniqueId; every rank must run the same ddp version", cfg.rank);
       std::memcpy(&id, bytes.data(), sizeof id);
     }
-    store.add("ddp/nccl/joined", 1);
-    while (cfg.rank == 0 && store.add("ddp/nccl/joined", 0) < cfg.size) {  // the store outlives every rank's get
-      served->check();
-      if (tcp::detail::clock::now() > deadline)
-        throw timeout_error("not every rank fetched the ncclUniqueId from rank 0's store before the connect "
-                            "deadline; start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the "
-                            "connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-                            0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    tcp::detail::count_in(store, "ddp/nccl/joined", cfg.rank, cfg.size, deadline,
+                          "not every rank fetched the ncclUniqueId from rank 0's store before the connect deadline; "
+                          "start every rank with the same MASTER_ADDR and MASTER_PORT, or raise the connect timeout "
+                          "(DDP_CONNECT_TIMEOUT_MS)",
+                          [&] { served->check(); });
     return id;
   }
 };

@@ -60,10 +60,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
                          cfg.rank);
-    if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
-      throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                         "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                         cfg.rank);
+    require_store_address(cfg);
     const std::uint64_t token = detail::token_hash(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;

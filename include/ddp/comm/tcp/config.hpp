@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ddp/comm/env.hpp>
+#include <ddp/core/error.hpp>
 
 namespace ddp::tcp {
 
@@ -80,6 +81,14 @@ inline config config_from_env() {
   cfg.master_addr = env.master_addr;
   cfg.master_port = env.master_port;
   return options_from_env(std::move(cfg));
+}
+
+/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
+inline void require_store_address(const config& cfg) {
+  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
+    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                       cfg.rank);
 }
 
 }  // namespace ddp::tcp

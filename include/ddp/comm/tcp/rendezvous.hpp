@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/accept.hpp>
@@ -313,15 +312,10 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
   auto rings = one_host ? std::make_unique<shm_rings>(hosts->segment->name(), cfg.size, cfg.rank) : nullptr;
   eng.attach(std::move(sockets), std::move(memory), hosts ? hosts->segment : nullptr, std::move(rings));
   // Rank 0's store (served by its engine) must outlive every rank's last get: rank 0 waits for all.
-  store.add("ddp/joined", 1);
-  while (cfg.rank == 0 && store.add("ddp/joined", 0) < cfg.size) {
-    check_no_twin(store, 0);
-    if (clock::now() > deadline)
-      throw timeout_error("not every rank finished the rendezvous before the connect deadline; check every "
-                          "rank's log, or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-                          0);
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  count_in(store, "ddp/joined", cfg.rank, cfg.size, deadline,
+           "not every rank finished the rendezvous before the connect deadline; check every rank's log, or raise "
+           "the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
+           [&] { check_no_twin(store, 0); });
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
   return hosts;
 }

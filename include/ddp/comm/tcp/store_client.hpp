@@ -2,8 +2,10 @@
 /// \file A rank's blocking client of the rendezvous store (set/get/wait/add); every call ends by the
 /// rendezvous deadline.
 
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/socket.hpp>
@@ -86,5 +88,19 @@ class store_client {
   clock::time_point deadline_;
   std::string where_;
 };
+
+/// Counts this rank in `key` once it is done with rank 0's store; rank 0 then waits, calling `check()` between
+/// looks, until all `size` ranks have counted, so its store outlives every rank's last get, and raises
+/// timeout_error(`late`) past `deadline`.
+template <class Check>
+void count_in(store_client& store, const std::string& key, int rank, int size, clock::time_point deadline,
+              const std::string& late, Check check) {
+  store.add(key, 1);
+  while (rank == 0 && store.add(key, 0) < size) {
+    check();
+    if (clock::now() > deadline) throw timeout_error(late, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 }  // namespace ddp::tcp::detail
