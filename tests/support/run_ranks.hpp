@@ -26,6 +26,15 @@
 
 namespace ddp::testing {
 
+#ifndef DDP_TEST_TIMEOUT_SCALE
+#define DDP_TEST_TIMEOUT_SCALE 1
+#endif
+
+/// Multiplies run_ranks' whole-job limits (and so the DDP_TIMEOUT_MS it derives): the CMake variable of the same
+/// name, which scripts/sanitize.sh raises because instrumented ranks run several times slower.
+inline constexpr int timeout_scale = DDP_TEST_TIMEOUT_SCALE;
+static_assert(timeout_scale >= 1, "DDP_TEST_TIMEOUT_SCALE must be a whole number from 1 up: configure with -DDDP_TEST_TIMEOUT_SCALE=4");
+
 /// The threads of this process (entries of /proc/self/task); 0 when that cannot be read.
 inline int thread_count() {
   DIR* dir = ::opendir("/proc/self/task");
@@ -64,16 +73,17 @@ inline void require_no_thread_beside_fork() {
 
 /// Runs body(rank) in `n` forked ranks with torchrun's environment (no other thread of the test may run: it
 /// throws std::logic_error if one does); output is captured; a failing
-/// rank stops the others; `options.timeout` (default 60 s) kills the whole job. Every rank also gets
-/// DDP_TIMEOUT_MS at three quarters of the job's timeout, so a stuck collective raises
+/// rank stops the others; `options.timeout` (default 60 s) times timeout_scale kills the whole job. Every rank
+/// also gets DDP_TIMEOUT_MS at three quarters of the job's timeout, so a stuck collective raises
 /// ddp::timeout_error (with its message in the output) before the job is killed; options.extra_env
-/// may override it.
+/// may override it (a test of timeouts gives its own, unscaled).
 inline ddp::launch::spawn_result run_ranks(int n, const std::function<void(int rank)>& body,
                                            ddp::launch::spawn_options options) {
   using namespace std::chrono_literals;
   require_no_thread_beside_fork();
   options.output = ddp::launch::output_mode::capture;
   if (options.timeout.count() <= 0) options.timeout = 60s;
+  options.timeout *= timeout_scale;
   const auto op_timeout = std::to_string((options.timeout * 3 / 4).count());
   options.extra_env = [op_timeout, user = std::move(options.extra_env)](int rank) {
     ddp::launch::env_list env{{"DDP_TIMEOUT_MS", op_timeout}};
