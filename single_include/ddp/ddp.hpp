@@ -2992,6 +2992,10 @@ inline void count_mapping(std::atomic<std::uint32_t>& mapped, const std::string&
 
 namespace ddp::tcp::detail {
 
+/// A thread waiting on shared memory (a collective's barrier, a send or recv on the caller's thread) spins this
+/// long, then yields its core between looks: the peer's threads or this rank's engine thread may need the core.
+inline constexpr std::chrono::microseconds shm_yield_after{5};
+
 /// Sleeps while the shared word `w` holds `seen`, at most `ns` nanoseconds (spurious returns are fine).
 inline void futex_wait(std::atomic<std::uint32_t>& w, std::uint32_t seen, long ns) {
   const timespec t{ns / 1000000000L, ns % 1000000000L};
@@ -3824,10 +3828,118 @@ class frame_writer {
 /// memory (f32 all_reduce of 1 MiB: 68 us against 158 us); with them far apart, ordinary stores took 210-230 us
 /// and the reader 47 us, streaming stores 18 us and the reader 51 us (1 MiB: 458 us against 113 us). So every
 /// process times its large copies and uses whichever kind of store costs less, both sides counted: ordinary
-/// stores unless they take more than stream_penalty times as long as streaming ones.
+/// stores unless they take more than stream_penalty times as long as streaming ones. DDP_SHM_STORES fixes the
+/// kind instead (config.hpp).
 
 #include <emmintrin.h>
 
+
+// ---- begin <ddp/comm/tcp/config.hpp>
+/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
+
+
+
+namespace ddp::tcp {
+
+/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
+enum class shm_stores {
+  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
+  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
+  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
+};
+
+/// Everything a rank needs to join a job over TCP.
+struct config {
+  int rank = 0;                                   ///< this process's rank, 0..size-1
+  int size = 1;                                   ///< number of ranks
+  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
+  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
+  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
+  /// addresses there, and removes the file once every rank has joined.
+  std::string store_file;
+  std::string token;                              ///< job token; every rank must pass the same one
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
+  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
+  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
+  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
+  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
+  /// (process_vm_readv); false sends every byte through the sockets.
+  bool same_host_copy = true;
+  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
+  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
+  bool shared_memory = true;
+  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
+  shm_stores stores = shm_stores::automatic;
+  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
+  std::size_t max_pending_handshakes = 64;
+};
+
+/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
+inline config options_from_env(config cfg = {}) {
+  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+  constexpr long long max_ms = 1LL << 40;
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+    cfg.connect_timeout = std::chrono::milliseconds(*ms);
+  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+    cfg.socket_buffer_bytes = static_cast<int>(*b);
+  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                        "1 to copy large frames between ranks on one host directly, 0 to send "
+                                        "them through the sockets"))
+    cfg.same_host_copy = *c == 1;
+  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
+                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
+                                        "send them through the sockets"))
+    cfg.shared_memory = *s == 1;
+  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
+    if (*k == "auto") cfg.stores = shm_stores::automatic;
+    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
+    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
+    else
+      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
+                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
+                         cfg.rank);
+  }
+  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
+                                         "the time in milliseconds a new connection to the store or a mesh port "
+                                         "gets to send its handshake"))
+    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
+  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
+                                        "the number of connections still in their handshake that the store and "
+                                        "each mesh port keep at once"))
+    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
+  return cfg;
+}
+
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  return options_from_env(std::move(cfg));
+}
+
+/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
+inline void require_store_address(const config& cfg) {
+  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
+    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                       cfg.rank);
+}
+
+}  // namespace ddp::tcp
+// ---- end <ddp/comm/tcp/config.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -3870,9 +3982,15 @@ inline constexpr std::size_t stream_min_bytes = 4 << 10;
 /// by every thread of the process (the choice follows the cores, not the call); races only blur a sample.
 class store_choice {
  public:
+  /// Fixes the kind of store every later copy uses, or (automatic) lets the timed copies choose.
+  void fix(shm_stores kind) { fixed_.store(kind, std::memory_order_relaxed); }
+
   /// Copies `n` bytes from `src` to `dst` (not overlapping) with the store kind that costs less now.
   void copy(void* dst, const void* src, std::size_t n) {
     if (n < stream_min_bytes) return static_cast<void>(std::memcpy(dst, src, n));
+    const shm_stores fixed = fixed_.load(std::memory_order_relaxed);
+    if (fixed != shm_stores::automatic)
+      return fixed == shm_stores::streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
     const bool streaming = streaming_.load(std::memory_order_relaxed);
     if (n < store_probe_bytes) return streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
     // Every probe_every-th large copy tries the other kind, so a change of placement is seen.
@@ -3908,6 +4026,7 @@ class store_choice {
     return least;
   }
 
+  std::atomic<shm_stores> fixed_{shm_stores::automatic};
   std::atomic<bool> streaming_{false};
   std::atomic<unsigned> copies_{probe_every - 1};  ///< the first large copy probes streaming stores
   samples ordinary_{};
@@ -4322,9 +4441,6 @@ class engine_errors {
 
 namespace ddp::tcp::detail {
 
-/// A send or recv on the caller's thread spins this long before it yields the core between looks at the ring.
-inline constexpr std::chrono::microseconds p2p_spin{5};
-
 class peer_io : protected engine_errors {
  protected:
   peer_io(int rank, int size) : engine_errors(rank, size), peers_(static_cast<std::size_t>(size)) {}
@@ -4367,7 +4483,7 @@ class peer_io : protected engine_errors {
   /// call `c` through its peer's ring (false, untouched, where the peer has none: the engine thread runs it).
   /// Until the call completes it moves bytes through the ring itself, with its bell down (no peer rings this rank
   /// meanwhile), giving up after `patience` without a byte moving: the engine thread then goes on with it. It
-  /// spins for p2p_spin, then yields the core between looks (on a loaded host the peer may need this core to
+  /// spins for shm_yield_after, then yields the core between looks (on a loaded host the peer may need this core to
   /// send: measured on the 2-core VM, 4 KiB ping-pong took 125 us one way with a 100 us spin, 8 us yielding).
   /// `wake` says the engine thread must be woken: to heed a recv's deadline, or to finish a socket write.
   bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, bool& wake) {
@@ -4387,7 +4503,7 @@ class peer_io : protected engine_errors {
         }
         const auto now = clock::now();
         if (now >= until) break;
-        if (now - start >= p2p_spin) sched_yield();
+        if (now - start >= shm_yield_after) sched_yield();
       }
       // The bell stays down while the engine has nothing to read or write in a ring: the next call on this thread
       // reads what comes, and no peer wakes the sleeping engine for it. Else raise it, then look once more.
@@ -4686,10 +4802,10 @@ inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, i
 // ---- end <ddp/comm/tcp/reduce.hpp>
 // ---- begin <ddp/comm/tcp/shm_channel.hpp>
 /// \file What a shared-memory collective sees while it executes one call: its region to fill, the phase
-/// barrier (post, then wait for every rank: spin briefly, then sleep on the futex in bounded slices that
-/// check each awaited rank's life, its abort notice and the deadline), and the regions to read after it.
-/// Every phase compares each rank's call description with this rank's, so mismatched calls raise
-/// mismatch_error naming both calls.
+/// barrier (post, then wait for every rank: spin briefly, yielding the core after a few microseconds, then
+/// sleep on the futex in bounded slices that check each awaited rank's life, its abort notice and the
+/// deadline), and the regions to read after it. Every phase compares each rank's call description with this
+/// rank's, so mismatched calls raise mismatch_error naming both calls.
 
 
 
@@ -4790,12 +4906,20 @@ class shm_channel {
     return static_cast<std::int32_t>(c.posted.load(std::memory_order_acquire) - target) >= 0;
   }
 
+  /// Waits until group rank `r` posted phase `target`: spins (yielding the core after shm_yield_after), then
+  /// hands the call off (the caller's first barrier) or sleeps.
   void await(int r, std::uint32_t target, bool first) {
     auto& theirs = g_.counters(r);
-    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
+    const auto start = clock::now();
+    const auto spin_until = start + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
     for (int i = 0; !reached(theirs, target); ++i) {
       _mm_pause();
-      if ((i & 63) != 63 || clock::now() < spin_until) continue;
+      if ((i & 15) != 15) continue;
+      const auto now = clock::now();
+      if (now < spin_until) {
+        if (now - start >= shm_yield_after) sched_yield();
+        continue;
+      }
       if (first && how_.handoff_after.count() > 0) throw shm_handoff{};
       return sleep_until(r, theirs, target);
     }
@@ -6373,94 +6497,6 @@ inline void run_collective(engine& e, call& c) {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/algorithms.hpp>
-// ---- begin <ddp/comm/tcp/config.hpp>
-/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
-
-
-
-namespace ddp::tcp {
-
-/// Everything a rank needs to join a job over TCP.
-struct config {
-  int rank = 0;                                   ///< this process's rank, 0..size-1
-  int size = 1;                                   ///< number of ranks
-  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
-  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
-  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
-  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
-  /// addresses there, and removes the file once every rank has joined.
-  std::string store_file;
-  std::string token;                              ///< job token; every rank must pass the same one
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
-  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
-  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
-  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
-  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
-  /// (process_vm_readv); false sends every byte through the sockets.
-  bool same_host_copy = true;
-  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
-  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
-  bool shared_memory = true;
-  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
-  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
-  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
-  std::size_t max_pending_handshakes = 64;
-};
-
-/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_HANDSHAKE_TIMEOUT_MS,
-/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
-inline config options_from_env(config cfg = {}) {
-  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
-  constexpr long long max_ms = 1LL << 40;
-  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
-    cfg.timeout = std::chrono::milliseconds(*ms);
-  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
-    cfg.connect_timeout = std::chrono::milliseconds(*ms);
-  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
-  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
-    cfg.socket_buffer_bytes = static_cast<int>(*b);
-  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
-                                        "1 to copy large frames between ranks on one host directly, 0 to send "
-                                        "them through the sockets"))
-    cfg.same_host_copy = *c == 1;
-  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
-                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
-                                        "send them through the sockets"))
-    cfg.shared_memory = *s == 1;
-  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
-                                         "the time in milliseconds a new connection to the store or a mesh port "
-                                         "gets to send its handshake"))
-    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
-  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
-                                        "the number of connections still in their handshake that the store and "
-                                        "each mesh port keep at once"))
-    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
-  return cfg;
-}
-
-/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
-inline config config_from_env() {
-  const env_config env = read_env_config();
-  config cfg;
-  cfg.rank = env.rank;
-  cfg.size = env.world_size;
-  cfg.master_addr = env.master_addr;
-  cfg.master_port = env.master_port;
-  return options_from_env(std::move(cfg));
-}
-
-/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
-inline void require_store_address(const config& cfg) {
-  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
-    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                       cfg.rank);
-}
-
-}  // namespace ddp::tcp
-// ---- end <ddp/comm/tcp/config.hpp>
 // ---- begin <ddp/comm/tcp/hierarchical.hpp>
 /// \file Collectives of a group spanning hosts with two members or more on some host (shm_hosts.hpp): shared
 /// memory inside each host, the sockets across them, so each host's bytes cross its link once. all_reduce:
@@ -7481,6 +7517,7 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto hosts = map_shared_memory(cfg, store, hosts_of(identities));
+  shared_stores().fix(cfg.stores);
   const bool one_host = hosts && hosts->segment && hosts->segment->local_size() == cfg.size;
   if (hosts && hosts->segment) {
     std::vector<int> local;

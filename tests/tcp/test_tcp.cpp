@@ -498,6 +498,59 @@ TEST_CASE("all_reduce over shared memory gives the same bits by single copies an
       job(60s, 0, [copy](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SAME_HOST_COPY", copy}}; })));
 }
 
+TEST_CASE("copies into shared memory give the same bits with either kind of store (DDP_SHM_STORES)", "[tcp][shm]") {
+  const int n = GENERATE(2, 3);
+  const std::string stores = GENERATE(as<std::string>{}, "ordinary", "streaming", "auto");
+  CAPTURE(n, stores);
+  require_all_ok(run_ranks(
+      n,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        const auto value = [](int r, std::size_t i) { return static_cast<float>(r + 1) * 0.25F + static_cast<float>(i % 5); };
+        // Up to 4 KiB (ordinary stores whatever the kind), the single-barrier path, the pipeline; odd counts
+        // leave a tail past the streaming stores' 64-byte blocks.
+        for (const std::size_t count : {std::size_t{1000}, std::size_t{5003}, std::size_t{(1 << 18) + 7}}) {
+          std::vector<float> sum(count);
+          for (std::size_t i = 0; i < count; ++i) sum[i] = value(rank, i);
+          comm.all_reduce(sum).wait();
+          for (std::size_t i = 0; i < count; ++i) {
+            float want = value(0, i);
+            for (int r = 1; r < comm.size(); ++r) want += value(r, i);
+            expect(sum[i] == want, "sum of " + std::to_string(count) + " at " + std::to_string(i));
+          }
+        }
+        // A send through the ring (rank 0 to the last rank), longer than the ring, from an odd address.
+        const std::size_t bytes = (std::size_t{3} << 20) + 5;
+        const int last = comm.size() - 1;
+        std::vector<std::uint8_t> buf(bytes + 1);
+        if (rank == 0) {
+          for (std::size_t i = 0; i < bytes; ++i) buf[i + 1] = static_cast<std::uint8_t>(i * 7 + 3);
+          comm.send(std::span<const std::uint8_t>(buf.data() + 1, bytes), last).wait();
+        } else if (rank == last) {
+          comm.recv(std::span<std::uint8_t>(buf.data() + 1, bytes), 0).wait();
+          for (std::size_t i = 0; i < bytes; ++i)
+            expect(buf[i + 1] == static_cast<std::uint8_t>(i * 7 + 3), "received byte " + std::to_string(i));
+        }
+      },
+      job(60s, 0, [stores](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SHM_STORES", stores}}; })));
+}
+
+TEST_CASE("DDP_SHM_STORES other than auto, ordinary or streaming is a config_error naming it", "[tcp][config]") {
+  require_all_ok(run_ranks(
+      1,
+      [](int) {
+        try {
+          (void)ddp::tcp::communicator::from_env();
+        } catch (const ddp::config_error& e) {
+          expect(contains(e.what(), "DDP_SHM_STORES='fast'") && contains(e.what(), "auto, ordinary or streaming"),
+                 std::string("names the variable, its value and the choices: ") + e.what());
+          return;
+        }
+        throw std::runtime_error("no config_error");
+      },
+      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_STORES", "fast"}}; })));
+}
+
 TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank, and a killed job", "[tcp][shm]") {
   // A segment a killed job left behind: named after a process that no longer exists.
   const ::pid_t dead = ::fork();

@@ -12,6 +12,13 @@
 
 namespace ddp::tcp {
 
+/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
+enum class shm_stores {
+  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
+  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
+  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
+};
+
 /// Everything a rank needs to join a job over TCP.
 struct config {
   int rank = 0;                                   ///< this process's rank, 0..size-1
@@ -33,6 +40,8 @@ struct config {
   /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
   /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
   bool shared_memory = true;
+  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
+  shm_stores stores = shm_stores::automatic;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -40,7 +49,7 @@ struct config {
 };
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_HANDSHAKE_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES, DDP_HANDSHAKE_TIMEOUT_MS,
 /// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
@@ -60,6 +69,15 @@ inline config options_from_env(config cfg = {}) {
                                         "1 to run the collectives of ranks on one host through shared memory, 0 to "
                                         "send them through the sockets"))
     cfg.shared_memory = *s == 1;
+  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
+    if (*k == "auto") cfg.stores = shm_stores::automatic;
+    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
+    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
+    else
+      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
+                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
+                         cfg.rank);
+  }
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
                                          "the time in milliseconds a new connection to the store or a mesh port "
                                          "gets to send its handshake"))

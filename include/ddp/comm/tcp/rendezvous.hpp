@@ -22,6 +22,7 @@
 #include <ddp/comm/tcp/engine.hpp>
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/same_host.hpp>
+#include <ddp/comm/tcp/shm_copy.hpp>
 #include <ddp/comm/tcp/shm_hosts.hpp>
 #include <ddp/comm/tcp/shm_rings.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
@@ -294,6 +295,7 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
                     " peers (same host and user; DDP_SAME_HOST_COPY=0 turns this off); the sockets carry the rest");
   }
   auto hosts = map_shared_memory(cfg, store, hosts_of(identities));
+  shared_stores().fix(cfg.stores);
   const bool one_host = hosts && hosts->segment && hosts->segment->local_size() == cfg.size;
   if (hosts && hosts->segment) {
     std::vector<int> local;

@@ -1,11 +1,12 @@
 #pragma once
 /// \file What a shared-memory collective sees while it executes one call: its region to fill, the phase
-/// barrier (post, then wait for every rank: spin briefly, then sleep on the futex in bounded slices that
-/// check each awaited rank's life, its abort notice and the deadline), and the regions to read after it.
-/// Every phase compares each rank's call description with this rank's, so mismatched calls raise
-/// mismatch_error naming both calls.
+/// barrier (post, then wait for every rank: spin briefly, yielding the core after a few microseconds, then
+/// sleep on the futex in bounded slices that check each awaited rank's life, its abort notice and the
+/// deadline), and the regions to read after it. Every phase compares each rank's call description with this
+/// rank's, so mismatched calls raise mismatch_error naming both calls.
 
 #include <emmintrin.h>
+#include <sched.h>
 
 #include <chrono>
 #include <cstddef>
@@ -20,6 +21,7 @@
 #include <ddp/comm/tcp/same_host.hpp>
 #include <ddp/comm/tcp/shm_copy.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
+#include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
@@ -120,12 +122,20 @@ class shm_channel {
     return static_cast<std::int32_t>(c.posted.load(std::memory_order_acquire) - target) >= 0;
   }
 
+  /// Waits until group rank `r` posted phase `target`: spins (yielding the core after shm_yield_after), then
+  /// hands the call off (the caller's first barrier) or sleeps.
   void await(int r, std::uint32_t target, bool first) {
     auto& theirs = g_.counters(r);
-    const auto spin_until = clock::now() + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
+    const auto start = clock::now();
+    const auto spin_until = start + (first && how_.handoff_after.count() > 0 ? how_.handoff_after : how_.spin);
     for (int i = 0; !reached(theirs, target); ++i) {
       _mm_pause();
-      if ((i & 63) != 63 || clock::now() < spin_until) continue;
+      if ((i & 15) != 15) continue;
+      const auto now = clock::now();
+      if (now < spin_until) {
+        if (now - start >= shm_yield_after) sched_yield();
+        continue;
+      }
       if (first && how_.handoff_after.count() > 0) throw shm_handoff{};
       return sleep_until(r, theirs, target);
     }

@@ -8,7 +8,8 @@
 /// memory (f32 all_reduce of 1 MiB: 68 us against 158 us); with them far apart, ordinary stores took 210-230 us
 /// and the reader 47 us, streaming stores 18 us and the reader 51 us (1 MiB: 458 us against 113 us). So every
 /// process times its large copies and uses whichever kind of store costs less, both sides counted: ordinary
-/// stores unless they take more than stream_penalty times as long as streaming ones.
+/// stores unless they take more than stream_penalty times as long as streaming ones. DDP_SHM_STORES fixes the
+/// kind instead (config.hpp).
 
 #include <emmintrin.h>
 
@@ -18,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+#include <ddp/comm/tcp/config.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -60,9 +63,15 @@ inline constexpr std::size_t stream_min_bytes = 4 << 10;
 /// by every thread of the process (the choice follows the cores, not the call); races only blur a sample.
 class store_choice {
  public:
+  /// Fixes the kind of store every later copy uses, or (automatic) lets the timed copies choose.
+  void fix(shm_stores kind) { fixed_.store(kind, std::memory_order_relaxed); }
+
   /// Copies `n` bytes from `src` to `dst` (not overlapping) with the store kind that costs less now.
   void copy(void* dst, const void* src, std::size_t n) {
     if (n < stream_min_bytes) return static_cast<void>(std::memcpy(dst, src, n));
+    const shm_stores fixed = fixed_.load(std::memory_order_relaxed);
+    if (fixed != shm_stores::automatic)
+      return fixed == shm_stores::streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
     const bool streaming = streaming_.load(std::memory_order_relaxed);
     if (n < store_probe_bytes) return streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
     // Every probe_every-th large copy tries the other kind, so a change of placement is seen.
@@ -98,6 +107,7 @@ class store_choice {
     return least;
   }
 
+  std::atomic<shm_stores> fixed_{shm_stores::automatic};
   std::atomic<bool> streaming_{false};
   std::atomic<unsigned> copies_{probe_every - 1};  ///< the first large copy probes streaming stores
   samples ordinary_{};

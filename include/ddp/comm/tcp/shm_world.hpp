@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +27,10 @@
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
+
+/// A thread waiting on shared memory (a collective's barrier, a send or recv on the caller's thread) spins this
+/// long, then yields its core between looks: the peer's threads or this rank's engine thread may need the core.
+inline constexpr std::chrono::microseconds shm_yield_after{5};
 
 /// Sleeps while the shared word `w` holds `seen`, at most `ns` nanoseconds (spurious returns are fine).
 inline void futex_wait(std::atomic<std::uint32_t>& w, std::uint32_t seen, long ns) {
