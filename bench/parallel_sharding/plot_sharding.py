@@ -20,9 +20,10 @@ def tables(path):
     """{model title: [(policy, n, persistent, formula), ...]} from the markdown's result tables."""
     out, title = {}, None
     for line in open(path, encoding="utf-8"):
-        if line.startswith("## ") and "MLP" in line:
-            title = line[3:].strip()
-            out[title] = []
+        if line.startswith("## "):  # a model's section, or another (the sockets' repeat, the readings)
+            title = line[3:].strip() if "MLP" in line else None
+            if title:
+                out[title] = []
         elif title and line.startswith("| ") and not line.startswith("| policy") and "hybrid" not in line:
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             out[title].append((cells[0], int(cells[1]), float(cells[5]), float(cells[6])))
