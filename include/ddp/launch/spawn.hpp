@@ -245,7 +245,7 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
     if (s.fd >= 0) ::close(s.fd);
   exits.place_sentinel(sentinel);
   // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
-  // stops ranks with SIGTERM and reports crashes by their signal.
+  // stops ranks with SIGTERM and reports crashes by their signal. Every signal is blocked from the fork until here.
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
   sigset_t none;
   sigemptyset(&none);
@@ -374,7 +374,13 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     const int sentinel = exits.open_sentinel(r);
     if (sentinel < 0)
       abandon("create a pipe for rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1});
+    // Every signal stays blocked until the child has put the default handlers back (run_child): a SIGTERM that
+    // stops a rank right after the fork must not run the parent's handler in it.
+    sigset_t all, before;
+    sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &before);
     const pid_t pid = ::fork();
+    if (pid != 0) ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
     if (pid < 0)
       abandon("fork rank " + std::to_string(r), {out[0], out[1], err[0], forward ? err[1] : -1, sentinel});
     if (pid == 0) {
