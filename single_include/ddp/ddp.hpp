@@ -15420,8 +15420,49 @@ class exit_order {
 
 namespace ddp::launch::detail {
 
-/// A TCP port free on every interface right now (bind port 0, read it back, close).
+/// The range the kernel draws ports from for connect() and bind(0) (ip_local_port_range), or Linux's default.
+inline std::pair<int, int> ephemeral_ports() {
+  int lo = 32768;
+  int hi = 60999;
+  if (std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range"); !(in >> lo >> hi) || lo > hi) {
+    lo = 32768;
+    hi = 60999;
+  }
+  return {lo, hi};
+}
+
+/// Whether nothing is bound to TCP port `port` on any interface (no listener, no connection, no TIME_WAIT).
+inline bool port_is_free(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw_errno("open a socket to find a free port");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(port);
+  const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return free;
+}
+
+/// A TCP port free on every interface right now, drawn at random from 20000..65535 outside the ephemeral range:
+/// no connection or bind(0) of another process on the host can take it before the job binds it.
 inline std::uint16_t free_port() {
+  const auto [lo, hi] = ephemeral_ports();
+  constexpr int first = 20000;
+  constexpr int last = 65535;
+  const int below = std::max(0, std::min(lo, last + 1) - first);  // first..lo-1
+  const int above_first = std::max(hi + 1, first);
+  const int above = std::max(0, last + 1 - above_first);  // above_first..last
+  if (below + above > 0) {
+    std::random_device entropy;
+    std::uniform_int_distribution<int> pick(0, below + above - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const int i = pick(entropy);
+      const auto port = static_cast<std::uint16_t>(i < below ? first + i : above_first + (i - below));
+      if (port_is_free(port)) return port;
+    }
+  }
+  // Every port outside the ephemeral range is taken (or there is none): let the kernel choose one inside it.
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw_errno("open a socket to find a free port");
   sockaddr_in a{};

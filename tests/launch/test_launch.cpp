@@ -67,6 +67,10 @@ TEST_CASE("spawn gives every rank torchrun's environment, a free port and a shar
   REQUIRE(r.token.size() == 32);
   REQUIRE(r.token.find_first_not_of("0123456789abcdef") == std::string::npos);
   REQUIRE(r.port != 0);
+  // Outside the kernel's ephemeral range, where no other process's connection can take it before rank 0 binds it.
+  const auto [lo, hi] = dl::detail::ephemeral_ports();
+  CHECK(r.port >= 20000);
+  CHECK((r.port < lo || r.port > hi));
   for (int k = 0; k < 3; ++k) {
     const auto s = std::to_string(k);
     CHECK(r.ranks[static_cast<std::size_t>(k)].output ==
