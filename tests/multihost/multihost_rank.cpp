@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,6 +45,25 @@ std::uint64_t tx_bytes(const std::string& name) {
   std::uint64_t n = 0;
   REQUIRE(in >> n);
   return n;
+}
+
+/// TCP segments this host (network namespace) has retransmitted so far (RetransSegs of /proc/net/snmp).
+std::uint64_t retransmitted_segments() {
+  std::ifstream in("/proc/net/snmp");
+  std::vector<std::string> names;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("Tcp:", 0) != 0) continue;
+    std::istringstream fields(line.substr(4));
+    if (names.empty()) {
+      for (std::string f; fields >> f;) names.push_back(f);
+      continue;
+    }
+    std::uint64_t v = 0;
+    for (const auto& name : names)
+      if (fields >> v && name == "RetransSegs") return v;
+  }
+  FAIL("/proc/net/snmp has no Tcp RetransSegs");
+  return 0;
 }
 
 }  // namespace
@@ -156,11 +176,13 @@ TEST_CASE("all_reduce, all_gather, reduce_scatter and broadcast (from rank 0) of
   // entered it, and after the second, which none passes before every rank's collective ended.
   const auto measure = [&](const char* name, std::size_t bytes, auto run) {
     const auto before = tx_bytes("eth0");
+    const auto resent_before = retransmitted_segments();
     comm.barrier().wait();
     run();
     comm.barrier().wait();
-    std::printf("hier_bytes: rank %d: %s of %zu bytes: its host sent %llu bytes\n", comm.rank(), name, bytes,
-                static_cast<unsigned long long>(tx_bytes("eth0") - before));
+    std::printf("hier_bytes: rank %d: %s of %zu bytes: its host sent %llu bytes, %llu segments again\n", comm.rank(),
+                name, bytes, static_cast<unsigned long long>(tx_bytes("eth0") - before),
+                static_cast<unsigned long long>(retransmitted_segments() - resent_before));
   };
   measure("all_reduce", n * k * sizeof(float), [&] { comm.all_reduce(whole).wait(); });
   REQUIRE(whole.front() == sum);
