@@ -29,17 +29,22 @@ inline std::pair<int, int> ephemeral_ports() {
   return {lo, hi};
 }
 
-/// Whether nothing is bound to TCP port `port` on any interface (no listener, no connection, no TIME_WAIT).
-inline bool port_is_free(std::uint16_t port) {
+/// Binds a TCP socket to `port` on every interface (0: the kernel picks one) and closes it: the port it got, or
+/// 0 where the port is taken (a listener, a connection, a TIME_WAIT).
+inline std::uint16_t probe_port(std::uint16_t port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw_errno("open a socket to find a free port");
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_ANY);
   a.sin_port = htons(port);
-  const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  socklen_t len = sizeof a;
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                     ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  const int code = errno;
   ::close(fd);
-  return free;
+  errno = code;
+  return bound ? ntohs(a.sin_port) : 0;
 }
 
 /// A TCP port free on every interface right now, drawn at random from 20000..65535 outside the ephemeral range:
@@ -57,25 +62,13 @@ inline std::uint16_t free_port() {
     for (int attempt = 0; attempt < 64; ++attempt) {
       const int i = pick(entropy);
       const auto port = static_cast<std::uint16_t>(i < below ? first + i : above_first + (i - below));
-      if (port_is_free(port)) return port;
+      if (probe_port(port) == port) return port;
     }
   }
   // Every port outside the ephemeral range is taken (or there is none): let the kernel choose one inside it.
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("open a socket to find a free port");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    const int code = errno;
-    ::close(fd);
-    errno = code;
-    throw_errno("bind a socket to port 0 to find a free port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
+  const std::uint16_t port = probe_port(0);
+  if (port == 0) throw_errno("bind a socket to port 0 to find a free port");
+  return port;
 }
 
 /// 128 random bits as 32 hex digits.
