@@ -23,8 +23,11 @@ namespace ddp::tcp::detail {
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
 
 /// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
-/// the 2-core VM (bench/comm, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms); from it the
-/// two tie on an idle host and the single copies win on a loaded one (64 MiB: 98 ms against 181 ms).
+/// the 2-core VM (bench/comm, ddp-launch, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms).
+/// From it the pipeline wins on an idle host (16 MiB 2.1-2.5 ms against 3.9-4.7; 64 MiB 9.0-11.0 against
+/// 18.7-20.9; N = 3 and 4 alike) and loses far more on a busy one, where each of its barriers waits for a
+/// preempted peer (two busy loops beside the ranks: 16 MiB 30-67 ms against 13-14; 64 MiB 144-226 against
+/// 40-43). The single copies are kept for that case: in a step, the backward computes beside the buckets.
 inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
 
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
