@@ -20,13 +20,10 @@ namespace ddp::launch::detail {
 
 /// The range the kernel draws ports from for connect() and bind(0) (ip_local_port_range), or Linux's default.
 inline std::pair<int, int> ephemeral_ports() {
-  int lo = 32768;
-  int hi = 60999;
-  if (std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range"); !(in >> lo >> hi) || lo > hi) {
-    lo = 32768;
-    hi = 60999;
-  }
-  return {lo, hi};
+  int lo = 0;
+  int hi = 0;
+  if (std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range"); in >> lo >> hi && lo <= hi) return {lo, hi};
+  return {32768, 60999};
 }
 
 /// Binds a TCP socket to `port` on every interface (0: the kernel picks one) and closes it: the port it got, or

@@ -49,6 +49,12 @@ inline void stream_copy(void* dst, const void* src, std::size_t n) {
   _mm_sfence();  // the streamed lines are visible before the phase (or the ring's count) is posted
 }
 
+/// Copies `n` bytes from `src` to `dst` (not overlapping) with streaming stores or with ordinary ones.
+inline void copy_by(bool streaming, void* dst, const void* src, std::size_t n) {
+  if (streaming) stream_copy(dst, src, n);
+  else std::memcpy(dst, src, n);
+}
+
 /// Streaming stores win where ordinary ones take more than this many times as long: the reader then fetches
 /// the streamed lines from memory, which costs it about as much again as the streaming stores cost the writer.
 inline constexpr unsigned stream_penalty = 4;
@@ -71,15 +77,14 @@ class store_choice {
     if (n < stream_min_bytes) return static_cast<void>(std::memcpy(dst, src, n));
     const shm_stores fixed = fixed_.load(std::memory_order_relaxed);
     if (fixed != shm_stores::automatic)
-      return fixed == shm_stores::streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
+      return copy_by(fixed == shm_stores::streaming, dst, src, n);
     const bool streaming = streaming_.load(std::memory_order_relaxed);
-    if (n < store_probe_bytes) return streaming ? stream_copy(dst, src, n) : static_cast<void>(std::memcpy(dst, src, n));
+    if (n < store_probe_bytes) return copy_by(streaming, dst, src, n);
     // Every probe_every-th large copy tries the other kind, so a change of placement is seen.
     const bool probe = (copies_.fetch_add(1, std::memory_order_relaxed) % probe_every) == probe_every - 1;
     const bool stream = streaming != probe;
     const auto t0 = std::chrono::steady_clock::now();
-    if (stream) stream_copy(dst, src, n);
-    else std::memcpy(dst, src, n);
+    copy_by(stream, dst, src, n);
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     record(stream ? stream_ : ordinary_, static_cast<std::uint64_t>(ns) * 1024 / n);
     const std::uint64_t o = best(ordinary_), s = best(stream_);
