@@ -2527,6 +2527,223 @@ class scratch_buffer {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/scratch.hpp>
+// ---- begin <ddp/comm/tcp/shm_path_choice.hpp>
+/// \file Which way a large shared-memory all_reduce runs: single copies out of the peers' buffers, or the
+/// pipeline through the group's segment. Neither wins everywhere. Measured on the 2-core VM (N = 2, ddp-launch):
+/// on an idle host the pipeline takes half the time (16 MiB 2.1-2.5 ms against 3.9-4.7; 64 MiB 9.0-11.0 against
+/// 18.7-20.9); with the cores busy each of its 32-128 barriers waits for a preempted peer, and it takes 2-5 times
+/// as long (16 MiB 30-67 ms against 13-14). So the group's rank 0 times each such call after its first phase,
+/// keeps the latest timings of each way per size class, takes the way whose median is less, and tries the other
+/// again after probe_first calls, twice as many each time the trial confirms the choice. The call's first phase
+/// tells every rank which way rank 0 took. DDP_SHM_LARGE_ALL_REDUCE fixes the way instead (config.hpp).
+
+
+// ---- begin <ddp/comm/tcp/config.hpp>
+/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
+
+
+
+namespace ddp::tcp {
+
+/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
+enum class shm_stores {
+  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
+  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
+  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
+};
+
+/// How a shared-memory all_reduce from 4 MiB runs where every rank of the host can read every other's memory
+/// (DDP_SHM_LARGE_ALL_REDUCE; shm_path_choice.hpp). The group's rank 0 decides for every rank.
+enum class shm_large_all_reduce {
+  automatic,    ///< timed: whichever of the two took less in the latest calls of the size ("auto")
+  single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
+  pipeline,     ///< always the pipeline through the segment, a barrier per 512 KiB piece ("pipeline")
+};
+
+/// Everything a rank needs to join a job over TCP.
+struct config {
+  int rank = 0;                                   ///< this process's rank, 0..size-1
+  int size = 1;                                   ///< number of ranks
+  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
+  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
+  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
+  /// addresses there, and removes the file once every rank has joined.
+  std::string store_file;
+  std::string token;                              ///< job token; every rank must pass the same one
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
+  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
+  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
+  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
+  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
+  /// (process_vm_readv); false sends every byte through the sockets.
+  bool same_host_copy = true;
+  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
+  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
+  bool shared_memory = true;
+  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
+  shm_stores stores = shm_stores::automatic;
+  /// How a shared-memory all_reduce from 4 MiB runs; rank 0's setting holds for the whole job.
+  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
+  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
+  std::size_t max_pending_handshakes = 64;
+};
+
+/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
+/// DDP_SHM_LARGE_ALL_REDUCE, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
+/// the rank and the store's address aside).
+inline config options_from_env(config cfg = {}) {
+  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+  constexpr long long max_ms = 1LL << 40;
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+    cfg.connect_timeout = std::chrono::milliseconds(*ms);
+  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+    cfg.socket_buffer_bytes = static_cast<int>(*b);
+  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                        "1 to copy large frames between ranks on one host directly, 0 to send "
+                                        "them through the sockets"))
+    cfg.same_host_copy = *c == 1;
+  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
+                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
+                                        "send them through the sockets"))
+    cfg.shared_memory = *s == 1;
+  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
+    if (*k == "auto") cfg.stores = shm_stores::automatic;
+    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
+    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
+    else
+      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
+                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
+                         cfg.rank);
+  }
+  if (auto k = ddp::detail::env_string("DDP_SHM_LARGE_ALL_REDUCE")) {
+    if (*k == "auto") cfg.large_all_reduce = shm_large_all_reduce::automatic;
+    else if (*k == "single_copy") cfg.large_all_reduce = shm_large_all_reduce::single_copy;
+    else if (*k == "pipeline") cfg.large_all_reduce = shm_large_all_reduce::pipeline;
+    else
+      throw config_error("environment variable DDP_SHM_LARGE_ALL_REDUCE='" + *k + "' is not auto, single_copy or "
+                         "pipeline; set it to the way shared-memory all_reduce runs from 4 MiB (auto: whichever "
+                         "took less in the latest calls)",
+                         cfg.rank);
+  }
+  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
+                                         "the time in milliseconds a new connection to the store or a mesh port "
+                                         "gets to send its handshake"))
+    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
+  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
+                                        "the number of connections still in their handshake that the store and "
+                                        "each mesh port keep at once"))
+    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
+  return cfg;
+}
+
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  return options_from_env(std::move(cfg));
+}
+
+/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
+inline void require_store_address(const config& cfg) {
+  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
+    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                       cfg.rank);
+}
+
+}  // namespace ddp::tcp
+// ---- end <ddp/comm/tcp/config.hpp>
+
+namespace ddp::tcp::detail {
+
+/// all_reduce payloads from this size may copy straight out of the peers' buffers, where they can. Measured on
+/// the 2-core VM (bench/comm, ddp-launch, N = 2), single copies against the pipeline: 1 MiB 118 us against 72 idle,
+/// 3.6 ms against 0.16 busy; 4 MiB 0.56 ms against 0.33 idle, 6.3 ms against 12.2 busy.
+inline constexpr std::size_t shm_single_copy_bytes = 4 << 20;
+
+/// Chooses, per size class, the way a large all_reduce runs (on the group's rank 0), from the timings record()
+/// gets. A group runs one call at a time, so it needs no lock.
+class large_path_choice {
+ public:
+  /// Size classes from shm_single_copy_bytes, each twice the one before, the last one open.
+  static constexpr std::size_t classes = 8;
+  /// Timings kept per way and class; their median counts, so one preempted call does not swing the choice.
+  static constexpr std::size_t kept = 3;
+  /// Calls the chosen way makes before the other is tried again, after a change of choice.
+  static constexpr unsigned probe_first = 4;
+  /// At most this many calls between trials of the other way, however often it lost.
+  static constexpr unsigned probe_most = 256;
+
+  /// The way the next all_reduce of `bytes` takes: each way once, then the faster one, the other at a trial.
+  [[nodiscard]] shm_large_all_reduce choose(std::size_t bytes) const {
+    const size_class& k = classes_[class_of(bytes)];
+    if (k.ways[0].count == 0) return way(0);
+    if (k.ways[1].count == 0) return way(1);
+    return k.since_trial >= k.trial_after ? way(1 - k.best) : way(k.best);
+  }
+
+  /// Records that an all_reduce of `bytes` took `took` (after its first phase) the way `w`.
+  void record(std::size_t bytes, shm_large_all_reduce w, std::chrono::nanoseconds took) {
+    size_class& k = classes_[class_of(bytes)];
+    const std::size_t i = index(w);
+    timings& t = k.ways[i];
+    t.ns_per_kib[t.count++ % kept] = static_cast<std::uint64_t>(took.count()) * 1024 / std::max<std::size_t>(bytes, 1);
+    if (k.ways[0].count == 0 || k.ways[1].count == 0) return;
+    const std::size_t best = median(k.ways[1]) < median(k.ways[0]) ? 1 : 0;
+    if (best != k.best) {  // the other way is faster now
+      k = size_class{k.ways, best};
+    } else if (i == best) {
+      ++k.since_trial;
+    } else {  // a trial of the other way confirmed the choice
+      k.since_trial = 0;
+      k.trial_after = std::min(2 * k.trial_after, probe_most);
+    }
+  }
+
+ private:
+  struct timings {
+    std::array<std::uint64_t, kept> ns_per_kib{};
+    std::size_t count = 0;
+  };
+  struct size_class {
+    std::array<timings, 2> ways;  ///< single copies, the pipeline
+    std::size_t best = 0;
+    unsigned since_trial = 0;  ///< calls the best way made since the other was last tried
+    unsigned trial_after = probe_first;
+  };
+
+  static std::size_t class_of(std::size_t bytes) {
+    const auto bits = static_cast<std::size_t>(std::bit_width(bytes / shm_single_copy_bytes));  // the first class: 1
+    return std::min(classes - 1, bits == 0 ? 0 : bits - 1);
+  }
+  static shm_large_all_reduce way(std::size_t i) {
+    return i == 0 ? shm_large_all_reduce::single_copy : shm_large_all_reduce::pipeline;
+  }
+  static std::size_t index(shm_large_all_reduce w) { return w == shm_large_all_reduce::pipeline ? 1 : 0; }
+  static std::uint64_t median(const timings& t) {
+    std::array<std::uint64_t, kept> v = t.ns_per_kib;
+    const std::size_t n = std::min(t.count, kept);
+    std::sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
+    return v[n / 2];
+  }
+
+  std::array<size_class, classes> classes_{};
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_path_choice.hpp>
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
 /// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
@@ -3099,6 +3316,9 @@ class shm_world {
   std::vector<peer_memory> memory;
   /// Every rank on this host can copy straight out of every other one's memory: collectives may use single copies.
   bool single_copy = false;
+  /// How all_reduce from shm_single_copy_bytes runs where single_copy holds, set once at the rendezvous (rank 0's
+  /// decides).
+  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
@@ -3179,6 +3399,13 @@ class shm_group {
   [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
+  /// The way this rank would run an all_reduce of `bytes` where reads_all() (the group's rank 0 decides for all).
+  [[nodiscard]] shm_large_all_reduce large_way(std::size_t bytes) const {
+    const shm_large_all_reduce fixed = world_->large_all_reduce;
+    return fixed == shm_large_all_reduce::automatic ? large_ways.choose(bytes) : fixed;
+  }
+  /// Rank 0's timings of the large all_reduce calls and the way each size class takes.
+  large_path_choice large_ways;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
   char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 
@@ -3842,112 +4069,6 @@ class frame_writer {
 #include <emmintrin.h>
 
 
-// ---- begin <ddp/comm/tcp/config.hpp>
-/// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
-
-
-
-namespace ddp::tcp {
-
-/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
-enum class shm_stores {
-  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
-  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
-  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
-};
-
-/// Everything a rank needs to join a job over TCP.
-struct config {
-  int rank = 0;                                   ///< this process's rank, 0..size-1
-  int size = 1;                                   ///< number of ranks
-  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
-  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
-  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
-  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
-  /// addresses there, and removes the file once every rank has joined.
-  std::string store_file;
-  std::string token;                              ///< job token; every rank must pass the same one
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
-  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
-  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
-  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
-  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
-  /// (process_vm_readv); false sends every byte through the sockets.
-  bool same_host_copy = true;
-  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
-  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
-  bool shared_memory = true;
-  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
-  shm_stores stores = shm_stores::automatic;
-  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
-  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
-  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
-  std::size_t max_pending_handshakes = 64;
-};
-
-/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES, DDP_HANDSHAKE_TIMEOUT_MS,
-/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
-inline config options_from_env(config cfg = {}) {
-  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
-  constexpr long long max_ms = 1LL << 40;
-  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
-    cfg.timeout = std::chrono::milliseconds(*ms);
-  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
-    cfg.connect_timeout = std::chrono::milliseconds(*ms);
-  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
-  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
-    cfg.socket_buffer_bytes = static_cast<int>(*b);
-  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
-                                        "1 to copy large frames between ranks on one host directly, 0 to send "
-                                        "them through the sockets"))
-    cfg.same_host_copy = *c == 1;
-  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
-                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
-                                        "send them through the sockets"))
-    cfg.shared_memory = *s == 1;
-  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
-    if (*k == "auto") cfg.stores = shm_stores::automatic;
-    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
-    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
-    else
-      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
-                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
-                         cfg.rank);
-  }
-  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
-                                         "the time in milliseconds a new connection to the store or a mesh port "
-                                         "gets to send its handshake"))
-    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
-  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
-                                        "the number of connections still in their handshake that the store and "
-                                        "each mesh port keep at once"))
-    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
-  return cfg;
-}
-
-/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
-inline config config_from_env() {
-  const env_config env = read_env_config();
-  config cfg;
-  cfg.rank = env.rank;
-  cfg.size = env.world_size;
-  cfg.master_addr = env.master_addr;
-  cfg.master_port = env.master_port;
-  return options_from_env(std::move(cfg));
-}
-
-/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
-inline void require_store_address(const config& cfg) {
-  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
-    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                       cfg.rank);
-}
-
-}  // namespace ddp::tcp
-// ---- end <ddp/comm/tcp/config.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -4704,9 +4825,10 @@ class peer_io : protected engine_errors {
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
 /// into its next region, and copies the others' reduced slices of the previous piece out). From
-/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
-/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
-/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
+/// shm_single_copy_bytes, where every peer's memory is readable, a first phase publishes each rank's buffer
+/// address and the way rank 0 chose (shm_path_choice.hpp): the pipeline, or single copies straight out of the
+/// others' buffers (same_host.hpp) in two more phases whatever the size: reduce this rank's slice from the
+/// others' buffers; copy the others' reduced slices out of their buffers. Both sum in the same order.
 
 
 // ---- begin <ddp/comm/tcp/reduce.hpp>
@@ -5005,14 +5127,6 @@ namespace ddp::tcp::detail {
 /// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
 
-/// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
-/// the 2-core VM (bench/comm, ddp-launch, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms).
-/// From it the pipeline wins on an idle host (16 MiB 2.1-2.5 ms against 3.9-4.7; 64 MiB 9.0-11.0 against
-/// 18.7-20.9; N = 3 and 4 alike) and loses far more on a busy one, where each of its barriers waits for a
-/// preempted peer (two busy loops beside the ranks: 16 MiB 30-67 ms against 13-14; 64 MiB 144-226 against
-/// 40-43). The single copies are kept for that case: in a step, the backward computes beside the buckets.
-inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
-
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
 template <class Src>
 void reduce_ranks(const call& c, char* dst, int n, std::size_t elems, Src src) {
@@ -5036,18 +5150,13 @@ inline std::size_t slice_first(std::size_t elems, int r, int n) {
   return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
 }
 
-/// all_reduce by single copies out of the peers' buffers (see the file comment).
+/// all_reduce by single copies out of the peers' buffers, whose addresses g.addresses holds (see the file comment).
 inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
-  ch.put(0, &mine, sizeof mine);
-  ch.sync();
-  std::vector<std::uint64_t>& where = g.addresses;
-  where.resize(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const std::vector<std::uint64_t>& where = g.addresses;
   const auto first = [&](int r) { return slice_first(c.count, r, n); };
   // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
   const std::size_t piece = shm_region_bytes / es;
@@ -5068,18 +5177,12 @@ inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   ch.sync();  // nobody reads this rank's buffer any more
 }
 
-inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+/// all_reduce pipelined through the segment (see the file comment).
+inline void shm_all_reduce_pipeline(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
-  if (c.count * es <= shm_direct_bytes) {
-    ch.put(0, buf, c.count * es);
-    ch.sync();
-    reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
-    return finish_avg_bytes(c.type, buf, c.count, c.op, n);
-  }
   const std::size_t half = shm_region_bytes / 2;
   const std::size_t piece = half / es;
   const std::size_t passes = (c.count + piece - 1) / piece;
@@ -5111,6 +5214,40 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
       ch.count((b - a) * es);
     }
   }
+}
+
+/// all_reduce from shm_single_copy_bytes where every peer's memory is readable. Its first phase publishes each
+/// rank's buffer address and, from the group's rank 0, the way every rank then takes (shm_path_choice.hpp);
+/// rank 0 times the rest of the call for its next choices.
+inline void shm_all_reduce_large(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t bytes = c.count * size_of(c.type);
+  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(c.out), static_cast<std::uint64_t>(g.large_way(bytes))};
+  ch.put(0, head, sizeof head);
+  ch.sync();
+  g.addresses.resize(static_cast<std::size_t>(ch.size()));
+  for (int r = 0; r < ch.size(); ++r) std::memcpy(&g.addresses[static_cast<std::size_t>(r)], ch.at(r), sizeof head[0]);
+  std::uint64_t chosen = 0;
+  std::memcpy(&chosen, ch.at(0) + sizeof head[0], sizeof chosen);
+  const auto way = chosen == static_cast<std::uint64_t>(shm_large_all_reduce::pipeline) ? shm_large_all_reduce::pipeline
+                                                                                        : shm_large_all_reduce::single_copy;
+  const auto start = clock::now();
+  if (way == shm_large_all_reduce::pipeline) shm_all_reduce_pipeline(ch, g);
+  else shm_all_reduce_single_copy(ch, g);
+  if (ch.rank() == 0) g.large_ways.record(bytes, way, clock::now() - start);
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t bytes = c.count * size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (bytes >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_large(ch, g);
+  if (bytes > shm_direct_bytes) return shm_all_reduce_pipeline(ch, g);
+  ch.put(0, buf, bytes);
+  ch.sync();
+  reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
+  finish_avg_bytes(c.type, buf, c.count, c.op, n);
 }
 
 inline void shm_reduce_scatter(shm_channel& ch) {
@@ -7541,6 +7678,7 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
       if (hosts->host_of[static_cast<std::size_t>(r)] == hosts->host_of[static_cast<std::size_t>(cfg.rank)]) local.push_back(r);
     hosts->segment->memory = memory;
     hosts->segment->single_copy = every_rank_reads_every_rank(store, local);
+    hosts->segment->large_all_reduce = cfg.large_all_reduce;
   }
   if (cfg.rank == 0)
     log_line(0, one_host ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "

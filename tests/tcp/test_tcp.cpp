@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/comm/tcp/shm_path_choice.hpp>
 
 #include "conformance/conformance.hpp"
 #include "support/run_ranks.hpp"
@@ -294,8 +295,8 @@ TEST_CASE("a rank with another job token cannot join", "[tcp][store]") {
 }
 
 TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every survivor within seconds", "[tcp][fault]") {
-  // Over shared memory: the direct exchange, the pipeline, and (from 16 MiB) the single copies.
-  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 20, std::size_t{1} << 22);
+  // Over shared memory: the direct exchange, the pipeline, and (16 MiB, fixed) the single copies.
+  const std::size_t count = GENERATE(std::size_t{256}, std::size_t{1} << 18, std::size_t{1} << 22);
   const std::string shm = GENERATE(as<std::string>{}, "1", "0");
   CAPTURE(count, shm);
   const auto rs = run_ranks(
@@ -322,7 +323,9 @@ TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every surv
         throw std::runtime_error("the all_reduce completed without its third rank");
       },
       [shm] {
-        auto o = job(30s, 0, shm_env(shm));
+        auto o = job(30s, 0, [shm](int) {
+          return ddp::launch::env_list{{"DDP_SHM", shm}, {"DDP_SHM_LARGE_ALL_REDUCE", "single_copy"}};
+        });
         o.stop_on_failure = false;  // rank 1's death is the test; the survivors must see it
         return o;
       }());
@@ -474,8 +477,16 @@ TEST_CASE("destroying a communicator with operations in flight does not hang", "
 
 TEST_CASE("all_reduce over shared memory gives the same bits by single copies and through the segment", "[tcp][shm]") {
   const int n = GENERATE(2, 3);
-  const std::string copy = GENERATE(as<std::string>{}, "1", "0");  // from 16 MiB: single copies, or the pipeline
-  CAPTURE(n, copy);
+  // From 4 MiB: the way rank 0 takes, timed or fixed (every rank follows it, whatever its own setting says), or
+  // no single copies at all (the pipeline).
+  const std::string way = GENERATE(as<std::string>{}, "auto", "single_copy", "pipeline", "mixed", "no copies");
+  CAPTURE(n, way);
+  const auto env = [way](int rank) {
+    const std::string mine = way != "mixed" ? way : rank == 0 ? "pipeline" : "single_copy";
+    return ddp::launch::env_list{{"DDP_SHM", "1"},
+                                 {"DDP_SAME_HOST_COPY", way == "no copies" ? "0" : "1"},
+                                 {"DDP_SHM_LARGE_ALL_REDUCE", way == "no copies" ? "auto" : mine}};
+  };
   require_all_ok(run_ranks(
       n,
       [](int rank) {
@@ -483,19 +494,74 @@ TEST_CASE("all_reduce over shared memory gives the same bits by single copies an
         const std::size_t count = (std::size_t{1} << 22) + 3;
         const auto value = [](int r, std::size_t i) { return static_cast<float>(r + 1) * 0.1F + static_cast<float>(i % 7); };
         std::vector<float> sum(count), avg(count), top(count);
-        for (std::size_t i = 0; i < count; ++i) sum[i] = avg[i] = top[i] = value(rank, i);
-        comm.all_reduce(sum).wait();
-        comm.all_reduce(avg, ddp::reduce_op::avg).wait();
-        comm.all_reduce(top, ddp::reduce_op::max).wait();
-        for (std::size_t i = 0; i < count; ++i) {
-          float want = value(0, i);
-          for (int r = 1; r < comm.size(); ++r) want += value(r, i);  // in rank order, as the transport sums
-          expect(sum[i] == want, "sum at " + std::to_string(i));
-          expect(avg[i] == want / static_cast<float>(comm.size()), "avg at " + std::to_string(i));
-          expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
+        // Timed (auto), the first call takes single copies, the second the pipeline, the later ones either.
+        for (int round = 0; round < 2; ++round) {
+          for (std::size_t i = 0; i < count; ++i) sum[i] = avg[i] = top[i] = value(rank, i);
+          comm.all_reduce(sum).wait();
+          comm.all_reduce(avg, ddp::reduce_op::avg).wait();
+          comm.all_reduce(top, ddp::reduce_op::max).wait();
+          for (std::size_t i = 0; i < count; ++i) {
+            float want = value(0, i);
+            for (int r = 1; r < comm.size(); ++r) want += value(r, i);  // in rank order, as the transport sums
+            expect(sum[i] == want, "sum at " + std::to_string(i));
+            expect(avg[i] == want / static_cast<float>(comm.size()), "avg at " + std::to_string(i));
+            expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
+          }
         }
       },
-      job(60s, 0, [copy](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SAME_HOST_COPY", copy}}; })));
+      job(60s, 0, env)));
+}
+
+TEST_CASE("large all_reduce takes each way once, then the faster, and tries the other less often while it loses",
+          "[tcp][shm]") {
+  using ddp::tcp::shm_large_all_reduce;
+  using namespace std::chrono;
+  constexpr std::size_t mib = std::size_t{1} << 20;
+  ddp::tcp::detail::large_path_choice choice;
+  // Runs `calls` calls of `bytes`, each taking `single` or `pipeline` by the way chosen; returns the pipeline's count.
+  const auto run = [&](std::size_t bytes, int calls, nanoseconds single, nanoseconds pipeline) {
+    int piped = 0;
+    for (int i = 0; i < calls; ++i) {
+      const auto way = choice.choose(bytes);
+      piped += way == shm_large_all_reduce::pipeline ? 1 : 0;
+      choice.record(bytes, way, way == shm_large_all_reduce::pipeline ? pipeline : single);
+    }
+    return piped;
+  };
+  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
+  choice.record(16 * mib, shm_large_all_reduce::single_copy, 4ms);
+  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::pipeline);
+  choice.record(16 * mib, shm_large_all_reduce::pipeline, 2ms);
+  // The pipeline is faster: it runs, and single copies are tried after 4, 8, 16, ... calls, at most every 256th.
+  const int piped = run(16 * mib, 1000, 4ms, 2ms);
+  CHECK(piped >= 1000 - 10);
+  CHECK(piped < 1000);
+  // Each size class keeps its own timings: 64 MiB starts over.
+  CHECK(choice.choose(64 * mib) == shm_large_all_reduce::single_copy);
+  // The host gets busy: the pipeline slows down five-fold. Two slow calls move its median; then single copies
+  // run, and the pipeline is tried after 4, 8, 16, ... calls again.
+  CHECK(run(16 * mib, 3, 14ms, 70ms) == 2);
+  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
+  CHECK(run(16 * mib, 300, 14ms, 70ms) <= 7);
+  // One slow call of the chosen way does not swing the choice: the median of the latest three counts.
+  choice.record(16 * mib, shm_large_all_reduce::single_copy, 500ms);
+  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
+}
+
+TEST_CASE("DDP_SHM_LARGE_ALL_REDUCE other than auto, single_copy or pipeline is a config_error naming it", "[tcp][config]") {
+  require_all_ok(run_ranks(
+      1,
+      [](int) {
+        try {
+          (void)ddp::tcp::communicator::from_env();
+        } catch (const ddp::config_error& e) {
+          expect(contains(e.what(), "DDP_SHM_LARGE_ALL_REDUCE='copy'") && contains(e.what(), "auto, single_copy or pipeline"),
+                 std::string("names the variable, its value and the choices: ") + e.what());
+          return;
+        }
+        throw std::runtime_error("no config_error");
+      },
+      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_LARGE_ALL_REDUCE", "copy"}}; })));
 }
 
 TEST_CASE("copies into shared memory give the same bits with either kind of store (DDP_SHM_STORES)", "[tcp][shm]") {

@@ -19,6 +19,14 @@ enum class shm_stores {
   streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
 };
 
+/// How a shared-memory all_reduce from 4 MiB runs where every rank of the host can read every other's memory
+/// (DDP_SHM_LARGE_ALL_REDUCE; shm_path_choice.hpp). The group's rank 0 decides for every rank.
+enum class shm_large_all_reduce {
+  automatic,    ///< timed: whichever of the two took less in the latest calls of the size ("auto")
+  single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
+  pipeline,     ///< always the pipeline through the segment, a barrier per 512 KiB piece ("pipeline")
+};
+
 /// Everything a rank needs to join a job over TCP.
 struct config {
   int rank = 0;                                   ///< this process's rank, 0..size-1
@@ -42,6 +50,8 @@ struct config {
   bool shared_memory = true;
   /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
   shm_stores stores = shm_stores::automatic;
+  /// How a shared-memory all_reduce from 4 MiB runs; rank 0's setting holds for the whole job.
+  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -49,8 +59,9 @@ struct config {
 };
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES, DDP_HANDSHAKE_TIMEOUT_MS,
-/// DDP_MAX_PENDING_HANDSHAKES (every init method reads them; the rank and the store's address aside).
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
+/// DDP_SHM_LARGE_ALL_REDUCE, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
+/// the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
   constexpr long long max_ms = 1LL << 40;
@@ -76,6 +87,16 @@ inline config options_from_env(config cfg = {}) {
     else
       throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
                          "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
+                         cfg.rank);
+  }
+  if (auto k = ddp::detail::env_string("DDP_SHM_LARGE_ALL_REDUCE")) {
+    if (*k == "auto") cfg.large_all_reduce = shm_large_all_reduce::automatic;
+    else if (*k == "single_copy") cfg.large_all_reduce = shm_large_all_reduce::single_copy;
+    else if (*k == "pipeline") cfg.large_all_reduce = shm_large_all_reduce::pipeline;
+    else
+      throw config_error("environment variable DDP_SHM_LARGE_ALL_REDUCE='" + *k + "' is not auto, single_copy or "
+                         "pipeline; set it to the way shared-memory all_reduce runs from 4 MiB (auto: whichever "
+                         "took less in the latest calls)",
                          cfg.rank);
   }
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,

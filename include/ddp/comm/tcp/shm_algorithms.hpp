@@ -5,9 +5,10 @@
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
 /// into its next region, and copies the others' reduced slices of the previous piece out). From
-/// shm_single_copy_bytes, where every peer's memory is readable, all_reduce copies straight out of the
-/// others' buffers (same_host.hpp) in three phases whatever the size: publish the buffer's address; reduce
-/// this rank's slice from the others' buffers; copy the others' reduced slices out of their buffers.
+/// shm_single_copy_bytes, where every peer's memory is readable, a first phase publishes each rank's buffer
+/// address and the way rank 0 chose (shm_path_choice.hpp): the pipeline, or single copies straight out of the
+/// others' buffers (same_host.hpp) in two more phases whatever the size: reduce this rank's slice from the
+/// others' buffers; copy the others' reduced slices out of their buffers. Both sum in the same order.
 
 #include <algorithm>
 #include <cstddef>
@@ -16,19 +17,12 @@
 
 #include <ddp/comm/tcp/reduce.hpp>
 #include <ddp/comm/tcp/shm_channel.hpp>
+#include <ddp/comm/tcp/shm_path_choice.hpp>
 
 namespace ddp::tcp::detail {
 
 /// all_reduce payloads up to this size are reduced whole by every rank after a single barrier.
 inline constexpr std::size_t shm_direct_bytes = 32 << 10;
-
-/// all_reduce payloads from this size copy straight out of the peers' buffers where they can. Measured on
-/// the 2-core VM (bench/comm, ddp-launch, N = 2): below it the pipeline wins (4 MiB: 0.75 ms against 3-6 ms).
-/// From it the pipeline wins on an idle host (16 MiB 2.1-2.5 ms against 3.9-4.7; 64 MiB 9.0-11.0 against
-/// 18.7-20.9; N = 3 and 4 alike) and loses far more on a busy one, where each of its barriers waits for a
-/// preempted peer (two busy loops beside the ranks: 16 MiB 30-67 ms against 13-14; 64 MiB 144-226 against
-/// 40-43). The single copies are kept for that case: in a step, the backward computes beside the buckets.
-inline constexpr std::size_t shm_single_copy_bytes = 16 << 20;
 
 /// dst = src(0) (op) src(1) (op) ... src(n-1), in rank order, over `elems` elements.
 template <class Src>
@@ -53,18 +47,13 @@ inline std::size_t slice_first(std::size_t elems, int r, int n) {
   return static_cast<std::size_t>(r) * elems / static_cast<std::size_t>(n);
 }
 
-/// all_reduce by single copies out of the peers' buffers (see the file comment).
+/// all_reduce by single copies out of the peers' buffers, whose addresses g.addresses holds (see the file comment).
 inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  const std::uint64_t mine = reinterpret_cast<std::uintptr_t>(buf);
-  ch.put(0, &mine, sizeof mine);
-  ch.sync();
-  std::vector<std::uint64_t>& where = g.addresses;
-  where.resize(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) std::memcpy(&where[static_cast<std::size_t>(r)], ch.at(r), sizeof mine);
+  const std::vector<std::uint64_t>& where = g.addresses;
   const auto first = [&](int r) { return slice_first(c.count, r, n); };
   // This rank's slice, a piece at a time: the others' parts into scratch, then the sum in rank order.
   const std::size_t piece = shm_region_bytes / es;
@@ -85,18 +74,12 @@ inline void shm_all_reduce_single_copy(shm_channel& ch, shm_group& g) {
   ch.sync();  // nobody reads this rank's buffer any more
 }
 
-inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+/// all_reduce pipelined through the segment (see the file comment).
+inline void shm_all_reduce_pipeline(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  if (c.count * es >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_single_copy(ch, g);
-  if (c.count * es <= shm_direct_bytes) {
-    ch.put(0, buf, c.count * es);
-    ch.sync();
-    reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
-    return finish_avg_bytes(c.type, buf, c.count, c.op, n);
-  }
   const std::size_t half = shm_region_bytes / 2;
   const std::size_t piece = half / es;
   const std::size_t passes = (c.count + piece - 1) / piece;
@@ -128,6 +111,40 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
       ch.count((b - a) * es);
     }
   }
+}
+
+/// all_reduce from shm_single_copy_bytes where every peer's memory is readable. Its first phase publishes each
+/// rank's buffer address and, from the group's rank 0, the way every rank then takes (shm_path_choice.hpp);
+/// rank 0 times the rest of the call for its next choices.
+inline void shm_all_reduce_large(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t bytes = c.count * size_of(c.type);
+  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(c.out), static_cast<std::uint64_t>(g.large_way(bytes))};
+  ch.put(0, head, sizeof head);
+  ch.sync();
+  g.addresses.resize(static_cast<std::size_t>(ch.size()));
+  for (int r = 0; r < ch.size(); ++r) std::memcpy(&g.addresses[static_cast<std::size_t>(r)], ch.at(r), sizeof head[0]);
+  std::uint64_t chosen = 0;
+  std::memcpy(&chosen, ch.at(0) + sizeof head[0], sizeof chosen);
+  const auto way = chosen == static_cast<std::uint64_t>(shm_large_all_reduce::pipeline) ? shm_large_all_reduce::pipeline
+                                                                                        : shm_large_all_reduce::single_copy;
+  const auto start = clock::now();
+  if (way == shm_large_all_reduce::pipeline) shm_all_reduce_pipeline(ch, g);
+  else shm_all_reduce_single_copy(ch, g);
+  if (ch.rank() == 0) g.large_ways.record(bytes, way, clock::now() - start);
+}
+
+inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size();
+  const std::size_t bytes = c.count * size_of(c.type);
+  auto* buf = static_cast<char*>(c.out);
+  if (bytes >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_large(ch, g);
+  if (bytes > shm_direct_bytes) return shm_all_reduce_pipeline(ch, g);
+  ch.put(0, buf, bytes);
+  ch.sync();
+  reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
+  finish_avg_bytes(c.type, buf, c.count, c.op, n);
 }
 
 inline void shm_reduce_scatter(shm_channel& ch) {
