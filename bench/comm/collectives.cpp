@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
@@ -155,9 +156,7 @@ int run_ddp_only(std::size_t max_bytes, bool csv) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::size_t max_bytes = 64U << 20;
   bool csv = false;
   for (int i = 1; i < argc; ++i) {
@@ -256,4 +255,16 @@ int main(int argc, char** argv) {
   }
   MPI_Finalize();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // a ddp::config_error where no launcher set the job's environment, ...
+    std::fprintf(stderr, "ddp_bench_collectives: rank %d: %s\n", g_rank, e.what());
+    fail();
+  }
+  return 1;
 }
