@@ -2527,15 +2527,16 @@ class scratch_buffer {
 
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/scratch.hpp>
-// ---- begin <ddp/comm/tcp/shm_path_choice.hpp>
-/// \file Which way a large shared-memory all_reduce runs: single copies out of the peers' buffers, or the
-/// pipeline through the group's segment. Neither wins everywhere. Measured on the 2-core VM (N = 2, ddp-launch):
-/// on an idle host the pipeline takes half the time (16 MiB 2.1-2.5 ms against 3.9-4.7; 64 MiB 9.0-11.0 against
-/// 18.7-20.9); with the cores busy each of its 32-128 barriers waits for a preempted peer, and it takes 2-5 times
-/// as long (16 MiB 30-67 ms against 13-14). So the group's rank 0 times each such call after its first phase,
-/// keeps the latest timings of each way per size class, takes the way whose median is less, and tries the other
-/// again after probe_first calls, twice as many each time the trial confirms the choice. The call's first phase
-/// tells every rank which way rank 0 took. DDP_SHM_LARGE_ALL_REDUCE fixes the way instead (config.hpp).
+// ---- begin <ddp/comm/tcp/shm_algo_choice.hpp>
+/// \file Which algorithm a large shared-memory all_reduce, reduce_scatter or all_gather runs: single copies out
+/// of the peers' buffers, or the pipeline through the group's segment. Neither wins everywhere. Measured on the
+/// 2-core VM (all_reduce, N = 2, ddp-launch): on an idle host the pipeline takes half the time or less (16 MiB
+/// 2.5 ms against 5.4; 64 MiB 10.3 against 19.7); with the cores busy each of its barriers (one per 512 KiB)
+/// waits for a preempted peer, and it takes up to five times as long (16 MiB 64 ms against 13.9). So the
+/// group's rank 0 times each such call after its first phase, keeps the latest timings of each algorithm per
+/// collective and size class, takes the one whose median is less, and tries the other again after
+/// probe_first calls, twice as many each time the trial confirms the choice. The call's first phase tells
+/// every rank which algorithm rank 0 took. DDP_SHM_ALGO fixes the algorithm instead (config.hpp).
 
 
 // ---- begin <ddp/comm/tcp/config.hpp>
@@ -2552,12 +2553,12 @@ enum class shm_stores {
   streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
 };
 
-/// How a shared-memory all_reduce from 4 MiB runs where every rank of the host can read every other's memory
-/// (DDP_SHM_LARGE_ALL_REDUCE; shm_path_choice.hpp). The group's rank 0 decides for every rank.
-enum class shm_large_all_reduce {
-  automatic,    ///< timed: whichever of the two took less in the latest calls of the size ("auto")
+/// How a shared-memory all_reduce, reduce_scatter or all_gather of 4 MiB and more runs where every rank of the
+/// host can read every other's memory (DDP_SHM_ALGO; shm_algo_choice.hpp). The group's rank 0 decides for all.
+enum class shm_algo {
+  automatic,    ///< timed: whichever of the two took less in the latest calls of the collective and size ("auto")
   single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
-  pipeline,     ///< always the pipeline through the segment, a barrier per 512 KiB piece ("pipeline")
+  pipeline,     ///< always the pipeline through the segment, a barrier per piece ("pipeline")
 };
 
 /// Everything a rank needs to join a job over TCP.
@@ -2583,8 +2584,9 @@ struct config {
   bool shared_memory = true;
   /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
   shm_stores stores = shm_stores::automatic;
-  /// How a shared-memory all_reduce from 4 MiB runs; rank 0's setting holds for the whole job.
-  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
+  /// How a shared-memory all_reduce, reduce_scatter or all_gather from 4 MiB runs; the group's rank 0's setting
+  /// holds for every member.
+  shm_algo algo = shm_algo::automatic;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -2593,7 +2595,7 @@ struct config {
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
 /// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
-/// DDP_SHM_LARGE_ALL_REDUCE, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
+/// DDP_SHM_ALGO, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
 /// the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
@@ -2622,14 +2624,14 @@ inline config options_from_env(config cfg = {}) {
                          "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
                          cfg.rank);
   }
-  if (auto k = ddp::detail::env_string("DDP_SHM_LARGE_ALL_REDUCE")) {
-    if (*k == "auto") cfg.large_all_reduce = shm_large_all_reduce::automatic;
-    else if (*k == "single_copy") cfg.large_all_reduce = shm_large_all_reduce::single_copy;
-    else if (*k == "pipeline") cfg.large_all_reduce = shm_large_all_reduce::pipeline;
+  if (auto k = ddp::detail::env_string("DDP_SHM_ALGO")) {
+    if (*k == "auto") cfg.algo = shm_algo::automatic;
+    else if (*k == "single_copy") cfg.algo = shm_algo::single_copy;
+    else if (*k == "pipeline") cfg.algo = shm_algo::pipeline;
     else
-      throw config_error("environment variable DDP_SHM_LARGE_ALL_REDUCE='" + *k + "' is not auto, single_copy or "
-                         "pipeline; set it to the way shared-memory all_reduce runs from 4 MiB (auto: whichever "
-                         "took less in the latest calls)",
+      throw config_error("environment variable DDP_SHM_ALGO='" + *k + "' is not auto, single_copy or pipeline; set "
+                         "it to the algorithm shared-memory all_reduce, reduce_scatter and all_gather run from 4 MiB "
+                         "(auto: whichever took less in the latest calls)",
                          cfg.rank);
   }
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
@@ -2668,45 +2670,46 @@ inline void require_store_address(const config& cfg) {
 
 namespace ddp::tcp::detail {
 
-/// all_reduce payloads from this size may copy straight out of the peers' buffers, where they can. Measured on
-/// the 2-core VM (bench/comm, ddp-launch, N = 2), single copies against the pipeline: 1 MiB 118 us against 72 idle,
-/// 3.6 ms against 0.16 busy; 4 MiB 0.56 ms against 0.33 idle, 6.3 ms against 12.2 busy.
+/// Collectives whose buffers, from this size, may be copied straight out of the peers' memory where it is
+/// readable. Measured on the 2-core VM (all_reduce, N = 2, ddp-launch), single copies against the pipeline:
+/// 1 MiB 118 us against 72 idle, 3.6 ms against 0.16 busy; 4 MiB 0.56 ms against 0.33 idle, 6.3 ms against
+/// 12.2 busy.
 inline constexpr std::size_t shm_single_copy_bytes = 4 << 20;
 
-/// Chooses, per size class, the way a large all_reduce runs (on the group's rank 0), from the timings record()
-/// gets. A group runs one call at a time, so it needs no lock.
-class large_path_choice {
+/// Chooses, per collective and size class, the algorithm a large call runs (on the group's rank 0), from the
+/// timings record() gets. A group runs one call at a time, so it needs no lock.
+class algo_choice {
  public:
   /// Size classes from shm_single_copy_bytes, each twice the one before, the last one open.
   static constexpr std::size_t classes = 8;
-  /// Timings kept per way and class; their median counts, so one preempted call does not swing the choice.
+  /// Timings kept per algorithm and class; their median counts, so one preempted call does not swing the choice.
   static constexpr std::size_t kept = 3;
-  /// Calls the chosen way makes before the other is tried again, after a change of choice.
+  /// Calls the chosen algorithm makes before the other is tried again, after a change of choice.
   static constexpr unsigned probe_first = 4;
-  /// At most this many calls between trials of the other way, however often it lost.
+  /// At most this many calls between trials of the other algorithm, however often it lost.
   static constexpr unsigned probe_most = 256;
 
-  /// The way the next all_reduce of `bytes` takes: each way once, then the faster one, the other at a trial.
-  [[nodiscard]] shm_large_all_reduce choose(std::size_t bytes) const {
-    const size_class& k = classes_[class_of(bytes)];
-    if (k.ways[0].count == 0) return way(0);
-    if (k.ways[1].count == 0) return way(1);
-    return k.since_trial >= k.trial_after ? way(1 - k.best) : way(k.best);
+  /// The algorithm the next `kind` call of `bytes` runs: each once, then the faster one, the other at a trial.
+  [[nodiscard]] shm_algo choose(collective kind, std::size_t bytes) const {
+    const size_class& k = table_[row(kind)][class_of(bytes)];
+    if (k.algos[0].count == 0) return algo(0);
+    if (k.algos[1].count == 0) return algo(1);
+    return k.since_trial >= k.trial_after ? algo(1 - k.best) : algo(k.best);
   }
 
-  /// Records that an all_reduce of `bytes` took `took` (after its first phase) the way `w`.
-  void record(std::size_t bytes, shm_large_all_reduce w, std::chrono::nanoseconds took) {
-    size_class& k = classes_[class_of(bytes)];
-    const std::size_t i = index(w);
-    timings& t = k.ways[i];
+  /// Records that a `kind` call of `bytes` took `took` (after its first phase) with algorithm `a`.
+  void record(collective kind, std::size_t bytes, shm_algo a, std::chrono::nanoseconds took) {
+    size_class& k = table_[row(kind)][class_of(bytes)];
+    const std::size_t i = a == shm_algo::pipeline ? 1 : 0;
+    timings& t = k.algos[i];
     t.ns_per_kib[t.count++ % kept] = static_cast<std::uint64_t>(took.count()) * 1024 / std::max<std::size_t>(bytes, 1);
-    if (k.ways[0].count == 0 || k.ways[1].count == 0) return;
-    const std::size_t best = median(k.ways[1]) < median(k.ways[0]) ? 1 : 0;
-    if (best != k.best) {  // the other way is faster now
-      k = size_class{k.ways, best};
+    if (k.algos[0].count == 0 || k.algos[1].count == 0) return;
+    const std::size_t best = median(k.algos[1]) < median(k.algos[0]) ? 1 : 0;
+    if (best != k.best) {  // the other algorithm is faster now
+      k = size_class{k.algos, best};
     } else if (i == best) {
       ++k.since_trial;
-    } else {  // a trial of the other way confirmed the choice
+    } else {  // a trial of the other algorithm confirmed the choice
       k.since_trial = 0;
       k.trial_after = std::min(2 * k.trial_after, probe_most);
     }
@@ -2718,20 +2721,21 @@ class large_path_choice {
     std::size_t count = 0;
   };
   struct size_class {
-    std::array<timings, 2> ways;  ///< single copies, the pipeline
+    std::array<timings, 2> algos;  ///< single copies, the pipeline
     std::size_t best = 0;
-    unsigned since_trial = 0;  ///< calls the best way made since the other was last tried
+    unsigned since_trial = 0;  ///< calls the best algorithm made since the other was last tried
     unsigned trial_after = probe_first;
   };
 
+  /// all_reduce, reduce_scatter, all_gather (the collectives that may take single copies).
+  static std::size_t row(collective kind) {
+    return kind == collective::reduce_scatter ? 1 : kind == collective::all_gather ? 2 : 0;
+  }
   static std::size_t class_of(std::size_t bytes) {
     const auto bits = static_cast<std::size_t>(std::bit_width(bytes / shm_single_copy_bytes));  // the first class: 1
     return std::min(classes - 1, bits == 0 ? 0 : bits - 1);
   }
-  static shm_large_all_reduce way(std::size_t i) {
-    return i == 0 ? shm_large_all_reduce::single_copy : shm_large_all_reduce::pipeline;
-  }
-  static std::size_t index(shm_large_all_reduce w) { return w == shm_large_all_reduce::pipeline ? 1 : 0; }
+  static shm_algo algo(std::size_t i) { return i == 0 ? shm_algo::single_copy : shm_algo::pipeline; }
   static std::uint64_t median(const timings& t) {
     std::array<std::uint64_t, kept> v = t.ns_per_kib;
     const std::size_t n = std::min(t.count, kept);
@@ -2739,11 +2743,11 @@ class large_path_choice {
     return v[n / 2];
   }
 
-  std::array<size_class, classes> classes_{};
+  std::array<std::array<size_class, classes>, 3> table_{};
 };
 
 }  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/shm_path_choice.hpp>
+// ---- end <ddp/comm/tcp/shm_algo_choice.hpp>
 // ---- begin <ddp/comm/tcp/shm_segment.hpp>
 /// \file POSIX shared-memory segments of the same-host transport: named per job
 /// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
@@ -3316,9 +3320,9 @@ class shm_world {
   std::vector<peer_memory> memory;
   /// Every rank on this host can copy straight out of every other one's memory: collectives may use single copies.
   bool single_copy = false;
-  /// How all_reduce from shm_single_copy_bytes runs where single_copy holds, set once at the rendezvous (rank 0's
-  /// decides).
-  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
+  /// This rank's DDP_SHM_ALGO, set once at the rendezvous: how a group it leads runs collectives from
+  /// shm_single_copy_bytes where single_copy holds.
+  shm_algo algo = shm_algo::automatic;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
@@ -3399,13 +3403,13 @@ class shm_group {
   [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
-  /// The way this rank would run an all_reduce of `bytes` where reads_all() (the group's rank 0 decides for all).
-  [[nodiscard]] shm_large_all_reduce large_way(std::size_t bytes) const {
-    const shm_large_all_reduce fixed = world_->large_all_reduce;
-    return fixed == shm_large_all_reduce::automatic ? large_ways.choose(bytes) : fixed;
+  /// The algorithm this rank would run a `kind` call of `bytes` with where reads_all() (the group's rank 0 decides
+  /// for all).
+  [[nodiscard]] shm_algo algo(collective kind, std::size_t bytes) const {
+    return world_->algo == shm_algo::automatic ? algos.choose(kind, bytes) : world_->algo;
   }
-  /// Rank 0's timings of the large all_reduce calls and the way each size class takes.
-  large_path_choice large_ways;
+  /// Rank 0's timings of the large calls and the algorithm each collective and size class runs.
+  algo_choice algos;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
   char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 
@@ -4824,11 +4828,12 @@ class peer_io : protected engine_errors {
 /// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
-/// into its next region, and copies the others' reduced slices of the previous piece out). From
-/// shm_single_copy_bytes, where every peer's memory is readable, a first phase publishes each rank's buffer
-/// address and the way rank 0 chose (shm_path_choice.hpp): the pipeline, or single copies straight out of the
-/// others' buffers (same_host.hpp) in two more phases whatever the size: reduce this rank's slice from the
-/// others' buffers; copy the others' reduced slices out of their buffers. Both sum in the same order.
+/// into its next region, and copies the others' reduced slices of the previous piece out). all_reduce,
+/// reduce_scatter and all_gather from shm_single_copy_bytes, where every peer's memory is readable, start with a
+/// phase that publishes each rank's buffer address and the algorithm rank 0 chose (shm_algo_choice.hpp): the
+/// pipeline, or single copies straight out of the others' buffers (same_host.hpp) whatever the size. Both sum in
+/// the same order. Single-copy all_reduce takes two more phases: reduce this rank's slice from the others'
+/// buffers; copy the others' reduced slices out of their buffers. reduce_scatter and all_gather take one.
 
 
 // ---- begin <ddp/comm/tcp/reduce.hpp>
@@ -5216,25 +5221,26 @@ inline void shm_all_reduce_pipeline(shm_channel& ch, shm_group& g) {
   }
 }
 
-/// all_reduce from shm_single_copy_bytes where every peer's memory is readable. Its first phase publishes each
-/// rank's buffer address and, from the group's rank 0, the way every rank then takes (shm_path_choice.hpp);
-/// rank 0 times the rest of the call for its next choices.
-inline void shm_all_reduce_large(shm_channel& ch, shm_group& g) {
-  const auto& c = ch.what();
-  const std::size_t bytes = c.count * size_of(c.type);
-  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(c.out), static_cast<std::uint64_t>(g.large_way(bytes))};
+/// Runs a call of `bytes` from shm_single_copy_bytes where every peer's memory is readable: its first phase
+/// publishes this rank's buffer address `mine` and, from the group's rank 0, the algorithm every rank then runs
+/// (shm_algo_choice.hpp): `single` (the addresses in g.addresses) or `pipeline`. Rank 0 times the rest of the
+/// call for its next choices.
+template <class Single, class Pipeline>
+void shm_run_large(shm_channel& ch, shm_group& g, const void* mine, std::size_t bytes, Single single,
+                   Pipeline pipeline) {
+  const collective kind = ch.what().kind;
+  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(mine), static_cast<std::uint64_t>(g.algo(kind, bytes))};
   ch.put(0, head, sizeof head);
   ch.sync();
   g.addresses.resize(static_cast<std::size_t>(ch.size()));
   for (int r = 0; r < ch.size(); ++r) std::memcpy(&g.addresses[static_cast<std::size_t>(r)], ch.at(r), sizeof head[0]);
   std::uint64_t chosen = 0;
   std::memcpy(&chosen, ch.at(0) + sizeof head[0], sizeof chosen);
-  const auto way = chosen == static_cast<std::uint64_t>(shm_large_all_reduce::pipeline) ? shm_large_all_reduce::pipeline
-                                                                                        : shm_large_all_reduce::single_copy;
+  const shm_algo algo = chosen == static_cast<std::uint64_t>(shm_algo::pipeline) ? shm_algo::pipeline : shm_algo::single_copy;
   const auto start = clock::now();
-  if (way == shm_large_all_reduce::pipeline) shm_all_reduce_pipeline(ch, g);
-  else shm_all_reduce_single_copy(ch, g);
-  if (ch.rank() == 0) g.large_ways.record(bytes, way, clock::now() - start);
+  if (algo == shm_algo::pipeline) pipeline();
+  else single();
+  if (ch.rank() == 0) g.algos.record(kind, bytes, algo, clock::now() - start);
 }
 
 inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
@@ -5242,7 +5248,9 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
   const int n = ch.size();
   const std::size_t bytes = c.count * size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  if (bytes >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_large(ch, g);
+  if (bytes >= shm_single_copy_bytes && g.reads_all())
+    return shm_run_large(ch, g, buf, bytes, [&] { shm_all_reduce_single_copy(ch, g); },
+                         [&] { shm_all_reduce_pipeline(ch, g); });
   if (bytes > shm_direct_bytes) return shm_all_reduce_pipeline(ch, g);
   ch.put(0, buf, bytes);
   ch.sync();
@@ -5250,7 +5258,8 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
   finish_avg_bytes(c.type, buf, c.count, c.op, n);
 }
 
-inline void shm_reduce_scatter(shm_channel& ch) {
+/// reduce_scatter through the segment: per piece, every rank publishes every block's piece, then reduces its own.
+inline void shm_reduce_scatter_pipeline(shm_channel& ch) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type), block = c.count * es;
@@ -5269,7 +5278,40 @@ inline void shm_reduce_scatter(shm_channel& ch) {
   finish_avg_bytes(c.type, out, c.count, c.op, n);
 }
 
-inline void shm_all_gather(shm_channel& ch) {
+/// reduce_scatter by single copies: this rank's block of every peer's input (g.addresses), a piece at a time into
+/// scratch, summed in rank order into the output (which does not overlap the input).
+inline void shm_reduce_scatter_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n) * piece * es);
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, g.addresses[static_cast<std::size_t>(r)] + me * block + first * es, k * es, parts + r * piece * es);
+    reduce_ranks(c, out + first * es, n, k, [&](int r) { return r == me ? in + me * block + first * es : parts + r * piece * es; });
+  });
+  finish_avg_bytes(c.type, out, c.count, c.op, n);
+  ch.count(block * static_cast<std::size_t>(n - 1));  // the blocks the others read, as the pipeline publishes them
+  ch.sync();  // nobody reads this rank's input any more
+}
+
+inline void shm_reduce_scatter(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const auto* in = static_cast<const char*>(c.in);
+  const auto* out = static_cast<const char*>(c.out);
+  const bool apart = out + block <= in || in + bytes <= out;
+  if (bytes >= shm_single_copy_bytes && apart && g.reads_all())
+    return shm_run_large(ch, g, in, bytes, [&] { shm_reduce_scatter_single_copy(ch, g); },
+                         [&] { shm_reduce_scatter_pipeline(ch); });
+  shm_reduce_scatter_pipeline(ch);
+}
+
+/// all_gather through the segment: per piece, every rank publishes its block's piece and copies the others'.
+inline void shm_all_gather_pipeline(shm_channel& ch) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type), block = c.count * es;
@@ -5281,6 +5323,32 @@ inline void shm_all_gather(shm_channel& ch) {
     for (int r = 0; r < n; ++r)
       if (r != me) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
   });
+}
+
+/// all_gather by single copies: every peer's input (g.addresses) straight into its block of the output (which
+/// holds the input in this rank's block, or does not overlap it).
+inline void shm_all_gather_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t block = c.count * size_of(c.type);
+  auto* out = static_cast<char*>(c.out);
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, g.addresses[static_cast<std::size_t>(r)], block, out + r * block);
+  if (out + me * block != c.in) std::memcpy(out + me * block, c.in, block);
+  ch.count(block);  // this rank's block, which the others read, as the pipeline publishes it
+  ch.sync();  // nobody reads this rank's input any more
+}
+
+inline void shm_all_gather(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const auto* in = static_cast<const char*>(c.in);
+  const auto* out = static_cast<const char*>(c.out);
+  const bool fits = in == out + static_cast<std::size_t>(ch.rank()) * block || in + block <= out || out + bytes <= in;
+  if (bytes >= shm_single_copy_bytes && fits && g.reads_all())
+    return shm_run_large(ch, g, in, bytes, [&] { shm_all_gather_single_copy(ch, g); },
+                         [&] { shm_all_gather_pipeline(ch); });
+  shm_all_gather_pipeline(ch);
 }
 
 inline void shm_broadcast(shm_channel& ch) {
@@ -5367,8 +5435,8 @@ inline void shm_execute(shm_channel& ch, shm_group& g) {
   if (c.count == 0) return;
   switch (c.kind) {
     case collective::all_reduce: return shm_all_reduce(ch, g);
-    case collective::reduce_scatter: return shm_reduce_scatter(ch);
-    case collective::all_gather: return shm_all_gather(ch);
+    case collective::reduce_scatter: return shm_reduce_scatter(ch, g);
+    case collective::all_gather: return shm_all_gather(ch, g);
     case collective::broadcast: return shm_broadcast(ch);
     case collective::reduce: return shm_reduce(ch);
     case collective::gather: return shm_gather(ch);
@@ -7678,7 +7746,7 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
       if (hosts->host_of[static_cast<std::size_t>(r)] == hosts->host_of[static_cast<std::size_t>(cfg.rank)]) local.push_back(r);
     hosts->segment->memory = memory;
     hosts->segment->single_copy = every_rank_reads_every_rank(store, local);
-    hosts->segment->large_all_reduce = cfg.large_all_reduce;
+    hosts->segment->algo = cfg.algo;
   }
   if (cfg.rank == 0)
     log_line(0, one_host ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "

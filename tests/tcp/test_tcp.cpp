@@ -24,7 +24,7 @@
 #include <vector>
 
 #include <ddp/comm/tcp/communicator.hpp>
-#include <ddp/comm/tcp/shm_path_choice.hpp>
+#include <ddp/comm/tcp/shm_algo_choice.hpp>
 
 #include "conformance/conformance.hpp"
 #include "support/run_ranks.hpp"
@@ -324,7 +324,7 @@ TEST_CASE("a rank killed mid-collective raises peer_lost naming it on every surv
       },
       [shm] {
         auto o = job(30s, 0, [shm](int) {
-          return ddp::launch::env_list{{"DDP_SHM", shm}, {"DDP_SHM_LARGE_ALL_REDUCE", "single_copy"}};
+          return ddp::launch::env_list{{"DDP_SHM", shm}, {"DDP_SHM_ALGO", "single_copy"}};
         });
         o.stop_on_failure = false;  // rank 1's death is the test; the survivors must see it
         return o;
@@ -475,17 +475,17 @@ TEST_CASE("destroying a communicator with operations in flight does not hang", "
   require_all_ok(rs);
 }
 
-TEST_CASE("all_reduce over shared memory gives the same bits by single copies and through the segment", "[tcp][shm]") {
+TEST_CASE("all_reduce, reduce_scatter and all_gather over shared memory give the same bits by single copies and through the segment", "[tcp][shm]") {
   const int n = GENERATE(2, 3);
-  // From 4 MiB: the way rank 0 takes, timed or fixed (every rank follows it, whatever its own setting says), or
-  // no single copies at all (the pipeline).
-  const std::string way = GENERATE(as<std::string>{}, "auto", "single_copy", "pipeline", "mixed", "no copies");
-  CAPTURE(n, way);
-  const auto env = [way](int rank) {
-    const std::string mine = way != "mixed" ? way : rank == 0 ? "pipeline" : "single_copy";
+  // From 4 MiB: the algorithm rank 0 runs, timed or fixed (every rank follows it, whatever its own setting says),
+  // or no single copies at all (the pipeline).
+  const std::string algo = GENERATE(as<std::string>{}, "auto", "single_copy", "pipeline", "mixed", "no copies");
+  CAPTURE(n, algo);
+  const auto env = [algo](int rank) {
+    const std::string mine = algo != "mixed" ? algo : rank == 0 ? "pipeline" : "single_copy";
     return ddp::launch::env_list{{"DDP_SHM", "1"},
-                                 {"DDP_SAME_HOST_COPY", way == "no copies" ? "0" : "1"},
-                                 {"DDP_SHM_LARGE_ALL_REDUCE", way == "no copies" ? "auto" : mine}};
+                                 {"DDP_SAME_HOST_COPY", algo == "no copies" ? "0" : "1"},
+                                 {"DDP_SHM_ALGO", algo == "no copies" ? "auto" : mine}};
   };
   require_all_ok(run_ranks(
       n,
@@ -508,60 +508,87 @@ TEST_CASE("all_reduce over shared memory gives the same bits by single copies an
             expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
           }
         }
+        // reduce_scatter (output apart from the input) and all_gather (in place, and apart): 4 MiB and more in all.
+        const int n = comm.size();
+        const std::size_t block = (std::size_t{1} << 20) / static_cast<std::size_t>(n) + 5;
+        std::vector<float> in(block * static_cast<std::size_t>(n)), mine(block), all(in.size());
+        for (int round = 0; round < 2; ++round) {
+          for (std::size_t i = 0; i < in.size(); ++i) in[i] = value(rank, i);
+          comm.reduce_scatter(in, mine, ddp::reduce_op::avg).wait();
+          for (std::size_t i = 0; i < block; ++i) {
+            const std::size_t at = static_cast<std::size_t>(rank) * block + i;
+            float want = value(0, at);
+            for (int r = 1; r < n; ++r) want += value(r, at);
+            expect(mine[i] == want / static_cast<float>(n), "reduce_scatter at " + std::to_string(i));
+          }
+          for (std::size_t i = 0; i < block; ++i) mine[i] = value(rank, i);
+          comm.all_gather(mine, all).wait();
+          std::copy(mine.begin(), mine.end(), in.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(rank) * block));
+          comm.all_gather(std::span<const float>(in.data() + static_cast<std::size_t>(rank) * block, block), in).wait();
+          for (int r = 0; r < n; ++r)
+            for (std::size_t i = 0; i < block; ++i) {
+              const std::size_t at = static_cast<std::size_t>(r) * block + i;
+              expect(all[at] == value(r, i), "all_gather at " + std::to_string(at));
+              expect(in[at] == value(r, i), "all_gather in place at " + std::to_string(at));
+            }
+        }
       },
       job(60s, 0, env)));
 }
 
-TEST_CASE("large all_reduce takes each way once, then the faster, and tries the other less often while it loses",
+TEST_CASE("a large collective runs each algorithm once, then the faster, and tries the other less often while it loses",
           "[tcp][shm]") {
-  using ddp::tcp::shm_large_all_reduce;
+  using ddp::collective;
+  using ddp::tcp::shm_algo;
   using namespace std::chrono;
   constexpr std::size_t mib = std::size_t{1} << 20;
-  ddp::tcp::detail::large_path_choice choice;
-  // Runs `calls` calls of `bytes`, each taking `single` or `pipeline` by the way chosen; returns the pipeline's count.
+  ddp::tcp::detail::algo_choice choice;
+  // Runs `calls` all_reduce calls of `bytes`, each taking `single` or `pipeline` by the algorithm chosen; returns
+  // the pipeline's count.
   const auto run = [&](std::size_t bytes, int calls, nanoseconds single, nanoseconds pipeline) {
     int piped = 0;
     for (int i = 0; i < calls; ++i) {
-      const auto way = choice.choose(bytes);
-      piped += way == shm_large_all_reduce::pipeline ? 1 : 0;
-      choice.record(bytes, way, way == shm_large_all_reduce::pipeline ? pipeline : single);
+      const auto algo = choice.choose(collective::all_reduce, bytes);
+      piped += algo == shm_algo::pipeline ? 1 : 0;
+      choice.record(collective::all_reduce, bytes, algo, algo == shm_algo::pipeline ? pipeline : single);
     }
     return piped;
   };
-  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
-  choice.record(16 * mib, shm_large_all_reduce::single_copy, 4ms);
-  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::pipeline);
-  choice.record(16 * mib, shm_large_all_reduce::pipeline, 2ms);
+  CHECK(choice.choose(collective::all_reduce, 16 * mib) == shm_algo::single_copy);
+  choice.record(collective::all_reduce, 16 * mib, shm_algo::single_copy, 4ms);
+  CHECK(choice.choose(collective::all_reduce, 16 * mib) == shm_algo::pipeline);
+  choice.record(collective::all_reduce, 16 * mib, shm_algo::pipeline, 2ms);
   // The pipeline is faster: it runs, and single copies are tried after 4, 8, 16, ... calls, at most every 256th.
   const int piped = run(16 * mib, 1000, 4ms, 2ms);
   CHECK(piped >= 1000 - 10);
   CHECK(piped < 1000);
-  // Each size class keeps its own timings: 64 MiB starts over.
-  CHECK(choice.choose(64 * mib) == shm_large_all_reduce::single_copy);
+  // Each size class and each collective keeps its own timings: 64 MiB, and all_gather of 16 MiB, start over.
+  CHECK(choice.choose(collective::all_reduce, 64 * mib) == shm_algo::single_copy);
+  CHECK(choice.choose(collective::all_gather, 16 * mib) == shm_algo::single_copy);
   // The host gets busy: the pipeline slows down five-fold. Two slow calls move its median; then single copies
   // run, and the pipeline is tried after 4, 8, 16, ... calls again.
   CHECK(run(16 * mib, 3, 14ms, 70ms) == 2);
-  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
+  CHECK(choice.choose(collective::all_reduce, 16 * mib) == shm_algo::single_copy);
   CHECK(run(16 * mib, 300, 14ms, 70ms) <= 7);
-  // One slow call of the chosen way does not swing the choice: the median of the latest three counts.
-  choice.record(16 * mib, shm_large_all_reduce::single_copy, 500ms);
-  CHECK(choice.choose(16 * mib) == shm_large_all_reduce::single_copy);
+  // One slow call of the chosen algorithm does not swing the choice: the median of the latest three counts.
+  choice.record(collective::all_reduce, 16 * mib, shm_algo::single_copy, 500ms);
+  CHECK(choice.choose(collective::all_reduce, 16 * mib) == shm_algo::single_copy);
 }
 
-TEST_CASE("DDP_SHM_LARGE_ALL_REDUCE other than auto, single_copy or pipeline is a config_error naming it", "[tcp][config]") {
+TEST_CASE("DDP_SHM_ALGO other than auto, single_copy or pipeline is a config_error naming it", "[tcp][config]") {
   require_all_ok(run_ranks(
       1,
       [](int) {
         try {
           (void)ddp::tcp::communicator::from_env();
         } catch (const ddp::config_error& e) {
-          expect(contains(e.what(), "DDP_SHM_LARGE_ALL_REDUCE='copy'") && contains(e.what(), "auto, single_copy or pipeline"),
+          expect(contains(e.what(), "DDP_SHM_ALGO='copy'") && contains(e.what(), "auto, single_copy or pipeline"),
                  std::string("names the variable, its value and the choices: ") + e.what());
           return;
         }
         throw std::runtime_error("no config_error");
       },
-      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_LARGE_ALL_REDUCE", "copy"}}; })));
+      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_ALGO", "copy"}}; })));
 }
 
 TEST_CASE("copies into shared memory give the same bits with either kind of store (DDP_SHM_STORES)", "[tcp][shm]") {

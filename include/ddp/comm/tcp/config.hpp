@@ -19,12 +19,12 @@ enum class shm_stores {
   streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
 };
 
-/// How a shared-memory all_reduce from 4 MiB runs where every rank of the host can read every other's memory
-/// (DDP_SHM_LARGE_ALL_REDUCE; shm_path_choice.hpp). The group's rank 0 decides for every rank.
-enum class shm_large_all_reduce {
-  automatic,    ///< timed: whichever of the two took less in the latest calls of the size ("auto")
+/// How a shared-memory all_reduce, reduce_scatter or all_gather of 4 MiB and more runs where every rank of the
+/// host can read every other's memory (DDP_SHM_ALGO; shm_algo_choice.hpp). The group's rank 0 decides for all.
+enum class shm_algo {
+  automatic,    ///< timed: whichever of the two took less in the latest calls of the collective and size ("auto")
   single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
-  pipeline,     ///< always the pipeline through the segment, a barrier per 512 KiB piece ("pipeline")
+  pipeline,     ///< always the pipeline through the segment, a barrier per piece ("pipeline")
 };
 
 /// Everything a rank needs to join a job over TCP.
@@ -50,8 +50,9 @@ struct config {
   bool shared_memory = true;
   /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
   shm_stores stores = shm_stores::automatic;
-  /// How a shared-memory all_reduce from 4 MiB runs; rank 0's setting holds for the whole job.
-  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
+  /// How a shared-memory all_reduce, reduce_scatter or all_gather from 4 MiB runs; the group's rank 0's setting
+  /// holds for every member.
+  shm_algo algo = shm_algo::automatic;
   /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
   std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
   /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
@@ -60,7 +61,7 @@ struct config {
 
 /// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
 /// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
-/// DDP_SHM_LARGE_ALL_REDUCE, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
+/// DDP_SHM_ALGO, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
 /// the rank and the store's address aside).
 inline config options_from_env(config cfg = {}) {
   if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
@@ -89,14 +90,14 @@ inline config options_from_env(config cfg = {}) {
                          "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
                          cfg.rank);
   }
-  if (auto k = ddp::detail::env_string("DDP_SHM_LARGE_ALL_REDUCE")) {
-    if (*k == "auto") cfg.large_all_reduce = shm_large_all_reduce::automatic;
-    else if (*k == "single_copy") cfg.large_all_reduce = shm_large_all_reduce::single_copy;
-    else if (*k == "pipeline") cfg.large_all_reduce = shm_large_all_reduce::pipeline;
+  if (auto k = ddp::detail::env_string("DDP_SHM_ALGO")) {
+    if (*k == "auto") cfg.algo = shm_algo::automatic;
+    else if (*k == "single_copy") cfg.algo = shm_algo::single_copy;
+    else if (*k == "pipeline") cfg.algo = shm_algo::pipeline;
     else
-      throw config_error("environment variable DDP_SHM_LARGE_ALL_REDUCE='" + *k + "' is not auto, single_copy or "
-                         "pipeline; set it to the way shared-memory all_reduce runs from 4 MiB (auto: whichever "
-                         "took less in the latest calls)",
+      throw config_error("environment variable DDP_SHM_ALGO='" + *k + "' is not auto, single_copy or pipeline; set "
+                         "it to the algorithm shared-memory all_reduce, reduce_scatter and all_gather run from 4 MiB "
+                         "(auto: whichever took less in the latest calls)",
                          cfg.rank);
   }
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,

@@ -303,7 +303,7 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
       if (hosts->host_of[static_cast<std::size_t>(r)] == hosts->host_of[static_cast<std::size_t>(cfg.rank)]) local.push_back(r);
     hosts->segment->memory = memory;
     hosts->segment->single_copy = every_rank_reads_every_rank(store, local);
-    hosts->segment->large_all_reduce = cfg.large_all_reduce;
+    hosts->segment->algo = cfg.algo;
   }
   if (cfg.rank == 0)
     log_line(0, one_host ? "collectives and sends run through shared memory: every rank is on this host (DDP_SHM=0 "

@@ -4,11 +4,12 @@
 /// others' regions. Reductions sum in rank order, so every rank gets the same bits. all_reduce of up to
 /// shm_direct_bytes reduces the whole buffer on every rank after one barrier; larger ones are pipelined
 /// (each phase: every rank publishes the others' slices of one piece, reduces its own slice of the piece
-/// into its next region, and copies the others' reduced slices of the previous piece out). From
-/// shm_single_copy_bytes, where every peer's memory is readable, a first phase publishes each rank's buffer
-/// address and the way rank 0 chose (shm_path_choice.hpp): the pipeline, or single copies straight out of the
-/// others' buffers (same_host.hpp) in two more phases whatever the size: reduce this rank's slice from the
-/// others' buffers; copy the others' reduced slices out of their buffers. Both sum in the same order.
+/// into its next region, and copies the others' reduced slices of the previous piece out). all_reduce,
+/// reduce_scatter and all_gather from shm_single_copy_bytes, where every peer's memory is readable, start with a
+/// phase that publishes each rank's buffer address and the algorithm rank 0 chose (shm_algo_choice.hpp): the
+/// pipeline, or single copies straight out of the others' buffers (same_host.hpp) whatever the size. Both sum in
+/// the same order. Single-copy all_reduce takes two more phases: reduce this rank's slice from the others'
+/// buffers; copy the others' reduced slices out of their buffers. reduce_scatter and all_gather take one.
 
 #include <algorithm>
 #include <cstddef>
@@ -17,7 +18,7 @@
 
 #include <ddp/comm/tcp/reduce.hpp>
 #include <ddp/comm/tcp/shm_channel.hpp>
-#include <ddp/comm/tcp/shm_path_choice.hpp>
+#include <ddp/comm/tcp/shm_algo_choice.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -113,25 +114,26 @@ inline void shm_all_reduce_pipeline(shm_channel& ch, shm_group& g) {
   }
 }
 
-/// all_reduce from shm_single_copy_bytes where every peer's memory is readable. Its first phase publishes each
-/// rank's buffer address and, from the group's rank 0, the way every rank then takes (shm_path_choice.hpp);
-/// rank 0 times the rest of the call for its next choices.
-inline void shm_all_reduce_large(shm_channel& ch, shm_group& g) {
-  const auto& c = ch.what();
-  const std::size_t bytes = c.count * size_of(c.type);
-  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(c.out), static_cast<std::uint64_t>(g.large_way(bytes))};
+/// Runs a call of `bytes` from shm_single_copy_bytes where every peer's memory is readable: its first phase
+/// publishes this rank's buffer address `mine` and, from the group's rank 0, the algorithm every rank then runs
+/// (shm_algo_choice.hpp): `single` (the addresses in g.addresses) or `pipeline`. Rank 0 times the rest of the
+/// call for its next choices.
+template <class Single, class Pipeline>
+void shm_run_large(shm_channel& ch, shm_group& g, const void* mine, std::size_t bytes, Single single,
+                   Pipeline pipeline) {
+  const collective kind = ch.what().kind;
+  const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(mine), static_cast<std::uint64_t>(g.algo(kind, bytes))};
   ch.put(0, head, sizeof head);
   ch.sync();
   g.addresses.resize(static_cast<std::size_t>(ch.size()));
   for (int r = 0; r < ch.size(); ++r) std::memcpy(&g.addresses[static_cast<std::size_t>(r)], ch.at(r), sizeof head[0]);
   std::uint64_t chosen = 0;
   std::memcpy(&chosen, ch.at(0) + sizeof head[0], sizeof chosen);
-  const auto way = chosen == static_cast<std::uint64_t>(shm_large_all_reduce::pipeline) ? shm_large_all_reduce::pipeline
-                                                                                        : shm_large_all_reduce::single_copy;
+  const shm_algo algo = chosen == static_cast<std::uint64_t>(shm_algo::pipeline) ? shm_algo::pipeline : shm_algo::single_copy;
   const auto start = clock::now();
-  if (way == shm_large_all_reduce::pipeline) shm_all_reduce_pipeline(ch, g);
-  else shm_all_reduce_single_copy(ch, g);
-  if (ch.rank() == 0) g.large_ways.record(bytes, way, clock::now() - start);
+  if (algo == shm_algo::pipeline) pipeline();
+  else single();
+  if (ch.rank() == 0) g.algos.record(kind, bytes, algo, clock::now() - start);
 }
 
 inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
@@ -139,7 +141,9 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
   const int n = ch.size();
   const std::size_t bytes = c.count * size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  if (bytes >= shm_single_copy_bytes && g.reads_all()) return shm_all_reduce_large(ch, g);
+  if (bytes >= shm_single_copy_bytes && g.reads_all())
+    return shm_run_large(ch, g, buf, bytes, [&] { shm_all_reduce_single_copy(ch, g); },
+                         [&] { shm_all_reduce_pipeline(ch, g); });
   if (bytes > shm_direct_bytes) return shm_all_reduce_pipeline(ch, g);
   ch.put(0, buf, bytes);
   ch.sync();
@@ -147,7 +151,8 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
   finish_avg_bytes(c.type, buf, c.count, c.op, n);
 }
 
-inline void shm_reduce_scatter(shm_channel& ch) {
+/// reduce_scatter through the segment: per piece, every rank publishes every block's piece, then reduces its own.
+inline void shm_reduce_scatter_pipeline(shm_channel& ch) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type), block = c.count * es;
@@ -166,7 +171,40 @@ inline void shm_reduce_scatter(shm_channel& ch) {
   finish_avg_bytes(c.type, out, c.count, c.op, n);
 }
 
-inline void shm_all_gather(shm_channel& ch) {
+/// reduce_scatter by single copies: this rank's block of every peer's input (g.addresses), a piece at a time into
+/// scratch, summed in rank order into the output (which does not overlap the input).
+inline void shm_reduce_scatter_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t es = size_of(c.type), block = c.count * es;
+  const auto* in = static_cast<const char*>(c.in);
+  auto* out = static_cast<char*>(c.out);
+  const std::size_t piece = shm_region_bytes / es;
+  char* parts = g.scratch(static_cast<std::size_t>(n) * piece * es);
+  for_pieces(c.count, piece, [&](std::size_t first, std::size_t k) {
+    for (int r = 0; r < n; ++r)
+      if (r != me) ch.copy_from(r, g.addresses[static_cast<std::size_t>(r)] + me * block + first * es, k * es, parts + r * piece * es);
+    reduce_ranks(c, out + first * es, n, k, [&](int r) { return r == me ? in + me * block + first * es : parts + r * piece * es; });
+  });
+  finish_avg_bytes(c.type, out, c.count, c.op, n);
+  ch.count(block * static_cast<std::size_t>(n - 1));  // the blocks the others read, as the pipeline publishes them
+  ch.sync();  // nobody reads this rank's input any more
+}
+
+inline void shm_reduce_scatter(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const auto* in = static_cast<const char*>(c.in);
+  const auto* out = static_cast<const char*>(c.out);
+  const bool apart = out + block <= in || in + bytes <= out;
+  if (bytes >= shm_single_copy_bytes && apart && g.reads_all())
+    return shm_run_large(ch, g, in, bytes, [&] { shm_reduce_scatter_single_copy(ch, g); },
+                         [&] { shm_reduce_scatter_pipeline(ch); });
+  shm_reduce_scatter_pipeline(ch);
+}
+
+/// all_gather through the segment: per piece, every rank publishes its block's piece and copies the others'.
+inline void shm_all_gather_pipeline(shm_channel& ch) {
   const auto& c = ch.what();
   const int n = ch.size(), me = ch.rank();
   const std::size_t es = size_of(c.type), block = c.count * es;
@@ -178,6 +216,32 @@ inline void shm_all_gather(shm_channel& ch) {
     for (int r = 0; r < n; ++r)
       if (r != me) std::memcpy(out + r * block + first * es, ch.at(r), k * es);
   });
+}
+
+/// all_gather by single copies: every peer's input (g.addresses) straight into its block of the output (which
+/// holds the input in this rank's block, or does not overlap it).
+inline void shm_all_gather_single_copy(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const int n = ch.size(), me = ch.rank();
+  const std::size_t block = c.count * size_of(c.type);
+  auto* out = static_cast<char*>(c.out);
+  for (int r = 0; r < n; ++r)
+    if (r != me) ch.copy_from(r, g.addresses[static_cast<std::size_t>(r)], block, out + r * block);
+  if (out + me * block != c.in) std::memcpy(out + me * block, c.in, block);
+  ch.count(block);  // this rank's block, which the others read, as the pipeline publishes it
+  ch.sync();  // nobody reads this rank's input any more
+}
+
+inline void shm_all_gather(shm_channel& ch, shm_group& g) {
+  const auto& c = ch.what();
+  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const auto* in = static_cast<const char*>(c.in);
+  const auto* out = static_cast<const char*>(c.out);
+  const bool fits = in == out + static_cast<std::size_t>(ch.rank()) * block || in + block <= out || out + bytes <= in;
+  if (bytes >= shm_single_copy_bytes && fits && g.reads_all())
+    return shm_run_large(ch, g, in, bytes, [&] { shm_all_gather_single_copy(ch, g); },
+                         [&] { shm_all_gather_pipeline(ch); });
+  shm_all_gather_pipeline(ch);
 }
 
 inline void shm_broadcast(shm_channel& ch) {
@@ -264,8 +328,8 @@ inline void shm_execute(shm_channel& ch, shm_group& g) {
   if (c.count == 0) return;
   switch (c.kind) {
     case collective::all_reduce: return shm_all_reduce(ch, g);
-    case collective::reduce_scatter: return shm_reduce_scatter(ch);
-    case collective::all_gather: return shm_all_gather(ch);
+    case collective::reduce_scatter: return shm_reduce_scatter(ch, g);
+    case collective::all_gather: return shm_all_gather(ch, g);
     case collective::broadcast: return shm_broadcast(ch);
     case collective::reduce: return shm_reduce(ch);
     case collective::gather: return shm_gather(ch);

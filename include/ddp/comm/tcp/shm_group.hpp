@@ -19,7 +19,7 @@
 
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/scratch.hpp>
-#include <ddp/comm/tcp/shm_path_choice.hpp>
+#include <ddp/comm/tcp/shm_algo_choice.hpp>
 #include <ddp/comm/tcp/shm_segment.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 
@@ -85,13 +85,13 @@ class shm_group {
   [[nodiscard]] bool reads_all() const { return world_->single_copy; }
   /// The members' buffer addresses of the executing single-copy call.
   std::vector<std::uint64_t> addresses;
-  /// The way this rank would run an all_reduce of `bytes` where reads_all() (the group's rank 0 decides for all).
-  [[nodiscard]] shm_large_all_reduce large_way(std::size_t bytes) const {
-    const shm_large_all_reduce fixed = world_->large_all_reduce;
-    return fixed == shm_large_all_reduce::automatic ? large_ways.choose(bytes) : fixed;
+  /// The algorithm this rank would run a `kind` call of `bytes` with where reads_all() (the group's rank 0 decides
+  /// for all).
+  [[nodiscard]] shm_algo algo(collective kind, std::size_t bytes) const {
+    return world_->algo == shm_algo::automatic ? algos.choose(kind, bytes) : world_->algo;
   }
-  /// Rank 0's timings of the large all_reduce calls and the way each size class takes.
-  large_path_choice large_ways;
+  /// Rank 0's timings of the large calls and the algorithm each collective and size class runs.
+  algo_choice algos;
   /// A scratch buffer of at least `bytes`, kept for later calls: it only grows, uninitialized.
   char* scratch(std::size_t bytes) { return scratch_.get(bytes); }
 

@@ -128,9 +128,9 @@ class shm_world {
   std::vector<peer_memory> memory;
   /// Every rank on this host can copy straight out of every other one's memory: collectives may use single copies.
   bool single_copy = false;
-  /// How all_reduce from shm_single_copy_bytes runs where single_copy holds, set once at the rendezvous (rank 0's
-  /// decides).
-  shm_large_all_reduce large_all_reduce = shm_large_all_reduce::automatic;
+  /// This rank's DDP_SHM_ALGO, set once at the rendezvous: how a group it leads runs collectives from
+  /// shm_single_copy_bytes where single_copy holds.
+  shm_algo algo = shm_algo::automatic;
 
  private:
   static std::size_t bytes(int size) { return sizeof(shm_world_layout) + 64 + sizeof(shm_rank_life) * static_cast<std::size_t>(size); }
