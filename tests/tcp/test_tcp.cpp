@@ -536,6 +536,47 @@ TEST_CASE("all_reduce, reduce_scatter and all_gather over shared memory give the
       job(60s, 0, env)));
 }
 
+TEST_CASE("large collectives of a subgroup whose ranks are the world's reversed run either algorithm", "[tcp][shm]") {
+  const std::string algo = GENERATE(as<std::string>{}, "single_copy", "pipeline", "auto");
+  CAPTURE(algo);
+  require_all_ok(run_ranks(
+      3,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        // World ranks 0 and 2 in one group, ranked 2 then 0 (keys n - rank); world rank 1 alone.
+        auto sub = comm.split(rank % 2, comm.size() - rank);
+        const int n = sub.size(), me = sub.rank();
+        const auto value = [](int r, std::size_t i) { return static_cast<float>(r + 1) * 0.5F + static_cast<float>(i % 11); };
+        const std::size_t block = (std::size_t{1} << 20) + 7;  // 4 MiB and more in every collective below
+        std::vector<float> in(block * static_cast<std::size_t>(n)), mine(block), all(in.size());
+        for (int round = 0; round < 3; ++round) {
+          for (std::size_t i = 0; i < in.size(); ++i) in[i] = value(me, i);
+          sub.all_reduce(in).wait();
+          for (std::size_t i = 0; i < in.size(); ++i) {
+            float want = value(0, i);
+            for (int r = 1; r < n; ++r) want += value(r, i);
+            expect(in[i] == want, "subgroup all_reduce at " + std::to_string(i));
+          }
+          for (std::size_t i = 0; i < in.size(); ++i) in[i] = value(me, i);
+          sub.reduce_scatter(in, mine).wait();
+          for (std::size_t i = 0; i < block; ++i) {
+            const std::size_t at = static_cast<std::size_t>(me) * block + i;
+            float want = value(0, at);
+            for (int r = 1; r < n; ++r) want += value(r, at);
+            expect(mine[i] == want, "subgroup reduce_scatter at " + std::to_string(i));
+          }
+          for (std::size_t i = 0; i < block; ++i) mine[i] = value(me, i);
+          sub.all_gather(mine, all).wait();
+          for (std::size_t i = 0; i < all.size(); ++i)
+            expect(all[i] == value(static_cast<int>(i / block), i % block), "subgroup all_gather at " + std::to_string(i));
+        }
+        std::vector<float> world(block, static_cast<float>(rank));
+        comm.all_reduce(world).wait();
+        expect(world[0] == 3.0F && world[block - 1] == 3.0F, "the world's all_reduce after the subgroup's");
+      },
+      job(60s, 0, [algo](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SHM_ALGO", algo}}; })));
+}
+
 TEST_CASE("a large collective runs each algorithm once, then the faster, and tries the other less often while it loses",
           "[tcp][shm]") {
   using ddp::collective;
