@@ -5221,14 +5221,16 @@ inline void shm_all_reduce_pipeline(shm_channel& ch, shm_group& g) {
   }
 }
 
-/// Runs a call of `bytes` from shm_single_copy_bytes where every peer's memory is readable: its first phase
-/// publishes this rank's buffer address `mine` and, from the group's rank 0, the algorithm every rank then runs
-/// (shm_algo_choice.hpp): `single` (the addresses in g.addresses) or `pipeline`. Rank 0 times the rest of the
-/// call for its next choices.
+/// Runs a call of `bytes` by `pipeline`, or, from shm_single_copy_bytes where its buffers `allow` single copies
+/// and every peer's memory is readable, by the algorithm the group's rank 0 chose (shm_algo_choice.hpp): a first
+/// phase publishes this rank's buffer address `mine` and rank 0's choice, then every rank runs `single` (the
+/// addresses in g.addresses) or `pipeline`. Rank 0 times the rest of the call for its next choices.
 template <class Single, class Pipeline>
-void shm_run_large(shm_channel& ch, shm_group& g, const void* mine, std::size_t bytes, Single single,
-                   Pipeline pipeline) {
+void shm_run_sized(shm_channel& ch, shm_group& g, const void* mine, bool allow, Single single, Pipeline pipeline) {
   const collective kind = ch.what().kind;
+  const std::size_t bytes = ch.what().count * size_of(ch.what().type) *
+                            (kind == collective::all_reduce ? 1 : static_cast<std::size_t>(ch.size()));
+  if (bytes < shm_single_copy_bytes || !allow || !g.reads_all()) return pipeline();
   const std::uint64_t head[2] = {reinterpret_cast<std::uintptr_t>(mine), static_cast<std::uint64_t>(g.algo(kind, bytes))};
   ch.put(0, head, sizeof head);
   ch.sync();
@@ -5248,10 +5250,9 @@ inline void shm_all_reduce(shm_channel& ch, shm_group& g) {
   const int n = ch.size();
   const std::size_t bytes = c.count * size_of(c.type);
   auto* buf = static_cast<char*>(c.out);
-  if (bytes >= shm_single_copy_bytes && g.reads_all())
-    return shm_run_large(ch, g, buf, bytes, [&] { shm_all_reduce_single_copy(ch, g); },
+  if (bytes > shm_direct_bytes)
+    return shm_run_sized(ch, g, buf, true, [&] { shm_all_reduce_single_copy(ch, g); },
                          [&] { shm_all_reduce_pipeline(ch, g); });
-  if (bytes > shm_direct_bytes) return shm_all_reduce_pipeline(ch, g);
   ch.put(0, buf, bytes);
   ch.sync();
   reduce_ranks(c, buf, n, c.count, [&](int r) { return ch.at(r); });
@@ -5300,14 +5301,11 @@ inline void shm_reduce_scatter_single_copy(shm_channel& ch, shm_group& g) {
 
 inline void shm_reduce_scatter(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
-  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const std::size_t block = c.count * size_of(c.type);
   const auto* in = static_cast<const char*>(c.in);
   const auto* out = static_cast<const char*>(c.out);
-  const bool apart = out + block <= in || in + bytes <= out;
-  if (bytes >= shm_single_copy_bytes && apart && g.reads_all())
-    return shm_run_large(ch, g, in, bytes, [&] { shm_reduce_scatter_single_copy(ch, g); },
-                         [&] { shm_reduce_scatter_pipeline(ch); });
-  shm_reduce_scatter_pipeline(ch);
+  const bool apart = out + block <= in || in + block * static_cast<std::size_t>(ch.size()) <= out;
+  shm_run_sized(ch, g, in, apart, [&] { shm_reduce_scatter_single_copy(ch, g); }, [&] { shm_reduce_scatter_pipeline(ch); });
 }
 
 /// all_gather through the segment: per piece, every rank publishes its block's piece and copies the others'.
@@ -5341,14 +5339,12 @@ inline void shm_all_gather_single_copy(shm_channel& ch, shm_group& g) {
 
 inline void shm_all_gather(shm_channel& ch, shm_group& g) {
   const auto& c = ch.what();
-  const std::size_t block = c.count * size_of(c.type), bytes = block * static_cast<std::size_t>(ch.size());
+  const std::size_t block = c.count * size_of(c.type);
   const auto* in = static_cast<const char*>(c.in);
   const auto* out = static_cast<const char*>(c.out);
-  const bool fits = in == out + static_cast<std::size_t>(ch.rank()) * block || in + block <= out || out + bytes <= in;
-  if (bytes >= shm_single_copy_bytes && fits && g.reads_all())
-    return shm_run_large(ch, g, in, bytes, [&] { shm_all_gather_single_copy(ch, g); },
-                         [&] { shm_all_gather_pipeline(ch); });
-  shm_all_gather_pipeline(ch);
+  const bool fits = in == out + static_cast<std::size_t>(ch.rank()) * block || in + block <= out ||
+                    out + block * static_cast<std::size_t>(ch.size()) <= in;
+  shm_run_sized(ch, g, in, fits, [&] { shm_all_gather_single_copy(ch, g); }, [&] { shm_all_gather_pipeline(ch); });
 }
 
 inline void shm_broadcast(shm_channel& ch) {
