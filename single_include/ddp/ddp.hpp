@@ -1553,6 +1553,23 @@ inline std::optional<long long> env_integer(const char* name, long long lo, long
   return value;
 }
 
+/// A variable that names one of `choices` (its spelling, its value); `why` tells the user what it sets, and the
+/// error names `rank` where given.
+template <class T, std::size_t N>
+std::optional<T> env_choice(const char* name, const std::pair<std::string_view, T> (&choices)[N], std::string_view why,
+                            int rank = -1) {
+  const auto text = env_string(name);
+  if (!text) return std::nullopt;
+  std::string listed;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (*text == choices[i].first) return choices[i].second;
+    listed += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(choices[i].first);
+  }
+  throw config_error("environment variable " + std::string(name) + "='" + *text + "' is not " + listed + "; set it to " +
+                         std::string(why),
+                     rank);
+}
+
 /// The first of two variables that is set (the torchrun name, then Open MPI's).
 inline std::optional<long long> env_integer_either(const char* name, const char* mpi_name, long long lo, long long hi,
                                                    std::string_view why) {
@@ -2615,25 +2632,20 @@ inline config options_from_env(config cfg = {}) {
                                         "1 to run the collectives of ranks on one host through shared memory, 0 to "
                                         "send them through the sockets"))
     cfg.shared_memory = *s == 1;
-  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
-    if (*k == "auto") cfg.stores = shm_stores::automatic;
-    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
-    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
-    else
-      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
-                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
-                         cfg.rank);
-  }
-  if (auto k = ddp::detail::env_string("DDP_SHM_ALGO")) {
-    if (*k == "auto") cfg.algo = shm_algo::automatic;
-    else if (*k == "single_copy") cfg.algo = shm_algo::single_copy;
-    else if (*k == "pipeline") cfg.algo = shm_algo::pipeline;
-    else
-      throw config_error("environment variable DDP_SHM_ALGO='" + *k + "' is not auto, single_copy or pipeline; set "
-                         "it to the algorithm shared-memory all_reduce, reduce_scatter and all_gather run from 4 MiB "
-                         "(auto: whichever took less in the latest calls)",
-                         cfg.rank);
-  }
+  constexpr std::pair<std::string_view, shm_stores> stores[] = {
+      {"auto", shm_stores::automatic}, {"ordinary", shm_stores::ordinary}, {"streaming", shm_stores::streaming}};
+  if (auto k = ddp::detail::env_choice("DDP_SHM_STORES", stores,
+                                       "the kind of store copies into shared memory use (auto: chosen from timed "
+                                       "copies)",
+                                       cfg.rank))
+    cfg.stores = *k;
+  constexpr std::pair<std::string_view, shm_algo> algos[] = {
+      {"auto", shm_algo::automatic}, {"single_copy", shm_algo::single_copy}, {"pipeline", shm_algo::pipeline}};
+  if (auto a = ddp::detail::env_choice("DDP_SHM_ALGO", algos,
+                                       "the algorithm shared-memory all_reduce, reduce_scatter and all_gather run "
+                                       "from 4 MiB (auto: whichever took less in the latest calls)",
+                                       cfg.rank))
+    cfg.algo = *a;
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
                                          "the time in milliseconds a new connection to the store or a mesh port "
                                          "gets to send its handshake"))

@@ -2,11 +2,13 @@
 /// \file Reading a rank's place in the job from the environment (torchrun's env:// and Open MPI's variables).
 
 #include <charconv>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <ddp/core/error.hpp>
 
@@ -41,6 +43,23 @@ inline std::optional<long long> env_integer(const char* name, long long lo, long
     throw config_error("environment variable " + std::string(name) + "='" + *text + "' is not an integer in [" +
                        std::to_string(lo) + ", " + std::to_string(hi) + "]; set it to " + std::string(why));
   return value;
+}
+
+/// A variable that names one of `choices` (its spelling, its value); `why` tells the user what it sets, and the
+/// error names `rank` where given.
+template <class T, std::size_t N>
+std::optional<T> env_choice(const char* name, const std::pair<std::string_view, T> (&choices)[N], std::string_view why,
+                            int rank = -1) {
+  const auto text = env_string(name);
+  if (!text) return std::nullopt;
+  std::string listed;
+  for (std::size_t i = 0; i < N; ++i) {
+    if (*text == choices[i].first) return choices[i].second;
+    listed += (i == 0 ? "" : i + 1 == N ? " or " : ", ") + std::string(choices[i].first);
+  }
+  throw config_error("environment variable " + std::string(name) + "='" + *text + "' is not " + listed + "; set it to " +
+                         std::string(why),
+                     rank);
 }
 
 /// The first of two variables that is set (the torchrun name, then Open MPI's).

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <ddp/comm/env.hpp>
@@ -81,25 +82,20 @@ inline config options_from_env(config cfg = {}) {
                                         "1 to run the collectives of ranks on one host through shared memory, 0 to "
                                         "send them through the sockets"))
     cfg.shared_memory = *s == 1;
-  if (auto k = ddp::detail::env_string("DDP_SHM_STORES")) {
-    if (*k == "auto") cfg.stores = shm_stores::automatic;
-    else if (*k == "ordinary") cfg.stores = shm_stores::ordinary;
-    else if (*k == "streaming") cfg.stores = shm_stores::streaming;
-    else
-      throw config_error("environment variable DDP_SHM_STORES='" + *k + "' is not auto, ordinary or streaming; set it "
-                         "to the kind of store copies into shared memory use (auto: chosen from timed copies)",
-                         cfg.rank);
-  }
-  if (auto k = ddp::detail::env_string("DDP_SHM_ALGO")) {
-    if (*k == "auto") cfg.algo = shm_algo::automatic;
-    else if (*k == "single_copy") cfg.algo = shm_algo::single_copy;
-    else if (*k == "pipeline") cfg.algo = shm_algo::pipeline;
-    else
-      throw config_error("environment variable DDP_SHM_ALGO='" + *k + "' is not auto, single_copy or pipeline; set "
-                         "it to the algorithm shared-memory all_reduce, reduce_scatter and all_gather run from 4 MiB "
-                         "(auto: whichever took less in the latest calls)",
-                         cfg.rank);
-  }
+  constexpr std::pair<std::string_view, shm_stores> stores[] = {
+      {"auto", shm_stores::automatic}, {"ordinary", shm_stores::ordinary}, {"streaming", shm_stores::streaming}};
+  if (auto k = ddp::detail::env_choice("DDP_SHM_STORES", stores,
+                                       "the kind of store copies into shared memory use (auto: chosen from timed "
+                                       "copies)",
+                                       cfg.rank))
+    cfg.stores = *k;
+  constexpr std::pair<std::string_view, shm_algo> algos[] = {
+      {"auto", shm_algo::automatic}, {"single_copy", shm_algo::single_copy}, {"pipeline", shm_algo::pipeline}};
+  if (auto a = ddp::detail::env_choice("DDP_SHM_ALGO", algos,
+                                       "the algorithm shared-memory all_reduce, reduce_scatter and all_gather run "
+                                       "from 4 MiB (auto: whichever took less in the latest calls)",
+                                       cfg.rank))
+    cfg.algo = *a;
   if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
                                          "the time in milliseconds a new connection to the store or a mesh port "
                                          "gets to send its handshake"))
