@@ -33,7 +33,8 @@ class algo_choice {
  public:
   /// Size classes from shm_single_copy_bytes, each twice the one before, the last one open.
   static constexpr std::size_t classes = 8;
-  /// Timings kept per algorithm and class; their median counts, so one preempted call does not swing the choice.
+  /// Timings kept per algorithm and class; their median counts (the lower of two), so one preempted call does not
+  /// swing the choice, nor keep an algorithm that was slow once from being chosen.
   static constexpr std::size_t kept = 3;
   /// Calls the chosen algorithm makes before the other is tried again, after a change of choice.
   static constexpr unsigned probe_first = 4;
@@ -91,7 +92,7 @@ class algo_choice {
     std::array<std::uint64_t, kept> v = t.ns_per_kib;
     const std::size_t n = std::min(t.count, kept);
     std::sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
-    return v[n / 2];
+    return v[(n - 1) / 2];
   }
 
   std::array<std::array<size_class, classes>, 3> table_{};
