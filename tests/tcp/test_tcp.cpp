@@ -616,22 +616,6 @@ TEST_CASE("a large collective runs each algorithm once, then the faster, and tri
   CHECK(choice.choose(collective::all_reduce, 16 * mib) == shm_algo::single_copy);
 }
 
-TEST_CASE("DDP_SHM_ALGO other than auto, single_copy or pipeline is a config_error naming it", "[tcp][config]") {
-  require_all_ok(run_ranks(
-      1,
-      [](int) {
-        try {
-          (void)ddp::tcp::communicator::from_env();
-        } catch (const ddp::config_error& e) {
-          expect(contains(e.what(), "DDP_SHM_ALGO='copy'") && contains(e.what(), "auto, single_copy or pipeline"),
-                 std::string("names the variable, its value and the choices: ") + e.what());
-          return;
-        }
-        throw std::runtime_error("no config_error");
-      },
-      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_ALGO", "copy"}}; })));
-}
-
 TEST_CASE("copies into shared memory give the same bits with either kind of store (DDP_SHM_STORES)", "[tcp][shm]") {
   const int n = GENERATE(2, 3);
   const std::string stores = GENERATE(as<std::string>{}, "ordinary", "streaming", "auto");
@@ -669,20 +653,28 @@ TEST_CASE("copies into shared memory give the same bits with either kind of stor
       job(60s, 0, [stores](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SHM_STORES", stores}}; })));
 }
 
-TEST_CASE("DDP_SHM_STORES other than auto, ordinary or streaming is a config_error naming it", "[tcp][config]") {
+TEST_CASE("DDP_SHM_STORES or DDP_SHM_ALGO naming no choice is a config_error naming it", "[tcp][config]") {
+  struct variant {
+    const char* name;
+    const char* value;
+    const char* choices;  // as the message lists them
+  };
+  const auto v = GENERATE(variant{"DDP_SHM_STORES", "fast", "auto, ordinary or streaming"},
+                          variant{"DDP_SHM_ALGO", "copy", "auto, single_copy or pipeline"});
+  CAPTURE(v.name);
   require_all_ok(run_ranks(
       1,
-      [](int) {
+      [v](int) {
         try {
           (void)ddp::tcp::communicator::from_env();
         } catch (const ddp::config_error& e) {
-          expect(contains(e.what(), "DDP_SHM_STORES='fast'") && contains(e.what(), "auto, ordinary or streaming"),
+          expect(contains(e.what(), std::string(v.name) + "='" + v.value + "'") && contains(e.what(), v.choices),
                  std::string("names the variable, its value and the choices: ") + e.what());
           return;
         }
         throw std::runtime_error("no config_error");
       },
-      job(10s, 0, [](int) { return ddp::launch::env_list{{"DDP_SHM_STORES", "fast"}}; })));
+      job(10s, 0, [v](int) { return ddp::launch::env_list{{v.name, v.value}}; })));
 }
 
 TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank, and a killed job", "[tcp][shm]") {

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include <ddp/comm/tcp/reduce.hpp>
-#include <ddp/comm/tcp/shm_channel.hpp>
 #include <ddp/comm/tcp/shm_algo_choice.hpp>
+#include <ddp/comm/tcp/shm_channel.hpp>
 
 namespace ddp::tcp::detail {
 
