@@ -94,9 +94,8 @@ inline call partial_step(const call& c) {
 /// thread, serving the sockets between its sleeps.
 template <class F>
 void on_this_host(engine& e, const call& step, host_plan& p, F f) {
-  shm_waiting how;
+  shm_waiting how = waiting_among(*p.shm);
   how.slice = std::chrono::milliseconds(1);
-  how.spin = p.shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
   how.between = [&e] { e.serve_sockets(); };
   // One slice past the call's deadline, as run_shm_on_engine gives: wait() gives up first.
   shm_channel ch(*p.shm, step, e.deadline() + how.slice, std::move(how));

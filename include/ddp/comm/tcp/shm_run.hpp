@@ -19,8 +19,8 @@ namespace ddp::tcp::detail {
 /// the engine thread and returning its work.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
 
-/// How long the caller's thread waits for its peers before handing call `c` to the engine thread: not at all
-/// (a microsecond) where the job has more ranks than cores, as a spinning rank would take its peer's core.
+/// How long the caller's thread moves point-to-point call `c` through its ring without a byte moving before
+/// the engine thread takes it on: not at all (a microsecond) where the job has more ranks than cores.
 inline std::chrono::nanoseconds handoff_spin(const call& c) {
   return c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(std::chrono::microseconds(1)) : shm_handoff_after;
 }
@@ -28,9 +28,8 @@ inline std::chrono::nanoseconds handoff_spin(const call& c) {
 /// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
 /// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
 inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
-  shm_waiting how;
-  how.handoff_after = handoff_spin(c);
-  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
+  shm_waiting how = waiting_among(*c.grp->shm);
+  how.handoff_after = shm_handoff_after;
   how.note = note;
   try {
     shm_channel ch(*c.grp->shm, c, clock::now() + c.grp->timeout, std::move(how));
@@ -46,10 +45,9 @@ inline bool run_shm_on_caller(call& c, ddp::detail::stall_note* note) {
 /// sleeps (it serves the sockets, and throws to cancel the call).
 inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::stall_note* note,
                               std::function<void()> serve) {
-  shm_waiting how;
+  shm_waiting how = waiting_among(*c.grp->shm);
   how.resumed = c.resumed;
   how.slice = std::chrono::milliseconds(1);
-  how.spin = c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(0) : how.spin;
   how.note = note;
   how.between = std::move(serve);
   // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
