@@ -1,11 +1,15 @@
 #!/usr/bin/python3
 """Runs ddp_bench_collectives at N = 2, 4, 8 twice: under `ddp-launch -n N --ddp-only` (ddp as users launch it,
 with ddp-launch's default binding, no MPI) and then under mpirun (ddp::tcp, Gloo and MPI_Allreduce side by side,
-mpirun's binding), and writes docs/bench/collectives.md and docs/img/collectives.png (busbw and time against message
-size). The ratios compare ddp under ddp-launch with Open MPI and Gloo under mpirun.
+mpirun's binding), and writes docs/bench/NAME.md and docs/img/NAME.png (busbw and time against message size; NAME
+is collectives unless --name gives another, as for a lent machine's run kept beside this one's). The ratios compare ddp under ddp-launch with Open MPI and Gloo under mpirun.
 
-usage: bench/comm/run_collectives.py BUILD_DIR [--ranks 2 4 8] [--max-bytes 67108864] [--save RAW.json]
-       bench/comm/run_collectives.py --replay RAW.json
+--rounds R repeats the pair R times, alternating the two launches, and every figure is the median over the rounds:
+a shared host's slow and fast phases last seconds, and alternating gives each side the same share of them.
+
+usage: bench/comm/run_collectives.py BUILD_DIR [--ranks 2 4 8] [--rounds 3] [--max-bytes 67108864] [--save RAW.json]
+                                    [--name NAME]
+       bench/comm/run_collectives.py --replay RAW.json [--name NAME]
 
 --save writes the measurements (and the machine they ran on) to RAW.json and stops: for a machine without
 matplotlib, such as a lent benchmark host; --replay writes the tables and the plot from such a file.
@@ -73,30 +77,60 @@ def cpu_model():
     return platform.processor()
 
 
-def measure(build, ranks, max_bytes):
-    """Runs every N under ddp-launch, then under mpirun; returns what write_docs needs, JSON-ready."""
+def median(values):
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def measure(build, ranks, rounds, max_bytes):
+    """Runs every N under ddp-launch, then under mpirun, `rounds` times; returns the per-size medians over the rounds
+    and every round's figures, JSON-ready, for write_docs."""
     load = os.getloadavg()[0]
-    launched = {n: run_launched(build, n, max_bytes) for n in ranks}
-    results = {n: run(build, n, max_bytes) for n in ranks}
-    return {"load": load, "cpu": cpu_model(), "cores": os.cpu_count(),
+    launched = {n: [] for n in ranks}
+    results = {n: [] for n in ranks}
+    for r in range(rounds):
+        print(f"round {r + 1} of {rounds}", flush=True)
+        for n in ranks:
+            launched[n].append(run_launched(build, n, max_bytes))
+            results[n].append(run(build, n, max_bytes))
+    merged_launched, merged_results = {}, {}
+    for n in ranks:
+        cmd, _, binding = launched[n][0]
+        sizes = set.intersection(*(set(rows) for _, rows, _ in launched[n]))
+        merged_launched[str(n)] = [cmd, {str(s): median([rows[s] for _, rows, _ in launched[n]]) for s in sorted(sizes)},
+                                   binding]
+        per_size = {}
+        for _, rows in results[n]:
+            for row in rows:
+                per_size.setdefault(row[0], []).append(row[1:])
+        merged_results[str(n)] = [results[n][0][0], [
+            [size] + [median([fig[k] for fig in figs]) for k in range(len(figs[0]))]
+            for size, figs in sorted(per_size.items()) if len(figs) == rounds]]
+    return {"load": load, "cpu": cpu_model(), "cores": os.cpu_count(), "rounds": rounds,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "launched": {str(n): [c, {str(s): t for s, t in rows.items()}, b] for n, (c, rows, b) in launched.items()},
-            "results": {str(n): [c, rows] for n, (c, rows) in results.items()}}
+            "launched": merged_launched, "results": merged_results,
+            "per_round": {str(n): [{"launched": {str(s): t for s, t in lr[1].items()}, "mpirun": rr[1]}
+                                   for lr, rr in zip(launched[n], results[n])] for n in ranks}}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build", nargs="?")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating ddp-launch / mpirun pairs; medians over them")
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--save", help="write the raw measurements here and stop")
     ap.add_argument("--replay", help="write the docs from raw measurements --save wrote, running nothing")
+    ap.add_argument("--name", default="collectives", help="the stem of the table and plot written under docs/")
     args = ap.parse_args()
     if args.replay:
         with open(args.replay) as f:
             raw = json.load(f)
     elif args.build:
-        raw = measure(args.build, args.ranks, args.max_bytes)
+        if args.rounds < 1:
+            ap.error("--rounds must be 1 or more")
+        raw = measure(args.build, args.ranks, args.rounds, args.max_bytes)
     else:
         ap.error("give BUILD_DIR, or --replay RAW.json")
     if args.save:
@@ -104,11 +138,18 @@ def main():
             json.dump(raw, f)
         print("wrote", args.save)
         return 0
-    write_docs(raw)
+    write_docs(raw, args.name)
     return 0
 
 
-def write_docs(raw):
+def lowest_busbw_ratio(one_round):
+    """The lowest busbw ratio ddp-launch / MPI from 64 KiB to 64 MiB in one round, and its size (0 if none)."""
+    own = {int(s): t for s, t in one_round["launched"].items()}
+    ratios = [(r[4] / own[r[0]], r[0]) for r in one_round["mpirun"] if 64 << 10 <= r[0] <= 64 << 20 and r[0] in own]
+    return min(ratios, default=(0.0, 0))
+
+
+def write_docs(raw, name):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,17 +164,27 @@ def write_docs(raw):
            "timing; the \"ddp-launch\" columns), then `mpirun -np N ddp_bench_collectives` (ddp::tcp, Gloo and "
            "MPI_Allreduce in one job, mpirun's binding). Ratios: ddp under ddp-launch against Open MPI and the best "
            "Gloo path under mpirun.", ""]
+    rounds = raw.get("rounds", 1)
+    per_round = raw.get("per_round", {})
+    if rounds > 1:
+        md += [f"Every figure is the median over {rounds} rounds; a round is the ddp-launch run, then the mpirun run, "
+               "and the rounds alternate the two. The last column gives each round's own lowest busbw ratio, so the "
+               "spread between rounds shows.", ""]
     md += ["| N | 4 KiB: ddp-launch µs | MPI µs | best Gloo µs | ddp / MPI time | ddp / Gloo time | "
-           "busbw ddp-launch / MPI, 64 KiB–64 MiB (min … max) |", "|---:|---:|---:|---:|---:|---:|:---|"]
+           "busbw ddp-launch / MPI, 64 KiB–64 MiB (min … max) | lowest busbw ratio in each round |",
+           "|---:|---:|---:|---:|---:|---:|:---|:---|"]
     for n, (cmd, rows) in results.items():
         mine = launched[n][1]
         small = [r for r in rows if r[0] == 4096]
         big = [r[4] / mine[r[0]] for r in rows if 64 << 10 <= r[0] <= 64 << 20 and r[0] in mine]
+        lows = [f"{ratio:.2f}× ({human(size)})" for ratio, size in map(lowest_busbw_ratio, per_round.get(str(n), []))
+                if size]
         if small and 4096 in mine:
             _, _, tg, th, tm = small[0][:5]
             md.append(f"| {n} | {mine[4096] * 1e6:.1f} | {tm * 1e6:.1f} | {min(tg, th) * 1e6:.1f} | "
                       f"{mine[4096] / tm:.2f}× | 1/{min(tg, th) / mine[4096]:.0f} | "
-                      + (f"{min(big):.2f} … {max(big):.2f}× |" if big else "– |"))
+                      + (f"{min(big):.2f} … {max(big):.2f}× | " if big else "– | ")
+                      + (", ".join(lows) if lows else "–") + " |")
     md.append("")
     md += [f"f32 all_reduce(sum), median over iterations of the slowest rank's time; "
            f"busbw = bytes * 2(N-1)/N / time. Machine: {cpu}, {cores} cores "
@@ -146,7 +197,7 @@ def write_docs(raw):
            "(all threads) per iteration.", ""]
     md += ["Reproduce: `cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DDDP_BUILD_BENCH=ON && "
            "cmake --build build --target ddp_bench_collectives && bench/comm/run_collectives.py build`", ""]
-    md += ["![busbw and time](../img/collectives.png)", ""]
+    md += [f"![busbw and time](../img/{name}.png)", ""]
     fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 8), squeeze=False)
     for col, (n, (cmd, rows)) in enumerate(results.items()):
         lcmd, mine, binding = launched[n]
@@ -171,11 +222,11 @@ def write_docs(raw):
         lsizes = sorted(mine)
         axes[0][col].plot(lsizes, [busbw(n, s, mine[s]) for s in lsizes], "*-", label="ddp::tcp (ddp-launch)")
         axes[1][col].plot(lsizes, [mine[s] * 1e6 for s in lsizes], "*-", label="ddp::tcp (ddp-launch)")
-        for idx, (name, style) in enumerate([("ddp::tcp (mpirun)", "o-"), ("Gloo allreduce()", "s-"),
-                                             ("Gloo halving-doubling", "d-"), ("MPI_Allreduce", "^--")]):
+        for idx, (curve, style) in enumerate([("ddp::tcp (mpirun)", "o-"), ("Gloo allreduce()", "s-"),
+                                              ("Gloo halving-doubling", "d-"), ("MPI_Allreduce", "^--")]):
             times = [r[1 + idx] for r in rows]
-            axes[0][col].plot(sizes, [busbw(n, s, t) for s, t in zip(sizes, times)], style, label=name)
-            axes[1][col].plot(sizes, [t * 1e6 for t in times], style, label=name)
+            axes[0][col].plot(sizes, [busbw(n, s, t) for s, t in zip(sizes, times)], style, label=curve)
+            axes[1][col].plot(sizes, [t * 1e6 for t in times], style, label=curve)
         axes[0][col].set_title(f"N = {n}: busbw (GB/s)")
         axes[1][col].set_title(f"N = {n}: time (µs)")
         for ax in (axes[0][col], axes[1][col]):
@@ -185,10 +236,10 @@ def write_docs(raw):
             ax.legend()
         axes[1][col].set_yscale("log")
     fig.tight_layout()
-    img = os.path.join(ROOT, "docs", "img", "collectives.png")
+    img = os.path.join(ROOT, "docs", "img", f"{name}.png")
     os.makedirs(os.path.dirname(img), exist_ok=True)
     fig.savefig(img, dpi=90)
-    out = os.path.join(ROOT, "docs", "bench", "collectives.md")
+    out = os.path.join(ROOT, "docs", "bench", f"{name}.md")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         f.write("\n".join(md))
