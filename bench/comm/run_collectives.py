@@ -2,7 +2,8 @@
 """Runs ddp_bench_collectives at N = 2, 4, 8 twice: under `ddp-launch -n N --ddp-only` (ddp as users launch it,
 with ddp-launch's default binding, no MPI) and then under mpirun (ddp::tcp, Gloo and MPI_Allreduce side by side,
 mpirun's binding), and writes docs/bench/NAME.md and docs/img/NAME.png (busbw and time against message size; NAME
-is collectives unless --name gives another, as for a lent machine's run kept beside this one's). The ratios compare ddp under ddp-launch with Open MPI and Gloo under mpirun.
+is collectives unless --name gives another, as for a lent machine's run kept beside this one's). The ratios compare
+ddp under ddp-launch with Open MPI and Gloo under mpirun.
 
 --rounds R repeats the pair R times, alternating the two launches, and every figure is the median over the rounds:
 a shared host's slow and fast phases last seconds, and alternating gives each side the same share of them.
@@ -98,8 +99,8 @@ def measure(build, ranks, rounds, max_bytes):
     for n in ranks:
         cmd, _, binding = launched[n][0]
         sizes = set.intersection(*(set(rows) for _, rows, _ in launched[n]))
-        merged_launched[str(n)] = [cmd, {str(s): median([rows[s] for _, rows, _ in launched[n]]) for s in sorted(sizes)},
-                                   binding]
+        medians = {str(s): median([rows[s] for _, rows, _ in launched[n]]) for s in sorted(sizes)}
+        merged_launched[str(n)] = [cmd, medians, binding]
         per_size = {}
         for _, rows in results[n]:
             for row in rows:
