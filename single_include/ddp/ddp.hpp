@@ -4634,10 +4634,11 @@ class peer_io : protected engine_errors {
   /// call `c` through its peer's ring (false, untouched, where the peer has none: the engine thread runs it).
   /// Until the call completes it moves bytes through the ring itself, with its bell down (no peer rings this rank
   /// meanwhile), giving up after `patience` without a byte moving: the engine thread then goes on with it. It
-  /// spins for shm_yield_after, then yields the core between looks (on a loaded host the peer may need this core to
+  /// spins for `yield_after`, then yields the core between looks (on a loaded host the peer may need this core to
   /// send: measured on the 2-core VM, 4 KiB ping-pong took 125 us one way with a 100 us spin, 8 us yielding).
   /// `wake` says the engine thread must be woken: to heed a recv's deadline, or to finish a socket write.
-  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, bool& wake) {
+  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, std::chrono::nanoseconds yield_after,
+                                bool& wake) {
     const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
     if (world_peer != rank_ && !at(world_peer).ring) return false;
     point_to_point(c);
@@ -4654,7 +4655,7 @@ class peer_io : protected engine_errors {
         }
         const auto now = clock::now();
         if (now >= until) break;
-        if (now - start >= shm_yield_after) sched_yield();
+        if (now - start >= yield_after) sched_yield();
       }
       // The bell stays down while the engine has nothing to read or write in a ring: the next call on this thread
       // reads what comes, and no peer wakes the sleeping engine for it. Else raise it, then look once more.
@@ -4990,13 +4991,19 @@ struct shm_waiting {
   ddp::detail::stall_note* note = nullptr;
 };
 
-/// How a call among shared-memory group `g` waits: as shm_waiting says where every rank has a core; where ranks
-/// outnumber the cores, yielding from the first look, so a peer waiting for this core runs at once. Measured on the
-/// 2-core VM at N = 4 (ddp_bench_collectives --ddp-only): a 4 KiB all_reduce took 8 us so and 89 us sleeping on
-/// the futex at once, as this code did before; 64 KiB 15 against 160 us, 64 MiB 13.5 against 20 ms.
+/// How long a thread waiting on group `g`'s shared memory (a barrier, a send or recv through a ring) spins before
+/// it yields its core between looks: shm_yield_after, or not at all where ranks outnumber the cores, so a peer
+/// waiting for this core runs at once. Measured on the 2-core VM at N = 4 (ddp_bench_collectives --ddp-only): a
+/// 4 KiB all_reduce took 8 us so, 89 us where such barriers slept on the futex at once; 64 KiB 15 against 160 us,
+/// 64 MiB 13.5 against 20 ms. With two ranks on one core: 6.5 us against 16 us yielding after shm_yield_after.
+inline std::chrono::nanoseconds yield_after_among(const shm_group& g) {
+  return g.oversubscribed() ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(shm_yield_after);
+}
+
+/// How a call among shared-memory group `g` waits.
 inline shm_waiting waiting_among(const shm_group& g) {
   shm_waiting how;
-  if (g.oversubscribed()) how.yield_after = std::chrono::nanoseconds(0);
+  how.yield_after = yield_after_among(g);
   return how;
 }
 
@@ -5471,15 +5478,11 @@ inline void shm_execute(shm_channel& ch, shm_group& g) {
 
 namespace ddp::tcp::detail {
 
-/// The caller's thread spins this long at a shared-memory call's first barrier before handing the call to
-/// the engine thread and returning its work.
+/// The caller's thread spins this long at a shared-memory call's first barrier, or moves a send or recv through
+/// its ring this long without a byte moving, before handing the call to the engine thread. Where ranks outnumber
+/// the cores too: measured with both ranks of `bench/comm` `ddp_bench_p2p` on one core, a 4 KiB send took 7 us
+/// one way so, 23 us when the engine thread took it on after a microsecond; 4 MiB 0.22 against 0.33 ms.
 inline constexpr std::chrono::microseconds shm_handoff_after{100};
-
-/// How long the caller's thread moves point-to-point call `c` through its ring without a byte moving before
-/// the engine thread takes it on: not at all (a microsecond) where the job has more ranks than cores.
-inline std::chrono::nanoseconds handoff_spin(const call& c) {
-  return c.grp->shm->oversubscribed() ? std::chrono::nanoseconds(std::chrono::microseconds(1)) : shm_handoff_after;
-}
 
 /// Runs shared-memory call `c` on the caller's thread: true when it completed, false when its peers were not
 /// there within shm_handoff_after (c.resumed is then set: the engine thread resumes it). Throws what failed.
@@ -6013,7 +6016,8 @@ class engine : peer_io {
     try {
       if (c.side != p2p::none) {
         std::lock_guard io(io_);
-        if (!point_to_point_on_caller(c, handoff_spin(c), wake_engine)) back = std::move(c);
+        if (!point_to_point_on_caller(c, shm_handoff_after, yield_after_among(*c.grp->shm), wake_engine))
+          back = std::move(c);
       } else if (run_shm_on_caller(c, note_.get())) {
         c.done->finish();
       } else {

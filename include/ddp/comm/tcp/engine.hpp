@@ -92,7 +92,8 @@ class engine : peer_io {
     try {
       if (c.side != p2p::none) {
         std::lock_guard io(io_);
-        if (!point_to_point_on_caller(c, handoff_spin(c), wake_engine)) back = std::move(c);
+        if (!point_to_point_on_caller(c, shm_handoff_after, yield_after_among(*c.grp->shm), wake_engine))
+          back = std::move(c);
       } else if (run_shm_on_caller(c, note_.get())) {
         c.done->finish();
       } else {

@@ -70,10 +70,11 @@ class peer_io : protected engine_errors {
   /// call `c` through its peer's ring (false, untouched, where the peer has none: the engine thread runs it).
   /// Until the call completes it moves bytes through the ring itself, with its bell down (no peer rings this rank
   /// meanwhile), giving up after `patience` without a byte moving: the engine thread then goes on with it. It
-  /// spins for shm_yield_after, then yields the core between looks (on a loaded host the peer may need this core to
+  /// spins for `yield_after`, then yields the core between looks (on a loaded host the peer may need this core to
   /// send: measured on the 2-core VM, 4 KiB ping-pong took 125 us one way with a 100 us spin, 8 us yielding).
   /// `wake` says the engine thread must be woken: to heed a recv's deadline, or to finish a socket write.
-  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, bool& wake) {
+  bool point_to_point_on_caller(call& c, std::chrono::nanoseconds patience, std::chrono::nanoseconds yield_after,
+                                bool& wake) {
     const int world_peer = c.grp->members[static_cast<std::size_t>(c.root)];
     if (world_peer != rank_ && !at(world_peer).ring) return false;
     point_to_point(c);
@@ -90,7 +91,7 @@ class peer_io : protected engine_errors {
         }
         const auto now = clock::now();
         if (now >= until) break;
-        if (now - start >= shm_yield_after) sched_yield();
+        if (now - start >= yield_after) sched_yield();
       }
       // The bell stays down while the engine has nothing to read or write in a ring: the next call on this thread
       // reads what comes, and no peer wakes the sleeping engine for it. Else raise it, then look once more.

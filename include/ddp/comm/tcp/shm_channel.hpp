@@ -53,13 +53,19 @@ struct shm_waiting {
   ddp::detail::stall_note* note = nullptr;
 };
 
-/// How a call among shared-memory group `g` waits: as shm_waiting says where every rank has a core; where ranks
-/// outnumber the cores, yielding from the first look, so a peer waiting for this core runs at once. Measured on the
-/// 2-core VM at N = 4 (ddp_bench_collectives --ddp-only): a 4 KiB all_reduce took 8 us so and 89 us sleeping on
-/// the futex at once, as this code did before; 64 KiB 15 against 160 us, 64 MiB 13.5 against 20 ms.
+/// How long a thread waiting on group `g`'s shared memory (a barrier, a send or recv through a ring) spins before
+/// it yields its core between looks: shm_yield_after, or not at all where ranks outnumber the cores, so a peer
+/// waiting for this core runs at once. Measured on the 2-core VM at N = 4 (ddp_bench_collectives --ddp-only): a
+/// 4 KiB all_reduce took 8 us so, 89 us where such barriers slept on the futex at once; 64 KiB 15 against 160 us,
+/// 64 MiB 13.5 against 20 ms. With two ranks on one core: 6.5 us against 16 us yielding after shm_yield_after.
+inline std::chrono::nanoseconds yield_after_among(const shm_group& g) {
+  return g.oversubscribed() ? std::chrono::nanoseconds(0) : std::chrono::nanoseconds(shm_yield_after);
+}
+
+/// How a call among shared-memory group `g` waits.
 inline shm_waiting waiting_among(const shm_group& g) {
   shm_waiting how;
-  if (g.oversubscribed()) how.yield_after = std::chrono::nanoseconds(0);
+  how.yield_after = yield_after_among(g);
   return how;
 }
 
