@@ -20,6 +20,7 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 
@@ -78,12 +79,6 @@ def cpu_model():
     return platform.processor()
 
 
-def median(values):
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def measure(build, ranks, rounds, max_bytes):
     """Runs every N under ddp-launch, then under mpirun, `rounds` times; returns the per-size medians over the rounds
     and every round's figures, JSON-ready, for write_docs."""
@@ -99,14 +94,14 @@ def measure(build, ranks, rounds, max_bytes):
     for n in ranks:
         cmd, _, binding = launched[n][0]
         sizes = set.intersection(*(set(rows) for _, rows, _ in launched[n]))
-        medians = {str(s): median([rows[s] for _, rows, _ in launched[n]]) for s in sorted(sizes)}
+        medians = {str(s): statistics.median([rows[s] for _, rows, _ in launched[n]]) for s in sorted(sizes)}
         merged_launched[str(n)] = [cmd, medians, binding]
         per_size = {}
         for _, rows in results[n]:
             for row in rows:
                 per_size.setdefault(row[0], []).append(row[1:])
         merged_results[str(n)] = [results[n][0][0], [
-            [size] + [median([fig[k] for fig in figs]) for k in range(len(figs[0]))]
+            [size] + [statistics.median([fig[k] for fig in figs]) for k in range(len(figs[0]))]
             for size, figs in sorted(per_size.items()) if len(figs) == rounds]]
     return {"load": load, "cpu": cpu_model(), "cores": os.cpu_count(), "rounds": rounds,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -143,11 +138,16 @@ def main():
     return 0
 
 
+def busbw_ratios(mpirun_rows, own):
+    """(busbw ddp-launch / MPI, size) for every size from 64 KiB to 64 MiB both runs measured; `own` maps a size to
+    ddp-launch's time."""
+    return [(r[4] / own[r[0]], r[0]) for r in mpirun_rows if 64 << 10 <= r[0] <= 64 << 20 and r[0] in own]
+
+
 def lowest_busbw_ratio(one_round):
     """The lowest busbw ratio ddp-launch / MPI from 64 KiB to 64 MiB in one round, and its size (0 if none)."""
     own = {int(s): t for s, t in one_round["launched"].items()}
-    ratios = [(r[4] / own[r[0]], r[0]) for r in one_round["mpirun"] if 64 << 10 <= r[0] <= 64 << 20 and r[0] in own]
-    return min(ratios, default=(0.0, 0))
+    return min(busbw_ratios(one_round["mpirun"], own), default=(0.0, 0))
 
 
 def write_docs(raw, name):
@@ -177,7 +177,7 @@ def write_docs(raw, name):
     for n, (cmd, rows) in results.items():
         mine = launched[n][1]
         small = [r for r in rows if r[0] == 4096]
-        big = [r[4] / mine[r[0]] for r in rows if 64 << 10 <= r[0] <= 64 << 20 and r[0] in mine]
+        big = [ratio for ratio, _ in busbw_ratios(rows, mine)]
         lows = [f"{ratio:.2f}× ({human(size)})" for ratio, size in map(lowest_busbw_ratio, per_round.get(str(n), []))
                 if size]
         if small and 4096 in mine:
