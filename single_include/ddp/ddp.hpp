@@ -4956,10 +4956,11 @@ inline void finish_avg_bytes(dtype t, void* data, std::size_t n, reduce_op op, i
 // ---- end <ddp/comm/tcp/reduce.hpp>
 // ---- begin <ddp/comm/tcp/shm_channel.hpp>
 /// \file What a shared-memory collective sees while it executes one call: its region to fill, the phase
-/// barrier (post, then wait for every rank: spin briefly, yielding the core after a few microseconds, then
-/// sleep on the futex in bounded slices that check each awaited rank's life, its abort notice and the
-/// deadline), and the regions to read after it. Every phase compares each rank's call description with this
-/// rank's, so mismatched calls raise mismatch_error naming both calls.
+/// barrier (post, then wait for every rank: spin briefly, yielding the core after a few microseconds, or from
+/// the first look where ranks outnumber the cores, then sleep on the futex in bounded slices that check each
+/// awaited rank's life, its abort notice and the deadline), and the regions to read after it. Every phase
+/// compares each rank's call description with this rank's, so mismatched calls raise mismatch_error naming both
+/// calls.
 
 
 
@@ -5076,7 +5077,7 @@ class shm_channel {
     return static_cast<std::int32_t>(c.posted.load(std::memory_order_acquire) - target) >= 0;
   }
 
-  /// Waits until group rank `r` posted phase `target`: spins (yielding the core after shm_yield_after), then
+  /// Waits until group rank `r` posted phase `target`: spins (yielding the core after how_.yield_after), then
   /// hands the call off (the caller's first barrier) or sleeps.
   void await(int r, std::uint32_t target, bool first) {
     auto& theirs = g_.counters(r);
