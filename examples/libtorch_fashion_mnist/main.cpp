@@ -8,7 +8,7 @@
 //
 // Each rank trains on its part of every epoch (distributed_sampler); autograd reports every finished gradient to
 // ddp, which averages them bucket by bucket during the backward. Under --policy full_shard each layer's forward runs
-// through ddp::forward, which gathers the layer for its forward and again for its backward, and the optimizer steps
+// through ddp::forward, which unshards the layer for its forward and again for its backward, and the optimizer steps
 // this rank's shards (ddp::parameters(dp)). Test accuracy is computed with every test image
 // on exactly one rank and reduced. The parameters are saved after every epoch (ddp::save, a safetensors file that
 // PyTorch and ddp::load_module read).
@@ -89,7 +89,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   constexpr bool sharded = std::is_same_v<Sharding, ddp::full_shard>;  // full_shard: the rank's shards are stepped
   torch::optim::SGD opt(sharded ? ddp::parameters(dp) : net->parameters(),
                         torch::optim::SGDOptions(s.lr).momentum(s.momentum));
-  const auto forward = [&](const torch::Tensor& x) -> torch::Tensor {  // full_shard: each layer gathered per pass
+  const auto forward = [&](const torch::Tensor& x) -> torch::Tensor {  // full_shard: each layer unsharded per pass
     if constexpr (sharded)
       return net->forward(x, [&](auto& layer, const torch::Tensor& in) { return ddp::forward(dp, layer, in); });
     else
@@ -113,7 +113,7 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
       [&](ddp::metric_sums& test_sums) {
         net->eval();
         torch::NoGradGuard no_grad;
-        // full_shard: the whole model gathered once (ranks may evaluate different numbers of batches); replicate: no-op
+        // full_shard: the whole model unsharded once (ranks may evaluate different numbers of batches); replicate: no-op
         const auto whole = dp.unshard(dp.module());
         for (const auto batch : test_sampler.batches(0, 1000)) {
           const auto x = rows(test_x, batch), y = rows(test_y, batch);

@@ -4045,9 +4045,6 @@ class frame_writer {
     return clean;
   }
 
-  /// True when the stream stands between frames (nothing half written).
-  [[nodiscard]] bool at_boundary() const { return !pending() || queue_[head_].sent == 0; }
-
  private:
   void clear() {
     queue_.clear();
@@ -5823,11 +5820,11 @@ class store_book {
   void add(store_session& s, const std::string& key, const std::uint8_t* value) {
     std::uint64_t delta = 0, now = 0;
     std::memcpy(&delta, value, 8);
-    auto& slot = data_[key];
-    if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
+    auto& stored = data_[key];
+    if (stored.size() == 8) std::memcpy(&now, stored.data(), 8);
     now += delta;  // unsigned: wraps like two's complement instead of overflowing a signed integer
-    slot.resize(8);
-    std::memcpy(slot.data(), &now, 8);
+    stored.resize(8);
+    std::memcpy(stored.data(), &now, 8);
     append(s, &now, 8);
   }
 
@@ -5990,7 +5987,7 @@ class engine : peer_io {
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment and point-to-point
+  /// world rank; own entry empty) to the engine thread, with the job's shared-memory segment and point-to-point
   /// rings (null: none).
   void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world,
               std::unique_ptr<shm_rings> rings) {
@@ -6519,21 +6516,21 @@ inline void ring_all_gather(channel& ch, char* out, const chunking& L, bool post
   ch.flush();
 }
 
-/// Receives one block of `bytes` from every other rank into slot p of `slots` (stride `bytes`).
-inline void recv_from_each(channel& ch, char* slots, std::size_t stride, std::size_t bytes) {
+/// Receives one block of `bytes` from every other rank into block p of `blocks` (stride `bytes`).
+inline void recv_from_each(channel& ch, char* blocks, std::size_t stride, std::size_t bytes) {
   thread_local std::vector<recv_part> parts;
   parts.clear();
   for (int p = 0; p < ch.size(); ++p)
-    if (p != ch.rank()) parts.push_back({p, slots + static_cast<std::size_t>(p) * stride, bytes});
+    if (p != ch.rank()) parts.push_back({p, blocks + static_cast<std::size_t>(p) * stride, bytes});
   ch.recv_all(parts);
 }
 
-/// dst = block 0 (op) block 1 (op) ... in rank order over `slots` (stride `bytes`), after copying
-/// `own_data` into slot `own`: every rank computes the same bits.
-inline void reduce_in_rank_order(channel& ch, char* dst, char* slots, std::size_t bytes, int own,
+/// dst = block 0 (op) block 1 (op) ... in rank order over `blocks` (stride `bytes`), after copying
+/// `own_data` into block `own`: every rank computes the same bits.
+inline void reduce_in_rank_order(channel& ch, char* dst, char* blocks, std::size_t bytes, int own,
                                  const char* own_data) {
   const auto& c = ch.what();
-  const auto block = [&](int p) { return slots + static_cast<std::size_t>(p) * bytes; };
+  const auto block = [&](int p) { return blocks + static_cast<std::size_t>(p) * bytes; };
   std::memcpy(block(own), own_data, bytes);
   const std::size_t n_elems = bytes / size_of(c.type);
   if (ch.size() == 1) {
@@ -6552,12 +6549,12 @@ inline void all_reduce(channel& ch) {
   const std::size_t bytes = c.count * size_of(c.type);
   if (n == 1 || bytes == 0) return finish_avg_bytes(c.type, buf, c.count, c.op, n);
   if (bytes <= direct_limit) {
-    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    char* blocks = ch.scratch(1, bytes * static_cast<std::size_t>(n));
     for (int p = 0; p < n; ++p)
       if (p != ch.rank()) ch.send(p, buf, bytes);
-    recv_from_each(ch, slots, bytes, bytes);
+    recv_from_each(ch, blocks, bytes, bytes);
     ch.flush();
-    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+    return reduce_in_rank_order(ch, buf, blocks, bytes, ch.rank(), buf);
   }
   const chunking L{c.count, n, size_of(c.type)};
   ring_reduce_scatter(ch, buf, buf, buf + L.offset(ch.rank()), L, true);
@@ -6577,12 +6574,12 @@ inline void reduce_scatter(channel& ch) {
     return;
   }
   if (block <= direct_limit) {
-    char* slots = ch.scratch(1, block * static_cast<std::size_t>(n));
+    char* received = ch.scratch(1, block * static_cast<std::size_t>(n));
     for (int p = 0; p < n; ++p)
       if (p != ch.rank()) ch.send(p, in + static_cast<std::size_t>(p) * block, block);
-    recv_from_each(ch, slots, block, block);
+    recv_from_each(ch, received, block, block);
     ch.flush();
-    return reduce_in_rank_order(ch, out, slots, block, ch.rank(), in + static_cast<std::size_t>(ch.rank()) * block);
+    return reduce_in_rank_order(ch, out, received, block, ch.rank(), in + static_cast<std::size_t>(ch.rank()) * block);
   }
   const chunking L{c.count * static_cast<std::size_t>(n), n, es};
   ring_reduce_scatter(ch, in, ch.scratch(1, block * static_cast<std::size_t>(n)), out, L, false);
@@ -6646,9 +6643,9 @@ inline void reduce(channel& ch) {
       ch.send(c.root, buf, bytes);
       return ch.flush();
     }
-    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
-    recv_from_each(ch, slots, bytes, bytes);
-    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+    char* received = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    recv_from_each(ch, received, bytes, bytes);
+    return reduce_in_rank_order(ch, buf, received, bytes, ch.rank(), buf);
   }
   // Chain towards the root: position n-1 starts, each rank adds its part and forwards, the root ends.
   const int v = wrap(ch.rank() - c.root, n);
@@ -6907,7 +6904,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
   char* sum = lead ? e.scratch(0, n * block) : nullptr;  // this host's partial sums of every block
   // Per other host j, its partial sums of this host's blocks; then the results, in `local` order.
   char* parts_in = lead ? e.scratch(1, static_cast<std::size_t>(p.hosts()) * here * block) : nullptr;
-  const auto slot = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
+  const auto part = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
   call step = partial_step(c);
   step.root = 0;  // the lead, in `local`
   step.count = c.count * n;
@@ -6925,7 +6922,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
       for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
         parts.clear();
         for (int j = 0; j < p.hosts(); ++j)
-          if (j != p.host()) parts.push_back({j, slot(j, i), block});
+          if (j != p.host()) parts.push_back({j, part(j, i), block});
         ch.recv_all(parts);
       }
       ch.flush();
@@ -6933,14 +6930,14 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
     const int me = p.host();
     for (std::size_t i = 0; i < here; ++i) {
       const char* own = sum + static_cast<std::size_t>(p.local[i]) * block;
-      reduce_ranks(step, slot(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : slot(j, i); });
+      reduce_ranks(step, part(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : part(j, i); });
     }
   }
-  step.in = lead ? slot(p.host(), 0) : nullptr;
+  step.in = lead ? part(p.host(), 0) : nullptr;
   step.out = c.out;
   step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
-  else std::memcpy(c.out, slot(p.host(), 0), block);
+  else std::memcpy(c.out, part(p.host(), 0), block);
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
 }
 
@@ -7143,8 +7140,9 @@ void count_in(store_client& store, const std::string& key, int rank, int size, c
 
 #include <sstream>
 
-// ---- begin <ddp/checkpoint/atomic_file.hpp>
-/// \file Atomic replacement of a checkpoint file or directory, and removal of what killed saves left behind.
+// ---- begin <ddp/io/atomic_file.hpp>
+/// \file Atomic replacement of a file or directory (checkpoints, the file:// rendezvous file), and removal of what
+/// killed saves left behind.
 ///
 /// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
 /// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
@@ -7162,20 +7160,16 @@ void count_in(store_client& store, const std::string& key, int rank, int size, c
 
 #include <sys/file.h>
 
-// ---- begin <ddp/checkpoint/checksum.hpp>
-/// \file The checksum of ddp's checkpoint files: 64-bit FNV-1a (hex, 16 digits), taken over every byte of a file
-/// including the text that records it. A "sealed" text holds its own checksum: the 16 digits after a marker such as
-/// `"ddp.checksum":"` count as sixteen '0' when the checksum is taken, so a writer puts '0's there, hashes the
-/// bytes as written and then writes the digits in their place. FNV-1a detects every change of a single byte (each
-/// step, xor then multiplication by an odd prime, is a bijection of the state), so any flipped bit is caught.
+// ---- begin <ddp/core/detail/hash.hpp>
+/// \file 64-bit FNV-1a and hex digits: the hash behind checkpoint checksums, replica checks and temporaries' names.
+/// FNV-1a detects every change of a single byte (each step, xor then multiplication by an odd prime, is a bijection
+/// of the state).
 
 
 namespace ddp::detail {
 
-/// FNV-1a's offset basis: the checksum of nothing.
+/// FNV-1a's offset basis: the hash of nothing.
 inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ULL;
-/// What a sealed text holds in place of its checksum's digits while the checksum is taken.
-inline constexpr std::string_view unsealed_digits = "0000000000000000";
 
 /// 64-bit FNV-1a of `data`, continued from `h`.
 inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = fnv1a_basis) noexcept {
@@ -7196,24 +7190,8 @@ inline std::string hex(std::uint64_t v) {
   return s;
 }
 
-/// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
-/// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.
-inline std::size_t find_seal(std::string_view text, std::string_view marker) noexcept {
-  const std::size_t at = text.find(marker);
-  if (at == std::string_view::npos || text.find(marker, at + 1) != std::string_view::npos) return std::string_view::npos;
-  const std::size_t digits = at + marker.size();
-  return digits + 17 <= text.size() && text[digits + 16] == '"' ? digits : std::string_view::npos;
-}
-
-/// FNV-1a of `text`, continued from `h`, with its 16 characters at `seal` counted as unsealed_digits.
-inline std::uint64_t fnv1a_sealed(std::string_view text, std::size_t seal, std::uint64_t h = fnv1a_basis) noexcept {
-  h = fnv1a(text.substr(0, seal), h);
-  h = fnv1a(unsealed_digits, h);
-  return fnv1a(text.substr(seal + unsealed_digits.size()), h);
-}
-
 }  // namespace ddp::detail
-// ---- end <ddp/checkpoint/checksum.hpp>
+// ---- end <ddp/core/detail/hash.hpp>
 
 namespace ddp::detail {
 
@@ -7379,7 +7357,7 @@ class atomic_file {
 };
 
 }  // namespace ddp::detail
-// ---- end <ddp/checkpoint/atomic_file.hpp>
+// ---- end <ddp/io/atomic_file.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -8581,7 +8559,7 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 
 // ---- begin <ddp/optim/flat.hpp>
 /// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
-/// optimizer state kept per flat buffer and exposed per parameter and slot (for checkpoints).
+/// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
 
 
 
@@ -8619,20 +8597,20 @@ struct optimizer_traits {};
 
 namespace detail {
 
-/// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
+/// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
 /// dtype and length, zero when created; plus the number of steps taken.
 class flat_state {
  public:
-  /// `slots` names the per-element state arrays (possibly none).
-  explicit flat_state(std::vector<std::string_view> slots) : slot_names_(std::move(slots)) {}
+  /// `names` names the per-element state arrays (possibly none).
+  explicit flat_state(std::vector<std::string_view> names) : array_names_(std::move(names)) {}
 
   /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
   void attach(std::span<const flat_buffer> buffers) {
     if (layout_.empty() && state_.empty()) {
       for (const auto& b : buffers) {
         layout_.push_back(b);
-        auto& slots = state_.emplace_back();
-        for (std::size_t s = 0; s < slot_names_.size(); ++s) slots.emplace_back(b.values.bytes(), std::byte{0});
+        auto& arrays = state_.emplace_back();
+        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.emplace_back(b.values.bytes(), std::byte{0});
       }
       return;
     }
@@ -8647,7 +8625,7 @@ class flat_state {
                            std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
   }
 
-  /// Calls `f(name, view)` for every parameter and slot ("fc1.weight.exp_avg"); views are writable, so
+  /// Calls `f(name, view)` for every parameter and state array ("fc1.weight.exp_avg"); views are writable, so
   /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
   /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
   /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
@@ -8655,14 +8633,14 @@ class flat_state {
   void for_each_state(F&& f) {
     for (std::size_t i = 0; i < layout_.size(); ++i)
       for (const auto& seg : layout_[i].segments)
-        for (std::size_t s = 0; s < slot_names_.size(); ++s) {
+        for (std::size_t s = 0; s < array_names_.size(); ++s) {
           const std::size_t width = size_of(layout_[i].values.type);
           const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
                                 layout_[i].values.where};
           if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
-            f(seg.name + "." + std::string(slot_names_[s]), view, seg);
+            f(seg.name + "." + std::string(array_names_[s]), view, seg);
           else
-            f(seg.name + "." + std::string(slot_names_[s]), view);
+            f(seg.name + "." + std::string(array_names_[s]), view);
         }
   }
 
@@ -8672,7 +8650,7 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `kernel(values, grads, slots...)` with typed spans for every buffer, after attach().
+  /// Runs `kernel(values, grads, arrays)` with typed spans for every buffer, after attach().
   template <class Kernel>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
     attach(buffers);
@@ -8685,10 +8663,10 @@ class flat_state {
         throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
                            " differ in dtype or length; pass matching spans");
       auto run = [&]<class T>(T*) {
-        std::vector<std::span<T>> slots;
-        for (auto& s : state_[i]) slots.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
+        std::vector<std::span<T>> arrays;
+        for (auto& s : state_[i]) arrays.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
         kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
-               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(slots));
+               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(arrays));
       };
       if (b.values.type == dtype::f32)
         run(static_cast<float*>(nullptr));
@@ -8704,9 +8682,9 @@ class flat_state {
   std::uint64_t steps_ = 0;  ///< steps taken
 
  private:
-  std::vector<std::string_view> slot_names_;
+  std::vector<std::string_view> array_names_;
   std::vector<flat_buffer> layout_;
-  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][slot] bytes
+  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][state array] bytes
 };
 
 }  // namespace detail
@@ -8734,8 +8712,6 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
-  /// True when the leaf's framework reports its gradients (watch), as autograd does.
-  [[nodiscard]] virtual bool watches() const noexcept = 0;
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
@@ -8767,7 +8743,6 @@ class leaf_binding_of final : public leaf_binding {
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
-  [[nodiscard]] bool watches() const noexcept override { return watching_leaf<T>; }
 
   void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
@@ -9122,7 +9097,7 @@ struct bucket {
 };
 
 /// Where a bucket may begin: anywhere in its arena (replicate), or never across the start of a unit (the
-/// sharded strategies, so that unsharding a unit gathers whole buckets).
+/// sharded strategies, so that unsharding a unit all-gathers whole buckets).
 enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
@@ -9296,7 +9271,7 @@ struct unit_record {
   unit_phase values = unit_phase::unsharded;     ///< its parameter values
   grad_phase grads = grad_phase::released;       ///< its full-gradient storage
   int scopes = 0;                                ///< open unshard scopes on it
-  std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
+  std::vector<work> all_gathers;                 ///< unsharding: its buckets' all-gathers
 };
 
 /// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
@@ -9325,7 +9300,7 @@ class step_state {
       quietly(b.average);
     }
     for (auto& u : units_)
-      for (auto& w : u.gathers) quietly(w);
+      for (auto& w : u.all_gathers) quietly(w);
   }
 
   // ---- the step ----
@@ -9450,15 +9425,15 @@ class step_state {
     return --units_[u].scopes == 0;
   }
   /// sharded → unsharding with its all-gathers `gathers` in flight.
-  void unshard(std::size_t u, std::vector<work> gathers) {
+  void unshard(std::size_t u, std::vector<work> all_gathers) {
     move_unit(u, unit_phase::unsharding, unit_phase::sharded);
-    units_[u].gathers = std::move(gathers);
+    units_[u].all_gathers = std::move(all_gathers);
   }
   /// unsharding → unsharded, waiting for its all-gathers.
   void unsharded(std::size_t u) {
     move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
-    wait_all(units_[u].gathers);
-    units_[u].gathers.clear();
+    wait_all(units_[u].all_gathers);
+    units_[u].all_gathers.clear();
   }
   /// unsharded → sharded: the full values are freed.
   void reshard(std::size_t u) { move_unit(u, unit_phase::sharded, unit_phase::unsharded); }
@@ -9478,7 +9453,7 @@ class step_state {
   }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
-                "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
+                "support (report with the sequence of gradient_ready, unshard, no_sync, finish_gradients and step "
                 "calls that led here)", rank_);
   }
   void expect_step(bool ok, const char* action, const char* expected) const {
@@ -9694,7 +9669,7 @@ class bucket_rebuild {
 /// A step under mixed_precision<bf16, f32>: the backward writes bf16 gradients; each bucket is widened to f32 and
 /// reduced in f32 into the f32 owned gradients, which are the master gradients; the optimizer steps the f32
 /// master values (its state is f32); the masters are narrowed into the bf16 owned values, which the strategy
-/// then gathers as it does without mixed precision. Under mixed_precision<bf16, bf16> the reduction runs on the
+/// then all-gathers as it does without mixed precision. Under mixed_precision<bf16, bf16> the reduction runs on the
 /// bf16 gradients themselves and the reduced owned gradients are widened into f32 master gradients.
 
 
@@ -9843,9 +9818,9 @@ constexpr bool ordered_sum_needed(int n) noexcept { return n > 2; }
 /// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
 class ordered_reduction {
  public:
-  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
+  /// Starts all-gathering every rank's `part` into key's scratch (the all-reduce of `part`).
   template <class Comm>
-  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
+  work all_gather_part(Comm& comm, std::size_t key, const raw_tensor& part) {
     return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
   }
   /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).
@@ -9895,10 +9870,10 @@ class ordered_reduction {
 // ---- end <ddp/parallel/ordered_reduction.hpp>
 // ---- begin <ddp/parallel/unit_pool.hpp>
 /// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
-/// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
+/// (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes the smallest idle
 /// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
 /// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after a gather of the whole model, say), or every idle buffer.
+/// not need (after unsharding the whole model, say), or every idle buffer.
 
 
 
@@ -10020,7 +9995,7 @@ struct shard_bucket {
 };
 /// Unit `u`'s pooled buffers (unit_pool ids), or no_buffer.
 struct unit_buffers {
-  std::size_t values = no_buffer;  ///< full_shard: its gathered values
+  std::size_t values = no_buffer;  ///< full_shard: its unsharded values
   std::size_t grads = no_buffer;   ///< its full gradients
 };
 
@@ -10071,7 +10046,7 @@ class sharded_core {
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
-  /// Points every parameter back at the arenas, copying the values of gathered units there, so the layout can
+  /// Points every parameter back at the arenas, copying the values of unsharded units there, so the layout can
   /// hand the model its values (the owner settled the operations in flight first). Local: no collective.
   ~sharded_core() {
     arena_values_ = true;  // the model keeps what the arenas hold (zeros where unshard_model() did not run)
@@ -10094,7 +10069,7 @@ class sharded_core {
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
     if (state_.unit(s.unit).grads == grad_phase::released)
-      throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
+      throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside an unshard "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
                       "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + "), or, "
@@ -10193,14 +10168,14 @@ class sharded_core {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
   }
 
-  /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until gathered).
+  /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until unsharded).
   void take_values(std::size_t u) {
     if (pooled_[u].values != no_buffer) return;
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
   /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
-  void gathered(std::size_t u) {
+  void unsharded(std::size_t u) {
     state_.unsharded(u);
     bind_unit(u);
   }
@@ -10213,7 +10188,7 @@ class sharded_core {
   }
   /// Starts refilling bucket `b`'s full values (in the unit's pooled buffer, else in the arena) from every
   /// rank's owned block.
-  work gather_bucket(std::size_t b) {
+  work all_gather_bucket(std::size_t b) {
     return shard_.all_gather(owned_values(b), value_view(b));
   }
   /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
@@ -10246,7 +10221,7 @@ class sharded_core {
     return out;
   }
   /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none; under
-  /// full_shard they are vacated (leaf_binding::rebind) until the unit's values are gathered.
+  /// full_shard they are vacated (leaf_binding::rebind) until the unit is unsharded.
   void bind_unit(std::size_t u) {
     const bool present = arena_values_ || (pooled_[u].values != no_buffer && state_.unit(u).values == unit_phase::unsharded);
     for (const std::size_t s : unit_slots_[u]) {
@@ -10294,7 +10269,7 @@ class sharded_core {
   void chain(std::size_t b) {
     if (deterministic_) {
       scattered_.average_into(b, output(b), shard_.size());
-      state_.chain(b, replicated_.gather_all(*replica_, b, output(b)));
+      state_.chain(b, replicated_.all_gather_part(*replica_, b, output(b)));
     } else {
       state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg));
     }
@@ -10336,7 +10311,7 @@ class sharded_core {
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
     return shard_view(own_grads_, b, layout_.arenas()[plan_.buckets[b].arena].reduce_type);
   }
-  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
+  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose all-gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
@@ -10368,7 +10343,7 @@ class sharded_core {
   std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
   std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena
   std::vector<unit_buffers> pooled_;                    // per unit: its pooled buffers
-  unit_pool values_pool_;                               // full_shard's gathered units
+  unit_pool values_pool_;                               // full_shard's unsharded units
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages
@@ -10456,13 +10431,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     this->release_arena_values();
   }
 
-  /// Unshards the units (gathering, or waiting for a prefetch) and gives them gradient storage, then
+  /// Unshards the units (all-gathering them, or waiting for a prefetch) and gives them gradient storage, then
   /// prefetches the next unit in the direction of travel. Collective over the shard group, in the same order
   /// on every rank. In the first step it records the order in which units are first opened.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
-      if (this->state().unit(u).values == unit_phase::unsharding) this->gathered(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->unsharded(u);
       this->open_scope(u);
       if (!recorded_ && position_[u] == unrecorded) {
         position_[u] = order_.size();
@@ -10484,7 +10459,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
   }
   /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
-  /// unit still held is gathered again in place; then the pooled buffers this step did not need are freed.
+  /// unit still held is unsharded again in place; then the pooled buffers this step did not need are freed.
   void after_step() {
     recorded_ = true;  // the execution order of the first step is known
     for (std::size_t u = 0; u < this->state().units(); ++u) {
@@ -10509,7 +10484,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
       reshard(u);
     }
     std::vector<work> works;
-    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
     this->arena_holds_values();
   }
@@ -10536,14 +10511,14 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// sharded → unsharding: a pooled buffer and the all-gathers of the unit's buckets into it.
   void unshard(std::size_t u) {
     this->take_values(u);
-    std::vector<work> gathers;
-    for (const std::size_t b : this->state().unit_buckets(u)) gathers.push_back(this->gather_bucket(b));
-    this->state().unshard(u, std::move(gathers));
+    std::vector<work> all_gathers;
+    for (const std::size_t b : this->state().unit_buckets(u)) all_gathers.push_back(this->all_gather_bucket(b));
+    this->state().unshard(u, std::move(all_gathers));
   }
   void prefetch(std::size_t u) {
     if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
   }
-  /// → sharded: waits for gathers in flight, gives the values buffer back.
+  /// → sharded: waits for all-gathers in flight, gives the values buffer back.
   void reshard(std::size_t u) {
     if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
     if (this->state().unit(u).values == unit_phase::unsharded) {
@@ -10553,7 +10528,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
 
   bool reshard_ = true;
-  std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
+  std::optional<std::size_t> last_;  // the unit unsharded last (direction of travel)
   std::vector<std::size_t> order_;   // units in the order the first step's scopes first opened them
   std::vector<std::size_t> position_ = std::vector<std::size_t>(this->state().units(), unrecorded);  // in order_
   bool recorded_ = false;            // the first step is over: order_ is the execution order
@@ -10601,7 +10576,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   /// gradient buffers this step did not need.
   void after_step() {
     std::vector<work> works;
-    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
     this->trim_pools();
   }
@@ -10926,21 +10901,10 @@ class [[nodiscard]] no_sync_guard {
 
 namespace ddp::detail {
 
-inline constexpr std::uint64_t fnv_offset = 14695981039346656037ULL;
-
-/// FNV-1a over `bytes`, continuing from `h`.
-inline std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) noexcept {
-  for (const std::byte b : bytes) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
 /// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
 inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
-  std::uint64_t h = fnv_offset;
-  for (const auto& d : descriptions) {
-    h = fnv1a(h, std::as_bytes(std::span(d)));
-    h = fnv1a(h, std::as_bytes(std::span("\n", 1)));
-  }
+  std::uint64_t h = fnv1a_basis;
+  for (const auto& d : descriptions) h = fnv1a("\n", fnv1a(d, h));
   return h;
 }
 
@@ -10976,8 +10940,7 @@ inline replica_digest digest_full(const parameter_layout& layout) {
   replica_digest d;
   for (const auto& slot : layout.slots()) {
     const std::size_t w = size_of(slot.type);
-    d.hashes.push_back(fnv1a(fnv_offset, std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w,
-                                                   slot.numel * w)));
+    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
   }
   return d;
 }
@@ -10988,7 +10951,7 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
                                    int peers) {
   replica_digest d;
   d.peers = peers;
-  d.hashes.assign(layout.slots().size(), fnv_offset);
+  d.hashes.assign(layout.slots().size(), fnv1a_basis);
   std::unordered_map<std::string_view, std::size_t> slot_of;
   for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
   for (const auto& b : owned) {
@@ -10996,7 +10959,7 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
     const std::size_t w = size_of(b.values.type);
     for (const auto& seg : b.segments) {
       auto& h = d.hashes[slot_of.at(seg.name)];
-      h = fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+      h = fnv1a(std::span(values + seg.offset * w, seg.numel * w), h);
     }
   }
   return d;
@@ -11027,8 +10990,8 @@ inline std::string describe_disagreement(const std::vector<std::vector<std::uint
 /// where some peers differ, and those peers' ranks grouped by value.
 template <class Comm, class NameOf>
 void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
-  std::uint64_t combined = fnv_offset;
-  for (const std::uint64_t h : mine.hashes) combined = fnv1a(combined, std::as_bytes(std::span(&h, 1)));
+  std::uint64_t combined = fnv1a_basis;
+  for (const std::uint64_t h : mine.hashes) combined = fnv1a(std::as_bytes(std::span(&h, 1)), combined);
   const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
   const auto n = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> words(2 * n);
@@ -11106,7 +11069,7 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-    state_.launch(b, in_rank_order_ ? ordered_.gather_all(comm_, b, gradients(b, true).grads)
+    state_.launch(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
                                     : hook.launch(gradients(b, true)));
   }
   /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
@@ -11123,7 +11086,7 @@ struct strategy<replicate, Comm> {
   }
   /// What the optimizer steps over: the whole arenas.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
-  /// Nothing to re-gather after the step.
+  /// Nothing to all-gather after the step.
   void after_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
@@ -11152,8 +11115,8 @@ struct strategy<replicate, Comm> {
   reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
-  bool in_rank_order_;         // deterministic with more than two ranks: gather, then sum in rank order
-  ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
+  bool in_rank_order_;         // deterministic with more than two ranks: all-gather, then sum in rank order
+  ordered_reduction ordered_;  // deterministic: each bucket's all-gathered gradients
 };
 
 static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator, replicate>,
@@ -11601,7 +11564,7 @@ namespace ddp::optim {
 
 /// AdamW as torch.optim.AdamW (amsgrad off): p ·= 1 − lr·wd; m += (1 − β1)·(g − m);
 /// v = β2·v + (1 − β2)·g²; p −= lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε).
-/// State slots: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
+/// State arrays: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
 class adamw : public detail::flat_state {
  public:
   /// Hyper-parameters, named as in PyTorch.
@@ -11627,12 +11590,12 @@ class adamw : public detail::flat_state {
     const auto t = static_cast<double>(steps_ + 1);
     const double correction1 = 1 - std::pow(opt_.beta1, t);
     const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
       const T decay = static_cast<T>(1 - opt_.lr * opt_.weight_decay);
       const T b1 = static_cast<T>(opt_.beta1), b2 = static_cast<T>(opt_.beta2);
       const T step_size = static_cast<T>(opt_.lr / correction1);
       const T c2 = static_cast<T>(correction2_sqrt), eps = static_cast<T>(opt_.eps);
-      std::span<T> m = slots[0], v = slots[1];
+      std::span<T> m = arrays[0], v = arrays[1];
       for (std::size_t i = 0; i < p.size(); ++i) {
         p[i] *= decay;
         m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
@@ -11661,7 +11624,7 @@ namespace ddp::optim {
 
 /// SGD as torch.optim.SGD: g = grad + wd·p; with momentum, buf = g on the first step, else
 /// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
-/// State slot: "momentum_buffer" (only when momentum ≠ 0).
+/// State array: "momentum_buffer" (only when momentum ≠ 0).
 class sgd : public detail::flat_state {
  public:
   /// Hyper-parameters, named as in PyTorch.
@@ -11689,14 +11652,14 @@ class sgd : public detail::flat_state {
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
     const bool first = steps_ == 0;
-    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
       const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
       const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
       for (std::size_t i = 0; i < p.size(); ++i) {
         T d = g[i];
         if (opt_.weight_decay != 0) d += wd * p[i];
         if (opt_.momentum != 0) {
-          T& buf = slots[0][i];
+          T& buf = arrays[0][i];
           buf = first ? d : mu * buf + keep * d;
           d = opt_.nesterov ? d + mu * buf : buf;
         }
@@ -13889,10 +13852,10 @@ struct env_rendezvous {
 
 // ---- begin <ddp/checkpoint/checkpoint.hpp>
 /// \file ddp::save / ddp::load: the full training state of a data_parallel model under any sharding policy
-/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<slot>"; the
+/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<state>"; the
 /// step count in the metadata as "optim.step") in one safetensors file that PyTorch reads. Rank 0 writes
 /// atomically; the other ranks stream it the ranges they hold, one range at a time, so no rank ever holds the
-/// whole model gathered. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
+/// whole model unsharded. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
 /// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
 /// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
 
@@ -13903,13 +13866,45 @@ struct env_rendezvous {
 /// data. ddp adds `__metadata__` entries "ddp.format" ("2") and "ddp.checksum": the checksum of the whole file
 /// (<ddp/checkpoint/checksum.hpp>: length, header and data, the checksum's own digits counted as '0'), verified on
 /// reading; files of format "1" carry a checksum of the data section only, still verified. Writes are atomic
-/// (<ddp/checkpoint/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
+/// (<ddp/io/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
 /// directory is flushed; stale temporaries of killed saves to `path` are removed first.
 
 
 
 #include <nlohmann/json.hpp>
 
+// ---- begin <ddp/checkpoint/checksum.hpp>
+/// \file The checksum of ddp's checkpoint files: 64-bit FNV-1a (hex, 16 digits), taken over every byte of a file
+/// including the text that records it. A "sealed" text holds its own checksum: the 16 digits after a marker such as
+/// `"ddp.checksum":"` count as sixteen '0' when the checksum is taken, so a writer puts '0's there, hashes the
+/// bytes as written and then writes the digits in their place. FNV-1a detects every change of a single byte (each
+/// step, xor then multiplication by an odd prime, is a bijection of the state), so any flipped bit is caught.
+
+
+
+namespace ddp::detail {
+
+/// What a sealed text holds in place of its checksum's digits while the checksum is taken.
+inline constexpr std::string_view unsealed_digits = "0000000000000000";
+
+/// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
+/// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.
+inline std::size_t find_seal(std::string_view text, std::string_view marker) noexcept {
+  const std::size_t at = text.find(marker);
+  if (at == std::string_view::npos || text.find(marker, at + 1) != std::string_view::npos) return std::string_view::npos;
+  const std::size_t digits = at + marker.size();
+  return digits + 17 <= text.size() && text[digits + 16] == '"' ? digits : std::string_view::npos;
+}
+
+/// FNV-1a of `text`, continued from `h`, with its 16 characters at `seal` counted as unsealed_digits.
+inline std::uint64_t fnv1a_sealed(std::string_view text, std::size_t seal, std::uint64_t h = fnv1a_basis) noexcept {
+  h = fnv1a(text.substr(0, seal), h);
+  h = fnv1a(unsealed_digits, h);
+  return fnv1a(text.substr(seal + unsealed_digits.size()), h);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/checkpoint/checksum.hpp>
 
 namespace ddp::safetensors {
 
@@ -14342,7 +14337,7 @@ class file {
 /// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
 /// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
 /// ranges, each part's checksum, the metadata, and its own checksum). The directory is written under a temporary
-/// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// name that rank 0 claims (<ddp/io/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
 
@@ -14350,7 +14345,7 @@ class file {
 
 // ---- begin <ddp/checkpoint/state.hpp>
 /// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
-/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<slot>"), the pieces of
+/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<state>"), the pieces of
 /// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
@@ -14472,7 +14467,7 @@ training_state collect_state(DP& dp, Opt* opt) {
     for (const auto& d : rank_pieces)
       if (const auto it = index.find(d.name); it != index.end()) st.tensors[it->second].type = d.type;
 
-  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
+  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then state array.
   std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
   std::map<std::string, std::size_t> extent;  // elements of each state tensor: the end of its last piece
   for (const auto& rank_pieces : everyone)
@@ -14480,7 +14475,7 @@ training_state collect_state(DP& dp, Opt* opt) {
       if (!d.name.starts_with("optim.")) continue;
       extent[d.name] = std::max<std::size_t>(extent[d.name], d.start + d.numel);
       const std::string state_name = d.name.substr(6);
-      const auto dot = state_name.rfind('.');  // "<parameter>.<slot>": the state takes the parameter's shape
+      const auto dot = state_name.rfind('.');  // "<parameter>.<state>": the state takes the parameter's shape
       const auto it = dot == std::string::npos ? index.end() : index.find(state_name.substr(0, dot));
       state[{it == index.end() ? st.parameters : it->second, d.name}] = {d.name, d.type, {}};
     }
@@ -15132,7 +15127,7 @@ checkpoint_metadata load(const std::filesystem::path& path, DP& dp) {
 /// \file Output of a training job: ddp::logger (rank 0 speaks for the job) and ddp::progress_bar
 /// (step, loss, samples/s and ETA, drawn by rank 0).
 
-// ---- begin <ddp/launch/log.hpp>
+// ---- begin <ddp/log/logger.hpp>
 /// \file Rank-0-only logging: `ddp::logger log{comm}; log.info("epoch ", e, " loss ", loss);` prints on rank 0
 /// and is silent elsewhere, unless DDP_LOG_ALL_RANKS=1, where every rank prints with a "[rank r]" prefix.
 /// Arguments are streamed with operator<<; each message is written as one line in one call, so lines of
@@ -15193,8 +15188,8 @@ class logger {
 };
 
 }  // namespace ddp
-// ---- end <ddp/launch/log.hpp>
-// ---- begin <ddp/launch/progress.hpp>
+// ---- end <ddp/log/logger.hpp>
+// ---- begin <ddp/log/progress_bar.hpp>
 /// \file A progress bar for training loops, drawn by rank 0 only: step/total, loss, samples/s and ETA.
 /// On a terminal it redraws one line with '\r'; otherwise (logs, pipes) it prints a plain line every
 /// tenth of the way and at the end, so log files stay readable.
@@ -15249,11 +15244,6 @@ class progress_bar {
   [[nodiscard]] std::size_t steps() const noexcept { return step_; }
   /// Mean of the losses passed to step().
   [[nodiscard]] double mean_loss() const noexcept { return step_ ? loss_sum_ / static_cast<double>(step_) : 0.0; }
-  /// Samples per second since construction.
-  [[nodiscard]] double samples_per_second() const noexcept {
-    const double s = std::chrono::duration<double>(clock::now() - start_).count();
-    return s > 0 ? static_cast<double>(samples_) / s : 0.0;
-  }
   /// The line as drawn now ("label 120/469 [=====>    ] loss 0.4321 | 12345 samples/s | ETA 0:12").
   [[nodiscard]] std::string line() const { return render(clock::now()); }
 
@@ -15306,7 +15296,7 @@ class progress_bar {
 };
 
 }  // namespace ddp
-// ---- end <ddp/launch/progress.hpp>
+// ---- end <ddp/log/progress_bar.hpp>
 // ---- end <ddp/log.hpp>
 // ---- begin <ddp/launch.hpp>
 /// \file The launcher API (CMake target ddp::launch): ddp::launch::spawn runs a function in N forked

@@ -45,7 +45,7 @@ void train_steps(DP& dp, Opt& opt, int steps) {
     dp.zero_grad();
     auto& m = dp.module();
     {
-      auto whole = dp.unshard(m);  // full_shard: the tiny model's units are all gathered for this backward
+      auto whole = dp.unshard(m);  // full_shard: the tiny model's units are all unsharded for this backward
       for (auto* p : {&m.fc2.bias, &m.fc2.weight, &m.fc1.bias, &m.fc1.weight}) {
         for (std::size_t i = 0; i < p->numel(); ++i) {
           const auto x = static_cast<float>(i);
@@ -58,7 +58,7 @@ void train_steps(DP& dp, Opt& opt, int steps) {
   }
 }
 
-/// Every parameter value in visit order (gathered under full_shard).
+/// Every parameter value in visit order (unsharded under full_shard).
 template <class DP>
 std::vector<float> parameters_of(DP& dp) {
   std::vector<float> out;

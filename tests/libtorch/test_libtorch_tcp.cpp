@@ -59,7 +59,7 @@ TEST_CASE("torch::Tensor leaves: a rebinding moves the parameter's storage, so a
   REQUIRE(w.numel() == 0);
   REQUIRE_THROWS_AS(torch::nn::functional::linear(x, w), c10::Error);
   std::fill(first.begin(), first.end(), -7.0F);  // the forward's buffer now holds another unit
-  traits::adopt(w, second.data(), grads.data());  // gathered again for the backward, elsewhere
+  traits::adopt(w, second.data(), grads.data());  // unsharded again for the backward, elsewhere
   REQUIRE(w.numel() == 6);
   REQUIRE(w._version() == 0);  // no version bump: autograd raises no "modified by an inplace operation"
   y.sum().backward();

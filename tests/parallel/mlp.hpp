@@ -118,7 +118,7 @@ std::vector<float> layer_backward(Linear& l, const std::vector<float>& in, const
 }
 }  // namespace detail
 
-/// Scope of a layer's use when nothing needs gathering (one process, or parameters always whole).
+/// Scope of a layer's use when nothing needs unsharding (one process, or parameters always whole).
 struct no_scope {
   template <class Linear>
   int operator()(Linear&) const { return 0; }
@@ -126,7 +126,7 @@ struct no_scope {
 
 /// Forward and backward of loss = scale · Σ_samples ½‖f(x) − y‖², adding into the gradients; calls
 /// report(param) for each parameter as soon as its gradient is final (fc3.bias first). Each layer's
-/// forward and backward run inside `auto g = scope(layer)` (dp.gather under full_shard). Parameters
+/// forward and backward run inside `auto g = scope(layer)` (dp.unshard under full_shard). Parameters
 /// named in `skip` are not reported (a skipped bias gets no gradient either). Returns the loss.
 template <class Model, class Report, class Scope = no_scope>
 float forward_backward(Model& m, const batch& b, float scale, Report&& report, Scope&& scope = {},

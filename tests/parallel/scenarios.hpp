@@ -401,7 +401,7 @@ void check_full_shard_misuse(Comm comm) {
   ddp::data_parallel<mlp, Backend, ddp::full_shard> dp{model, comm};
   try {
     dp.gradient_ready(model.fc2.weight);
-    FAIL("full_shard accepted a gradient of an ungathered unit");
+    FAIL("full_shard accepted a gradient of a unit outside its unshard scope");
   } catch (const ddp::error& e) {
     INFO(e.what());
     REQUIRE(std::string(e.what()).find("dp.unshard(model.fc2)") != std::string::npos);

@@ -1,5 +1,5 @@
 // The optimizers against torch.optim (python3-torch): same initial values, same gradients, 5 steps;
-// values and every state slot must agree to |a − b| ≤ 1e-6·max(|b|, 1): the inputs are of order 1 and
+// values and every state array must agree to |a − b| ≤ 1e-6·max(|b|, 1): the inputs are of order 1 and
 // torch's vectorized kernels round differently (FMA), a few ulps of order-1 terms per step.
 #include <catch2/catch.hpp>
 
@@ -34,7 +34,7 @@ std::vector<std::vector<float>> read_rows(const std::string& path) {
   return rows;
 }
 
-/// Steps `opt` over one parameter and compares values and state slots with torch.optim's `kind` and `args`.
+/// Steps `opt` over one parameter and compares values and state arrays with torch.optim's `kind` and `args`.
 template <class Opt>
 void compare_with_torch(Opt opt, const std::string& kind, const std::string& args) {
   ddp_test::lcg g(7);
@@ -97,7 +97,7 @@ TEST_CASE("adamw matches torch.optim.AdamW (values, exp_avg, exp_avg_sq)", "[opt
                      "adamw", "lr=0.003 beta1=0.8 beta2=0.99 eps=1e-6 weight_decay=0");
 }
 
-TEST_CASE("optimizer state is named per parameter and slot and checks its layout", "[optim]") {
+TEST_CASE("optimizer state is named per parameter and state array and checks its layout", "[optim]") {
   ddp::parameter<float> a({3}), b({2, 2});
   const std::vector<ddp::optim::flat_buffer> buffers{
       {ddp::raw_tensor::of(a.value()), ddp::raw_tensor::of(a.grad()), {{"a", 0, 3, 0}}},

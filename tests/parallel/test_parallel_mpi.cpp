@@ -59,7 +59,7 @@ TEST_CASE("mpi shard_grad_op: sgd momentum and adamw equal one process", "[shard
   check_equivalence<mpi, tiny, ddp::shard_grad_op>(world(), optimizer_kind::adamw, 1e-5);
   check_equivalence<mpi, ddp::shard_grad_op>(world(), optimizer_kind::sgd_nesterov, 1e-5);
 }
-TEST_CASE("mpi full_shard: sgd momentum and adamw equal one process, gathering unit by unit", "[sharding]") {
+TEST_CASE("mpi full_shard: sgd momentum and adamw equal one process, unsharding unit by unit", "[sharding]") {
   check_equivalence<mpi, tiny, ddp::full_shard>(world(), optimizer_kind::sgd_momentum, 1e-5);
   check_equivalence<mpi, tiny, ddp::full_shard>(world(), optimizer_kind::adamw, 1e-5);
   check_equivalence<mpi, ddp::full_shard>(world(), optimizer_kind::sgd_nesterov, 1e-5);
@@ -77,7 +77,7 @@ TEST_CASE("mpi hybrid: 2x2 groups (1 per group at odd N) equal one process", "[s
                                                                 closeness::per_element,
                                                                   hybrid_groups<ddp::shard_grad_op>(comm.size()));
 }
-TEST_CASE("mpi full_shard: a gradient of an ungathered unit is misuse", "[sharding]") {
+TEST_CASE("mpi full_shard: a gradient of a unit outside its unshard scope is misuse", "[sharding]") {
   check_full_shard_misuse<mpi>(world());
 }
 TEST_CASE("mpi deterministic reduction: the bits of one process summing in rank order, every policy and bucket size",

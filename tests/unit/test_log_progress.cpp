@@ -1,5 +1,5 @@
-#include <ddp/launch/log.hpp>
-#include <ddp/launch/progress.hpp>
+#include <ddp/log/logger.hpp>
+#include <ddp/log/progress_bar.hpp>
 
 #include <cstdio>
 #include <cstdlib>

@@ -1,9 +1,9 @@
 #pragma once
 /// \file ddp::save / ddp::load: the full training state of a data_parallel model under any sharding policy
-/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<slot>"; the
+/// (parameters under their visited names, no `module.` prefix; optimizer state as "optim.<name>.<state>"; the
 /// step count in the metadata as "optim.step") in one safetensors file that PyTorch reads. Rank 0 writes
 /// atomically; the other ranks stream it the ranges they hold, one range at a time, so no rank ever holds the
-/// whole model gathered. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
+/// whole model unsharded. On loading rank 0 reads and verifies the file, then sends every rank the ranges it
 /// holds (a broadcast where every rank holds the whole tensor). ddp::save_sharded / ddp::load_sharded
 /// (<ddp/checkpoint/sharded.hpp>, included here) write a part per rank instead.
 

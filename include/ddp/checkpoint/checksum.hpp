@@ -7,35 +7,14 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <span>
-#include <string>
 #include <string_view>
+
+#include <ddp/core/detail/hash.hpp>
 
 namespace ddp::detail {
 
-/// FNV-1a's offset basis: the checksum of nothing.
-inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ULL;
 /// What a sealed text holds in place of its checksum's digits while the checksum is taken.
 inline constexpr std::string_view unsealed_digits = "0000000000000000";
-
-/// 64-bit FNV-1a of `data`, continued from `h`.
-inline std::uint64_t fnv1a(std::span<const std::byte> data, std::uint64_t h = fnv1a_basis) noexcept {
-  for (const std::byte b : data) h = (h ^ static_cast<std::uint8_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
-/// 64-bit FNV-1a of the characters of `text`, continued from `h`.
-inline std::uint64_t fnv1a(std::string_view text, std::uint64_t h = fnv1a_basis) noexcept {
-  return fnv1a(std::as_bytes(std::span(text.data(), text.size())), h);
-}
-
-/// `v` as 16 lower-case hex digits.
-inline std::string hex(std::uint64_t v) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = digits[v & 0xf];
-  return s;
-}
 
 /// Where the 16 checksum digits of the sealed `text` start: right after `marker`, which must occur exactly once
 /// and be followed by 16 characters and a closing quote. npos when the text is not sealed that way.

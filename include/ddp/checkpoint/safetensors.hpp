@@ -4,7 +4,7 @@
 /// data. ddp adds `__metadata__` entries "ddp.format" ("2") and "ddp.checksum": the checksum of the whole file
 /// (<ddp/checkpoint/checksum.hpp>: length, header and data, the checksum's own digits counted as '0'), verified on
 /// reading; files of format "1" carry a checksum of the data section only, still verified. Writes are atomic
-/// (<ddp/checkpoint/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
+/// (<ddp/io/atomic_file.hpp>): a claimed temporary is written, flushed, renamed over `path`, and the
 /// directory is flushed; stale temporaries of killed saves to `path` are removed first.
 
 #include <algorithm>
@@ -28,10 +28,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include <ddp/checkpoint/atomic_file.hpp>
 #include <ddp/checkpoint/checksum.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/io/atomic_file.hpp>
 
 namespace ddp::safetensors {
 

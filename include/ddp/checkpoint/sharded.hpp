@@ -3,7 +3,7 @@
 /// rank (the ranges of the tensors that rank holds, each under "<tensor>[<first>:<end>]" with flattened element
 /// offsets) and a `manifest.json` by rank 0 (world size, every tensor's dtype and shape, which part holds which
 /// ranges, each part's checksum, the metadata, and its own checksum). The directory is written under a temporary
-/// name that rank 0 claims (<ddp/checkpoint/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
+/// name that rank 0 claims (<ddp/io/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
 #include <cerrno>
@@ -25,13 +25,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include <ddp/checkpoint/atomic_file.hpp>
 #include <ddp/checkpoint/checksum.hpp>
 #include <ddp/checkpoint/safetensors.hpp>
 #include <ddp/checkpoint/state.hpp>
 #include <ddp/comm/object.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/io/atomic_file.hpp>
 
 namespace ddp {
 

@@ -1,6 +1,6 @@
 #pragma once
 /// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
-/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<slot>"), the pieces of
+/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<state>"), the pieces of
 /// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
@@ -145,7 +145,7 @@ training_state collect_state(DP& dp, Opt* opt) {
     for (const auto& d : rank_pieces)
       if (const auto it = index.find(d.name); it != index.end()) st.tensors[it->second].type = d.type;
 
-  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then slot.
+  // Optimizer state tensors: the union of every rank's names, ordered by parameter, then state array.
   std::map<std::pair<std::size_t, std::string>, safetensors::tensor_header> state;
   std::map<std::string, std::size_t> extent;  // elements of each state tensor: the end of its last piece
   for (const auto& rank_pieces : everyone)
@@ -153,7 +153,7 @@ training_state collect_state(DP& dp, Opt* opt) {
       if (!d.name.starts_with("optim.")) continue;
       extent[d.name] = std::max<std::size_t>(extent[d.name], d.start + d.numel);
       const std::string state_name = d.name.substr(6);
-      const auto dot = state_name.rfind('.');  // "<parameter>.<slot>": the state takes the parameter's shape
+      const auto dot = state_name.rfind('.');  // "<parameter>.<state>": the state takes the parameter's shape
       const auto it = dot == std::string::npos ? index.end() : index.find(state_name.substr(0, dot));
       state[{it == index.end() ? st.parameters : it->second, d.name}] = {d.name, d.type, {}};
     }

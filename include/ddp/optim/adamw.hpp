@@ -15,7 +15,7 @@ namespace ddp::optim {
 
 /// AdamW as torch.optim.AdamW (amsgrad off): p ·= 1 − lr·wd; m += (1 − β1)·(g − m);
 /// v = β2·v + (1 − β2)·g²; p −= lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε).
-/// State slots: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
+/// State arrays: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
 class adamw : public detail::flat_state {
  public:
   /// Hyper-parameters, named as in PyTorch.
@@ -41,12 +41,12 @@ class adamw : public detail::flat_state {
     const auto t = static_cast<double>(steps_ + 1);
     const double correction1 = 1 - std::pow(opt_.beta1, t);
     const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
       const T decay = static_cast<T>(1 - opt_.lr * opt_.weight_decay);
       const T b1 = static_cast<T>(opt_.beta1), b2 = static_cast<T>(opt_.beta2);
       const T step_size = static_cast<T>(opt_.lr / correction1);
       const T c2 = static_cast<T>(correction2_sqrt), eps = static_cast<T>(opt_.eps);
-      std::span<T> m = slots[0], v = slots[1];
+      std::span<T> m = arrays[0], v = arrays[1];
       for (std::size_t i = 0; i < p.size(); ++i) {
         p[i] *= decay;
         m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5

@@ -1,6 +1,6 @@
 #pragma once
 /// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
-/// optimizer state kept per flat buffer and exposed per parameter and slot (for checkpoints).
+/// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
 
 #include <concepts>
 #include <cstddef>
@@ -50,20 +50,20 @@ struct optimizer_traits {};
 
 namespace detail {
 
-/// Optimizer state: per flat buffer, one array per slot ("momentum_buffer", "exp_avg", ...) of the buffer's
+/// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
 /// dtype and length, zero when created; plus the number of steps taken.
 class flat_state {
  public:
-  /// `slots` names the per-element state arrays (possibly none).
-  explicit flat_state(std::vector<std::string_view> slots) : slot_names_(std::move(slots)) {}
+  /// `names` names the per-element state arrays (possibly none).
+  explicit flat_state(std::vector<std::string_view> names) : array_names_(std::move(names)) {}
 
   /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
   void attach(std::span<const flat_buffer> buffers) {
     if (layout_.empty() && state_.empty()) {
       for (const auto& b : buffers) {
         layout_.push_back(b);
-        auto& slots = state_.emplace_back();
-        for (std::size_t s = 0; s < slot_names_.size(); ++s) slots.emplace_back(b.values.bytes(), std::byte{0});
+        auto& arrays = state_.emplace_back();
+        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.emplace_back(b.values.bytes(), std::byte{0});
       }
       return;
     }
@@ -78,7 +78,7 @@ class flat_state {
                            std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
   }
 
-  /// Calls `f(name, view)` for every parameter and slot ("fc1.weight.exp_avg"); views are writable, so
+  /// Calls `f(name, view)` for every parameter and state array ("fc1.weight.exp_avg"); views are writable, so
   /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
   /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
   /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
@@ -86,14 +86,14 @@ class flat_state {
   void for_each_state(F&& f) {
     for (std::size_t i = 0; i < layout_.size(); ++i)
       for (const auto& seg : layout_[i].segments)
-        for (std::size_t s = 0; s < slot_names_.size(); ++s) {
+        for (std::size_t s = 0; s < array_names_.size(); ++s) {
           const std::size_t width = size_of(layout_[i].values.type);
           const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
                                 layout_[i].values.where};
           if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
-            f(seg.name + "." + std::string(slot_names_[s]), view, seg);
+            f(seg.name + "." + std::string(array_names_[s]), view, seg);
           else
-            f(seg.name + "." + std::string(slot_names_[s]), view);
+            f(seg.name + "." + std::string(array_names_[s]), view);
         }
   }
 
@@ -103,7 +103,7 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `kernel(values, grads, slots...)` with typed spans for every buffer, after attach().
+  /// Runs `kernel(values, grads, arrays)` with typed spans for every buffer, after attach().
   template <class Kernel>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
     attach(buffers);
@@ -116,10 +116,10 @@ class flat_state {
         throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
                            " differ in dtype or length; pass matching spans");
       auto run = [&]<class T>(T*) {
-        std::vector<std::span<T>> slots;
-        for (auto& s : state_[i]) slots.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
+        std::vector<std::span<T>> arrays;
+        for (auto& s : state_[i]) arrays.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
         kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
-               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(slots));
+               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(arrays));
       };
       if (b.values.type == dtype::f32)
         run(static_cast<float*>(nullptr));
@@ -135,9 +135,9 @@ class flat_state {
   std::uint64_t steps_ = 0;  ///< steps taken
 
  private:
-  std::vector<std::string_view> slot_names_;
+  std::vector<std::string_view> array_names_;
   std::vector<flat_buffer> layout_;
-  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][slot] bytes
+  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][state array] bytes
 };
 
 }  // namespace detail

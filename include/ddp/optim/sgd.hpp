@@ -14,7 +14,7 @@ namespace ddp::optim {
 
 /// SGD as torch.optim.SGD: g = grad + wd·p; with momentum, buf = g on the first step, else
 /// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
-/// State slot: "momentum_buffer" (only when momentum ≠ 0).
+/// State array: "momentum_buffer" (only when momentum ≠ 0).
 class sgd : public detail::flat_state {
  public:
   /// Hyper-parameters, named as in PyTorch.
@@ -42,14 +42,14 @@ class sgd : public detail::flat_state {
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
     const bool first = steps_ == 0;
-    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto slots) {
+    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
       const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
       const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
       for (std::size_t i = 0; i < p.size(); ++i) {
         T d = g[i];
         if (opt_.weight_decay != 0) d += wd * p[i];
         if (opt_.momentum != 0) {
-          T& buf = slots[0][i];
+          T& buf = arrays[0][i];
           buf = first ? d : mu * buf + keep * d;
           d = opt_.nesterov ? d + mu * buf : buf;
         }

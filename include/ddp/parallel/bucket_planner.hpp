@@ -29,7 +29,7 @@ struct bucket {
 };
 
 /// Where a bucket may begin: anywhere in its arena (replicate), or never across the start of a unit (the
-/// sharded strategies, so that unsharding a unit gathers whole buckets).
+/// sharded strategies, so that unsharding a unit all-gathers whole buckets).
 enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
 /// The buckets of a layout in launch order, and for every slot the buckets it overlaps.

@@ -49,13 +49,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     this->release_arena_values();
   }
 
-  /// Unshards the units (gathering, or waiting for a prefetch) and gives them gradient storage, then
+  /// Unshards the units (all-gathering them, or waiting for a prefetch) and gives them gradient storage, then
   /// prefetches the next unit in the direction of travel. Collective over the shard group, in the same order
   /// on every rank. In the first step it records the order in which units are first opened.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) {
       if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
-      if (this->state().unit(u).values == unit_phase::unsharding) this->gathered(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->unsharded(u);
       this->open_scope(u);
       if (!recorded_ && position_[u] == unrecorded) {
         position_[u] = order_.size();
@@ -77,7 +77,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
   }
   /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
-  /// unit still held is gathered again in place; then the pooled buffers this step did not need are freed.
+  /// unit still held is unsharded again in place; then the pooled buffers this step did not need are freed.
   void after_step() {
     recorded_ = true;  // the execution order of the first step is known
     for (std::size_t u = 0; u < this->state().units(); ++u) {
@@ -102,7 +102,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
       reshard(u);
     }
     std::vector<work> works;
-    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
     this->arena_holds_values();
   }
@@ -129,14 +129,14 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   /// sharded → unsharding: a pooled buffer and the all-gathers of the unit's buckets into it.
   void unshard(std::size_t u) {
     this->take_values(u);
-    std::vector<work> gathers;
-    for (const std::size_t b : this->state().unit_buckets(u)) gathers.push_back(this->gather_bucket(b));
-    this->state().unshard(u, std::move(gathers));
+    std::vector<work> all_gathers;
+    for (const std::size_t b : this->state().unit_buckets(u)) all_gathers.push_back(this->all_gather_bucket(b));
+    this->state().unshard(u, std::move(all_gathers));
   }
   void prefetch(std::size_t u) {
     if (this->state().unit(u).values == unit_phase::sharded) unshard(u);
   }
-  /// → sharded: waits for gathers in flight, gives the values buffer back.
+  /// → sharded: waits for all-gathers in flight, gives the values buffer back.
   void reshard(std::size_t u) {
     if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
     if (this->state().unit(u).values == unit_phase::unsharded) {
@@ -146,7 +146,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
 
   bool reshard_ = true;
-  std::optional<std::size_t> last_;  // the unit gathered last (direction of travel)
+  std::optional<std::size_t> last_;  // the unit unsharded last (direction of travel)
   std::vector<std::size_t> order_;   // units in the order the first step's scopes first opened them
   std::vector<std::size_t> position_ = std::vector<std::size_t>(this->state().units(), unrecorded);  // in order_
   bool recorded_ = false;            // the first step is over: order_ is the execution order

@@ -21,8 +21,6 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
-  /// True when the leaf's framework reports its gradients (watch), as autograd does.
-  [[nodiscard]] virtual bool watches() const noexcept = 0;
   /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
   virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
@@ -54,7 +52,6 @@ class leaf_binding_of final : public leaf_binding {
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
-  [[nodiscard]] bool watches() const noexcept override { return watching_leaf<T>; }
 
   void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));

@@ -8,7 +8,7 @@
 /// A step under mixed_precision<bf16, f32>: the backward writes bf16 gradients; each bucket is widened to f32 and
 /// reduced in f32 into the f32 owned gradients, which are the master gradients; the optimizer steps the f32
 /// master values (its state is f32); the masters are narrowed into the bf16 owned values, which the strategy
-/// then gathers as it does without mixed precision. Under mixed_precision<bf16, bf16> the reduction runs on the
+/// then all-gathers as it does without mixed precision. Under mixed_precision<bf16, bf16> the reduction runs on the
 /// bf16 gradients themselves and the reduced owned gradients are widened into f32 master gradients.
 
 #include <cstddef>

@@ -26,9 +26,9 @@ constexpr bool ordered_sum_needed(int n) noexcept { return n > 2; }
 /// Scratch of one group's deterministic reductions, one buffer per key (a bucket), kept across steps.
 class ordered_reduction {
  public:
-  /// Starts gathering every rank's `part` into key's scratch (the all-reduce of `part`).
+  /// Starts all-gathering every rank's `part` into key's scratch (the all-reduce of `part`).
   template <class Comm>
-  work gather_all(Comm& comm, std::size_t key, const raw_tensor& part) {
+  work all_gather_part(Comm& comm, std::size_t key, const raw_tensor& part) {
     return comm.all_gather(part, scratch(key, part, static_cast<std::size_t>(comm.size())));
   }
   /// Starts sending block j of `whole` to rank j, into key's scratch (the reduce-scatter of `whole`).

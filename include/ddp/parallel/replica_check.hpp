@@ -17,27 +17,17 @@
 
 #include <ddp/comm/object.hpp>
 #include <ddp/core/dtype.hpp>
+#include <ddp/core/detail/hash.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
 
 namespace ddp::detail {
 
-inline constexpr std::uint64_t fnv_offset = 14695981039346656037ULL;
-
-/// FNV-1a over `bytes`, continuing from `h`.
-inline std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) noexcept {
-  for (const std::byte b : bytes) h = (h ^ static_cast<std::uint64_t>(b)) * 1099511628211ULL;
-  return h;
-}
-
 /// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
 inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
-  std::uint64_t h = fnv_offset;
-  for (const auto& d : descriptions) {
-    h = fnv1a(h, std::as_bytes(std::span(d)));
-    h = fnv1a(h, std::as_bytes(std::span("\n", 1)));
-  }
+  std::uint64_t h = fnv1a_basis;
+  for (const auto& d : descriptions) h = fnv1a("\n", fnv1a(d, h));
   return h;
 }
 
@@ -73,8 +63,7 @@ inline replica_digest digest_full(const parameter_layout& layout) {
   replica_digest d;
   for (const auto& slot : layout.slots()) {
     const std::size_t w = size_of(slot.type);
-    d.hashes.push_back(fnv1a(fnv_offset, std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w,
-                                                   slot.numel * w)));
+    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
   }
   return d;
 }
@@ -85,7 +74,7 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
                                    int peers) {
   replica_digest d;
   d.peers = peers;
-  d.hashes.assign(layout.slots().size(), fnv_offset);
+  d.hashes.assign(layout.slots().size(), fnv1a_basis);
   std::unordered_map<std::string_view, std::size_t> slot_of;
   for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
   for (const auto& b : owned) {
@@ -93,7 +82,7 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
     const std::size_t w = size_of(b.values.type);
     for (const auto& seg : b.segments) {
       auto& h = d.hashes[slot_of.at(seg.name)];
-      h = fnv1a(h, std::span(values + seg.offset * w, seg.numel * w));
+      h = fnv1a(std::span(values + seg.offset * w, seg.numel * w), h);
     }
   }
   return d;
@@ -124,8 +113,8 @@ inline std::string describe_disagreement(const std::vector<std::vector<std::uint
 /// where some peers differ, and those peers' ranks grouped by value.
 template <class Comm, class NameOf>
 void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
-  std::uint64_t combined = fnv_offset;
-  for (const std::uint64_t h : mine.hashes) combined = fnv1a(combined, std::as_bytes(std::span(&h, 1)));
+  std::uint64_t combined = fnv1a_basis;
+  for (const std::uint64_t h : mine.hashes) combined = fnv1a(std::as_bytes(std::span(&h, 1)), combined);
   const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
   const auto n = static_cast<std::size_t>(comm.size());
   std::vector<std::int64_t> words(2 * n);

@@ -57,7 +57,7 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-    state_.launch(b, in_rank_order_ ? ordered_.gather_all(comm_, b, gradients(b, true).grads)
+    state_.launch(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
                                     : hook.launch(gradients(b, true)));
   }
   /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
@@ -74,7 +74,7 @@ struct strategy<replicate, Comm> {
   }
   /// What the optimizer steps over: the whole arenas.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
-  /// Nothing to re-gather after the step.
+  /// Nothing to all-gather after the step.
   void after_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
@@ -103,8 +103,8 @@ struct strategy<replicate, Comm> {
   reduce_staging staging_;  // mixed precision: the gradients in the reduce dtype, where the optimizer finds them
   std::vector<optim::flat_buffer> buffers_;
   bool deterministic_;
-  bool in_rank_order_;         // deterministic with more than two ranks: gather, then sum in rank order
-  ordered_reduction ordered_;  // deterministic: each bucket's gathered gradients
+  bool in_rank_order_;         // deterministic with more than two ranks: all-gather, then sum in rank order
+  ordered_reduction ordered_;  // deterministic: each bucket's all-gathered gradients
 };
 
 static_assert(sharding_strategy<strategy<replicate, archetype_communicator>, archetype_communicator, replicate>,

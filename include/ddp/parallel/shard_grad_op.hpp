@@ -40,7 +40,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   /// gradient buffers this step did not need.
   void after_step() {
     std::vector<work> works;
-    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->gather_bucket(b));
+    for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
     this->trim_pools();
   }

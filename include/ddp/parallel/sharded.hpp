@@ -79,7 +79,7 @@ struct shard_bucket {
 };
 /// Unit `u`'s pooled buffers (unit_pool ids), or no_buffer.
 struct unit_buffers {
-  std::size_t values = no_buffer;  ///< full_shard: its gathered values
+  std::size_t values = no_buffer;  ///< full_shard: its unsharded values
   std::size_t grads = no_buffer;   ///< its full gradients
 };
 
@@ -130,7 +130,7 @@ class sharded_core {
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
-  /// Points every parameter back at the arenas, copying the values of gathered units there, so the layout can
+  /// Points every parameter back at the arenas, copying the values of unsharded units there, so the layout can
   /// hand the model its values (the owner settled the operations in flight first). Local: no collective.
   ~sharded_core() {
     arena_values_ = true;  // the model keeps what the arenas hold (zeros where unshard_model() did not run)
@@ -153,7 +153,7 @@ class sharded_core {
   void on_report(std::size_t slot) {
     const auto& s = layout_.slots()[slot];
     if (state_.unit(s.unit).grads == grad_phase::released)
-      throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside a gather "
+      throw error(std::string(policy_) + ": parameter '" + s.name + "' reported a gradient outside an unshard "
                       "scope of its unit '" + layout_.units()[s.unit] + "' (the sharded strategies give a unit its "
                       "gradient storage, and under full_shard its values, only while a scope holds it); wrap the "
                       "unit's forward and backward in auto g = dp.unshard(model." + layout_.units()[s.unit] + "), or, "
@@ -252,14 +252,14 @@ class sharded_core {
     if (state_.close_scope(u) && state_.unit(u).grads == grad_phase::held) release_gradients(u);
   }
 
-  /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until gathered).
+  /// Unit `u`'s values live in a pooled buffer from now on (its contents are unspecified until unsharded).
   void take_values(std::size_t u) {
     if (pooled_[u].values != no_buffer) return;
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
   /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
-  void gathered(std::size_t u) {
+  void unsharded(std::size_t u) {
     state_.unsharded(u);
     bind_unit(u);
   }
@@ -272,7 +272,7 @@ class sharded_core {
   }
   /// Starts refilling bucket `b`'s full values (in the unit's pooled buffer, else in the arena) from every
   /// rank's owned block.
-  work gather_bucket(std::size_t b) {
+  work all_gather_bucket(std::size_t b) {
     return shard_.all_gather(owned_values(b), value_view(b));
   }
   /// Frees the pooled buffers the last step did not need (every idle one unless keep_unit_buffers).
@@ -305,7 +305,7 @@ class sharded_core {
     return out;
   }
   /// Points unit `u`'s parameters at its pooled buffers, or at their arena places where it has none; under
-  /// full_shard they are vacated (leaf_binding::rebind) until the unit's values are gathered.
+  /// full_shard they are vacated (leaf_binding::rebind) until the unit is unsharded.
   void bind_unit(std::size_t u) {
     const bool present = arena_values_ || (pooled_[u].values != no_buffer && state_.unit(u).values == unit_phase::unsharded);
     for (const std::size_t s : unit_slots_[u]) {
@@ -353,7 +353,7 @@ class sharded_core {
   void chain(std::size_t b) {
     if (deterministic_) {
       scattered_.average_into(b, output(b), shard_.size());
-      state_.chain(b, replicated_.gather_all(*replica_, b, output(b)));
+      state_.chain(b, replicated_.all_gather_part(*replica_, b, output(b)));
     } else {
       state_.chain(b, replica_->all_reduce(output(b), reduce_op::avg));
     }
@@ -395,7 +395,7 @@ class sharded_core {
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
     return shard_view(own_grads_, b, layout_.arenas()[plan_.buckets[b].arena].reduce_type);
   }
-  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose gather is then in place),
+  /// Bucket `b`'s owned values: its block of the value arena (shard_grad_op, whose all-gather is then in place),
   /// else the persistent copy (full_shard, whose arena holds no values).
   [[nodiscard]] raw_tensor owned_values(std::size_t b) const {
     const auto& a = layout_.arenas()[plan_.buckets[b].arena];
@@ -427,7 +427,7 @@ class sharded_core {
   std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
   std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena
   std::vector<unit_buffers> pooled_;                    // per unit: its pooled buffers
-  unit_pool values_pool_;                               // full_shard's gathered units
+  unit_pool values_pool_;                               // full_shard's unsharded units
   unit_pool grads_pool_;                                // the units' full gradients
   std::size_t chained_ = 0;                             // hybrid: buckets chained in this step (a prefix)
   const char* policy_;                                  // the strategy's name, for messages

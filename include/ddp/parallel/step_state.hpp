@@ -80,7 +80,7 @@ struct unit_record {
   unit_phase values = unit_phase::unsharded;     ///< its parameter values
   grad_phase grads = grad_phase::released;       ///< its full-gradient storage
   int scopes = 0;                                ///< open unshard scopes on it
-  std::vector<work> gathers;                     ///< unsharding: its buckets' all-gathers
+  std::vector<work> all_gathers;                 ///< unsharding: its buckets' all-gathers
 };
 
 /// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
@@ -109,7 +109,7 @@ class step_state {
       quietly(b.average);
     }
     for (auto& u : units_)
-      for (auto& w : u.gathers) quietly(w);
+      for (auto& w : u.all_gathers) quietly(w);
   }
 
   // ---- the step ----
@@ -234,15 +234,15 @@ class step_state {
     return --units_[u].scopes == 0;
   }
   /// sharded → unsharding with its all-gathers `gathers` in flight.
-  void unshard(std::size_t u, std::vector<work> gathers) {
+  void unshard(std::size_t u, std::vector<work> all_gathers) {
     move_unit(u, unit_phase::unsharding, unit_phase::sharded);
-    units_[u].gathers = std::move(gathers);
+    units_[u].all_gathers = std::move(all_gathers);
   }
   /// unsharding → unsharded, waiting for its all-gathers.
   void unsharded(std::size_t u) {
     move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
-    wait_all(units_[u].gathers);
-    units_[u].gathers.clear();
+    wait_all(units_[u].all_gathers);
+    units_[u].all_gathers.clear();
   }
   /// unsharded → sharded: the full values are freed.
   void reshard(std::size_t u) { move_unit(u, unit_phase::sharded, unit_phase::unsharded); }
@@ -262,7 +262,7 @@ class step_state {
   }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
-                "support (report with the sequence of gradient_ready, gather, no_sync, finish_gradients and step "
+                "support (report with the sequence of gradient_ready, unshard, no_sync, finish_gradients and step "
                 "calls that led here)", rank_);
   }
   void expect_step(bool ok, const char* action, const char* expected) const {

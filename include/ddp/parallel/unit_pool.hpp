@@ -1,9 +1,9 @@
 #pragma once
 /// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
-/// (full_shard's gather buffers, the sharded strategies' gradient buffers). A unit takes the smallest idle
+/// (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes the smallest idle
 /// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
 /// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after a gather of the whole model, say), or every idle buffer.
+/// not need (after unsharding the whole model, say), or every idle buffer.
 
 #include <cstddef>
 #include <cstdint>

@@ -6,7 +6,7 @@
 /// gradients (and under full_shard the model's parameters are empty tensors outside a unit's forward and
 /// backward), so the optimizer must step those: ddp::parameters(dp) gives one flat 1-D tensor per block (values over ddp's
 /// owned values, `.grad` over the owned gradients), and dp.step(opt) all-gathers the updated blocks into the
-/// model afterwards (full_shard: the next forward gathers them). Optimizer state is then sharded with the blocks. Element-wise optimizers (SGD, Adam,
+/// model afterwards (full_shard: the next forward unshards them). Optimizer state is then sharded with the blocks. Element-wise optimizers (SGD, Adam,
 /// AdamW, RMSprop, Adagrad) step flat blocks exactly as the parameters; per-parameter groups and options are
 /// not kept (one group). The tensors refer to the wrapper's memory: make the optimizer after the wrapper and
 /// drop it first; zero gradients with dp.zero_grad(), not opt.zero_grad().

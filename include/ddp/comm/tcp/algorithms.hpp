@@ -83,21 +83,21 @@ inline void ring_all_gather(channel& ch, char* out, const chunking& L, bool post
   ch.flush();
 }
 
-/// Receives one block of `bytes` from every other rank into slot p of `slots` (stride `bytes`).
-inline void recv_from_each(channel& ch, char* slots, std::size_t stride, std::size_t bytes) {
+/// Receives one block of `bytes` from every other rank into block p of `blocks` (stride `bytes`).
+inline void recv_from_each(channel& ch, char* blocks, std::size_t stride, std::size_t bytes) {
   thread_local std::vector<recv_part> parts;
   parts.clear();
   for (int p = 0; p < ch.size(); ++p)
-    if (p != ch.rank()) parts.push_back({p, slots + static_cast<std::size_t>(p) * stride, bytes});
+    if (p != ch.rank()) parts.push_back({p, blocks + static_cast<std::size_t>(p) * stride, bytes});
   ch.recv_all(parts);
 }
 
-/// dst = block 0 (op) block 1 (op) ... in rank order over `slots` (stride `bytes`), after copying
-/// `own_data` into slot `own`: every rank computes the same bits.
-inline void reduce_in_rank_order(channel& ch, char* dst, char* slots, std::size_t bytes, int own,
+/// dst = block 0 (op) block 1 (op) ... in rank order over `blocks` (stride `bytes`), after copying
+/// `own_data` into block `own`: every rank computes the same bits.
+inline void reduce_in_rank_order(channel& ch, char* dst, char* blocks, std::size_t bytes, int own,
                                  const char* own_data) {
   const auto& c = ch.what();
-  const auto block = [&](int p) { return slots + static_cast<std::size_t>(p) * bytes; };
+  const auto block = [&](int p) { return blocks + static_cast<std::size_t>(p) * bytes; };
   std::memcpy(block(own), own_data, bytes);
   const std::size_t n_elems = bytes / size_of(c.type);
   if (ch.size() == 1) {
@@ -116,12 +116,12 @@ inline void all_reduce(channel& ch) {
   const std::size_t bytes = c.count * size_of(c.type);
   if (n == 1 || bytes == 0) return finish_avg_bytes(c.type, buf, c.count, c.op, n);
   if (bytes <= direct_limit) {
-    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    char* blocks = ch.scratch(1, bytes * static_cast<std::size_t>(n));
     for (int p = 0; p < n; ++p)
       if (p != ch.rank()) ch.send(p, buf, bytes);
-    recv_from_each(ch, slots, bytes, bytes);
+    recv_from_each(ch, blocks, bytes, bytes);
     ch.flush();
-    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+    return reduce_in_rank_order(ch, buf, blocks, bytes, ch.rank(), buf);
   }
   const chunking L{c.count, n, size_of(c.type)};
   ring_reduce_scatter(ch, buf, buf, buf + L.offset(ch.rank()), L, true);
@@ -141,12 +141,12 @@ inline void reduce_scatter(channel& ch) {
     return;
   }
   if (block <= direct_limit) {
-    char* slots = ch.scratch(1, block * static_cast<std::size_t>(n));
+    char* received = ch.scratch(1, block * static_cast<std::size_t>(n));
     for (int p = 0; p < n; ++p)
       if (p != ch.rank()) ch.send(p, in + static_cast<std::size_t>(p) * block, block);
-    recv_from_each(ch, slots, block, block);
+    recv_from_each(ch, received, block, block);
     ch.flush();
-    return reduce_in_rank_order(ch, out, slots, block, ch.rank(), in + static_cast<std::size_t>(ch.rank()) * block);
+    return reduce_in_rank_order(ch, out, received, block, ch.rank(), in + static_cast<std::size_t>(ch.rank()) * block);
   }
   const chunking L{c.count * static_cast<std::size_t>(n), n, es};
   ring_reduce_scatter(ch, in, ch.scratch(1, block * static_cast<std::size_t>(n)), out, L, false);
@@ -210,9 +210,9 @@ inline void reduce(channel& ch) {
       ch.send(c.root, buf, bytes);
       return ch.flush();
     }
-    char* slots = ch.scratch(1, bytes * static_cast<std::size_t>(n));
-    recv_from_each(ch, slots, bytes, bytes);
-    return reduce_in_rank_order(ch, buf, slots, bytes, ch.rank(), buf);
+    char* received = ch.scratch(1, bytes * static_cast<std::size_t>(n));
+    recv_from_each(ch, received, bytes, bytes);
+    return reduce_in_rank_order(ch, buf, received, bytes, ch.rank(), buf);
   }
   // Chain towards the root: position n-1 starts, each rank adds its part and forwards, the root ends.
   const int v = wrap(ch.rank() - c.root, n);

@@ -65,7 +65,7 @@ class engine : peer_io {
   }
 
   /// Hands the connected mesh sockets and what this rank may read of each peer's memory (both indexed by
-  /// world rank; own slot empty) to the engine thread, with the job's shared-memory segment and point-to-point
+  /// world rank; own entry empty) to the engine thread, with the job's shared-memory segment and point-to-point
   /// rings (null: none).
   void attach(std::vector<socket_fd> sockets, std::vector<peer_memory> memory, std::shared_ptr<shm_world> world,
               std::unique_ptr<shm_rings> rings) {

@@ -90,9 +90,6 @@ class frame_writer {
     return clean;
   }
 
-  /// True when the stream stands between frames (nothing half written).
-  [[nodiscard]] bool at_boundary() const { return !pending() || queue_[head_].sent == 0; }
-
  private:
   void clear() {
     queue_.clear();

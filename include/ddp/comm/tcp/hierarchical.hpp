@@ -179,7 +179,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
   char* sum = lead ? e.scratch(0, n * block) : nullptr;  // this host's partial sums of every block
   // Per other host j, its partial sums of this host's blocks; then the results, in `local` order.
   char* parts_in = lead ? e.scratch(1, static_cast<std::size_t>(p.hosts()) * here * block) : nullptr;
-  const auto slot = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
+  const auto part = [&](int j, std::size_t i) { return parts_in + (static_cast<std::size_t>(j) * here + i) * block; };
   call step = partial_step(c);
   step.root = 0;  // the lead, in `local`
   step.count = c.count * n;
@@ -197,7 +197,7 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
       for (std::size_t i = 0; i < here; ++i) {  // one frame from each other lead per block of this host
         parts.clear();
         for (int j = 0; j < p.hosts(); ++j)
-          if (j != p.host()) parts.push_back({j, slot(j, i), block});
+          if (j != p.host()) parts.push_back({j, part(j, i), block});
         ch.recv_all(parts);
       }
       ch.flush();
@@ -205,14 +205,14 @@ inline void hierarchical_reduce_scatter(engine& e, call& c, host_plan& p) {
     const int me = p.host();
     for (std::size_t i = 0; i < here; ++i) {
       const char* own = sum + static_cast<std::size_t>(p.local[i]) * block;
-      reduce_ranks(step, slot(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : slot(j, i); });
+      reduce_ranks(step, part(me, i), p.hosts(), c.count, [&](int j) { return j == me ? own : part(j, i); });
     }
   }
-  step.in = lead ? slot(p.host(), 0) : nullptr;
+  step.in = lead ? part(p.host(), 0) : nullptr;
   step.out = c.out;
   step.op = c.op;  // no arithmetic: the description says avg, so a host's ranks calling avg and sum differ
   if (p.shm) on_this_host(e, step, p, [](shm_channel& ch) { shm_scatter(ch); });
-  else std::memcpy(c.out, slot(p.host(), 0), block);
+  else std::memcpy(c.out, part(p.host(), 0), block);
   finish_avg_bytes(c.type, c.out, c.count, c.op, c.grp->size());
 }
 

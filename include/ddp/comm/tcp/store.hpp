@@ -135,11 +135,11 @@ class store_book {
   void add(store_session& s, const std::string& key, const std::uint8_t* value) {
     std::uint64_t delta = 0, now = 0;
     std::memcpy(&delta, value, 8);
-    auto& slot = data_[key];
-    if (slot.size() == 8) std::memcpy(&now, slot.data(), 8);
+    auto& stored = data_[key];
+    if (stored.size() == 8) std::memcpy(&now, stored.data(), 8);
     now += delta;  // unsigned: wraps like two's complement instead of overflowing a signed integer
-    slot.resize(8);
-    std::memcpy(slot.data(), &now, 8);
+    stored.resize(8);
+    std::memcpy(stored.data(), &now, 8);
     append(s, &now, 8);
   }
 

@@ -21,11 +21,11 @@
 #include <thread>
 #include <vector>
 
-#include <ddp/checkpoint/atomic_file.hpp>
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/io/atomic_file.hpp>
 
 namespace ddp::tcp::detail {
 

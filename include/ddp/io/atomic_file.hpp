@@ -1,5 +1,6 @@
 #pragma once
-/// \file Atomic replacement of a checkpoint file or directory, and removal of what killed saves left behind.
+/// \file Atomic replacement of a file or directory (checkpoints, the file:// rendezvous file), and removal of what
+/// killed saves left behind.
 ///
 /// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
 /// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
@@ -29,7 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <ddp/checkpoint/checksum.hpp>
+#include <ddp/core/detail/hash.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::detail {

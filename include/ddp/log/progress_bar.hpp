@@ -60,11 +60,6 @@ class progress_bar {
   [[nodiscard]] std::size_t steps() const noexcept { return step_; }
   /// Mean of the losses passed to step().
   [[nodiscard]] double mean_loss() const noexcept { return step_ ? loss_sum_ / static_cast<double>(step_) : 0.0; }
-  /// Samples per second since construction.
-  [[nodiscard]] double samples_per_second() const noexcept {
-    const double s = std::chrono::duration<double>(clock::now() - start_).count();
-    return s > 0 ? static_cast<double>(samples_) / s : 0.0;
-  }
   /// The line as drawn now ("label 120/469 [=====>    ] loss 0.4321 | 12345 samples/s | ETA 0:12").
   [[nodiscard]] std::string line() const { return render(clock::now()); }
 
