@@ -24,13 +24,14 @@
 
 #include "kill_trial.hpp"
 #include "support/run_ranks.hpp"
+#include "support/text.hpp"
 
 using namespace std::chrono_literals;
 namespace dl = ddp::launch;
 
-namespace {
+using ddp::testing::contains;
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+namespace {
 
 std::string env(const char* name) {
   const char* v = std::getenv(name);

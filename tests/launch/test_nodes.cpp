@@ -17,13 +17,14 @@
 #include <ddp/launch/spawn.hpp>
 
 #include "tcp/helpers.hpp"
+#include "support/text.hpp"
 
 using namespace std::chrono_literals;
 namespace dl = ddp::launch;
 
-namespace {
+using ddp::testing::contains;
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+namespace {
 
 /// Runs `launchers` processes, launcher i executing command(i, port), where port is the job's MASTER_PORT, with
 /// env(i) added to its environment; none is stopped when another fails. Returns each one's status and output.

@@ -19,13 +19,14 @@
 #include <ddp/comm/tcp/hierarchical.hpp>
 
 #include "support/multihost.hpp"
+#include "support/text.hpp"
 
 using ddp::testing::host_options;
 using ddp::testing::run_on_hosts;
 
-namespace {
+using ddp::testing::contains;
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+namespace {
 
 /// The command each host runs: its ddp-launch of 2 ranks of ddp_multihost_rank's case `tag`, with `env` before it.
 std::string launch(const std::string& tag, const std::string& env = "", const std::string& options = "") {

@@ -291,6 +291,8 @@ TEST_CASE("recorded: replicate all-reduces each bucket as it completes, no_sync 
   REQUIRE(log.calls().empty());  // neither unshard_model nor the destructor communicates under replicate
 }
 
+namespace {
+
 /// net visited fc3, fc2, fc1: the backward {2, 1, 0} reports slots 1, 0, 3, 2, 5, 4, not reverse visit order.
 struct reversed_net {
   net& m;
@@ -302,6 +304,8 @@ struct reversed_net {
     }
   }
 };
+
+}  // namespace
 
 TEST_CASE("recorded: rebuilt buckets launch in the backward's order, the first one before the backward ends",
           "[step][rebuild]") {

@@ -13,10 +13,9 @@
 #include <ddp/launch/spawn.hpp>
 
 #include "support/free_port.hpp"
+#include "support/text.hpp"
 
 namespace ddp::testing::tcp {
-
-inline bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 /// Fails the rank (exit 1 via the exception) unless `cond`.
 inline void expect(bool cond, const std::string& what) {

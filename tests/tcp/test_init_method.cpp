@@ -118,7 +118,7 @@ TEST_CASE("init(\"file://...\") ignores another job's file and says so at the co
   require_all_ok(rs);
 }
 
-TEST_CASE("init methods: every malformed URL is a config_error telling the fix", "[tcp][init]") {
+TEST_CASE("init methods: every malformed URL is a config_error telling the fix", "[tcp][init][fast]") {
   using ddp::tcp::config_from_url;
   CHECK_THROWS_WITH(config_from_url("nccl://x"), Catch::Contains("env://, tcp://host:port or file:///path"));
   CHECK_THROWS_WITH(config_from_url("tcp://127.0.0.1:29500"), Catch::Contains("rank and the world size"));

@@ -25,7 +25,7 @@ using namespace std::chrono_literals;
 using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
-using ddp::testing::tcp::contains;
+using ddp::testing::contains;
 using ddp::testing::tcp::expect;
 using ddp::testing::tcp::expect_mismatch;
 using ddp::testing::tcp::job;

@@ -80,7 +80,7 @@ std::vector<char> pattern(std::size_t n, int seed) {
 }  // namespace
 
 TEST_CASE("peer stream: frames written into a socketpair come out whole, through partial writes and reads",
-          "[tcp][stream]") {
+          "[tcp][stream][fast]") {
   socket_pair s;
   int small_buffer = 4096;  // forces partial writes of the 1 MiB payload
   ::setsockopt(s.a.get(), SOL_SOCKET, SO_SNDBUF, &small_buffer, sizeof small_buffer);
@@ -119,7 +119,7 @@ TEST_CASE("peer stream: frames written into a socketpair come out whole, through
   CHECK(r.state() == read_state::header);
 }
 
-TEST_CASE("peer stream: a frame split at every byte boundary is read the same", "[tcp][stream]") {
+TEST_CASE("peer stream: a frame split at every byte boundary is read the same", "[tcp][stream][fast]") {
   const std::vector<char> payload = pattern(57, 3);
   std::vector<char> wire = bytes_of(collective_header(payload.size(), 4), payload);
   for (std::size_t cut = 0; cut <= wire.size(); ++cut) {
@@ -149,7 +149,7 @@ TEST_CASE("peer stream: a frame split at every byte boundary is read the same", 
 }
 
 TEST_CASE("peer stream: garbage, oversized lengths and malformed control frames end the stream as corrupt",
-          "[tcp][stream]") {
+          "[tcp][stream][fast]") {
   frame_header h = collective_header(16, 0);
   SECTION("wrong magic") { h.magic = 0x12345678; }
   SECTION("a length beyond the frame limit") { h.length = max_frame_bytes + 1; }
@@ -180,7 +180,7 @@ TEST_CASE("peer stream: garbage, oversized lengths and malformed control frames 
   CHECK(src.pos == sizeof(frame_header));  // not a payload byte was read
 }
 
-TEST_CASE("peer stream: end of stream mid-frame is told apart from an orderly end and a goodbye", "[tcp][stream]") {
+TEST_CASE("peer stream: end of stream mid-frame is told apart from an orderly end and a goodbye", "[tcp][stream][fast]") {
   const std::vector<char> payload = pattern(10, 6);
   std::vector<char> wire = bytes_of(collective_header(payload.size(), 0), payload);
   frame_header bye;
@@ -205,7 +205,7 @@ TEST_CASE("peer stream: end of stream mid-frame is told apart from an orderly en
   CHECK(r.mid_frame() == (cut > 0 && !goodbye));
 }
 
-TEST_CASE("matching: a send meets the oldest recv of its group and tag, early sends wait as strays", "[tcp][p2p]") {
+TEST_CASE("matching: a send meets the oldest recv of its group and tag, early sends wait as strays", "[tcp][p2p][fast]") {
   const auto done = [] { return std::make_shared<ddp::detail::completion>(0, std::chrono::milliseconds(1000), "recv"); };
   frame_header send;
   send.op = static_cast<std::uint8_t>(ddp::collective::send_recv);

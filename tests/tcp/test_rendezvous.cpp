@@ -28,7 +28,7 @@ using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
 using ddp::testing::side_process;
-using ddp::testing::tcp::contains;
+using ddp::testing::contains;
 using ddp::testing::tcp::expect;
 using ddp::testing::free_port;
 using ddp::testing::tcp::job;

@@ -36,7 +36,7 @@ using ddp::testing::all_output;
 using ddp::testing::require_all_ok;
 using ddp::testing::run_ranks;
 using ddp::testing::side_process;
-using ddp::testing::tcp::contains;
+using ddp::testing::contains;
 using ddp::testing::tcp::expect;
 using ddp::testing::tcp::expect_mismatch;
 using ddp::testing::free_port;
@@ -92,9 +92,10 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 #pragma GCC diagnostic pop
 
-TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
-  const int n = GENERATE(1, 2, 3, 4);
-  const std::string copy = GENERATE(as<std::string>{}, "shm", "shm-nocopy", "on", "off", "mixed");
+namespace {
+
+/// The conformance suite at `n` ranks with same-host copies `copy` (same_host_copy's modes).
+void conformance_at(int n, const std::string& copy) {
   CAPTURE(n, copy);
   const auto rs = run_ranks(
       n,
@@ -109,6 +110,18 @@ TEST_CASE("conformance suite over real processes", "[tcp][conformance]") {
     CHECK(contains(rs.ranks[0].output, "memory of " + std::to_string(readable) + " of its " + std::to_string(n - 1)));
     CHECK(contains(rs.ranks[0].output, copy.starts_with("shm") ? "through shared memory" : "through the sockets"));
   }
+}
+
+}  // namespace
+
+TEST_CASE("conformance suite over real processes at 1 and 2 ranks", "[tcp][conformance][fast]") {
+  const int n = GENERATE(1, 2);
+  conformance_at(n, GENERATE(as<std::string>{}, "shm", "shm-nocopy", "on", "off", "mixed"));
+}
+
+TEST_CASE("conformance suite over real processes at 3 and 4 ranks", "[tcp][conformance]") {
+  const int n = GENERATE(3, 4);
+  conformance_at(n, GENERATE(as<std::string>{}, "shm", "shm-nocopy", "on", "off", "mixed"));
 }
 
 TEST_CASE("repeated collectives allocate no buffers: the engine's scratch is reused", "[tcp][memory]") {
@@ -653,7 +666,7 @@ TEST_CASE("copies into shared memory give the same bits with either kind of stor
       job(60s, 0, [stores](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SHM_STORES", stores}}; })));
 }
 
-TEST_CASE("DDP_SHM_STORES or DDP_SHM_ALGO naming no choice is a config_error naming it", "[tcp][config]") {
+TEST_CASE("DDP_SHM_STORES or DDP_SHM_ALGO naming no choice is a config_error naming it", "[tcp][config][fast]") {
   struct variant {
     const char* name;
     const char* value;
@@ -727,7 +740,7 @@ TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank
   CHECK(shm_entries(printed_pid(rs.ranks[0].output)).empty());
 }
 
-TEST_CASE("from_env reports a missing variable as config_error", "[tcp][config]") {
+TEST_CASE("from_env reports a missing variable as config_error", "[tcp][config][fast]") {
   const auto rs = run_ranks(
       1,
       [](int) {
