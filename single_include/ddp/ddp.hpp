@@ -9009,6 +9009,12 @@ class parameter_layout {
   [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
   /// The units' names (by default the model's top-level fields holding parameters), in visit order.
   [[nodiscard]] std::span<const std::string> units() const noexcept { return units_; }
+  /// Every parameter's unit, in visit order.
+  [[nodiscard]] std::vector<std::size_t> slot_units() const {
+    std::vector<std::size_t> out;
+    for (const auto& s : slots_) out.push_back(s.unit);
+    return out;
+  }
   /// Every arena (one per dtype, in order of first appearance).
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).
@@ -9066,13 +9072,83 @@ inline void require_adopting(const parameter_layout& layout, int rank) {
 /// backward (finish_gradients) for a unit some of whose parameters received no gradient.
 
 
-// ---- begin <ddp/parallel/step_state.hpp>
-/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
-/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
-/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
-/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step, and the order of the reports; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
-/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
+namespace ddp::detail {
+
+/// Which units a backward holds open, and when each may close (a part of the step state, parallel/step_state.hpp).
+class backward_scopes {
+ public:
+  /// `units` units; `slot_units[s]` is the unit of parameter s.
+  backward_scopes(std::span<const std::size_t> slot_units, std::size_t units) : open_(units, 0), slots_(units) {
+    for (std::size_t s = 0; s < slot_units.size(); ++s) slots_[slot_units[s]].push_back(s);
+  }
+  /// Of `units`, those not open yet, now open (a unit reached twice in one backward is opened once).
+  std::vector<std::size_t> open(std::span<const std::size_t> units) {
+    std::vector<std::size_t> opened;
+    for (const std::size_t u : units)
+      if (!open_[u]) {
+        open_[u] = 1;
+        opened.push_back(u);
+      }
+    return opened;
+  }
+  /// Parameter `slot` of `unit` reported: the unit, now closed, when a backward holds it open and every parameter
+  /// of it has reported in this step (`reported`, per slot).
+  std::optional<std::size_t> reported(std::size_t slot, std::size_t unit, std::span<const char> reported) {
+    if (!open_[unit] || !reported[slot]) return std::nullopt;
+    for (const std::size_t s : slots_[unit])
+      if (!reported[s]) return std::nullopt;
+    open_[unit] = 0;
+    return unit;
+  }
+  /// Every unit still open, now closed (the backward is over).
+  std::vector<std::size_t> close_all() {
+    std::vector<std::size_t> closed;
+    for (std::size_t u = 0; u < open_.size(); ++u)
+      if (open_[u]) {
+        open_[u] = 0;
+        closed.push_back(u);
+      }
+    return closed;
+  }
+
+ private:
+  std::vector<char> open_;                        // per unit: a backward holds it open
+  std::vector<std::vector<std::size_t>> slots_;   // per unit: its parameters
+};
+
+}  // namespace ddp::detail
+
+namespace ddp {
+
+/// Opens a scope on its units for their part of the backward, which closes by itself once each of their
+/// parameters has reported its gradient (or in finish_gradients(), for those that received none); a unit so
+/// opened already in this backward stays as it is. For frameworks that run the backward themselves (autograd):
+/// call it from a hook that runs when the backward reaches the units, as ddp::forward of the LibTorch adapter
+/// does. Collective under full_shard (all-gathers the units and prefetches the next one in the backward's
+/// direction); a no-op under replicate. Made by data_parallel's unshard_guard::for_backward().
+template <class DP>
+class backward_opener {
+ public:
+  /// Reopens `units` of `dp` when called.
+  backward_opener(DP& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {}
+  /// Opens the scope.
+  void operator()() const { dp_->open_backward(units_); }
+
+ private:
+  DP* dp_;
+  std::vector<std::size_t> units_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/parallel/backward_scopes.hpp>
+// ---- begin <ddp/parallel/bucket_rebuild.hpp>
+/// \file Buckets rebuilt in the order of the first step's gradients (PyTorch DDP rebuilds its buckets after the
+/// first iteration). The first synchronized step records the order in which its gradients became ready
+/// (step_state::report_order); rank 0's order is broadcast, so every rank plans the same buckets whatever order
+/// its own backward ran in; and unless that order is the reverse visit order the planner already assumed, the
+/// buckets are planned again in it (plan_in_ready_order), once, so that later steps launch each bucket as soon as
+/// the backward has produced its gradients. Under replicate (data_parallel_options::rebuild_buckets); the
+/// sharded strategies keep buckets inside units and follow their unshard scopes, and keep the planned order.
 
 
 // ---- begin <ddp/parallel/bucket_planner.hpp>
@@ -9209,6 +9285,28 @@ inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/bucket_planner.hpp>
+// ---- begin <ddp/parallel/step_state.hpp>
+/// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
+/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
+/// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
+/// reported in this step, and the order of the reports; the step itself (idle → reporting → finished → idle);
+/// and what lasts across calls: the join scope (join_state), the open no_sync spans and the units a
+/// framework's backward holds open (backward_scopes). data_parallel owns it and the strategies move buckets and
+/// units through it; a transition the phases do not allow raises ddp::error.
+
+
+// ---- begin <ddp/parallel/join_state.hpp>
+/// \file ddp::detail::join_state: where a data_parallel stands with respect to a join scope (parallel/join.hpp):
+/// open or not, this rank still training or joined, whether this step was counted and by how many ranks, and
+/// under full_shard the calls of the step in progress and of the last one taken, which a shadow step replays.
+/// The step state (parallel/step_state.hpp) owns it.
+
+
+// ---- begin <ddp/parallel/phases.hpp>
+/// \file The phases a training step moves through: the step's, each bucket's, each unit's values and gradient
+/// storage (parallel/step_state.hpp keeps them and checks every move).
+
 
 namespace ddp::detail {
 
@@ -9259,6 +9357,155 @@ constexpr const char* to_string(grad_phase p) noexcept {
   return names[static_cast<int>(p)];
 }
 
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/phases.hpp>
+
+namespace ddp::detail {
+
+/// One call of a full_shard step that a shadowing rank replays: a scope opens or closes on units, or a slot
+/// reports its gradient.
+struct step_event {
+  enum class kind : std::uint8_t { acquire, release, report };
+  kind what = kind::report;  ///< the call
+  std::size_t first = 0;     ///< acquire, release: where the scope's units start in the step_record's units
+  std::size_t count = 0;     ///< acquire, release: how many units
+  std::size_t slot = 0;      ///< report: the parameter
+};
+
+/// The calls of one full_shard step, in order; the units of all its scopes in one list, so that recording a
+/// step allocates nothing once the record has held a step as long.
+struct step_record {
+  std::vector<step_event> events;   ///< the calls
+  std::vector<std::size_t> units;   ///< every acquire's and release's units, one after another
+
+  /// Event `e`'s units.
+  [[nodiscard]] std::span<const std::size_t> units_of(const step_event& e) const noexcept {
+    return std::span<const std::size_t>(units).subspan(e.first, e.count);
+  }
+  /// Forgets the calls, keeping the memory.
+  void clear() noexcept {
+    events.clear();
+    units.clear();
+  }
+};
+
+/// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
+/// joined, whether this step was counted and by how many ranks; under full_shard (`trace`) the calls of the
+/// step in progress and of the last one taken, which a shadow step replays.
+class join_state {
+ public:
+  explicit join_state(bool trace) noexcept : trace_(trace) {}
+
+  /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
+  [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
+
+  /// Throws the error of a scope that was left without finish(opt); `where` names the call.
+  void check(const char* where, int rank) const {
+    if (dropped_)
+      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the "
+                  "other ranks may be waiting for this rank's collectives; call j.finish(opt) after the rank's last "
+                  "batch on every rank (also when leaving the loop early), and make a new wrapper to train on after "
+                  "this error", rank);
+  }
+  /// A join scope opens (local): none may be open, and no step may be in progress.
+  void open_scope(step_phase phase, int rank) {
+    check("join", rank);
+    if (open_) throw error("join: a join scope is already open on this wrapper; finish it first", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join: a step is in progress; open the join scope before the epoch's first batch", rank);
+    open_ = true;
+    active_ = true;
+  }
+  /// A sharded policy's no_sync span reduce-scatters each micro-batch, which a shadowing rank cannot mirror.
+  void refuse_no_sync(int rank) const {
+    if (open_)
+      throw config_error("no_sync: inside a join scope, gradient accumulation is supported under ddp::replicate "
+                         "only (the sharded policies reduce every micro-batch, which a rank that ran out of batches "
+                         "cannot shadow); accumulate outside the join scope, or use replicate", rank);
+  }
+
+  /// The step's first collective on a rank still training inside a join scope: counts the active ranks.
+  template <class Comm>
+  void begin_step(Comm& comm) {
+    if (!open_ || !active_ || counted_) return;
+    active_ranks_ = count(comm, 1);
+    counted_ = true;
+  }
+  /// The number of ranks whose contribution is `mine` (1: training, 0: joined), summed over `comm`. Blocking.
+  template <class Comm>
+  static int count(Comm& comm, int mine) {
+    std::array<std::int32_t, 1> sum{mine};
+    comm.all_reduce(std::span<std::int32_t>(sum), reduce_op::sum).wait();
+    return sum[0];
+  }
+  /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
+  void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
+    if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
+    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
+  }
+  /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
+  /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
+  void end_step() noexcept {
+    counted_ = false;
+    if (shadowing_) {
+      shadowing_ = false;
+    } else if (trace_ && open_) {
+      std::swap(replay_, recording_);
+      recording_.clear();
+    }
+  }
+  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
+  /// `units` opens or closes, or `slot` reports.
+  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
+    if (!trace_ || !open_ || !active_) return;
+    recording_.events.push_back({.what = what, .first = recording_.units.size(), .count = units.size(), .slot = slot});
+    recording_.units.insert(recording_.units.end(), units.begin(), units.end());
+  }
+
+  /// This rank ran out of batches (finish begins); a step must not be in progress.
+  void leave(step_phase phase, int rank) {
+    check("join_scope::finish", rank);
+    if (phase == step_phase::reporting || counted_)
+      throw error("join_scope::finish: a step is in progress on this rank; call j.finish(opt) after the rank's last "
+                  "dp.step(opt)", rank);
+    active_ = false;
+  }
+  /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
+  [[nodiscard]] const step_record& shadow(int active, int rank) {
+    if (trace_ && replay_.events.empty())
+      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
+                  "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
+                  "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
+    active_ranks_ = active;
+    counted_ = true;
+    shadowing_ = true;
+    return replay_;
+  }
+  /// Every rank finished: the scope closes.
+  void close() noexcept { open_ = false; }
+  /// The scope ended without finish(opt): the wrapper's next call throws.
+  void drop() noexcept {
+    open_ = false;
+    dropped_ = true;
+  }
+
+ private:
+  bool trace_;                         // full_shard: record the steps' calls for shadow steps
+  bool open_ = false;                  // a join scope is open
+  bool active_ = false;                // this rank still trains (has not called finish)
+  bool counted_ = false;               // this step's active ranks are counted
+  bool shadowing_ = false;             // this step is a shadow of the others'
+  bool dropped_ = false;               // a scope ended without finish(opt)
+  int active_ranks_ = 0;               // ranks training in this step
+  step_record recording_;              // full_shard: the calls of the step in progress
+  step_record replay_;                 // full_shard: the calls of the last step taken
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/join_state.hpp>
+
+namespace ddp::detail {
+
 /// One bucket in the step.
 struct bucket_record {
   bucket_phase phase = bucket_phase::waiting;  ///< where its reduction stands
@@ -9274,15 +9521,25 @@ struct unit_record {
   std::vector<work> all_gathers;                 ///< unsharding: its buckets' all-gathers
 };
 
+/// The gradient-accumulation spans (dp.no_sync()) open on a wrapper.
+struct no_sync_spans {
+  int open = 0;           ///< spans open now
+  bool unclosed = false;  ///< a span of a policy that reduces every micro-batch ended without completing it
+};
+
 /// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
 class step_state {
  public:
-  /// Buckets of `plan`, `slots` parameters, `units` units starting in phase `values`; `rank` for messages.
-  step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
-      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
+  /// Buckets of `plan`, a parameter per entry of `slot_units` (its unit), `units` units starting in phase
+  /// `values`; `join_replays`: a join shadow step replays the last step's scopes and reports (full_shard); `rank`
+  /// for messages.
+  step_state(const bucket_plan& plan, std::span<const std::size_t> slot_units, std::size_t units, unit_phase values,
+             bool join_replays, int rank)
+      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slot_units.size(), 0),
+        join_(join_replays), backward_(slot_units, units), rank_(rank) {
     for (auto& u : units_) u.values = values;
     index_units();
-    order_.reserve(slots);
+    order_.reserve(slot_units.size());
   }
   step_state(const step_state&) = delete;
   step_state& operator=(const step_state&) = delete;
@@ -9446,6 +9703,23 @@ class step_state {
     units_[u].grads = to;
   }
 
+
+  // ---- what lasts across calls ----
+  /// The join scope's state (parallel/join_state.hpp).
+  [[nodiscard]] join_state& join() noexcept { return join_; }
+  /// The join scope's state.
+  [[nodiscard]] const join_state& join() const noexcept { return join_; }
+  /// The open no_sync spans.
+  [[nodiscard]] no_sync_spans& no_sync() noexcept { return no_sync_; }
+  /// The open no_sync spans.
+  [[nodiscard]] const no_sync_spans& no_sync() const noexcept { return no_sync_; }
+  /// Of `units`, those the running backward has not opened yet, now open (backward_scopes).
+  std::vector<std::size_t> open_backward(std::span<const std::size_t> units) { return backward_.open(units); }
+  /// Slot `s` of unit `u` reported: the unit, now closed, when the backward held it open and every parameter of
+  /// it has reported in this step.
+  std::optional<std::size_t> close_backward(std::size_t s, std::size_t u) { return backward_.reported(s, u, reported_); }
+  /// Every unit the backward still holds open, now closed (the backward is over).
+  std::vector<std::size_t> close_all_backward() { return backward_.close_all(); }
  private:
   void index_units() {
     unit_buckets_.assign(units_.size(), {});
@@ -9487,91 +9761,14 @@ class step_state {
   std::vector<std::size_t> order_;  // the slots that reported in this step, in order
   std::size_t next_ = 0;        // the next bucket to launch
   step_phase phase_ = step_phase::idle;
+  join_state join_;             // the join scope
+  no_sync_spans no_sync_;       // gradient-accumulation spans
+  backward_scopes backward_;    // units a framework's backward holds open
   int rank_;
 };
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/step_state.hpp>
-
-namespace ddp::detail {
-
-/// Which units a backward holds open, and when each may close.
-class backward_scopes {
- public:
-  /// The units and parameters of `layout`.
-  explicit backward_scopes(const parameter_layout& layout) : open_(layout.units().size(), 0), slots_(open_.size()) {
-    for (std::size_t s = 0; s < layout.slots().size(); ++s) slots_[layout.slots()[s].unit].push_back(s);
-  }
-  /// Of `units`, those not open yet, now open (a unit reached twice in one backward is opened once).
-  std::vector<std::size_t> open(std::span<const std::size_t> units) {
-    std::vector<std::size_t> opened;
-    for (const std::size_t u : units)
-      if (!open_[u]) {
-        open_[u] = 1;
-        opened.push_back(u);
-      }
-    return opened;
-  }
-  /// Parameter `slot` reported: its unit, now closed, when a backward holds it open and every parameter of it has
-  /// reported in this step (`state`).
-  std::optional<std::size_t> reported(std::size_t slot, std::size_t unit, const step_state& state) {
-    if (!open_[unit] || !state.reported(slot)) return std::nullopt;
-    for (const std::size_t s : slots_[unit])
-      if (!state.reported(s)) return std::nullopt;
-    open_[unit] = 0;
-    return unit;
-  }
-  /// Every unit still open, now closed (the backward is over).
-  std::vector<std::size_t> close_all() {
-    std::vector<std::size_t> closed;
-    for (std::size_t u = 0; u < open_.size(); ++u)
-      if (open_[u]) {
-        open_[u] = 0;
-        closed.push_back(u);
-      }
-    return closed;
-  }
-
- private:
-  std::vector<char> open_;                        // per unit: a backward holds it open
-  std::vector<std::vector<std::size_t>> slots_;   // per unit: its parameters
-};
-
-}  // namespace ddp::detail
-
-namespace ddp {
-
-/// Opens a scope on its units for their part of the backward, which closes by itself once each of their
-/// parameters has reported its gradient (or in finish_gradients(), for those that received none); a unit so
-/// opened already in this backward stays as it is. For frameworks that run the backward themselves (autograd):
-/// call it from a hook that runs when the backward reaches the units, as ddp::forward of the LibTorch adapter
-/// does. Collective under full_shard (all-gathers the units and prefetches the next one in the backward's
-/// direction); a no-op under replicate. Made by data_parallel's unshard_guard::for_backward().
-template <class DP>
-class backward_opener {
- public:
-  /// Reopens `units` of `dp` when called.
-  backward_opener(DP& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {}
-  /// Opens the scope.
-  void operator()() const { dp_->open_backward(units_); }
-
- private:
-  DP* dp_;
-  std::vector<std::size_t> units_;
-};
-
-}  // namespace ddp
-// ---- end <ddp/parallel/backward_scopes.hpp>
-// ---- begin <ddp/parallel/bucket_rebuild.hpp>
-/// \file Buckets rebuilt in the order of the first step's gradients (PyTorch DDP rebuilds its buckets after the
-/// first iteration). The first synchronized step records the order in which its gradients became ready
-/// (step_state::report_order); rank 0's order is broadcast, so every rank plans the same buckets whatever order
-/// its own backward ran in; and unless that order is the reverse visit order the planner already assumed, the
-/// buckets are planned again in it (plan_in_ready_order), once, so that later steps launch each bucket as soon as
-/// the backward has produced its gradients. Under replicate (data_parallel_options::rebuild_buckets); the
-/// sharded strategies keep buckets inside units and follow their unshard scopes, and keep the planned order.
-
-
 
 namespace ddp::detail {
 
@@ -9632,6 +9829,142 @@ class bucket_rebuild {
 /// at zero pages again. Gradients are pooled and reduce-scattered as in shard_grad_op.
 
 
+// ---- begin <ddp/parallel/replica_check.hpp>
+/// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
+/// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
+/// it holds (FNV-1a over the bytes, so replicas must agree bit for bit) and says which ranks hold the same
+/// values (its peer key); one all_gather of two words per rank compares the combined hashes of peers. On a
+/// difference the per-parameter hashes are exchanged and every rank throws ddp::mismatch_error naming the
+/// first differing parameter and the ranks that disagree.
+
+
+
+namespace ddp::detail {
+
+/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
+inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
+  std::uint64_t h = fnv1a_basis;
+  for (const auto& d : descriptions) h = fnv1a("\n", fnv1a(d, h));
+  return h;
+}
+
+/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
+template <class Comm>
+void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
+  const auto h = static_cast<std::int64_t>(layout_hash(mine));
+  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
+  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
+  const auto all = all_gather_object(comm, mine);
+  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
+  for (const auto& other : all) {
+    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
+    if (diff.first != all[0].end() || diff.second != other.end())
+      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
+  }
+  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
+  for (std::size_t r = 0; r < all.size(); ++r)
+    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
+            (r + 1 < all.size() ? ";" : "");
+  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
+}
+
+/// What one rank holds of the model, for the replica check.
+struct replica_digest {
+  std::int64_t peers = 0;              ///< ranks with the same key must hold the same values
+  std::vector<std::uint64_t> hashes;   ///< per parameter, in visit order: FNV-1a of the values held
+};
+
+/// The digest of a rank holding every parameter's full values at its place in the arenas.
+inline replica_digest digest_full(const parameter_layout& layout) {
+  replica_digest d;
+  for (const auto& slot : layout.slots()) {
+    const std::size_t w = size_of(slot.type);
+    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
+  }
+  return d;
+}
+
+/// The digest of a rank holding only its owned blocks (full_shard): the pieces of each parameter in `owned`,
+/// compared with the ranks of the same `peers` key (the same shard-group rank).
+inline replica_digest digest_owned(const parameter_layout& layout, std::span<const optim::flat_buffer> owned,
+                                   int peers) {
+  replica_digest d;
+  d.peers = peers;
+  d.hashes.assign(layout.slots().size(), fnv1a_basis);
+  std::unordered_map<std::string_view, std::size_t> slot_of;
+  for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
+  for (const auto& b : owned) {
+    const auto* values = static_cast<const std::byte*>(b.values.data);
+    const std::size_t w = size_of(b.values.type);
+    for (const auto& seg : b.segments) {
+      auto& h = d.hashes[slot_of.at(seg.name)];
+      h = fnv1a(std::span(values + seg.offset * w, seg.numel * w), h);
+    }
+  }
+  return d;
+}
+
+/// "ranks 0, 2 hold one value; rank 1 holds another": the ranks of `members`, grouped by their hash of `slot`.
+inline std::string describe_disagreement(const std::vector<std::vector<std::uint64_t>>& hashes,
+                                         const std::vector<int>& members, std::size_t slot) {
+  std::vector<std::uint64_t> seen;
+  std::string out;
+  for (const int r : members) {
+    const std::uint64_t h = hashes[static_cast<std::size_t>(r)][slot];
+    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
+    seen.push_back(h);
+    std::vector<int> same;
+    for (const int q : members)
+      if (hashes[static_cast<std::size_t>(q)][slot] == h) same.push_back(q);
+    std::string ranks = same.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < same.size(); ++i) ranks += (i ? ", " : "") + std::to_string(same[i]);
+    out += (out.empty() ? "" : "; ") + ranks + (same.size() == 1 ? " holds " : " hold ") +
+           (seen.size() == 1 ? "one value" : "another");
+  }
+  return out;
+}
+
+/// Collective over `comm`: returns when every rank's hashes equal those of each rank with its peer key;
+/// otherwise throws ddp::mismatch_error on every rank, naming (through `name_of(slot)`) the first parameter
+/// where some peers differ, and those peers' ranks grouped by value.
+template <class Comm, class NameOf>
+void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
+  std::uint64_t combined = fnv1a_basis;
+  for (const std::uint64_t h : mine.hashes) combined = fnv1a(std::as_bytes(std::span(&h, 1)), combined);
+  const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
+  const auto n = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> words(2 * n);
+  comm.all_gather(std::span<const std::int64_t>(word, 2), std::span<std::int64_t>(words)).wait();
+  bool in_sync = true;
+  for (std::size_t r = 0; r < n; ++r)
+    for (std::size_t q = 0; q < r; ++q)
+      if (words[2 * r] == words[2 * q] && words[2 * r + 1] != words[2 * q + 1]) in_sync = false;
+  if (in_sync) return;
+
+  const auto hashes = all_gather_object(comm, mine.hashes);
+  for (std::size_t slot = 0; slot < mine.hashes.size(); ++slot)
+    for (std::size_t r = 0; r < n; ++r) {
+      std::vector<int> peers;  // the ranks with r's key
+      bool differ = false;
+      for (std::size_t q = 0; q < n; ++q)
+        if (words[2 * q] == words[2 * r]) {
+          peers.push_back(static_cast<int>(q));
+          differ = differ || hashes[q][slot] != hashes[r][slot];
+        }
+      if (!differ) continue;
+      throw mismatch_error("verify_in_sync: the replicas differ at parameter '" + std::string(name_of(slot)) + "': " +
+                               describe_disagreement(hashes, peers, slot) +
+                               ". A gradient was reported before it was final, or ranks stepped different "
+                               "optimizers (or changed parameters on some ranks only); call dp.gradient_ready(p) "
+                               "only after p's gradient is complete, and step the same optimizer with the same "
+                               "settings on every rank",
+                           comm.rank());
+    }
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/replica_check.hpp>
 // ---- begin <ddp/parallel/sharded.hpp>
 /// \file What the sharding strategies (shard_grad_op, full_shard, hybrid) share. Arenas are padded so that
 /// every bucket holds a multiple of N elements (N = ranks in the shard group) and no bucket crosses a
@@ -9659,6 +9992,67 @@ class bucket_rebuild {
 
 #include <limits>
 
+// ---- begin <ddp/parallel/accumulation.hpp>
+/// \file How gradients accumulate over the micro-batches of a no_sync span: the trait each strategy names
+/// (`using accumulation = ...`, parallel/strategy.hpp). data_parallel and ddp::no_sync_guard ask it instead of
+/// branching on the policy: whether a report inside a span only accumulates, what opening, closing and dropping a
+/// span do, and what becomes of an owning leaf's own gradient once it moved into ddp's memory.
+
+
+
+namespace ddp::detail {
+
+/// replicate (PyTorch DDP's no_sync): micro-batches add into the gradient arenas (and owning leaves' own
+/// gradients) with no traffic; the next synchronized backward reduces their sum once.
+struct local_accumulation {
+  /// A report inside a span only accumulates: no bucket moves.
+  static bool defers(const step_state& state) noexcept { return state.no_sync().open > 0; }
+  /// A span may open inside a join scope: a rank that ran out shadows only the synchronized step.
+  static void opening(step_state& /*state*/, int /*rank*/) noexcept {}
+  /// close() has nothing to complete.
+  template <class DP>
+  static void closing(DP& /*dp*/) noexcept {}
+  /// A span left without close() leaves nothing unfinished.
+  static void dropped(step_state& /*state*/) noexcept {}
+  /// An owning leaf keeps adding into its own gradient until the synchronized backward.
+  static void moved_in(leaf_binding& /*leaf*/) noexcept {}
+};
+
+/// The sharded strategies: a unit's full gradients exist only inside its unshard scope, so each micro-batch is
+/// reduce-scattered into the owned gradients during its own backward. close() completes that micro-batch; a span
+/// left without close() makes the next call say so; a join scope refuses spans (a rank that ran out could not
+/// mirror each micro-batch's reductions); an owning leaf's own gradient starts again from zero once moved in.
+struct reduced_accumulation {
+  /// Every report moves its buckets, inside a span too.
+  static bool defers(const step_state& /*state*/) noexcept { return false; }
+  /// Refused inside a join scope.
+  static void opening(step_state& state, int rank) { state.join().refuse_no_sync(rank); }
+  /// close() waits for the micro-batch's reduce-scatters (collective).
+  template <class DP>
+  static void closing(DP& dp) {
+    dp.finish_gradients();
+  }
+  /// A span left without close() in the middle of a micro-batch is remembered, and named by the next call.
+  static void dropped(step_state& state) noexcept {
+    if (state.phase() == step_phase::reporting) state.no_sync().unclosed = true;
+  }
+  /// The micro-batch's gradient was reduced away: the leaf's own gradient restarts from zero.
+  static void moved_in(leaf_binding& leaf) { leaf.zero_own_gradient(); }
+};
+
+/// What data_parallel asks of a strategy's accumulation trait A.
+template <class A>
+concept accumulation_mode = requires(step_state& state, const step_state& cstate, leaf_binding& leaf, int rank) {
+  { A::defers(cstate) } -> std::same_as<bool>;
+  A::opening(state, rank);
+  A::dropped(state);
+  A::moved_in(leaf);
+};
+static_assert(accumulation_mode<local_accumulation> && accumulation_mode<reduced_accumulation>,
+              "ddp: an accumulation trait must give defers, opening, closing, dropped and moved_in.");
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/accumulation.hpp>
 // ---- begin <ddp/parallel/master_weights.hpp>
 /// \file The rooms of ddp::mixed_precision inside data_parallel. apply_precision gives every arena of the compute
 /// dtype its reduce dtype before the strategy is built; a strategy widens each bucket's gradients into a
@@ -10006,7 +10400,16 @@ struct unit_buffers {
 template <class Comm>
 class sharded_core {
  public:
-  static constexpr bool sharded = true;
+  using accumulation = reduced_accumulation;          ///< each micro-batch is reduce-scattered in its backward
+  static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::within_units;  ///< a unit's buckets are its own
+  static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
+  /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
+  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::check says so, where specialized.
+  template <class Opt>
+  static void check_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+    if constexpr (requires { optim::optimizer_traits<Opt>::check(opt, buffers, rank); })
+      optim::optimizer_traits<Opt>::check(opt, buffers, rank);
+  }
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
                std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
@@ -10152,6 +10555,7 @@ class sharded_core {
   [[nodiscard]] const std::optional<Comm>& replica_group() const noexcept { return replica_; }
 
  protected:
+  [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }
   [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
   [[nodiscard]] step_state& state() noexcept { return state_; }
   [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }
@@ -10360,9 +10764,10 @@ class sharded_core {
 // ---- end <ddp/parallel/sharded.hpp>
 // ---- begin <ddp/parallel/strategy.hpp>
 /// \file The strategy a sharding policy selects: how a bucket is reduced, what the optimizer steps over, what
-/// happens after the step and around a unit's use. Each sharding policy specializes strategy in its own header,
-/// and a static_assert beside it checks that it models sharding_strategy. data_parallel owns the step_state;
-/// the strategy moves the buckets and units through it.
+/// happens after the step and around a unit's use, and the traits data_parallel asks of it instead of branching
+/// on the policy. Each sharding policy specializes strategy in its own header, and a static_assert beside it
+/// checks that it models sharding_strategy. The step_state holds every phase; the strategy moves the buckets and
+/// units through it.
 
 
 
@@ -10376,33 +10781,52 @@ struct strategy {
                 "ddp::full_shard or ddp::hybrid<ddp::full_shard or ddp::shard_grad_op>.");
 };
 
-/// What data_parallel asks of a strategy S over communicator Comm, for the sharding policy value of type Policy:
-///   S(layout, plan, state, comm, policy)      collective; `multiple(comm, policy)` pads the arenas first
-///   sharded                                   gradients are reduced even under no_sync (the sharded ones)
-///   initial_units                             the unit phase the strategy starts in
+/// What data_parallel asks of a strategy S over communicator Comm, for the sharding policy value of type Policy.
+/// Traits (what the wrapper does differently per policy; each is passed through, never branched on):
+///   multiple(comm, policy)      arena padding and bucket granularity (the shard group's size), before construction
+///   accumulation                how micro-batches accumulate under no_sync (parallel/accumulation.hpp)
+///   initial_units               the unit phase the strategy starts in
+///   bucket_cut                  where buckets may end (anywhere, or inside units)
+///   rebuilds_buckets            the first step's ready order may replan the buckets (parallel/bucket_rebuild.hpp)
+///   join_replays_scopes         a join shadow step replays the last step's scopes and reports
+///   check_leaves(layout, rank)  refuses leaves the strategy cannot hold, before any collective
+///   check_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors (a template)
+/// Work:
+///   S(layout, plan, state, comm, policy)      collective
 ///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
 ///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report
+///   leaves_report_themselves()                the leaves' framework runs the backward (autograd): no scope wraps it
 ///   optimizer_buffers(), after_step(), zero_grad()
 ///   unshard_model()                           collective: the model's parameters hold the full values
+///   digest()                                  verify_in_sync's hashes of the values this rank shares
+///   shard_group(), replica_group()            the groups parameters are sharded and replicated over
 template <class S, class Comm, class Policy>
 concept sharding_strategy =
     std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const Policy&> &&
+    accumulation_mode<typename S::accumulation> &&
     requires(S& s, const S& cs, const Comm& comm, const Policy& policy, plain_hook& hook, std::size_t i,
-             std::span<const std::size_t> units) {
+             std::span<const std::size_t> units, const parameter_layout& layout, int rank) {
       { S::multiple(comm, policy) } -> std::same_as<std::size_t>;
-      { S::sharded } -> std::convertible_to<bool>;
       { S::initial_units } -> std::convertible_to<unit_phase>;
+      { S::bucket_cut } -> std::convertible_to<detail::bucket_cut>;
+      { S::rebuilds_buckets } -> std::convertible_to<bool>;
+      { S::join_replays_scopes } -> std::convertible_to<bool>;
+      S::check_leaves(layout, rank);
       { s.reduce(hook, i) } -> std::same_as<void>;
       { s.reduced(hook, i) } -> std::same_as<void>;
       s.acquire(units);
       s.release(units);
       s.on_report(i);
+      s.leaves_report_themselves();
       { cs.optimizer_buffers() } -> std::same_as<const std::vector<optim::flat_buffer>&>;
       s.after_step();
       s.zero_grad();
       s.unshard_model();
+      { cs.digest() } -> std::same_as<replica_digest>;
+      { cs.shard_group() } -> std::convertible_to<Comm>;
+      { cs.replica_group() } -> std::convertible_to<std::optional<Comm>>;
     };
 
 }  // namespace ddp::detail
@@ -10413,9 +10837,13 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::sharded;
+  /// A shadow step must issue the all-gathers of the units' scopes: it replays the last step's scopes and reports.
+  static constexpr bool join_replays_scopes = true;
   static std::size_t multiple(const Comm& comm, const full_shard& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
+  /// A rank keeps only its owned blocks, so every leaf must compute on ddp's memory (adopt it).
+  static void check_leaves(const parameter_layout& layout, int rank) { require_adopting(layout, rank); }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm, const full_shard& policy)
       : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", policy.keep_unit_buffers,
                            policy.deterministic, owned_value_home::own_copy),
@@ -10488,6 +10916,14 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     wait_all(works);
     this->arena_holds_values();
   }
+  /// The units' forwards open scopes and their backwards reopen them (backward_opener, ddp::forward of the
+  /// LibTorch adapter): nothing to hold for the framework's backward.
+  void leaves_report_themselves() noexcept {}
+  /// A rank holds only its owned blocks: those are hashed and compared with the ranks owning the same blocks
+  /// (the other groups under hybrid; without replicas every value has one owner and nothing is compared).
+  [[nodiscard]] replica_digest digest() const {
+    return digest_owned(this->layout(), this->optimizer_buffers(), this->shard_group().rank());
+  }
 
  private:
   static constexpr std::size_t unrecorded = static_cast<std::size_t>(-1);
@@ -10559,9 +10995,12 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::unsharded;
+  static constexpr bool join_replays_scopes = false;  ///< values stay whole: a shadow step needs no unshard scope
   static std::size_t multiple(const Comm& comm, const shard_grad_op& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
+  /// Every leaf type can be held: the values stay whole in the arenas, copied at the step's edges if need be.
+  static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const shard_grad_op& policy)
       : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op",
@@ -10588,8 +11027,16 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   void release(std::span<const std::size_t> units) {
     for (const std::size_t u : units) this->close_scope(u);
   }
+  /// The leaves' framework runs the whole backward (autograd), so no scope can wrap a unit's part of it: every
+  /// unit is held for the wrapper's lifetime (the full gradients stay allocated, as under replicate; the
+  /// reduce-scatters and the sharded optimizer state are unchanged).
+  void leaves_report_themselves() {
+    for (std::size_t u = 0; u < this->state().units(); ++u) this->open_scope(u);
+  }
   /// Parameters are whole in the value arena already.
   void unshard_model() {}
+  /// Every rank holds the full values: all are hashed and compared.
+  [[nodiscard]] replica_digest digest() const { return digest_full(this->layout()); }
 };
 static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator, shard_grad_op>,
               "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");
@@ -10655,151 +11102,7 @@ static_assert(sharding_strategy<strategy<hybrid<full_shard>, archetype_communica
 /// without finish(opt) makes the wrapper's next call throw ddp::error saying so.
 
 
-
 namespace ddp {
-
-namespace detail {
-
-/// One call of a full_shard step that a shadowing rank replays: a scope opens or closes on units, or a slot
-/// reports its gradient.
-struct step_event {
-  enum class kind : std::uint8_t { acquire, release, report };
-  kind what = kind::report;  ///< the call
-  std::size_t first = 0;     ///< acquire, release: where the scope's units start in the step_record's units
-  std::size_t count = 0;     ///< acquire, release: how many units
-  std::size_t slot = 0;      ///< report: the parameter
-};
-
-/// The calls of one full_shard step, in order; the units of all its scopes in one list, so that recording a
-/// step allocates nothing once the record has held a step as long.
-struct step_record {
-  std::vector<step_event> events;   ///< the calls
-  std::vector<std::size_t> units;   ///< every acquire's and release's units, one after another
-
-  /// Event `e`'s units.
-  [[nodiscard]] std::span<const std::size_t> units_of(const step_event& e) const noexcept {
-    return std::span<const std::size_t>(units).subspan(e.first, e.count);
-  }
-  /// Forgets the calls, keeping the memory.
-  void clear() noexcept {
-    events.clear();
-    units.clear();
-  }
-};
-
-/// Where a data_parallel stands with respect to a join scope: open or not, this rank still training or
-/// joined, whether this step was counted and by how many ranks; under full_shard (`trace`) the calls of the
-/// step in progress and of the last one taken, which a shadow step replays.
-class join_state {
- public:
-  explicit join_state(bool trace) noexcept : trace_(trace) {}
-
-  /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
-  [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
-
-  /// Throws the error of a scope that was left without finish(opt); `where` names the call.
-  void check(const char* where, int rank) const {
-    if (dropped_)
-      throw error(std::string(where) + ": a join scope (dp.join()) ended without j.finish(opt) completing, so the "
-                  "other ranks may be waiting for this rank's collectives; call j.finish(opt) after the rank's last "
-                  "batch on every rank (also when leaving the loop early), and make a new wrapper to train on after "
-                  "this error", rank);
-  }
-  /// A join scope opens (local): none may be open, and no step may be in progress.
-  void open_scope(step_phase phase, int rank) {
-    check("join", rank);
-    if (open_) throw error("join: a join scope is already open on this wrapper; finish it first", rank);
-    if (phase == step_phase::reporting || counted_)
-      throw error("join: a step is in progress; open the join scope before the epoch's first batch", rank);
-    open_ = true;
-    active_ = true;
-  }
-  /// A sharded policy's no_sync span reduce-scatters each micro-batch, which a shadowing rank cannot mirror.
-  void refuse_no_sync(int rank) const {
-    if (open_)
-      throw config_error("no_sync: inside a join scope, gradient accumulation is supported under ddp::replicate "
-                         "only (the sharded policies reduce every micro-batch, which a rank that ran out of batches "
-                         "cannot shadow); accumulate outside the join scope, or use replicate", rank);
-  }
-
-  /// The step's first collective on a rank still training inside a join scope: counts the active ranks.
-  template <class Comm>
-  void begin_step(Comm& comm) {
-    if (!open_ || !active_ || counted_) return;
-    active_ranks_ = count(comm, 1);
-    counted_ = true;
-  }
-  /// The number of ranks whose contribution is `mine` (1: training, 0: joined), summed over `comm`. Blocking.
-  template <class Comm>
-  static int count(Comm& comm, int mine) {
-    std::array<std::int32_t, 1> sum{mine};
-    comm.all_reduce(std::span<std::int32_t>(sum), reduce_op::sum).wait();
-    return sum[0];
-  }
-  /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
-  void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
-    if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
-    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
-  }
-  /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
-  /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
-  void end_step() noexcept {
-    counted_ = false;
-    if (shadowing_) {
-      shadowing_ = false;
-    } else if (trace_ && open_) {
-      std::swap(replay_, recording_);
-      recording_.clear();
-    }
-  }
-  /// Notes a call of the step in progress (full_shard, while this rank trains inside a join scope): a scope on
-  /// `units` opens or closes, or `slot` reports.
-  void note(step_event::kind what, std::span<const std::size_t> units, std::size_t slot = 0) {
-    if (!trace_ || !open_ || !active_) return;
-    recording_.events.push_back({.what = what, .first = recording_.units.size(), .count = units.size(), .slot = slot});
-    recording_.units.insert(recording_.units.end(), units.begin(), units.end());
-  }
-
-  /// This rank ran out of batches (finish begins); a step must not be in progress.
-  void leave(step_phase phase, int rank) {
-    check("join_scope::finish", rank);
-    if (phase == step_phase::reporting || counted_)
-      throw error("join_scope::finish: a step is in progress on this rank; call j.finish(opt) after the rank's last "
-                  "dp.step(opt)", rank);
-    active_ = false;
-  }
-  /// A shadow step of `active` ranks begins: returns the calls to replay (full_shard), else nothing.
-  [[nodiscard]] const step_record& shadow(int active, int rank) {
-    if (trace_ && replay_.events.empty())
-      throw error("join_scope::finish: under full_shard a rank that ran out shadows the others' step by replaying "
-                  "its own last step's unshard scopes and reports, and this rank has taken no step inside a join scope "
-                  "yet; give every rank at least one batch in its first joined epoch, or use ddp::shard_grad_op", rank);
-    active_ranks_ = active;
-    counted_ = true;
-    shadowing_ = true;
-    return replay_;
-  }
-  /// Every rank finished: the scope closes.
-  void close() noexcept { open_ = false; }
-  /// The scope ended without finish(opt): the wrapper's next call throws.
-  void drop() noexcept {
-    open_ = false;
-    dropped_ = true;
-  }
-
- private:
-  bool trace_;                         // full_shard: record the steps' calls for shadow steps
-  bool open_ = false;                  // a join scope is open
-  bool active_ = false;                // this rank still trains (has not called finish)
-  bool counted_ = false;               // this step's active ranks are counted
-  bool shadowing_ = false;             // this step is a shadow of the others'
-  bool dropped_ = false;               // a scope ended without finish(opt)
-  int active_ranks_ = 0;               // ranks training in this step
-  step_record recording_;              // full_shard: the calls of the step in progress
-  step_record replay_;                 // full_shard: the calls of the last step taken
-};
-
-}  // namespace detail
 
 /// Scope returned by data_parallel::join() (PyTorch's `with model.join():`): open it on every rank before an
 /// epoch whose ranks hold different numbers of batches, step as usual, and call finish(opt) after the rank's
@@ -10808,11 +11111,11 @@ class join_state {
 template <class DP>
 class [[nodiscard]] join_scope {
  public:
-  explicit join_scope(DP& dp) : dp_(&dp), rank_(dp.rank()) { dp.join_.open_scope(dp.state_.phase(), rank_); }
+  explicit join_scope(DP& dp) : dp_(&dp), rank_(dp.rank()) { dp.state_.join().open_scope(dp.state_.phase(), rank_); }
   join_scope(const join_scope&) = delete;
   join_scope& operator=(const join_scope&) = delete;
   ~join_scope() {
-    if (dp_) dp_->join_.drop();
+    if (dp_) dp_->state_.join().drop();
   }
 
   /// Collective: this rank has no batch left. While another rank still trains, shadows its step: zero
@@ -10823,10 +11126,10 @@ class [[nodiscard]] join_scope {
   void finish(Opt& opt) {
     if (!dp_) throw error("join_scope::finish: this scope is finished already; open a new one with dp.join()", rank_);
     DP& dp = *dp_;
-    dp.join_.leave(dp.state_.phase(), rank_);
+    dp.state_.join().leave(dp.state_.phase(), rank_);
     while (const int active = detail::join_state::count(dp.comm_, 0)) {
       dp.zero_grad();
-      const detail::step_record& replay = dp.join_.shadow(active, rank_);
+      const detail::step_record& replay = dp.state_.join().shadow(active, rank_);
       for (const auto& e : replay.events) {
         if (e.what == detail::step_event::kind::acquire) dp.strategy_->acquire(replay.units_of(e));
         else if (e.what == detail::step_event::kind::release) dp.strategy_->release(replay.units_of(e));
@@ -10834,7 +11137,7 @@ class [[nodiscard]] join_scope {
       }
       dp.step(opt);
     }
-    dp.join_.close();
+    dp.state_.join().close();
     dp_ = nullptr;
   }
 
@@ -10847,7 +11150,8 @@ class [[nodiscard]] join_scope {
 // ---- end <ddp/parallel/join.hpp>
 // ---- begin <ddp/parallel/no_sync.hpp>
 /// \file ddp::no_sync_guard: the scope of a gradient-accumulation span, what dp.no_sync() returns (PyTorch's
-/// `with model.no_sync():`). It only counts the open spans; data_parallel decides what a span means for its policy.
+/// `with model.no_sync():`). It counts the open spans in the step state; the strategy's accumulation trait
+/// (parallel/accumulation.hpp) says what closing and dropping a span mean for the policy.
 
 
 namespace ddp {
@@ -10860,7 +11164,7 @@ template <class DataParallel>
 class [[nodiscard]] no_sync_guard {
  public:
   /// Opens a span of `dp` (dp.no_sync() checks that one may open).
-  explicit no_sync_guard(DataParallel& dp) : dp_(&dp) { ++dp_->no_sync_depth_; }
+  explicit no_sync_guard(DataParallel& dp) : dp_(&dp) { ++dp_->state_.no_sync().open; }
   no_sync_guard(const no_sync_guard&) = delete;
   no_sync_guard& operator=(const no_sync_guard&) = delete;
   /// Ends the span; under the sharded strategies waits for this micro-batch's reduce-scatters (collective).
@@ -10868,20 +11172,19 @@ class [[nodiscard]] no_sync_guard {
     if (!dp_) return;
     DataParallel& dp = *dp_;
     end_span();
-    if constexpr (sharded) dp.finish_gradients();
+    DataParallel::accumulation::closing(dp);
   }
   /// Ends the span if close() did not; under the sharded strategies an unfinished micro-batch is then
   /// reported by the next gradient_ready or no_sync (call close() or dp.finish_gradients()).
   ~no_sync_guard() {
     if (!dp_) return;
-    if (sharded && dp_->state_.phase() == detail::step_phase::reporting) dp_->no_sync_unclosed_ = true;
+    DataParallel::accumulation::dropped(dp_->state_);
     end_span();
   }
 
  private:
-  static constexpr bool sharded = DataParallel::strategy_type::sharded;
   void end_span() noexcept {
-    --dp_->no_sync_depth_;
+    --dp_->state_.no_sync().open;
     dp_ = nullptr;
   }
   DataParallel* dp_;
@@ -10889,142 +11192,6 @@ class [[nodiscard]] no_sync_guard {
 
 }  // namespace ddp
 // ---- end <ddp/parallel/no_sync.hpp>
-// ---- begin <ddp/parallel/replica_check.hpp>
-/// \file The checks that ranks hold the same model: at construction, the same parameter names, shapes and dtypes
-/// (verify_same_model); and data_parallel::verify_in_sync: each rank hashes, per parameter, the values
-/// it holds (FNV-1a over the bytes, so replicas must agree bit for bit) and says which ranks hold the same
-/// values (its peer key); one all_gather of two words per rank compares the combined hashes of peers. On a
-/// difference the per-parameter hashes are exchanged and every rank throws ddp::mismatch_error naming the
-/// first differing parameter and the ranks that disagree.
-
-
-
-namespace ddp::detail {
-
-/// FNV-1a over the parameter descriptions: the cheap first check that ranks hold the same model.
-inline std::uint64_t layout_hash(const std::vector<std::string>& descriptions) {
-  std::uint64_t h = fnv1a_basis;
-  for (const auto& d : descriptions) h = fnv1a("\n", fnv1a(d, h));
-  return h;
-}
-
-/// Throws ddp::mismatch_error unless every rank's list equals rank 0's, naming the first differing entry on each rank.
-template <class Comm>
-void verify_same_model(Comm& comm, const std::vector<std::string>& mine) {
-  const auto h = static_cast<std::int64_t>(layout_hash(mine));
-  std::vector<std::int64_t> hashes(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const std::int64_t>(&h, 1), std::span<std::int64_t>(hashes)).wait();
-  if (std::all_of(hashes.begin(), hashes.end(), [&](std::int64_t x) { return x == hashes[0]; })) return;
-  const auto all = all_gather_object(comm, mine);
-  std::size_t first = SIZE_MAX;  // the earliest entry where some rank disagrees with rank 0
-  for (const auto& other : all) {
-    const auto diff = std::mismatch(all[0].begin(), all[0].end(), other.begin(), other.end());
-    if (diff.first != all[0].end() || diff.second != other.end())
-      first = std::min(first, static_cast<std::size_t>(diff.first - all[0].begin()));
-  }
-  std::string what = "the model differs across ranks at parameter #" + std::to_string(first) + ":";
-  for (std::size_t r = 0; r < all.size(); ++r)
-    what += " rank " + std::to_string(r) + " has " + (first < all[r].size() ? "'" + all[r][first] + "'" : "nothing") +
-            (r + 1 < all.size() ? ";" : "");
-  throw mismatch_error(what + ". Every rank must build the same model (names, shapes and dtypes)", comm.rank());
-}
-
-/// What one rank holds of the model, for the replica check.
-struct replica_digest {
-  std::int64_t peers = 0;              ///< ranks with the same key must hold the same values
-  std::vector<std::uint64_t> hashes;   ///< per parameter, in visit order: FNV-1a of the values held
-};
-
-/// The digest of a rank holding every parameter's full values at its place in the arenas.
-inline replica_digest digest_full(const parameter_layout& layout) {
-  replica_digest d;
-  for (const auto& slot : layout.slots()) {
-    const std::size_t w = size_of(slot.type);
-    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
-  }
-  return d;
-}
-
-/// The digest of a rank holding only its owned blocks (full_shard): the pieces of each parameter in `owned`,
-/// compared with the ranks of the same `peers` key (the same shard-group rank).
-inline replica_digest digest_owned(const parameter_layout& layout, std::span<const optim::flat_buffer> owned,
-                                   int peers) {
-  replica_digest d;
-  d.peers = peers;
-  d.hashes.assign(layout.slots().size(), fnv1a_basis);
-  std::unordered_map<std::string_view, std::size_t> slot_of;
-  for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
-  for (const auto& b : owned) {
-    const auto* values = static_cast<const std::byte*>(b.values.data);
-    const std::size_t w = size_of(b.values.type);
-    for (const auto& seg : b.segments) {
-      auto& h = d.hashes[slot_of.at(seg.name)];
-      h = fnv1a(std::span(values + seg.offset * w, seg.numel * w), h);
-    }
-  }
-  return d;
-}
-
-/// "ranks 0, 2 hold one value; rank 1 holds another": the ranks of `members`, grouped by their hash of `slot`.
-inline std::string describe_disagreement(const std::vector<std::vector<std::uint64_t>>& hashes,
-                                         const std::vector<int>& members, std::size_t slot) {
-  std::vector<std::uint64_t> seen;
-  std::string out;
-  for (const int r : members) {
-    const std::uint64_t h = hashes[static_cast<std::size_t>(r)][slot];
-    if (std::find(seen.begin(), seen.end(), h) != seen.end()) continue;
-    seen.push_back(h);
-    std::vector<int> same;
-    for (const int q : members)
-      if (hashes[static_cast<std::size_t>(q)][slot] == h) same.push_back(q);
-    std::string ranks = same.size() == 1 ? "rank " : "ranks ";
-    for (std::size_t i = 0; i < same.size(); ++i) ranks += (i ? ", " : "") + std::to_string(same[i]);
-    out += (out.empty() ? "" : "; ") + ranks + (same.size() == 1 ? " holds " : " hold ") +
-           (seen.size() == 1 ? "one value" : "another");
-  }
-  return out;
-}
-
-/// Collective over `comm`: returns when every rank's hashes equal those of each rank with its peer key;
-/// otherwise throws ddp::mismatch_error on every rank, naming (through `name_of(slot)`) the first parameter
-/// where some peers differ, and those peers' ranks grouped by value.
-template <class Comm, class NameOf>
-void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
-  std::uint64_t combined = fnv1a_basis;
-  for (const std::uint64_t h : mine.hashes) combined = fnv1a(std::as_bytes(std::span(&h, 1)), combined);
-  const std::int64_t word[2] = {mine.peers, static_cast<std::int64_t>(combined)};
-  const auto n = static_cast<std::size_t>(comm.size());
-  std::vector<std::int64_t> words(2 * n);
-  comm.all_gather(std::span<const std::int64_t>(word, 2), std::span<std::int64_t>(words)).wait();
-  bool in_sync = true;
-  for (std::size_t r = 0; r < n; ++r)
-    for (std::size_t q = 0; q < r; ++q)
-      if (words[2 * r] == words[2 * q] && words[2 * r + 1] != words[2 * q + 1]) in_sync = false;
-  if (in_sync) return;
-
-  const auto hashes = all_gather_object(comm, mine.hashes);
-  for (std::size_t slot = 0; slot < mine.hashes.size(); ++slot)
-    for (std::size_t r = 0; r < n; ++r) {
-      std::vector<int> peers;  // the ranks with r's key
-      bool differ = false;
-      for (std::size_t q = 0; q < n; ++q)
-        if (words[2 * q] == words[2 * r]) {
-          peers.push_back(static_cast<int>(q));
-          differ = differ || hashes[q][slot] != hashes[r][slot];
-        }
-      if (!differ) continue;
-      throw mismatch_error("verify_in_sync: the replicas differ at parameter '" + std::string(name_of(slot)) + "': " +
-                               describe_disagreement(hashes, peers, slot) +
-                               ". A gradient was reported before it was final, or ranks stepped different "
-                               "optimizers (or changed parameters on some ranks only); call dp.gradient_ready(p) "
-                               "only after p's gradient is complete, and step the same optimizer with the same "
-                               "settings on every rank",
-                           comm.rank());
-    }
-}
-
-}  // namespace ddp::detail
-// ---- end <ddp/parallel/replica_check.hpp>
 // ---- begin <ddp/parallel/replicate.hpp>
 /// \file The replicate strategy (PyTorch DDP): every rank keeps all parameters, gradients and optimizer
 /// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
@@ -11048,9 +11215,17 @@ inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layo
 
 template <class Comm>
 struct strategy<replicate, Comm> {
-  static constexpr bool sharded = false;
+  using accumulation = local_accumulation;  ///< no_sync accumulates locally, with no traffic
   static constexpr unit_phase initial_units = unit_phase::unsharded;
+  static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::anywhere;
+  static constexpr bool rebuilds_buckets = true;      ///< in the first step's ready order, as PyTorch DDP does
+  static constexpr bool join_replays_scopes = false;  ///< a shadow step reduces zeros; scopes do nothing here
   static std::size_t multiple(const Comm& /*comm*/, const replicate& /*policy*/) { return 1; }
+  /// Every leaf type can be replicated.
+  static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
+  /// A framework's optimizer may hold the model's own parameters: they are the whole arenas.
+  template <class Opt>
+  static void check_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
@@ -11097,8 +11272,16 @@ struct strategy<replicate, Comm> {
   void release(std::span<const std::size_t> /*units*/) {}
   /// Every gradient may be reported at any time.
   void on_report(std::size_t /*slot*/) const {}
+  /// Gradients have their storage all the time: nothing to hold for a framework's backward.
+  void leaves_report_themselves() noexcept {}
   /// The model holds its values already.
   void unshard_model() {}
+  /// Every rank holds the full values: all are hashed and compared.
+  [[nodiscard]] replica_digest digest() const { return digest_full(layout_); }
+  /// Parameters are not sharded: the whole communicator.
+  [[nodiscard]] const Comm& shard_group() const noexcept { return comm_; }
+  /// No replica group beside it.
+  [[nodiscard]] std::optional<Comm> replica_group() const { return std::nullopt; }
 
  private:
   /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.
@@ -11133,6 +11316,7 @@ template <class Model, class... Ps>
 class data_parallel {
   using policy = policies<Ps...>;
   using strategy_type = detail::strategy<typename policy::sharding, backend_communicator_t<typename policy::backend>>;
+  using accumulation = typename strategy_type::accumulation;  // what a no_sync span means for the policy
 
  public:
   using model_type = Model;                                                        ///< the wrapped model
@@ -11189,16 +11373,16 @@ class data_parallel {
         multiple_(strategy_type::multiple(comm_, sharding_)),
         layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded ? detail::bucket_cut::within_units
-                                                         : detail::bucket_cut::anywhere)),
+                                  strategy_type::bucket_cut)),
         hook_(make_hook()),
-        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
+        state_(plan_, layout_.slot_units(), layout_.units().size(), strategy_type::initial_units,
+               strategy_type::join_replays_scopes, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
     detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
-    if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
+    strategy_type::check_leaves(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -11208,8 +11392,7 @@ class data_parallel {
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty() && strategy_type::sharded && strategy_type::initial_units == detail::unit_phase::unsharded)
-      hold_whole_model();
+    if (!watches_.empty()) strategy_->leaves_report_themselves();
   }
 
  public:
@@ -11229,17 +11412,17 @@ class data_parallel {
   /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
   /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
-    join_.check("finish_gradients", rank());
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    no_sync_unclosed_ = false;
-    if (const auto left = backward_.close_all(); !left.empty()) release_backward(left);
+    state_.join().check("finish_gradients", rank());
+    if (accumulation::defers(state_)) return;
+    state_.no_sync().unclosed = false;
+    if (const auto left = state_.close_all_backward(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
-      if (options_.error_on_missing && !join_.shadowing()) {
+      if (options_.error_on_missing && !state_.join().shadowing()) {
         reduce_launched();
         state_.abandon();
         std::string names;
@@ -11256,7 +11439,7 @@ class data_parallel {
       launch_ready();
     }
     reduce_launched();
-    join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
+    state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
@@ -11267,8 +11450,8 @@ class data_parallel {
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
     check_no_sync_closed("no_sync");
-    if (strategy_type::sharded) join_.refuse_no_sync(rank());
-    if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
+    accumulation::opening(state_, rank());
+    if (state_.phase() == detail::step_phase::reporting && state_.no_sync().open == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
     return no_sync_guard(*this);
@@ -11288,8 +11471,7 @@ class data_parallel {
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
-      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
+    strategy_type::check_optimizer(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
@@ -11299,14 +11481,9 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
-    join_.check("verify_in_sync", rank());
-    const detail::replica_digest mine = [&] {
-      if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
-        return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
-      else  // every rank holds the full values in the value arena
-        return detail::digest_full(layout_);
-    }();
-    detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
+    state_.join().check("verify_in_sync", rank());
+    detail::verify_replicas(comm_, strategy_->digest(),
+                            [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
   /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
@@ -11329,20 +11506,23 @@ class data_parallel {
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
-  void unshard_model() { join_.check("unshard_model", rank()); strategy_->unshard_model(); }
+  void unshard_model() {
+    state_.join().check("unshard_model", rank());
+    strategy_->unshard_model();
+  }
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
-      dp_->join_.begin_step(dp_->comm_);
-      dp_->join_.note(detail::step_event::kind::acquire, units_);
+      dp_->state_.join().begin_step(dp_->comm_);
+      dp_->state_.join().note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
     ~unshard_guard() {
-      dp_->join_.note(detail::step_event::kind::release, units_);
+      dp_->state_.join().note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
     /// What reopens this scope's units for their part of the backward (see ddp::backward_opener).
@@ -11358,7 +11538,7 @@ class data_parallel {
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
   unshard_guard unshard(Part& part) {
-    join_.check("unshard", rank());
+    state_.join().check("unshard", rank());
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
@@ -11406,20 +11586,10 @@ class data_parallel {
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
   /// hybrid the G ranks of this rank's shard group. Its stats() count the bytes moved inside the group.
-  [[nodiscard]] communicator_type shard_group() const {
-    if constexpr (strategy_type::sharded)
-      return strategy_->shard_group();
-    else
-      return comm_;
-  }
+  [[nodiscard]] communicator_type shard_group() const { return strategy_->shard_group(); }
   /// hybrid: the ranks holding the same shard in every group (their stats() count the bytes moved across
   /// groups); empty under the other policies.
-  [[nodiscard]] std::optional<communicator_type> replica_group() const {
-    if constexpr (strategy_type::sharded)
-      return strategy_->replica_group();
-    else
-      return std::nullopt;
-  }
+  [[nodiscard]] std::optional<communicator_type> replica_group() const { return strategy_->replica_group(); }
 
  private:
   /// The options the layout reads: every ddp::unit_of entry of `options.units` resolved to its prefix.
@@ -11429,36 +11599,35 @@ class data_parallel {
   }
   /// Opens backward scopes on those of `units` not open yet in this backward (backward_opener).
   void open_backward(std::span<const std::size_t> units) {
-    if constexpr (strategy_type::sharded)
-      if (const auto opened = backward_.open(units); !opened.empty()) {
-        join_.note(detail::step_event::kind::acquire, opened);
-        strategy_->acquire(opened);
-      }
+    if (const auto opened = state_.open_backward(units); !opened.empty()) {
+      state_.join().note(detail::step_event::kind::acquire, opened);
+      strategy_->acquire(opened);
+    }
   }
   /// Closes the backward scopes of `units` (recorded for a join shadow step to replay).
   void release_backward(const std::vector<std::size_t>& units) {
-    join_.note(detail::step_event::kind::release, units);
+    state_.join().note(detail::step_event::kind::release, units);
     strategy_->release(units);
   }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
-    join_.note(detail::step_event::kind::report, {}, slot);
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    state_.join().note(detail::step_event::kind::report, {}, slot);
+    if (accumulation::defers(state_)) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
     if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
-    if (const auto u = backward_.reported(slot, layout_.slots()[slot].unit, state_)) release_backward({*u});
+    if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
   void run_step(F&& run_optimizer) {
-    join_.check("step", rank());
-    if (no_sync_depth_ > 0)
+    state_.join().check("step", rank());
+    if (state_.no_sync().open > 0)
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
@@ -11466,34 +11635,24 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
-    join_.end_step();
+    state_.join().end_step();
     ++steps_;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
-  /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
-  /// RAII scope can wrap a unit's part of it: under shard_grad_op the wrapper holds a scope on every unit for its
-  /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// Under full_shard the units' forwards open scopes and their backwards reopen them (backward_opener).
-  void hold_whole_model() {
-    std::vector<std::size_t> all(layout_.units().size());
-    for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
-    whole_model_.emplace(*this, std::move(all));
-  }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
-    join_.begin_step(comm_);  // inside a join scope: the step's first collective counts the ranks still training
+    state_.join().begin_step(comm_);  // in a join scope: the step's first collective counts the ranks still training
     state_.begin(unused_);
     if (!layout_.adopting())
       for (std::size_t s = 0; s < unused_.size(); ++s)
         if (unused_[s]) gradient_in(s);
   }
-  /// Owning leaves: the gradient moves into ddp's memory (under the sharded policies, which reduce every
-  /// micro-batch, the leaf's own gradient starts again from zero).
+  /// Owning leaves: the gradient moves into ddp's memory (the accumulation trait says what becomes of the leaf's).
   void gradient_in(std::size_t slot) {
     auto& leaf = *layout_.slots()[slot].leaf;
     if (leaf.adopts()) return;
     leaf.gradient_in();
-    if constexpr (strategy_type::sharded) leaf.zero_own_gradient();
+    accumulation::moved_in(leaf);
   }
   void launch_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
@@ -11504,8 +11663,8 @@ class data_parallel {
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {
-    join_.check(where, rank());
-    if (no_sync_unclosed_)
+    state_.join().check(where, rank());
+    if (state_.no_sync().unclosed)
       throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
                   "at the end of the span (or dp.finish_gradients() now)", rank());
   }
@@ -11518,18 +11677,13 @@ class data_parallel {
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
   hook_type hook_;
-  detail::step_state state_;                // the phases of the step, its buckets and units
-  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && !strategy_type::sharded};  // after the first step
+  detail::step_state state_;                // the step, its buckets and units, join, no_sync, backward scopes
+  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && strategy_type::rebuilds_buckets};  // after step 1
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
-  std::optional<unshard_guard> whole_model_;     // shard_grad_op with watching leaves: a scope on every unit
-  detail::backward_scopes backward_{layout_};    // the scopes backward_opener opened in the running backward
-  int no_sync_depth_ = 0;                   // open no_sync spans
-  bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
-  detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
   friend class ddp::no_sync_guard<data_parallel>;
@@ -11539,7 +11693,7 @@ class data_parallel {
 /// (ddp::backend_of) and the other policies from the values given, in any order.
 template <class Model, class Comm, detail::policy... Ps>
 data_parallel(Model&, Comm, Ps...) -> data_parallel<Model, backend_of_t<Comm>, Ps...>;
-/// The same, with data_parallel_options last (at most one policy of each of the three other categories).
+/// The same, with data_parallel_options last (at most one policy of each of the four other categories).
 template <class Model, class Comm>
 data_parallel(Model&, Comm, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>>;
 template <class Model, class Comm, detail::policy P1>
@@ -11549,6 +11703,9 @@ data_parallel(Model&, Comm, P1, P2, data_parallel_options) -> data_parallel<Mode
 template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3>
 data_parallel(Model&, Comm, P1, P2, P3, data_parallel_options)
     -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3, detail::policy P4>
+data_parallel(Model&, Comm, P1, P2, P3, P4, data_parallel_options)
+    -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3, P4>;
 
 }  // namespace ddp
 // ---- end <ddp/parallel/data_parallel.hpp>

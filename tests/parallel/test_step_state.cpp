@@ -169,7 +169,8 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   net m = make_net();
   parameter_layout layout(m);
   const auto plan = plan_buckets(layout, 16, 8);  // 5 buckets
-  step_state st(plan, 6, 3, unit_phase::sharded, 3);
+  const std::vector<std::size_t> slot_units{0, 0, 1, 1, 2, 2};
+  step_state st(plan, slot_units, 3, unit_phase::sharded, false, 3);
   const auto raises = [](auto&& f, const std::string& text) {
     try {
       f();

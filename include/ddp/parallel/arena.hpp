@@ -224,6 +224,12 @@ class parameter_layout {
   [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
   /// The units' names (by default the model's top-level fields holding parameters), in visit order.
   [[nodiscard]] std::span<const std::string> units() const noexcept { return units_; }
+  /// Every parameter's unit, in visit order.
+  [[nodiscard]] std::vector<std::size_t> slot_units() const {
+    std::vector<std::size_t> out;
+    for (const auto& s : slots_) out.push_back(s.unit);
+    return out;
+  }
   /// Every arena (one per dtype, in order of first appearance).
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).

@@ -11,17 +11,14 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/parallel/arena.hpp>
-#include <ddp/parallel/step_state.hpp>
-
 namespace ddp::detail {
 
-/// Which units a backward holds open, and when each may close.
+/// Which units a backward holds open, and when each may close (a part of the step state, parallel/step_state.hpp).
 class backward_scopes {
  public:
-  /// The units and parameters of `layout`.
-  explicit backward_scopes(const parameter_layout& layout) : open_(layout.units().size(), 0), slots_(open_.size()) {
-    for (std::size_t s = 0; s < layout.slots().size(); ++s) slots_[layout.slots()[s].unit].push_back(s);
+  /// `units` units; `slot_units[s]` is the unit of parameter s.
+  backward_scopes(std::span<const std::size_t> slot_units, std::size_t units) : open_(units, 0), slots_(units) {
+    for (std::size_t s = 0; s < slot_units.size(); ++s) slots_[slot_units[s]].push_back(s);
   }
   /// Of `units`, those not open yet, now open (a unit reached twice in one backward is opened once).
   std::vector<std::size_t> open(std::span<const std::size_t> units) {
@@ -33,12 +30,12 @@ class backward_scopes {
       }
     return opened;
   }
-  /// Parameter `slot` reported: its unit, now closed, when a backward holds it open and every parameter of it has
-  /// reported in this step (`state`).
-  std::optional<std::size_t> reported(std::size_t slot, std::size_t unit, const step_state& state) {
-    if (!open_[unit] || !state.reported(slot)) return std::nullopt;
+  /// Parameter `slot` of `unit` reported: the unit, now closed, when a backward holds it open and every parameter
+  /// of it has reported in this step (`reported`, per slot).
+  std::optional<std::size_t> reported(std::size_t slot, std::size_t unit, std::span<const char> reported) {
+    if (!open_[unit] || !reported[slot]) return std::nullopt;
     for (const std::size_t s : slots_[unit])
-      if (!state.reported(s)) return std::nullopt;
+      if (!reported[s]) return std::nullopt;
     open_[unit] = 0;
     return unit;
   }

@@ -53,6 +53,7 @@ template <class Model, class... Ps>
 class data_parallel {
   using policy = policies<Ps...>;
   using strategy_type = detail::strategy<typename policy::sharding, backend_communicator_t<typename policy::backend>>;
+  using accumulation = typename strategy_type::accumulation;  // what a no_sync span means for the policy
 
  public:
   using model_type = Model;                                                        ///< the wrapped model
@@ -109,16 +110,16 @@ class data_parallel {
         multiple_(strategy_type::multiple(comm_, sharding_)),
         layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
-                                  strategy_type::sharded ? detail::bucket_cut::within_units
-                                                         : detail::bucket_cut::anywhere)),
+                                  strategy_type::bucket_cut)),
         hook_(make_hook()),
-        state_(plan_, layout_.slots().size(), layout_.units().size(), strategy_type::initial_units, comm_.rank()) {
+        state_(plan_, layout_.slot_units(), layout_.units().size(), strategy_type::initial_units,
+               strategy_type::join_replays_scopes, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
     detail::verify_same_model(comm_, descriptions);
     detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
-    if (strategy_type::initial_units == detail::unit_phase::sharded) detail::require_adopting(layout_, rank());
+    strategy_type::check_leaves(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
       detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
@@ -128,8 +129,7 @@ class data_parallel {
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
       if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty() && strategy_type::sharded && strategy_type::initial_units == detail::unit_phase::unsharded)
-      hold_whole_model();
+    if (!watches_.empty()) strategy_->leaves_report_themselves();
   }
 
  public:
@@ -149,17 +149,17 @@ class data_parallel {
   /// ddp::error naming the parameters that did not report (unless declared unused or tolerated). After it,
   /// step(opt) steps these gradients; calling it again before the next backward does nothing.
   void finish_gradients() {
-    join_.check("finish_gradients", rank());
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
-    no_sync_unclosed_ = false;
-    if (const auto left = backward_.close_all(); !left.empty()) release_backward(left);
+    state_.join().check("finish_gradients", rank());
+    if (accumulation::defers(state_)) return;
+    state_.no_sync().unclosed = false;
+    if (const auto left = state_.close_all_backward(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
     if (state_.launched() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
-      if (options_.error_on_missing && !join_.shadowing()) {
+      if (options_.error_on_missing && !state_.join().shadowing()) {
         reduce_launched();
         state_.abandon();
         std::string names;
@@ -176,7 +176,7 @@ class data_parallel {
       launch_ready();
     }
     reduce_launched();
-    join_.rescale(strategy_->optimizer_buffers(), comm_.size());  // inside a join scope: the mean over the active ranks
+    state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
@@ -187,8 +187,8 @@ class data_parallel {
   /// accumulated gradients (the user's backward adds into the gradients, as PyTorch's does).
   no_sync_guard no_sync() {
     check_no_sync_closed("no_sync");
-    if (strategy_type::sharded) join_.refuse_no_sync(rank());
-    if (state_.phase() == detail::step_phase::reporting && no_sync_depth_ == 0)
+    accumulation::opening(state_, rank());
+    if (state_.phase() == detail::step_phase::reporting && state_.no_sync().open == 0)
       throw error("no_sync: a synchronized backward is in progress (some gradients already reported); enter "
                   "no_sync before the backward starts", rank());
     return no_sync_guard(*this);
@@ -208,8 +208,7 @@ class data_parallel {
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    if constexpr (strategy_type::sharded && requires { optim::optimizer_traits<Opt>::check(opt, owned_buffers(), 0); })
-      optim::optimizer_traits<Opt>::check(opt, owned_buffers(), rank());
+    strategy_type::check_optimizer(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
@@ -219,14 +218,9 @@ class data_parallel {
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
   void verify_in_sync() {
-    join_.check("verify_in_sync", rank());
-    const detail::replica_digest mine = [&] {
-      if constexpr (strategy_type::initial_units == detail::unit_phase::sharded)  // full_shard: owned blocks only
-        return detail::digest_owned(layout_, strategy_->optimizer_buffers(), shard_group().rank());
-      else  // every rank holds the full values in the value arena
-        return detail::digest_full(layout_);
-    }();
-    detail::verify_replicas(comm_, mine, [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
+    state_.join().check("verify_in_sync", rank());
+    detail::verify_replicas(comm_, strategy_->digest(),
+                            [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
   }
   /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
   /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
@@ -249,20 +243,23 @@ class data_parallel {
   /// full values, also after the wrapper is destroyed (FSDP's unshard of the whole model). Call it after the
   /// last step, outside every unshard scope; later steps do not update those values (call it again). Under
   /// replicate and shard_grad_op the parameters are whole already and it does nothing.
-  void unshard_model() { join_.check("unshard_model", rank()); strategy_->unshard_model(); }
+  void unshard_model() {
+    state_.join().check("unshard_model", rank());
+    strategy_->unshard_model();
+  }
   /// RAII scope returned by unshard(): the units it names hold their full parameters while it lives; when the
   /// last scope on a unit closes, the unit is resharded (full_shard, unless it keeps the forward's units).
   class [[nodiscard]] unshard_guard {
    public:
     unshard_guard(data_parallel& dp, std::vector<std::size_t> units) : dp_(&dp), units_(std::move(units)) {
-      dp_->join_.begin_step(dp_->comm_);
-      dp_->join_.note(detail::step_event::kind::acquire, units_);
+      dp_->state_.join().begin_step(dp_->comm_);
+      dp_->state_.join().note(detail::step_event::kind::acquire, units_);
       dp_->strategy_->acquire(units_);
     }
     unshard_guard(const unshard_guard&) = delete;
     unshard_guard& operator=(const unshard_guard&) = delete;
     ~unshard_guard() {
-      dp_->join_.note(detail::step_event::kind::release, units_);
+      dp_->state_.join().note(detail::step_event::kind::release, units_);
       dp_->strategy_->release(units_);
     }
     /// What reopens this scope's units for their part of the backward (see ddp::backward_opener).
@@ -278,7 +275,7 @@ class data_parallel {
   /// the scope). Under replicate it does nothing. Collective under full_shard.
   template <class Part>
   unshard_guard unshard(Part& part) {
-    join_.check("unshard", rank());
+    state_.join().check("unshard", rank());
     std::vector<std::size_t> units;
     visit_parameters(part, [&](std::string_view, auto& p) {
       const auto i = layout_.find(leaf_key(p));
@@ -326,20 +323,10 @@ class data_parallel {
   [[nodiscard]] std::span<const std::string> units() const noexcept { return layout_.units(); }
   /// The group parameters are sharded over: comm() under replicate, shard_grad_op and full_shard; under
   /// hybrid the G ranks of this rank's shard group. Its stats() count the bytes moved inside the group.
-  [[nodiscard]] communicator_type shard_group() const {
-    if constexpr (strategy_type::sharded)
-      return strategy_->shard_group();
-    else
-      return comm_;
-  }
+  [[nodiscard]] communicator_type shard_group() const { return strategy_->shard_group(); }
   /// hybrid: the ranks holding the same shard in every group (their stats() count the bytes moved across
   /// groups); empty under the other policies.
-  [[nodiscard]] std::optional<communicator_type> replica_group() const {
-    if constexpr (strategy_type::sharded)
-      return strategy_->replica_group();
-    else
-      return std::nullopt;
-  }
+  [[nodiscard]] std::optional<communicator_type> replica_group() const { return strategy_->replica_group(); }
 
  private:
   /// The options the layout reads: every ddp::unit_of entry of `options.units` resolved to its prefix.
@@ -349,36 +336,35 @@ class data_parallel {
   }
   /// Opens backward scopes on those of `units` not open yet in this backward (backward_opener).
   void open_backward(std::span<const std::size_t> units) {
-    if constexpr (strategy_type::sharded)
-      if (const auto opened = backward_.open(units); !opened.empty()) {
-        join_.note(detail::step_event::kind::acquire, opened);
-        strategy_->acquire(opened);
-      }
+    if (const auto opened = state_.open_backward(units); !opened.empty()) {
+      state_.join().note(detail::step_event::kind::acquire, opened);
+      strategy_->acquire(opened);
+    }
   }
   /// Closes the backward scopes of `units` (recorded for a join shadow step to replay).
   void release_backward(const std::vector<std::size_t>& units) {
-    join_.note(detail::step_event::kind::release, units);
+    state_.join().note(detail::step_event::kind::release, units);
     strategy_->release(units);
   }
   /// The gradient of `slot` is final: launches every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
-    join_.note(detail::step_event::kind::report, {}, slot);
-    if (no_sync_depth_ > 0 && !strategy_type::sharded) return;
+    state_.join().note(detail::step_event::kind::report, {}, slot);
+    if (accumulation::defers(state_)) return;
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
     if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
     launch_ready();
-    if (const auto u = backward_.reported(slot, layout_.slots()[slot].unit, state_)) release_backward({*u});
+    if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
   void run_step(F&& run_optimizer) {
-    join_.check("step", rank());
-    if (no_sync_depth_ > 0)
+    state_.join().check("step", rank());
+    if (state_.no_sync().open > 0)
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
@@ -386,34 +372,24 @@ class data_parallel {
     strategy_->after_step();
     layout_.values_out();
     state_.end();
-    join_.end_step();
+    state_.join().end_step();
     ++steps_;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
-  /// Leaves reported by their framework's backward (autograd) run the whole model's backward in one call, so no
-  /// RAII scope can wrap a unit's part of it: under shard_grad_op the wrapper holds a scope on every unit for its
-  /// lifetime (the full gradients stay allocated; reduce-scatter and sharded optimizer state are unchanged).
-  /// Under full_shard the units' forwards open scopes and their backwards reopen them (backward_opener).
-  void hold_whole_model() {
-    std::vector<std::size_t> all(layout_.units().size());
-    for (std::size_t u = 0; u < all.size(); ++u) all[u] = u;
-    whole_model_.emplace(*this, std::move(all));
-  }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {
-    join_.begin_step(comm_);  // inside a join scope: the step's first collective counts the ranks still training
+    state_.join().begin_step(comm_);  // in a join scope: the step's first collective counts the ranks still training
     state_.begin(unused_);
     if (!layout_.adopting())
       for (std::size_t s = 0; s < unused_.size(); ++s)
         if (unused_[s]) gradient_in(s);
   }
-  /// Owning leaves: the gradient moves into ddp's memory (under the sharded policies, which reduce every
-  /// micro-batch, the leaf's own gradient starts again from zero).
+  /// Owning leaves: the gradient moves into ddp's memory (the accumulation trait says what becomes of the leaf's).
   void gradient_in(std::size_t slot) {
     auto& leaf = *layout_.slots()[slot].leaf;
     if (leaf.adopts()) return;
     leaf.gradient_in();
-    if constexpr (strategy_type::sharded) leaf.zero_own_gradient();
+    accumulation::moved_in(leaf);
   }
   void launch_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
@@ -424,8 +400,8 @@ class data_parallel {
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {
-    join_.check(where, rank());
-    if (no_sync_unclosed_)
+    state_.join().check(where, rank());
+    if (state_.no_sync().unclosed)
       throw error(std::string(where) + ": a no_sync() span of a sharded policy ended without close(), so its micro-batch's reduce-scatters were never completed; call guard.close() "
                   "at the end of the span (or dp.finish_gradients() now)", rank());
   }
@@ -438,18 +414,13 @@ class data_parallel {
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
   hook_type hook_;
-  detail::step_state state_;                // the phases of the step, its buckets and units
-  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && !strategy_type::sharded};  // after the first step
+  detail::step_state state_;                // the step, its buckets and units, join, no_sync, backward scopes
+  detail::bucket_rebuild rebuild_{options_.rebuild_buckets && strategy_type::rebuilds_buckets};  // after step 1
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
-  std::optional<unshard_guard> whole_model_;     // shard_grad_op with watching leaves: a scope on every unit
-  detail::backward_scopes backward_{layout_};    // the scopes backward_opener opened in the running backward
-  int no_sync_depth_ = 0;                   // open no_sync spans
-  bool no_sync_unclosed_ = false;           // sharded: a no_sync span ended without completing its micro-batch
-  detail::join_state join_{strategy_type::initial_units == detail::unit_phase::sharded};  // uneven inputs (join.hpp)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
   friend class ddp::no_sync_guard<data_parallel>;
@@ -459,7 +430,7 @@ class data_parallel {
 /// (ddp::backend_of) and the other policies from the values given, in any order.
 template <class Model, class Comm, detail::policy... Ps>
 data_parallel(Model&, Comm, Ps...) -> data_parallel<Model, backend_of_t<Comm>, Ps...>;
-/// The same, with data_parallel_options last (at most one policy of each of the three other categories).
+/// The same, with data_parallel_options last (at most one policy of each of the four other categories).
 template <class Model, class Comm>
 data_parallel(Model&, Comm, data_parallel_options) -> data_parallel<Model, backend_of_t<Comm>>;
 template <class Model, class Comm, detail::policy P1>
@@ -469,5 +440,8 @@ data_parallel(Model&, Comm, P1, P2, data_parallel_options) -> data_parallel<Mode
 template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3>
 data_parallel(Model&, Comm, P1, P2, P3, data_parallel_options)
     -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3>;
+template <class Model, class Comm, detail::policy P1, detail::policy P2, detail::policy P3, detail::policy P4>
+data_parallel(Model&, Comm, P1, P2, P3, P4, data_parallel_options)
+    -> data_parallel<Model, backend_of_t<Comm>, P1, P2, P3, P4>;
 
 }  // namespace ddp

@@ -22,6 +22,7 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/sharded.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
@@ -31,9 +32,13 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<full_shard, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::sharded;
+  /// A shadow step must issue the all-gathers of the units' scopes: it replays the last step's scopes and reports.
+  static constexpr bool join_replays_scopes = true;
   static std::size_t multiple(const Comm& comm, const full_shard& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
+  /// A rank keeps only its owned blocks, so every leaf must compute on ddp's memory (adopt it).
+  static void check_leaves(const parameter_layout& layout, int rank) { require_adopting(layout, rank); }
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm, const full_shard& policy)
       : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "full_shard", policy.keep_unit_buffers,
                            policy.deterministic, owned_value_home::own_copy),
@@ -105,6 +110,14 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
     this->arena_holds_values();
+  }
+  /// The units' forwards open scopes and their backwards reopen them (backward_opener, ddp::forward of the
+  /// LibTorch adapter): nothing to hold for the framework's backward.
+  void leaves_report_themselves() noexcept {}
+  /// A rank holds only its owned blocks: those are hashed and compared with the ranks owning the same blocks
+  /// (the other groups under hybrid; without replicas every value has one owner and nothing is compared).
+  [[nodiscard]] replica_digest digest() const {
+    return digest_owned(this->layout(), this->optimizer_buffers(), this->shard_group().rank());
   }
 
  private:

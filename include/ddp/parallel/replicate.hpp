@@ -3,12 +3,14 @@
 /// state; each bucket is all-reduced (through the comm hook) and the optimizer steps the whole arenas.
 
 #include <cstddef>
-#include <type_traits>
+#include <optional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/comm/work.hpp>
 #include <ddp/optim/flat.hpp>
+#include <ddp/parallel/accumulation.hpp>
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
@@ -16,6 +18,7 @@
 #include <ddp/parallel/master_weights.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
 
@@ -36,9 +39,17 @@ inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layo
 
 template <class Comm>
 struct strategy<replicate, Comm> {
-  static constexpr bool sharded = false;
+  using accumulation = local_accumulation;  ///< no_sync accumulates locally, with no traffic
   static constexpr unit_phase initial_units = unit_phase::unsharded;
+  static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::anywhere;
+  static constexpr bool rebuilds_buckets = true;      ///< in the first step's ready order, as PyTorch DDP does
+  static constexpr bool join_replays_scopes = false;  ///< a shadow step reduces zeros; scopes do nothing here
   static std::size_t multiple(const Comm& /*comm*/, const replicate& /*policy*/) { return 1; }
+  /// Every leaf type can be replicated.
+  static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
+  /// A framework's optimizer may hold the model's own parameters: they are the whole arenas.
+  template <class Opt>
+  static void check_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
@@ -85,8 +96,16 @@ struct strategy<replicate, Comm> {
   void release(std::span<const std::size_t> /*units*/) {}
   /// Every gradient may be reported at any time.
   void on_report(std::size_t /*slot*/) const {}
+  /// Gradients have their storage all the time: nothing to hold for a framework's backward.
+  void leaves_report_themselves() noexcept {}
   /// The model holds its values already.
   void unshard_model() {}
+  /// Every rank holds the full values: all are hashed and compared.
+  [[nodiscard]] replica_digest digest() const { return digest_full(layout_); }
+  /// Parameters are not sharded: the whole communicator.
+  [[nodiscard]] const Comm& shard_group() const noexcept { return comm_; }
+  /// No replica group beside it.
+  [[nodiscard]] std::optional<Comm> replica_group() const { return std::nullopt; }
 
  private:
   /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.

@@ -14,6 +14,7 @@
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/sharded.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/strategy.hpp>
@@ -23,9 +24,12 @@ namespace ddp::detail {
 template <class Comm>
 struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   static constexpr unit_phase initial_units = unit_phase::unsharded;
+  static constexpr bool join_replays_scopes = false;  ///< values stay whole: a shadow step needs no unshard scope
   static std::size_t multiple(const Comm& comm, const shard_grad_op& /*policy*/) {
     return static_cast<std::size_t>(comm.size());
   }
+  /// Every leaf type can be held: the values stay whole in the arenas, copied at the step's edges if need be.
+  static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const shard_grad_op& policy)
       : sharded_core<Comm>(layout, plan, state, std::move(comm), std::nullopt, "shard_grad_op",
@@ -52,8 +56,16 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   void release(std::span<const std::size_t> units) {
     for (const std::size_t u : units) this->close_scope(u);
   }
+  /// The leaves' framework runs the whole backward (autograd), so no scope can wrap a unit's part of it: every
+  /// unit is held for the wrapper's lifetime (the full gradients stay allocated, as under replicate; the
+  /// reduce-scatters and the sharded optimizer state are unchanged).
+  void leaves_report_themselves() {
+    for (std::size_t u = 0; u < this->state().units(); ++u) this->open_scope(u);
+  }
   /// Parameters are whole in the value arena already.
   void unshard_model() {}
+  /// Every rank holds the full values: all are hashed and compared.
+  [[nodiscard]] replica_digest digest() const { return digest_full(this->layout()); }
 };
 static_assert(sharding_strategy<strategy<shard_grad_op, archetype_communicator>, archetype_communicator, shard_grad_op>,
               "ddp: the shard_grad_op strategy must model sharding_strategy; add what the concept names.");

@@ -39,12 +39,14 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/optim/flat.hpp>
+#include <ddp/parallel/accumulation.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/master_weights.hpp>
 #include <ddp/parallel/ordered_reduction.hpp>
 #include <ddp/parallel/policies.hpp>
+#include <ddp/parallel/replica_check.hpp>
 #include <ddp/parallel/step_state.hpp>
 #include <ddp/parallel/unit_pool.hpp>
 
@@ -90,7 +92,16 @@ struct unit_buffers {
 template <class Comm>
 class sharded_core {
  public:
-  static constexpr bool sharded = true;
+  using accumulation = reduced_accumulation;          ///< each micro-batch is reduce-scattered in its backward
+  static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::within_units;  ///< a unit's buckets are its own
+  static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
+  /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
+  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::check says so, where specialized.
+  template <class Opt>
+  static void check_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+    if constexpr (requires { optim::optimizer_traits<Opt>::check(opt, buffers, rank); })
+      optim::optimizer_traits<Opt>::check(opt, buffers, rank);
+  }
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
                std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
@@ -236,6 +247,7 @@ class sharded_core {
   [[nodiscard]] const std::optional<Comm>& replica_group() const noexcept { return replica_; }
 
  protected:
+  [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }
   [[nodiscard]] const bucket_plan& plan() const noexcept { return plan_; }
   [[nodiscard]] step_state& state() noexcept { return state_; }
   [[nodiscard]] const std::string& unit_name(std::size_t u) const noexcept { return layout_.units()[u]; }

@@ -3,8 +3,10 @@
 /// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
-/// reported in this step, and the order of the reports; and the step itself (idle → reporting → finished → idle). data_parallel owns it and
-/// the strategies move buckets and units through it; a transition the phases do not allow raises ddp::error.
+/// reported in this step, and the order of the reports; the step itself (idle → reporting → finished → idle);
+/// and what lasts across calls: the join scope (join_state), the open no_sync spans and the units a
+/// framework's backward holds open (backward_scopes). data_parallel owns it and the strategies move buckets and
+/// units through it; a transition the phases do not allow raises ddp::error.
 
 #include <algorithm>
 #include <cstddef>
@@ -17,56 +19,12 @@
 
 #include <ddp/comm/work.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/parallel/backward_scopes.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
+#include <ddp/parallel/join_state.hpp>
+#include <ddp/parallel/phases.hpp>
 
 namespace ddp::detail {
-
-/// Where a synchronized backward stands.
-enum class step_phase : std::uint8_t {
-  idle,       ///< no gradient reported since the last step (or since zero_grad after finish_gradients)
-  reporting,  ///< gradients are being reported and buckets launched
-  finished,   ///< finish_gradients() completed: every bucket is reduced, step() may run
-};
-/// Where one bucket's reduction stands in the step.
-enum class bucket_phase : std::uint8_t {
-  waiting,   ///< parameters still to report, or an earlier bucket still to launch
-  launched,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
-  chained,   ///< hybrid: the reduce-scatter completed and the cross-group all-reduce is in flight
-  reduced,   ///< its gradients are final for this step
-};
-/// Where a unit's parameter values stand (shard_grad_op and replicate keep every unit unsharded).
-enum class unit_phase : std::uint8_t {
-  sharded,     ///< only the owned blocks exist
-  unsharding,  ///< all-gathers into its pooled buffer are in flight (an unshard scope or a prefetch)
-  unsharded,   ///< the full values are present
-};
-/// Where a unit's full-gradient storage stands (the sharded strategies).
-enum class grad_phase : std::uint8_t {
-  released,  ///< no storage: its parameters' gradients point at zero pages
-  held,      ///< a pooled buffer, zero or already reduced: nothing pending
-  reported,  ///< gradients were reported into it and its buckets are not all reduced
-};
-
-/// The phase's name, for messages.
-constexpr const char* to_string(step_phase p) noexcept {
-  constexpr const char* names[] = {"idle", "reporting", "finished"};
-  return names[static_cast<int>(p)];
-}
-/// The phase's name, for messages.
-constexpr const char* to_string(bucket_phase p) noexcept {
-  constexpr const char* names[] = {"waiting", "launched", "chained", "reduced"};
-  return names[static_cast<int>(p)];
-}
-/// The phase's name, for messages.
-constexpr const char* to_string(unit_phase p) noexcept {
-  constexpr const char* names[] = {"sharded", "unsharding", "unsharded"};
-  return names[static_cast<int>(p)];
-}
-/// The phase's name, for messages.
-constexpr const char* to_string(grad_phase p) noexcept {
-  constexpr const char* names[] = {"released", "held", "reported"};
-  return names[static_cast<int>(p)];
-}
 
 /// One bucket in the step.
 struct bucket_record {
@@ -83,15 +41,25 @@ struct unit_record {
   std::vector<work> all_gathers;                 ///< unsharding: its buckets' all-gathers
 };
 
+/// The gradient-accumulation spans (dp.no_sync()) open on a wrapper.
+struct no_sync_spans {
+  int open = 0;           ///< spans open now
+  bool unclosed = false;  ///< a span of a policy that reduces every micro-batch ended without completing it
+};
+
 /// The state of the step: every phase of every bucket, unit and slot, and the legal moves between them.
 class step_state {
  public:
-  /// Buckets of `plan`, `slots` parameters, `units` units starting in phase `values`; `rank` for messages.
-  step_state(const bucket_plan& plan, std::size_t slots, std::size_t units, unit_phase values, int rank)
-      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slots, 0), rank_(rank) {
+  /// Buckets of `plan`, a parameter per entry of `slot_units` (its unit), `units` units starting in phase
+  /// `values`; `join_replays`: a join shadow step replays the last step's scopes and reports (full_shard); `rank`
+  /// for messages.
+  step_state(const bucket_plan& plan, std::span<const std::size_t> slot_units, std::size_t units, unit_phase values,
+             bool join_replays, int rank)
+      : plan_(plan), buckets_(plan.buckets.size()), units_(units), reported_(slot_units.size(), 0),
+        join_(join_replays), backward_(slot_units, units), rank_(rank) {
     for (auto& u : units_) u.values = values;
     index_units();
-    order_.reserve(slots);
+    order_.reserve(slot_units.size());
   }
   step_state(const step_state&) = delete;
   step_state& operator=(const step_state&) = delete;
@@ -255,6 +223,23 @@ class step_state {
     units_[u].grads = to;
   }
 
+
+  // ---- what lasts across calls ----
+  /// The join scope's state (parallel/join_state.hpp).
+  [[nodiscard]] join_state& join() noexcept { return join_; }
+  /// The join scope's state.
+  [[nodiscard]] const join_state& join() const noexcept { return join_; }
+  /// The open no_sync spans.
+  [[nodiscard]] no_sync_spans& no_sync() noexcept { return no_sync_; }
+  /// The open no_sync spans.
+  [[nodiscard]] const no_sync_spans& no_sync() const noexcept { return no_sync_; }
+  /// Of `units`, those the running backward has not opened yet, now open (backward_scopes).
+  std::vector<std::size_t> open_backward(std::span<const std::size_t> units) { return backward_.open(units); }
+  /// Slot `s` of unit `u` reported: the unit, now closed, when the backward held it open and every parameter of
+  /// it has reported in this step.
+  std::optional<std::size_t> close_backward(std::size_t s, std::size_t u) { return backward_.reported(s, u, reported_); }
+  /// Every unit the backward still holds open, now closed (the backward is over).
+  std::vector<std::size_t> close_all_backward() { return backward_.close_all(); }
  private:
   void index_units() {
     unit_buckets_.assign(units_.size(), {});
@@ -296,6 +281,9 @@ class step_state {
   std::vector<std::size_t> order_;  // the slots that reported in this step, in order
   std::size_t next_ = 0;        // the next bucket to launch
   step_phase phase_ = step_phase::idle;
+  join_state join_;             // the join scope
+  no_sync_spans no_sync_;       // gradient-accumulation spans
+  backward_scopes backward_;    // units a framework's backward holds open
   int rank_;
 };
 
