@@ -38,6 +38,7 @@ using ddp::testing::run_ranks;
 using ddp::testing::side_process;
 using ddp::testing::contains;
 using ddp::testing::tcp::expect;
+using ddp::testing::tcp::expect_at;
 using ddp::testing::tcp::expect_mismatch;
 using ddp::testing::free_port;
 using ddp::testing::tcp::job;
@@ -516,9 +517,9 @@ TEST_CASE("all_reduce, reduce_scatter and all_gather over shared memory give the
           for (std::size_t i = 0; i < count; ++i) {
             float want = value(0, i);
             for (int r = 1; r < comm.size(); ++r) want += value(r, i);  // in rank order, as the transport sums
-            expect(sum[i] == want, "sum at " + std::to_string(i));
-            expect(avg[i] == want / static_cast<float>(comm.size()), "avg at " + std::to_string(i));
-            expect(top[i] == value(comm.size() - 1, i), "max at " + std::to_string(i));
+            expect_at(sum[i] == want, "sum", i);
+            expect_at(avg[i] == want / static_cast<float>(comm.size()), "avg", i);
+            expect_at(top[i] == value(comm.size() - 1, i), "max", i);
           }
         }
         // reduce_scatter (output apart from the input) and all_gather (in place, and apart): 4 MiB and more in all.
@@ -532,7 +533,7 @@ TEST_CASE("all_reduce, reduce_scatter and all_gather over shared memory give the
             const std::size_t at = static_cast<std::size_t>(rank) * block + i;
             float want = value(0, at);
             for (int r = 1; r < n; ++r) want += value(r, at);
-            expect(mine[i] == want / static_cast<float>(n), "reduce_scatter at " + std::to_string(i));
+            expect_at(mine[i] == want / static_cast<float>(n), "reduce_scatter", i);
           }
           for (std::size_t i = 0; i < block; ++i) mine[i] = value(rank, i);
           comm.all_gather(mine, all).wait();
@@ -541,8 +542,8 @@ TEST_CASE("all_reduce, reduce_scatter and all_gather over shared memory give the
           for (int r = 0; r < n; ++r)
             for (std::size_t i = 0; i < block; ++i) {
               const std::size_t at = static_cast<std::size_t>(r) * block + i;
-              expect(all[at] == value(r, i), "all_gather at " + std::to_string(at));
-              expect(in[at] == value(r, i), "all_gather in place at " + std::to_string(at));
+              expect_at(all[at] == value(r, i), "all_gather", at);
+              expect_at(in[at] == value(r, i), "all_gather in place", at);
             }
         }
       },
@@ -568,7 +569,7 @@ TEST_CASE("large collectives of a subgroup whose ranks are the world's reversed 
           for (std::size_t i = 0; i < in.size(); ++i) {
             float want = value(0, i);
             for (int r = 1; r < n; ++r) want += value(r, i);
-            expect(in[i] == want, "subgroup all_reduce at " + std::to_string(i));
+            expect_at(in[i] == want, "subgroup all_reduce", i);
           }
           for (std::size_t i = 0; i < in.size(); ++i) in[i] = value(me, i);
           sub.reduce_scatter(in, mine).wait();
@@ -576,12 +577,12 @@ TEST_CASE("large collectives of a subgroup whose ranks are the world's reversed 
             const std::size_t at = static_cast<std::size_t>(me) * block + i;
             float want = value(0, at);
             for (int r = 1; r < n; ++r) want += value(r, at);
-            expect(mine[i] == want, "subgroup reduce_scatter at " + std::to_string(i));
+            expect_at(mine[i] == want, "subgroup reduce_scatter", i);
           }
           for (std::size_t i = 0; i < block; ++i) mine[i] = value(me, i);
           sub.all_gather(mine, all).wait();
           for (std::size_t i = 0; i < all.size(); ++i)
-            expect(all[i] == value(static_cast<int>(i / block), i % block), "subgroup all_gather at " + std::to_string(i));
+            expect_at(all[i] == value(static_cast<int>(i / block), i % block), "subgroup all_gather", i);
         }
         std::vector<float> world(block, static_cast<float>(rank));
         comm.all_reduce(world).wait();
@@ -644,10 +645,11 @@ TEST_CASE("copies into shared memory give the same bits with either kind of stor
           std::vector<float> sum(count);
           for (std::size_t i = 0; i < count; ++i) sum[i] = value(rank, i);
           comm.all_reduce(sum).wait();
+          const std::string what = "sum of " + std::to_string(count);
           for (std::size_t i = 0; i < count; ++i) {
             float want = value(0, i);
             for (int r = 1; r < comm.size(); ++r) want += value(r, i);
-            expect(sum[i] == want, "sum of " + std::to_string(count) + " at " + std::to_string(i));
+            expect_at(sum[i] == want, what.c_str(), i);
           }
         }
         // A send through the ring (rank 0 to the last rank), longer than the ring, from an odd address.
@@ -660,7 +662,7 @@ TEST_CASE("copies into shared memory give the same bits with either kind of stor
         } else if (rank == last) {
           comm.recv(std::span<std::uint8_t>(buf.data() + 1, bytes), 0).wait();
           for (std::size_t i = 0; i < bytes; ++i)
-            expect(buf[i + 1] == static_cast<std::uint8_t>(i * 7 + 3), "received byte " + std::to_string(i));
+            expect_at(buf[i + 1] == static_cast<std::uint8_t>(i * 7 + 3), "received byte", i);
         }
       },
       job(60s, 0, [stores](int) { return ddp::launch::env_list{{"DDP_SHM", "1"}, {"DDP_SHM_STORES", stores}}; })));
