@@ -2,7 +2,7 @@
 // blocking MPI_Allreduce and non-blocking MPI_Iallreduce + MPI_Wait. Sizes 4 KiB .. 64 MiB in powers of 4.
 // A fourth variant, MPI_Iallreduce + an MPI_Test loop, is what ddp's non-blocking path does without ddp: it
 // separates ddp's own cost from the difference between polling and MPI_Wait. ddp runs twice: with the default
-// config (collectives up to config::eager_bytes run MPI_Allreduce and complete on launch) and with
+// config (collectives up to config::eager_bytes run MPI_Allreduce and complete on start) and with
 // eager_bytes = 0 (every all-reduce through MPI_Iallreduce, the path that overlaps and times out).
 // The variants alternate call by call (A B C D E, B C D E A, ...), so a burst of load from other processes hits
 // all of them alike; every call starts after a barrier and is timed on its own; each rank takes the median per

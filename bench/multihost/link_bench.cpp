@@ -9,10 +9,10 @@
 //       LOCAL_WORLD_SIZE, one per host), beside Ψ (the parameters' bytes) and the payload ddp counted
 //   link_bench step --hook plain|bf16 --after-backward 0|1 [--dims ...] [--steps 7] [--batch 8]
 //       median step time of replicate with 4 MiB buckets (first 1 MiB) overlapping the backward, or with one
-//       bucket larger than the model (--after-backward 1), which launches once the whole backward has run;
+//       bucket larger than the model (--after-backward 1), which starts once the whole backward has run;
 //       with --trace 1 every rank also prints, per step, when its backward began and ended and when each bucket
-//       launched and completed (seconds since the backward began), what the hook's launch and complete cost, and
-//       how often the scheduler preempted the launching thread inside the launch
+//       started and completed (seconds since the backward began), what the hook's start and complete cost, and
+//       how often the scheduler preempted the starting thread inside the start
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -108,9 +108,9 @@ int run_allreduce(tcp_comm& comm, const arguments& a) {
   return 0;
 }
 
-/// One step's timeline on this rank, in seconds since its backward began: when each bucket launched, what the
-/// hook's launch (the bf16 hook's narrowing included) and complete cost, and when its reduction completed, which
-/// a watcher thread sees by blocking on each bucket's work in launch order (it sleeps otherwise).
+/// One step's timeline on this rank, in seconds since its backward began: when each bucket started, what the
+/// hook's start (the bf16 hook's narrowing included) and complete cost, and when its reduction completed, which
+/// a watcher thread sees by blocking on each bucket's work in start order (it sleeps otherwise).
 class step_trace {
  public:
   step_trace() : watcher_([this] { watch(); }) {}
@@ -134,12 +134,12 @@ class step_trace {
     t0_ = clock_type::now();
     buckets_.clear();
   }
-  /// Bucket `b` launched at `start`; its launch took until now, during which the scheduler took the CPU from
+  /// Bucket `b` started at `start`; its start took until now, during which the scheduler took the CPU from
   /// this thread `preempted` times; `w` completes with its reduction.
-  void launched(std::size_t b, clock_type::time_point start, long preempted, ddp::work w) {
+  void started(std::size_t b, clock_type::time_point start, long preempted, ddp::work w) {
     std::lock_guard lock(mutex_);
     if (buckets_.size() <= b) buckets_.resize(b + 1);
-    buckets_[b].launch = since(start);
+    buckets_[b].start = since(start);
     buckets_[b].launch_cost = std::chrono::duration<double>(clock_type::now() - start).count();
     buckets_[b].preempted = preempted;
     queue_.emplace_back(b, std::move(w));
@@ -150,7 +150,7 @@ class step_trace {
     std::lock_guard lock(mutex_);
     if (buckets_.size() > b) buckets_[b].complete_cost = std::chrono::duration<double>(clock_type::now() - start).count();
   }
-  /// The step's timeline as JSON, once the watcher has seen every launched bucket complete.
+  /// The step's timeline as JSON, once the watcher has seen every started bucket complete.
   std::string json(int rank, int step, double forward_start, double backward_end, double reduced, double step_end) {
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return queue_.empty() && !watching_; });
@@ -160,7 +160,7 @@ class step_trace {
                       std::to_string(step_end) + ", \"buckets\": [";
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto& r = buckets_[b];
-      out += (b ? ", " : "") + std::string("[") + std::to_string(r.launch) + ", " + std::to_string(r.launch_cost) + ", " +
+      out += (b ? ", " : "") + std::string("[") + std::to_string(r.start) + ", " + std::to_string(r.launch_cost) + ", " +
              std::to_string(r.done) + ", " + std::to_string(r.complete_cost) + ", " + std::to_string(r.preempted) + "]";
     }
     return out + "]}";
@@ -170,7 +170,7 @@ class step_trace {
 
  private:
   struct bucket_times {
-    double launch = 0, launch_cost = 0, done = 0, complete_cost = 0;
+    double start = 0, launch_cost = 0, done = 0, complete_cost = 0;
     long preempted = 0;
   };
   void watch() {
@@ -218,15 +218,15 @@ double cpu_seconds(int who) {
   return s(u.ru_utime) + s(u.ru_stime);
 }
 
-/// `Hook` with every launch and complete recorded in step_trace::get().
+/// `Hook` with every start and complete recorded in step_trace::get().
 template <class Hook>
 struct traced_hook : Hook {
   template <class Comm>
-  ddp::work launch(const ddp::bucket_gradients<Comm>& b) {
+  ddp::work start(const ddp::bucket_gradients<Comm>& b) {
     const long preempted = preemptions();
     const auto start = clock_type::now();
-    ddp::work w = Hook::launch(b);
-    step_trace::get().launched(b.index, start, preemptions() - preempted, w);
+    ddp::work w = Hook::start(b);
+    step_trace::get().started(b.index, start, preemptions() - preempted, w);
     return w;
   }
   template <class Comm>
@@ -237,7 +237,7 @@ struct traced_hook : Hook {
   }
 };
 
-/// Step times: whole steps, and their forward + backward (bucket launches included, before dp.step's wait).
+/// Step times: whole steps, and their forward + backward (bucket starts included, before dp.step's wait).
 struct step_times {
   std::vector<double> step, forward_backward;
 };

@@ -9,7 +9,7 @@ measurement is repeated --reps times, alternating the variants it compares; the 
      hybrid<full_shard> (a shard group per host) at 2 x 2, from eth0's counter between two barriers, against theory;
   4. step time of replicate with buckets overlapping the backward against one bucket larger than the model (its
      reduction starts after the whole backward) at 2 x 1 and 2 x 2, with plain and bf16 comm hooks at 2 x 1, and
-     one traced run of the overlap's pair (when each bucket launched and completed against the backward);
+     one traced run of the overlap's pair (when each bucket started and completed against the backward);
   5. Open MPI's MPI_Allreduce (and ddp::mpi over it) at 2 x 2 across the same hosts, started by mpirun through
      ns_rsh.py (the hosts have no sshd), beside ddp.
 
@@ -277,7 +277,7 @@ def hook_speedup(r):
 def aligned(a, b):
     """Ranks 0 and 1's timelines of one step on rank 0's clock (rank 1's shifted so that the last bucket completes at
     the same moment on both: the ring's last frames reach both ranks within a segment's time); per bucket, when its
-    all-reduce could start (both ranks had launched it and the previous one had completed) and how long it took."""
+    all-reduce could start (both ranks had started it and the previous one had completed) and how long it took."""
     off = a["buckets"][-1][2] - b["buckets"][-1][2]
     rows, prev = [], 0.0
     for x, y in zip(a["buckets"], b["buckets"]):
@@ -291,7 +291,7 @@ def aligned(a, b):
 def trace_summary(steps):
     """Medians over the traced steps of both ranks: forward, backward, the wait after it, buckets reduced by the
     backward's end, how far apart the ranks' backwards ended, how long a 4 MiB bucket's all-reduce took once both ranks
-    had launched it; and the step with the median lag, aligned."""
+    had started it; and the step with the median lag, aligned."""
     med = statistics.median
     pairs = {}
     for t in steps:
@@ -407,11 +407,11 @@ def write(r):
            f"Same naive MLP (Ψ = 33.6 MB: 0.28 s of link time per all-reduce at 2 × 1, 0.42 s at 2 × 2, where a host's "
            f"link edge carries 2Ψ(N−1)/N). Batch {ob} per rank for the overlap, so that the backward is about as long as "
            "the all-reduce (see the trace below), the forward about a third of it, as in real networks. "
-           "\"overlap\": 4 MiB buckets (the first 1 MiB), each launched as soon as the backward has produced its "
+           "\"overlap\": 4 MiB buckets (the first 1 MiB), each started as soon as the backward has produced its "
            "gradients; \"after backward\": `ddp::bucket_bytes<1 GiB, 1 GiB>`, one bucket larger than the model, whose "
-           "all-reduce the last gradient of the backward launches, so nothing overlaps (ddp needs no other knob for "
+           "all-reduce the last gradient of the backward starts, so nothing overlaps (ddp needs no other knob for "
            "it). compute = forward + backward under `no_sync()` (no communication); fwd+bwd = the same inside a step "
-           "(bucket launches included, the communication running beside it); step = the slowest rank's whole step. "
+           "(bucket starts included, the communication running beside it); step = the slowest rank's whole step. "
            "Each host's ranks share the VM's 2 cores with the other host's, with both hosts' kernel network stacks "
            "and the link's shaping: 2 × 1 is the fair setting (a compute thread per core, the progress engines and "
            "the network stack beside them); at 2 × 2 four compute threads already fill both cores, so every cycle "
@@ -431,18 +431,18 @@ def write(r):
     plain, bf16 = step_row(r, "plain", False, hb, 1), step_row(r, "bf16", False, hb, 1)
     md += [f"- bf16 hook at 2 × 1, batch {hb} (link-bound): plain / bf16 = **{hook_speedup(r):.2f}×** "
            f"({plain['step_seconds'] * 1e3:.0f} → {bf16['step_seconds'] * 1e3:.0f} ms; the all-reduce alone halves, "
-           "forward, backward and the optimizer stay). The hook rounds a 4 MiB bucket in ≈ 0.3 ms at its launch and "
+           "forward, backward and the optimizer stay). The hook rounds a 4 MiB bucket in ≈ 0.3 ms at its start and "
            "widens it in ≈ 0.3 ms once reduced (`ddp_link_bench step --hook bf16 --batch 1 --trace 1`): its conversion is not what keeps the step from "
            "2×. (This benchmark is built with -O3 -march=native; since the hook converts in fixed blocks, an -O2 "
            "build vectorizes it too, see docs/data_parallel.md.)", ""]
     if "traces" in r:
         md += ["### Where the step's time goes: one traced run per variant (2 × 1)", "",
                "`ddp_link_bench step --trace 1` records on every rank when its backward began and ended, when each "
-               "bucket launched (the comm hook's launch) and when its all-reduce completed (a watcher thread blocks on "
-               "each bucket's work in launch order), and when finish_gradients returned; times in ms from the "
+               "bucket started (the comm hook's start) and when its all-reduce completed (a watcher thread blocks on "
+               "each bucket's work in start order), and when finish_gradients returned; times in ms from the "
                "backward's start, medians over both ranks' 5 steps.", "",
                "| variant | forward | backward | buckets reduced by the backward's end | wait after the backward | "
-               "optimizer | ranks' backwards end apart | a bucket's all-reduce once both launched it |",
+               "optimizer | ranks' backwards end apart | a bucket's all-reduce once both started it |",
                "|---|---:|---:|---:|---:|---:|---:|---:|"]
         summaries = {k: trace_summary(v) for k, v in r["traces"].items()}
         for k, t in summaries.items():
@@ -455,19 +455,19 @@ def write(r):
                "both ranks within a segment's time). The overlapped step with the median lag, on rank 0's clock "
                f"(backwards end at {ex['backward_end'][0] * 1e3:.0f} and {ex['backward_end'][1] * 1e3:.0f} ms, rank 0's "
                f"finish_gradients returns at {ex['reduced'] * 1e3:.0f} ms); an all-reduce starts once both ranks have "
-               "launched its bucket and the previous one has completed:", "",
-               "| bucket | rank 0 launched | rank 1 launched | all-reduce starts | reduced | took |",
+               "started its bucket and the previous one has completed:", "",
+               "| bucket | rank 0 started | rank 1 started | all-reduce starts | reduced | took |",
                "|---:|---:|---:|---:|---:|---:|"]
         for i, b in enumerate(ex["rows"]):
             md.append(f"| {i} | {b['launch0'] * 1e3:.1f} | {b['launch1'] * 1e3:.1f} | {b['start'] * 1e3:.1f} | "
                       f"{b['done'] * 1e3:.1f} | {b['took'] * 1e3:.1f} |")
-        md += ["", f"Once both ranks have launched a 4 MiB bucket, its all-reduce takes "
+        md += ["", f"Once both ranks have started a 4 MiB bucket, its all-reduce takes "
                f"{summaries['overlap']['took'] * 1e3:.0f} ms (median; "
                f"{summaries['overlap']['took_in_backward'] * 1e3:.0f} ms while a backward still runs) against "
-               f"{link_4mib * 1e3:.0f} ms of link time: the buckets launch in backward order as their gradients are produced, "
+               f"{link_4mib * 1e3:.0f} ms of link time: the buckets start in backward order as their gradients are produced, "
                "the progress engine starts each at once and drives the link at its rate. What the overlapped step "
                "still waits after its backward is the slower rank's lag (a ring all-reduce completes only when every "
-               f"rank has launched it): the ranks' backwards end {lag * 1e3:.0f} ms apart (median), because the two "
+               f"rank has started it): the ranks' backwards end {lag * 1e3:.0f} ms apart (median), because the two "
                "simulated hosts share 2 cores with each other's progress engines and kernel network stacks (and the "
                "softirq work of the shaped link lands unevenly on them); on two real machines of equal speed the "
                "ranks run in step.", "",
@@ -490,7 +490,7 @@ def write(r):
                "scalar additions (not vectorized) and took 85 % of the compute: at batch 16 a traced step spent "
                "≈ 500 ms in the forward and 70–100 ms in the backward, so only 2–3 of the 9 buckets could be reduced "
                "before the backward ended and ≈ 0.26 s of the 0.28 s all-reduce was left after it (the −0.4 % "
-               "\"gain\" of the first run). The buckets launched in backward order from the first layer on, and the "
+               "\"gain\" of the first run). The buckets started in backward order from the first layer on, and the "
                "all-reduce ran at the link's rate from the first launch: the library overlapped all the backward it "
                "was given.", ""]
     om = r["open_mpi"]

@@ -66,7 +66,7 @@ int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   comm.barrier().wait();
   for (int i = 0; i < s.steps; ++i) one_step();
   comm.barrier().wait();
-  // Rank 0's split of its median step: forward + backward (bucket launches included) vs dp.step (wait + optimizer).
+  // Rank 0's split of its median step: forward + backward (bucket starts included) vs dp.step (wait + optimizer).
   const auto median_of = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
   const double compute = median_of(compute_ms), finish = median_of(finish_ms);
   // The job's step time is the slowest rank's: reduce each step's time with max, then take the median.

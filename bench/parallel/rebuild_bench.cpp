@@ -1,8 +1,8 @@
-// When the first gradient bucket launches, with buckets planned in reverse visit order and rebuilt in the first
+// When the first gradient bucket starts, with buckets planned in reverse visit order and rebuilt in the first
 // step's ready order (data_parallel_options::rebuild_buckets), on the MLP 784-2048-2048-10 visited last layer
 // first (fc3, fc2, fc1), so its visit order differs from its backward's (fc3 first). N ranks over TCP
 // (forked by ddp::launch::spawn), batch 64 per rank, OpenBLAS on one thread. Per step, rank 0 measures the
-// time from the backward's start to the first collective it launched, and the backward's duration; it prints
+// time from the backward's start to the first collective it started, and the backward's duration; it prints
 // one JSON line per setting with their medians over the steps after the first.
 //
 //   rebuild_bench [--world 2] [--steps 30] [--warmup 3]
@@ -58,28 +58,28 @@ void run(bool rebuild, int steps, int warmup) {
   for (auto& v : x) v = static_cast<float>(rng() % 1000) / 1000.0F;
   for (auto& v : y) v = static_cast<std::uint8_t>(rng() % classes);
   example::mlp_trainer trainer;
-  std::vector<double> first_launch_ms, backward_ms;
+  std::vector<double> first_start_ms, backward_ms;
   for (int s = 0; s < warmup + steps; ++s) {
     dp.zero_grad();
     (void)trainer.forward(model, x, y);
-    const auto launched = [&] { return dp.comm().stats().count(ddp::collective::all_reduce); };
-    const auto before = launched();
+    const auto started = [&] { return dp.comm().stats().count(ddp::collective::all_reduce); };
+    const auto before = started();
     const auto t0 = clock::now();
     double first = -1;
     trainer.backward(model, [&](auto& p) {
       dp.gradient_ready(p);
-      if (first < 0 && launched() != before) first = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+      if (first < 0 && started() != before) first = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     });
     const double whole = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
     dp.step(opt);
     if (s < warmup) continue;
-    first_launch_ms.push_back(first < 0 ? whole : first);
+    first_start_ms.push_back(first < 0 ? whole : first);
     backward_ms.push_back(whole);
   }
   if (comm.rank() == 0) {
-    const double f = median(first_launch_ms), b = median(backward_ms);
-    std::printf("{\"rebuild_buckets\": %s, \"world\": %d, \"steps\": %d, \"buckets\": %zu, \"first_launch_ms\": %.3f, "
-                "\"backward_ms\": %.3f, \"first_launch_fraction\": %.3f}\n",
+    const double f = median(first_start_ms), b = median(backward_ms);
+    std::printf("{\"rebuild_buckets\": %s, \"world\": %d, \"steps\": %d, \"buckets\": %zu, \"first_start_ms\": %.3f, "
+                "\"backward_ms\": %.3f, \"first_start_fraction\": %.3f}\n",
                 rebuild ? "true" : "false", comm.size(), steps, dp.bucket_count(), f, b, f / b);
     std::fflush(stdout);
   }

@@ -1791,13 +1791,13 @@ inline std::string describe(const call_info& c) {
 // ---- begin <ddp/comm/front_end.hpp>
 /// \file The collective front end every backend shares: the public collective methods of ddp::communicator with
 /// the argument checks, the description of each operation, sequence numbers, statistics, avg and the opt-in
-/// cross-rank call check (DDP_CHECK_COLLECTIVES=1), calling the backend's launches.
+/// cross-rank call check (DDP_CHECK_COLLECTIVES=1), calling the backend's starts.
 ///
 /// A backend `B` derives from collective_front<B>, befriends it and implements, for checked arguments:
-///   launch_all_reduce(c, buffer, op), launch_reduce_scatter(c, in, out, op), launch_all_gather(c, in, out),
-///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
-///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
-///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
+///   start_all_reduce(c, buffer, op), start_reduce_scatter(c, in, out, op), start_all_gather(c, in, out),
+///   start_broadcast(c, buffer), start_reduce(c, buffer, op), start_gather(c, in, out),
+///   start_scatter(c, in, out), start_all_to_all(c, in, out), start_barrier(c), start_send(c, buffer),
+///   start_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
 /// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
 /// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
 
@@ -1913,11 +1913,11 @@ inline std::string rank_problem(int r, int ranks, const char* what) {
 namespace ddp::detail {
 
 /// Where a recorded operation stands.
-enum class flight_state : std::uint8_t { launched, completed, failed };
+enum class flight_state : std::uint8_t { started, completed, failed };
 
-/// "launched", "completed", "failed".
+/// "started", "completed", "failed".
 constexpr std::string_view to_string(flight_state s) noexcept {
-  return s == flight_state::launched ? "launched" : s == flight_state::completed ? "completed" : "failed";
+  return s == flight_state::started ? "started" : s == flight_state::completed ? "completed" : "failed";
 }
 
 /// One collective of a group, as the recorder keeps it.
@@ -1925,8 +1925,8 @@ struct flight_entry {
   using clock = std::chrono::steady_clock;
   std::uint64_t sequence = 0;           ///< the group's count of collectives before this one
   call_info call{};                     ///< what was called
-  flight_state state = flight_state::launched;
-  clock::time_point launched{};         ///< when it was launched
+  flight_state state = flight_state::started;
+  clock::time_point started{};         ///< when it was started
   std::optional<clock::time_point> settled{};  ///< when this rank saw it complete or fail
 };
 
@@ -1944,15 +1944,15 @@ class flight_recorder {
                                         .value_or(1024));
   }
 
-  /// Records the launch of `c` (collectives only); returns its sequence number.
-  std::uint64_t launch(const call_info& c) {
+  /// Records the start of `c` (collectives only); returns its sequence number.
+  std::uint64_t start(const call_info& c) {
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = next_++;
-    ring_[seq % ring_.size()] = {seq, c, flight_state::launched, clock::now(), std::nullopt};
+    ring_[seq % ring_.size()] = {seq, c, flight_state::started, clock::now(), std::nullopt};
     return seq;
   }
-  /// Records `c`, which completed as it was launched (an eager call): one lock and one clock read, where
-  /// launch() and settle() take two of each.
+  /// Records `c`, which completed as it was started (an eager call): one lock and one clock read, where
+  /// start() and settle() take two of each.
   void completed(const call_info& c) {
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = next_++;
@@ -1963,12 +1963,12 @@ class flight_recorder {
   void settle(std::uint64_t seq, bool ok) {
     std::lock_guard lock(mutex_);
     auto& e = ring_[seq % ring_.size()];
-    if (e.sequence != seq || e.state != flight_state::launched) return;  // overwritten, or settled already
+    if (e.sequence != seq || e.state != flight_state::started) return;  // overwritten, or settled already
     e.state = ok ? flight_state::completed : flight_state::failed;
     e.settled = clock::now();
   }
 
-  /// "sequence 42 (all_reduce(sum) of 1024 f32, launched 5.0 s ago) is the first this rank has not seen
+  /// "sequence 42 (all_reduce(sum) of 1024 f32, started 5.0 s ago) is the first this rank has not seen
   /// complete; the last complete is 41"; empty when every recorded operation completed.
   [[nodiscard]] std::string first_incomplete() const {
     std::lock_guard lock(mutex_);
@@ -1979,8 +1979,8 @@ class flight_recorder {
         break;
       }
     if (first == nullptr) return {};
-    const double ago = std::chrono::duration<double>(clock::now() - first->launched).count();
-    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", launched " +
+    const double ago = std::chrono::duration<double>(clock::now() - first->started).count();
+    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", started " +
                     seconds(ago) + " ago) is the first this rank has not seen complete";
     return s;
   }
@@ -1997,10 +1997,10 @@ class flight_recorder {
       dumped_ = true;
       const auto now = clock::now();
       text = "# ddp flight recorder: rank " + std::to_string(rank) + " of " + std::to_string(size) + ", group " +
-             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tlaunched_s_ago\tsettled_s_ago\tcall\n";
+             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tstarted_s_ago\tsettled_s_ago\tcall\n";
       for (const auto* e : ordered()) {
-        const double launched = std::chrono::duration<double>(now - e->launched).count();
-        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(launched, false) +
+        const double started = std::chrono::duration<double>(now - e->started).count();
+        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(started, false) +
                 "\t" + (e->settled ? seconds(std::chrono::duration<double>(now - *e->settled).count(), false) : "-") +
                 "\t" + describe_call(e->call) + "\n";
       }
@@ -2072,7 +2072,7 @@ class recorded_work final : public work_state {
       return done;
     } catch (const timeout_error& e) {
       // The engine's own deadline passed before wait()'s: the same diagnosis as a timeout seen by wait(), and the
-      // operation stays launched -- this rank waited for it, it did not see it fail.
+      // operation stays started -- this rank waited for it, it did not see it fail.
       const std::string record = diagnosis();
       throw timeout_error(e.message() + (record.empty() ? std::string() : " (" + record + ")"), e.rank(),
                           e.native_code());
@@ -2096,14 +2096,14 @@ inline std::shared_ptr<flight_recorder> make_flight_recorder(std::string label) 
   return capacity == 0 ? nullptr : std::make_shared<flight_recorder>(capacity, std::move(label));
 }
 
-/// `w` (the launch of collective `c` in a group of `size`), recorded in `recorder`.
+/// `w` (the start of collective `c` in a group of `size`), recorded in `recorder`.
 inline work record(const std::shared_ptr<flight_recorder>& recorder, const call_info& c, int size, work w) {
   auto& state = work_access::state(w);
   if (!state) {
     recorder->completed(c);
     return w;
   }
-  const std::uint64_t seq = recorder->launch(c);
+  const std::uint64_t seq = recorder->start(c);
   return work(std::make_shared<recorded_work>(std::move(state), recorder, seq, size));
 }
 
@@ -2124,7 +2124,7 @@ struct front_duties {
   std::string_view group = "a group";  ///< how messages name the group: "an MPI group"
   bool sequence = true;                ///< number every operation (front_state::sequence)
   bool stats = true;                   ///< count calls and the algorithm-independent payload bytes (front_state::stats)
-  bool average = true;                 ///< run avg as sum and have the launch divide call_info::average when done
+  bool average = true;                 ///< run avg as sum and have the start divide call_info::average when done
   bool call_check = true;              ///< exchange the call before each collective when front_state::call_check
 };
 
@@ -2147,7 +2147,7 @@ class collective_front : public object_collectives<Derived> {
     call_info c = open(collective::all_reduce, "all_reduce", op, b, -1);
     verify(c);
     const reduce_op run = average(c, op, b);
-    return counted(c, share(b.bytes(), 2), self().launch_all_reduce(c, b, run));
+    return counted(c, share(b.bytes(), 2), self().start_all_reduce(c, b, run));
   }
 
   /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
@@ -2159,7 +2159,7 @@ class collective_front : public object_collectives<Derived> {
     blocks(c, in.size, out.size, "input", "output");
     verify(c);
     const reduce_op run = average(c, op, out);
-    return counted(c, share(in.bytes(), 1), self().launch_reduce_scatter(c, in, out, run));
+    return counted(c, share(in.bytes(), 1), self().start_reduce_scatter(c, in, out, run));
   }
 
   /// Gathers k elements from every rank into N·k elements, rank r's at block r.
@@ -2170,7 +2170,7 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, out.size, in.size, "output", "input");
     verify(c);
-    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().launch_all_gather(c, in, out));
+    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().start_all_gather(c, in, out));
   }
 
   /// Copies root's `buffer` to every rank.
@@ -2181,7 +2181,7 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const std::uint64_t sent = self().rank() == root && self().size() > 1 ? b.bytes() : 0;
-    return counted(c, sent, self().launch_broadcast(c, b));
+    return counted(c, sent, self().start_broadcast(c, b));
   }
 
   /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
@@ -2193,7 +2193,7 @@ class collective_front : public object_collectives<Derived> {
     verify(c);
     const bool at_root = self().rank() == root;
     const reduce_op run = average(c, op, at_root ? b : raw_tensor{});
-    return counted(c, at_root ? 0 : b.bytes(), self().launch_reduce(c, b, run));
+    return counted(c, at_root ? 0 : b.bytes(), self().start_reduce(c, b, run));
   }
 
   /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
@@ -2201,7 +2201,7 @@ class collective_front : public object_collectives<Derived> {
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::gather, "gather", in, out, root);
-    return counted(c, self().rank() == root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+    return counted(c, self().rank() == root ? 0 : in.bytes(), self().start_gather(c, in, out));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
@@ -2209,7 +2209,7 @@ class collective_front : public object_collectives<Derived> {
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
-    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().start_scatter(c, in, out));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -2223,14 +2223,14 @@ class collective_front : public object_collectives<Derived> {
       fail(c, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
                   "; both must hold the same multiple of size()=" + std::to_string(n));
     verify(c);
-    return counted(c, share(in.bytes(), 1), self().launch_all_to_all(c, in, out));
+    return counted(c, share(in.bytes(), 1), self().start_all_to_all(c, in, out));
   }
 
   /// Completes once every rank of the group has entered the barrier.
   work barrier() {
     call_info c = open(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
     verify(c);
-    return counted(c, 0, self().launch_barrier(c));
+    return counted(c, 0, self().start_barrier(c));
   }
 
   /// Sends `buffer` to rank `peer`, matched by the recv on `peer` with the same tag (0 ≤ tag ≤ max_tag()).
@@ -2239,7 +2239,7 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "send", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, b.bytes(), self().launch_send(c, b));
+    return counted(c, b.bytes(), self().start_send(c, b));
   }
 
   /// Receives into `buffer` what rank `peer` sends with `tag`.
@@ -2248,7 +2248,7 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "recv", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, 0, self().launch_recv(c, b));
+    return counted(c, 0, self().start_recv(c, b));
   }
 
  protected:
@@ -2299,13 +2299,13 @@ class collective_front : public object_collectives<Derived> {
       const raw_tensor in = as_raw(std::span<const std::int64_t>(mine)), out = as_raw(std::span<std::int64_t>(all));
       exchange.type = in.type;
       exchange.count = in.size;
-      self().launch_all_gather(exchange, in, out).wait();
+      self().start_all_gather(exchange, in, out).wait();
       self().front().stats.add_call_check();
       compare_calls(c, all, self().rank());
     }
   }
 
-  /// The operator to launch: avg becomes sum when the front end averages for the backend, and `target` (the
+  /// The operator to start: avg becomes sum when the front end averages for the backend, and `target` (the
   /// output this rank divides; empty where none) goes into the call.
   reduce_op average(call_info& c, reduce_op op, const raw_tensor& target) const noexcept {
     if constexpr (Derived::duties.average) {
@@ -7889,59 +7889,61 @@ class communicator : public ddp::detail::collective_front<communicator> {
                   ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
   }
 
-  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     host(b, c);
-    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
+    return submit(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     host(in, c);
     host(out, c);
-    return start(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
+    return submit(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
   }
-  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     host(out, c);
-    return start(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+    return submit(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
-  work launch_broadcast(const call& c, const raw_tensor& b) {
+  work start_broadcast(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
+    return submit(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
   }
-  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     host(b, c);
-    return start(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
+    return submit(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
   }
-  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     if (rank() == c.peer) host(out, c);
-    return start(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
+    return submit(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
   }
-  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(out, c);
     if (rank() == c.peer) host(in, c);
-    return start(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
+    return submit(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
   }
-  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     host(out, c);
-    return start(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+    return submit(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
-  work launch_barrier(const call&) { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
+  work start_barrier(const call&) { return submit(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
   /// Completes once written to the socket.
-  work launch_send(const call& c, const raw_tensor& b) {
+  work start_send(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
+    return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
                  detail::p2p::send);
   }
   /// The send must have the same count and dtype.
-  work launch_recv(const call& c, const raw_tensor& b) {
+  work start_recv(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
+    return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
                  detail::p2p::recv);
   }
 
-  work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0, detail::p2p side = detail::p2p::none) {
+  /// Submits the call to the engine (docs/tcp.md, "A call's life"): numbered and counted under the queue mutex,
+  /// then run on this thread where call_queue::claim_locked allows it, else queued for the engine thread.
+  work submit(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
+              int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
     c.side = side;
@@ -8006,7 +8008,7 @@ struct backend_of<tcp::communicator> {
 
 // ---- begin <ddp/parallel/comm_hooks.hpp>
 /// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
-/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: launch(bucket)
+/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: start(bucket)
 /// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
 /// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
 /// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
@@ -8060,7 +8062,7 @@ template <class Comm>
 struct bucket_gradients {
   raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
   Comm& comm;         ///< the group (the world under replicate)
-  std::size_t index;  ///< the bucket's place in launch order, the same every step (for per-bucket state)
+  std::size_t index;  ///< the bucket's place in start order, the same every step (for per-bucket state)
 
   /// Number of ranks the gradients are averaged over.
   [[nodiscard]] int world_size() const { return comm.size(); }
@@ -8073,11 +8075,11 @@ struct bucket_gradients {
   }
 };
 
-/// A comm hook over communicator Comm: launch starts a bucket's reduction, complete finishes it.
+/// A comm hook over communicator Comm: start starts a bucket's reduction, complete finishes it.
 template <class H, class Comm = detail::archetype_communicator>
 concept comm_hook = std::default_initializable<H> && std::same_as<typename H::policy_category, comm_hook_policy> &&
                     requires(H& h, const bucket_gradients<Comm>& b) {
-                      { h.launch(b) } -> std::same_as<work>;
+                      { h.start(b) } -> std::same_as<work>;
                       h.complete(b);
                     };
 
@@ -8086,7 +8088,7 @@ struct plain_hook {
   using policy_category = comm_hook_policy;
   /// Starts the average of the bucket across the group.
   template <class Comm>
-  work launch(const bucket_gradients<Comm>& b) {
+  work start(const bucket_gradients<Comm>& b) {
     return b.comm.all_reduce(b.grads, reduce_op::avg);
   }
   /// Nothing to undo once the reduction is done.
@@ -8099,13 +8101,13 @@ namespace detail {
 
 /// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (multiplied by its reciprocal in
 /// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
-/// Half buffer per bucket, made on the bucket's first launch.
+/// Half buffer per bucket, made on the bucket's first start.
 template <class Half>
 class compress_hook {
  public:
   using policy_category = comm_hook_policy;
   template <class Comm>
-  work launch(const bucket_gradients<Comm>& b) {
+  work start(const bucket_gradients<Comm>& b) {
     if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
     auto& half = scratch(b);
     visit_typed(b, [&](auto g) {
@@ -8377,7 +8379,7 @@ struct data_parallel_options {
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
   /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
-  /// ready (rank 0's, broadcast once), so later steps launch them as early as the backward allows (PyTorch DDP
+  /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
   bool rebuild_buckets = true;
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
@@ -8445,7 +8447,7 @@ struct hybrid {
   Inner inner{};
 };
 
-/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.
+/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which starts soonest.
 template <std::size_t Capacity, std::size_t First = (std::size_t{1} << 20)>
 struct bucket_bytes {
   static_assert(Capacity > 0 && First > 0, "ddp::bucket_bytes: capacities must be positive byte counts.");
@@ -8553,7 +8555,7 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 /// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any storage_traits type) into
 /// flat arenas (one per dtype), checks that all ranks hold the same model and broadcasts rank 0's values. In the
 /// backward each finished gradient is reported (gradient_ready(p), or the leaf's framework's autograd); a bucket whose
-/// parameters have all reported launches its reduction at once, in plan order, the same on every rank (under
+/// parameters have all reported starts its reduction at once, in plan order, the same on every rank (under
 /// replicate replanned once in the first step's ready order). finish_gradients() waits; step(opt) runs the optimizer.
 
 
@@ -9146,14 +9148,14 @@ class backward_opener {
 /// first iteration). The first synchronized step records the order in which its gradients became ready
 /// (step_state::report_order); rank 0's order is broadcast, so every rank plans the same buckets whatever order
 /// its own backward ran in; and unless that order is the reverse visit order the planner already assumed, the
-/// buckets are planned again in it (plan_in_ready_order), once, so that later steps launch each bucket as soon as
+/// buckets are planned again in it (plan_in_ready_order), once, so that later steps start each bucket as soon as
 /// the backward has produced its gradients. Under replicate (data_parallel_options::rebuild_buckets); the
 /// sharded strategies keep buckets inside units and follow their unshard scopes, and keep the planned order.
 
 
 // ---- begin <ddp/parallel/bucket_planner.hpp>
 /// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
-/// buckets whose gradients the backward produces first are launched first, and replanned in the order a
+/// buckets whose gradients the backward produces first are started first, and replanned in the order a
 /// step's gradients became ready (parallel/bucket_rebuild.hpp).
 
 #include <iterator>
@@ -9168,7 +9170,7 @@ struct bucket {
   std::size_t begin = 0;            ///< first element
   std::size_t end = 0;              ///< one past the last element
   std::vector<std::size_t> params;  ///< slots overlapping the range
-  std::size_t last_slot = 0;        ///< the highest slot (latest in visit order) it holds; orders launches
+  std::size_t last_slot = 0;        ///< the highest slot (latest in visit order) it holds; orders starts
   std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
 };
 
@@ -9176,9 +9178,9 @@ struct bucket {
 /// sharded strategies, so that unsharding a unit all-gathers whole buckets).
 enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
-/// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
+/// The buckets of a layout in start order, and for every slot the buckets it overlaps.
 struct bucket_plan {
-  std::vector<bucket> buckets;                        ///< launch order: reverse visit order, or ready order once rebuilt
+  std::vector<bucket> buckets;                        ///< start order: reverse visit order, or ready order once rebuilt
   std::vector<std::vector<std::size_t>> of_param;     ///< per slot, indices into `buckets`
 
   /// Fills `of_param` from `buckets` for a layout of `slots` parameters.
@@ -9238,7 +9240,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
 /// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
 /// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
-/// pieces, last elements first (after the first piece, of the full capacity). Buckets launch in the order their
+/// pieces, last elements first (after the first piece, of the full capacity). Buckets start in the order their
 /// last slot became ready.
 inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
                                        std::size_t capacity_bytes, std::size_t first_bytes) {
@@ -9287,7 +9289,7 @@ inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span
 // ---- end <ddp/parallel/bucket_planner.hpp>
 // ---- begin <ddp/parallel/step_state.hpp>
 /// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
-/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// (waiting → started → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
 /// reported in this step, and the order of the reports; the step itself (idle → reporting → finished → idle);
@@ -9313,13 +9315,13 @@ namespace ddp::detail {
 /// Where a synchronized backward stands.
 enum class step_phase : std::uint8_t {
   idle,       ///< no gradient reported since the last step (or since zero_grad after finish_gradients)
-  reporting,  ///< gradients are being reported and buckets launched
+  reporting,  ///< gradients are being reported and buckets started
   finished,   ///< finish_gradients() completed: every bucket is reduced, step() may run
 };
 /// Where one bucket's reduction stands in the step.
 enum class bucket_phase : std::uint8_t {
-  waiting,   ///< parameters still to report, or an earlier bucket still to launch
-  launched,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
+  waiting,   ///< parameters still to report, or an earlier bucket still to start
+  started,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
   chained,   ///< hybrid: the reduce-scatter completed and the cross-group all-reduce is in flight
   reduced,   ///< its gradients are final for this step
 };
@@ -9343,7 +9345,7 @@ constexpr const char* to_string(step_phase p) noexcept {
 }
 /// The phase's name, for messages.
 constexpr const char* to_string(bucket_phase p) noexcept {
-  constexpr const char* names[] = {"waiting", "launched", "chained", "reduced"};
+  constexpr const char* names[] = {"waiting", "started", "chained", "reduced"};
   return names[static_cast<int>(p)];
 }
 /// The phase's name, for messages.
@@ -9510,7 +9512,7 @@ namespace ddp::detail {
 struct bucket_record {
   bucket_phase phase = bucket_phase::waiting;  ///< where its reduction stands
   std::size_t pending = 0;                     ///< parameters still to report in this step
-  work reduction;                              ///< launched: its all-reduce or reduce-scatter
+  work reduction;                              ///< started: its all-reduce or reduce-scatter
   work average;                                ///< chained: hybrid's cross-group all-reduce
 };
 /// One unit in the step.
@@ -9568,7 +9570,7 @@ class step_state {
     expect_step(phase_ != step_phase::reporting, "begin a step", "idle or finished");
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& r = buckets_[b];
-      if (r.phase == bucket_phase::launched || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
+      if (r.phase == bucket_phase::started || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
       r.phase = bucket_phase::waiting;
       r.pending = plan_.buckets[b].params.size();
     }
@@ -9592,13 +9594,13 @@ class step_state {
   [[nodiscard]] std::span<const std::size_t> report_order() const noexcept { return order_; }
   /// Whether slot `s` reported in this step.
   [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
-  /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
+  /// The next bucket to start if all its parameters reported (buckets start strictly in plan order).
   [[nodiscard]] std::optional<std::size_t> next_ready() const noexcept {
     if (phase_ != step_phase::reporting || next_ == buckets_.size() || buckets_[next_].pending > 0) return std::nullopt;
     return next_;
   }
-  /// Buckets launched in this step (a prefix of the plan).
-  [[nodiscard]] std::size_t launched() const noexcept { return next_; }
+  /// Buckets started in this step (a prefix of the plan).
+  [[nodiscard]] std::size_t started() const noexcept { return next_; }
   /// reporting → finished: every bucket must be reduced.
   void finish() {
     expect_step(phase_ == step_phase::reporting, "finish the gradients", "reporting");
@@ -9615,7 +9617,7 @@ class step_state {
     next_ = buckets_.size();
     index_units();
   }
-  /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
+  /// reporting → idle when the step is given up (a missing report) after its started buckets were reduced.
   void abandon() {
     for (std::size_t b = 0; b < next_; ++b)
       if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::waiting);
@@ -9629,20 +9631,20 @@ class step_state {
   // ---- buckets ----
   /// Bucket `b`'s record.
   [[nodiscard]] const bucket_record& bucket(std::size_t b) const noexcept { return buckets_[b]; }
-  /// waiting → launched with its reduction `w`; `b` must be the next bucket in plan order.
-  void launch(std::size_t b, work w) {
-    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::launched);
-    move_bucket(b, bucket_phase::launched, bucket_phase::waiting);
+  /// waiting → started with its reduction `w`; `b` must be the next bucket in plan order.
+  void start(std::size_t b, work w) {
+    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::started);
+    move_bucket(b, bucket_phase::started, bucket_phase::waiting);
     buckets_[b].reduction = std::move(w);
     ++next_;
   }
-  /// launched → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
+  /// started → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
   void chain(std::size_t b, work w) {
-    move_bucket(b, bucket_phase::chained, bucket_phase::launched);
+    move_bucket(b, bucket_phase::chained, bucket_phase::started);
     buckets_[b].reduction = work{};
     buckets_[b].average = std::move(w);
   }
-  /// Waits for bucket `b`'s reduction (launched) or cross-group average (chained).
+  /// Waits for bucket `b`'s reduction (started) or cross-group average (chained).
   void wait(std::size_t b) {
     auto& r = buckets_[b];
     (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
@@ -9650,12 +9652,12 @@ class step_state {
   /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
   [[nodiscard]] bool scattered(std::size_t b) {
     const auto p = buckets_[b].phase;
-    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::launched && buckets_[b].reduction.done());
+    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::started && buckets_[b].reduction.done());
   }
-  /// launched or chained → reduced, once waited for.
+  /// started or chained → reduced, once waited for.
   void complete(std::size_t b) {
     const auto p = buckets_[b].phase;
-    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::launched);
+    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::started);
     buckets_[b].reduction = work{};
     buckets_[b].average = work{};
   }
@@ -9665,12 +9667,12 @@ class step_state {
   [[nodiscard]] const unit_record& unit(std::size_t u) const noexcept { return units_[u]; }
   /// Number of units.
   [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
-  /// Unit `u`'s buckets, in launch order.
+  /// Unit `u`'s buckets, in start order.
   [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
-  /// Whether every bucket of unit `u` is out of flight (reduced, or not launched in this step).
+  /// Whether every bucket of unit `u` is out of flight (reduced, or not started in this step).
   [[nodiscard]] bool unit_settled(std::size_t u) const noexcept {
     for (const std::size_t b : unit_buckets_[u])
-      if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
+      if (buckets_[b].phase == bucket_phase::started || buckets_[b].phase == bucket_phase::chained) return false;
     return true;
   }
   /// An unshard scope opens on unit `u`.
@@ -9743,8 +9745,8 @@ class step_state {
   }
   [[noreturn]] void bad_move(std::size_t b, bucket_phase to) const {
     std::string why;
-    if (to == bucket_phase::launched && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
-    else if (to == bucket_phase::launched && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
+    if (to == bucket_phase::started && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
+    else if (to == bucket_phase::started && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
     fail("bucket " + std::to_string(b) + " cannot go from " + to_string(buckets_[b].phase) + " to " + to_string(to) + why);
   }
   void move_unit(std::size_t u, unit_phase to, unit_phase from) {
@@ -9759,7 +9761,7 @@ class step_state {
   std::vector<std::vector<std::size_t>> unit_buckets_;
   std::vector<char> reported_;  // per slot
   std::vector<std::size_t> order_;  // the slots that reported in this step, in order
-  std::size_t next_ = 0;        // the next bucket to launch
+  std::size_t next_ = 0;        // the next bucket to start
   step_phase phase_ = step_phase::idle;
   join_state join_;             // the join scope
   no_sync_spans no_sync_;       // gradient-accumulation spans
@@ -9977,12 +9979,12 @@ void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
 /// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
 /// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
-/// block across the replica group too: that all-reduce is chained when the next bucket launches (after
+/// block across the replica group too: that all-reduce is chained when the next bucket starts (after
 /// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
 /// every rank by construction: choosing it by polling completion would order the shard and replica groups'
 /// collectives differently on different ranks, and a transport that runs a rank's collectives one at a time
 /// (ddp::tcp's engine) then deadlocks across the overlapping groups. The phases of
-/// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
+/// buckets and units (waiting → started → chained → reduced; released → held → reported) are kept by
 /// step_state.
 ///
 /// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
@@ -10482,7 +10484,7 @@ class sharded_core {
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
 
-  /// Bucket `b` waiting → launched: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
+  /// Bucket `b` waiting → started: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
   /// then chains its cross-group average, in plan order, once its reduce-scatter is done (waited for here:
   /// the order of collectives must not depend on timing, see the file comment).
   template <class Hook>
@@ -10499,7 +10501,7 @@ class sharded_core {
     if (b == 0) chained_ = 0;  // a new step
     const auto& bk = plan_.buckets[b];
     const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
-    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, in)
+    state_.start(b, deterministic_ ? scattered_.exchange(shard_, b, in)
                                     : shard_.reduce_scatter(in, output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
@@ -10669,7 +10671,7 @@ class sharded_core {
       std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
     }
   }
-  /// Bucket `b` launched → chained: its reduce-scatter is done, its cross-group average starts.
+  /// Bucket `b` started → chained: its reduce-scatter is done, its cross-group average starts.
   void chain(std::size_t b) {
     if (deterministic_) {
       scattered_.average_into(b, output(b), shard_.size());
@@ -10793,7 +10795,7 @@ struct strategy {
 ///   check_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors (a template)
 /// Work:
 ///   S(layout, plan, state, comm, policy)      collective
-///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
+///   reduce(hook, b): bucket b waiting → started (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
 ///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report
@@ -10978,7 +10980,7 @@ static_assert(sharding_strategy<strategy<full_shard, archetype_communicator>, ar
 /// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
 /// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
 /// averaged across the groups (over the ranks holding the same block), built on split(). That average is
-/// chained when the next bucket launches (sharded_core::reduce), at the same point of the call sequence on
+/// chained when the next bucket starts (sharded_core::reduce), at the same point of the call sequence on
 /// every rank; the last bucket's at the waiting point in finish_gradients.
 
 
@@ -11235,7 +11237,7 @@ struct strategy<replicate, Comm> {
     for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
   }
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic beyond two ranks: an
+  /// Bucket `b` waiting → started: its all-reduce starts through the hook (deterministic beyond two ranks: an
   /// all_gather; with two, the plain all-reduce's single addition per element is deterministic already).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
@@ -11244,8 +11246,8 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-    state_.launch(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
-                                    : hook.launch(gradients(b, true)));
+    state_.start(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
+                                    : hook.start(gradients(b, true)));
   }
   /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
   /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer
@@ -11327,7 +11329,7 @@ class data_parallel {
   static_assert(communicator<communicator_type>);
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
-                "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
+                "work start(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
   static_assert(detail::sharding_strategy<strategy_type, communicator_type, sharding>,
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
@@ -11397,7 +11399,7 @@ class data_parallel {
 
  public:
 
-  /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
+  /// Reports that `p`'s gradient for this backward is complete; starts every bucket that became ready.
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
   template <class Leaf>
   void gradient_ready(const Leaf& p) {
@@ -11418,12 +11420,12 @@ class data_parallel {
     if (const auto left = state_.close_all_backward(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
-    if (state_.launched() < plan_.buckets.size()) {
+    if (state_.started() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
       if (options_.error_on_missing && !state_.join().shadowing()) {
-        reduce_launched();
+        reduce_started();
         state_.abandon();
         std::string names;
         for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
@@ -11436,9 +11438,9 @@ class data_parallel {
           gradient_in(s);
           state_.report(s);
         }
-      launch_ready();
+      start_ready();
     }
-    reduce_launched();
+    reduce_started();
     state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
@@ -11574,9 +11576,9 @@ class data_parallel {
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
     return masters_.buffers(strategy_->optimizer_buffers());
   }
-  /// Number of gradient buckets (launch units).
+  /// Number of gradient buckets (start units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
-  /// The gradient buckets in launch order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
+  /// The gradient buckets in start order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
   [[nodiscard]] const detail::bucket_plan& buckets() const noexcept { return plan_; }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
@@ -11609,7 +11611,7 @@ class data_parallel {
     state_.join().note(detail::step_event::kind::release, units);
     strategy_->release(units);
   }
-  /// The gradient of `slot` is final: launches every bucket that became ready.
+  /// The gradient of `slot` is final: starts every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
@@ -11620,7 +11622,7 @@ class data_parallel {
     if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
-    launch_ready();
+    start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
@@ -11654,12 +11656,12 @@ class data_parallel {
     leaf.gradient_in();
     accumulation::moved_in(leaf);
   }
-  void launch_ready() {
+  void start_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
-  /// Waits for the launched buckets in plan order; each becomes reduced.
-  void reduce_launched() {
-    for (std::size_t b = 0; b < state_.launched(); ++b)
+  /// Waits for the started buckets in plan order; each becomes reduced.
+  void reduce_started() {
+    for (std::size_t b = 0; b < state_.started(); ++b)
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {
@@ -12054,7 +12056,7 @@ struct metric_sums {
 ///
 /// Conventions:
 /// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation and,
-///   with DDP_CHECK_COLLECTIVES=1, compares each collective across the ranks first; this file only launches.
+///   with DDP_CHECK_COLLECTIVES=1, compares each collective across the ranks first; this file only starts them.
 /// - avg is an MPI sum followed by a division by size() on this rank once the operation completes;
 ///   integer dtypes use integer division (truncation toward zero), bf16/f16 divide in float.
 /// - bf16 and f16 travel as user-defined 2-byte MPI datatypes; their sum/min/max/prod operators compute in
@@ -12225,7 +12227,7 @@ struct config {
   std::chrono::microseconds spin{std::chrono::milliseconds(5)};
   /// The longest sleep between two polls after that.
   std::chrono::microseconds max_sleep{50};
-  /// Collectives on at most this many bytes run blocking and complete on launch; must be equal on every rank.
+  /// Collectives on at most this many bytes run blocking and complete on start; must be equal on every rank.
   std::size_t eager_bytes{std::size_t{256} << 10};
 };
 
@@ -12510,7 +12512,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return communicator(std::make_shared<detail::group>(out, true, group_->cfg));
   }
 
-  /// True when a collective on `bytes` runs MPI's blocking call and completes on launch (config::eager_bytes).
+  /// True when a collective on `bytes` runs MPI's blocking call and completes on start (config::eager_bytes).
   /// `bytes` is the buffer of all_reduce, broadcast and reduce, and the N·k-element side of reduce_scatter,
   /// all_gather, gather, scatter and all_to_all: the same on every rank, so every rank makes the same choice.
   [[nodiscard]] bool eager(std::size_t bytes) const noexcept { return bytes <= group_->cfg.eager_bytes; }
@@ -12530,49 +12532,49 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
 
-  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, n, detail::datatype(b.type),
+    return start({c, {}}, b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, n, detail::datatype(b.type),
                   detail::reduction(op, b.type), group_->comm);
   }
 
-  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, out.size);
-    return launch(std::move(o), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, out.data, n,
+    return start(std::move(o), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, out.data, n,
                   detail::datatype(out.type), detail::reduction(op, out.type), group_->comm);
   }
 
-  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, in.size);
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), out.bytes(), MPI_Allgather, MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
+    return start(std::move(o), out.bytes(), MPI_Allgather, MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
   }
 
-  work launch_broadcast(const call& c, const raw_tensor& b) {
+  work start_broadcast(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), c.peer, group_->comm);
+    return start({c, {}}, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), c.peer, group_->comm);
   }
 
-  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
     const bool at_root = rank() == c.peer;
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Reduce, MPI_Ireduce, at_root ? MPI_IN_PLACE : b.data,
+    return start({c, {}}, b.bytes(), MPI_Reduce, MPI_Ireduce, at_root ? MPI_IN_PLACE : b.data,
                   at_root ? b.data : nullptr, n, detail::datatype(b.type), detail::reduction(op, b.type), c.peer,
                   group_->comm);
   }
 
-  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     const bool at_root = rank() == c.peer;
     device_check(c, in);
     detail::operation o{c, {}};
@@ -12583,11 +12585,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     const int n = count_of(c, in.size);
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t, at_root ? out.data : nullptr, n,
+    return start(std::move(o), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t, at_root ? out.data : nullptr, n,
                   t, c.peer, group_->comm);
   }
 
-  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
     const bool at_root = rank() == c.peer;
     device_check(c, out);
     detail::operation o{c, {}};
@@ -12598,31 +12600,31 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     const int n = count_of(c, out.size);
     const MPI_Datatype t = detail::datatype(out.type);
-    return launch(std::move(o), group_bytes(out), MPI_Scatter, MPI_Iscatter, src, n, t, out.data, n, t, c.peer,
+    return start(std::move(o), group_bytes(out), MPI_Scatter, MPI_Iscatter, src, n, t, out.data, n, t, c.peer,
                   group_->comm);
   }
 
-  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, in.size / static_cast<std::size_t>(size()));
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n, t, group_->comm);
+    return start(std::move(o), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n, t, group_->comm);
   }
 
   /// Always non-blocking, so it can time out.
-  work launch_barrier(const call& c) { return post({c, {}}, MPI_Ibarrier, group_->comm); }
+  work start_barrier(const call& c) { return post({c, {}}, MPI_Ibarrier, group_->comm); }
 
-  work launch_send(const call& c, const raw_tensor& b) {
+  work start_send(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
     return post({c, {}}, MPI_Isend, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
   }
 
   /// A bigger message than `b` is an error (MPI_ERR_TRUNCATE).
-  work launch_recv(const call& c, const raw_tensor& b) {
+  work start_recv(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
     return post({c, {}}, MPI_Irecv, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
@@ -12631,7 +12633,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// Runs a collective on `bytes` (see eager()): eagerly as `blocking(args...)`, returning a completed work that
   /// carries its error if it failed, or as `nonblocking(args..., &request)` through post().
   template <class Blocking, class Nonblocking, class... Args>
-  work launch(detail::operation&& o, std::size_t bytes, Blocking blocking, Nonblocking nonblocking,
+  work start(detail::operation&& o, std::size_t bytes, Blocking blocking, Nonblocking nonblocking,
               const Args&... args) {
     if (!eager(bytes)) return post(std::move(o), nonblocking, args...);
     if (const int code = blocking(args...); code != MPI_SUCCESS) return failed(o.info, code);
@@ -12746,13 +12748,13 @@ struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp
 ///   a stream-ordered device scratch, copied back when the work completes; this serves small host-side traffic
 ///   such as all_gather_object, not gradients.
 /// - Reductions: bf16 and f16 natively; avg is ncclAvg (integers: the sum divided with truncation).
-/// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and launched together
+/// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and started together
 ///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
 ///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
 ///   posting order: sender and receiver must post matching messages between the same two waits.
 /// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation (bytes
 ///   as ddp::mpi counts them: algorithm-independent, all_reduce 2(N-1)/N·B, ...) and, with DDP_CHECK_COLLECTIVES=1,
-///   compares each collective across the ranks first; this file only launches.
+///   compares each collective across the ranks first; this file only starts them.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -12917,9 +12919,9 @@ inline void check(cudaError_t code, std::string_view what, int rank = -1) {
                    rank, static_cast<int>(code));
 }
 
-/// Throws ddp::cuda_error when the last kernel launch failed (call right after a <<<...>>> launch).
-inline void check_launch(std::string_view kernel, int rank = -1) {
-  check(cudaGetLastError(), std::string("launch of kernel ") + std::string(kernel), rank);
+/// Throws ddp::cuda_error when the last kernel start failed (call right after a <<<...>>> start).
+inline void check_kernel(std::string_view kernel, int rank = -1) {
+  check(cudaGetLastError(), std::string("start of kernel ") + std::string(kernel), rank);
 }
 
 }  // namespace ddp::cuda
@@ -13253,10 +13255,10 @@ struct staging {
 /// What an operation leaves behind until it completes: its argument pointers, staging and completion event.
 struct record {
   explicit record(std::size_t arguments) : pointers(arguments, nullptr) {}
-  std::vector<void*> pointers;   ///< the device pointer of each argument once launched
+  std::vector<void*> pointers;   ///< the device pointer of each argument once started
   std::vector<staging> staged;   ///< the host arguments
   cuda::event done;              ///< recorded on the communicator's stream after the operation
-  std::atomic<bool> launched{false};
+  std::atomic<bool> started{false};
 };
 
 /// One argument of an operation: a buffer, read and/or written by it.
@@ -13294,7 +13296,7 @@ inline void await_ready(ncclComm_t comm, ncclResult_t r, std::string_view what, 
   }
 }
 
-/// A queued send or recv, launched with the others at the next flush.
+/// A queued send or recv, started with the others at the next flush.
 struct p2p_entry {
   bool send = false;
   int peer = 0;
@@ -13428,8 +13430,8 @@ class group {
 // ---- begin <ddp/comm/nccl/operation.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
 #define DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
-/// \file One operation of ddp::nccl::communicator after its launch: staging host buffers in and out, the queued
-/// send/recv launched as one NCCL group, and the work state polled until the completion event fires.
+/// \file One operation of ddp::nccl::communicator after its start: staging host buffers in and out, the queued
+/// send/recv started as one NCCL group, and the work state polled until the completion event fires.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -13474,10 +13476,10 @@ inline void stage_out(group& g, record& rec) {
     cuda::check(cudaFreeAsync(scratch, g.stream()), "cudaFreeAsync of a staging buffer", g.rank);
   }
   rec.done.record(g.stream());
-  rec.launched.store(true, std::memory_order_release);
+  rec.started.store(true, std::memory_order_release);
 }
 
-/// Launches every queued send/recv as one NCCL group, tags ascending (stable). Caller holds g.mutex.
+/// Starts every queued send/recv as one NCCL group, tags ascending (stable). Caller holds g.mutex.
 inline void flush_locked(group& g) {
   if (g.queue.empty()) return;
   std::vector<p2p_entry> entries = std::move(g.queue);
@@ -13549,7 +13551,7 @@ class op_state final : public ddp::detail::work_state {
     if (error_) std::rethrow_exception(error_);
     if (done_) return true;
     try {
-      if (!rec_->launched.load(std::memory_order_acquire)) {
+      if (!rec_->started.load(std::memory_order_acquire)) {
         std::lock_guard lock(group_->mutex);
         flush_locked(*group_);
       }
@@ -13690,54 +13692,54 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
 
-  work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
-    return launch(info, {{b, true, true}}, [&](const std::vector<void*>& p) {
+  work start_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+    return start(info, {{b, true, true}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), group_->comm,
                            group_->stream());
     });
   }
 
-  work launch_reduce_scatter(const call& info, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& info, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     in_place_only(info, in, out, out, static_cast<std::size_t>(rank()) * out.bytes());
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return start(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return ncclReduceScatter(p[0], p[1], out.size, detail::datatype(out.type), detail::reduction(op), group_->comm,
                                group_->stream());
     });
   }
 
-  work launch_all_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
     in_place_only(info, out, in, in, static_cast<std::size_t>(rank()) * in.bytes());
-    return launch(info, {{in, true, false}, {out, false, true}},
+    return start(info, {{in, true, false}, {out, false, true}},
                   [&](const std::vector<void*>& p) {
                     return ncclAllGather(p[0], p[1], in.size, detail::datatype(in.type), group_->comm,
                                          group_->stream());
                   });
   }
 
-  work launch_broadcast(const call& info, const raw_tensor& b) {
+  work start_broadcast(const call& info, const raw_tensor& b) {
     const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, {{b, at_root, !at_root}},
+    return start(info, {{b, at_root, !at_root}},
                   [&](const std::vector<void*>& p) {
                     return ncclBroadcast(p[0], p[0], b.size, detail::datatype(b.type), root, group_->comm,
                                          group_->stream());
                   });
   }
 
-  work launch_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& info, const raw_tensor& b, reduce_op op) {
     const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, {{b, true, at_root}}, [&](const std::vector<void*>& p) {
+    return start(info, {{b, true, at_root}}, [&](const std::vector<void*>& p) {
       return ncclReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), root, group_->comm,
                         group_->stream());
     });
   }
 
-  work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
     return rooted_blocks(info, in, out, true);
   }
 
-  work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
     return rooted_blocks(info, out, in, false);
   }
 
@@ -13752,9 +13754,9 @@ class communicator : public ddp::detail::collective_front<communicator> {
     };
     const detail::argument own{mine, to_root, !to_root};
     if (rank() != root)
-      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+      return start(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
     disjoint(info, mine, whole);
-    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
+    return start(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         for (int r = 0; r < size(); ++r)
           if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
@@ -13765,10 +13767,10 @@ class communicator : public ddp::detail::collective_front<communicator> {
     });
   }
 
-  work launch_all_to_all(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& info, const raw_tensor& in, const raw_tensor& out) {
     disjoint(info, in, out);
     const std::size_t k = in.size / static_cast<std::size_t>(size());
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return start(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         const auto type = detail::datatype(in.type);
         for (int r = 0; r < size(); ++r) {
@@ -13785,22 +13787,22 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   /// The barrier is an all_reduce of one device word.
-  work launch_barrier(const call& info) {
+  work start_barrier(const call& info) {
     {
       std::lock_guard lock(group_->mutex);
       if (!group_->barrier_word) group_->barrier_word.emplace(1, group_->device);
     }
     const raw_tensor word = group_->barrier_word->raw();
-    return launch(info, {{word, false, false}}, [&](const std::vector<void*>& p) {
+    return start(info, {{word, false, false}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], 1, ncclInt32, ncclSum, group_->comm, group_->stream());
     });
   }
 
-  /// Queues `b` for rank c.peer; launched with the other queued send/recv when one of them is waited for.
-  work launch_send(const call& info, const raw_tensor& b) { return post_p2p(info, true, b); }
+  /// Queues `b` for rank c.peer; started with the other queued send/recv when one of them is waited for.
+  work start_send(const call& info, const raw_tensor& b) { return post_p2p(info, true, b); }
 
   /// Queues a receive of what rank c.peer sends with c.tag; the sizes must match the send's.
-  work launch_recv(const call& info, const raw_tensor& b) { return post_p2p(info, false, b); }
+  work start_recv(const call& info, const raw_tensor& b) { return post_p2p(info, false, b); }
 
 
   /// Runs `calls` between ncclGroupStart and ncclGroupEnd; the first failure wins.
@@ -13819,7 +13821,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Prepares the arguments, orders the operation after the compute stream, issues `body` and records completion.
   template <class Body>
-  work launch(const call& info, std::initializer_list<detail::argument> args, Body&& body) {
+  work start(const call& info, std::initializer_list<detail::argument> args, Body&& body) {
     auto rec = prepare(info, args);
     detail::group& g = *group_;
     {

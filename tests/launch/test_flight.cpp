@@ -55,11 +55,11 @@ TEST_CASE("flight recorder: keeps the last K collectives, names the first incomp
   temporary_dir dir;
   ::setenv("DDP_FLIGHT_RECORDER_DIR", dir.path.c_str(), 1);
   ddp::detail::flight_recorder rec(4, "0000abcd");
-  for (int i = 0; i < 6; ++i) rec.settle(rec.launch(all_reduce_of(8)), true);
+  for (int i = 0; i < 6; ++i) rec.settle(rec.start(all_reduce_of(8)), true);
   CHECK(rec.first_incomplete().empty());
-  const auto stuck = rec.launch(all_reduce_of(16));
+  const auto stuck = rec.start(all_reduce_of(16));
   rec.settle(stuck + 5, true);  // not a sequence it holds: ignored
-  CHECK_THAT(rec.first_incomplete(), Catch::StartsWith("sequence 6 (all_reduce(sum) of 16 f32, launched"));
+  CHECK_THAT(rec.first_incomplete(), Catch::StartsWith("sequence 6 (all_reduce(sum) of 16 f32, started"));
   const auto path = rec.dump(3, 4, "a test");
   ::unsetenv("DDP_FLIGHT_RECORDER_DIR");
   REQUIRE(path == (dir.path / "flight.rank3.group0000abcd.txt").string());
@@ -72,7 +72,7 @@ TEST_CASE("flight recorder: keeps the last K collectives, names the first incomp
   CHECK(records[0].reason == "a test");
   CHECK(records[0].calls.size() == 4);  // sequences 3..6: the ring keeps 4
   CHECK(records[0].calls.begin()->first == 3);
-  CHECK(records[0].states.at(6) == "launched");
+  CHECK(records[0].states.at(6) == "started");
 }
 
 TEST_CASE("flight records: divergence, a stall, a rank that never called, a missing rank", "[launch][flight]") {
@@ -85,9 +85,9 @@ TEST_CASE("flight records: divergence, a stall, a rank that never called, a miss
                                                     record(2, {{0, ar}, {1, ar}}, {{0, "completed"}, {1, "failed"}})});
   CHECK(diverged == "group g0 (3 ranks): the ranks diverged at sequence 1: rank 0 called " + ar + "; rank 1 called " + bc +
                         "; rank 2 called " + ar + ".");
-  const auto stalled = dl::analyze_flight_records({record(0, {{0, ar}, {1, ar}}, {{0, "completed"}, {1, "launched"}}),
+  const auto stalled = dl::analyze_flight_records({record(0, {{0, ar}, {1, ar}}, {{0, "completed"}, {1, "started"}}),
                                                    record(1, {{0, ar}}, {{0, "completed"}})});
-  CHECK(stalled == "group g0 (3 ranks): sequence 1 (" + ar + ") is the first not complete everywhere: rank 0 launched it "
+  CHECK(stalled == "group g0 (3 ranks): sequence 1 (" + ar + ") is the first not complete everywhere: rank 0 started it "
                    "and waited; rank 1 (its last was sequence 0) never called it. No record from rank 2 (killed, or "
                    "stuck outside ddp's collectives).");
 }
@@ -103,9 +103,9 @@ TEST_CASE("ddp-launch: a failed job's flight records name where the ranks diverg
   INFO(stalled.output);
   CHECK(stalled.exit_code != 0);
   CHECK_THAT(stalled.output,
-             Catch::Contains("(flight recorder: sequence 5 (all_reduce(sum) of 1024 f32, launched ") &&
+             Catch::Contains("(flight recorder: sequence 5 (all_reduce(sum) of 1024 f32, started ") &&
                  Catch::Contains("sequence 5 (all_reduce(sum) of 1024 f32) is the first not complete everywhere: rank 0 "
-                                 "launched it and waited. No record from rank 1"));
+                                 "started it and waited. No record from rank 1"));
   // The records a failed job wrote are kept, and their place is named.
   const auto at = stalled.output.find("ddp-launch: the ranks' flight records are in ");
   REQUIRE(at != std::string::npos);
@@ -114,7 +114,7 @@ TEST_CASE("ddp-launch: a failed job's flight records name where the ranks diverg
   const auto records = dl::read_flight_records(kept);
   REQUIRE(records.size() == 1);  // rank 1 was stopped by the launcher before it could write one
   CHECK(records[0].rank == 0);
-  CHECK(records[0].states.at(5) == "launched");
+  CHECK(records[0].states.at(5) == "started");
   std::filesystem::remove_all(kept);
 
   const auto off = launch_flight_rank("diverge", 2, {{"DDP_FLIGHT_RECORDER", "0"}});

@@ -113,7 +113,7 @@ TEST_CASE("call check: a mismatch of operation, count, dtype or root raises mism
         [&] { return comm.broadcast(std::span<float>(f), 1); }, "broadcast of 8 f32 rooted at rank 0",
         "broadcast of 8 f32 rooted at rank 1");
   }
-  // No rank launched the mismatched collective: the group goes on, matched.
+  // No rank started the mismatched collective: the group goes on, matched.
   std::vector<std::int32_t> one{1};
   comm.all_reduce(std::span<std::int32_t>(one)).wait();
   CHECK(one[0] == comm.size());

@@ -45,7 +45,7 @@ TEST_CASE("mpi: the conformance suite passes with every collective non-blocking 
   }
 }
 
-TEST_CASE("mpi: a collective on at most eager_bytes completes on launch, counted and averaged like the others",
+TEST_CASE("mpi: a collective on at most eager_bytes completes on start, counted and averaged like the others",
           "[mpi][eager]") {
   auto comm = world();
   const std::size_t limit = comm.settings().eager_bytes;

@@ -36,7 +36,7 @@ struct reversed_mlp {
 /// The slots of reversed_mlp in the order its backward reports them.
 inline const std::vector<std::size_t> reversed_backward_order{1, 0, 3, 2, 5, 4};
 
-/// Each bucket's latest slot in `ready` order: buckets launched in ready order have non-decreasing ones.
+/// Each bucket's latest slot in `ready` order: buckets started in ready order have non-decreasing ones.
 inline std::vector<std::size_t> ready_positions(const ddp::detail::bucket_plan& plan, const std::vector<std::size_t>& ready) {
   std::vector<std::size_t> at(ready.size()), out;
   for (std::size_t i = 0; i < ready.size(); ++i) at[ready[i]] = i;
@@ -57,7 +57,7 @@ std::vector<std::int64_t> bucket_ranges(const DP& dp) {
 }
 
 /// N ranks train reversed_mlp with policies Ps (`micro` micro-batches a step, all but the last under no_sync):
-/// after the first step every rank's buckets launch in the backward's order, the same buckets on every rank, and
+/// after the first step every rank's buckets start in the backward's order, the same buckets on every rank, and
 /// the parameters equal one process's (tol). With `scrambled`, rank 1 reports in another order (visit order, at
 /// the end of each backward): every rank still takes rank 0's order. Returns the trained parameters.
 template <class... Ps, class Comm>
@@ -91,7 +91,7 @@ mlp check_rebuilt_training(Comm comm, optimizer_kind k, double tol, closeness ho
         const auto positions = ready_positions(dp.buckets(), reversed_backward_order);
         if (options.rebuild_buckets) {
           REQUIRE(std::is_sorted(positions.begin(), positions.end()));
-          if (dp.bucket_count() > 1)  // fc3.bias alone fills the small first bucket, which launches first
+          if (dp.bucket_count() > 1)  // fc3.bias alone fills the small first bucket, which starts first
             REQUIRE(dp.buckets().buckets.front().params == std::vector<std::size_t>{1});
         } else {
           REQUIRE(positions == planned);
@@ -106,7 +106,7 @@ mlp check_rebuilt_training(Comm comm, optimizer_kind k, double tol, closeness ho
   return base;
 }
 
-/// The planned buckets would launch fc1's first: not sorted by the backward's order.
+/// The planned buckets would start fc1's first: not sorted by the backward's order.
 inline void require_planned_order_is_late() {
   mlp base = make_mlp(1);
   reversed_mlp view{base};

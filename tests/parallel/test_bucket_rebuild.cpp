@@ -1,5 +1,5 @@
 // Buckets rebuilt in the first step's ready order over TCP (rebuild_scenarios.hpp), and in one process through
-// the recording loopback communicator: after the rebuild the first bucket launches before the backward ends.
+// the recording loopback communicator: after the rebuild the first bucket starts before the backward ends.
 #include <catch2/catch.hpp>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -13,7 +13,7 @@ using ddp::backend::tcp;
 using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first
 }  // namespace
 
-TEST_CASE("rebuild: the planned buckets of the reversed model would launch fc1's first", "[rebuild]") {
+TEST_CASE("rebuild: the planned buckets of the reversed model would start fc1's first", "[rebuild]") {
   require_planned_order_is_late();
 }
 

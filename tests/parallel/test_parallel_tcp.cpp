@@ -20,7 +20,7 @@ struct sum_then_scale_hook {
   using policy_category = ddp::comm_hook_policy;
   std::size_t completed = 0;
   template <class Comm>
-  ddp::work launch(const ddp::bucket_gradients<Comm>& b) {
+  ddp::work start(const ddp::bucket_gradients<Comm>& b) {
     return b.comm.all_reduce(b.grads, ddp::reduce_op::sum);
   }
   template <class Comm>

@@ -193,12 +193,12 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   REQUIRE(st.report(5));
   REQUIRE(!st.report(5));  // twice: the caller names the parameter
   REQUIRE(st.next_ready() == std::size_t{0});
-  raises([&] { st.launch(1, ddp::work{}); }, "bucket 1 cannot go from waiting to launched out of plan order (bucket 0 is next)");
+  raises([&] { st.start(1, ddp::work{}); }, "bucket 1 cannot go from waiting to started out of plan order (bucket 0 is next)");
   raises([&] { st.complete(0); }, "bucket 0 cannot go from waiting to reduced");
   raises([&] { st.chain(0, ddp::work{}); }, "bucket 0 cannot go from waiting to chained");
-  st.launch(0, ddp::work{});
-  REQUIRE(st.bucket(0).phase == bucket_phase::launched);
-  REQUIRE(st.launched() == 1);
+  st.start(0, ddp::work{});
+  REQUIRE(st.bucket(0).phase == bucket_phase::started);
+  REQUIRE(st.started() == 1);
   REQUIRE(st.scattered(0));  // a default work is complete
   REQUIRE(!st.unit_settled(2));
   st.chain(0, ddp::work{});
@@ -212,11 +212,11 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   for (std::size_t s = 0; s < 5; ++s) REQUIRE(st.report(s));
   for (std::size_t b = 1; b < 5; ++b) {
     REQUIRE(st.next_ready() == b);
-    st.launch(b, ddp::work{});
+    st.start(b, ddp::work{});
   }
   REQUIRE(!st.next_ready());
-  raises([&] { st.finish(); }, "bucket 1 cannot go from launched to reduced");
-  raises([&] { st.abandon(); }, "bucket 1 cannot go from launched to waiting");
+  raises([&] { st.finish(); }, "bucket 1 cannot go from started to reduced");
+  raises([&] { st.abandon(); }, "bucket 1 cannot go from started to waiting");
   for (std::size_t b = 1; b < 5; ++b) st.complete(b);
   REQUIRE(st.unit_settled(2));
   raises([&] { st.replan(); }, "cannot rebuild the buckets while the step is reporting (it must be finished)");
@@ -224,7 +224,7 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
   REQUIRE(st.phase() == step_phase::finished);
   REQUIRE(st.report_order().size() == 6);  // every slot, once, in the order reported
   st.replan();  // the plan's buckets again, each reduced: the finished step stays finished
-  REQUIRE(st.launched() == 5);
+  REQUIRE(st.started() == 5);
   REQUIRE(st.bucket(4).phase == bucket_phase::reduced);
   REQUIRE(st.unit_buckets(2).size() == 2);
   st.end();
@@ -308,7 +308,7 @@ struct reversed_net {
 
 }  // namespace
 
-TEST_CASE("recorded: rebuilt buckets launch in the backward's order, the first one before the backward ends",
+TEST_CASE("recorded: rebuilt buckets start in the backward's order, the first one before the backward ends",
           "[step][rebuild]") {
   net m = make_net();
   reversed_net view{m};
@@ -394,7 +394,7 @@ TEST_CASE("recorded: full_shard unshards each unit in its scope, prefetches the 
   REQUIRE(log.calls().empty());  // the destructor issues no collective
 }
 
-TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next bucket launches, at the same point "
+TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next bucket starts, at the same point "
           "of the call sequence on every rank", "[step]") {
   net m = make_net();
   recording_comm comm(0, 4);
@@ -407,7 +407,7 @@ TEST_CASE("recorded: hybrid chains each cross-group all-reduce when the next buc
   backward(dp, m, {2});
   log.complete_all();  // the network delivers fc3's reduce-scatter during fc2's backward
   backward(dp, m, {1, 0});
-  // Each launch chains the previous bucket, waiting for its reduce-scatter where the network has not delivered
+  // Each start chains the previous bucket, waiting for its reduce-scatter where the network has not delivered
   // it: never a choice by timing, which would order the two groups' collectives differently on different ranks.
   REQUIRE(log.calls() == strings{"shard reduce_scatter 4>2 f32 #0", "shard reduce_scatter 4>2 f32 #1",
                                  "replica all_reduce 2 f32 #2",  // #0 delivered already: no wait

@@ -27,11 +27,11 @@
 namespace ddp::detail {
 
 /// Where a recorded operation stands.
-enum class flight_state : std::uint8_t { launched, completed, failed };
+enum class flight_state : std::uint8_t { started, completed, failed };
 
-/// "launched", "completed", "failed".
+/// "started", "completed", "failed".
 constexpr std::string_view to_string(flight_state s) noexcept {
-  return s == flight_state::launched ? "launched" : s == flight_state::completed ? "completed" : "failed";
+  return s == flight_state::started ? "started" : s == flight_state::completed ? "completed" : "failed";
 }
 
 /// One collective of a group, as the recorder keeps it.
@@ -39,8 +39,8 @@ struct flight_entry {
   using clock = std::chrono::steady_clock;
   std::uint64_t sequence = 0;           ///< the group's count of collectives before this one
   call_info call{};                     ///< what was called
-  flight_state state = flight_state::launched;
-  clock::time_point launched{};         ///< when it was launched
+  flight_state state = flight_state::started;
+  clock::time_point started{};         ///< when it was started
   std::optional<clock::time_point> settled{};  ///< when this rank saw it complete or fail
 };
 
@@ -58,15 +58,15 @@ class flight_recorder {
                                         .value_or(1024));
   }
 
-  /// Records the launch of `c` (collectives only); returns its sequence number.
-  std::uint64_t launch(const call_info& c) {
+  /// Records the start of `c` (collectives only); returns its sequence number.
+  std::uint64_t start(const call_info& c) {
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = next_++;
-    ring_[seq % ring_.size()] = {seq, c, flight_state::launched, clock::now(), std::nullopt};
+    ring_[seq % ring_.size()] = {seq, c, flight_state::started, clock::now(), std::nullopt};
     return seq;
   }
-  /// Records `c`, which completed as it was launched (an eager call): one lock and one clock read, where
-  /// launch() and settle() take two of each.
+  /// Records `c`, which completed as it was started (an eager call): one lock and one clock read, where
+  /// start() and settle() take two of each.
   void completed(const call_info& c) {
     std::lock_guard lock(mutex_);
     const std::uint64_t seq = next_++;
@@ -77,12 +77,12 @@ class flight_recorder {
   void settle(std::uint64_t seq, bool ok) {
     std::lock_guard lock(mutex_);
     auto& e = ring_[seq % ring_.size()];
-    if (e.sequence != seq || e.state != flight_state::launched) return;  // overwritten, or settled already
+    if (e.sequence != seq || e.state != flight_state::started) return;  // overwritten, or settled already
     e.state = ok ? flight_state::completed : flight_state::failed;
     e.settled = clock::now();
   }
 
-  /// "sequence 42 (all_reduce(sum) of 1024 f32, launched 5.0 s ago) is the first this rank has not seen
+  /// "sequence 42 (all_reduce(sum) of 1024 f32, started 5.0 s ago) is the first this rank has not seen
   /// complete; the last complete is 41"; empty when every recorded operation completed.
   [[nodiscard]] std::string first_incomplete() const {
     std::lock_guard lock(mutex_);
@@ -93,8 +93,8 @@ class flight_recorder {
         break;
       }
     if (first == nullptr) return {};
-    const double ago = std::chrono::duration<double>(clock::now() - first->launched).count();
-    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", launched " +
+    const double ago = std::chrono::duration<double>(clock::now() - first->started).count();
+    std::string s = "sequence " + std::to_string(first->sequence) + " (" + describe_call(first->call) + ", started " +
                     seconds(ago) + " ago) is the first this rank has not seen complete";
     return s;
   }
@@ -111,10 +111,10 @@ class flight_recorder {
       dumped_ = true;
       const auto now = clock::now();
       text = "# ddp flight recorder: rank " + std::to_string(rank) + " of " + std::to_string(size) + ", group " +
-             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tlaunched_s_ago\tsettled_s_ago\tcall\n";
+             label_ + ", reason: " + std::string(reason) + "\n# sequence\tstate\tstarted_s_ago\tsettled_s_ago\tcall\n";
       for (const auto* e : ordered()) {
-        const double launched = std::chrono::duration<double>(now - e->launched).count();
-        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(launched, false) +
+        const double started = std::chrono::duration<double>(now - e->started).count();
+        text += std::to_string(e->sequence) + "\t" + std::string(to_string(e->state)) + "\t" + seconds(started, false) +
                 "\t" + (e->settled ? seconds(std::chrono::duration<double>(now - *e->settled).count(), false) : "-") +
                 "\t" + describe_call(e->call) + "\n";
       }
@@ -186,7 +186,7 @@ class recorded_work final : public work_state {
       return done;
     } catch (const timeout_error& e) {
       // The engine's own deadline passed before wait()'s: the same diagnosis as a timeout seen by wait(), and the
-      // operation stays launched -- this rank waited for it, it did not see it fail.
+      // operation stays started -- this rank waited for it, it did not see it fail.
       const std::string record = diagnosis();
       throw timeout_error(e.message() + (record.empty() ? std::string() : " (" + record + ")"), e.rank(),
                           e.native_code());
@@ -210,14 +210,14 @@ inline std::shared_ptr<flight_recorder> make_flight_recorder(std::string label) 
   return capacity == 0 ? nullptr : std::make_shared<flight_recorder>(capacity, std::move(label));
 }
 
-/// `w` (the launch of collective `c` in a group of `size`), recorded in `recorder`.
+/// `w` (the start of collective `c` in a group of `size`), recorded in `recorder`.
 inline work record(const std::shared_ptr<flight_recorder>& recorder, const call_info& c, int size, work w) {
   auto& state = work_access::state(w);
   if (!state) {
     recorder->completed(c);
     return w;
   }
-  const std::uint64_t seq = recorder->launch(c);
+  const std::uint64_t seq = recorder->start(c);
   return work(std::make_shared<recorded_work>(std::move(state), recorder, seq, size));
 }
 

@@ -1,13 +1,13 @@
 #pragma once
 /// \file The collective front end every backend shares: the public collective methods of ddp::communicator with
 /// the argument checks, the description of each operation, sequence numbers, statistics, avg and the opt-in
-/// cross-rank call check (DDP_CHECK_COLLECTIVES=1), calling the backend's launches.
+/// cross-rank call check (DDP_CHECK_COLLECTIVES=1), calling the backend's starts.
 ///
 /// A backend `B` derives from collective_front<B>, befriends it and implements, for checked arguments:
-///   launch_all_reduce(c, buffer, op), launch_reduce_scatter(c, in, out, op), launch_all_gather(c, in, out),
-///   launch_broadcast(c, buffer), launch_reduce(c, buffer, op), launch_gather(c, in, out),
-///   launch_scatter(c, in, out), launch_all_to_all(c, in, out), launch_barrier(c), launch_send(c, buffer),
-///   launch_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
+///   start_all_reduce(c, buffer, op), start_reduce_scatter(c, in, out, op), start_all_gather(c, in, out),
+///   start_broadcast(c, buffer), start_reduce(c, buffer, op), start_gather(c, in, out),
+///   start_scatter(c, in, out), start_all_to_all(c, in, out), start_barrier(c), start_send(c, buffer),
+///   start_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
 /// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
 /// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
 
@@ -38,7 +38,7 @@ struct front_duties {
   std::string_view group = "a group";  ///< how messages name the group: "an MPI group"
   bool sequence = true;                ///< number every operation (front_state::sequence)
   bool stats = true;                   ///< count calls and the algorithm-independent payload bytes (front_state::stats)
-  bool average = true;                 ///< run avg as sum and have the launch divide call_info::average when done
+  bool average = true;                 ///< run avg as sum and have the start divide call_info::average when done
   bool call_check = true;              ///< exchange the call before each collective when front_state::call_check
 };
 
@@ -61,7 +61,7 @@ class collective_front : public object_collectives<Derived> {
     call_info c = open(collective::all_reduce, "all_reduce", op, b, -1);
     verify(c);
     const reduce_op run = average(c, op, b);
-    return counted(c, share(b.bytes(), 2), self().launch_all_reduce(c, b, run));
+    return counted(c, share(b.bytes(), 2), self().start_all_reduce(c, b, run));
   }
 
   /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
@@ -73,7 +73,7 @@ class collective_front : public object_collectives<Derived> {
     blocks(c, in.size, out.size, "input", "output");
     verify(c);
     const reduce_op run = average(c, op, out);
-    return counted(c, share(in.bytes(), 1), self().launch_reduce_scatter(c, in, out, run));
+    return counted(c, share(in.bytes(), 1), self().start_reduce_scatter(c, in, out, run));
   }
 
   /// Gathers k elements from every rank into N·k elements, rank r's at block r.
@@ -84,7 +84,7 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, out.size, in.size, "output", "input");
     verify(c);
-    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().launch_all_gather(c, in, out));
+    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().start_all_gather(c, in, out));
   }
 
   /// Copies root's `buffer` to every rank.
@@ -95,7 +95,7 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const std::uint64_t sent = self().rank() == root && self().size() > 1 ? b.bytes() : 0;
-    return counted(c, sent, self().launch_broadcast(c, b));
+    return counted(c, sent, self().start_broadcast(c, b));
   }
 
   /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
@@ -107,7 +107,7 @@ class collective_front : public object_collectives<Derived> {
     verify(c);
     const bool at_root = self().rank() == root;
     const reduce_op run = average(c, op, at_root ? b : raw_tensor{});
-    return counted(c, at_root ? 0 : b.bytes(), self().launch_reduce(c, b, run));
+    return counted(c, at_root ? 0 : b.bytes(), self().start_reduce(c, b, run));
   }
 
   /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
@@ -115,7 +115,7 @@ class collective_front : public object_collectives<Derived> {
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::gather, "gather", in, out, root);
-    return counted(c, self().rank() == root ? 0 : in.bytes(), self().launch_gather(c, in, out));
+    return counted(c, self().rank() == root ? 0 : in.bytes(), self().start_gather(c, in, out));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
@@ -123,7 +123,7 @@ class collective_front : public object_collectives<Derived> {
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
-    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().launch_scatter(c, in, out));
+    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().start_scatter(c, in, out));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -137,14 +137,14 @@ class collective_front : public object_collectives<Derived> {
       fail(c, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
                   "; both must hold the same multiple of size()=" + std::to_string(n));
     verify(c);
-    return counted(c, share(in.bytes(), 1), self().launch_all_to_all(c, in, out));
+    return counted(c, share(in.bytes(), 1), self().start_all_to_all(c, in, out));
   }
 
   /// Completes once every rank of the group has entered the barrier.
   work barrier() {
     call_info c = open(collective::barrier, "barrier", std::nullopt, raw_tensor{}, -1);
     verify(c);
-    return counted(c, 0, self().launch_barrier(c));
+    return counted(c, 0, self().start_barrier(c));
   }
 
   /// Sends `buffer` to rank `peer`, matched by the recv on `peer` with the same tag (0 ≤ tag ≤ max_tag()).
@@ -153,7 +153,7 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "send", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, b.bytes(), self().launch_send(c, b));
+    return counted(c, b.bytes(), self().start_send(c, b));
   }
 
   /// Receives into `buffer` what rank `peer` sends with `tag`.
@@ -162,7 +162,7 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "recv", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, 0, self().launch_recv(c, b));
+    return counted(c, 0, self().start_recv(c, b));
   }
 
  protected:
@@ -213,13 +213,13 @@ class collective_front : public object_collectives<Derived> {
       const raw_tensor in = as_raw(std::span<const std::int64_t>(mine)), out = as_raw(std::span<std::int64_t>(all));
       exchange.type = in.type;
       exchange.count = in.size;
-      self().launch_all_gather(exchange, in, out).wait();
+      self().start_all_gather(exchange, in, out).wait();
       self().front().stats.add_call_check();
       compare_calls(c, all, self().rank());
     }
   }
 
-  /// The operator to launch: avg becomes sum when the front end averages for the backend, and `target` (the
+  /// The operator to start: avg becomes sum when the front end averages for the backend, and `target` (the
   /// output this rank divides; empty where none) goes into the call.
   reduce_op average(call_info& c, reduce_op op, const raw_tensor& target) const noexcept {
     if constexpr (Derived::duties.average) {

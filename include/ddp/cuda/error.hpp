@@ -38,9 +38,9 @@ inline void check(cudaError_t code, std::string_view what, int rank = -1) {
                    rank, static_cast<int>(code));
 }
 
-/// Throws ddp::cuda_error when the last kernel launch failed (call right after a <<<...>>> launch).
-inline void check_launch(std::string_view kernel, int rank = -1) {
-  check(cudaGetLastError(), std::string("launch of kernel ") + std::string(kernel), rank);
+/// Throws ddp::cuda_error when the last kernel start failed (call right after a <<<...>>> start).
+inline void check_kernel(std::string_view kernel, int rank = -1) {
+  check(cudaGetLastError(), std::string("start of kernel ") + std::string(kernel), rank);
 }
 
 }  // namespace ddp::cuda

@@ -97,9 +97,9 @@ inline int multiprocessors() {
 
 inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-/// Launches `f` over n elements with packs of V when every pointer in `pointers` is 16-byte aligned.
+/// Runs kernel `f` over n elements with packs of V when every pointer in `pointers` is 16-byte aligned.
 template <int V, class F, class... P>
-void launch(const char* name, std::size_t n, cudaStream_t stream, F f, const P*... pointers) {
+void run_kernel(const char* name, std::size_t n, cudaStream_t stream, F f, const P*... pointers) {
   if (n == 0) return;
   constexpr unsigned threads = 256;
   const bool vector = (aligned16(pointers) && ...);
@@ -110,7 +110,7 @@ void launch(const char* name, std::size_t n, cudaStream_t stream, F f, const P*.
     for_each_pack<V><<<blocks, threads, 0, stream>>>(n, f);
   else
     for_each_pack<1><<<blocks, threads, 0, stream>>>(n, f);
-  check_launch(name);
+  check_kernel(name);
 }
 
 /// Elements per 16-byte pack of the widest type among Ts.
@@ -231,7 +231,7 @@ void cast(std::span<const From> in, std::span<To> out, cudaStream_t stream, cons
   same_size(in.size(), out.size(), name, "input", "output");
   using F = native_t<From>;
   using O = native_t<To>;
-  launch<pack_width<F, O>>(name, in.size(), stream, cast_fn<F, O>{device_ptr(in), device_ptr(out)}, device_ptr(in),
+  run_kernel<pack_width<F, O>>(name, in.size(), stream, cast_fn<F, O>{device_ptr(in), device_ptr(out)}, device_ptr(in),
                            device_ptr(out));
 }
 
@@ -242,7 +242,7 @@ template <class T>
   requires detail::floating<T>
 void scale(std::span<T> x, double factor, cudaStream_t stream) {
   using N = detail::native_t<T>;
-  detail::launch<detail::pack_width<N>>("ddp::cuda::scale", x.size(), stream,
+  detail::run_kernel<detail::pack_width<N>>("ddp::cuda::scale", x.size(), stream,
                                         detail::scale_fn<N>{detail::device_ptr(x), static_cast<detail::compute_t<T>>(factor), false},
                                         detail::device_ptr(x));
 }
@@ -253,7 +253,7 @@ template <class T>
 void average(std::span<T> x, int count, cudaStream_t stream) {
   if (count <= 0) throw error("ddp::cuda::average: count " + std::to_string(count) + " must be positive");
   using N = detail::native_t<T>;
-  detail::launch<detail::pack_width<N>>("ddp::cuda::average", x.size(), stream,
+  detail::run_kernel<detail::pack_width<N>>("ddp::cuda::average", x.size(), stream,
                                         detail::scale_fn<N>{detail::device_ptr(x), static_cast<detail::compute_t<T>>(count), true},
                                         detail::device_ptr(x));
 }
@@ -292,9 +292,9 @@ void sgd_step(std::span<T> param, std::span<const T> grad, std::span<T> momentum
   const detail::sgd_fn<T> f{param.data(), grad.data(), buf, static_cast<T>(o.lr), static_cast<T>(o.momentum),
                             static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first_step};
   if (momentum)
-    detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), buf);
+    detail::run_kernel<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), buf);
   else
-    detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data());
+    detail::run_kernel<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data());
 }
 
 /// One torch.optim.AdamW step over a flat range; `step` counts steps including this one (1 on the first).
@@ -322,7 +322,7 @@ void adamw_step(std::span<T> param, std::span<const T> grad, std::span<T> exp_av
                               static_cast<T>(o.lr / bias_correction1),
                               static_cast<T>(std::sqrt(bias_correction2)),
                               static_cast<T>(o.eps)};
-  detail::launch<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), exp_avg.data(),
+  detail::run_kernel<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), exp_avg.data(),
                                         exp_avg_sq.data());
 }
 

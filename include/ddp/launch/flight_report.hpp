@@ -24,7 +24,7 @@ struct flight_record {
   std::string group;                             ///< the group's label
   std::string reason;                            ///< why the rank wrote it
   std::map<std::uint64_t, std::string> calls;    ///< sequence → the call
-  std::map<std::uint64_t, std::string> states;   ///< sequence → launched, completed or failed
+  std::map<std::uint64_t, std::string> states;   ///< sequence → started, completed or failed
 };
 
 namespace detail {
@@ -51,8 +51,8 @@ inline std::optional<flight_record> read_flight_record(const std::filesystem::pa
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
-    std::string seq, state, launched, settled, call;
-    if (!std::getline(fields, seq, '\t') || !std::getline(fields, state, '\t') || !std::getline(fields, launched, '\t') ||
+    std::string seq, state, started, settled, call;
+    if (!std::getline(fields, seq, '\t') || !std::getline(fields, state, '\t') || !std::getline(fields, started, '\t') ||
         !std::getline(fields, settled, '\t') || !std::getline(fields, call))
       continue;
     std::uint64_t s = 0;
@@ -131,7 +131,7 @@ inline std::string analyze_flight_records(const std::vector<flight_record>& reco
             continue;
           }
           call = r->calls.at(*stalled);
-          if (it->second == "launched") waiting.push_back(who);
+          if (it->second == "started") waiting.push_back(who);
           if (it->second == "failed") failed.push_back(who);
         }
         const auto join = [](const std::vector<std::string>& v) {
@@ -140,7 +140,7 @@ inline std::string analyze_flight_records(const std::vector<flight_record>& reco
           return j;
         };
         s += "sequence " + std::to_string(*stalled) + " (" + call + ") is the first not complete everywhere:";
-        if (!waiting.empty()) s += " " + join(waiting) + " launched it and waited;";
+        if (!waiting.empty()) s += " " + join(waiting) + " started it and waited;";
         if (!failed.empty()) s += " " + join(failed) + " saw it fail;";
         if (!never.empty()) s += " " + join(never) + " never called it;";
         s.back() = '.';

@@ -1,6 +1,6 @@
 #pragma once
 /// \file Gradient buckets: byte ranges of a gradient arena, planned in reverse visit order so the
-/// buckets whose gradients the backward produces first are launched first, and replanned in the order a
+/// buckets whose gradients the backward produces first are started first, and replanned in the order a
 /// step's gradients became ready (parallel/bucket_rebuild.hpp).
 
 #include <algorithm>
@@ -24,7 +24,7 @@ struct bucket {
   std::size_t begin = 0;            ///< first element
   std::size_t end = 0;              ///< one past the last element
   std::vector<std::size_t> params;  ///< slots overlapping the range
-  std::size_t last_slot = 0;        ///< the highest slot (latest in visit order) it holds; orders launches
+  std::size_t last_slot = 0;        ///< the highest slot (latest in visit order) it holds; orders starts
   std::size_t unit = 0;             ///< the unit of `last_slot` (the only unit when planned unit-aligned)
 };
 
@@ -32,9 +32,9 @@ struct bucket {
 /// sharded strategies, so that unsharding a unit all-gathers whole buckets).
 enum class bucket_cut : std::uint8_t { anywhere, within_units };
 
-/// The buckets of a layout in launch order, and for every slot the buckets it overlaps.
+/// The buckets of a layout in start order, and for every slot the buckets it overlaps.
 struct bucket_plan {
-  std::vector<bucket> buckets;                        ///< launch order: reverse visit order, or ready order once rebuilt
+  std::vector<bucket> buckets;                        ///< start order: reverse visit order, or ready order once rebuilt
   std::vector<std::vector<std::size_t>> of_param;     ///< per slot, indices into `buckets`
 
   /// Fills `of_param` from `buckets` for a layout of `slots` parameters.
@@ -94,7 +94,7 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
 /// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
 /// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
-/// pieces, last elements first (after the first piece, of the full capacity). Buckets launch in the order their
+/// pieces, last elements first (after the first piece, of the full capacity). Buckets start in the order their
 /// last slot became ready.
 inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
                                        std::size_t capacity_bytes, std::size_t first_bytes) {

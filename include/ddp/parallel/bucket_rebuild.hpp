@@ -3,7 +3,7 @@
 /// first iteration). The first synchronized step records the order in which its gradients became ready
 /// (step_state::report_order); rank 0's order is broadcast, so every rank plans the same buckets whatever order
 /// its own backward ran in; and unless that order is the reverse visit order the planner already assumed, the
-/// buckets are planned again in it (plan_in_ready_order), once, so that later steps launch each bucket as soon as
+/// buckets are planned again in it (plan_in_ready_order), once, so that later steps start each bucket as soon as
 /// the backward has produced its gradients. Under replicate (data_parallel_options::rebuild_buckets); the
 /// sharded strategies keep buckets inside units and follow their unshard scopes, and keep the planned order.
 

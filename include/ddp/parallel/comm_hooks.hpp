@@ -1,6 +1,6 @@
 #pragma once
 /// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
-/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: launch(bucket)
+/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: start(bucket)
 /// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
 /// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
 /// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
@@ -34,7 +34,7 @@ template <class Comm>
 struct bucket_gradients {
   raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
   Comm& comm;         ///< the group (the world under replicate)
-  std::size_t index;  ///< the bucket's place in launch order, the same every step (for per-bucket state)
+  std::size_t index;  ///< the bucket's place in start order, the same every step (for per-bucket state)
 
   /// Number of ranks the gradients are averaged over.
   [[nodiscard]] int world_size() const { return comm.size(); }
@@ -47,11 +47,11 @@ struct bucket_gradients {
   }
 };
 
-/// A comm hook over communicator Comm: launch starts a bucket's reduction, complete finishes it.
+/// A comm hook over communicator Comm: start starts a bucket's reduction, complete finishes it.
 template <class H, class Comm = detail::archetype_communicator>
 concept comm_hook = std::default_initializable<H> && std::same_as<typename H::policy_category, comm_hook_policy> &&
                     requires(H& h, const bucket_gradients<Comm>& b) {
-                      { h.launch(b) } -> std::same_as<work>;
+                      { h.start(b) } -> std::same_as<work>;
                       h.complete(b);
                     };
 
@@ -60,7 +60,7 @@ struct plain_hook {
   using policy_category = comm_hook_policy;
   /// Starts the average of the bucket across the group.
   template <class Comm>
-  work launch(const bucket_gradients<Comm>& b) {
+  work start(const bucket_gradients<Comm>& b) {
     return b.comm.all_reduce(b.grads, reduce_op::avg);
   }
   /// Nothing to undo once the reduction is done.
@@ -73,13 +73,13 @@ namespace detail {
 
 /// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (multiplied by its reciprocal in
 /// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
-/// Half buffer per bucket, made on the bucket's first launch.
+/// Half buffer per bucket, made on the bucket's first start.
 template <class Half>
 class compress_hook {
  public:
   using policy_category = comm_hook_policy;
   template <class Comm>
-  work launch(const bucket_gradients<Comm>& b) {
+  work start(const bucket_gradients<Comm>& b) {
     if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
     auto& half = scratch(b);
     visit_typed(b, [&](auto g) {

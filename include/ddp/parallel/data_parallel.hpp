@@ -3,7 +3,7 @@
 /// Construction lays every leaf (ddp::parameter, ddp::trainable, an adapter's tensor: any storage_traits type) into
 /// flat arenas (one per dtype), checks that all ranks hold the same model and broadcasts rank 0's values. In the
 /// backward each finished gradient is reported (gradient_ready(p), or the leaf's framework's autograd); a bucket whose
-/// parameters have all reported launches its reduction at once, in plan order, the same on every rank (under
+/// parameters have all reported starts its reduction at once, in plan order, the same on every rank (under
 /// replicate replanned once in the first step's ready order). finish_gradients() waits; step(opt) runs the optimizer.
 
 #include <algorithm>
@@ -64,7 +64,7 @@ class data_parallel {
   static_assert(communicator<communicator_type>);
   static_assert(comm_hook<hook_type, communicator_type>,
                 "ddp::data_parallel: the comm hook must model ddp::comm_hook: default-constructible, with "
-                "work launch(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
+                "work start(const ddp::bucket_gradients<Comm>&) and complete(const ddp::bucket_gradients<Comm>&).");
   static_assert(detail::sharding_strategy<strategy_type, communicator_type, sharding>,
                 "ddp::data_parallel: the sharding strategy does not model sharding_strategy over this backend's "
                 "communicator; give the strategy every member the concept in <ddp/parallel/strategy.hpp> names.");
@@ -134,7 +134,7 @@ class data_parallel {
 
  public:
 
-  /// Reports that `p`'s gradient for this backward is complete; launches every bucket that became ready.
+  /// Reports that `p`'s gradient for this backward is complete; starts every bucket that became ready.
   /// `p` is a leaf of the model, or the values object a ddp::trainable of the model refers to.
   template <class Leaf>
   void gradient_ready(const Leaf& p) {
@@ -155,12 +155,12 @@ class data_parallel {
     if (const auto left = state_.close_all_backward(); !left.empty()) release_backward(left);
     if (state_.phase() == detail::step_phase::finished) return;
     if (state_.phase() == detail::step_phase::idle) begin_reporting();
-    if (state_.launched() < plan_.buckets.size()) {
+    if (state_.started() < plan_.buckets.size()) {
       std::vector<std::string> missing;
       for (std::size_t s = 0; s < layout_.slots().size(); ++s)
         if (!state_.reported(s) && layout_.slots()[s].numel > 0) missing.push_back(layout_.slots()[s].name);
       if (options_.error_on_missing && !state_.join().shadowing()) {
-        reduce_launched();
+        reduce_started();
         state_.abandon();
         std::string names;
         for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
@@ -173,9 +173,9 @@ class data_parallel {
           gradient_in(s);
           state_.report(s);
         }
-      launch_ready();
+      start_ready();
     }
-    reduce_launched();
+    reduce_started();
     state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
@@ -311,9 +311,9 @@ class data_parallel {
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
     return masters_.buffers(strategy_->optimizer_buffers());
   }
-  /// Number of gradient buckets (launch units).
+  /// Number of gradient buckets (start units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
-  /// The gradient buckets in launch order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
+  /// The gradient buckets in start order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
   [[nodiscard]] const detail::bucket_plan& buckets() const noexcept { return plan_; }
   /// The comm hook this wrapper reduces buckets through (hooks may keep state).
   [[nodiscard]] hook_type& comm_hook() noexcept { return hook_; }
@@ -346,7 +346,7 @@ class data_parallel {
     state_.join().note(detail::step_event::kind::release, units);
     strategy_->release(units);
   }
-  /// The gradient of `slot` is final: launches every bucket that became ready.
+  /// The gradient of `slot` is final: starts every bucket that became ready.
   void report(std::size_t slot) {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
@@ -357,7 +357,7 @@ class data_parallel {
     if (!state_.report(slot))
       throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
                   "report each parameter once per step, after its gradient is final", rank());
-    launch_ready();
+    start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
@@ -391,12 +391,12 @@ class data_parallel {
     leaf.gradient_in();
     accumulation::moved_in(leaf);
   }
-  void launch_ready() {
+  void start_ready() {
     while (const auto b = state_.next_ready()) strategy_->reduce(hook_, *b);
   }
-  /// Waits for the launched buckets in plan order; each becomes reduced.
-  void reduce_launched() {
-    for (std::size_t b = 0; b < state_.launched(); ++b)
+  /// Waits for the started buckets in plan order; each becomes reduced.
+  void reduce_started() {
+    for (std::size_t b = 0; b < state_.started(); ++b)
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
   void check_no_sync_closed(const char* where) const {

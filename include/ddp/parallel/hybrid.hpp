@@ -2,7 +2,7 @@
 /// \file The hybrid<Inner> strategy (HSDP): ranks split into groups of G consecutive ranks; Inner
 /// (full_shard or shard_grad_op) shards inside each group, and each reduce-scattered block is then
 /// averaged across the groups (over the ranks holding the same block), built on split(). That average is
-/// chained when the next bucket launches (sharded_core::reduce), at the same point of the call sequence on
+/// chained when the next bucket starts (sharded_core::reduce), at the same point of the call sequence on
 /// every rank; the last bucket's at the waiting point in finish_gradients.
 
 #include <cstddef>

@@ -20,7 +20,7 @@ struct data_parallel_options {
   /// Copy rank 0's parameter values to every rank at construction.
   bool broadcast_parameters = true;
   /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
-  /// ready (rank 0's, broadcast once), so later steps launch them as early as the backward allows (PyTorch DDP
+  /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
   bool rebuild_buckets = true;
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.

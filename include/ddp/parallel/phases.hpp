@@ -9,13 +9,13 @@ namespace ddp::detail {
 /// Where a synchronized backward stands.
 enum class step_phase : std::uint8_t {
   idle,       ///< no gradient reported since the last step (or since zero_grad after finish_gradients)
-  reporting,  ///< gradients are being reported and buckets launched
+  reporting,  ///< gradients are being reported and buckets started
   finished,   ///< finish_gradients() completed: every bucket is reduced, step() may run
 };
 /// Where one bucket's reduction stands in the step.
 enum class bucket_phase : std::uint8_t {
-  waiting,   ///< parameters still to report, or an earlier bucket still to launch
-  launched,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
+  waiting,   ///< parameters still to report, or an earlier bucket still to start
+  started,  ///< its all-reduce (replicate) or reduce-scatter (sharded) is in flight
   chained,   ///< hybrid: the reduce-scatter completed and the cross-group all-reduce is in flight
   reduced,   ///< its gradients are final for this step
 };
@@ -39,7 +39,7 @@ constexpr const char* to_string(step_phase p) noexcept {
 }
 /// The phase's name, for messages.
 constexpr const char* to_string(bucket_phase p) noexcept {
-  constexpr const char* names[] = {"waiting", "launched", "chained", "reduced"};
+  constexpr const char* names[] = {"waiting", "started", "chained", "reduced"};
   return names[static_cast<int>(p)];
 }
 /// The phase's name, for messages.

@@ -61,7 +61,7 @@ struct hybrid {
   Inner inner{};
 };
 
-/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which launches soonest.
+/// Gradient bucket capacity in bytes, and the (smaller) capacity of the first bucket, which starts soonest.
 template <std::size_t Capacity, std::size_t First = (std::size_t{1} << 20)>
 struct bucket_bytes {
   static_assert(Capacity > 0 && First > 0, "ddp::bucket_bytes: capacities must be positive byte counts.");

@@ -59,7 +59,7 @@ struct strategy<replicate, Comm> {
     for (std::size_t a = 0; a < buffers_.size(); ++a) buffers_[a].grads = staging_.at(buffers_[a].grads, a, 0);
   }
 
-  /// Bucket `b` waiting → launched: its all-reduce starts through the hook (deterministic beyond two ranks: an
+  /// Bucket `b` waiting → started: its all-reduce starts through the hook (deterministic beyond two ranks: an
   /// all_gather; with two, the plain all-reduce's single addition per element is deterministic already).
   template <class Hook>
   void reduce(Hook& hook, std::size_t b) {
@@ -68,8 +68,8 @@ struct strategy<replicate, Comm> {
         throw config_error("data_parallel: deterministic reduction sums in rank order itself, so it cannot run "
                            "through a comm hook; drop the hook or the policy's deterministic knob",
                            comm_.rank());
-    state_.launch(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
-                                    : hook.launch(gradients(b, true)));
+    state_.start(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
+                                    : hook.start(gradients(b, true)));
   }
   /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
   /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer

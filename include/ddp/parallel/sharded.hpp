@@ -10,12 +10,12 @@
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
 /// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
 /// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
-/// block across the replica group too: that all-reduce is chained when the next bucket launches (after
+/// block across the replica group too: that all-reduce is chained when the next bucket starts (after
 /// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
 /// every rank by construction: choosing it by polling completion would order the shard and replica groups'
 /// collectives differently on different ranks, and a transport that runs a rank's collectives one at a time
 /// (ddp::tcp's engine) then deadlocks across the overlapping groups. The phases of
-/// buckets and units (waiting → launched → chained → reduced; released → held → reported) are kept by
+/// buckets and units (waiting → started → chained → reduced; released → held → reported) are kept by
 /// step_state.
 ///
 /// Values: the optimizer steps the owned values against the owned gradients. shard_grad_op's owned values are
@@ -174,7 +174,7 @@ class sharded_core {
     state_.move_grads(s.unit, grad_phase::reported, {grad_phase::held, grad_phase::reported});
   }
 
-  /// Bucket `b` waiting → launched: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
+  /// Bucket `b` waiting → started: its reduce-scatter (average) starts. Under hybrid, every earlier bucket
   /// then chains its cross-group average, in plan order, once its reduce-scatter is done (waited for here:
   /// the order of collectives must not depend on timing, see the file comment).
   template <class Hook>
@@ -191,7 +191,7 @@ class sharded_core {
     if (b == 0) chained_ = 0;  // a new step
     const auto& bk = plan_.buckets[b];
     const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
-    state_.launch(b, deterministic_ ? scattered_.exchange(shard_, b, in)
+    state_.start(b, deterministic_ ? scattered_.exchange(shard_, b, in)
                                     : shard_.reduce_scatter(in, output(b), reduce_op::avg));
     if (replica_)
       for (; chained_ < b; ++chained_) {
@@ -361,7 +361,7 @@ class sharded_core {
       std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
     }
   }
-  /// Bucket `b` launched → chained: its reduce-scatter is done, its cross-group average starts.
+  /// Bucket `b` started → chained: its reduce-scatter is done, its cross-group average starts.
   void chain(std::size_t b) {
     if (deterministic_) {
       scattered_.average_into(b, output(b), shard_.size());

@@ -1,6 +1,6 @@
 #pragma once
 /// \file ddp::detail::step_state: the one record of where a training step stands. Per bucket a phase
-/// (waiting → launched → [chained] → reduced), the parameters it still waits for and the handles of its
+/// (waiting → started → [chained] → reduced), the parameters it still waits for and the handles of its
 /// reduction; per unit the phase of its values (sharded → unsharding → unsharded → sharded again on reshard),
 /// of its full-gradient storage (released → held → reported) and its open unshard scopes; per slot whether it
 /// reported in this step, and the order of the reports; the step itself (idle → reporting → finished → idle);
@@ -30,7 +30,7 @@ namespace ddp::detail {
 struct bucket_record {
   bucket_phase phase = bucket_phase::waiting;  ///< where its reduction stands
   std::size_t pending = 0;                     ///< parameters still to report in this step
-  work reduction;                              ///< launched: its all-reduce or reduce-scatter
+  work reduction;                              ///< started: its all-reduce or reduce-scatter
   work average;                                ///< chained: hybrid's cross-group all-reduce
 };
 /// One unit in the step.
@@ -88,7 +88,7 @@ class step_state {
     expect_step(phase_ != step_phase::reporting, "begin a step", "idle or finished");
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& r = buckets_[b];
-      if (r.phase == bucket_phase::launched || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
+      if (r.phase == bucket_phase::started || r.phase == bucket_phase::chained) bad_move(b, bucket_phase::waiting);
       r.phase = bucket_phase::waiting;
       r.pending = plan_.buckets[b].params.size();
     }
@@ -112,13 +112,13 @@ class step_state {
   [[nodiscard]] std::span<const std::size_t> report_order() const noexcept { return order_; }
   /// Whether slot `s` reported in this step.
   [[nodiscard]] bool reported(std::size_t s) const noexcept { return reported_[s] != 0; }
-  /// The next bucket to launch if all its parameters reported (buckets launch strictly in plan order).
+  /// The next bucket to start if all its parameters reported (buckets start strictly in plan order).
   [[nodiscard]] std::optional<std::size_t> next_ready() const noexcept {
     if (phase_ != step_phase::reporting || next_ == buckets_.size() || buckets_[next_].pending > 0) return std::nullopt;
     return next_;
   }
-  /// Buckets launched in this step (a prefix of the plan).
-  [[nodiscard]] std::size_t launched() const noexcept { return next_; }
+  /// Buckets started in this step (a prefix of the plan).
+  [[nodiscard]] std::size_t started() const noexcept { return next_; }
   /// reporting → finished: every bucket must be reduced.
   void finish() {
     expect_step(phase_ == step_phase::reporting, "finish the gradients", "reporting");
@@ -135,7 +135,7 @@ class step_state {
     next_ = buckets_.size();
     index_units();
   }
-  /// reporting → idle when the step is given up (a missing report) after its launched buckets were reduced.
+  /// reporting → idle when the step is given up (a missing report) after its started buckets were reduced.
   void abandon() {
     for (std::size_t b = 0; b < next_; ++b)
       if (buckets_[b].phase != bucket_phase::reduced) bad_move(b, bucket_phase::waiting);
@@ -149,20 +149,20 @@ class step_state {
   // ---- buckets ----
   /// Bucket `b`'s record.
   [[nodiscard]] const bucket_record& bucket(std::size_t b) const noexcept { return buckets_[b]; }
-  /// waiting → launched with its reduction `w`; `b` must be the next bucket in plan order.
-  void launch(std::size_t b, work w) {
-    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::launched);
-    move_bucket(b, bucket_phase::launched, bucket_phase::waiting);
+  /// waiting → started with its reduction `w`; `b` must be the next bucket in plan order.
+  void start(std::size_t b, work w) {
+    if (b != next_ || phase_ != step_phase::reporting) bad_move(b, bucket_phase::started);
+    move_bucket(b, bucket_phase::started, bucket_phase::waiting);
     buckets_[b].reduction = std::move(w);
     ++next_;
   }
-  /// launched → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
+  /// started → chained: the reduce-scatter completed, the cross-group all-reduce `w` is in flight.
   void chain(std::size_t b, work w) {
-    move_bucket(b, bucket_phase::chained, bucket_phase::launched);
+    move_bucket(b, bucket_phase::chained, bucket_phase::started);
     buckets_[b].reduction = work{};
     buckets_[b].average = std::move(w);
   }
-  /// Waits for bucket `b`'s reduction (launched) or cross-group average (chained).
+  /// Waits for bucket `b`'s reduction (started) or cross-group average (chained).
   void wait(std::size_t b) {
     auto& r = buckets_[b];
     (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
@@ -170,12 +170,12 @@ class step_state {
   /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
   [[nodiscard]] bool scattered(std::size_t b) {
     const auto p = buckets_[b].phase;
-    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::launched && buckets_[b].reduction.done());
+    return p == bucket_phase::chained || p == bucket_phase::reduced || (p == bucket_phase::started && buckets_[b].reduction.done());
   }
-  /// launched or chained → reduced, once waited for.
+  /// started or chained → reduced, once waited for.
   void complete(std::size_t b) {
     const auto p = buckets_[b].phase;
-    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::launched);
+    move_bucket(b, bucket_phase::reduced, p == bucket_phase::chained ? bucket_phase::chained : bucket_phase::started);
     buckets_[b].reduction = work{};
     buckets_[b].average = work{};
   }
@@ -185,12 +185,12 @@ class step_state {
   [[nodiscard]] const unit_record& unit(std::size_t u) const noexcept { return units_[u]; }
   /// Number of units.
   [[nodiscard]] std::size_t units() const noexcept { return units_.size(); }
-  /// Unit `u`'s buckets, in launch order.
+  /// Unit `u`'s buckets, in start order.
   [[nodiscard]] std::span<const std::size_t> unit_buckets(std::size_t u) const noexcept { return unit_buckets_[u]; }
-  /// Whether every bucket of unit `u` is out of flight (reduced, or not launched in this step).
+  /// Whether every bucket of unit `u` is out of flight (reduced, or not started in this step).
   [[nodiscard]] bool unit_settled(std::size_t u) const noexcept {
     for (const std::size_t b : unit_buckets_[u])
-      if (buckets_[b].phase == bucket_phase::launched || buckets_[b].phase == bucket_phase::chained) return false;
+      if (buckets_[b].phase == bucket_phase::started || buckets_[b].phase == bucket_phase::chained) return false;
     return true;
   }
   /// An unshard scope opens on unit `u`.
@@ -263,8 +263,8 @@ class step_state {
   }
   [[noreturn]] void bad_move(std::size_t b, bucket_phase to) const {
     std::string why;
-    if (to == bucket_phase::launched && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
-    else if (to == bucket_phase::launched && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
+    if (to == bucket_phase::started && phase_ != step_phase::reporting) why = " while the step is " + std::string(to_string(phase_));
+    else if (to == bucket_phase::started && b != next_) why = " out of plan order (bucket " + std::to_string(next_) + " is next)";
     fail("bucket " + std::to_string(b) + " cannot go from " + to_string(buckets_[b].phase) + " to " + to_string(to) + why);
   }
   void move_unit(std::size_t u, unit_phase to, unit_phase from) {
@@ -279,7 +279,7 @@ class step_state {
   std::vector<std::vector<std::size_t>> unit_buckets_;
   std::vector<char> reported_;  // per slot
   std::vector<std::size_t> order_;  // the slots that reported in this step, in order
-  std::size_t next_ = 0;        // the next bucket to launch
+  std::size_t next_ = 0;        // the next bucket to start
   step_phase phase_ = step_phase::idle;
   join_state join_;             // the join scope
   no_sync_spans no_sync_;       // gradient-accumulation spans

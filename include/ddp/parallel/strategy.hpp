@@ -44,7 +44,7 @@ struct strategy {
 ///   check_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors (a template)
 /// Work:
 ///   S(layout, plan, state, comm, policy)      collective
-///   reduce(hook, b): bucket b waiting → launched (and, under hybrid, chains earlier buckets without waiting)
+///   reduce(hook, b): bucket b waiting → started (and, under hybrid, chains earlier buckets without waiting)
 ///   reduced(hook, b): waits for bucket b, → reduced, finishes its gradients
 ///   acquire(units) / release(units)           an unshard scope opens / closes on units
 ///   on_report(slot)                           checks (and notes) a gradient report

@@ -6,7 +6,7 @@
 ///
 /// Conventions:
 /// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation and,
-///   with DDP_CHECK_COLLECTIVES=1, compares each collective across the ranks first; this file only launches.
+///   with DDP_CHECK_COLLECTIVES=1, compares each collective across the ranks first; this file only starts them.
 /// - avg is an MPI sum followed by a division by size() on this rank once the operation completes;
 ///   integer dtypes use integer division (truncation toward zero), bf16/f16 divide in float.
 /// - bf16 and f16 travel as user-defined 2-byte MPI datatypes; their sum/min/max/prod operators compute in
@@ -102,7 +102,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return communicator(std::make_shared<detail::group>(out, true, group_->cfg));
   }
 
-  /// True when a collective on `bytes` runs MPI's blocking call and completes on launch (config::eager_bytes).
+  /// True when a collective on `bytes` runs MPI's blocking call and completes on start (config::eager_bytes).
   /// `bytes` is the buffer of all_reduce, broadcast and reduce, and the N·k-element side of reduce_scatter,
   /// all_gather, gather, scatter and all_to_all: the same on every rank, so every rank makes the same choice.
   [[nodiscard]] bool eager(std::size_t bytes) const noexcept { return bytes <= group_->cfg.eager_bytes; }
@@ -122,49 +122,49 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] ddp::detail::front_state& front() const noexcept { return group_->front; }
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
 
-  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, n, detail::datatype(b.type),
+    return start({c, {}}, b.bytes(), MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, n, detail::datatype(b.type),
                   detail::reduction(op, b.type), group_->comm);
   }
 
-  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, out.size);
-    return launch(std::move(o), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, out.data, n,
+    return start(std::move(o), in.bytes(), MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, out.data, n,
                   detail::datatype(out.type), detail::reduction(op, out.type), group_->comm);
   }
 
-  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, in.size);
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), out.bytes(), MPI_Allgather, MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
+    return start(std::move(o), out.bytes(), MPI_Allgather, MPI_Iallgather, src, n, t, out.data, n, t, group_->comm);
   }
 
-  work launch_broadcast(const call& c, const raw_tensor& b) {
+  work start_broadcast(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), c.peer, group_->comm);
+    return start({c, {}}, b.bytes(), MPI_Bcast, MPI_Ibcast, b.data, n, detail::datatype(b.type), c.peer, group_->comm);
   }
 
-  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     device_check(c, b);
     const bool at_root = rank() == c.peer;
     const int n = count_of(c, b.size);
-    return launch({c, {}}, b.bytes(), MPI_Reduce, MPI_Ireduce, at_root ? MPI_IN_PLACE : b.data,
+    return start({c, {}}, b.bytes(), MPI_Reduce, MPI_Ireduce, at_root ? MPI_IN_PLACE : b.data,
                   at_root ? b.data : nullptr, n, detail::datatype(b.type), detail::reduction(op, b.type), c.peer,
                   group_->comm);
   }
 
-  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     const bool at_root = rank() == c.peer;
     device_check(c, in);
     detail::operation o{c, {}};
@@ -175,11 +175,11 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     const int n = count_of(c, in.size);
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t, at_root ? out.data : nullptr, n,
+    return start(std::move(o), group_bytes(in), MPI_Gather, MPI_Igather, src, n, t, at_root ? out.data : nullptr, n,
                   t, c.peer, group_->comm);
   }
 
-  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
     const bool at_root = rank() == c.peer;
     device_check(c, out);
     detail::operation o{c, {}};
@@ -190,31 +190,31 @@ class communicator : public ddp::detail::collective_front<communicator> {
     }
     const int n = count_of(c, out.size);
     const MPI_Datatype t = detail::datatype(out.type);
-    return launch(std::move(o), group_bytes(out), MPI_Scatter, MPI_Iscatter, src, n, t, out.data, n, t, c.peer,
+    return start(std::move(o), group_bytes(out), MPI_Scatter, MPI_Iscatter, src, n, t, out.data, n, t, c.peer,
                   group_->comm);
   }
 
-  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
     device_check(c, in);
     device_check(c, out);
     detail::operation o{c, {}};
     const void* src = unaliased(o, in, out);
     const int n = count_of(c, in.size / static_cast<std::size_t>(size()));
     const MPI_Datatype t = detail::datatype(in.type);
-    return launch(std::move(o), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n, t, group_->comm);
+    return start(std::move(o), in.bytes(), MPI_Alltoall, MPI_Ialltoall, src, n, t, out.data, n, t, group_->comm);
   }
 
   /// Always non-blocking, so it can time out.
-  work launch_barrier(const call& c) { return post({c, {}}, MPI_Ibarrier, group_->comm); }
+  work start_barrier(const call& c) { return post({c, {}}, MPI_Ibarrier, group_->comm); }
 
-  work launch_send(const call& c, const raw_tensor& b) {
+  work start_send(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
     return post({c, {}}, MPI_Isend, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
   }
 
   /// A bigger message than `b` is an error (MPI_ERR_TRUNCATE).
-  work launch_recv(const call& c, const raw_tensor& b) {
+  work start_recv(const call& c, const raw_tensor& b) {
     device_check(c, b);
     const int n = count_of(c, b.size);
     return post({c, {}}, MPI_Irecv, b.data, n, detail::datatype(b.type), c.peer, c.tag, group_->comm);
@@ -223,7 +223,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
   /// Runs a collective on `bytes` (see eager()): eagerly as `blocking(args...)`, returning a completed work that
   /// carries its error if it failed, or as `nonblocking(args..., &request)` through post().
   template <class Blocking, class Nonblocking, class... Args>
-  work launch(detail::operation&& o, std::size_t bytes, Blocking blocking, Nonblocking nonblocking,
+  work start(detail::operation&& o, std::size_t bytes, Blocking blocking, Nonblocking nonblocking,
               const Args&... args) {
     if (!eager(bytes)) return post(std::move(o), nonblocking, args...);
     if (const int code = blocking(args...); code != MPI_SUCCESS) return failed(o.info, code);

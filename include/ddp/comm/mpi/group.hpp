@@ -34,7 +34,7 @@ struct config {
   std::chrono::microseconds spin{std::chrono::milliseconds(5)};
   /// The longest sleep between two polls after that.
   std::chrono::microseconds max_sleep{50};
-  /// Collectives on at most this many bytes run blocking and complete on launch; must be equal on every rank.
+  /// Collectives on at most this many bytes run blocking and complete on start; must be equal on every rank.
   std::size_t eager_bytes{std::size_t{256} << 10};
 };
 

@@ -15,13 +15,13 @@
 ///   a stream-ordered device scratch, copied back when the work completes; this serves small host-side traffic
 ///   such as all_gather_object, not gradients.
 /// - Reductions: bf16 and f16 natively; avg is ncclAvg (integers: the sum divided with truncation).
-/// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and launched together
+/// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and started together
 ///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
 ///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
 ///   posting order: sender and receiver must post matching messages between the same two waits.
 /// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation (bytes
 ///   as ddp::mpi counts them: algorithm-independent, all_reduce 2(N-1)/N·B, ...) and, with DDP_CHECK_COLLECTIVES=1,
-///   compares each collective across the ranks first; this file only launches.
+///   compares each collective across the ranks first; this file only starts them.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -156,54 +156,54 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->front.flight; }
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
 
-  work launch_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
-    return launch(info, {{b, true, true}}, [&](const std::vector<void*>& p) {
+  work start_all_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+    return start(info, {{b, true, true}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), group_->comm,
                            group_->stream());
     });
   }
 
-  work launch_reduce_scatter(const call& info, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& info, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     in_place_only(info, in, out, out, static_cast<std::size_t>(rank()) * out.bytes());
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return start(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return ncclReduceScatter(p[0], p[1], out.size, detail::datatype(out.type), detail::reduction(op), group_->comm,
                                group_->stream());
     });
   }
 
-  work launch_all_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
     in_place_only(info, out, in, in, static_cast<std::size_t>(rank()) * in.bytes());
-    return launch(info, {{in, true, false}, {out, false, true}},
+    return start(info, {{in, true, false}, {out, false, true}},
                   [&](const std::vector<void*>& p) {
                     return ncclAllGather(p[0], p[1], in.size, detail::datatype(in.type), group_->comm,
                                          group_->stream());
                   });
   }
 
-  work launch_broadcast(const call& info, const raw_tensor& b) {
+  work start_broadcast(const call& info, const raw_tensor& b) {
     const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, {{b, at_root, !at_root}},
+    return start(info, {{b, at_root, !at_root}},
                   [&](const std::vector<void*>& p) {
                     return ncclBroadcast(p[0], p[0], b.size, detail::datatype(b.type), root, group_->comm,
                                          group_->stream());
                   });
   }
 
-  work launch_reduce(const call& info, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& info, const raw_tensor& b, reduce_op op) {
     const int root = info.peer;
     const bool at_root = rank() == root;
-    return launch(info, {{b, true, at_root}}, [&](const std::vector<void*>& p) {
+    return start(info, {{b, true, at_root}}, [&](const std::vector<void*>& p) {
       return ncclReduce(p[0], p[0], b.size, detail::datatype(b.type), detail::reduction(op), root, group_->comm,
                         group_->stream());
     });
   }
 
-  work launch_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& info, const raw_tensor& in, const raw_tensor& out) {
     return rooted_blocks(info, in, out, true);
   }
 
-  work launch_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& info, const raw_tensor& in, const raw_tensor& out) {
     return rooted_blocks(info, out, in, false);
   }
 
@@ -218,9 +218,9 @@ class communicator : public ddp::detail::collective_front<communicator> {
     };
     const detail::argument own{mine, to_root, !to_root};
     if (rank() != root)
-      return launch(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
+      return start(info, {own}, [&](const std::vector<void*>& p) { return transfer(to_root, p[0], root); });
     disjoint(info, mine, whole);
-    return launch(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
+    return start(info, {own, {whole, !to_root, to_root}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         for (int r = 0; r < size(); ++r)
           if (const ncclResult_t e = transfer(!to_root, block(p[1], whole, r, mine.size), r);
@@ -231,10 +231,10 @@ class communicator : public ddp::detail::collective_front<communicator> {
     });
   }
 
-  work launch_all_to_all(const call& info, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& info, const raw_tensor& in, const raw_tensor& out) {
     disjoint(info, in, out);
     const std::size_t k = in.size / static_cast<std::size_t>(size());
-    return launch(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
+    return start(info, {{in, true, false}, {out, false, true}}, [&](const std::vector<void*>& p) {
       return grouped([&] {
         const auto type = detail::datatype(in.type);
         for (int r = 0; r < size(); ++r) {
@@ -251,22 +251,22 @@ class communicator : public ddp::detail::collective_front<communicator> {
   }
 
   /// The barrier is an all_reduce of one device word.
-  work launch_barrier(const call& info) {
+  work start_barrier(const call& info) {
     {
       std::lock_guard lock(group_->mutex);
       if (!group_->barrier_word) group_->barrier_word.emplace(1, group_->device);
     }
     const raw_tensor word = group_->barrier_word->raw();
-    return launch(info, {{word, false, false}}, [&](const std::vector<void*>& p) {
+    return start(info, {{word, false, false}}, [&](const std::vector<void*>& p) {
       return ncclAllReduce(p[0], p[0], 1, ncclInt32, ncclSum, group_->comm, group_->stream());
     });
   }
 
-  /// Queues `b` for rank c.peer; launched with the other queued send/recv when one of them is waited for.
-  work launch_send(const call& info, const raw_tensor& b) { return post_p2p(info, true, b); }
+  /// Queues `b` for rank c.peer; started with the other queued send/recv when one of them is waited for.
+  work start_send(const call& info, const raw_tensor& b) { return post_p2p(info, true, b); }
 
   /// Queues a receive of what rank c.peer sends with c.tag; the sizes must match the send's.
-  work launch_recv(const call& info, const raw_tensor& b) { return post_p2p(info, false, b); }
+  work start_recv(const call& info, const raw_tensor& b) { return post_p2p(info, false, b); }
 
 
   /// Runs `calls` between ncclGroupStart and ncclGroupEnd; the first failure wins.
@@ -285,7 +285,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Prepares the arguments, orders the operation after the compute stream, issues `body` and records completion.
   template <class Body>
-  work launch(const call& info, std::initializer_list<detail::argument> args, Body&& body) {
+  work start(const call& info, std::initializer_list<detail::argument> args, Body&& body) {
     auto rec = prepare(info, args);
     detail::group& g = *group_;
     {

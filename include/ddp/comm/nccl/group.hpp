@@ -58,10 +58,10 @@ struct staging {
 /// What an operation leaves behind until it completes: its argument pointers, staging and completion event.
 struct record {
   explicit record(std::size_t arguments) : pointers(arguments, nullptr) {}
-  std::vector<void*> pointers;   ///< the device pointer of each argument once launched
+  std::vector<void*> pointers;   ///< the device pointer of each argument once started
   std::vector<staging> staged;   ///< the host arguments
   cuda::event done;              ///< recorded on the communicator's stream after the operation
-  std::atomic<bool> launched{false};
+  std::atomic<bool> started{false};
 };
 
 /// One argument of an operation: a buffer, read and/or written by it.
@@ -99,7 +99,7 @@ inline void await_ready(ncclComm_t comm, ncclResult_t r, std::string_view what, 
   }
 }
 
-/// A queued send or recv, launched with the others at the next flush.
+/// A queued send or recv, started with the others at the next flush.
 struct p2p_entry {
   bool send = false;
   int peer = 0;

@@ -1,6 +1,6 @@
 #pragma once
-/// \file One operation of ddp::nccl::communicator after its launch: staging host buffers in and out, the queued
-/// send/recv launched as one NCCL group, and the work state polled until the completion event fires.
+/// \file One operation of ddp::nccl::communicator after its start: staging host buffers in and out, the queued
+/// send/recv started as one NCCL group, and the work state polled until the completion event fires.
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -52,10 +52,10 @@ inline void stage_out(group& g, record& rec) {
     cuda::check(cudaFreeAsync(scratch, g.stream()), "cudaFreeAsync of a staging buffer", g.rank);
   }
   rec.done.record(g.stream());
-  rec.launched.store(true, std::memory_order_release);
+  rec.started.store(true, std::memory_order_release);
 }
 
-/// Launches every queued send/recv as one NCCL group, tags ascending (stable). Caller holds g.mutex.
+/// Starts every queued send/recv as one NCCL group, tags ascending (stable). Caller holds g.mutex.
 inline void flush_locked(group& g) {
   if (g.queue.empty()) return;
   std::vector<p2p_entry> entries = std::move(g.queue);
@@ -127,7 +127,7 @@ class op_state final : public ddp::detail::work_state {
     if (error_) std::rethrow_exception(error_);
     if (done_) return true;
     try {
-      if (!rec_->launched.load(std::memory_order_acquire)) {
+      if (!rec_->started.load(std::memory_order_acquire)) {
         std::lock_guard lock(group_->mutex);
         flush_locked(*group_);
       }

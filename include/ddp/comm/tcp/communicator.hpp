@@ -158,59 +158,61 @@ class communicator : public ddp::detail::collective_front<communicator> {
                   ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
   }
 
-  work launch_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     host(b, c);
-    return start(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
+    return submit(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  work launch_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     host(in, c);
     host(out, c);
-    return start(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
+    return submit(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
   }
-  work launch_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     host(out, c);
-    return start(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+    return submit(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
-  work launch_broadcast(const call& c, const raw_tensor& b) {
+  work start_broadcast(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
+    return submit(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
   }
-  work launch_reduce(const call& c, const raw_tensor& b, reduce_op op) {
+  work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
     host(b, c);
-    return start(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
+    return submit(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
   }
-  work launch_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     if (rank() == c.peer) host(out, c);
-    return start(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
+    return submit(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
   }
-  work launch_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(out, c);
     if (rank() == c.peer) host(in, c);
-    return start(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
+    return submit(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
   }
-  work launch_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
     host(in, c);
     host(out, c);
-    return start(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
+    return submit(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
-  work launch_barrier(const call&) { return start(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
+  work start_barrier(const call&) { return submit(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
   /// Completes once written to the socket.
-  work launch_send(const call& c, const raw_tensor& b) {
+  work start_send(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
+    return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
                  detail::p2p::send);
   }
   /// The send must have the same count and dtype.
-  work launch_recv(const call& c, const raw_tensor& b) {
+  work start_recv(const call& c, const raw_tensor& b) {
     host(b, c);
-    return start(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
+    return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
                  detail::p2p::recv);
   }
 
-  work start(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
-             int tag = 0, detail::p2p side = detail::p2p::none) {
+  /// Submits the call to the engine (docs/tcp.md, "A call's life"): numbered and counted under the queue mutex,
+  /// then run on this thread where call_queue::claim_locked allows it, else queued for the engine thread.
+  work submit(collective kind, dtype type, reduce_op op, int root, std::size_t count, const void* in, void* out,
+              int tag = 0, detail::p2p side = detail::p2p::none) {
     detail::call c;
     c.kind = kind;
     c.side = side;
