@@ -8016,6 +8016,95 @@ struct backend_of<tcp::communicator> {
 /// in that dtype and widen the result back (PyTorch's compression hooks).
 
 
+// ---- begin <ddp/memory/domain.hpp>
+/// \file ddp::memory_domain: where a wrapper's memory lives and how element work runs on it. What data_parallel
+/// allocates or touches element by element (arenas, the unit pool, the reduce staging, the owned blocks, master
+/// weights, the optimizers' flat state, leaf copies, the comm hooks' conversions, join's rescale) goes through the
+/// domain of the memory's device: the host domain (memory/host.hpp) for the CPU, a device domain for an
+/// accelerator. A domain also orders its work: the host runs each operation before returning; a device domain
+/// enqueues it on its stream, and orders it after a collective by enqueueing the wait (order_after) rather than
+/// blocking the host.
+///
+/// An abstract class, not a concept: the arenas of one wrapper may live in several domains (a model split over
+/// devices, or over the CPU and a device), known only at run time from the leaves' devices, and every operation is
+/// a bulk one over a buffer, so one virtual call per operation costs nothing measurable.
+
+
+
+namespace ddp {
+
+class memory_domain;
+
+/// Memory a domain allocated, zeroed when made and freed with the last handle.
+class domain_buffer {
+ public:
+  domain_buffer() = default;
+  /// `size` bytes at `data` of `domain`, freed by `owner`'s deleter.
+  domain_buffer(std::shared_ptr<std::byte> owner, std::size_t size, memory_domain* domain) noexcept
+      : data_(std::move(owner)), size_(size), domain_(domain) {}
+  /// The first byte.
+  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
+  /// Bytes.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The domain it lives in (null for an empty buffer).
+  [[nodiscard]] memory_domain* domain() const noexcept { return domain_; }
+  /// Elements [begin, begin + count) of `type`, viewed on the domain's device.
+  [[nodiscard]] raw_tensor view(dtype type, std::size_t begin, std::size_t count) const noexcept;
+  /// Zeroes bytes [begin, end), their whole pages handed back where the domain can (memory_domain::release).
+  void release(std::size_t begin, std::size_t end) const;
+
+ private:
+  std::shared_ptr<std::byte> data_;
+  std::size_t size_ = 0;
+  memory_domain* domain_ = nullptr;
+};
+
+/// Where memory lives and how element work runs there (see the file comment).
+class memory_domain {
+ public:
+  memory_domain() = default;
+  memory_domain(const memory_domain&) = delete;
+  memory_domain& operator=(const memory_domain&) = delete;
+  virtual ~memory_domain() = default;
+
+  /// The device its memory is on.
+  [[nodiscard]] virtual device where() const noexcept = 0;
+  /// `bytes` of zeroed memory of this domain.
+  [[nodiscard]] virtual domain_buffer allocate(std::size_t bytes) = 0;
+  /// Zeroes bytes [begin, end) of `b`; where the domain can, the whole pages inside take no memory until touched
+  /// again (the host's madvise). A domain that cannot only zeroes: size buffers to what must be resident.
+  virtual void release(const domain_buffer& b, std::size_t begin, std::size_t end) = 0;
+  /// Every element of `t` becomes zero.
+  virtual void zero(const raw_tensor& t) = 0;
+  /// to = from, element for element (same dtype and size); one side may be host memory (staging, owning leaves).
+  virtual void copy(const raw_tensor& from, const raw_tensor& to) = 0;
+  /// into += from, element for element (same dtype and size).
+  virtual void accumulate(const raw_tensor& from, const raw_tensor& into) = 0;
+  /// to = from × factor converted to `to`'s dtype: the product in from's dtype (factor rounded to it), then the
+  /// conversion (16-bit floats through float, rounding to nearest even); factor 1 converts alone.
+  virtual void convert(const raw_tensor& from, const raw_tensor& to, double factor) = 0;
+  /// to = from converted to `to`'s dtype.
+  void convert(const raw_tensor& from, const raw_tensor& to) { convert(from, to, 1.0); }
+  /// Every element of `t` times `factor` (rounded once, as ddp::detail::scale does on the host).
+  virtual void scale(const raw_tensor& t, double factor) = 0;
+  /// Every element of `t` becomes `value`.
+  virtual void fill(const raw_tensor& t, double value) = 0;
+  /// Work given to this domain later runs after `w` completes: the host waits for it now, a device enqueues the
+  /// wait on its stream.
+  virtual void order_after(work& w) = 0;
+  /// Returns once every operation given to this domain has run (the optimizer's end of a step).
+  virtual void synchronize() = 0;
+};
+
+inline raw_tensor domain_buffer::view(dtype type, std::size_t begin, std::size_t count) const noexcept {
+  return {data_.get() + begin * size_of(type), count, type, domain_ ? domain_->where() : device::cpu()};
+}
+inline void domain_buffer::release(std::size_t begin, std::size_t end) const {
+  if (domain_ && begin < end) domain_->release(*this, begin, end);
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/domain.hpp>
 // ---- begin <ddp/parallel/archetype.hpp>
 /// \file ddp::detail::archetype_communicator: the least type that models ddp::communicator (declarations only,
 /// never called), so the parallel room can check its concepts (comm_hook, sharding_strategy) with a static_assert
@@ -8057,12 +8146,14 @@ struct hook_category {};
 /// The policy_category of a comm hook: `using policy_category = ddp::comm_hook_policy;`.
 using comm_hook_policy = detail::hook_category;
 
-/// One bucket as a comm hook sees it: its gradients (host memory, one dtype) and the group reducing them.
+/// One bucket as a comm hook sees it: its gradients (one dtype), the group reducing them and the memory domain they
+/// live in (element work on them runs there).
 template <class Comm>
 struct bucket_gradients {
-  raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
-  Comm& comm;         ///< the group (the world under replicate)
-  std::size_t index;  ///< the bucket's place in start order, the same every step (for per-bucket state)
+  raw_tensor grads;        ///< the bucket's gradients: reduce them in place, averaged over the group
+  Comm& comm;              ///< the group (the world under replicate)
+  std::size_t index;       ///< the bucket's place in start order, the same every step (for per-bucket state)
+  memory_domain& memory;   ///< where `grads` live: allocate scratch and run element work there
 
   /// Number of ranks the gradients are averaged over.
   [[nodiscard]] int world_size() const { return comm.size(); }
@@ -8100,8 +8191,8 @@ static_assert(comm_hook<plain_hook>);
 namespace detail {
 
 /// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (multiplied by its reciprocal in
-/// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
-/// Half buffer per bucket, made on the bucket's first start.
+/// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other
+/// dtypes travel as they are. One reused Half buffer per bucket in the gradients' domain, made on its first start.
 template <class Half>
 class compress_hook {
  public:
@@ -8109,35 +8200,25 @@ class compress_hook {
   template <class Comm>
   work start(const bucket_gradients<Comm>& b) {
     if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
-    auto& half = scratch(b);
-    visit_typed(b, [&](auto g) {
-      using T = typename decltype(g)::value_type;
-      const T scale = static_cast<T>(1.0 / b.world_size());
-      for_each_blocked(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
-    });
-    return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
+    const raw_tensor half = scratch(b);
+    b.memory.convert(b.grads, half, 1.0 / b.world_size());
+    return b.comm.all_reduce(half, reduce_op::sum);
   }
   template <class Comm>
   void complete(const bucket_gradients<Comm>& b) {
-    if (compressed(b.type())) convert(as_raw(std::span<const Half>(scratch(b))), b.grads);
+    if (compressed(b.type())) b.memory.convert(scratch(b), b.grads);
   }
 
  private:
   static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
   template <class Comm>
-  std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
+  raw_tensor scratch(const bucket_gradients<Comm>& b) {
     if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
-    scratch_[b.index].resize(b.grads.size);
-    return scratch_[b.index];
+    auto& s = scratch_[b.index];
+    if (s.size() < b.grads.size * sizeof(Half) || s.domain() != &b.memory) s = b.memory.allocate(b.grads.size * sizeof(Half));
+    return s.view(dtype_v<Half>, 0, b.grads.size);
   }
-  template <class Comm, class F>
-  static void visit_typed(const bucket_gradients<Comm>& b, F&& f) {
-    if (b.type() == dtype::f64)
-      f(b.template elements<double>());
-    else
-      f(b.template elements<float>());
-  }
-  std::vector<std::vector<Half>> scratch_;  // per bucket index
+  std::vector<domain_buffer> scratch_;  // per bucket index, in the bucket's domain
 };
 
 }  // namespace detail
@@ -8564,6 +8645,110 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 /// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
 
 
+// ---- begin <ddp/memory/host.hpp>
+/// \file ddp::host_domain: the memory domain of the CPU. Page-aligned zeroed memory whose whole pages can go back
+/// to the OS while the range stays mapped (madvise), and element work as loops on the calling thread, which
+/// has run when the call returns (so order_after waits for the collective, and synchronize has nothing to do).
+
+#include <new>
+
+
+
+namespace ddp {
+
+/// The CPU's memory domain (see the file comment).
+class host_domain final : public memory_domain {
+ public:
+  static constexpr std::size_t page_bytes = 4096;  ///< allocations are aligned to, and released in, whole pages
+
+  [[nodiscard]] device where() const noexcept override { return device::cpu(); }
+  [[nodiscard]] domain_buffer allocate(std::size_t bytes) override {
+    if (bytes == 0) return {};
+    std::shared_ptr<std::byte> p(static_cast<std::byte*>(::operator new(round_up(bytes), std::align_val_t{page_bytes})),
+                                 [](std::byte* q) { ::operator delete(q, std::align_val_t{page_bytes}); });
+    std::fill_n(p.get(), bytes, std::byte{0});
+    return {std::move(p), bytes, this};
+  }
+  void release(const domain_buffer& b, std::size_t begin, std::size_t end) override {
+    std::byte* data = b.data();
+    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
+    if (first_page < last_page) {
+      std::fill(data + begin, data + first_page, std::byte{0});
+      std::fill(data + last_page, data + end, std::byte{0});
+      if (::madvise(data + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
+    }
+    std::fill(data + begin, data + end, std::byte{0});
+  }
+  void zero(const raw_tensor& t) override {
+    if (t.size) std::memset(t.data, 0, t.bytes());
+  }
+  void copy(const raw_tensor& from, const raw_tensor& to) override {
+    same_shape(from, to, "copy");
+    if (from.size && from.data != to.data) std::memcpy(to.data, from.data, from.bytes());
+  }
+  void accumulate(const raw_tensor& from, const raw_tensor& into) override {
+    same_shape(from, into, "accumulate");
+    visit_dtype(from.type, [&]<class T>(T) {
+      const T* src = static_cast<const T*>(from.data);
+      T* dst = static_cast<T*>(into.data);
+      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
+    });
+  }
+  using memory_domain::convert;
+  void convert(const raw_tensor& from, const raw_tensor& to, double factor) override {
+    if (from.size != to.size)
+      throw error("host_domain::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
+                  "; give both sides the same length");
+    if (factor == 1.0) return detail::convert(from, to);
+    visit_dtype(from.type, [&]<class F>(F) {
+      visit_dtype(to.type, [&]<class T>(T) {
+        if constexpr (std::is_floating_point_v<F>) {
+          using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
+          const F* src = static_cast<const F*>(from.data);
+          T* dst = static_cast<T*>(to.data);
+          const F f = static_cast<F>(factor);
+          detail::for_each_blocked(from.size, [&](std::size_t i) {
+            dst[i] = static_cast<T>(static_cast<wide>(static_cast<F>(src[i] * f)));
+          });
+        } else {
+          throw error("host_domain::convert: a factor applies to f32 and f64 sources, not " +
+                      std::string(to_string(from.type)));
+        }
+      });
+    });
+  }
+  void scale(const raw_tensor& t, double factor) override { detail::scale(t, factor); }
+  void fill(const raw_tensor& t, double value) override {
+    visit_dtype(t.type, [&]<class T>(T) {
+      T v{};
+      if constexpr (std::is_arithmetic_v<T>)
+        v = static_cast<T>(value);
+      else
+        v = T(static_cast<float>(value));  // bf16, f16: through float
+      std::fill_n(static_cast<T*>(t.data), t.size, v);
+    });
+  }
+  void order_after(work& w) override { w.wait(); }
+  void synchronize() override {}
+
+ private:
+  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+  static void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
+    if (a.type != b.type || a.size != b.size)
+      throw error(std::string("host_domain::") + what + ": " + std::to_string(a.size) + " " +
+                  std::string(to_string(a.type)) + " against " + std::to_string(b.size) + " " +
+                  std::string(to_string(b.type)) + "; give both sides the same dtype and length");
+  }
+};
+
+/// The process's host domain: every wrapper's CPU memory comes from it (it keeps no state but its identity).
+inline host_domain& host_memory() {
+  static host_domain domain;
+  return domain;
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/host.hpp>
 
 namespace ddp::optim {
 
@@ -8581,6 +8766,10 @@ struct flat_buffer {
   raw_tensor values;                   ///< the values the optimizer updates
   raw_tensor grads;                    ///< the gradients, already averaged across ranks
   std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
+  memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
+
+  /// The domain of its memory: `domain`, else the host's.
+  [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
 };
 
 /// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
@@ -8600,7 +8789,7 @@ struct optimizer_traits {};
 namespace detail {
 
 /// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
-/// dtype and length, zero when created; plus the number of steps taken.
+/// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
 class flat_state {
  public:
   /// `names` names the per-element state arrays (possibly none).
@@ -8612,7 +8801,7 @@ class flat_state {
       for (const auto& b : buffers) {
         layout_.push_back(b);
         auto& arrays = state_.emplace_back();
-        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.emplace_back(b.values.bytes(), std::byte{0});
+        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.push_back(b.memory().allocate(b.values.bytes()));
       }
       return;
     }
@@ -8686,17 +8875,15 @@ class flat_state {
  private:
   std::vector<std::string_view> array_names_;
   std::vector<flat_buffer> layout_;
-  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][state array] bytes
+  std::vector<std::vector<domain_buffer>> state_;  // [buffer][state array]
 };
 
 }  // namespace detail
 }  // namespace ddp::optim
 // ---- end <ddp/optim/flat.hpp>
 // ---- begin <ddp/parallel/arena.hpp>
-/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
-/// of values and one of gradients per dtype, in visit order; each leaf is bound to its slice.
-
-#include <new>
+/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous buffer of values
+/// and one of gradients per dtype, in visit order, in a memory domain (memory/); each leaf is bound to its slice.
 
 
 // ---- begin <ddp/parallel/leaf_binding.hpp>
@@ -8714,8 +8901,9 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
-  /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
-  virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
+  /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each, memory of `domain`) and binds
+  /// it there; later copies between the leaf's own memory and ddp's run on `domain`.
+  virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes, memory_domain& domain) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
   /// `present` false: `values` do not hold the leaf's values (a sharded unit), and a leaf type that can refuse
   /// use until the next rebind does (storage_traits<T>::vacate).
@@ -8746,14 +8934,13 @@ class leaf_binding_of final : public leaf_binding {
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
 
-  void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
+  void bind(std::byte* values, std::byte* grads, std::size_t bytes, memory_domain& domain) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
     home_grads_ = static_cast<std::byte*>(traits::grads(*leaf_));
     bytes_ = bytes;
-    if (bytes) {
-      std::memcpy(values, home_values_, bytes);
-      std::memcpy(grads, home_grads_, bytes);
-    }
+    domain_ = &domain;
+    to_ddp(values, home_values_);
+    to_ddp(grads, home_grads_);
     rebind(values, grads, true);
   }
   void rebind(std::byte* values, std::byte* grads, bool present) override {
@@ -8772,21 +8959,20 @@ class leaf_binding_of final : public leaf_binding {
       if constexpr (requires { traits::release(*leaf_); }) {
         traits::release(*leaf_);
       } else {
-        copy(home_values_, values_);
-        copy(home_grads_, grads_);
+        to_home(home_values_, values_);
+        to_home(home_grads_, grads_);
         traits::adopt(*leaf_, home_values_, home_grads_);
       }
     }
   }
   void gradient_in() override {
-    if constexpr (!adopting) copy(grads_, home_grads_);
+    if constexpr (!adopting) to_ddp(grads_, home_grads_);
   }
   void values_out() override {
-    if constexpr (!adopting) copy(home_values_, values_);
+    if constexpr (!adopting) to_home(home_values_, values_);
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting)
-      if (bytes_) std::memset(home_grads_, 0, bytes_);
+    if constexpr (!adopting) host_memory().zero(home(home_grads_));
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -8796,8 +8982,21 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
-  void copy(std::byte* to, const std::byte* from) const noexcept {
-    if (bytes_ && to != from) std::memmove(to, from, bytes_);
+  /// The leaf's own bytes at `p` (host memory: the leaves ddp copies own theirs there).
+  [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, device::cpu()};
+  }
+  /// ddp's bytes at `p`, in the bound domain.
+  [[nodiscard]] raw_tensor ours(const std::byte* p) const noexcept {
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, domain_->where()};
+  }
+  /// The leaf's bytes at `from` into ddp's at `to`.
+  void to_ddp(std::byte* to, const std::byte* from) const {
+    if (bytes_ && to != from) domain_->copy(home(from), ours(to));
+  }
+  /// ddp's bytes at `from` into the leaf's at `to`.
+  void to_home(std::byte* to, const std::byte* from) const {
+    if (bytes_ && to != from) domain_->copy(ours(from), home(to));
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf
@@ -8806,46 +9005,13 @@ class leaf_binding_of final : public leaf_binding {
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
+  memory_domain* domain_ = &host_memory();  // where ddp's copy lives (bind sets it)
 };
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/leaf_binding.hpp>
 
 namespace ddp::detail {
-
-inline constexpr std::size_t page_bytes = 4096;
-
-/// Zeroed, page-aligned host memory whose pages can be handed back to the OS while the range stays mapped.
-class aligned_bytes {
- public:
-  aligned_bytes() = default;
-  explicit aligned_bytes(std::size_t n)
-      : data_(n ? static_cast<std::byte*>(::operator new(round_up(n), std::align_val_t{page_bytes})) : nullptr),
-        size_(n) {
-    std::fill_n(data_.get(), n, std::byte{0});
-  }
-  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  /// Zeroes bytes [begin, end); the whole pages inside go back to the OS (resident memory drops) and
-  /// come back as zero pages on the next touch.
-  void release(std::size_t begin, std::size_t end) noexcept {
-    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
-    if (first_page < last_page) {
-      std::fill(data_.get() + begin, data_.get() + first_page, std::byte{0});
-      std::fill(data_.get() + last_page, data_.get() + end, std::byte{0});
-      if (::madvise(data_.get() + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
-    }
-    std::fill(data_.get() + begin, data_.get() + end, std::byte{0});
-  }
-
- private:
-  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
-  struct release_memory {
-    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{page_bytes}); }
-  };
-  std::unique_ptr<std::byte, release_memory> data_;
-  std::size_t size_ = 0;
-};
 
 /// One parameter of the wrapped model and where it lies.
 struct param_slot {
@@ -8867,22 +9033,23 @@ struct param_slot {
   }
 };
 
-/// One dtype's flat values and gradients.
+/// One dtype's flat values and gradients, in one memory domain.
 struct arena {
   dtype type = dtype::f32;          ///< element type
   dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
-  aligned_bytes values;             ///< parameter values, in visit order
-  aligned_bytes grads;              ///< gradients, same layout
+  memory_domain* domain = nullptr;  ///< where its memory lives and its element work runs
+  domain_buffer values;             ///< parameter values, in visit order
+  domain_buffer grads;              ///< gradients, same layout
   std::vector<std::size_t> params;  ///< slots laid here, in visit order
 
   /// Elements [begin, begin + count) of the values.
   [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
-    return {values.data() + begin * size_of(type), count, type, device::cpu()};
+    return values.view(type, begin, count);
   }
   /// Elements [begin, begin + count) of the gradients.
   [[nodiscard]] raw_tensor grad_view(std::size_t begin, std::size_t count) const noexcept {
-    return {grads.data() + begin * size_of(type), count, type, device::cpu()};
+    return grads.view(type, begin, count);
   }
 };
 
@@ -8985,12 +9152,14 @@ class parameter_layout {
     }
     for (auto& a : arenas_) {
       a.numel = (a.numel + pad - 1) / pad * pad;
-      a.values = aligned_bytes(a.numel * size_of(a.type));
-      a.grads = aligned_bytes(a.numel * size_of(a.type));
+      a.domain = &host_memory();
+      a.values = a.domain->allocate(a.numel * size_of(a.type));
+      a.grads = a.domain->allocate(a.numel * size_of(a.type));
     }
     for (auto& s : slots_) {
       const std::size_t at = s.offset * size_of(s.type);
-      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type));
+      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type),
+                   *arenas_[s.arena].domain);
     }
   }
   parameter_layout(const parameter_layout&) = delete;
@@ -9443,7 +9612,7 @@ class join_state {
   /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
   void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
     if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
-    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
+    for (const auto& b : buffers) b.memory().scale(b.grads, static_cast<double>(world) / active_ranks_);
   }
   /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
   /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).
@@ -10109,29 +10278,29 @@ class reduce_staging {
   explicit reduce_staging(const parameter_layout& layout) {
     for (const auto& a : layout.arenas()) {
       types_.push_back(a.reduce_type);
-      store_.emplace_back(a.reduce_type == a.type ? 0 : a.numel * size_of(a.reduce_type));
+      store_.push_back(a.reduce_type == a.type ? domain_buffer{} : a.domain->allocate(a.numel * size_of(a.reduce_type)));
     }
   }
   /// Where the gradients `own` (elements [begin, begin + own.size) of arena `a`, in the arena's dtype, wherever
   /// they lie) are reduced: `own` itself when the arena reduces in its own dtype, else the staging's elements.
   [[nodiscard]] raw_tensor at(raw_tensor own, std::size_t a, std::size_t begin) const {
     if (store_[a].size() == 0) return own;
-    return {store_[a].data() + begin * size_of(types_[a]), own.size, types_[a], own.where};
+    return store_[a].view(types_[a], begin, own.size);
   }
   /// at(), with `own` widened into the staging first (a bucket about to be reduced).
   raw_tensor stage(raw_tensor own, std::size_t a, std::size_t begin) {
     const raw_tensor to = at(own, a, begin);
-    if (to.data != own.data) convert(own, to);
+    if (to.data != own.data) store_[a].domain()->convert(own, to);
     return to;
   }
   /// Gives back the pages of the staging's elements [begin, begin + count) of arena `a` (their collective is done).
-  void release(std::size_t a, std::size_t begin, std::size_t count) noexcept {
-    if (store_[a].size() != 0) store_[a].release(begin * size_of(types_[a]), (begin + count) * size_of(types_[a]));
+  void release(std::size_t a, std::size_t begin, std::size_t count) const {
+    store_[a].release(begin * size_of(types_[a]), (begin + count) * size_of(types_[a]));
   }
 
  private:
   std::vector<dtype> types_;          // per arena: its reduce dtype
-  std::vector<aligned_bytes> store_;  // per arena: empty where it reduces in its own dtype
+  std::vector<domain_buffer> store_;  // per arena, in its domain: empty where it reduces in its own dtype
 };
 
 /// The f32 master copy of the owned buffers of the compute dtype, which the optimizer steps: master values, and
@@ -10153,12 +10322,13 @@ class master_weights {
       auto& values = values_.emplace_back();
       auto& grads = grads_.emplace_back();
       if (b.values.type == compute) {
-        values.resize(b.values.size);
-        m.values = raw_tensor{values.data(), values.size(), dtype::f32, b.values.where};
-        convert(b.values, m.values);
+        memory_domain& d = b.memory();
+        values = d.allocate(b.values.size * sizeof(float));
+        m.values = values.view(dtype::f32, 0, b.values.size);
+        d.convert(b.values, m.values);
         if (b.grads.type != dtype::f32) {
-          grads.resize(b.grads.size);
-          m.grads = raw_tensor{grads.data(), grads.size(), dtype::f32, b.grads.where};
+          grads = d.allocate(b.grads.size * sizeof(float));
+          m.grads = grads.view(dtype::f32, 0, b.grads.size);
         }
       }
       masters_.push_back(std::move(m));
@@ -10176,20 +10346,20 @@ class master_weights {
   template <class F>
   void step(std::span<const optim::flat_buffer> owned, F&& optimizer) {
     for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].grads.data != owned[i].grads.data) convert(owned[i].grads, masters_[i].grads);
+      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
     optimizer();
     narrow(owned);
   }
   /// The master values narrowed into `owned`'s values (after a step, or after a checkpoint filled the masters).
   void narrow(std::span<const optim::flat_buffer> owned) const {
     for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].values.data != owned[i].values.data) convert(masters_[i].values, owned[i].values);
+      if (masters_[i].values.data != owned[i].values.data) owned[i].memory().convert(masters_[i].values, owned[i].values);
   }
 
  private:
   bool on_ = false;
-  std::vector<std::vector<float>> values_;    // per owned buffer: master values (empty where stepped as it is)
-  std::vector<std::vector<float>> grads_;     // per owned buffer: master gradients widened before each step
+  std::vector<domain_buffer> values_;         // per owned buffer: f32 master values (empty where stepped as it is)
+  std::vector<domain_buffer> grads_;          // per owned buffer: f32 master gradients widened before each step
   std::vector<optim::flat_buffer> masters_;   // per owned buffer: what the optimizer steps
 };
 
@@ -10256,20 +10426,20 @@ class ordered_reduction {
   raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
     if (scratch_.size() <= key) scratch_.resize(key + 1);
     const std::size_t bytes = like.bytes() * times;
-    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
-    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
+    if (scratch_[key].size() != bytes) scratch_[key] = host_memory().allocate(bytes);
+    return scratch_[key].view(like.type, 0, like.size * times);
   }
-  std::vector<aligned_bytes> scratch_;
+  std::vector<domain_buffer> scratch_;  // host memory: the rank-order sum runs on the host
 };
 
 }  // namespace ddp::detail
 // ---- end <ddp/parallel/ordered_reduction.hpp>
 // ---- begin <ddp/parallel/unit_pool.hpp>
-/// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
-/// (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes the smallest idle
-/// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
-/// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after unsharding the whole model, say), or every idle buffer.
+/// \file ddp::detail::unit_pool: reused buffers (per arena, in its memory domain) that each hold one unit's values
+/// or gradients at a time (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes
+/// the smallest idle buffer that fits it (the most recently returned among equals) and gives it back after use, so
+/// steady-state steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a
+/// step did not need (after unsharding the whole model, say), or every idle buffer.
 
 
 
@@ -10284,8 +10454,11 @@ enum class pool_trim : std::uint8_t {
 /// A pool of per-unit buffers, each one byte range per arena.
 class unit_pool {
  public:
-  /// `widths`: bytes per element of each arena.
-  explicit unit_pool(std::vector<std::size_t> widths) : widths_(std::move(widths)) {}
+  /// `widths`: bytes per element of each arena; `domains`: where each arena's parts live (none given: the host).
+  explicit unit_pool(std::vector<std::size_t> widths, std::vector<memory_domain*> domains = {})
+      : widths_(std::move(widths)), domains_(std::move(domains)) {
+    domains_.resize(widths_.size(), &host_memory());
+  }
 
   /// A buffer holding at least `elements[a]` elements for every arena a; its bytes are unspecified.
   std::size_t take(std::span<const std::size_t> elements) {
@@ -10326,7 +10499,7 @@ class unit_pool {
 
  private:
   struct buffer {
-    std::vector<aligned_bytes> parts;  // per arena; empty once freed
+    std::vector<domain_buffer> parts;  // per arena; empty once freed
     std::size_t bytes = 0;             // sum of the parts
     bool busy = false;                 // taken and not given back
     bool taken_since_trim = false;     // taken since the last trim()
@@ -10340,7 +10513,7 @@ class unit_pool {
   std::size_t allocate(std::span<const std::size_t> elements) {
     buffer fresh;
     for (std::size_t a = 0; a < elements.size(); ++a) {
-      fresh.parts.emplace_back(elements[a] * widths_[a]);
+      fresh.parts.push_back(domains_[a]->allocate(elements[a] * widths_[a]));
       fresh.bytes += elements[a] * widths_[a];
     }
     for (std::size_t i = 0; i < buffers_.size(); ++i)
@@ -10353,6 +10526,7 @@ class unit_pool {
   }
 
   std::vector<std::size_t> widths_;
+  std::vector<memory_domain*> domains_;  // per arena
   std::vector<buffer> buffers_;
   std::uint64_t clock_ = 0;
 };
@@ -10417,13 +10591,14 @@ class sharded_core {
                std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
-        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
+        values_pool_(widths(layout), domains(layout)), grads_pool_(widths(layout), domains(layout)), policy_(policy),
         trim_(keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
         deterministic_(deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
-      own_grads_.emplace_back(a.numel / n * size_of(a.reduce_type));
+      own_values_.push_back(values_ == owned_value_home::value_arena ? domain_buffer{}
+                                                                      : a.domain->allocate(a.numel / n * size_of(a.type)));
+      own_grads_.push_back(a.domain->allocate(a.numel / n * size_of(a.reduce_type)));
       received_.emplace_back();
     }
     for (const auto& b : plan_.buckets) {
@@ -10432,10 +10607,8 @@ class sharded_core {
     }
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
-      const std::size_t w = size_of(a.type);
       if (values_ == owned_value_home::own_copy)
-        std::copy_n(a.values.data() + buckets_[b].block.begin * w, buckets_[b].block.length * w,
-                    own_values_[plan_.buckets[b].arena].data() + buckets_[b].block.shard * w);
+        a.domain->copy(a.value_view(buckets_[b].block.begin, buckets_[b].block.length), owned_values(b));
       optimizer_.push_back(owned_buffer(b));
     }
     const std::size_t units = layout_.units().size();
@@ -10459,9 +10632,8 @@ class sharded_core {
       if (pooled_[u].values != no_buffer) {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
           const auto& e = extents_[u][a];
-          const std::size_t w = size_of(layout_.arenas()[a].type);
-          std::copy_n(values_pool_.data(pooled_[u].values, a), (e.end - e.begin) * w,
-                      layout_.arenas()[a].values.data() + e.begin * w);
+          const auto& arena = layout_.arenas()[a];
+          arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
         }
       }
       pooled_[u] = unit_buffers{};
@@ -10523,14 +10695,7 @@ class sharded_core {
     state_.wait(b);
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
-    if (!buckets_[b].direct) {
-      const raw_tensor in = received(b), acc = owned_grads(b);
-      visit_dtype(in.type, [&]<class T>(T) {
-        const T* src = static_cast<const T*>(in.data);
-        T* dst = static_cast<T*>(acc.data);
-        for (std::size_t i = 0; i < in.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
-      });
-    }
+    if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
     state_.complete(b);
     const std::size_t u = plan_.buckets[b].unit;
     if (state_.unit_settled(u) && state_.unit(u).grads == grad_phase::reported) {
@@ -10544,7 +10709,9 @@ class sharded_core {
   }
   /// Zeroes the owned gradients and the full gradients of the units holding storage.
   void zero_grad() noexcept {
-    for (auto& g : own_grads_) std::fill_n(g.data(), g.size(), std::byte{0});
+    for (std::size_t a = 0; a < own_grads_.size(); ++a)
+      layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
+                                                         own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
     for (auto& sb : buckets_) sb.owned_zero = true;
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
@@ -10621,6 +10788,11 @@ class sharded_core {
     for (const auto& a : layout.arenas()) out.push_back(size_of(a.type));
     return out;
   }
+  static std::vector<memory_domain*> domains(const parameter_layout& layout) {
+    std::vector<memory_domain*> out;
+    for (const auto& a : layout.arenas()) out.push_back(a.domain);
+    return out;
+  }
   [[nodiscard]] std::vector<std::size_t> sizes(std::size_t u) const {
     std::vector<std::size_t> out;
     for (const auto& e : extents_[u]) out.push_back(e.end - e.begin);
@@ -10666,10 +10838,7 @@ class sharded_core {
     }
   }
   void zero_gradients(std::size_t u) {
-    for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
-      const raw_tensor g = unit_gradients(u, a);
-      std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
-    }
+    for (std::size_t a = 0; a < layout_.arenas().size(); ++a) layout_.arenas()[a].domain->zero(unit_gradients(u, a));
   }
   /// Bucket `b` started → chained: its reduce-scatter is done, its cross-group average starts.
   void chain(std::size_t b) {
@@ -10683,14 +10852,21 @@ class sharded_core {
 
   [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
     const auto& e = extents_[u][a];
-    return {grads_pool_.data(pooled_[u].grads, a), e.end - e.begin, layout_.arenas()[a].type, device::cpu()};
+    const auto& arena = layout_.arenas()[a];
+    return {grads_pool_.data(pooled_[u].grads, a), e.end - e.begin, arena.type, arena.domain->where()};
+  }
+  /// Unit `u`'s values in its pooled buffer, for arena `a`.
+  [[nodiscard]] raw_tensor unit_values(std::size_t u, std::size_t a) const {
+    const auto& e = extents_[u][a];
+    const auto& arena = layout_.arenas()[a];
+    return {values_pool_.data(pooled_[u].values, a), e.end - e.begin, arena.type, arena.domain->where()};
   }
   /// Bucket `b`'s full gradients inside its unit's gradient buffer.
   [[nodiscard]] raw_tensor gradient_view(std::size_t b) const {
     const auto& bk = plan_.buckets[b];
     const std::size_t w = size_of(layout_.arenas()[bk.arena].type);
     return {grads_pool_.data(pooled_[bk.unit].grads, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
-            bk.end - bk.begin, layout_.arenas()[bk.arena].type, device::cpu()};
+            bk.end - bk.begin, layout_.arenas()[bk.arena].type, layout_.arenas()[bk.arena].domain->where()};
   }
   /// Bucket `b`'s full values: in its unit's pooled buffer when it has one, else in the arena.
   [[nodiscard]] raw_tensor value_view(std::size_t b) const {
@@ -10699,19 +10875,18 @@ class sharded_core {
     if (pooled_[bk.unit].values == no_buffer) return a.value_view(bk.begin, bk.end - bk.begin);
     const std::size_t w = size_of(a.type);
     return {values_pool_.data(pooled_[bk.unit].values, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
-            bk.end - bk.begin, a.type, device::cpu()};
+            bk.end - bk.begin, a.type, a.domain->where()};
   }
   /// Bucket `b`'s owned block in `store`, of elements of `type` (an arena's dtype, or its reduce dtype).
-  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b, dtype type) const {
-    const std::size_t w = size_of(type);
+  [[nodiscard]] raw_tensor shard_view(const std::vector<domain_buffer>& store, std::size_t b, dtype type) const {
     const auto& block = buckets_[b].block;
-    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, type, device::cpu()};
+    return store[plan_.buckets[b].arena].view(type, block.shard, block.length);
   }
   /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
   [[nodiscard]] raw_tensor output(std::size_t b) { return buckets_[b].direct ? owned_grads(b) : received(b); }
   [[nodiscard]] raw_tensor received(std::size_t b) {
     const std::size_t a = plan_.buckets[b].arena;
-    if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
+    if (received_[a].size() == 0) received_[a] = layout_.arenas()[a].domain->allocate(own_grads_[a].size());  // 1st use
     return shard_view(received_, b, layout_.arenas()[a].reduce_type);
   }
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
@@ -10726,7 +10901,8 @@ class sharded_core {
   }
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
-    optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
+    optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {},
+                           .domain = layout_.arenas()[plan_.buckets[b].arena].domain};
     const std::size_t lo = buckets_[b].block.begin, hi = lo + buckets_[b].block.length;
     for (const std::size_t s : plan_.buckets[b].params) {
       const auto& p = layout_.slots()[s];
@@ -10742,9 +10918,9 @@ class sharded_core {
   Comm shard_;
   std::optional<Comm> replica_;
   std::vector<shard_bucket> buckets_;                   // per bucket
-  std::vector<aligned_bytes> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
-  std::vector<aligned_bytes> own_grads_;                // per arena: the accumulated owned gradients
-  std::vector<aligned_bytes> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
+  std::vector<domain_buffer> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
+  std::vector<domain_buffer> own_grads_;                // per arena: the accumulated owned gradients
+  std::vector<domain_buffer> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
   std::vector<optim::flat_buffer> optimizer_;           // per bucket, for the optimizer
   std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
   std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena
@@ -11206,7 +11382,8 @@ namespace ddp::detail {
 inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
   std::vector<optim::flat_buffer> out;
   for (const auto& a : layout.arenas()) {
-    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {}};
+    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {},
+                         .domain = a.domain};
     for (const std::size_t s : a.params)
       b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
                             .numel = layout.slots()[s].numel, .start = 0});
@@ -11267,7 +11444,7 @@ struct strategy<replicate, Comm> {
   void after_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
-    for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
+    for (const auto& a : layout_.arenas()) a.domain->zero(a.grad_view(0, a.numel));
   }
   /// Parameters and gradients are always whole: unshard scopes do nothing.
   void acquire(std::span<const std::size_t> /*units*/) {}
@@ -11290,7 +11467,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b, bool stage = false) {
     const auto& bk = plan_.buckets[b];
     const raw_tensor own = layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin);
-    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b};
+    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b,
+            *layout_.arenas()[bk.arena].domain};
   }
 
   parameter_layout& layout_;

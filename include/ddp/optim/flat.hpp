@@ -15,6 +15,8 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 
 namespace ddp::optim {
 
@@ -32,6 +34,10 @@ struct flat_buffer {
   raw_tensor values;                   ///< the values the optimizer updates
   raw_tensor grads;                    ///< the gradients, already averaged across ranks
   std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
+  memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
+
+  /// The domain of its memory: `domain`, else the host's.
+  [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
 };
 
 /// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
@@ -51,7 +57,7 @@ struct optimizer_traits {};
 namespace detail {
 
 /// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
-/// dtype and length, zero when created; plus the number of steps taken.
+/// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
 class flat_state {
  public:
   /// `names` names the per-element state arrays (possibly none).
@@ -63,7 +69,7 @@ class flat_state {
       for (const auto& b : buffers) {
         layout_.push_back(b);
         auto& arrays = state_.emplace_back();
-        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.emplace_back(b.values.bytes(), std::byte{0});
+        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.push_back(b.memory().allocate(b.values.bytes()));
       }
       return;
     }
@@ -137,7 +143,7 @@ class flat_state {
  private:
   std::vector<std::string_view> array_names_;
   std::vector<flat_buffer> layout_;
-  std::vector<std::vector<std::vector<std::byte>>> state_;  // [buffer][state array] bytes
+  std::vector<std::vector<domain_buffer>> state_;  // [buffer][state array]
 };
 
 }  // namespace detail

@@ -1,12 +1,11 @@
 #pragma once
-/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous host buffer
-/// of values and one of gradients per dtype, in visit order; each leaf is bound to its slice.
+/// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous buffer of values
+/// and one of gradients per dtype, in visit order, in a memory domain (memory/); each leaf is bound to its slice.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <span>
 #include <string>
 #include <string_view>
@@ -14,51 +13,17 @@
 #include <unordered_map>
 #include <vector>
 
-#include <sys/mman.h>
-
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 #include <ddp/parallel/leaf_binding.hpp>
 #include <ddp/parallel/options.hpp>
 
 namespace ddp::detail {
-
-inline constexpr std::size_t page_bytes = 4096;
-
-/// Zeroed, page-aligned host memory whose pages can be handed back to the OS while the range stays mapped.
-class aligned_bytes {
- public:
-  aligned_bytes() = default;
-  explicit aligned_bytes(std::size_t n)
-      : data_(n ? static_cast<std::byte*>(::operator new(round_up(n), std::align_val_t{page_bytes})) : nullptr),
-        size_(n) {
-    std::fill_n(data_.get(), n, std::byte{0});
-  }
-  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  /// Zeroes bytes [begin, end); the whole pages inside go back to the OS (resident memory drops) and
-  /// come back as zero pages on the next touch.
-  void release(std::size_t begin, std::size_t end) noexcept {
-    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
-    if (first_page < last_page) {
-      std::fill(data_.get() + begin, data_.get() + first_page, std::byte{0});
-      std::fill(data_.get() + last_page, data_.get() + end, std::byte{0});
-      if (::madvise(data_.get() + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
-    }
-    std::fill(data_.get() + begin, data_.get() + end, std::byte{0});
-  }
-
- private:
-  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
-  struct release_memory {
-    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{page_bytes}); }
-  };
-  std::unique_ptr<std::byte, release_memory> data_;
-  std::size_t size_ = 0;
-};
 
 /// One parameter of the wrapped model and where it lies.
 struct param_slot {
@@ -80,22 +45,23 @@ struct param_slot {
   }
 };
 
-/// One dtype's flat values and gradients.
+/// One dtype's flat values and gradients, in one memory domain.
 struct arena {
   dtype type = dtype::f32;          ///< element type
   dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
-  aligned_bytes values;             ///< parameter values, in visit order
-  aligned_bytes grads;              ///< gradients, same layout
+  memory_domain* domain = nullptr;  ///< where its memory lives and its element work runs
+  domain_buffer values;             ///< parameter values, in visit order
+  domain_buffer grads;              ///< gradients, same layout
   std::vector<std::size_t> params;  ///< slots laid here, in visit order
 
   /// Elements [begin, begin + count) of the values.
   [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
-    return {values.data() + begin * size_of(type), count, type, device::cpu()};
+    return values.view(type, begin, count);
   }
   /// Elements [begin, begin + count) of the gradients.
   [[nodiscard]] raw_tensor grad_view(std::size_t begin, std::size_t count) const noexcept {
-    return {grads.data() + begin * size_of(type), count, type, device::cpu()};
+    return grads.view(type, begin, count);
   }
 };
 
@@ -198,12 +164,14 @@ class parameter_layout {
     }
     for (auto& a : arenas_) {
       a.numel = (a.numel + pad - 1) / pad * pad;
-      a.values = aligned_bytes(a.numel * size_of(a.type));
-      a.grads = aligned_bytes(a.numel * size_of(a.type));
+      a.domain = &host_memory();
+      a.values = a.domain->allocate(a.numel * size_of(a.type));
+      a.grads = a.domain->allocate(a.numel * size_of(a.type));
     }
     for (auto& s : slots_) {
       const std::size_t at = s.offset * size_of(s.type);
-      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type));
+      s.leaf->bind(arenas_[s.arena].values.data() + at, arenas_[s.arena].grads.data() + at, s.numel * size_of(s.type),
+                   *arenas_[s.arena].domain);
     }
   }
   parameter_layout(const parameter_layout&) = delete;

@@ -15,9 +15,9 @@
 
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/work.hpp>
-#include <ddp/core/detail/blocked.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
 #include <ddp/parallel/archetype.hpp>
 
 namespace ddp {
@@ -29,12 +29,14 @@ struct hook_category {};
 /// The policy_category of a comm hook: `using policy_category = ddp::comm_hook_policy;`.
 using comm_hook_policy = detail::hook_category;
 
-/// One bucket as a comm hook sees it: its gradients (host memory, one dtype) and the group reducing them.
+/// One bucket as a comm hook sees it: its gradients (one dtype), the group reducing them and the memory domain they
+/// live in (element work on them runs there).
 template <class Comm>
 struct bucket_gradients {
-  raw_tensor grads;   ///< the bucket's gradients: reduce them in place, averaged over the group
-  Comm& comm;         ///< the group (the world under replicate)
-  std::size_t index;  ///< the bucket's place in start order, the same every step (for per-bucket state)
+  raw_tensor grads;        ///< the bucket's gradients: reduce them in place, averaged over the group
+  Comm& comm;              ///< the group (the world under replicate)
+  std::size_t index;       ///< the bucket's place in start order, the same every step (for per-bucket state)
+  memory_domain& memory;   ///< where `grads` live: allocate scratch and run element work there
 
   /// Number of ranks the gradients are averaged over.
   [[nodiscard]] int world_size() const { return comm.size(); }
@@ -72,8 +74,8 @@ static_assert(comm_hook<plain_hook>);
 namespace detail {
 
 /// Gradients of f32/f64 buckets travel as Half: pre-divided by the world size (multiplied by its reciprocal in
-/// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other dtypes travel as they are. One reused
-/// Half buffer per bucket, made on the bucket's first start.
+/// the gradients' own dtype, so sums of large values do not overflow float16), summed in Half, widened back. Other
+/// dtypes travel as they are. One reused Half buffer per bucket in the gradients' domain, made on its first start.
 template <class Half>
 class compress_hook {
  public:
@@ -81,35 +83,25 @@ class compress_hook {
   template <class Comm>
   work start(const bucket_gradients<Comm>& b) {
     if (!compressed(b.type())) return b.comm.all_reduce(b.grads, reduce_op::avg);
-    auto& half = scratch(b);
-    visit_typed(b, [&](auto g) {
-      using T = typename decltype(g)::value_type;
-      const T scale = static_cast<T>(1.0 / b.world_size());
-      for_each_blocked(half.size(), [&](std::size_t i) { half[i] = Half(static_cast<float>(g[i] * scale)); });
-    });
-    return b.comm.all_reduce(std::span<Half>(half), reduce_op::sum);
+    const raw_tensor half = scratch(b);
+    b.memory.convert(b.grads, half, 1.0 / b.world_size());
+    return b.comm.all_reduce(half, reduce_op::sum);
   }
   template <class Comm>
   void complete(const bucket_gradients<Comm>& b) {
-    if (compressed(b.type())) convert(as_raw(std::span<const Half>(scratch(b))), b.grads);
+    if (compressed(b.type())) b.memory.convert(scratch(b), b.grads);
   }
 
  private:
   static bool compressed(dtype t) noexcept { return t == dtype::f32 || t == dtype::f64; }
   template <class Comm>
-  std::vector<Half>& scratch(const bucket_gradients<Comm>& b) {
+  raw_tensor scratch(const bucket_gradients<Comm>& b) {
     if (scratch_.size() <= b.index) scratch_.resize(b.index + 1);
-    scratch_[b.index].resize(b.grads.size);
-    return scratch_[b.index];
+    auto& s = scratch_[b.index];
+    if (s.size() < b.grads.size * sizeof(Half) || s.domain() != &b.memory) s = b.memory.allocate(b.grads.size * sizeof(Half));
+    return s.view(dtype_v<Half>, 0, b.grads.size);
   }
-  template <class Comm, class F>
-  static void visit_typed(const bucket_gradients<Comm>& b, F&& f) {
-    if (b.type() == dtype::f64)
-      f(b.template elements<double>());
-    else
-      f(b.template elements<float>());
-  }
-  std::vector<std::vector<Half>> scratch_;  // per bucket index
+  std::vector<domain_buffer> scratch_;  // per bucket index, in the bucket's domain
 };
 
 }  // namespace detail

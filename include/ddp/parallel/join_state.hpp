@@ -12,7 +12,6 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/optim/flat.hpp>
@@ -99,7 +98,7 @@ class join_state {
   /// The reduced gradients in `buffers`, averaged over `world` ranks, become the average over the active ones.
   void rescale(std::span<const optim::flat_buffer> buffers, int world) const {
     if (!counted_ || active_ranks_ == world || active_ranks_ <= 0) return;
-    for (const auto& b : buffers) scale(b.grads, static_cast<double>(world) / active_ranks_);
+    for (const auto& b : buffers) b.memory().scale(b.grads, static_cast<double>(world) / active_ranks_);
   }
   /// The step ended (the optimizer stepped): the next one is counted again; under full_shard the calls of the
   /// step this rank took inside a join scope become the ones a shadow step replays (kept across scopes).

@@ -4,14 +4,17 @@
 /// step's edges: its gradient in when reported, its values out whenever the arena's values changed.
 
 #include <cstddef>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <type_traits>
 
+#include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/storage_traits.hpp>
+#include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 
 namespace ddp::detail {
 
@@ -21,8 +24,9 @@ class leaf_binding {
   virtual ~leaf_binding() = default;
   /// True when the leaf computes on ddp's memory (no copies at the step's edges).
   [[nodiscard]] virtual bool adopts() const noexcept = 0;
-  /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each) and binds it there.
-  virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes) = 0;
+  /// Copies the leaf's current values and gradient to `values`/`grads` (`bytes` each, memory of `domain`) and binds
+  /// it there; later copies between the leaf's own memory and ddp's run on `domain`.
+  virtual void bind(std::byte* values, std::byte* grads, std::size_t bytes, memory_domain& domain) = 0;
   /// Binds the leaf to other memory of the same size, copying nothing (the sharded strategies' pooled buffers).
   /// `present` false: `values` do not hold the leaf's values (a sharded unit), and a leaf type that can refuse
   /// use until the next rebind does (storage_traits<T>::vacate).
@@ -53,14 +57,13 @@ class leaf_binding_of final : public leaf_binding {
 
   [[nodiscard]] bool adopts() const noexcept override { return adopting; }
 
-  void bind(std::byte* values, std::byte* grads, std::size_t bytes) override {
+  void bind(std::byte* values, std::byte* grads, std::size_t bytes, memory_domain& domain) override {
     home_values_ = static_cast<std::byte*>(traits::values(*leaf_));
     home_grads_ = static_cast<std::byte*>(traits::grads(*leaf_));
     bytes_ = bytes;
-    if (bytes) {
-      std::memcpy(values, home_values_, bytes);
-      std::memcpy(grads, home_grads_, bytes);
-    }
+    domain_ = &domain;
+    to_ddp(values, home_values_);
+    to_ddp(grads, home_grads_);
     rebind(values, grads, true);
   }
   void rebind(std::byte* values, std::byte* grads, bool present) override {
@@ -79,21 +82,20 @@ class leaf_binding_of final : public leaf_binding {
       if constexpr (requires { traits::release(*leaf_); }) {
         traits::release(*leaf_);
       } else {
-        copy(home_values_, values_);
-        copy(home_grads_, grads_);
+        to_home(home_values_, values_);
+        to_home(home_grads_, grads_);
         traits::adopt(*leaf_, home_values_, home_grads_);
       }
     }
   }
   void gradient_in() override {
-    if constexpr (!adopting) copy(grads_, home_grads_);
+    if constexpr (!adopting) to_ddp(grads_, home_grads_);
   }
   void values_out() override {
-    if constexpr (!adopting) copy(home_values_, values_);
+    if constexpr (!adopting) to_home(home_values_, values_);
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting)
-      if (bytes_) std::memset(home_grads_, 0, bytes_);
+    if constexpr (!adopting) host_memory().zero(home(home_grads_));
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -103,8 +105,21 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
-  void copy(std::byte* to, const std::byte* from) const noexcept {
-    if (bytes_ && to != from) std::memmove(to, from, bytes_);
+  /// The leaf's own bytes at `p` (host memory: the leaves ddp copies own theirs there).
+  [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, device::cpu()};
+  }
+  /// ddp's bytes at `p`, in the bound domain.
+  [[nodiscard]] raw_tensor ours(const std::byte* p) const noexcept {
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, domain_->where()};
+  }
+  /// The leaf's bytes at `from` into ddp's at `to`.
+  void to_ddp(std::byte* to, const std::byte* from) const {
+    if (bytes_ && to != from) domain_->copy(home(from), ours(to));
+  }
+  /// ddp's bytes at `from` into the leaf's at `to`.
+  void to_home(std::byte* to, const std::byte* from) const {
+    if (bytes_ && to != from) domain_->copy(ours(from), home(to));
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf
@@ -113,6 +128,7 @@ class leaf_binding_of final : public leaf_binding {
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
+  memory_domain* domain_ = &host_memory();  // where ddp's copy lives (bind sets it)
 };
 
 }  // namespace ddp::detail

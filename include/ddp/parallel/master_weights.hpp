@@ -20,6 +20,7 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/mixed_precision.hpp>
@@ -63,29 +64,29 @@ class reduce_staging {
   explicit reduce_staging(const parameter_layout& layout) {
     for (const auto& a : layout.arenas()) {
       types_.push_back(a.reduce_type);
-      store_.emplace_back(a.reduce_type == a.type ? 0 : a.numel * size_of(a.reduce_type));
+      store_.push_back(a.reduce_type == a.type ? domain_buffer{} : a.domain->allocate(a.numel * size_of(a.reduce_type)));
     }
   }
   /// Where the gradients `own` (elements [begin, begin + own.size) of arena `a`, in the arena's dtype, wherever
   /// they lie) are reduced: `own` itself when the arena reduces in its own dtype, else the staging's elements.
   [[nodiscard]] raw_tensor at(raw_tensor own, std::size_t a, std::size_t begin) const {
     if (store_[a].size() == 0) return own;
-    return {store_[a].data() + begin * size_of(types_[a]), own.size, types_[a], own.where};
+    return store_[a].view(types_[a], begin, own.size);
   }
   /// at(), with `own` widened into the staging first (a bucket about to be reduced).
   raw_tensor stage(raw_tensor own, std::size_t a, std::size_t begin) {
     const raw_tensor to = at(own, a, begin);
-    if (to.data != own.data) convert(own, to);
+    if (to.data != own.data) store_[a].domain()->convert(own, to);
     return to;
   }
   /// Gives back the pages of the staging's elements [begin, begin + count) of arena `a` (their collective is done).
-  void release(std::size_t a, std::size_t begin, std::size_t count) noexcept {
-    if (store_[a].size() != 0) store_[a].release(begin * size_of(types_[a]), (begin + count) * size_of(types_[a]));
+  void release(std::size_t a, std::size_t begin, std::size_t count) const {
+    store_[a].release(begin * size_of(types_[a]), (begin + count) * size_of(types_[a]));
   }
 
  private:
   std::vector<dtype> types_;          // per arena: its reduce dtype
-  std::vector<aligned_bytes> store_;  // per arena: empty where it reduces in its own dtype
+  std::vector<domain_buffer> store_;  // per arena, in its domain: empty where it reduces in its own dtype
 };
 
 /// The f32 master copy of the owned buffers of the compute dtype, which the optimizer steps: master values, and
@@ -107,12 +108,13 @@ class master_weights {
       auto& values = values_.emplace_back();
       auto& grads = grads_.emplace_back();
       if (b.values.type == compute) {
-        values.resize(b.values.size);
-        m.values = raw_tensor{values.data(), values.size(), dtype::f32, b.values.where};
-        convert(b.values, m.values);
+        memory_domain& d = b.memory();
+        values = d.allocate(b.values.size * sizeof(float));
+        m.values = values.view(dtype::f32, 0, b.values.size);
+        d.convert(b.values, m.values);
         if (b.grads.type != dtype::f32) {
-          grads.resize(b.grads.size);
-          m.grads = raw_tensor{grads.data(), grads.size(), dtype::f32, b.grads.where};
+          grads = d.allocate(b.grads.size * sizeof(float));
+          m.grads = grads.view(dtype::f32, 0, b.grads.size);
         }
       }
       masters_.push_back(std::move(m));
@@ -130,20 +132,20 @@ class master_weights {
   template <class F>
   void step(std::span<const optim::flat_buffer> owned, F&& optimizer) {
     for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].grads.data != owned[i].grads.data) convert(owned[i].grads, masters_[i].grads);
+      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
     optimizer();
     narrow(owned);
   }
   /// The master values narrowed into `owned`'s values (after a step, or after a checkpoint filled the masters).
   void narrow(std::span<const optim::flat_buffer> owned) const {
     for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].values.data != owned[i].values.data) convert(masters_[i].values, owned[i].values);
+      if (masters_[i].values.data != owned[i].values.data) owned[i].memory().convert(masters_[i].values, owned[i].values);
   }
 
  private:
   bool on_ = false;
-  std::vector<std::vector<float>> values_;    // per owned buffer: master values (empty where stepped as it is)
-  std::vector<std::vector<float>> grads_;     // per owned buffer: master gradients widened before each step
+  std::vector<domain_buffer> values_;         // per owned buffer: f32 master values (empty where stepped as it is)
+  std::vector<domain_buffer> grads_;          // per owned buffer: f32 master gradients widened before each step
   std::vector<optim::flat_buffer> masters_;   // per owned buffer: what the optimizer steps
 };
 

@@ -15,7 +15,8 @@
 #include <ddp/comm/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
-#include <ddp/parallel/arena.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 
 namespace ddp::detail {
 
@@ -68,10 +69,10 @@ class ordered_reduction {
   raw_tensor scratch(std::size_t key, const raw_tensor& like, std::size_t times) {
     if (scratch_.size() <= key) scratch_.resize(key + 1);
     const std::size_t bytes = like.bytes() * times;
-    if (scratch_[key].size() != bytes) scratch_[key] = aligned_bytes(bytes);
-    return {scratch_[key].data(), like.size * times, like.type, device::cpu()};
+    if (scratch_[key].size() != bytes) scratch_[key] = host_memory().allocate(bytes);
+    return scratch_[key].view(like.type, 0, like.size * times);
   }
-  std::vector<aligned_bytes> scratch_;
+  std::vector<domain_buffer> scratch_;  // host memory: the rank-order sum runs on the host
 };
 
 }  // namespace ddp::detail

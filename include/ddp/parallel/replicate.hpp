@@ -28,7 +28,8 @@ namespace ddp::detail {
 inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
   std::vector<optim::flat_buffer> out;
   for (const auto& a : layout.arenas()) {
-    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {}};
+    optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {},
+                         .domain = a.domain};
     for (const std::size_t s : a.params)
       b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
                             .numel = layout.slots()[s].numel, .start = 0});
@@ -89,7 +90,7 @@ struct strategy<replicate, Comm> {
   void after_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
-    for (const auto& a : layout_.arenas()) std::fill_n(a.grads.data(), a.grads.size(), std::byte{0});
+    for (const auto& a : layout_.arenas()) a.domain->zero(a.grad_view(0, a.numel));
   }
   /// Parameters and gradients are always whole: unshard scopes do nothing.
   void acquire(std::span<const std::size_t> /*units*/) {}
@@ -112,7 +113,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] bucket_gradients<Comm> gradients(std::size_t b, bool stage = false) {
     const auto& bk = plan_.buckets[b];
     const raw_tensor own = layout_.arenas()[bk.arena].grad_view(bk.begin, bk.end - bk.begin);
-    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b};
+    return {stage ? staging_.stage(own, bk.arena, bk.begin) : staging_.at(own, bk.arena, bk.begin), comm_, b,
+            *layout_.arenas()[bk.arena].domain};
   }
 
   parameter_layout& layout_;

@@ -38,6 +38,7 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/accumulation.hpp>
 #include <ddp/parallel/arena.hpp>
@@ -107,13 +108,14 @@ class sharded_core {
                std::optional<Comm> replica, const char* policy, bool keep_unit_buffers, bool deterministic,
                owned_value_home values)
       : layout_(layout), plan_(plan), state_(state), shard_(std::move(shard)), replica_(std::move(replica)),
-        values_pool_(widths(layout)), grads_pool_(widths(layout)), policy_(policy),
+        values_pool_(widths(layout), domains(layout)), grads_pool_(widths(layout), domains(layout)), policy_(policy),
         trim_(keep_unit_buffers ? pool_trim::untaken : pool_trim::all_idle), values_(values),
         deterministic_(deterministic) {
     const auto n = static_cast<std::size_t>(shard_.size()), r = static_cast<std::size_t>(shard_.rank());
     for (const auto& a : layout_.arenas()) {
-      own_values_.emplace_back(values_ == owned_value_home::value_arena ? 0 : a.numel / n * size_of(a.type));
-      own_grads_.emplace_back(a.numel / n * size_of(a.reduce_type));
+      own_values_.push_back(values_ == owned_value_home::value_arena ? domain_buffer{}
+                                                                      : a.domain->allocate(a.numel / n * size_of(a.type)));
+      own_grads_.push_back(a.domain->allocate(a.numel / n * size_of(a.reduce_type)));
       received_.emplace_back();
     }
     for (const auto& b : plan_.buckets) {
@@ -122,10 +124,8 @@ class sharded_core {
     }
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
-      const std::size_t w = size_of(a.type);
       if (values_ == owned_value_home::own_copy)
-        std::copy_n(a.values.data() + buckets_[b].block.begin * w, buckets_[b].block.length * w,
-                    own_values_[plan_.buckets[b].arena].data() + buckets_[b].block.shard * w);
+        a.domain->copy(a.value_view(buckets_[b].block.begin, buckets_[b].block.length), owned_values(b));
       optimizer_.push_back(owned_buffer(b));
     }
     const std::size_t units = layout_.units().size();
@@ -149,9 +149,8 @@ class sharded_core {
       if (pooled_[u].values != no_buffer) {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
           const auto& e = extents_[u][a];
-          const std::size_t w = size_of(layout_.arenas()[a].type);
-          std::copy_n(values_pool_.data(pooled_[u].values, a), (e.end - e.begin) * w,
-                      layout_.arenas()[a].values.data() + e.begin * w);
+          const auto& arena = layout_.arenas()[a];
+          arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
         }
       }
       pooled_[u] = unit_buffers{};
@@ -213,14 +212,7 @@ class sharded_core {
     state_.wait(b);
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
-    if (!buckets_[b].direct) {
-      const raw_tensor in = received(b), acc = owned_grads(b);
-      visit_dtype(in.type, [&]<class T>(T) {
-        const T* src = static_cast<const T*>(in.data);
-        T* dst = static_cast<T*>(acc.data);
-        for (std::size_t i = 0; i < in.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
-      });
-    }
+    if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
     state_.complete(b);
     const std::size_t u = plan_.buckets[b].unit;
     if (state_.unit_settled(u) && state_.unit(u).grads == grad_phase::reported) {
@@ -234,7 +226,9 @@ class sharded_core {
   }
   /// Zeroes the owned gradients and the full gradients of the units holding storage.
   void zero_grad() noexcept {
-    for (auto& g : own_grads_) std::fill_n(g.data(), g.size(), std::byte{0});
+    for (std::size_t a = 0; a < own_grads_.size(); ++a)
+      layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
+                                                         own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
     for (auto& sb : buckets_) sb.owned_zero = true;
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
@@ -311,6 +305,11 @@ class sharded_core {
     for (const auto& a : layout.arenas()) out.push_back(size_of(a.type));
     return out;
   }
+  static std::vector<memory_domain*> domains(const parameter_layout& layout) {
+    std::vector<memory_domain*> out;
+    for (const auto& a : layout.arenas()) out.push_back(a.domain);
+    return out;
+  }
   [[nodiscard]] std::vector<std::size_t> sizes(std::size_t u) const {
     std::vector<std::size_t> out;
     for (const auto& e : extents_[u]) out.push_back(e.end - e.begin);
@@ -356,10 +355,7 @@ class sharded_core {
     }
   }
   void zero_gradients(std::size_t u) {
-    for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
-      const raw_tensor g = unit_gradients(u, a);
-      std::fill_n(static_cast<std::byte*>(g.data), g.bytes(), std::byte{0});
-    }
+    for (std::size_t a = 0; a < layout_.arenas().size(); ++a) layout_.arenas()[a].domain->zero(unit_gradients(u, a));
   }
   /// Bucket `b` started → chained: its reduce-scatter is done, its cross-group average starts.
   void chain(std::size_t b) {
@@ -373,14 +369,21 @@ class sharded_core {
 
   [[nodiscard]] raw_tensor unit_gradients(std::size_t u, std::size_t a) const {
     const auto& e = extents_[u][a];
-    return {grads_pool_.data(pooled_[u].grads, a), e.end - e.begin, layout_.arenas()[a].type, device::cpu()};
+    const auto& arena = layout_.arenas()[a];
+    return {grads_pool_.data(pooled_[u].grads, a), e.end - e.begin, arena.type, arena.domain->where()};
+  }
+  /// Unit `u`'s values in its pooled buffer, for arena `a`.
+  [[nodiscard]] raw_tensor unit_values(std::size_t u, std::size_t a) const {
+    const auto& e = extents_[u][a];
+    const auto& arena = layout_.arenas()[a];
+    return {values_pool_.data(pooled_[u].values, a), e.end - e.begin, arena.type, arena.domain->where()};
   }
   /// Bucket `b`'s full gradients inside its unit's gradient buffer.
   [[nodiscard]] raw_tensor gradient_view(std::size_t b) const {
     const auto& bk = plan_.buckets[b];
     const std::size_t w = size_of(layout_.arenas()[bk.arena].type);
     return {grads_pool_.data(pooled_[bk.unit].grads, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
-            bk.end - bk.begin, layout_.arenas()[bk.arena].type, device::cpu()};
+            bk.end - bk.begin, layout_.arenas()[bk.arena].type, layout_.arenas()[bk.arena].domain->where()};
   }
   /// Bucket `b`'s full values: in its unit's pooled buffer when it has one, else in the arena.
   [[nodiscard]] raw_tensor value_view(std::size_t b) const {
@@ -389,19 +392,18 @@ class sharded_core {
     if (pooled_[bk.unit].values == no_buffer) return a.value_view(bk.begin, bk.end - bk.begin);
     const std::size_t w = size_of(a.type);
     return {values_pool_.data(pooled_[bk.unit].values, bk.arena) + (bk.begin - extents_[bk.unit][bk.arena].begin) * w,
-            bk.end - bk.begin, a.type, device::cpu()};
+            bk.end - bk.begin, a.type, a.domain->where()};
   }
   /// Bucket `b`'s owned block in `store`, of elements of `type` (an arena's dtype, or its reduce dtype).
-  [[nodiscard]] raw_tensor shard_view(const std::vector<aligned_bytes>& store, std::size_t b, dtype type) const {
-    const std::size_t w = size_of(type);
+  [[nodiscard]] raw_tensor shard_view(const std::vector<domain_buffer>& store, std::size_t b, dtype type) const {
     const auto& block = buckets_[b].block;
-    return {store[plan_.buckets[b].arena].data() + block.shard * w, block.length, type, device::cpu()};
+    return store[plan_.buckets[b].arena].view(type, block.shard, block.length);
   }
   /// Where bucket `b`'s reduce-scatter writes: the owned gradients when they are zero, else the receive buffer.
   [[nodiscard]] raw_tensor output(std::size_t b) { return buckets_[b].direct ? owned_grads(b) : received(b); }
   [[nodiscard]] raw_tensor received(std::size_t b) {
     const std::size_t a = plan_.buckets[b].arena;
-    if (received_[a].size() == 0) received_[a] = aligned_bytes(own_grads_[a].size());  // first accumulation
+    if (received_[a].size() == 0) received_[a] = layout_.arenas()[a].domain->allocate(own_grads_[a].size());  // 1st use
     return shard_view(received_, b, layout_.arenas()[a].reduce_type);
   }
   [[nodiscard]] raw_tensor owned_grads(std::size_t b) const {
@@ -416,7 +418,8 @@ class sharded_core {
   }
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
-    optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {}};
+    optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {},
+                           .domain = layout_.arenas()[plan_.buckets[b].arena].domain};
     const std::size_t lo = buckets_[b].block.begin, hi = lo + buckets_[b].block.length;
     for (const std::size_t s : plan_.buckets[b].params) {
       const auto& p = layout_.slots()[s];
@@ -432,9 +435,9 @@ class sharded_core {
   Comm shard_;
   std::optional<Comm> replica_;
   std::vector<shard_bucket> buckets_;                   // per bucket
-  std::vector<aligned_bytes> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
-  std::vector<aligned_bytes> own_grads_;                // per arena: the accumulated owned gradients
-  std::vector<aligned_bytes> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
+  std::vector<domain_buffer> own_values_;               // per arena: the owned blocks of every bucket, in bucket-begin order
+  std::vector<domain_buffer> own_grads_;                // per arena: the accumulated owned gradients
+  std::vector<domain_buffer> received_;                 // per arena: reduce-scatter outputs to add (made on first need)
   std::vector<optim::flat_buffer> optimizer_;           // per bucket, for the optimizer
   std::vector<std::vector<std::size_t>> unit_slots_;    // per unit: its parameters
   std::vector<std::vector<unit_extent>> extents_;       // per unit, per arena

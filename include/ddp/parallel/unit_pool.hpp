@@ -1,9 +1,9 @@
 #pragma once
-/// \file ddp::detail::unit_pool: reused host buffers that each hold one unit's values or gradients at a time
-/// (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes the smallest idle
-/// buffer that fits it (the most recently returned among equals) and gives it back after use, so steady-state
-/// steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a step did
-/// not need (after unsharding the whole model, say), or every idle buffer.
+/// \file ddp::detail::unit_pool: reused buffers (per arena, in its memory domain) that each hold one unit's values
+/// or gradients at a time (full_shard's unsharded values, the sharded strategies' gradient buffers). A unit takes
+/// the smallest idle buffer that fits it (the most recently returned among equals) and gives it back after use, so
+/// steady-state steps reuse the same resident memory: no allocation, no page faults. trim() frees the buffers a
+/// step did not need (after unsharding the whole model, say), or every idle buffer.
 
 #include <cstddef>
 #include <cstdint>
@@ -11,7 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/parallel/arena.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 
 namespace ddp::detail {
 
@@ -24,8 +25,11 @@ enum class pool_trim : std::uint8_t {
 /// A pool of per-unit buffers, each one byte range per arena.
 class unit_pool {
  public:
-  /// `widths`: bytes per element of each arena.
-  explicit unit_pool(std::vector<std::size_t> widths) : widths_(std::move(widths)) {}
+  /// `widths`: bytes per element of each arena; `domains`: where each arena's parts live (none given: the host).
+  explicit unit_pool(std::vector<std::size_t> widths, std::vector<memory_domain*> domains = {})
+      : widths_(std::move(widths)), domains_(std::move(domains)) {
+    domains_.resize(widths_.size(), &host_memory());
+  }
 
   /// A buffer holding at least `elements[a]` elements for every arena a; its bytes are unspecified.
   std::size_t take(std::span<const std::size_t> elements) {
@@ -66,7 +70,7 @@ class unit_pool {
 
  private:
   struct buffer {
-    std::vector<aligned_bytes> parts;  // per arena; empty once freed
+    std::vector<domain_buffer> parts;  // per arena; empty once freed
     std::size_t bytes = 0;             // sum of the parts
     bool busy = false;                 // taken and not given back
     bool taken_since_trim = false;     // taken since the last trim()
@@ -80,7 +84,7 @@ class unit_pool {
   std::size_t allocate(std::span<const std::size_t> elements) {
     buffer fresh;
     for (std::size_t a = 0; a < elements.size(); ++a) {
-      fresh.parts.emplace_back(elements[a] * widths_[a]);
+      fresh.parts.push_back(domains_[a]->allocate(elements[a] * widths_[a]));
       fresh.bytes += elements[a] * widths_[a];
     }
     for (std::size_t i = 0; i < buffers_.size(); ++i)
@@ -93,6 +97,7 @@ class unit_pool {
   }
 
   std::vector<std::size_t> widths_;
+  std::vector<memory_domain*> domains_;  // per arena
   std::vector<buffer> buffers_;
   std::uint64_t clock_ = 0;
 };
