@@ -1,6 +1,7 @@
 #pragma once
-/// \file Training: models and parameters (core), communicators (comm), the data_parallel wrapper and its
-/// policies (parallel), optimizers (optim), the sampler and metric reduction (data). Backends that need a
+/// \file Training: models and parameters (core), communicators (comm), memory domains and staging device tensors
+/// through the host (memory), the data_parallel wrapper and its policies (parallel), optimizers (optim), the
+/// sampler and metric reduction (data). Backends that need a
 /// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
 /// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
 /// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
@@ -22,6 +23,10 @@
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/work.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/memory/devices.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
+#include <ddp/memory/staged.hpp>
 
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/data_parallel.hpp>

@@ -6,8 +6,9 @@
 // The MPI and NCCL backends are compiled in when DDP_WITH_MPI / DDP_WITH_NCCL are defined
 // (the ddp::mpi and ddp::nccl CMake targets define them), exactly as with include/.
 // ---- begin <ddp/ddp.hpp>
-/// \file Training: models and parameters (core), communicators (comm), the data_parallel wrapper and its
-/// policies (parallel), optimizers (optim), the sampler and metric reduction (data). Backends that need a
+/// \file Training: models and parameters (core), communicators (comm), memory domains and staging device tensors
+/// through the host (memory), the data_parallel wrapper and its policies (parallel), optimizers (optim), the
+/// sampler and metric reduction (data). Backends that need a
 /// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
 /// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
 /// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
@@ -7999,21 +8000,11 @@ struct backend_of<tcp::communicator> {
 };
 }  // namespace ddp
 // ---- end <ddp/comm/tcp/communicator.hpp>
-
-// ---- begin <ddp/parallel/policies.hpp>
-/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.
-/// Policies may be given in any order; a missing category takes its default. The sharding policies carry
-/// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
-
-
-// ---- begin <ddp/parallel/comm_hooks.hpp>
-/// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
-/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: start(bucket)
-/// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
-/// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
-/// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
-/// fp16_compress_hook divide by the world size, round into a reused half-precision buffer, all-reduce the sum
-/// in that dtype and widen the result back (PyTorch's compression hooks).
+// ---- begin <ddp/memory/devices.hpp>
+/// \file The memory domain of each device of this process: the host's for the CPU; for a device, the domain its
+/// owner registered (ddp::device_registration: the CUDA runtime's, a test's fake device). Whatever meets a
+/// tensor on a device (data_parallel laying a leaf into an arena, a host backend staging a buffer) finds the
+/// domain that can touch it here.
 
 
 // ---- begin <ddp/memory/domain.hpp>
@@ -8105,6 +8096,406 @@ inline void domain_buffer::release(std::size_t begin, std::size_t end) const {
 
 }  // namespace ddp
 // ---- end <ddp/memory/domain.hpp>
+// ---- begin <ddp/memory/host.hpp>
+/// \file ddp::host_domain: the memory domain of the CPU. Page-aligned zeroed memory whose whole pages can go back
+/// to the OS while the range stays mapped (madvise), and element work as loops on the calling thread, which
+/// has run when the call returns (so order_after waits for the collective, and synchronize has nothing to do).
+
+#include <new>
+
+
+
+namespace ddp {
+
+/// The CPU's memory domain (see the file comment).
+class host_domain final : public memory_domain {
+ public:
+  static constexpr std::size_t page_bytes = 4096;  ///< allocations are aligned to, and released in, whole pages
+
+  [[nodiscard]] device where() const noexcept override { return device::cpu(); }
+  [[nodiscard]] domain_buffer allocate(std::size_t bytes) override {
+    if (bytes == 0) return {};
+    std::shared_ptr<std::byte> p(static_cast<std::byte*>(::operator new(round_up(bytes), std::align_val_t{page_bytes})),
+                                 [](std::byte* q) { ::operator delete(q, std::align_val_t{page_bytes}); });
+    std::fill_n(p.get(), bytes, std::byte{0});
+    return {std::move(p), bytes, this};
+  }
+  void release(const domain_buffer& b, std::size_t begin, std::size_t end) override {
+    std::byte* data = b.data();
+    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
+    if (first_page < last_page) {
+      std::fill(data + begin, data + first_page, std::byte{0});
+      std::fill(data + last_page, data + end, std::byte{0});
+      if (::madvise(data + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
+    }
+    std::fill(data + begin, data + end, std::byte{0});
+  }
+  void zero(const raw_tensor& t) override {
+    if (t.size) std::memset(t.data, 0, t.bytes());
+  }
+  void copy(const raw_tensor& from, const raw_tensor& to) override {
+    same_shape(from, to, "copy");
+    if (from.size && from.data != to.data) std::memcpy(to.data, from.data, from.bytes());
+  }
+  void accumulate(const raw_tensor& from, const raw_tensor& into) override {
+    same_shape(from, into, "accumulate");
+    visit_dtype(from.type, [&]<class T>(T) {
+      const T* src = static_cast<const T*>(from.data);
+      T* dst = static_cast<T*>(into.data);
+      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
+    });
+  }
+  using memory_domain::convert;
+  void convert(const raw_tensor& from, const raw_tensor& to, double factor) override {
+    if (from.size != to.size)
+      throw error("host_domain::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
+                  "; give both sides the same length");
+    if (factor == 1.0) return detail::convert(from, to);
+    visit_dtype(from.type, [&]<class F>(F) {
+      visit_dtype(to.type, [&]<class T>(T) {
+        if constexpr (std::is_floating_point_v<F>) {
+          using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
+          const F* src = static_cast<const F*>(from.data);
+          T* dst = static_cast<T*>(to.data);
+          const F f = static_cast<F>(factor);
+          detail::for_each_blocked(from.size, [&](std::size_t i) {
+            dst[i] = static_cast<T>(static_cast<wide>(static_cast<F>(src[i] * f)));
+          });
+        } else {
+          throw error("host_domain::convert: a factor applies to f32 and f64 sources, not " +
+                      std::string(to_string(from.type)));
+        }
+      });
+    });
+  }
+  void scale(const raw_tensor& t, double factor) override { detail::scale(t, factor); }
+  void fill(const raw_tensor& t, double value) override {
+    visit_dtype(t.type, [&]<class T>(T) {
+      T v{};
+      if constexpr (std::is_arithmetic_v<T>)
+        v = static_cast<T>(value);
+      else
+        v = T(static_cast<float>(value));  // bf16, f16: through float
+      std::fill_n(static_cast<T*>(t.data), t.size, v);
+    });
+  }
+  void order_after(work& w) override { w.wait(); }
+  void synchronize() override {}
+
+ private:
+  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+  static void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
+    if (a.type != b.type || a.size != b.size)
+      throw error(std::string("host_domain::") + what + ": " + std::to_string(a.size) + " " +
+                  std::string(to_string(a.type)) + " against " + std::to_string(b.size) + " " +
+                  std::string(to_string(b.type)) + "; give both sides the same dtype and length");
+  }
+};
+
+/// The process's host domain: every wrapper's CPU memory comes from it (it keeps no state but its identity).
+inline host_domain& host_memory() {
+  static host_domain domain;
+  return domain;
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/host.hpp>
+
+namespace ddp {
+
+namespace detail {
+/// The registered device domains.
+struct device_table {
+  std::mutex mutex;
+  std::vector<std::pair<device, memory_domain*>> entries;
+};
+inline device_table& device_domains() {
+  static device_table table;
+  return table;
+}
+}  // namespace detail
+
+/// The memory domain of `d`: the host's for the CPU, else the one registered for `d`, else null.
+inline memory_domain* domain_of(device d) {
+  if (!d.is_cuda()) return &host_memory();
+  auto& t = detail::device_domains();
+  std::lock_guard lock(t.mutex);
+  const auto it = std::find_if(t.entries.begin(), t.entries.end(), [&](const auto& e) { return e.first == d; });
+  return it == t.entries.end() ? nullptr : it->second;
+}
+
+/// The memory domain of `d`, or a ddp::config_error naming the fix (`who` names the caller in the message).
+inline memory_domain& require_domain_of(device d, const std::string& who) {
+  if (memory_domain* m = domain_of(d)) return *m;
+  throw config_error(who + ": memory on " + d.to_string() + " has no memory domain in this process; register "
+                     "one (ddp::device_registration: the CUDA runtime's domain of ddp::cuda, or a test's fake "
+                     "device) before handing ddp device memory, or keep the tensors on the CPU");
+}
+
+/// Registers `domain` as the memory domain of its device for the registration's lifetime; a device has one.
+class [[nodiscard]] device_registration {
+ public:
+  /// Registers `domain` (which must outlive the registration) for `domain.where()`.
+  explicit device_registration(memory_domain& domain) : device_(domain.where()) {
+    if (!device_.is_cuda()) throw config_error("device_registration: the CPU's domain is the host's; register devices");
+    auto& t = detail::device_domains();
+    std::lock_guard lock(t.mutex);
+    for (const auto& e : t.entries)
+      if (e.first == device_)
+        throw config_error("device_registration: " + device_.to_string() + " has a memory domain registered "
+                           "already; one domain per device (drop the first registration before making another)");
+    t.entries.emplace_back(device_, &domain);
+  }
+  device_registration(const device_registration&) = delete;
+  device_registration& operator=(const device_registration&) = delete;
+  ~device_registration() {
+    auto& t = detail::device_domains();
+    std::lock_guard lock(t.mutex);
+    std::erase_if(t.entries, [&](const auto& e) { return e.first == device_; });
+  }
+
+ private:
+  device device_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/memory/devices.hpp>
+// ---- begin <ddp/memory/staged.hpp>
+/// \file ddp::staged<Comm>: a communicator that moves device tensors through host memory, for backends that move
+/// host memory only (ddp::tcp, an MPI without CUDA support). A collective whose tensors are all on the host (or a
+/// backend that takes device memory itself, ddp::nccl) goes straight to the backend. Otherwise each device tensor
+/// is copied into a host buffer by its device's memory domain (memory/devices.hpp), the copies are waited for (a
+/// host backend must read them), the backend runs the collective on the host buffers, and once it completes the
+/// outputs are copied back to the device and waited for, so the host buffers can go back to the staging pool.
+
+#include <initializer_list>
+
+
+namespace ddp {
+
+/// Whether Comm's collectives take device memory themselves: a communicator says so with
+/// `static constexpr bool takes_device_memory = true;` (ddp::nccl's does).
+template <class Comm>
+inline constexpr bool takes_device_memory = [] {
+  if constexpr (requires { Comm::takes_device_memory; })
+    return static_cast<bool>(Comm::takes_device_memory);
+  else
+    return false;
+}();
+
+namespace detail {
+
+/// Host buffers for staging, reused: a collective takes the smallest idle one that fits and gives it back once
+/// its outputs are home. Shared by the copies of a staged communicator.
+class staging_pool {
+ public:
+  /// An idle host buffer of at least `bytes`, now busy.
+  domain_buffer take(std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    std::size_t best = idle_.size();
+    for (std::size_t i = 0; i < idle_.size(); ++i)
+      if (idle_[i].size() >= bytes && (best == idle_.size() || idle_[i].size() < idle_[best].size())) best = i;
+    if (best == idle_.size()) return host_memory().allocate(bytes);
+    domain_buffer b = std::move(idle_[best]);
+    idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+    return b;
+  }
+  /// Gives `b` back.
+  void give(domain_buffer b) {
+    std::lock_guard lock(mutex_);
+    idle_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<domain_buffer> idle_;
+};
+
+/// One device tensor of a collective and its host stand-in.
+struct staged_tensor {
+  raw_tensor device;        ///< the caller's tensor
+  raw_tensor host;          ///< its stand-in, in `buffer`
+  domain_buffer buffer;     ///< from the pool
+  memory_domain* domain;    ///< the device's domain
+  bool output;              ///< written by the collective: copied back once it completes
+};
+
+/// The work of a staged collective: the backend's, then the outputs copied home once it completes.
+class staged_state final : public work_state {
+ public:
+  staged_state(work inner, std::vector<staged_tensor> tensors, std::shared_ptr<staging_pool> pool)
+      : inner_(std::move(inner)), tensors_(std::move(tensors)), pool_(std::move(pool)) {}
+  bool test() override {
+    if (!inner_.done()) return false;
+    bring_home();
+    return true;
+  }
+  bool wait_until(clock::time_point deadline) override {
+    auto& s = work_access::state(inner_);
+    if (s && !s->wait_until(deadline)) return false;
+    bring_home();
+    return true;
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return inner().timeout(); }
+  [[nodiscard]] int rank() const override { return inner().rank(); }
+  [[nodiscard]] std::string describe() const override { return inner().describe() + " (staged through the host)"; }
+  [[nodiscard]] std::string waiting_for() const override { return inner().waiting_for(); }
+  std::string diagnosis() override { return work_access::state(inner_) ? work_access::state(inner_)->diagnosis() : ""; }
+
+ private:
+  [[nodiscard]] const work_state& inner() const { return *work_access::state(const_cast<work&>(inner_)); }
+  /// Once: the outputs copied back to their devices and waited for, the host buffers returned.
+  void bring_home() {
+    std::call_once(home_, [&] {
+      for (auto& t : tensors_)
+        if (t.output) t.domain->copy(t.host, t.device);
+      for (auto& t : tensors_)
+        if (t.output) t.domain->synchronize();
+      for (auto& t : tensors_) pool_->give(std::move(t.buffer));
+    });
+  }
+  work inner_;
+  std::vector<staged_tensor> tensors_;
+  std::shared_ptr<staging_pool> pool_;
+  std::once_flag home_;
+};
+
+}  // namespace detail
+
+/// A communicator over `Comm` whose collectives also take device tensors, staged through host memory (see the
+/// file comment). Copies share the staging pool; split() stages the subgroup alike.
+template <class Comm>
+class staged {
+  static_assert(communicator<Comm>, "ddp::staged<Comm>: Comm must model ddp::communicator; stage a backend's communicator.");
+ public:
+  /// Stages `comm`'s collectives.
+  explicit staged(Comm comm) : comm_(std::move(comm)), pool_(std::make_shared<detail::staging_pool>()) {}
+
+  /// The backend's communicator.
+  [[nodiscard]] Comm& inner() noexcept { return comm_; }
+  /// The backend's communicator.
+  [[nodiscard]] const Comm& inner() const noexcept { return comm_; }
+  /// This process's rank in the group.
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  /// Number of ranks.
+  [[nodiscard]] int size() const { return comm_.size(); }
+  /// The backend's traffic counts.
+  [[nodiscard]] comm_stats stats() const { return comm_.stats(); }
+  /// Collective: the backend's split, staged alike (sharing the staging pool).
+  staged split(int color, int key) { return staged(comm_.split(color, key), pool_); }
+
+  /// all_reduce, staged where `buffer` is on a device.
+  template <tensor T>
+  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
+    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.all_reduce(h[0], op); });
+  }
+  /// reduce_scatter, staged where a tensor is on a device.
+  template <tensor In, tensor Out>
+  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
+    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
+               [&](auto& h) { return comm_.reduce_scatter(h[0], h[1], op); });
+  }
+  /// all_gather, staged where a tensor is on a device.
+  template <tensor In, tensor Out>
+  work all_gather(In&& input, Out&& output) {
+    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
+               [&](auto& h) { return comm_.all_gather(h[0], h[1]); });
+  }
+  /// broadcast, staged where `buffer` is on a device.
+  template <tensor T>
+  work broadcast(T&& buffer, int root = 0) {
+    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.broadcast(h[0], root); });
+  }
+  /// reduce, staged where `buffer` is on a device.
+  template <tensor T>
+  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
+    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.reduce(h[0], op, root); });
+  }
+  /// gather, staged where a tensor is on a device.
+  template <tensor In, tensor Out>
+  work gather(In&& input, Out&& output, int root = 0) {
+    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
+               [&](auto& h) { return comm_.gather(h[0], h[1], root); });
+  }
+  /// scatter, staged where a tensor is on a device.
+  template <tensor In, tensor Out>
+  work scatter(In&& input, Out&& output, int root = 0) {
+    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
+               [&](auto& h) { return comm_.scatter(h[0], h[1], root); });
+  }
+  /// all_to_all, staged where a tensor is on a device.
+  template <tensor In, tensor Out>
+  work all_to_all(In&& input, Out&& output) {
+    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
+               [&](auto& h) { return comm_.all_to_all(h[0], h[1]); });
+  }
+  /// The backend's barrier.
+  work barrier() { return comm_.barrier(); }
+  /// send, staged where `buffer` is on a device.
+  template <tensor T>
+  work send(T&& buffer, int peer, int tag = 0) {
+    return run({{as_raw(buffer), true, false}}, [&](auto& h) { return comm_.send(h[0], peer, tag); });
+  }
+  /// recv, staged where `buffer` is on a device.
+  template <tensor T>
+  work recv(T&& buffer, int peer, int tag = 0) {
+    return run({{as_raw(buffer), false, true}}, [&](auto& h) { return comm_.recv(h[0], peer, tag); });
+  }
+
+ private:
+  staged(Comm comm, std::shared_ptr<detail::staging_pool> pool) : comm_(std::move(comm)), pool_(std::move(pool)) {}
+
+  struct argument {
+    raw_tensor tensor;
+    bool reads;   // the collective reads it: copied to the host first
+    bool writes;  // the collective writes it: copied back once it completes
+  };
+  /// Runs `launch` on the arguments, or on host stand-ins of those on a device (see the file comment).
+  template <class Launch>
+  work run(std::initializer_list<argument> args, Launch&& launch) {
+    std::vector<raw_tensor> use;
+    std::vector<detail::staged_tensor> staged_tensors;
+    for (const auto& a : args) {
+      if (!a.tensor.where.is_cuda() || takes_device_memory<Comm> || a.tensor.size == 0) {
+        use.push_back(a.tensor);
+        continue;
+      }
+      memory_domain& d = require_domain_of(a.tensor.where, "ddp::staged");
+      domain_buffer b = pool_->take(a.tensor.bytes());
+      const raw_tensor host = b.view(a.tensor.type, 0, a.tensor.size);
+      if (a.reads) d.copy(a.tensor, host);
+      use.push_back(host);
+      staged_tensors.push_back({a.tensor, host, std::move(b), &d, a.writes});
+    }
+    if (staged_tensors.empty()) return launch(use);
+    for (auto& t : staged_tensors) t.domain->synchronize();  // the host backend reads the copies now
+    work w = launch(use);
+    return work(std::make_shared<detail::staged_state>(std::move(w), std::move(staged_tensors), pool_));
+  }
+
+  Comm comm_;
+  std::shared_ptr<detail::staging_pool> pool_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/memory/staged.hpp>
+
+// ---- begin <ddp/parallel/policies.hpp>
+/// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.
+/// Policies may be given in any order; a missing category takes its default. The sharding policies carry
+/// their run-time settings as members with defaults (ddp::full_shard{.reshard_after_forward = false}).
+
+
+// ---- begin <ddp/parallel/comm_hooks.hpp>
+/// \file Comm hooks: how a bucket's gradients are reduced. A hook is a policy type (any default-constructible
+/// type with `using policy_category = ddp::comm_hook_policy;`) that models ddp::comm_hook: start(bucket)
+/// starts the reduction of one bucket's gradients and returns its ddp::work; complete(bucket) runs once that
+/// work is done and leaves the averaged gradients in the bucket. A hook may keep state (per bucket: the
+/// bucket's index is stable across steps). plain_hook all-reduces with the average; bf16_compress_hook and
+/// fp16_compress_hook divide by the world size, round into a reused half-precision buffer, all-reduce the sum
+/// in that dtype and widen the result back (PyTorch's compression hooks).
+
+
 // ---- begin <ddp/parallel/archetype.hpp>
 /// \file ddp::detail::archetype_communicator: the least type that models ddp::communicator (declarations only,
 /// never called), so the parallel room can check its concepts (comm_hook, sharding_strategy) with a static_assert
@@ -8284,7 +8675,6 @@ struct mixed_precision {
 /// parameters; when data_parallel builds its layout it resolves the part, by those addresses, to the dotted
 /// prefix its parameters share in the wrapped model, which then names the unit.
 
-#include <initializer_list>
 #include <unordered_map>
 
 
@@ -8645,110 +9035,6 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 /// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
 
 
-// ---- begin <ddp/memory/host.hpp>
-/// \file ddp::host_domain: the memory domain of the CPU. Page-aligned zeroed memory whose whole pages can go back
-/// to the OS while the range stays mapped (madvise), and element work as loops on the calling thread, which
-/// has run when the call returns (so order_after waits for the collective, and synchronize has nothing to do).
-
-#include <new>
-
-
-
-namespace ddp {
-
-/// The CPU's memory domain (see the file comment).
-class host_domain final : public memory_domain {
- public:
-  static constexpr std::size_t page_bytes = 4096;  ///< allocations are aligned to, and released in, whole pages
-
-  [[nodiscard]] device where() const noexcept override { return device::cpu(); }
-  [[nodiscard]] domain_buffer allocate(std::size_t bytes) override {
-    if (bytes == 0) return {};
-    std::shared_ptr<std::byte> p(static_cast<std::byte*>(::operator new(round_up(bytes), std::align_val_t{page_bytes})),
-                                 [](std::byte* q) { ::operator delete(q, std::align_val_t{page_bytes}); });
-    std::fill_n(p.get(), bytes, std::byte{0});
-    return {std::move(p), bytes, this};
-  }
-  void release(const domain_buffer& b, std::size_t begin, std::size_t end) override {
-    std::byte* data = b.data();
-    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
-    if (first_page < last_page) {
-      std::fill(data + begin, data + first_page, std::byte{0});
-      std::fill(data + last_page, data + end, std::byte{0});
-      if (::madvise(data + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
-    }
-    std::fill(data + begin, data + end, std::byte{0});
-  }
-  void zero(const raw_tensor& t) override {
-    if (t.size) std::memset(t.data, 0, t.bytes());
-  }
-  void copy(const raw_tensor& from, const raw_tensor& to) override {
-    same_shape(from, to, "copy");
-    if (from.size && from.data != to.data) std::memcpy(to.data, from.data, from.bytes());
-  }
-  void accumulate(const raw_tensor& from, const raw_tensor& into) override {
-    same_shape(from, into, "accumulate");
-    visit_dtype(from.type, [&]<class T>(T) {
-      const T* src = static_cast<const T*>(from.data);
-      T* dst = static_cast<T*>(into.data);
-      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
-    });
-  }
-  using memory_domain::convert;
-  void convert(const raw_tensor& from, const raw_tensor& to, double factor) override {
-    if (from.size != to.size)
-      throw error("host_domain::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
-                  "; give both sides the same length");
-    if (factor == 1.0) return detail::convert(from, to);
-    visit_dtype(from.type, [&]<class F>(F) {
-      visit_dtype(to.type, [&]<class T>(T) {
-        if constexpr (std::is_floating_point_v<F>) {
-          using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
-          const F* src = static_cast<const F*>(from.data);
-          T* dst = static_cast<T*>(to.data);
-          const F f = static_cast<F>(factor);
-          detail::for_each_blocked(from.size, [&](std::size_t i) {
-            dst[i] = static_cast<T>(static_cast<wide>(static_cast<F>(src[i] * f)));
-          });
-        } else {
-          throw error("host_domain::convert: a factor applies to f32 and f64 sources, not " +
-                      std::string(to_string(from.type)));
-        }
-      });
-    });
-  }
-  void scale(const raw_tensor& t, double factor) override { detail::scale(t, factor); }
-  void fill(const raw_tensor& t, double value) override {
-    visit_dtype(t.type, [&]<class T>(T) {
-      T v{};
-      if constexpr (std::is_arithmetic_v<T>)
-        v = static_cast<T>(value);
-      else
-        v = T(static_cast<float>(value));  // bf16, f16: through float
-      std::fill_n(static_cast<T*>(t.data), t.size, v);
-    });
-  }
-  void order_after(work& w) override { w.wait(); }
-  void synchronize() override {}
-
- private:
-  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
-  static void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
-    if (a.type != b.type || a.size != b.size)
-      throw error(std::string("host_domain::") + what + ": " + std::to_string(a.size) + " " +
-                  std::string(to_string(a.type)) + " against " + std::to_string(b.size) + " " +
-                  std::string(to_string(b.type)) + "; give both sides the same dtype and length");
-  }
-};
-
-/// The process's host domain: every wrapper's CPU memory comes from it (it keeps no state but its identity).
-inline host_domain& host_memory() {
-  static host_domain domain;
-  return domain;
-}
-
-}  // namespace ddp
-// ---- end <ddp/memory/host.hpp>
 
 namespace ddp::optim {
 
@@ -13790,6 +14076,8 @@ inline ncclUniqueId new_unique_id() {
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
   using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
+  /// Collectives take device memory themselves: ddp::staged passes device tensors straight through.
+  static constexpr bool takes_device_memory = true;
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>

@@ -76,6 +76,8 @@ inline ncclUniqueId new_unique_id() {
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
   using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
+  /// Collectives take device memory themselves: ddp::staged passes device tensors straight through.
+  static constexpr bool takes_device_memory = true;
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
