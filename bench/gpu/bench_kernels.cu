@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <ddp/cuda/buffer.hpp>
+#include <ddp/cuda/element.hpp>
 #include <ddp/cuda/error.hpp>
 #include <ddp/cuda/kernels.cuh>
 #include <ddp/cuda/runtime.hpp>
@@ -43,8 +44,9 @@ int main(int argc, char** argv) {
   ddp::cuda::device_buffer<float> a(n), b(n), c(n), d(n);
   ddp::cuda::device_buffer<ddp::bfloat16> h(n);
   ddp::cuda::device_buffer<ddp::float16> f16(n);
-  for (auto* buf : {&a, &b, &c, &d}) ddp::cuda::check(cudaMemsetAsync(buf->data(), 0, n * 4, s.get()), "memset");
-  ddp::cuda::check(cudaMemsetAsync(h.data(), 0, n * 2, s.get()), "memset");
+  // ordinary values (not zeros, which some kernels treat apart)
+  for (auto* buf : {&a, &b, &c, &d}) ddp::cuda::fill(buf->raw(), 1.2345, s.get());
+  ddp::cuda::fill(h.raw(), 1.2345, s.get());
 
   cudaDeviceProp prop{};
   ddp::cuda::check(cudaGetDeviceProperties(&prop, ddp::cuda::current_device()), "cudaGetDeviceProperties");
@@ -63,7 +65,13 @@ int main(int argc, char** argv) {
   const std::span<const float> ca(a.span());
   const std::vector<row> rows{
       {"scale f32 (x *= c)", 8, [&] { ddp::cuda::scale(a.span(), 0.5, s.get()); }},
-      {"average bf16 (x /= n)", 4, [&] { ddp::cuda::average(h.span(), 4, s.get()); }},
+      {"average bf16 (x /= 4)", 4, [&] { ddp::cuda::average(h.span(), 4, s.get()); }},
+      {"average bf16 (x /= 3)", 4, [&] { ddp::cuda::average(h.span(), 3, s.get()); }},
+      {"average f32 (x /= 3)", 8, [&] { ddp::cuda::average(a.span(), 3, s.get()); }},
+      {"element.hpp (PTX): divide f32 by 3", 8, [&] { ddp::cuda::divide(a.raw(), 3, s.get()); }},
+      {"element.hpp (PTX): accumulate f32", 12, [&] { ddp::cuda::accumulate(a.raw(), b.raw(), s.get()); }},
+      {"element.hpp (PTX): convert f32 -> bf16 x 0.5", 6, [&] { ddp::cuda::convert(a.raw(), h.raw(), 0.5, s.get()); }},
+      {"element.hpp (PTX): fill f32", 4, [&] { ddp::cuda::fill(a.raw(), 1.0, s.get()); }},
       {"cast f32 -> bf16", 6, [&] { ddp::cuda::cast_to_bf16(ca, h.span(), s.get()); }},
       {"cast bf16 -> f32", 6, [&] { ddp::cuda::cast_from_bf16(std::span<const ddp::bfloat16>(h.span()), b.span(), s.get()); }},
       {"cast f32 -> f16", 6, [&] { ddp::cuda::cast_to_f16(ca, f16.span(), s.get()); }},

@@ -1297,6 +1297,12 @@ class work_state {
   [[nodiscard]] virtual std::string waiting_for() const { return {}; }
   /// Called once when wait() times out: what else the message should say (the flight recorder's view).
   virtual std::string diagnosis() { return {}; }
+  /// Makes the CUDA stream `cuda_stream` (a cudaStream_t) wait on its device for the operation, without blocking
+  /// the host; false where the backend cannot, and the caller waits on the host instead.
+  virtual bool order_stream(void* cuda_stream) {
+    (void)cuda_stream;
+    return false;
+  }
 };
 
 /// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes
@@ -13211,7 +13217,8 @@ struct ddp::backend_traits<ddp::backend::mpi> : ddp::detail::backend_binding<ddp
 ///   device and go to NCCL as they are. Host buffers (std::span, std::vector) are staged through pinned memory and
 ///   a stream-ordered device scratch, copied back when the work completes; this serves small host-side traffic
 ///   such as all_gather_object, not gradients.
-/// - Reductions: bf16 and f16 natively; avg is ncclAvg (integers: the sum divided with truncation).
+/// - Reductions: bf16 and f16 natively; avg is the sum divided by the group size on the communicator's stream
+///   (ddp::cuda::divide), so it has the host backends' bits (integers truncate).
 /// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and started together
 ///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
 ///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
@@ -13290,12 +13297,12 @@ constexpr ncclDataType_t datatype(dtype t) noexcept {
   return ncclUint8;
 }
 
-/// The NCCL operator of `op`; avg is NCCL's own (ncclAvg: a pre-multiplied sum for floating types, a sum divided
-/// by the group size with truncation for integers).
+/// The NCCL operator of `op`; avg is a sum, which the communicator divides by the group size after (ncclAvg
+/// pre-multiplies each rank's value, which rounds differently from the host backends' sum / N).
 constexpr ncclRedOp_t reduction(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::avg: return ncclSum;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
     case reduce_op::prod: return ncclProd;
@@ -13394,10 +13401,14 @@ inline void check_kernel(std::string_view kernel, int rank = -1) {
 // ---- begin <ddp/cuda/runtime.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_RUNTIME_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_RUNTIME_HPP
-/// \file CUDA runtime handles as RAII types: the current-device guard, streams and events.
+/// \file CUDA runtime handles as RAII types (the current-device guard, streams, events) and the launch shape of the
+/// element kernels.
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -13417,6 +13428,32 @@ inline int device_count() {
   check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   return count;
 }
+
+/// Streaming multiprocessors of the current device (looked up once per device).
+inline int multiprocessors() {
+  constexpr int max_devices = 64;
+  static int cached[max_devices] = {};
+  const int device = current_device();
+  int& sms = cached[device % max_devices];
+  if (sms == 0) check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
+/// Threads of every block the element kernels start.
+constexpr unsigned threads_per_block = 256;
+
+/// Work items of a grid-stride loop in packs of V: the full packs and the tail, or every element alone.
+constexpr std::size_t launch_units(std::size_t n, int V, bool vector) noexcept { return vector ? n / V + n % V : n; }
+
+/// Blocks of `threads` for a grid-stride loop over `units` pieces of work: enough to cover them, at most eight
+/// per multiprocessor (a full device at 256 threads a block).
+inline unsigned grid_blocks(std::size_t units, unsigned threads) {
+  const std::size_t wanted = (units + threads - 1) / threads;
+  return static_cast<unsigned>(std::min<std::size_t>(wanted, static_cast<std::size_t>(multiprocessors()) * 8));
+}
+
+/// True where `p` is 16-byte aligned, so kernels may move it in 16-byte packs.
+inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 /// Makes `device` current for one scope and restores the previous device after.
 class device_guard {
@@ -14009,6 +14046,16 @@ class op_state final : public ddp::detail::work_state {
   [[nodiscard]] int rank() const override { return group_->rank; }
   [[nodiscard]] std::string describe() const override { return ddp::detail::describe(info_); }
 
+  /// Starts the operation if it is queued, then makes `cuda_stream` wait for its completion event. A host buffer's
+  /// copy-back happens on the host, so a staged operation is waited for there (false).
+  bool order_stream(void* cuda_stream) override {
+    std::lock_guard lock(mutex_);
+    if (poll()) return true;
+    if (!rec_->staged.empty()) return false;
+    rec_->done.make_wait(static_cast<cudaStream_t>(cuda_stream));
+    return true;
+  }
+
  private:
   /// One look at the operation; the caller holds mutex_.
   bool poll() {
@@ -14056,6 +14103,10785 @@ class op_state final : public ddp::detail::work_state {
 }  // namespace ddp::nccl::detail
 #endif  // DDP_SINGLE_HEADER_DDP_COMM_NCCL_OPERATION_HPP
 // ---- end <ddp/comm/nccl/operation.hpp>
+// ---- begin <ddp/cuda/element.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
+#define DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
+/// \file Element work on CUDA device memory for programs built by any C++ compiler: fill, accumulate, scale,
+/// divide and convert over ddp::raw_tensor, each asynchronous on a stream. The kernels are kernels.cuh's, compiled
+/// to PTX (detail/element_ptx.hpp, from src/cuda/element.cu) and loaded once per process with the CUDA runtime's
+/// library API; the driver compiles them for the GPU at hand on first use and caches the result. Every result
+/// has the host's bits (ddp::host_domain, ddp::detail::scale and divide).
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+
+// ---- begin <ddp/cuda/detail/element_ptx.hpp>
+#ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
+#define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
+/// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
+/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: e0c48eb80cec731ca1b5be076d5d0d052fae1373a570306b07989d9b5945d709
+
+namespace ddp::cuda::detail {
+
+/// The element kernels as PTX text.
+inline constexpr char element_ptx[] = R"ptx(//
+// Generated by NVIDIA NVVM Compiler
+//
+// Compiler Build ID: CL-36424714
+// Cuda compilation tools, release 13.0, V13.0.88
+// Based on NVVM 7.0.1
+//
+
+.version 9.0
+.target sm_80
+.address_size 64
+
+	// .globl	ddp_fill_f32
+
+.visible .entry ddp_fill_f32(
+	.param .u64 ddp_fill_f32_param_0,
+	.param .u64 ddp_fill_f32_param_1,
+	.param .f32 ddp_fill_f32_param_2,
+	.param .u8 ddp_fill_f32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .f32 	%f<2>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_fill_f32_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_f32_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_f32_param_1];
+	ld.param.f32 	%f1, [ddp_fill_f32_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB0_6;
+
+	shr.u64 	%rd4, %rd15, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB0_4;
+
+	mov.u64 	%rd28, %rd3;
+
+$L__BB0_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v4.f32 	[%rd20], {%f1, %f1, %f1, %f1};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB0_3;
+
+$L__BB0_4:
+	and.b64  	%rd21, %rd15, -4;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB0_11;
+
+$L__BB0_5:
+	shl.b64 	%rd22, %rd29, 2;
+	add.s64 	%rd23, %rd1, %rd22;
+	st.global.f32 	[%rd23], %f1;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB0_5;
+	bra.uni 	$L__BB0_11;
+
+$L__BB0_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB0_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB0_8:
+	shl.b64 	%rd24, %rd30, 2;
+	add.s64 	%rd25, %rd1, %rd24;
+	st.global.f32 	[%rd25], %f1;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB0_8;
+
+$L__BB0_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB0_11;
+
+$L__BB0_10:
+	shl.b64 	%rd26, %rd31, 2;
+	add.s64 	%rd27, %rd1, %rd26;
+	st.global.f32 	[%rd27], %f1;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB0_10;
+
+$L__BB0_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_f32
+.visible .entry ddp_accumulate_f32(
+	.param .u64 ddp_accumulate_f32_param_0,
+	.param .u64 ddp_accumulate_f32_param_1,
+	.param .u64 ddp_accumulate_f32_param_2,
+	.param .u8 ddp_accumulate_f32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .f32 	%f<30>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<38>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_f32_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_f32_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_f32_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_f32_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB1_6;
+
+	shr.u64 	%rd5, %rd16, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB1_4;
+
+	mov.u64 	%rd34, %rd4;
+
+$L__BB1_3:
+	shl.b64 	%rd21, %rd34, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v4.f32 	{%f1, %f2, %f3, %f4}, [%rd22];
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v4.f32 	{%f9, %f10, %f11, %f12}, [%rd23];
+	add.f32 	%f17, %f4, %f12;
+	add.f32 	%f18, %f3, %f11;
+	add.f32 	%f19, %f2, %f10;
+	add.f32 	%f20, %f1, %f9;
+	st.global.v4.f32 	[%rd22], {%f20, %f19, %f18, %f17};
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p3, %rd34, %rd5;
+	@%p3 bra 	$L__BB1_3;
+
+$L__BB1_4:
+	and.b64  	%rd24, %rd16, -4;
+	add.s64 	%rd35, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd35, %rd16;
+	@%p4 bra 	$L__BB1_11;
+
+$L__BB1_5:
+	shl.b64 	%rd25, %rd35, 2;
+	add.s64 	%rd26, %rd1, %rd25;
+	ld.global.f32 	%f21, [%rd26];
+	add.s64 	%rd27, %rd2, %rd25;
+	ld.global.f32 	%f22, [%rd27];
+	add.f32 	%f23, %f21, %f22;
+	st.global.f32 	[%rd27], %f23;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p5, %rd35, %rd16;
+	@%p5 bra 	$L__BB1_5;
+	bra.uni 	$L__BB1_11;
+
+$L__BB1_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB1_9;
+
+	mov.u64 	%rd36, %rd4;
+
+$L__BB1_8:
+	shl.b64 	%rd28, %rd36, 2;
+	add.s64 	%rd29, %rd1, %rd28;
+	ld.global.f32 	%f24, [%rd29];
+	add.s64 	%rd30, %rd2, %rd28;
+	ld.global.f32 	%f25, [%rd30];
+	add.f32 	%f26, %f24, %f25;
+	st.global.f32 	[%rd30], %f26;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p7, %rd36, %rd16;
+	@%p7 bra 	$L__BB1_8;
+
+$L__BB1_9:
+	add.s64 	%rd37, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd37, %rd4;
+	@%p8 bra 	$L__BB1_11;
+
+$L__BB1_10:
+	shl.b64 	%rd31, %rd37, 2;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f32 	%f27, [%rd32];
+	add.s64 	%rd33, %rd2, %rd31;
+	ld.global.f32 	%f28, [%rd33];
+	add.f32 	%f29, %f27, %f28;
+	st.global.f32 	[%rd33], %f29;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p9, %rd37, %rd16;
+	@%p9 bra 	$L__BB1_10;
+
+$L__BB1_11:
+	ret;
+
+}
+	// .globl	ddp_fill_f64
+.visible .entry ddp_fill_f64(
+	.param .u64 ddp_fill_f64_param_0,
+	.param .u64 ddp_fill_f64_param_1,
+	.param .f64 ddp_fill_f64_param_2,
+	.param .u8 ddp_fill_f64_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<2>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_fill_f64_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_f64_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_f64_param_1];
+	ld.param.f64 	%fd1, [ddp_fill_f64_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB2_6;
+
+	shr.u64 	%rd4, %rd15, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB2_4;
+
+	mov.u64 	%rd28, %rd3;
+
+$L__BB2_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v2.f64 	[%rd20], {%fd1, %fd1};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB2_3;
+
+$L__BB2_4:
+	and.b64  	%rd21, %rd15, -2;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB2_11;
+
+$L__BB2_5:
+	shl.b64 	%rd22, %rd29, 3;
+	add.s64 	%rd23, %rd1, %rd22;
+	st.global.f64 	[%rd23], %fd1;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB2_5;
+	bra.uni 	$L__BB2_11;
+
+$L__BB2_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB2_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB2_8:
+	shl.b64 	%rd24, %rd30, 3;
+	add.s64 	%rd25, %rd1, %rd24;
+	st.global.f64 	[%rd25], %fd1;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB2_8;
+
+$L__BB2_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB2_11;
+
+$L__BB2_10:
+	shl.b64 	%rd26, %rd31, 3;
+	add.s64 	%rd27, %rd1, %rd26;
+	st.global.f64 	[%rd27], %fd1;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB2_10;
+
+$L__BB2_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_f64
+.visible .entry ddp_accumulate_f64(
+	.param .u64 ddp_accumulate_f64_param_0,
+	.param .u64 ddp_accumulate_f64_param_1,
+	.param .u64 ddp_accumulate_f64_param_2,
+	.param .u8 ddp_accumulate_f64_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<20>;
+	.reg .b64 	%rd<38>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_f64_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_f64_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_f64_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_f64_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB3_6;
+
+	shr.u64 	%rd5, %rd16, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB3_4;
+
+	mov.u64 	%rd34, %rd4;
+
+$L__BB3_3:
+	shl.b64 	%rd21, %rd34, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v2.f64 	{%fd1, %fd2}, [%rd22];
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v2.f64 	{%fd5, %fd6}, [%rd23];
+	add.f64 	%fd9, %fd2, %fd6;
+	add.f64 	%fd10, %fd1, %fd5;
+	st.global.v2.f64 	[%rd22], {%fd10, %fd9};
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p3, %rd34, %rd5;
+	@%p3 bra 	$L__BB3_3;
+
+$L__BB3_4:
+	and.b64  	%rd24, %rd16, -2;
+	add.s64 	%rd35, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd35, %rd16;
+	@%p4 bra 	$L__BB3_11;
+
+$L__BB3_5:
+	shl.b64 	%rd25, %rd35, 3;
+	add.s64 	%rd26, %rd1, %rd25;
+	ld.global.f64 	%fd11, [%rd26];
+	add.s64 	%rd27, %rd2, %rd25;
+	ld.global.f64 	%fd12, [%rd27];
+	add.f64 	%fd13, %fd11, %fd12;
+	st.global.f64 	[%rd27], %fd13;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p5, %rd35, %rd16;
+	@%p5 bra 	$L__BB3_5;
+	bra.uni 	$L__BB3_11;
+
+$L__BB3_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB3_9;
+
+	mov.u64 	%rd36, %rd4;
+
+$L__BB3_8:
+	shl.b64 	%rd28, %rd36, 3;
+	add.s64 	%rd29, %rd1, %rd28;
+	ld.global.f64 	%fd14, [%rd29];
+	add.s64 	%rd30, %rd2, %rd28;
+	ld.global.f64 	%fd15, [%rd30];
+	add.f64 	%fd16, %fd14, %fd15;
+	st.global.f64 	[%rd30], %fd16;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p7, %rd36, %rd16;
+	@%p7 bra 	$L__BB3_8;
+
+$L__BB3_9:
+	add.s64 	%rd37, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd37, %rd4;
+	@%p8 bra 	$L__BB3_11;
+
+$L__BB3_10:
+	shl.b64 	%rd31, %rd37, 3;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f64 	%fd17, [%rd32];
+	add.s64 	%rd33, %rd2, %rd31;
+	ld.global.f64 	%fd18, [%rd33];
+	add.f64 	%fd19, %fd17, %fd18;
+	st.global.f64 	[%rd33], %fd19;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p9, %rd37, %rd16;
+	@%p9 bra 	$L__BB3_10;
+
+$L__BB3_11:
+	ret;
+
+}
+	// .globl	ddp_fill_bf16
+.visible .entry ddp_fill_bf16(
+	.param .u64 ddp_fill_bf16_param_0,
+	.param .u64 ddp_fill_bf16_param_1,
+	.param .align 2 .b8 ddp_fill_bf16_param_2[2],
+	.param .u8 ddp_fill_bf16_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<6>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.u16 	%rs1, [ddp_fill_bf16_param_2];
+	ld.param.s8 	%rs2, [ddp_fill_bf16_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_bf16_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_bf16_param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB4_6;
+
+	shr.u64 	%rd4, %rd15, 3;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB4_4;
+
+	mov.b32 	%r5, {%rs1, %rs1};
+	mov.u64 	%rd28, %rd3;
+
+$L__BB4_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v4.u32 	[%rd20], {%r5, %r5, %r5, %r5};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB4_3;
+
+$L__BB4_4:
+	and.b64  	%rd21, %rd15, -8;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB4_11;
+
+$L__BB4_5:
+	shl.b64 	%rd22, %rd29, 1;
+	add.s64 	%rd23, %rd1, %rd22;
+	st.global.u16 	[%rd23], %rs1;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB4_5;
+	bra.uni 	$L__BB4_11;
+
+$L__BB4_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB4_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB4_8:
+	shl.b64 	%rd24, %rd30, 1;
+	add.s64 	%rd25, %rd1, %rd24;
+	st.global.u16 	[%rd25], %rs1;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB4_8;
+
+$L__BB4_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB4_11;
+
+$L__BB4_10:
+	shl.b64 	%rd26, %rd31, 1;
+	add.s64 	%rd27, %rd1, %rd26;
+	st.global.u16 	[%rd27], %rs1;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB4_10;
+
+$L__BB4_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_bf16
+.visible .entry ddp_accumulate_bf16(
+	.param .u64 ddp_accumulate_bf16_param_0,
+	.param .u64 ddp_accumulate_bf16_param_1,
+	.param .u64 ddp_accumulate_bf16_param_2,
+	.param .u8 ddp_accumulate_bf16_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<35>;
+	.reg .f32 	%f<34>;
+	.reg .b32 	%r<25>;
+	.reg .b64 	%rd<38>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_bf16_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_bf16_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_bf16_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_bf16_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB5_6;
+
+	shr.u64 	%rd5, %rd16, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB5_4;
+
+	mov.u64 	%rd34, %rd4;
+
+$L__BB5_3:
+	shl.b64 	%rd21, %rd34, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd22];
+	mov.b32 	{%rs2, %rs5}, %r5;
+	mov.b32 	{%rs8, %rs11}, %r6;
+	mov.b32 	{%rs14, %rs17}, %r7;
+	mov.b32 	{%rs20, %rs23}, %r8;
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v4.u32 	{%r13, %r14, %r15, %r16}, [%rd23];
+	mov.b32 	{%rs3, %rs6}, %r13;
+	mov.b32 	{%rs9, %rs12}, %r14;
+	mov.b32 	{%rs15, %rs18}, %r15;
+	mov.b32 	{%rs21, %rs24}, %r16;
+	// begin inline asm
+	{ mov.b32 %f1, {0,%rs2};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs3};}
+
+	// end inline asm
+	add.f32 	%f3, %f1, %f2;
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs5};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f5, {0,%rs6};}
+
+	// end inline asm
+	add.f32 	%f6, %f4, %f5;
+	// begin inline asm
+	{ mov.b32 %f7, {0,%rs8};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f8, {0,%rs9};}
+
+	// end inline asm
+	add.f32 	%f9, %f7, %f8;
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs11};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f11, {0,%rs12};}
+
+	// end inline asm
+	add.f32 	%f12, %f10, %f11;
+	// begin inline asm
+	{ mov.b32 %f13, {0,%rs14};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs15};}
+
+	// end inline asm
+	add.f32 	%f15, %f13, %f14;
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs17};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f17, {0,%rs18};}
+
+	// end inline asm
+	add.f32 	%f18, %f16, %f17;
+	// begin inline asm
+	{ mov.b32 %f19, {0,%rs20};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs21};}
+
+	// end inline asm
+	add.f32 	%f21, %f19, %f20;
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs23};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f23, {0,%rs24};}
+
+	// end inline asm
+	add.f32 	%f24, %f22, %f23;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs7, %f6;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs13, %f12;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs19, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f15;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs25, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs22, %f21;}
+
+	// end inline asm
+	mov.b32 	%r21, {%rs22, %rs25};
+	mov.b32 	%r22, {%rs16, %rs19};
+	mov.b32 	%r23, {%rs10, %rs13};
+	mov.b32 	%r24, {%rs4, %rs7};
+	st.global.v4.u32 	[%rd22], {%r24, %r23, %r22, %r21};
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p3, %rd34, %rd5;
+	@%p3 bra 	$L__BB5_3;
+
+$L__BB5_4:
+	and.b64  	%rd24, %rd16, -8;
+	add.s64 	%rd35, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd35, %rd16;
+	@%p4 bra 	$L__BB5_11;
+
+$L__BB5_5:
+	shl.b64 	%rd25, %rd35, 1;
+	add.s64 	%rd26, %rd2, %rd25;
+	ld.global.u16 	%rs26, [%rd26];
+	add.s64 	%rd27, %rd1, %rd25;
+	ld.global.u16 	%rs27, [%rd27];
+	// begin inline asm
+	{ mov.b32 %f25, {0,%rs26};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs27};}
+
+	// end inline asm
+	add.f32 	%f27, %f25, %f26;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs28, %f27;}
+
+	// end inline asm
+	st.global.u16 	[%rd26], %rs28;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p5, %rd35, %rd16;
+	@%p5 bra 	$L__BB5_5;
+	bra.uni 	$L__BB5_11;
+
+$L__BB5_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB5_9;
+
+	mov.u64 	%rd36, %rd4;
+
+$L__BB5_8:
+	shl.b64 	%rd28, %rd36, 1;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.u16 	%rs29, [%rd29];
+	add.s64 	%rd30, %rd1, %rd28;
+	ld.global.u16 	%rs30, [%rd30];
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs29};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f29, {0,%rs30};}
+
+	// end inline asm
+	add.f32 	%f30, %f28, %f29;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs31, %f30;}
+
+	// end inline asm
+	st.global.u16 	[%rd29], %rs31;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p7, %rd36, %rd16;
+	@%p7 bra 	$L__BB5_8;
+
+$L__BB5_9:
+	add.s64 	%rd37, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd37, %rd4;
+	@%p8 bra 	$L__BB5_11;
+
+$L__BB5_10:
+	shl.b64 	%rd31, %rd37, 1;
+	add.s64 	%rd32, %rd2, %rd31;
+	ld.global.u16 	%rs32, [%rd32];
+	add.s64 	%rd33, %rd1, %rd31;
+	ld.global.u16 	%rs33, [%rd33];
+	// begin inline asm
+	{ mov.b32 %f31, {0,%rs32};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs33};}
+
+	// end inline asm
+	add.f32 	%f33, %f31, %f32;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs34, %f33;}
+
+	// end inline asm
+	st.global.u16 	[%rd32], %rs34;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p9, %rd37, %rd16;
+	@%p9 bra 	$L__BB5_10;
+
+$L__BB5_11:
+	ret;
+
+}
+	// .globl	ddp_fill_f16
+.visible .entry ddp_fill_f16(
+	.param .u64 ddp_fill_f16_param_0,
+	.param .u64 ddp_fill_f16_param_1,
+	.param .align 2 .b8 ddp_fill_f16_param_2[2],
+	.param .u8 ddp_fill_f16_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<6>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.u16 	%rs1, [ddp_fill_f16_param_2];
+	ld.param.s8 	%rs2, [ddp_fill_f16_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_f16_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_f16_param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB6_6;
+
+	shr.u64 	%rd4, %rd15, 3;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB6_4;
+
+	mov.b32 	%r5, {%rs1, %rs1};
+	mov.u64 	%rd28, %rd3;
+
+$L__BB6_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v4.u32 	[%rd20], {%r5, %r5, %r5, %r5};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB6_3;
+
+$L__BB6_4:
+	and.b64  	%rd21, %rd15, -8;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB6_11;
+
+$L__BB6_5:
+	shl.b64 	%rd22, %rd29, 1;
+	add.s64 	%rd23, %rd1, %rd22;
+	st.global.u16 	[%rd23], %rs1;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB6_5;
+	bra.uni 	$L__BB6_11;
+
+$L__BB6_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB6_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB6_8:
+	shl.b64 	%rd24, %rd30, 1;
+	add.s64 	%rd25, %rd1, %rd24;
+	st.global.u16 	[%rd25], %rs1;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB6_8;
+
+$L__BB6_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB6_11;
+
+$L__BB6_10:
+	shl.b64 	%rd26, %rd31, 1;
+	add.s64 	%rd27, %rd1, %rd26;
+	st.global.u16 	[%rd27], %rs1;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB6_10;
+
+$L__BB6_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_f16
+.visible .entry ddp_accumulate_f16(
+	.param .u64 ddp_accumulate_f16_param_0,
+	.param .u64 ddp_accumulate_f16_param_1,
+	.param .u64 ddp_accumulate_f16_param_2,
+	.param .u8 ddp_accumulate_f16_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<35>;
+	.reg .f32 	%f<34>;
+	.reg .b32 	%r<25>;
+	.reg .b64 	%rd<38>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_f16_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_f16_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_f16_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_f16_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB7_6;
+
+	shr.u64 	%rd5, %rd16, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB7_4;
+
+	mov.u64 	%rd34, %rd4;
+
+$L__BB7_3:
+	shl.b64 	%rd21, %rd34, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd22];
+	mov.b32 	{%rs2, %rs5}, %r5;
+	mov.b32 	{%rs8, %rs11}, %r6;
+	mov.b32 	{%rs14, %rs17}, %r7;
+	mov.b32 	{%rs20, %rs23}, %r8;
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v4.u32 	{%r13, %r14, %r15, %r16}, [%rd23];
+	mov.b32 	{%rs3, %rs6}, %r13;
+	mov.b32 	{%rs9, %rs12}, %r14;
+	mov.b32 	{%rs15, %rs18}, %r15;
+	mov.b32 	{%rs21, %rs24}, %r16;
+	// begin inline asm
+	{  cvt.f32.f16 %f1, %rs2;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs3;}
+
+	// end inline asm
+	add.f32 	%f3, %f1, %f2;
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs6;}
+
+	// end inline asm
+	add.f32 	%f6, %f4, %f5;
+	// begin inline asm
+	{  cvt.f32.f16 %f7, %rs8;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f8, %rs9;}
+
+	// end inline asm
+	add.f32 	%f9, %f7, %f8;
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs12;}
+
+	// end inline asm
+	add.f32 	%f12, %f10, %f11;
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs14;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs15;}
+
+	// end inline asm
+	add.f32 	%f15, %f13, %f14;
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs18;}
+
+	// end inline asm
+	add.f32 	%f18, %f16, %f17;
+	// begin inline asm
+	{  cvt.f32.f16 %f19, %rs20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs21;}
+
+	// end inline asm
+	add.f32 	%f21, %f19, %f20;
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f23, %rs24;}
+
+	// end inline asm
+	add.f32 	%f24, %f22, %f23;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs7, %f6;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs13, %f12;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs19, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f15;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs25, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs22, %f21;}
+
+	// end inline asm
+	mov.b32 	%r21, {%rs22, %rs25};
+	mov.b32 	%r22, {%rs16, %rs19};
+	mov.b32 	%r23, {%rs10, %rs13};
+	mov.b32 	%r24, {%rs4, %rs7};
+	st.global.v4.u32 	[%rd22], {%r24, %r23, %r22, %r21};
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p3, %rd34, %rd5;
+	@%p3 bra 	$L__BB7_3;
+
+$L__BB7_4:
+	and.b64  	%rd24, %rd16, -8;
+	add.s64 	%rd35, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd35, %rd16;
+	@%p4 bra 	$L__BB7_11;
+
+$L__BB7_5:
+	shl.b64 	%rd25, %rd35, 1;
+	add.s64 	%rd26, %rd2, %rd25;
+	ld.global.u16 	%rs26, [%rd26];
+	add.s64 	%rd27, %rd1, %rd25;
+	ld.global.u16 	%rs27, [%rd27];
+	// begin inline asm
+	{  cvt.f32.f16 %f25, %rs26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f26, %rs27;}
+
+	// end inline asm
+	add.f32 	%f27, %f25, %f26;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs28, %f27;}
+
+	// end inline asm
+	st.global.u16 	[%rd26], %rs28;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p5, %rd35, %rd16;
+	@%p5 bra 	$L__BB7_5;
+	bra.uni 	$L__BB7_11;
+
+$L__BB7_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB7_9;
+
+	mov.u64 	%rd36, %rd4;
+
+$L__BB7_8:
+	shl.b64 	%rd28, %rd36, 1;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.u16 	%rs29, [%rd29];
+	add.s64 	%rd30, %rd1, %rd28;
+	ld.global.u16 	%rs30, [%rd30];
+	// begin inline asm
+	{  cvt.f32.f16 %f28, %rs29;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f29, %rs30;}
+
+	// end inline asm
+	add.f32 	%f30, %f28, %f29;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs31, %f30;}
+
+	// end inline asm
+	st.global.u16 	[%rd29], %rs31;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p7, %rd36, %rd16;
+	@%p7 bra 	$L__BB7_8;
+
+$L__BB7_9:
+	add.s64 	%rd37, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd37, %rd4;
+	@%p8 bra 	$L__BB7_11;
+
+$L__BB7_10:
+	shl.b64 	%rd31, %rd37, 1;
+	add.s64 	%rd32, %rd2, %rd31;
+	ld.global.u16 	%rs32, [%rd32];
+	add.s64 	%rd33, %rd1, %rd31;
+	ld.global.u16 	%rs33, [%rd33];
+	// begin inline asm
+	{  cvt.f32.f16 %f31, %rs32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f32, %rs33;}
+
+	// end inline asm
+	add.f32 	%f33, %f31, %f32;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs34, %f33;}
+
+	// end inline asm
+	st.global.u16 	[%rd32], %rs34;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p9, %rd37, %rd16;
+	@%p9 bra 	$L__BB7_10;
+
+$L__BB7_11:
+	ret;
+
+}
+	// .globl	ddp_fill_i32
+.visible .entry ddp_fill_i32(
+	.param .u64 ddp_fill_i32_param_0,
+	.param .u64 ddp_fill_i32_param_1,
+	.param .u32 ddp_fill_i32_param_2,
+	.param .u8 ddp_fill_i32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<6>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_fill_i32_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_i32_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_i32_param_1];
+	ld.param.u32 	%r1, [ddp_fill_i32_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r2, %nctaid.x;
+	mov.u32 	%r3, %ntid.x;
+	mul.wide.u32 	%rd2, %r2, %r3;
+	mov.u32 	%r4, %ctaid.x;
+	mul.wide.u32 	%rd17, %r4, %r3;
+	mov.u32 	%r5, %tid.x;
+	cvt.u64.u32 	%rd18, %r5;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB8_6;
+
+	shr.u64 	%rd4, %rd15, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB8_4;
+
+	mov.u64 	%rd28, %rd3;
+
+$L__BB8_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v4.u32 	[%rd20], {%r1, %r1, %r1, %r1};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB8_3;
+
+$L__BB8_4:
+	and.b64  	%rd21, %rd15, -4;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB8_11;
+
+$L__BB8_5:
+	shl.b64 	%rd22, %rd29, 2;
+	add.s64 	%rd23, %rd1, %rd22;
+	st.global.u32 	[%rd23], %r1;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB8_5;
+	bra.uni 	$L__BB8_11;
+
+$L__BB8_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB8_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB8_8:
+	shl.b64 	%rd24, %rd30, 2;
+	add.s64 	%rd25, %rd1, %rd24;
+	st.global.u32 	[%rd25], %r1;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB8_8;
+
+$L__BB8_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB8_11;
+
+$L__BB8_10:
+	shl.b64 	%rd26, %rd31, 2;
+	add.s64 	%rd27, %rd1, %rd26;
+	st.global.u32 	[%rd27], %r1;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB8_10;
+
+$L__BB8_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_i32
+.visible .entry ddp_accumulate_i32(
+	.param .u64 ddp_accumulate_i32_param_0,
+	.param .u64 ddp_accumulate_i32_param_1,
+	.param .u64 ddp_accumulate_i32_param_2,
+	.param .u8 ddp_accumulate_i32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<34>;
+	.reg .b64 	%rd<38>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_i32_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_i32_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_i32_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_i32_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB9_6;
+
+	shr.u64 	%rd5, %rd16, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB9_4;
+
+	mov.u64 	%rd34, %rd4;
+
+$L__BB9_3:
+	shl.b64 	%rd21, %rd34, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd22];
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v4.u32 	{%r13, %r14, %r15, %r16}, [%rd23];
+	add.s32 	%r21, %r16, %r8;
+	add.s32 	%r22, %r15, %r7;
+	add.s32 	%r23, %r14, %r6;
+	add.s32 	%r24, %r13, %r5;
+	st.global.v4.u32 	[%rd22], {%r24, %r23, %r22, %r21};
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p3, %rd34, %rd5;
+	@%p3 bra 	$L__BB9_3;
+
+$L__BB9_4:
+	and.b64  	%rd24, %rd16, -4;
+	add.s64 	%rd35, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd35, %rd16;
+	@%p4 bra 	$L__BB9_11;
+
+$L__BB9_5:
+	shl.b64 	%rd25, %rd35, 2;
+	add.s64 	%rd26, %rd2, %rd25;
+	ld.global.u32 	%r25, [%rd26];
+	add.s64 	%rd27, %rd1, %rd25;
+	ld.global.u32 	%r26, [%rd27];
+	add.s32 	%r27, %r25, %r26;
+	st.global.u32 	[%rd26], %r27;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p5, %rd35, %rd16;
+	@%p5 bra 	$L__BB9_5;
+	bra.uni 	$L__BB9_11;
+
+$L__BB9_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB9_9;
+
+	mov.u64 	%rd36, %rd4;
+
+$L__BB9_8:
+	shl.b64 	%rd28, %rd36, 2;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.u32 	%r28, [%rd29];
+	add.s64 	%rd30, %rd1, %rd28;
+	ld.global.u32 	%r29, [%rd30];
+	add.s32 	%r30, %r28, %r29;
+	st.global.u32 	[%rd29], %r30;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p7, %rd36, %rd16;
+	@%p7 bra 	$L__BB9_8;
+
+$L__BB9_9:
+	add.s64 	%rd37, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd37, %rd4;
+	@%p8 bra 	$L__BB9_11;
+
+$L__BB9_10:
+	shl.b64 	%rd31, %rd37, 2;
+	add.s64 	%rd32, %rd2, %rd31;
+	ld.global.u32 	%r31, [%rd32];
+	add.s64 	%rd33, %rd1, %rd31;
+	ld.global.u32 	%r32, [%rd33];
+	add.s32 	%r33, %r31, %r32;
+	st.global.u32 	[%rd32], %r33;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p9, %rd37, %rd16;
+	@%p9 bra 	$L__BB9_10;
+
+$L__BB9_11:
+	ret;
+
+}
+	// .globl	ddp_fill_i64
+.visible .entry ddp_fill_i64(
+	.param .u64 ddp_fill_i64_param_0,
+	.param .u64 ddp_fill_i64_param_1,
+	.param .u64 ddp_fill_i64_param_2,
+	.param .u8 ddp_fill_i64_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<33>;
+
+
+	ld.param.s8 	%rs1, [ddp_fill_i64_param_3];
+	ld.param.u64 	%rd17, [ddp_fill_i64_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_i64_param_1];
+	ld.param.u64 	%rd16, [ddp_fill_i64_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd18, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd19, %r4;
+	add.s64 	%rd3, %rd18, %rd19;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB10_6;
+
+	shr.u64 	%rd4, %rd15, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB10_4;
+
+	mov.u64 	%rd29, %rd3;
+
+$L__BB10_3:
+	shl.b64 	%rd20, %rd29, 4;
+	add.s64 	%rd21, %rd1, %rd20;
+	st.global.v2.u64 	[%rd21], {%rd16, %rd16};
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p3, %rd29, %rd4;
+	@%p3 bra 	$L__BB10_3;
+
+$L__BB10_4:
+	and.b64  	%rd22, %rd15, -2;
+	add.s64 	%rd30, %rd22, %rd3;
+	setp.ge.u64 	%p4, %rd30, %rd15;
+	@%p4 bra 	$L__BB10_11;
+
+$L__BB10_5:
+	shl.b64 	%rd23, %rd30, 3;
+	add.s64 	%rd24, %rd1, %rd23;
+	st.global.u64 	[%rd24], %rd16;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p5, %rd30, %rd15;
+	@%p5 bra 	$L__BB10_5;
+	bra.uni 	$L__BB10_11;
+
+$L__BB10_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB10_9;
+
+	mov.u64 	%rd31, %rd3;
+
+$L__BB10_8:
+	shl.b64 	%rd25, %rd31, 3;
+	add.s64 	%rd26, %rd1, %rd25;
+	st.global.u64 	[%rd26], %rd16;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p7, %rd31, %rd15;
+	@%p7 bra 	$L__BB10_8;
+
+$L__BB10_9:
+	add.s64 	%rd32, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd32, %rd3;
+	@%p8 bra 	$L__BB10_11;
+
+$L__BB10_10:
+	shl.b64 	%rd27, %rd32, 3;
+	add.s64 	%rd28, %rd1, %rd27;
+	st.global.u64 	[%rd28], %rd16;
+	add.s64 	%rd32, %rd32, %rd2;
+	setp.lt.u64 	%p9, %rd32, %rd15;
+	@%p9 bra 	$L__BB10_10;
+
+$L__BB10_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_i64
+.visible .entry ddp_accumulate_i64(
+	.param .u64 ddp_accumulate_i64_param_0,
+	.param .u64 ddp_accumulate_i64_param_1,
+	.param .u64 ddp_accumulate_i64_param_2,
+	.param .u8 ddp_accumulate_i64_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<57>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_i64_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_i64_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_i64_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_i64_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB11_6;
+
+	shr.u64 	%rd5, %rd16, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB11_4;
+
+	mov.u64 	%rd53, %rd4;
+
+$L__BB11_3:
+	shl.b64 	%rd21, %rd53, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v2.u64 	{%rd23, %rd24}, [%rd22];
+	add.s64 	%rd27, %rd1, %rd21;
+	ld.global.v2.u64 	{%rd28, %rd29}, [%rd27];
+	add.s64 	%rd32, %rd29, %rd24;
+	add.s64 	%rd33, %rd28, %rd23;
+	st.global.v2.u64 	[%rd22], {%rd33, %rd32};
+	add.s64 	%rd53, %rd53, %rd3;
+	setp.lt.u64 	%p3, %rd53, %rd5;
+	@%p3 bra 	$L__BB11_3;
+
+$L__BB11_4:
+	and.b64  	%rd34, %rd16, -2;
+	add.s64 	%rd54, %rd34, %rd4;
+	setp.ge.u64 	%p4, %rd54, %rd16;
+	@%p4 bra 	$L__BB11_11;
+
+$L__BB11_5:
+	shl.b64 	%rd35, %rd54, 3;
+	add.s64 	%rd36, %rd2, %rd35;
+	ld.global.u64 	%rd37, [%rd36];
+	add.s64 	%rd38, %rd1, %rd35;
+	ld.global.u64 	%rd39, [%rd38];
+	add.s64 	%rd40, %rd37, %rd39;
+	st.global.u64 	[%rd36], %rd40;
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p5, %rd54, %rd16;
+	@%p5 bra 	$L__BB11_5;
+	bra.uni 	$L__BB11_11;
+
+$L__BB11_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB11_9;
+
+	mov.u64 	%rd55, %rd4;
+
+$L__BB11_8:
+	shl.b64 	%rd41, %rd55, 3;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.u64 	%rd43, [%rd42];
+	add.s64 	%rd44, %rd1, %rd41;
+	ld.global.u64 	%rd45, [%rd44];
+	add.s64 	%rd46, %rd43, %rd45;
+	st.global.u64 	[%rd42], %rd46;
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p7, %rd55, %rd16;
+	@%p7 bra 	$L__BB11_8;
+
+$L__BB11_9:
+	add.s64 	%rd56, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd56, %rd4;
+	@%p8 bra 	$L__BB11_11;
+
+$L__BB11_10:
+	shl.b64 	%rd47, %rd56, 3;
+	add.s64 	%rd48, %rd2, %rd47;
+	ld.global.u64 	%rd49, [%rd48];
+	add.s64 	%rd50, %rd1, %rd47;
+	ld.global.u64 	%rd51, [%rd50];
+	add.s64 	%rd52, %rd49, %rd51;
+	st.global.u64 	[%rd48], %rd52;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd16;
+	@%p9 bra 	$L__BB11_10;
+
+$L__BB11_11:
+	ret;
+
+}
+	// .globl	ddp_fill_u8
+.visible .entry ddp_fill_u8(
+	.param .u64 ddp_fill_u8_param_0,
+	.param .u64 ddp_fill_u8_param_1,
+	.param .u8 ddp_fill_u8_param_2,
+	.param .u8 ddp_fill_u8_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<5>;
+	.reg .b32 	%r<6>;
+	.reg .b64 	%rd<29>;
+
+
+	ld.param.u8 	%rs1, [ddp_fill_u8_param_2];
+	ld.param.s8 	%rs2, [ddp_fill_u8_param_3];
+	ld.param.u64 	%rd16, [ddp_fill_u8_param_0];
+	ld.param.u64 	%rd15, [ddp_fill_u8_param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB12_6;
+
+	shr.u64 	%rd4, %rd15, 4;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB12_4;
+
+	shl.b16 	%rs3, %rs1, 8;
+	or.b16  	%rs4, %rs1, %rs3;
+	mov.b32 	%r5, {%rs4, %rs4};
+	mov.u64 	%rd25, %rd3;
+
+$L__BB12_3:
+	shl.b64 	%rd19, %rd25, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	st.global.v4.u32 	[%rd20], {%r5, %r5, %r5, %r5};
+	add.s64 	%rd25, %rd25, %rd2;
+	setp.lt.u64 	%p3, %rd25, %rd4;
+	@%p3 bra 	$L__BB12_3;
+
+$L__BB12_4:
+	and.b64  	%rd21, %rd15, -16;
+	add.s64 	%rd26, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd26, %rd15;
+	@%p4 bra 	$L__BB12_11;
+
+$L__BB12_5:
+	add.s64 	%rd22, %rd1, %rd26;
+	st.global.u8 	[%rd22], %rs1;
+	add.s64 	%rd26, %rd26, %rd2;
+	setp.lt.u64 	%p5, %rd26, %rd15;
+	@%p5 bra 	$L__BB12_5;
+	bra.uni 	$L__BB12_11;
+
+$L__BB12_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB12_9;
+
+	mov.u64 	%rd27, %rd3;
+
+$L__BB12_8:
+	add.s64 	%rd23, %rd1, %rd27;
+	st.global.u8 	[%rd23], %rs1;
+	add.s64 	%rd27, %rd27, %rd2;
+	setp.lt.u64 	%p7, %rd27, %rd15;
+	@%p7 bra 	$L__BB12_8;
+
+$L__BB12_9:
+	add.s64 	%rd28, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd28, %rd3;
+	@%p8 bra 	$L__BB12_11;
+
+$L__BB12_10:
+	add.s64 	%rd24, %rd1, %rd28;
+	st.global.u8 	[%rd24], %rs1;
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p9, %rd28, %rd15;
+	@%p9 bra 	$L__BB12_10;
+
+$L__BB12_11:
+	ret;
+
+}
+	// .globl	ddp_accumulate_u8
+.visible .entry ddp_accumulate_u8(
+	.param .u64 ddp_accumulate_u8_param_0,
+	.param .u64 ddp_accumulate_u8_param_1,
+	.param .u64 ddp_accumulate_u8_param_2,
+	.param .u8 ddp_accumulate_u8_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<67>;
+	.reg .b32 	%r<49>;
+	.reg .b64 	%rd<35>;
+
+
+	ld.param.s8 	%rs1, [ddp_accumulate_u8_param_3];
+	ld.param.u64 	%rd17, [ddp_accumulate_u8_param_0];
+	ld.param.u64 	%rd18, [ddp_accumulate_u8_param_1];
+	ld.param.u64 	%rd16, [ddp_accumulate_u8_param_2];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd18;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd19, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd20, %r4;
+	add.s64 	%rd4, %rd19, %rd20;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB13_6;
+
+	shr.u64 	%rd5, %rd16, 4;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB13_4;
+
+	mov.u64 	%rd31, %rd4;
+
+$L__BB13_3:
+	shl.b64 	%rd21, %rd31, 4;
+	add.s64 	%rd22, %rd2, %rd21;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd22];
+	mov.b32 	{%rs2, %rs3}, %r5;
+	shr.u16 	%rs4, %rs2, 8;
+	shr.u16 	%rs5, %rs3, 8;
+	mov.b32 	{%rs6, %rs7}, %r6;
+	shr.u16 	%rs8, %rs6, 8;
+	shr.u16 	%rs9, %rs7, 8;
+	mov.b32 	{%rs10, %rs11}, %r7;
+	shr.u16 	%rs12, %rs10, 8;
+	shr.u16 	%rs13, %rs11, 8;
+	mov.b32 	{%rs14, %rs15}, %r8;
+	shr.u16 	%rs16, %rs14, 8;
+	shr.u16 	%rs17, %rs15, 8;
+	add.s64 	%rd23, %rd1, %rd21;
+	ld.global.v4.u32 	{%r13, %r14, %r15, %r16}, [%rd23];
+	mov.b32 	{%rs18, %rs19}, %r13;
+	shr.u16 	%rs20, %rs18, 8;
+	shr.u16 	%rs21, %rs19, 8;
+	mov.b32 	{%rs22, %rs23}, %r14;
+	shr.u16 	%rs24, %rs22, 8;
+	shr.u16 	%rs25, %rs23, 8;
+	mov.b32 	{%rs26, %rs27}, %r15;
+	shr.u16 	%rs28, %rs26, 8;
+	shr.u16 	%rs29, %rs27, 8;
+	mov.b32 	{%rs30, %rs31}, %r16;
+	shr.u16 	%rs32, %rs30, 8;
+	shr.u16 	%rs33, %rs31, 8;
+	add.s16 	%rs34, %rs18, %rs2;
+	and.b16  	%rs35, %rs34, 255;
+	cvt.u32.u16 	%r21, %rs35;
+	add.s16 	%rs36, %rs20, %rs4;
+	cvt.u32.u16 	%r22, %rs36;
+	prmt.b32 	%r23, %r22, %r21, 30212;
+	add.s16 	%rs37, %rs19, %rs3;
+	and.b16  	%rs38, %rs37, 255;
+	cvt.u32.u16 	%r24, %rs38;
+	add.s16 	%rs39, %rs21, %rs5;
+	cvt.u32.u16 	%r25, %rs39;
+	prmt.b32 	%r26, %r25, %r24, 30212;
+	add.s16 	%rs40, %rs22, %rs6;
+	and.b16  	%rs41, %rs40, 255;
+	cvt.u32.u16 	%r27, %rs41;
+	add.s16 	%rs42, %rs24, %rs8;
+	cvt.u32.u16 	%r28, %rs42;
+	prmt.b32 	%r29, %r28, %r27, 30212;
+	add.s16 	%rs43, %rs23, %rs7;
+	and.b16  	%rs44, %rs43, 255;
+	cvt.u32.u16 	%r30, %rs44;
+	add.s16 	%rs45, %rs25, %rs9;
+	cvt.u32.u16 	%r31, %rs45;
+	prmt.b32 	%r32, %r31, %r30, 30212;
+	add.s16 	%rs46, %rs26, %rs10;
+	and.b16  	%rs47, %rs46, 255;
+	cvt.u32.u16 	%r33, %rs47;
+	add.s16 	%rs48, %rs28, %rs12;
+	cvt.u32.u16 	%r34, %rs48;
+	prmt.b32 	%r35, %r34, %r33, 30212;
+	add.s16 	%rs49, %rs27, %rs11;
+	and.b16  	%rs50, %rs49, 255;
+	cvt.u32.u16 	%r36, %rs50;
+	add.s16 	%rs51, %rs29, %rs13;
+	cvt.u32.u16 	%r37, %rs51;
+	prmt.b32 	%r38, %r37, %r36, 30212;
+	add.s16 	%rs52, %rs30, %rs14;
+	and.b16  	%rs53, %rs52, 255;
+	cvt.u32.u16 	%r39, %rs53;
+	add.s16 	%rs54, %rs32, %rs16;
+	cvt.u32.u16 	%r40, %rs54;
+	prmt.b32 	%r41, %r40, %r39, 30212;
+	add.s16 	%rs55, %rs31, %rs15;
+	and.b16  	%rs56, %rs55, 255;
+	cvt.u32.u16 	%r42, %rs56;
+	add.s16 	%rs57, %rs33, %rs17;
+	cvt.u32.u16 	%r43, %rs57;
+	prmt.b32 	%r44, %r43, %r42, 30212;
+	prmt.b32 	%r45, %r44, %r41, 4180;
+	prmt.b32 	%r46, %r38, %r35, 4180;
+	prmt.b32 	%r47, %r32, %r29, 4180;
+	prmt.b32 	%r48, %r26, %r23, 4180;
+	st.global.v4.u32 	[%rd22], {%r48, %r47, %r46, %r45};
+	add.s64 	%rd31, %rd31, %rd3;
+	setp.lt.u64 	%p3, %rd31, %rd5;
+	@%p3 bra 	$L__BB13_3;
+
+$L__BB13_4:
+	and.b64  	%rd24, %rd16, -16;
+	add.s64 	%rd32, %rd24, %rd4;
+	setp.ge.u64 	%p4, %rd32, %rd16;
+	@%p4 bra 	$L__BB13_11;
+
+$L__BB13_5:
+	add.s64 	%rd25, %rd2, %rd32;
+	ld.global.u8 	%rs58, [%rd25];
+	add.s64 	%rd26, %rd1, %rd32;
+	ld.global.u8 	%rs59, [%rd26];
+	add.s16 	%rs60, %rs58, %rs59;
+	st.global.u8 	[%rd25], %rs60;
+	add.s64 	%rd32, %rd32, %rd3;
+	setp.lt.u64 	%p5, %rd32, %rd16;
+	@%p5 bra 	$L__BB13_5;
+	bra.uni 	$L__BB13_11;
+
+$L__BB13_6:
+	setp.ge.u64 	%p6, %rd4, %rd16;
+	@%p6 bra 	$L__BB13_9;
+
+	mov.u64 	%rd33, %rd4;
+
+$L__BB13_8:
+	add.s64 	%rd27, %rd2, %rd33;
+	ld.global.u8 	%rs61, [%rd27];
+	add.s64 	%rd28, %rd1, %rd33;
+	ld.global.u8 	%rs62, [%rd28];
+	add.s16 	%rs63, %rs61, %rs62;
+	st.global.u8 	[%rd27], %rs63;
+	add.s64 	%rd33, %rd33, %rd3;
+	setp.lt.u64 	%p7, %rd33, %rd16;
+	@%p7 bra 	$L__BB13_8;
+
+$L__BB13_9:
+	add.s64 	%rd34, %rd4, %rd16;
+	setp.ge.u64 	%p8, %rd34, %rd4;
+	@%p8 bra 	$L__BB13_11;
+
+$L__BB13_10:
+	add.s64 	%rd29, %rd2, %rd34;
+	ld.global.u8 	%rs64, [%rd29];
+	add.s64 	%rd30, %rd1, %rd34;
+	ld.global.u8 	%rs65, [%rd30];
+	add.s16 	%rs66, %rs64, %rs65;
+	st.global.u8 	[%rd29], %rs66;
+	add.s64 	%rd34, %rd34, %rd3;
+	setp.lt.u64 	%p9, %rd34, %rd16;
+	@%p9 bra 	$L__BB13_10;
+
+$L__BB13_11:
+	ret;
+
+}
+	// .globl	ddp_scale_f32
+.visible .entry ddp_scale_f32(
+	.param .u64 ddp_scale_f32_param_0,
+	.param .u64 ddp_scale_f32_param_1,
+	.param .f64 ddp_scale_f32_param_2,
+	.param .f32 ddp_scale_f32_param_3,
+	.param .u8 ddp_scale_f32_param_4,
+	.param .u8 ddp_scale_f32_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<3>;
+	.reg .f32 	%f<38>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<16>;
+	.reg .b64 	%rd<52>;
+
+
+	ld.param.s8 	%rs1, [ddp_scale_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_scale_f32_param_5];
+	ld.param.u64 	%rd24, [ddp_scale_f32_param_0];
+	ld.param.u64 	%rd23, [ddp_scale_f32_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_f32_param_2];
+	ld.param.f32 	%f1, [ddp_scale_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd25, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd26, %r4;
+	add.s64 	%rd3, %rd25, %rd26;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB14_11;
+
+	shr.u64 	%rd4, %rd23, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB14_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB14_5;
+
+	mov.u64 	%rd44, %rd3;
+
+$L__BB14_4:
+	shl.b64 	%rd27, %rd44, 4;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.v4.f32 	{%f2, %f3, %f4, %f5}, [%rd28];
+	mul.f32 	%f10, %f5, %f1;
+	mul.f32 	%f11, %f4, %f1;
+	mul.f32 	%f12, %f3, %f1;
+	mul.f32 	%f13, %f2, %f1;
+	st.global.v4.f32 	[%rd28], {%f13, %f12, %f11, %f10};
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p4, %rd44, %rd4;
+	@%p4 bra 	$L__BB14_4;
+	bra.uni 	$L__BB14_7;
+
+$L__BB14_11:
+	setp.ge.u64 	%p10, %rd3, %rd23;
+	@%p10 bra 	$L__BB14_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB14_15;
+
+	mov.u64 	%rd48, %rd3;
+
+$L__BB14_14:
+	shl.b64 	%rd36, %rd48, 2;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.f32 	%f30, [%rd37];
+	mul.f32 	%f31, %f30, %f1;
+	st.global.f32 	[%rd37], %f31;
+	add.s64 	%rd48, %rd48, %rd2;
+	setp.lt.u64 	%p12, %rd48, %rd23;
+	@%p12 bra 	$L__BB14_14;
+	bra.uni 	$L__BB14_17;
+
+$L__BB14_5:
+	mov.u64 	%rd45, %rd3;
+
+$L__BB14_6:
+	shl.b64 	%rd29, %rd45, 4;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.v4.f32 	{%f14, %f15, %f16, %f17}, [%rd30];
+	cvt.f64.f32 	%fd2, %f14;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.f64.f32 	%fd4, %f15;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.f64.f32 	%fd6, %f16;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.f64.f32 	%fd8, %f17;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rn.f32.f64 	%f22, %fd9;
+	cvt.rn.f32.f64 	%f23, %fd7;
+	cvt.rn.f32.f64 	%f24, %fd5;
+	cvt.rn.f32.f64 	%f25, %fd3;
+	st.global.v4.f32 	[%rd30], {%f25, %f24, %f23, %f22};
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p5, %rd45, %rd4;
+	@%p5 bra 	$L__BB14_6;
+
+$L__BB14_7:
+	and.b64  	%rd31, %rd23, -4;
+	add.s64 	%rd46, %rd31, %rd3;
+	setp.ge.u64 	%p6, %rd46, %rd23;
+	@%p6 bra 	$L__BB14_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB14_10;
+
+$L__BB14_9:
+	shl.b64 	%rd32, %rd46, 2;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.f32 	%f26, [%rd33];
+	mul.f32 	%f27, %f26, %f1;
+	st.global.f32 	[%rd33], %f27;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p8, %rd46, %rd23;
+	@%p8 bra 	$L__BB14_9;
+	bra.uni 	$L__BB14_21;
+
+$L__BB14_10:
+	shl.b64 	%rd34, %rd46, 2;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.f32 	%f28, [%rd35];
+	cvt.f64.f32 	%fd10, %f28;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rn.f32.f64 	%f29, %fd11;
+	st.global.f32 	[%rd35], %f29;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p9, %rd46, %rd23;
+	@%p9 bra 	$L__BB14_10;
+	bra.uni 	$L__BB14_21;
+
+$L__BB14_15:
+	mov.u64 	%rd49, %rd3;
+
+$L__BB14_16:
+	shl.b64 	%rd38, %rd49, 2;
+	add.s64 	%rd39, %rd1, %rd38;
+	ld.global.f32 	%f32, [%rd39];
+	cvt.f64.f32 	%fd12, %f32;
+	mul.f64 	%fd13, %fd12, %fd1;
+	cvt.rn.f32.f64 	%f33, %fd13;
+	st.global.f32 	[%rd39], %f33;
+	add.s64 	%rd49, %rd49, %rd2;
+	setp.lt.u64 	%p13, %rd49, %rd23;
+	@%p13 bra 	$L__BB14_16;
+
+$L__BB14_17:
+	add.s64 	%rd50, %rd3, %rd23;
+	setp.ge.u64 	%p14, %rd50, %rd3;
+	@%p14 bra 	$L__BB14_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB14_20;
+
+$L__BB14_19:
+	shl.b64 	%rd40, %rd50, 2;
+	add.s64 	%rd41, %rd1, %rd40;
+	ld.global.f32 	%f34, [%rd41];
+	mul.f32 	%f35, %f34, %f1;
+	st.global.f32 	[%rd41], %f35;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p16, %rd50, %rd23;
+	@%p16 bra 	$L__BB14_19;
+	bra.uni 	$L__BB14_21;
+
+$L__BB14_20:
+	shl.b64 	%rd42, %rd50, 2;
+	add.s64 	%rd43, %rd1, %rd42;
+	ld.global.f32 	%f36, [%rd43];
+	cvt.f64.f32 	%fd14, %f36;
+	mul.f64 	%fd15, %fd14, %fd1;
+	cvt.rn.f32.f64 	%f37, %fd15;
+	st.global.f32 	[%rd43], %f37;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p17, %rd50, %rd23;
+	@%p17 bra 	$L__BB14_20;
+
+$L__BB14_21:
+	ret;
+
+}
+	// .globl	ddp_divide_f32
+.visible .entry ddp_divide_f32(
+	.param .u64 ddp_divide_f32_param_0,
+	.param .u64 ddp_divide_f32_param_1,
+	.param .f32 ddp_divide_f32_param_2,
+	.param .f32 ddp_divide_f32_param_3,
+	.param .u8 ddp_divide_f32_param_4,
+	.param .u8 ddp_divide_f32_param_5
+)
+{
+	.reg .pred 	%p<45>;
+	.reg .b16 	%rs<3>;
+	.reg .f32 	%f<93>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<47>;
+
+
+	ld.param.s8 	%rs1, [ddp_divide_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_divide_f32_param_5];
+	ld.param.u64 	%rd26, [ddp_divide_f32_param_0];
+	ld.param.u64 	%rd25, [ddp_divide_f32_param_1];
+	ld.param.f32 	%f50, [ddp_divide_f32_param_2];
+	ld.param.f32 	%f51, [ddp_divide_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd3, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB15_35;
+
+	shr.u64 	%rd4, %rd25, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB15_26;
+
+	mov.u64 	%rd40, %rd3;
+
+$L__BB15_3:
+	shl.b64 	%rd29, %rd40, 4;
+	add.s64 	%rd6, %rd1, %rd29;
+	ld.global.v4.f32 	{%f52, %f53, %f54, %f55}, [%rd6];
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB15_5;
+
+	mul.f32 	%f83, %f52, %f51;
+	mul.f32 	%f84, %f53, %f51;
+	mul.f32 	%f85, %f54, %f51;
+	mul.f32 	%f86, %f55, %f51;
+	bra.uni 	$L__BB15_25;
+
+$L__BB15_5:
+	abs.f32 	%f9, %f52;
+	setp.ge.f32 	%p4, %f9, 0f0D800000;
+	setp.le.f32 	%p5, %f9, 0f7F7FFFFF;
+	and.pred  	%p6, %p4, %p5;
+	@%p6 bra 	$L__BB15_9;
+	bra.uni 	$L__BB15_6;
+
+$L__BB15_9:
+	mul.f32 	%f56, %f52, %f51;
+	neg.f32 	%f57, %f56;
+	fma.rn.f32 	%f58, %f57, %f50, %f52;
+	fma.rn.f32 	%f83, %f58, %f51, %f56;
+	bra.uni 	$L__BB15_10;
+
+$L__BB15_6:
+	setp.eq.f32 	%p7, %f9, 0f00000000;
+	@%p7 bra 	$L__BB15_8;
+	bra.uni 	$L__BB15_7;
+
+$L__BB15_8:
+	mul.f32 	%f83, %f52, %f51;
+	bra.uni 	$L__BB15_10;
+
+$L__BB15_7:
+	div.rn.f32 	%f83, %f52, %f50;
+
+$L__BB15_10:
+	abs.f32 	%f14, %f53;
+	setp.ge.f32 	%p8, %f14, 0f0D800000;
+	setp.le.f32 	%p9, %f14, 0f7F7FFFFF;
+	and.pred  	%p10, %p8, %p9;
+	@%p10 bra 	$L__BB15_14;
+	bra.uni 	$L__BB15_11;
+
+$L__BB15_14:
+	mul.f32 	%f59, %f53, %f51;
+	neg.f32 	%f60, %f59;
+	fma.rn.f32 	%f61, %f60, %f50, %f53;
+	fma.rn.f32 	%f84, %f61, %f51, %f59;
+	bra.uni 	$L__BB15_15;
+
+$L__BB15_11:
+	setp.eq.f32 	%p11, %f14, 0f00000000;
+	@%p11 bra 	$L__BB15_13;
+	bra.uni 	$L__BB15_12;
+
+$L__BB15_13:
+	mul.f32 	%f84, %f53, %f51;
+	bra.uni 	$L__BB15_15;
+
+$L__BB15_12:
+	div.rn.f32 	%f84, %f53, %f50;
+
+$L__BB15_15:
+	abs.f32 	%f19, %f54;
+	setp.ge.f32 	%p12, %f19, 0f0D800000;
+	setp.le.f32 	%p13, %f19, 0f7F7FFFFF;
+	and.pred  	%p14, %p12, %p13;
+	@%p14 bra 	$L__BB15_19;
+	bra.uni 	$L__BB15_16;
+
+$L__BB15_19:
+	mul.f32 	%f62, %f54, %f51;
+	neg.f32 	%f63, %f62;
+	fma.rn.f32 	%f64, %f63, %f50, %f54;
+	fma.rn.f32 	%f85, %f64, %f51, %f62;
+	bra.uni 	$L__BB15_20;
+
+$L__BB15_16:
+	setp.eq.f32 	%p15, %f19, 0f00000000;
+	@%p15 bra 	$L__BB15_18;
+	bra.uni 	$L__BB15_17;
+
+$L__BB15_18:
+	mul.f32 	%f85, %f54, %f51;
+	bra.uni 	$L__BB15_20;
+
+$L__BB15_17:
+	div.rn.f32 	%f85, %f54, %f50;
+
+$L__BB15_20:
+	abs.f32 	%f24, %f55;
+	setp.ge.f32 	%p16, %f24, 0f0D800000;
+	setp.le.f32 	%p17, %f24, 0f7F7FFFFF;
+	and.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB15_24;
+	bra.uni 	$L__BB15_21;
+
+$L__BB15_24:
+	mul.f32 	%f65, %f55, %f51;
+	neg.f32 	%f66, %f65;
+	fma.rn.f32 	%f67, %f66, %f50, %f55;
+	fma.rn.f32 	%f86, %f67, %f51, %f65;
+	bra.uni 	$L__BB15_25;
+
+$L__BB15_21:
+	setp.eq.f32 	%p19, %f24, 0f00000000;
+	@%p19 bra 	$L__BB15_23;
+	bra.uni 	$L__BB15_22;
+
+$L__BB15_23:
+	mul.f32 	%f86, %f55, %f51;
+	bra.uni 	$L__BB15_25;
+
+$L__BB15_22:
+	div.rn.f32 	%f86, %f55, %f50;
+
+$L__BB15_25:
+	st.global.v4.f32 	[%rd6], {%f83, %f84, %f85, %f86};
+	add.s64 	%rd40, %rd40, %rd2;
+	setp.lt.u64 	%p20, %rd40, %rd4;
+	@%p20 bra 	$L__BB15_3;
+
+$L__BB15_26:
+	and.b64  	%rd30, %rd25, -4;
+	add.s64 	%rd41, %rd30, %rd3;
+	setp.ge.u64 	%p21, %rd41, %rd25;
+	@%p21 bra 	$L__BB15_55;
+
+	setp.eq.s16 	%p22, %rs1, 0;
+	@%p22 bra 	$L__BB15_29;
+
+$L__BB15_28:
+	shl.b64 	%rd31, %rd41, 2;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f32 	%f68, [%rd32];
+	mul.f32 	%f69, %f68, %f51;
+	st.global.f32 	[%rd32], %f69;
+	add.s64 	%rd41, %rd41, %rd2;
+	setp.lt.u64 	%p23, %rd41, %rd25;
+	@%p23 bra 	$L__BB15_28;
+	bra.uni 	$L__BB15_55;
+
+$L__BB15_29:
+	shl.b64 	%rd33, %rd41, 2;
+	add.s64 	%rd12, %rd1, %rd33;
+	ld.global.f32 	%f32, [%rd12];
+	abs.f32 	%f33, %f32;
+	setp.ge.f32 	%p24, %f33, 0f0D800000;
+	setp.le.f32 	%p25, %f33, 0f7F7FFFFF;
+	and.pred  	%p26, %p24, %p25;
+	@%p26 bra 	$L__BB15_33;
+	bra.uni 	$L__BB15_30;
+
+$L__BB15_33:
+	mul.f32 	%f70, %f32, %f51;
+	neg.f32 	%f71, %f70;
+	fma.rn.f32 	%f72, %f71, %f50, %f32;
+	fma.rn.f32 	%f90, %f72, %f51, %f70;
+	bra.uni 	$L__BB15_34;
+
+$L__BB15_30:
+	setp.eq.f32 	%p27, %f33, 0f00000000;
+	@%p27 bra 	$L__BB15_32;
+	bra.uni 	$L__BB15_31;
+
+$L__BB15_32:
+	mul.f32 	%f90, %f32, %f51;
+	bra.uni 	$L__BB15_34;
+
+$L__BB15_31:
+	div.rn.f32 	%f90, %f32, %f50;
+
+$L__BB15_34:
+	st.global.f32 	[%rd12], %f90;
+	add.s64 	%rd41, %rd41, %rd2;
+	setp.lt.u64 	%p28, %rd41, %rd25;
+	@%p28 bra 	$L__BB15_29;
+	bra.uni 	$L__BB15_55;
+
+$L__BB15_35:
+	setp.ge.u64 	%p29, %rd3, %rd25;
+	@%p29 bra 	$L__BB15_46;
+
+	setp.eq.s16 	%p30, %rs1, 0;
+	@%p30 bra 	$L__BB15_39;
+
+	mov.u64 	%rd43, %rd3;
+
+$L__BB15_38:
+	shl.b64 	%rd34, %rd43, 2;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.f32 	%f73, [%rd35];
+	mul.f32 	%f74, %f73, %f51;
+	st.global.f32 	[%rd35], %f74;
+	add.s64 	%rd43, %rd43, %rd2;
+	setp.lt.u64 	%p31, %rd43, %rd25;
+	@%p31 bra 	$L__BB15_38;
+	bra.uni 	$L__BB15_46;
+
+$L__BB15_39:
+	mov.u64 	%rd44, %rd3;
+
+$L__BB15_40:
+	shl.b64 	%rd36, %rd44, 2;
+	add.s64 	%rd17, %rd1, %rd36;
+	ld.global.f32 	%f38, [%rd17];
+	abs.f32 	%f39, %f38;
+	setp.ge.f32 	%p32, %f39, 0f0D800000;
+	setp.le.f32 	%p33, %f39, 0f7F7FFFFF;
+	and.pred  	%p34, %p32, %p33;
+	@%p34 bra 	$L__BB15_44;
+	bra.uni 	$L__BB15_41;
+
+$L__BB15_44:
+	mul.f32 	%f75, %f38, %f51;
+	neg.f32 	%f76, %f75;
+	fma.rn.f32 	%f77, %f76, %f50, %f38;
+	fma.rn.f32 	%f91, %f77, %f51, %f75;
+	bra.uni 	$L__BB15_45;
+
+$L__BB15_41:
+	setp.eq.f32 	%p35, %f39, 0f00000000;
+	@%p35 bra 	$L__BB15_43;
+	bra.uni 	$L__BB15_42;
+
+$L__BB15_43:
+	mul.f32 	%f91, %f38, %f51;
+	bra.uni 	$L__BB15_45;
+
+$L__BB15_42:
+	div.rn.f32 	%f91, %f38, %f50;
+
+$L__BB15_45:
+	st.global.f32 	[%rd17], %f91;
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p36, %rd44, %rd25;
+	@%p36 bra 	$L__BB15_40;
+
+$L__BB15_46:
+	add.s64 	%rd45, %rd3, %rd25;
+	setp.ge.u64 	%p37, %rd45, %rd3;
+	@%p37 bra 	$L__BB15_55;
+
+	setp.eq.s16 	%p38, %rs1, 0;
+	@%p38 bra 	$L__BB15_49;
+
+$L__BB15_48:
+	shl.b64 	%rd37, %rd45, 2;
+	add.s64 	%rd38, %rd1, %rd37;
+	ld.global.f32 	%f78, [%rd38];
+	mul.f32 	%f79, %f78, %f51;
+	st.global.f32 	[%rd38], %f79;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p39, %rd45, %rd25;
+	@%p39 bra 	$L__BB15_48;
+	bra.uni 	$L__BB15_55;
+
+$L__BB15_49:
+	shl.b64 	%rd39, %rd45, 2;
+	add.s64 	%rd23, %rd1, %rd39;
+	ld.global.f32 	%f44, [%rd23];
+	abs.f32 	%f45, %f44;
+	setp.ge.f32 	%p40, %f45, 0f0D800000;
+	setp.le.f32 	%p41, %f45, 0f7F7FFFFF;
+	and.pred  	%p42, %p40, %p41;
+	@%p42 bra 	$L__BB15_53;
+	bra.uni 	$L__BB15_50;
+
+$L__BB15_53:
+	mul.f32 	%f80, %f44, %f51;
+	neg.f32 	%f81, %f80;
+	fma.rn.f32 	%f82, %f81, %f50, %f44;
+	fma.rn.f32 	%f92, %f82, %f51, %f80;
+	bra.uni 	$L__BB15_54;
+
+$L__BB15_50:
+	setp.eq.f32 	%p43, %f45, 0f00000000;
+	@%p43 bra 	$L__BB15_52;
+	bra.uni 	$L__BB15_51;
+
+$L__BB15_52:
+	mul.f32 	%f92, %f44, %f51;
+	bra.uni 	$L__BB15_54;
+
+$L__BB15_51:
+	div.rn.f32 	%f92, %f44, %f50;
+
+$L__BB15_54:
+	st.global.f32 	[%rd23], %f92;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p44, %rd45, %rd25;
+	@%p44 bra 	$L__BB15_49;
+
+$L__BB15_55:
+	ret;
+
+}
+	// .globl	ddp_scale_f64
+.visible .entry ddp_scale_f64(
+	.param .u64 ddp_scale_f64_param_0,
+	.param .u64 ddp_scale_f64_param_1,
+	.param .f64 ddp_scale_f64_param_2,
+	.param .f64 ddp_scale_f64_param_3,
+	.param .u8 ddp_scale_f64_param_4,
+	.param .u8 ddp_scale_f64_param_5
+)
+{
+	.reg .pred 	%p<14>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<19>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_scale_f64_param_4];
+	ld.param.s8 	%rs2, [ddp_scale_f64_param_5];
+	ld.param.u64 	%rd16, [ddp_scale_f64_param_0];
+	ld.param.u64 	%rd15, [ddp_scale_f64_param_1];
+	ld.param.f64 	%fd5, [ddp_scale_f64_param_2];
+	ld.param.f64 	%fd6, [ddp_scale_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB16_7;
+
+	shr.u64 	%rd4, %rd15, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB16_4;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	selp.f64 	%fd1, %fd5, %fd6, %p3;
+	mov.u64 	%rd28, %rd3;
+
+$L__BB16_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v2.f64 	{%fd7, %fd8}, [%rd20];
+	mul.f64 	%fd11, %fd1, %fd8;
+	mul.f64 	%fd12, %fd1, %fd7;
+	st.global.v2.f64 	[%rd20], {%fd12, %fd11};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p4, %rd28, %rd4;
+	@%p4 bra 	$L__BB16_3;
+
+$L__BB16_4:
+	and.b64  	%rd21, %rd15, -2;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB16_13;
+
+	setp.eq.s16 	%p6, %rs1, 0;
+	selp.f64 	%fd2, %fd5, %fd6, %p6;
+
+$L__BB16_6:
+	shl.b64 	%rd22, %rd29, 3;
+	add.s64 	%rd23, %rd1, %rd22;
+	ld.global.f64 	%fd13, [%rd23];
+	mul.f64 	%fd14, %fd2, %fd13;
+	st.global.f64 	[%rd23], %fd14;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p7, %rd29, %rd15;
+	@%p7 bra 	$L__BB16_6;
+	bra.uni 	$L__BB16_13;
+
+$L__BB16_7:
+	setp.ge.u64 	%p8, %rd3, %rd15;
+	@%p8 bra 	$L__BB16_10;
+
+	setp.eq.s16 	%p9, %rs1, 0;
+	selp.f64 	%fd3, %fd5, %fd6, %p9;
+	mov.u64 	%rd30, %rd3;
+
+$L__BB16_9:
+	shl.b64 	%rd24, %rd30, 3;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.f64 	%fd15, [%rd25];
+	mul.f64 	%fd16, %fd3, %fd15;
+	st.global.f64 	[%rd25], %fd16;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p10, %rd30, %rd15;
+	@%p10 bra 	$L__BB16_9;
+
+$L__BB16_10:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p11, %rd31, %rd3;
+	@%p11 bra 	$L__BB16_13;
+
+	setp.eq.s16 	%p12, %rs1, 0;
+	selp.f64 	%fd4, %fd5, %fd6, %p12;
+
+$L__BB16_12:
+	shl.b64 	%rd26, %rd31, 3;
+	add.s64 	%rd27, %rd1, %rd26;
+	ld.global.f64 	%fd17, [%rd27];
+	mul.f64 	%fd18, %fd4, %fd17;
+	st.global.f64 	[%rd27], %fd18;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p13, %rd31, %rd15;
+	@%p13 bra 	$L__BB16_12;
+
+$L__BB16_13:
+	ret;
+
+}
+	// .globl	ddp_divide_f64
+.visible .entry ddp_divide_f64(
+	.param .u64 ddp_divide_f64_param_0,
+	.param .u64 ddp_divide_f64_param_1,
+	.param .f64 ddp_divide_f64_param_2,
+	.param .f64 ddp_divide_f64_param_3,
+	.param .u8 ddp_divide_f64_param_4,
+	.param .u8 ddp_divide_f64_param_5
+)
+{
+	.reg .pred 	%p<37>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<65>;
+	.reg .b64 	%rd<47>;
+
+
+	ld.param.s8 	%rs1, [ddp_divide_f64_param_4];
+	ld.param.s8 	%rs2, [ddp_divide_f64_param_5];
+	ld.param.u64 	%rd26, [ddp_divide_f64_param_0];
+	ld.param.u64 	%rd25, [ddp_divide_f64_param_1];
+	ld.param.f64 	%fd34, [ddp_divide_f64_param_2];
+	ld.param.f64 	%fd35, [ddp_divide_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd3, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB17_25;
+
+	shr.u64 	%rd4, %rd25, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB17_16;
+
+	mov.u64 	%rd40, %rd3;
+
+$L__BB17_3:
+	shl.b64 	%rd29, %rd40, 4;
+	add.s64 	%rd6, %rd1, %rd29;
+	ld.global.v2.f64 	{%fd36, %fd37}, [%rd6];
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB17_5;
+
+	mul.f64 	%fd59, %fd36, %fd35;
+	mul.f64 	%fd60, %fd37, %fd35;
+	bra.uni 	$L__BB17_15;
+
+$L__BB17_5:
+	abs.f64 	%fd5, %fd36;
+	setp.ge.f64 	%p4, %fd5, 0d07B0000000000000;
+	setp.le.f64 	%p5, %fd5, 0d7FEFFFFFFFFFFFFF;
+	and.pred  	%p6, %p4, %p5;
+	@%p6 bra 	$L__BB17_9;
+	bra.uni 	$L__BB17_6;
+
+$L__BB17_9:
+	mul.f64 	%fd38, %fd36, %fd35;
+	neg.f64 	%fd39, %fd38;
+	fma.rn.f64 	%fd40, %fd39, %fd34, %fd36;
+	fma.rn.f64 	%fd59, %fd40, %fd35, %fd38;
+	bra.uni 	$L__BB17_10;
+
+$L__BB17_6:
+	setp.eq.f64 	%p7, %fd5, 0d0000000000000000;
+	@%p7 bra 	$L__BB17_8;
+	bra.uni 	$L__BB17_7;
+
+$L__BB17_8:
+	mul.f64 	%fd59, %fd36, %fd35;
+	bra.uni 	$L__BB17_10;
+
+$L__BB17_7:
+	div.rn.f64 	%fd59, %fd36, %fd34;
+
+$L__BB17_10:
+	abs.f64 	%fd10, %fd37;
+	setp.ge.f64 	%p8, %fd10, 0d07B0000000000000;
+	setp.le.f64 	%p9, %fd10, 0d7FEFFFFFFFFFFFFF;
+	and.pred  	%p10, %p8, %p9;
+	@%p10 bra 	$L__BB17_14;
+	bra.uni 	$L__BB17_11;
+
+$L__BB17_14:
+	mul.f64 	%fd41, %fd37, %fd35;
+	neg.f64 	%fd42, %fd41;
+	fma.rn.f64 	%fd43, %fd42, %fd34, %fd37;
+	fma.rn.f64 	%fd60, %fd43, %fd35, %fd41;
+	bra.uni 	$L__BB17_15;
+
+$L__BB17_11:
+	setp.eq.f64 	%p11, %fd10, 0d0000000000000000;
+	@%p11 bra 	$L__BB17_13;
+	bra.uni 	$L__BB17_12;
+
+$L__BB17_13:
+	mul.f64 	%fd60, %fd37, %fd35;
+	bra.uni 	$L__BB17_15;
+
+$L__BB17_12:
+	div.rn.f64 	%fd60, %fd37, %fd34;
+
+$L__BB17_15:
+	st.global.v2.f64 	[%rd6], {%fd59, %fd60};
+	add.s64 	%rd40, %rd40, %rd2;
+	setp.lt.u64 	%p12, %rd40, %rd4;
+	@%p12 bra 	$L__BB17_3;
+
+$L__BB17_16:
+	and.b64  	%rd30, %rd25, -2;
+	add.s64 	%rd41, %rd30, %rd3;
+	setp.ge.u64 	%p13, %rd41, %rd25;
+	@%p13 bra 	$L__BB17_45;
+
+	setp.eq.s16 	%p14, %rs1, 0;
+	@%p14 bra 	$L__BB17_19;
+
+$L__BB17_18:
+	shl.b64 	%rd31, %rd41, 3;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f64 	%fd44, [%rd32];
+	mul.f64 	%fd45, %fd44, %fd35;
+	st.global.f64 	[%rd32], %fd45;
+	add.s64 	%rd41, %rd41, %rd2;
+	setp.lt.u64 	%p15, %rd41, %rd25;
+	@%p15 bra 	$L__BB17_18;
+	bra.uni 	$L__BB17_45;
+
+$L__BB17_19:
+	shl.b64 	%rd33, %rd41, 3;
+	add.s64 	%rd12, %rd1, %rd33;
+	ld.global.f64 	%fd16, [%rd12];
+	abs.f64 	%fd17, %fd16;
+	setp.ge.f64 	%p16, %fd17, 0d07B0000000000000;
+	setp.le.f64 	%p17, %fd17, 0d7FEFFFFFFFFFFFFF;
+	and.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB17_23;
+	bra.uni 	$L__BB17_20;
+
+$L__BB17_23:
+	mul.f64 	%fd46, %fd16, %fd35;
+	neg.f64 	%fd47, %fd46;
+	fma.rn.f64 	%fd48, %fd47, %fd34, %fd16;
+	fma.rn.f64 	%fd62, %fd48, %fd35, %fd46;
+	bra.uni 	$L__BB17_24;
+
+$L__BB17_20:
+	setp.eq.f64 	%p19, %fd17, 0d0000000000000000;
+	@%p19 bra 	$L__BB17_22;
+	bra.uni 	$L__BB17_21;
+
+$L__BB17_22:
+	mul.f64 	%fd62, %fd16, %fd35;
+	bra.uni 	$L__BB17_24;
+
+$L__BB17_21:
+	div.rn.f64 	%fd62, %fd16, %fd34;
+
+$L__BB17_24:
+	st.global.f64 	[%rd12], %fd62;
+	add.s64 	%rd41, %rd41, %rd2;
+	setp.lt.u64 	%p20, %rd41, %rd25;
+	@%p20 bra 	$L__BB17_19;
+	bra.uni 	$L__BB17_45;
+
+$L__BB17_25:
+	setp.ge.u64 	%p21, %rd3, %rd25;
+	@%p21 bra 	$L__BB17_36;
+
+	setp.eq.s16 	%p22, %rs1, 0;
+	@%p22 bra 	$L__BB17_29;
+
+	mov.u64 	%rd43, %rd3;
+
+$L__BB17_28:
+	shl.b64 	%rd34, %rd43, 3;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.f64 	%fd49, [%rd35];
+	mul.f64 	%fd50, %fd49, %fd35;
+	st.global.f64 	[%rd35], %fd50;
+	add.s64 	%rd43, %rd43, %rd2;
+	setp.lt.u64 	%p23, %rd43, %rd25;
+	@%p23 bra 	$L__BB17_28;
+	bra.uni 	$L__BB17_36;
+
+$L__BB17_29:
+	mov.u64 	%rd44, %rd3;
+
+$L__BB17_30:
+	shl.b64 	%rd36, %rd44, 3;
+	add.s64 	%rd17, %rd1, %rd36;
+	ld.global.f64 	%fd22, [%rd17];
+	abs.f64 	%fd23, %fd22;
+	setp.ge.f64 	%p24, %fd23, 0d07B0000000000000;
+	setp.le.f64 	%p25, %fd23, 0d7FEFFFFFFFFFFFFF;
+	and.pred  	%p26, %p24, %p25;
+	@%p26 bra 	$L__BB17_34;
+	bra.uni 	$L__BB17_31;
+
+$L__BB17_34:
+	mul.f64 	%fd51, %fd22, %fd35;
+	neg.f64 	%fd52, %fd51;
+	fma.rn.f64 	%fd53, %fd52, %fd34, %fd22;
+	fma.rn.f64 	%fd63, %fd53, %fd35, %fd51;
+	bra.uni 	$L__BB17_35;
+
+$L__BB17_31:
+	setp.eq.f64 	%p27, %fd23, 0d0000000000000000;
+	@%p27 bra 	$L__BB17_33;
+	bra.uni 	$L__BB17_32;
+
+$L__BB17_33:
+	mul.f64 	%fd63, %fd22, %fd35;
+	bra.uni 	$L__BB17_35;
+
+$L__BB17_32:
+	div.rn.f64 	%fd63, %fd22, %fd34;
+
+$L__BB17_35:
+	st.global.f64 	[%rd17], %fd63;
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p28, %rd44, %rd25;
+	@%p28 bra 	$L__BB17_30;
+
+$L__BB17_36:
+	add.s64 	%rd45, %rd3, %rd25;
+	setp.ge.u64 	%p29, %rd45, %rd3;
+	@%p29 bra 	$L__BB17_45;
+
+	setp.eq.s16 	%p30, %rs1, 0;
+	@%p30 bra 	$L__BB17_39;
+
+$L__BB17_38:
+	shl.b64 	%rd37, %rd45, 3;
+	add.s64 	%rd38, %rd1, %rd37;
+	ld.global.f64 	%fd54, [%rd38];
+	mul.f64 	%fd55, %fd54, %fd35;
+	st.global.f64 	[%rd38], %fd55;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p31, %rd45, %rd25;
+	@%p31 bra 	$L__BB17_38;
+	bra.uni 	$L__BB17_45;
+
+$L__BB17_39:
+	shl.b64 	%rd39, %rd45, 3;
+	add.s64 	%rd23, %rd1, %rd39;
+	ld.global.f64 	%fd28, [%rd23];
+	abs.f64 	%fd29, %fd28;
+	setp.ge.f64 	%p32, %fd29, 0d07B0000000000000;
+	setp.le.f64 	%p33, %fd29, 0d7FEFFFFFFFFFFFFF;
+	and.pred  	%p34, %p32, %p33;
+	@%p34 bra 	$L__BB17_43;
+	bra.uni 	$L__BB17_40;
+
+$L__BB17_43:
+	mul.f64 	%fd56, %fd28, %fd35;
+	neg.f64 	%fd57, %fd56;
+	fma.rn.f64 	%fd58, %fd57, %fd34, %fd28;
+	fma.rn.f64 	%fd64, %fd58, %fd35, %fd56;
+	bra.uni 	$L__BB17_44;
+
+$L__BB17_40:
+	setp.eq.f64 	%p35, %fd29, 0d0000000000000000;
+	@%p35 bra 	$L__BB17_42;
+	bra.uni 	$L__BB17_41;
+
+$L__BB17_42:
+	mul.f64 	%fd64, %fd28, %fd35;
+	bra.uni 	$L__BB17_44;
+
+$L__BB17_41:
+	div.rn.f64 	%fd64, %fd28, %fd34;
+
+$L__BB17_44:
+	st.global.f64 	[%rd23], %fd64;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p36, %rd45, %rd25;
+	@%p36 bra 	$L__BB17_39;
+
+$L__BB17_45:
+	ret;
+
+}
+	// .globl	ddp_scale_bf16
+.visible .entry ddp_scale_bf16(
+	.param .u64 ddp_scale_bf16_param_0,
+	.param .u64 ddp_scale_bf16_param_1,
+	.param .f64 ddp_scale_bf16_param_2,
+	.param .f32 ddp_scale_bf16_param_3,
+	.param .u8 ddp_scale_bf16_param_4,
+	.param .u8 ddp_scale_bf16_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<82>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<20>;
+	.reg .f64 	%fd<24>;
+	.reg .b64 	%rd<51>;
+
+
+	ld.param.s8 	%rs26, [ddp_scale_bf16_param_4];
+	ld.param.s8 	%rs27, [ddp_scale_bf16_param_5];
+	ld.param.u64 	%rd22, [ddp_scale_bf16_param_0];
+	ld.param.u64 	%rd21, [ddp_scale_bf16_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_bf16_param_2];
+	ld.param.f32 	%f2, [ddp_scale_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd22;
+	mov.u32 	%r5, %nctaid.x;
+	mov.u32 	%r6, %ntid.x;
+	mul.wide.u32 	%rd2, %r5, %r6;
+	mov.u32 	%r7, %ctaid.x;
+	mul.wide.u32 	%rd23, %r7, %r6;
+	mov.u32 	%r8, %tid.x;
+	cvt.u64.u32 	%rd24, %r8;
+	add.s64 	%rd44, %rd23, %rd24;
+	setp.eq.s16 	%p1, %rs27, 0;
+	@%p1 bra 	$L__BB18_10;
+
+	shr.u64 	%rd25, %rd21, 3;
+	setp.ge.u64 	%p2, %rd44, %rd25;
+	@%p2 bra 	$L__BB18_6;
+
+$L__BB18_2:
+	shl.b64 	%rd26, %rd44, 4;
+	add.s64 	%rd5, %rd1, %rd26;
+	ld.global.v4.u32 	{%r9, %r10, %r11, %r12}, [%rd5];
+	cvt.u16.u32 	%rs28, %r9;
+	mov.b32 	{%rs29, %rs1}, %r11;
+	// begin inline asm
+	{ mov.b32 %f3, {0,%rs28};}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs26, 0;
+	@%p3 bra 	$L__BB18_4;
+
+	mul.f32 	%f4, %f3, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs81, %f4;}
+
+	// end inline asm
+	mov.b32 	{%rs45, %rs31}, %r9;
+	// begin inline asm
+	{ mov.b32 %f5, {0,%rs31};}
+
+	// end inline asm
+	mul.f32 	%f6, %f5, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs80, %f6;}
+
+	// end inline asm
+	mov.b32 	{%rs33, %rs35}, %r10;
+	// begin inline asm
+	{ mov.b32 %f7, {0,%rs33};}
+
+	// end inline asm
+	mul.f32 	%f8, %f7, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs79, %f8;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f9, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f10, %f9, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs78, %f10;}
+
+	// end inline asm
+	cvt.u16.u32 	%rs37, %r11;
+	// begin inline asm
+	{ mov.b32 %f11, {0,%rs37};}
+
+	// end inline asm
+	mul.f32 	%f12, %f11, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs77, %f12;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f13, {0,%rs1};}
+
+	// end inline asm
+	mul.f32 	%f14, %f13, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs76, %f14;}
+
+	// end inline asm
+	mov.b32 	{%rs41, %rs43}, %r12;
+	// begin inline asm
+	{ mov.b32 %f15, {0,%rs41};}
+
+	// end inline asm
+	mul.f32 	%f16, %f15, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs75, %f16;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f17, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs74, %f18;}
+
+	// end inline asm
+	bra.uni 	$L__BB18_5;
+
+$L__BB18_4:
+	cvt.f64.f32 	%fd2, %f3;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.rn.f32.f64 	%f19, %fd3;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs81, %f19;}
+
+	// end inline asm
+	mov.b32 	{%rs61, %rs47}, %r9;
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs47};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd4, %f20;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.rn.f32.f64 	%f21, %fd5;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs80, %f21;}
+
+	// end inline asm
+	mov.b32 	{%rs49, %rs51}, %r10;
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs49};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd6, %f22;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.rn.f32.f64 	%f23, %fd7;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs79, %f23;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f24, {0,%rs51};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd8, %f24;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rn.f32.f64 	%f25, %fd9;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs78, %f25;}
+
+	// end inline asm
+	cvt.u16.u32 	%rs53, %r11;
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs53};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd10, %f26;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rn.f32.f64 	%f27, %fd11;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs77, %f27;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs1};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd12, %f28;
+	mul.f64 	%fd13, %fd12, %fd1;
+	cvt.rn.f32.f64 	%f29, %fd13;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs76, %f29;}
+
+	// end inline asm
+	mov.b32 	{%rs57, %rs59}, %r12;
+	// begin inline asm
+	{ mov.b32 %f30, {0,%rs57};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd14, %f30;
+	mul.f64 	%fd15, %fd14, %fd1;
+	cvt.rn.f32.f64 	%f31, %fd15;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs75, %f31;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs59};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd16, %f32;
+	mul.f64 	%fd17, %fd16, %fd1;
+	cvt.rn.f32.f64 	%f33, %fd17;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs74, %f33;}
+
+	// end inline asm
+
+$L__BB18_5:
+	mov.b32 	%r13, {%rs75, %rs74};
+	mov.b32 	%r14, {%rs77, %rs76};
+	mov.b32 	%r15, {%rs79, %rs78};
+	mov.b32 	%r16, {%rs81, %rs80};
+	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p4, %rd44, %rd25;
+	@%p4 bra 	$L__BB18_2;
+
+$L__BB18_6:
+	and.b64  	%rd28, %rd21, -8;
+	add.s64 	%rd31, %rd23, %rd24;
+	add.s64 	%rd45, %rd28, %rd31;
+	setp.ge.u64 	%p5, %rd45, %rd21;
+	@%p5 bra 	$L__BB18_20;
+
+	setp.eq.s16 	%p6, %rs26, 0;
+	@%p6 bra 	$L__BB18_9;
+
+$L__BB18_8:
+	shl.b64 	%rd32, %rd45, 1;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.u16 	%rs62, [%rd33];
+	// begin inline asm
+	{ mov.b32 %f34, {0,%rs62};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs63, %f35;}
+
+	// end inline asm
+	st.global.u16 	[%rd33], %rs63;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p7, %rd45, %rd21;
+	@%p7 bra 	$L__BB18_8;
+	bra.uni 	$L__BB18_20;
+
+$L__BB18_9:
+	shl.b64 	%rd34, %rd45, 1;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.u16 	%rs64, [%rd35];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs64};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd18, %f36;
+	mul.f64 	%fd19, %fd18, %fd1;
+	cvt.rn.f32.f64 	%f37, %fd19;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs65, %f37;}
+
+	// end inline asm
+	st.global.u16 	[%rd35], %rs65;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p8, %rd45, %rd21;
+	@%p8 bra 	$L__BB18_9;
+	bra.uni 	$L__BB18_20;
+
+$L__BB18_10:
+	setp.ge.u64 	%p9, %rd44, %rd21;
+	@%p9 bra 	$L__BB18_16;
+
+	setp.eq.s16 	%p10, %rs26, 0;
+	@%p10 bra 	$L__BB18_14;
+
+	mov.u64 	%rd47, %rd44;
+
+$L__BB18_13:
+	shl.b64 	%rd36, %rd47, 1;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u16 	%rs66, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f38, {0,%rs66};}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs67, %f39;}
+
+	// end inline asm
+	st.global.u16 	[%rd37], %rs67;
+	add.s64 	%rd47, %rd47, %rd2;
+	setp.lt.u64 	%p11, %rd47, %rd21;
+	@%p11 bra 	$L__BB18_13;
+	bra.uni 	$L__BB18_16;
+
+$L__BB18_14:
+	mov.u64 	%rd48, %rd44;
+
+$L__BB18_15:
+	shl.b64 	%rd38, %rd48, 1;
+	add.s64 	%rd39, %rd1, %rd38;
+	ld.global.u16 	%rs68, [%rd39];
+	// begin inline asm
+	{ mov.b32 %f40, {0,%rs68};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd20, %f40;
+	mul.f64 	%fd21, %fd20, %fd1;
+	cvt.rn.f32.f64 	%f41, %fd21;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs69, %f41;}
+
+	// end inline asm
+	st.global.u16 	[%rd39], %rs69;
+	add.s64 	%rd48, %rd48, %rd2;
+	setp.lt.u64 	%p12, %rd48, %rd21;
+	@%p12 bra 	$L__BB18_15;
+
+$L__BB18_16:
+	add.s64 	%rd49, %rd44, %rd21;
+	setp.ge.u64 	%p13, %rd49, %rd44;
+	@%p13 bra 	$L__BB18_20;
+
+	setp.eq.s16 	%p14, %rs26, 0;
+	@%p14 bra 	$L__BB18_19;
+
+$L__BB18_18:
+	shl.b64 	%rd40, %rd49, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	ld.global.u16 	%rs70, [%rd41];
+	// begin inline asm
+	{ mov.b32 %f42, {0,%rs70};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f2;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs71, %f43;}
+
+	// end inline asm
+	st.global.u16 	[%rd41], %rs71;
+	add.s64 	%rd49, %rd49, %rd2;
+	setp.lt.u64 	%p15, %rd49, %rd21;
+	@%p15 bra 	$L__BB18_18;
+	bra.uni 	$L__BB18_20;
+
+$L__BB18_19:
+	shl.b64 	%rd42, %rd49, 1;
+	add.s64 	%rd43, %rd1, %rd42;
+	ld.global.u16 	%rs72, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs72};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd22, %f44;
+	mul.f64 	%fd23, %fd22, %fd1;
+	cvt.rn.f32.f64 	%f45, %fd23;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs73, %f45;}
+
+	// end inline asm
+	st.global.u16 	[%rd43], %rs73;
+	add.s64 	%rd49, %rd49, %rd2;
+	setp.lt.u64 	%p16, %rd49, %rd21;
+	@%p16 bra 	$L__BB18_19;
+
+$L__BB18_20:
+	ret;
+
+}
+	// .globl	ddp_divide_bf16
+.visible .entry ddp_divide_bf16(
+	.param .u64 ddp_divide_bf16_param_0,
+	.param .u64 ddp_divide_bf16_param_1,
+	.param .f32 ddp_divide_bf16_param_2,
+	.param .f32 ddp_divide_bf16_param_3,
+	.param .u8 ddp_divide_bf16_param_4,
+	.param .u8 ddp_divide_bf16_param_5
+)
+{
+	.reg .pred 	%p<61>;
+	.reg .b16 	%rs<85>;
+	.reg .f32 	%f<156>;
+	.reg .b32 	%r<26>;
+	.reg .b64 	%rd<57>;
+
+
+	ld.param.s8 	%rs32, [ddp_divide_bf16_param_4];
+	ld.param.s8 	%rs33, [ddp_divide_bf16_param_5];
+	ld.param.u64 	%rd28, [ddp_divide_bf16_param_0];
+	ld.param.u64 	%rd29, [ddp_divide_bf16_param_1];
+	ld.param.f32 	%f67, [ddp_divide_bf16_param_2];
+	ld.param.f32 	%f68, [ddp_divide_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd28;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd30, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd31, %r4;
+	add.s64 	%rd50, %rd30, %rd31;
+	setp.eq.s16 	%p1, %rs33, 0;
+	@%p1 bra 	$L__BB19_55;
+
+	shr.u64 	%rd32, %rd29, 3;
+	setp.ge.u64 	%p2, %rd50, %rd32;
+	@%p2 bra 	$L__BB19_46;
+
+$L__BB19_2:
+	shl.b64 	%rd34, %rd50, 4;
+	add.s64 	%rd5, %rd1, %rd34;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd5];
+	mov.b32 	{%rs34, %rs1}, %r5;
+	mov.b32 	{%rs2, %rs3}, %r6;
+	mov.b32 	{%rs4, %rs5}, %r7;
+	mov.b32 	{%rs6, %rs7}, %r8;
+	// begin inline asm
+	{ mov.b32 %f69, {0,%rs34};}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs32, 0;
+	@%p3 bra 	$L__BB19_4;
+
+	mul.f32 	%f70, %f69, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs84, %f70;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f71, {0,%rs1};}
+
+	// end inline asm
+	mul.f32 	%f72, %f71, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs83, %f72;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f73, {0,%rs2};}
+
+	// end inline asm
+	mul.f32 	%f74, %f73, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs82, %f74;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f75, {0,%rs3};}
+
+	// end inline asm
+	mul.f32 	%f76, %f75, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs81, %f76;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f77, {0,%rs4};}
+
+	// end inline asm
+	mul.f32 	%f78, %f77, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs80, %f78;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f79, {0,%rs5};}
+
+	// end inline asm
+	mul.f32 	%f80, %f79, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs79, %f80;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f81, {0,%rs6};}
+
+	// end inline asm
+	mul.f32 	%f82, %f81, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs78, %f82;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f83, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f84, %f83, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs77, %f84;}
+
+	// end inline asm
+	bra.uni 	$L__BB19_45;
+
+$L__BB19_4:
+	abs.f32 	%f2, %f69;
+	setp.ge.f32 	%p4, %f2, 0f0D800000;
+	setp.le.f32 	%p5, %f2, 0f7F7FFFFF;
+	and.pred  	%p6, %p4, %p5;
+	@%p6 bra 	$L__BB19_8;
+	bra.uni 	$L__BB19_5;
+
+$L__BB19_8:
+	mul.f32 	%f85, %f69, %f68;
+	neg.f32 	%f86, %f85;
+	fma.rn.f32 	%f87, %f86, %f67, %f69;
+	fma.rn.f32 	%f145, %f87, %f68, %f85;
+	bra.uni 	$L__BB19_9;
+
+$L__BB19_5:
+	setp.eq.f32 	%p7, %f2, 0f00000000;
+	@%p7 bra 	$L__BB19_7;
+	bra.uni 	$L__BB19_6;
+
+$L__BB19_7:
+	mul.f32 	%f145, %f69, %f68;
+	bra.uni 	$L__BB19_9;
+
+$L__BB19_6:
+	div.rn.f32 	%f145, %f69, %f67;
+
+$L__BB19_9:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs84, %f145;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f89, {0,%rs1};}
+
+	// end inline asm
+	abs.f32 	%f8, %f89;
+	setp.ge.f32 	%p8, %f8, 0f0D800000;
+	setp.le.f32 	%p9, %f8, 0f7F7FFFFF;
+	and.pred  	%p10, %p8, %p9;
+	@%p10 bra 	$L__BB19_13;
+	bra.uni 	$L__BB19_10;
+
+$L__BB19_13:
+	mul.f32 	%f90, %f89, %f68;
+	neg.f32 	%f91, %f90;
+	fma.rn.f32 	%f92, %f91, %f67, %f89;
+	fma.rn.f32 	%f146, %f92, %f68, %f90;
+	bra.uni 	$L__BB19_14;
+
+$L__BB19_10:
+	setp.eq.f32 	%p11, %f8, 0f00000000;
+	@%p11 bra 	$L__BB19_12;
+	bra.uni 	$L__BB19_11;
+
+$L__BB19_12:
+	mul.f32 	%f146, %f89, %f68;
+	bra.uni 	$L__BB19_14;
+
+$L__BB19_11:
+	div.rn.f32 	%f146, %f89, %f67;
+
+$L__BB19_14:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs83, %f146;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f94, {0,%rs2};}
+
+	// end inline asm
+	abs.f32 	%f14, %f94;
+	setp.ge.f32 	%p12, %f14, 0f0D800000;
+	setp.le.f32 	%p13, %f14, 0f7F7FFFFF;
+	and.pred  	%p14, %p12, %p13;
+	@%p14 bra 	$L__BB19_18;
+	bra.uni 	$L__BB19_15;
+
+$L__BB19_18:
+	mul.f32 	%f95, %f94, %f68;
+	neg.f32 	%f96, %f95;
+	fma.rn.f32 	%f97, %f96, %f67, %f94;
+	fma.rn.f32 	%f147, %f97, %f68, %f95;
+	bra.uni 	$L__BB19_19;
+
+$L__BB19_15:
+	setp.eq.f32 	%p15, %f14, 0f00000000;
+	@%p15 bra 	$L__BB19_17;
+	bra.uni 	$L__BB19_16;
+
+$L__BB19_17:
+	mul.f32 	%f147, %f94, %f68;
+	bra.uni 	$L__BB19_19;
+
+$L__BB19_16:
+	div.rn.f32 	%f147, %f94, %f67;
+
+$L__BB19_19:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs82, %f147;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f99, {0,%rs3};}
+
+	// end inline asm
+	abs.f32 	%f20, %f99;
+	setp.ge.f32 	%p16, %f20, 0f0D800000;
+	setp.le.f32 	%p17, %f20, 0f7F7FFFFF;
+	and.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB19_23;
+	bra.uni 	$L__BB19_20;
+
+$L__BB19_23:
+	mul.f32 	%f100, %f99, %f68;
+	neg.f32 	%f101, %f100;
+	fma.rn.f32 	%f102, %f101, %f67, %f99;
+	fma.rn.f32 	%f148, %f102, %f68, %f100;
+	bra.uni 	$L__BB19_24;
+
+$L__BB19_20:
+	setp.eq.f32 	%p19, %f20, 0f00000000;
+	@%p19 bra 	$L__BB19_22;
+	bra.uni 	$L__BB19_21;
+
+$L__BB19_22:
+	mul.f32 	%f148, %f99, %f68;
+	bra.uni 	$L__BB19_24;
+
+$L__BB19_21:
+	div.rn.f32 	%f148, %f99, %f67;
+
+$L__BB19_24:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs81, %f148;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f104, {0,%rs4};}
+
+	// end inline asm
+	abs.f32 	%f26, %f104;
+	setp.ge.f32 	%p20, %f26, 0f0D800000;
+	setp.le.f32 	%p21, %f26, 0f7F7FFFFF;
+	and.pred  	%p22, %p20, %p21;
+	@%p22 bra 	$L__BB19_28;
+	bra.uni 	$L__BB19_25;
+
+$L__BB19_28:
+	mul.f32 	%f105, %f104, %f68;
+	neg.f32 	%f106, %f105;
+	fma.rn.f32 	%f107, %f106, %f67, %f104;
+	fma.rn.f32 	%f149, %f107, %f68, %f105;
+	bra.uni 	$L__BB19_29;
+
+$L__BB19_25:
+	setp.eq.f32 	%p23, %f26, 0f00000000;
+	@%p23 bra 	$L__BB19_27;
+	bra.uni 	$L__BB19_26;
+
+$L__BB19_27:
+	mul.f32 	%f149, %f104, %f68;
+	bra.uni 	$L__BB19_29;
+
+$L__BB19_26:
+	div.rn.f32 	%f149, %f104, %f67;
+
+$L__BB19_29:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs80, %f149;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f109, {0,%rs5};}
+
+	// end inline asm
+	abs.f32 	%f32, %f109;
+	setp.ge.f32 	%p24, %f32, 0f0D800000;
+	setp.le.f32 	%p25, %f32, 0f7F7FFFFF;
+	and.pred  	%p26, %p24, %p25;
+	@%p26 bra 	$L__BB19_33;
+	bra.uni 	$L__BB19_30;
+
+$L__BB19_33:
+	mul.f32 	%f110, %f109, %f68;
+	neg.f32 	%f111, %f110;
+	fma.rn.f32 	%f112, %f111, %f67, %f109;
+	fma.rn.f32 	%f150, %f112, %f68, %f110;
+	bra.uni 	$L__BB19_34;
+
+$L__BB19_30:
+	setp.eq.f32 	%p27, %f32, 0f00000000;
+	@%p27 bra 	$L__BB19_32;
+	bra.uni 	$L__BB19_31;
+
+$L__BB19_32:
+	mul.f32 	%f150, %f109, %f68;
+	bra.uni 	$L__BB19_34;
+
+$L__BB19_31:
+	div.rn.f32 	%f150, %f109, %f67;
+
+$L__BB19_34:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs79, %f150;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f114, {0,%rs6};}
+
+	// end inline asm
+	abs.f32 	%f38, %f114;
+	setp.ge.f32 	%p28, %f38, 0f0D800000;
+	setp.le.f32 	%p29, %f38, 0f7F7FFFFF;
+	and.pred  	%p30, %p28, %p29;
+	@%p30 bra 	$L__BB19_38;
+	bra.uni 	$L__BB19_35;
+
+$L__BB19_38:
+	mul.f32 	%f115, %f114, %f68;
+	neg.f32 	%f116, %f115;
+	fma.rn.f32 	%f117, %f116, %f67, %f114;
+	fma.rn.f32 	%f151, %f117, %f68, %f115;
+	bra.uni 	$L__BB19_39;
+
+$L__BB19_35:
+	setp.eq.f32 	%p31, %f38, 0f00000000;
+	@%p31 bra 	$L__BB19_37;
+	bra.uni 	$L__BB19_36;
+
+$L__BB19_37:
+	mul.f32 	%f151, %f114, %f68;
+	bra.uni 	$L__BB19_39;
+
+$L__BB19_36:
+	div.rn.f32 	%f151, %f114, %f67;
+
+$L__BB19_39:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs78, %f151;}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f119, {0,%rs7};}
+
+	// end inline asm
+	abs.f32 	%f44, %f119;
+	setp.ge.f32 	%p32, %f44, 0f0D800000;
+	setp.le.f32 	%p33, %f44, 0f7F7FFFFF;
+	and.pred  	%p34, %p32, %p33;
+	@%p34 bra 	$L__BB19_43;
+	bra.uni 	$L__BB19_40;
+
+$L__BB19_43:
+	mul.f32 	%f120, %f119, %f68;
+	neg.f32 	%f121, %f120;
+	fma.rn.f32 	%f122, %f121, %f67, %f119;
+	fma.rn.f32 	%f152, %f122, %f68, %f120;
+	bra.uni 	$L__BB19_44;
+
+$L__BB19_40:
+	setp.eq.f32 	%p35, %f44, 0f00000000;
+	@%p35 bra 	$L__BB19_42;
+	bra.uni 	$L__BB19_41;
+
+$L__BB19_42:
+	mul.f32 	%f152, %f119, %f68;
+	bra.uni 	$L__BB19_44;
+
+$L__BB19_41:
+	div.rn.f32 	%f152, %f119, %f67;
+
+$L__BB19_44:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs77, %f152;}
+
+	// end inline asm
+
+$L__BB19_45:
+	mov.b32 	%r13, {%rs78, %rs77};
+	mov.b32 	%r14, {%rs80, %rs79};
+	mov.b32 	%r15, {%rs82, %rs81};
+	mov.b32 	%r16, {%rs84, %rs83};
+	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p36, %rd50, %rd32;
+	@%p36 bra 	$L__BB19_2;
+
+$L__BB19_46:
+	and.b64  	%rd37, %rd29, -8;
+	add.s64 	%rd40, %rd30, %rd31;
+	add.s64 	%rd51, %rd37, %rd40;
+	setp.ge.u64 	%p37, %rd51, %rd29;
+	@%p37 bra 	$L__BB19_75;
+
+	setp.eq.s16 	%p38, %rs32, 0;
+	@%p38 bra 	$L__BB19_49;
+
+$L__BB19_48:
+	shl.b64 	%rd41, %rd51, 1;
+	add.s64 	%rd42, %rd1, %rd41;
+	ld.global.u16 	%rs65, [%rd42];
+	// begin inline asm
+	{ mov.b32 %f124, {0,%rs65};}
+
+	// end inline asm
+	mul.f32 	%f125, %f124, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs66, %f125;}
+
+	// end inline asm
+	st.global.u16 	[%rd42], %rs66;
+	add.s64 	%rd51, %rd51, %rd2;
+	setp.lt.u64 	%p39, %rd51, %rd29;
+	@%p39 bra 	$L__BB19_48;
+	bra.uni 	$L__BB19_75;
+
+$L__BB19_49:
+	shl.b64 	%rd43, %rd51, 1;
+	add.s64 	%rd15, %rd1, %rd43;
+	ld.global.u16 	%rs67, [%rd15];
+	// begin inline asm
+	{ mov.b32 %f126, {0,%rs67};}
+
+	// end inline asm
+	abs.f32 	%f50, %f126;
+	setp.ge.f32 	%p40, %f50, 0f0D800000;
+	setp.le.f32 	%p41, %f50, 0f7F7FFFFF;
+	and.pred  	%p42, %p40, %p41;
+	@%p42 bra 	$L__BB19_53;
+	bra.uni 	$L__BB19_50;
+
+$L__BB19_53:
+	mul.f32 	%f127, %f126, %f68;
+	neg.f32 	%f128, %f127;
+	fma.rn.f32 	%f129, %f128, %f67, %f126;
+	fma.rn.f32 	%f153, %f129, %f68, %f127;
+	bra.uni 	$L__BB19_54;
+
+$L__BB19_50:
+	setp.eq.f32 	%p43, %f50, 0f00000000;
+	@%p43 bra 	$L__BB19_52;
+	bra.uni 	$L__BB19_51;
+
+$L__BB19_52:
+	mul.f32 	%f153, %f126, %f68;
+	bra.uni 	$L__BB19_54;
+
+$L__BB19_51:
+	div.rn.f32 	%f153, %f126, %f67;
+
+$L__BB19_54:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs68, %f153;}
+
+	// end inline asm
+	st.global.u16 	[%rd15], %rs68;
+	add.s64 	%rd51, %rd51, %rd2;
+	setp.lt.u64 	%p44, %rd51, %rd29;
+	@%p44 bra 	$L__BB19_49;
+	bra.uni 	$L__BB19_75;
+
+$L__BB19_55:
+	setp.ge.u64 	%p45, %rd50, %rd29;
+	@%p45 bra 	$L__BB19_66;
+
+	setp.eq.s16 	%p46, %rs32, 0;
+	@%p46 bra 	$L__BB19_59;
+
+	mov.u64 	%rd53, %rd50;
+
+$L__BB19_58:
+	shl.b64 	%rd44, %rd53, 1;
+	add.s64 	%rd45, %rd1, %rd44;
+	ld.global.u16 	%rs69, [%rd45];
+	// begin inline asm
+	{ mov.b32 %f131, {0,%rs69};}
+
+	// end inline asm
+	mul.f32 	%f132, %f131, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs70, %f132;}
+
+	// end inline asm
+	st.global.u16 	[%rd45], %rs70;
+	add.s64 	%rd53, %rd53, %rd2;
+	setp.lt.u64 	%p47, %rd53, %rd29;
+	@%p47 bra 	$L__BB19_58;
+	bra.uni 	$L__BB19_66;
+
+$L__BB19_59:
+	mov.u64 	%rd54, %rd50;
+
+$L__BB19_60:
+	shl.b64 	%rd46, %rd54, 1;
+	add.s64 	%rd20, %rd1, %rd46;
+	ld.global.u16 	%rs71, [%rd20];
+	// begin inline asm
+	{ mov.b32 %f133, {0,%rs71};}
+
+	// end inline asm
+	abs.f32 	%f56, %f133;
+	setp.ge.f32 	%p48, %f56, 0f0D800000;
+	setp.le.f32 	%p49, %f56, 0f7F7FFFFF;
+	and.pred  	%p50, %p48, %p49;
+	@%p50 bra 	$L__BB19_64;
+	bra.uni 	$L__BB19_61;
+
+$L__BB19_64:
+	mul.f32 	%f134, %f133, %f68;
+	neg.f32 	%f135, %f134;
+	fma.rn.f32 	%f136, %f135, %f67, %f133;
+	fma.rn.f32 	%f154, %f136, %f68, %f134;
+	bra.uni 	$L__BB19_65;
+
+$L__BB19_61:
+	setp.eq.f32 	%p51, %f56, 0f00000000;
+	@%p51 bra 	$L__BB19_63;
+	bra.uni 	$L__BB19_62;
+
+$L__BB19_63:
+	mul.f32 	%f154, %f133, %f68;
+	bra.uni 	$L__BB19_65;
+
+$L__BB19_62:
+	div.rn.f32 	%f154, %f133, %f67;
+
+$L__BB19_65:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs72, %f154;}
+
+	// end inline asm
+	st.global.u16 	[%rd20], %rs72;
+	add.s64 	%rd54, %rd54, %rd2;
+	setp.lt.u64 	%p52, %rd54, %rd29;
+	@%p52 bra 	$L__BB19_60;
+
+$L__BB19_66:
+	add.s64 	%rd55, %rd50, %rd29;
+	setp.ge.u64 	%p53, %rd55, %rd50;
+	@%p53 bra 	$L__BB19_75;
+
+	setp.eq.s16 	%p54, %rs32, 0;
+	@%p54 bra 	$L__BB19_69;
+
+$L__BB19_68:
+	shl.b64 	%rd47, %rd55, 1;
+	add.s64 	%rd48, %rd1, %rd47;
+	ld.global.u16 	%rs73, [%rd48];
+	// begin inline asm
+	{ mov.b32 %f138, {0,%rs73};}
+
+	// end inline asm
+	mul.f32 	%f139, %f138, %f68;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs74, %f139;}
+
+	// end inline asm
+	st.global.u16 	[%rd48], %rs74;
+	add.s64 	%rd55, %rd55, %rd2;
+	setp.lt.u64 	%p55, %rd55, %rd29;
+	@%p55 bra 	$L__BB19_68;
+	bra.uni 	$L__BB19_75;
+
+$L__BB19_69:
+	shl.b64 	%rd49, %rd55, 1;
+	add.s64 	%rd26, %rd1, %rd49;
+	ld.global.u16 	%rs75, [%rd26];
+	// begin inline asm
+	{ mov.b32 %f140, {0,%rs75};}
+
+	// end inline asm
+	abs.f32 	%f62, %f140;
+	setp.ge.f32 	%p56, %f62, 0f0D800000;
+	setp.le.f32 	%p57, %f62, 0f7F7FFFFF;
+	and.pred  	%p58, %p56, %p57;
+	@%p58 bra 	$L__BB19_73;
+	bra.uni 	$L__BB19_70;
+
+$L__BB19_73:
+	mul.f32 	%f141, %f140, %f68;
+	neg.f32 	%f142, %f141;
+	fma.rn.f32 	%f143, %f142, %f67, %f140;
+	fma.rn.f32 	%f155, %f143, %f68, %f141;
+	bra.uni 	$L__BB19_74;
+
+$L__BB19_70:
+	setp.eq.f32 	%p59, %f62, 0f00000000;
+	@%p59 bra 	$L__BB19_72;
+	bra.uni 	$L__BB19_71;
+
+$L__BB19_72:
+	mul.f32 	%f155, %f140, %f68;
+	bra.uni 	$L__BB19_74;
+
+$L__BB19_71:
+	div.rn.f32 	%f155, %f140, %f67;
+
+$L__BB19_74:
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs76, %f155;}
+
+	// end inline asm
+	st.global.u16 	[%rd26], %rs76;
+	add.s64 	%rd55, %rd55, %rd2;
+	setp.lt.u64 	%p60, %rd55, %rd29;
+	@%p60 bra 	$L__BB19_69;
+
+$L__BB19_75:
+	ret;
+
+}
+	// .globl	ddp_scale_f16
+.visible .entry ddp_scale_f16(
+	.param .u64 ddp_scale_f16_param_0,
+	.param .u64 ddp_scale_f16_param_1,
+	.param .f64 ddp_scale_f16_param_2,
+	.param .f32 ddp_scale_f16_param_3,
+	.param .u8 ddp_scale_f16_param_4,
+	.param .u8 ddp_scale_f16_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<82>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<20>;
+	.reg .f64 	%fd<24>;
+	.reg .b64 	%rd<51>;
+
+
+	ld.param.s8 	%rs26, [ddp_scale_f16_param_4];
+	ld.param.s8 	%rs27, [ddp_scale_f16_param_5];
+	ld.param.u64 	%rd22, [ddp_scale_f16_param_0];
+	ld.param.u64 	%rd21, [ddp_scale_f16_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_f16_param_2];
+	ld.param.f32 	%f2, [ddp_scale_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd22;
+	mov.u32 	%r5, %nctaid.x;
+	mov.u32 	%r6, %ntid.x;
+	mul.wide.u32 	%rd2, %r5, %r6;
+	mov.u32 	%r7, %ctaid.x;
+	mul.wide.u32 	%rd23, %r7, %r6;
+	mov.u32 	%r8, %tid.x;
+	cvt.u64.u32 	%rd24, %r8;
+	add.s64 	%rd44, %rd23, %rd24;
+	setp.eq.s16 	%p1, %rs27, 0;
+	@%p1 bra 	$L__BB20_10;
+
+	shr.u64 	%rd25, %rd21, 3;
+	setp.ge.u64 	%p2, %rd44, %rd25;
+	@%p2 bra 	$L__BB20_6;
+
+$L__BB20_2:
+	shl.b64 	%rd26, %rd44, 4;
+	add.s64 	%rd5, %rd1, %rd26;
+	ld.global.v4.u32 	{%r9, %r10, %r11, %r12}, [%rd5];
+	cvt.u16.u32 	%rs28, %r9;
+	mov.b32 	{%rs29, %rs1}, %r11;
+	// begin inline asm
+	{  cvt.f32.f16 %f3, %rs28;}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs26, 0;
+	@%p3 bra 	$L__BB20_4;
+
+	mul.f32 	%f4, %f3, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs81, %f4;}
+
+	// end inline asm
+	mov.b32 	{%rs45, %rs31}, %r9;
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs31;}
+
+	// end inline asm
+	mul.f32 	%f6, %f5, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs80, %f6;}
+
+	// end inline asm
+	mov.b32 	{%rs33, %rs35}, %r10;
+	// begin inline asm
+	{  cvt.f32.f16 %f7, %rs33;}
+
+	// end inline asm
+	mul.f32 	%f8, %f7, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs79, %f8;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f9, %rs35;}
+
+	// end inline asm
+	mul.f32 	%f10, %f9, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs78, %f10;}
+
+	// end inline asm
+	cvt.u16.u32 	%rs37, %r11;
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs37;}
+
+	// end inline asm
+	mul.f32 	%f12, %f11, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs77, %f12;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs1;}
+
+	// end inline asm
+	mul.f32 	%f14, %f13, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs76, %f14;}
+
+	// end inline asm
+	mov.b32 	{%rs41, %rs43}, %r12;
+	// begin inline asm
+	{  cvt.f32.f16 %f15, %rs41;}
+
+	// end inline asm
+	mul.f32 	%f16, %f15, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs75, %f16;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs43;}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs74, %f18;}
+
+	// end inline asm
+	bra.uni 	$L__BB20_5;
+
+$L__BB20_4:
+	cvt.f64.f32 	%fd2, %f3;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.rn.f32.f64 	%f19, %fd3;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs81, %f19;}
+
+	// end inline asm
+	mov.b32 	{%rs61, %rs47}, %r9;
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs47;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd4, %f20;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.rn.f32.f64 	%f21, %fd5;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs80, %f21;}
+
+	// end inline asm
+	mov.b32 	{%rs49, %rs51}, %r10;
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs49;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd6, %f22;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.rn.f32.f64 	%f23, %fd7;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs79, %f23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f24, %rs51;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd8, %f24;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rn.f32.f64 	%f25, %fd9;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs78, %f25;}
+
+	// end inline asm
+	cvt.u16.u32 	%rs53, %r11;
+	// begin inline asm
+	{  cvt.f32.f16 %f26, %rs53;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd10, %f26;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rn.f32.f64 	%f27, %fd11;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs77, %f27;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f28, %rs1;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd12, %f28;
+	mul.f64 	%fd13, %fd12, %fd1;
+	cvt.rn.f32.f64 	%f29, %fd13;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs76, %f29;}
+
+	// end inline asm
+	mov.b32 	{%rs57, %rs59}, %r12;
+	// begin inline asm
+	{  cvt.f32.f16 %f30, %rs57;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd14, %f30;
+	mul.f64 	%fd15, %fd14, %fd1;
+	cvt.rn.f32.f64 	%f31, %fd15;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs75, %f31;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f32, %rs59;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd16, %f32;
+	mul.f64 	%fd17, %fd16, %fd1;
+	cvt.rn.f32.f64 	%f33, %fd17;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs74, %f33;}
+
+	// end inline asm
+
+$L__BB20_5:
+	mov.b32 	%r13, {%rs75, %rs74};
+	mov.b32 	%r14, {%rs77, %rs76};
+	mov.b32 	%r15, {%rs79, %rs78};
+	mov.b32 	%r16, {%rs81, %rs80};
+	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p4, %rd44, %rd25;
+	@%p4 bra 	$L__BB20_2;
+
+$L__BB20_6:
+	and.b64  	%rd28, %rd21, -8;
+	add.s64 	%rd31, %rd23, %rd24;
+	add.s64 	%rd45, %rd28, %rd31;
+	setp.ge.u64 	%p5, %rd45, %rd21;
+	@%p5 bra 	$L__BB20_20;
+
+	setp.eq.s16 	%p6, %rs26, 0;
+	@%p6 bra 	$L__BB20_9;
+
+$L__BB20_8:
+	shl.b64 	%rd32, %rd45, 1;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.u16 	%rs62, [%rd33];
+	// begin inline asm
+	{  cvt.f32.f16 %f34, %rs62;}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs63, %f35;}
+
+	// end inline asm
+	st.global.u16 	[%rd33], %rs63;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p7, %rd45, %rd21;
+	@%p7 bra 	$L__BB20_8;
+	bra.uni 	$L__BB20_20;
+
+$L__BB20_9:
+	shl.b64 	%rd34, %rd45, 1;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.u16 	%rs64, [%rd35];
+	// begin inline asm
+	{  cvt.f32.f16 %f36, %rs64;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd18, %f36;
+	mul.f64 	%fd19, %fd18, %fd1;
+	cvt.rn.f32.f64 	%f37, %fd19;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs65, %f37;}
+
+	// end inline asm
+	st.global.u16 	[%rd35], %rs65;
+	add.s64 	%rd45, %rd45, %rd2;
+	setp.lt.u64 	%p8, %rd45, %rd21;
+	@%p8 bra 	$L__BB20_9;
+	bra.uni 	$L__BB20_20;
+
+$L__BB20_10:
+	setp.ge.u64 	%p9, %rd44, %rd21;
+	@%p9 bra 	$L__BB20_16;
+
+	setp.eq.s16 	%p10, %rs26, 0;
+	@%p10 bra 	$L__BB20_14;
+
+	mov.u64 	%rd47, %rd44;
+
+$L__BB20_13:
+	shl.b64 	%rd36, %rd47, 1;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u16 	%rs66, [%rd37];
+	// begin inline asm
+	{  cvt.f32.f16 %f38, %rs66;}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs67, %f39;}
+
+	// end inline asm
+	st.global.u16 	[%rd37], %rs67;
+	add.s64 	%rd47, %rd47, %rd2;
+	setp.lt.u64 	%p11, %rd47, %rd21;
+	@%p11 bra 	$L__BB20_13;
+	bra.uni 	$L__BB20_16;
+
+$L__BB20_14:
+	mov.u64 	%rd48, %rd44;
+
+$L__BB20_15:
+	shl.b64 	%rd38, %rd48, 1;
+	add.s64 	%rd39, %rd1, %rd38;
+	ld.global.u16 	%rs68, [%rd39];
+	// begin inline asm
+	{  cvt.f32.f16 %f40, %rs68;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd20, %f40;
+	mul.f64 	%fd21, %fd20, %fd1;
+	cvt.rn.f32.f64 	%f41, %fd21;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs69, %f41;}
+
+	// end inline asm
+	st.global.u16 	[%rd39], %rs69;
+	add.s64 	%rd48, %rd48, %rd2;
+	setp.lt.u64 	%p12, %rd48, %rd21;
+	@%p12 bra 	$L__BB20_15;
+
+$L__BB20_16:
+	add.s64 	%rd49, %rd44, %rd21;
+	setp.ge.u64 	%p13, %rd49, %rd44;
+	@%p13 bra 	$L__BB20_20;
+
+	setp.eq.s16 	%p14, %rs26, 0;
+	@%p14 bra 	$L__BB20_19;
+
+$L__BB20_18:
+	shl.b64 	%rd40, %rd49, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	ld.global.u16 	%rs70, [%rd41];
+	// begin inline asm
+	{  cvt.f32.f16 %f42, %rs70;}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f2;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs71, %f43;}
+
+	// end inline asm
+	st.global.u16 	[%rd41], %rs71;
+	add.s64 	%rd49, %rd49, %rd2;
+	setp.lt.u64 	%p15, %rd49, %rd21;
+	@%p15 bra 	$L__BB20_18;
+	bra.uni 	$L__BB20_20;
+
+$L__BB20_19:
+	shl.b64 	%rd42, %rd49, 1;
+	add.s64 	%rd43, %rd1, %rd42;
+	ld.global.u16 	%rs72, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f44, %rs72;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd22, %f44;
+	mul.f64 	%fd23, %fd22, %fd1;
+	cvt.rn.f32.f64 	%f45, %fd23;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs73, %f45;}
+
+	// end inline asm
+	st.global.u16 	[%rd43], %rs73;
+	add.s64 	%rd49, %rd49, %rd2;
+	setp.lt.u64 	%p16, %rd49, %rd21;
+	@%p16 bra 	$L__BB20_19;
+
+$L__BB20_20:
+	ret;
+
+}
+	// .globl	ddp_divide_f16
+.visible .entry ddp_divide_f16(
+	.param .u64 ddp_divide_f16_param_0,
+	.param .u64 ddp_divide_f16_param_1,
+	.param .f32 ddp_divide_f16_param_2,
+	.param .f32 ddp_divide_f16_param_3,
+	.param .u8 ddp_divide_f16_param_4,
+	.param .u8 ddp_divide_f16_param_5
+)
+{
+	.reg .pred 	%p<61>;
+	.reg .b16 	%rs<85>;
+	.reg .f32 	%f<156>;
+	.reg .b32 	%r<26>;
+	.reg .b64 	%rd<57>;
+
+
+	ld.param.s8 	%rs32, [ddp_divide_f16_param_4];
+	ld.param.s8 	%rs33, [ddp_divide_f16_param_5];
+	ld.param.u64 	%rd28, [ddp_divide_f16_param_0];
+	ld.param.u64 	%rd29, [ddp_divide_f16_param_1];
+	ld.param.f32 	%f67, [ddp_divide_f16_param_2];
+	ld.param.f32 	%f68, [ddp_divide_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd28;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd30, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd31, %r4;
+	add.s64 	%rd50, %rd30, %rd31;
+	setp.eq.s16 	%p1, %rs33, 0;
+	@%p1 bra 	$L__BB21_55;
+
+	shr.u64 	%rd32, %rd29, 3;
+	setp.ge.u64 	%p2, %rd50, %rd32;
+	@%p2 bra 	$L__BB21_46;
+
+$L__BB21_2:
+	shl.b64 	%rd34, %rd50, 4;
+	add.s64 	%rd5, %rd1, %rd34;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd5];
+	mov.b32 	{%rs34, %rs1}, %r5;
+	mov.b32 	{%rs2, %rs3}, %r6;
+	mov.b32 	{%rs4, %rs5}, %r7;
+	mov.b32 	{%rs6, %rs7}, %r8;
+	// begin inline asm
+	{  cvt.f32.f16 %f69, %rs34;}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs32, 0;
+	@%p3 bra 	$L__BB21_4;
+
+	mul.f32 	%f70, %f69, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs84, %f70;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f71, %rs1;}
+
+	// end inline asm
+	mul.f32 	%f72, %f71, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs83, %f72;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f73, %rs2;}
+
+	// end inline asm
+	mul.f32 	%f74, %f73, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs82, %f74;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f75, %rs3;}
+
+	// end inline asm
+	mul.f32 	%f76, %f75, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs81, %f76;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f77, %rs4;}
+
+	// end inline asm
+	mul.f32 	%f78, %f77, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs80, %f78;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f79, %rs5;}
+
+	// end inline asm
+	mul.f32 	%f80, %f79, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs79, %f80;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f81, %rs6;}
+
+	// end inline asm
+	mul.f32 	%f82, %f81, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs78, %f82;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f83, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f84, %f83, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs77, %f84;}
+
+	// end inline asm
+	bra.uni 	$L__BB21_45;
+
+$L__BB21_4:
+	abs.f32 	%f2, %f69;
+	setp.ge.f32 	%p4, %f2, 0f0D800000;
+	setp.le.f32 	%p5, %f2, 0f7F7FFFFF;
+	and.pred  	%p6, %p4, %p5;
+	@%p6 bra 	$L__BB21_8;
+	bra.uni 	$L__BB21_5;
+
+$L__BB21_8:
+	mul.f32 	%f85, %f69, %f68;
+	neg.f32 	%f86, %f85;
+	fma.rn.f32 	%f87, %f86, %f67, %f69;
+	fma.rn.f32 	%f145, %f87, %f68, %f85;
+	bra.uni 	$L__BB21_9;
+
+$L__BB21_5:
+	setp.eq.f32 	%p7, %f2, 0f00000000;
+	@%p7 bra 	$L__BB21_7;
+	bra.uni 	$L__BB21_6;
+
+$L__BB21_7:
+	mul.f32 	%f145, %f69, %f68;
+	bra.uni 	$L__BB21_9;
+
+$L__BB21_6:
+	div.rn.f32 	%f145, %f69, %f67;
+
+$L__BB21_9:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs84, %f145;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f89, %rs1;}
+
+	// end inline asm
+	abs.f32 	%f8, %f89;
+	setp.ge.f32 	%p8, %f8, 0f0D800000;
+	setp.le.f32 	%p9, %f8, 0f7F7FFFFF;
+	and.pred  	%p10, %p8, %p9;
+	@%p10 bra 	$L__BB21_13;
+	bra.uni 	$L__BB21_10;
+
+$L__BB21_13:
+	mul.f32 	%f90, %f89, %f68;
+	neg.f32 	%f91, %f90;
+	fma.rn.f32 	%f92, %f91, %f67, %f89;
+	fma.rn.f32 	%f146, %f92, %f68, %f90;
+	bra.uni 	$L__BB21_14;
+
+$L__BB21_10:
+	setp.eq.f32 	%p11, %f8, 0f00000000;
+	@%p11 bra 	$L__BB21_12;
+	bra.uni 	$L__BB21_11;
+
+$L__BB21_12:
+	mul.f32 	%f146, %f89, %f68;
+	bra.uni 	$L__BB21_14;
+
+$L__BB21_11:
+	div.rn.f32 	%f146, %f89, %f67;
+
+$L__BB21_14:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs83, %f146;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f94, %rs2;}
+
+	// end inline asm
+	abs.f32 	%f14, %f94;
+	setp.ge.f32 	%p12, %f14, 0f0D800000;
+	setp.le.f32 	%p13, %f14, 0f7F7FFFFF;
+	and.pred  	%p14, %p12, %p13;
+	@%p14 bra 	$L__BB21_18;
+	bra.uni 	$L__BB21_15;
+
+$L__BB21_18:
+	mul.f32 	%f95, %f94, %f68;
+	neg.f32 	%f96, %f95;
+	fma.rn.f32 	%f97, %f96, %f67, %f94;
+	fma.rn.f32 	%f147, %f97, %f68, %f95;
+	bra.uni 	$L__BB21_19;
+
+$L__BB21_15:
+	setp.eq.f32 	%p15, %f14, 0f00000000;
+	@%p15 bra 	$L__BB21_17;
+	bra.uni 	$L__BB21_16;
+
+$L__BB21_17:
+	mul.f32 	%f147, %f94, %f68;
+	bra.uni 	$L__BB21_19;
+
+$L__BB21_16:
+	div.rn.f32 	%f147, %f94, %f67;
+
+$L__BB21_19:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs82, %f147;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f99, %rs3;}
+
+	// end inline asm
+	abs.f32 	%f20, %f99;
+	setp.ge.f32 	%p16, %f20, 0f0D800000;
+	setp.le.f32 	%p17, %f20, 0f7F7FFFFF;
+	and.pred  	%p18, %p16, %p17;
+	@%p18 bra 	$L__BB21_23;
+	bra.uni 	$L__BB21_20;
+
+$L__BB21_23:
+	mul.f32 	%f100, %f99, %f68;
+	neg.f32 	%f101, %f100;
+	fma.rn.f32 	%f102, %f101, %f67, %f99;
+	fma.rn.f32 	%f148, %f102, %f68, %f100;
+	bra.uni 	$L__BB21_24;
+
+$L__BB21_20:
+	setp.eq.f32 	%p19, %f20, 0f00000000;
+	@%p19 bra 	$L__BB21_22;
+	bra.uni 	$L__BB21_21;
+
+$L__BB21_22:
+	mul.f32 	%f148, %f99, %f68;
+	bra.uni 	$L__BB21_24;
+
+$L__BB21_21:
+	div.rn.f32 	%f148, %f99, %f67;
+
+$L__BB21_24:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs81, %f148;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f104, %rs4;}
+
+	// end inline asm
+	abs.f32 	%f26, %f104;
+	setp.ge.f32 	%p20, %f26, 0f0D800000;
+	setp.le.f32 	%p21, %f26, 0f7F7FFFFF;
+	and.pred  	%p22, %p20, %p21;
+	@%p22 bra 	$L__BB21_28;
+	bra.uni 	$L__BB21_25;
+
+$L__BB21_28:
+	mul.f32 	%f105, %f104, %f68;
+	neg.f32 	%f106, %f105;
+	fma.rn.f32 	%f107, %f106, %f67, %f104;
+	fma.rn.f32 	%f149, %f107, %f68, %f105;
+	bra.uni 	$L__BB21_29;
+
+$L__BB21_25:
+	setp.eq.f32 	%p23, %f26, 0f00000000;
+	@%p23 bra 	$L__BB21_27;
+	bra.uni 	$L__BB21_26;
+
+$L__BB21_27:
+	mul.f32 	%f149, %f104, %f68;
+	bra.uni 	$L__BB21_29;
+
+$L__BB21_26:
+	div.rn.f32 	%f149, %f104, %f67;
+
+$L__BB21_29:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs80, %f149;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f109, %rs5;}
+
+	// end inline asm
+	abs.f32 	%f32, %f109;
+	setp.ge.f32 	%p24, %f32, 0f0D800000;
+	setp.le.f32 	%p25, %f32, 0f7F7FFFFF;
+	and.pred  	%p26, %p24, %p25;
+	@%p26 bra 	$L__BB21_33;
+	bra.uni 	$L__BB21_30;
+
+$L__BB21_33:
+	mul.f32 	%f110, %f109, %f68;
+	neg.f32 	%f111, %f110;
+	fma.rn.f32 	%f112, %f111, %f67, %f109;
+	fma.rn.f32 	%f150, %f112, %f68, %f110;
+	bra.uni 	$L__BB21_34;
+
+$L__BB21_30:
+	setp.eq.f32 	%p27, %f32, 0f00000000;
+	@%p27 bra 	$L__BB21_32;
+	bra.uni 	$L__BB21_31;
+
+$L__BB21_32:
+	mul.f32 	%f150, %f109, %f68;
+	bra.uni 	$L__BB21_34;
+
+$L__BB21_31:
+	div.rn.f32 	%f150, %f109, %f67;
+
+$L__BB21_34:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs79, %f150;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f114, %rs6;}
+
+	// end inline asm
+	abs.f32 	%f38, %f114;
+	setp.ge.f32 	%p28, %f38, 0f0D800000;
+	setp.le.f32 	%p29, %f38, 0f7F7FFFFF;
+	and.pred  	%p30, %p28, %p29;
+	@%p30 bra 	$L__BB21_38;
+	bra.uni 	$L__BB21_35;
+
+$L__BB21_38:
+	mul.f32 	%f115, %f114, %f68;
+	neg.f32 	%f116, %f115;
+	fma.rn.f32 	%f117, %f116, %f67, %f114;
+	fma.rn.f32 	%f151, %f117, %f68, %f115;
+	bra.uni 	$L__BB21_39;
+
+$L__BB21_35:
+	setp.eq.f32 	%p31, %f38, 0f00000000;
+	@%p31 bra 	$L__BB21_37;
+	bra.uni 	$L__BB21_36;
+
+$L__BB21_37:
+	mul.f32 	%f151, %f114, %f68;
+	bra.uni 	$L__BB21_39;
+
+$L__BB21_36:
+	div.rn.f32 	%f151, %f114, %f67;
+
+$L__BB21_39:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs78, %f151;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f119, %rs7;}
+
+	// end inline asm
+	abs.f32 	%f44, %f119;
+	setp.ge.f32 	%p32, %f44, 0f0D800000;
+	setp.le.f32 	%p33, %f44, 0f7F7FFFFF;
+	and.pred  	%p34, %p32, %p33;
+	@%p34 bra 	$L__BB21_43;
+	bra.uni 	$L__BB21_40;
+
+$L__BB21_43:
+	mul.f32 	%f120, %f119, %f68;
+	neg.f32 	%f121, %f120;
+	fma.rn.f32 	%f122, %f121, %f67, %f119;
+	fma.rn.f32 	%f152, %f122, %f68, %f120;
+	bra.uni 	$L__BB21_44;
+
+$L__BB21_40:
+	setp.eq.f32 	%p35, %f44, 0f00000000;
+	@%p35 bra 	$L__BB21_42;
+	bra.uni 	$L__BB21_41;
+
+$L__BB21_42:
+	mul.f32 	%f152, %f119, %f68;
+	bra.uni 	$L__BB21_44;
+
+$L__BB21_41:
+	div.rn.f32 	%f152, %f119, %f67;
+
+$L__BB21_44:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs77, %f152;}
+
+	// end inline asm
+
+$L__BB21_45:
+	mov.b32 	%r13, {%rs78, %rs77};
+	mov.b32 	%r14, {%rs80, %rs79};
+	mov.b32 	%r15, {%rs82, %rs81};
+	mov.b32 	%r16, {%rs84, %rs83};
+	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p36, %rd50, %rd32;
+	@%p36 bra 	$L__BB21_2;
+
+$L__BB21_46:
+	and.b64  	%rd37, %rd29, -8;
+	add.s64 	%rd40, %rd30, %rd31;
+	add.s64 	%rd51, %rd37, %rd40;
+	setp.ge.u64 	%p37, %rd51, %rd29;
+	@%p37 bra 	$L__BB21_75;
+
+	setp.eq.s16 	%p38, %rs32, 0;
+	@%p38 bra 	$L__BB21_49;
+
+$L__BB21_48:
+	shl.b64 	%rd41, %rd51, 1;
+	add.s64 	%rd42, %rd1, %rd41;
+	ld.global.u16 	%rs65, [%rd42];
+	// begin inline asm
+	{  cvt.f32.f16 %f124, %rs65;}
+
+	// end inline asm
+	mul.f32 	%f125, %f124, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs66, %f125;}
+
+	// end inline asm
+	st.global.u16 	[%rd42], %rs66;
+	add.s64 	%rd51, %rd51, %rd2;
+	setp.lt.u64 	%p39, %rd51, %rd29;
+	@%p39 bra 	$L__BB21_48;
+	bra.uni 	$L__BB21_75;
+
+$L__BB21_49:
+	shl.b64 	%rd43, %rd51, 1;
+	add.s64 	%rd15, %rd1, %rd43;
+	ld.global.u16 	%rs67, [%rd15];
+	// begin inline asm
+	{  cvt.f32.f16 %f126, %rs67;}
+
+	// end inline asm
+	abs.f32 	%f50, %f126;
+	setp.ge.f32 	%p40, %f50, 0f0D800000;
+	setp.le.f32 	%p41, %f50, 0f7F7FFFFF;
+	and.pred  	%p42, %p40, %p41;
+	@%p42 bra 	$L__BB21_53;
+	bra.uni 	$L__BB21_50;
+
+$L__BB21_53:
+	mul.f32 	%f127, %f126, %f68;
+	neg.f32 	%f128, %f127;
+	fma.rn.f32 	%f129, %f128, %f67, %f126;
+	fma.rn.f32 	%f153, %f129, %f68, %f127;
+	bra.uni 	$L__BB21_54;
+
+$L__BB21_50:
+	setp.eq.f32 	%p43, %f50, 0f00000000;
+	@%p43 bra 	$L__BB21_52;
+	bra.uni 	$L__BB21_51;
+
+$L__BB21_52:
+	mul.f32 	%f153, %f126, %f68;
+	bra.uni 	$L__BB21_54;
+
+$L__BB21_51:
+	div.rn.f32 	%f153, %f126, %f67;
+
+$L__BB21_54:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs68, %f153;}
+
+	// end inline asm
+	st.global.u16 	[%rd15], %rs68;
+	add.s64 	%rd51, %rd51, %rd2;
+	setp.lt.u64 	%p44, %rd51, %rd29;
+	@%p44 bra 	$L__BB21_49;
+	bra.uni 	$L__BB21_75;
+
+$L__BB21_55:
+	setp.ge.u64 	%p45, %rd50, %rd29;
+	@%p45 bra 	$L__BB21_66;
+
+	setp.eq.s16 	%p46, %rs32, 0;
+	@%p46 bra 	$L__BB21_59;
+
+	mov.u64 	%rd53, %rd50;
+
+$L__BB21_58:
+	shl.b64 	%rd44, %rd53, 1;
+	add.s64 	%rd45, %rd1, %rd44;
+	ld.global.u16 	%rs69, [%rd45];
+	// begin inline asm
+	{  cvt.f32.f16 %f131, %rs69;}
+
+	// end inline asm
+	mul.f32 	%f132, %f131, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs70, %f132;}
+
+	// end inline asm
+	st.global.u16 	[%rd45], %rs70;
+	add.s64 	%rd53, %rd53, %rd2;
+	setp.lt.u64 	%p47, %rd53, %rd29;
+	@%p47 bra 	$L__BB21_58;
+	bra.uni 	$L__BB21_66;
+
+$L__BB21_59:
+	mov.u64 	%rd54, %rd50;
+
+$L__BB21_60:
+	shl.b64 	%rd46, %rd54, 1;
+	add.s64 	%rd20, %rd1, %rd46;
+	ld.global.u16 	%rs71, [%rd20];
+	// begin inline asm
+	{  cvt.f32.f16 %f133, %rs71;}
+
+	// end inline asm
+	abs.f32 	%f56, %f133;
+	setp.ge.f32 	%p48, %f56, 0f0D800000;
+	setp.le.f32 	%p49, %f56, 0f7F7FFFFF;
+	and.pred  	%p50, %p48, %p49;
+	@%p50 bra 	$L__BB21_64;
+	bra.uni 	$L__BB21_61;
+
+$L__BB21_64:
+	mul.f32 	%f134, %f133, %f68;
+	neg.f32 	%f135, %f134;
+	fma.rn.f32 	%f136, %f135, %f67, %f133;
+	fma.rn.f32 	%f154, %f136, %f68, %f134;
+	bra.uni 	$L__BB21_65;
+
+$L__BB21_61:
+	setp.eq.f32 	%p51, %f56, 0f00000000;
+	@%p51 bra 	$L__BB21_63;
+	bra.uni 	$L__BB21_62;
+
+$L__BB21_63:
+	mul.f32 	%f154, %f133, %f68;
+	bra.uni 	$L__BB21_65;
+
+$L__BB21_62:
+	div.rn.f32 	%f154, %f133, %f67;
+
+$L__BB21_65:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs72, %f154;}
+
+	// end inline asm
+	st.global.u16 	[%rd20], %rs72;
+	add.s64 	%rd54, %rd54, %rd2;
+	setp.lt.u64 	%p52, %rd54, %rd29;
+	@%p52 bra 	$L__BB21_60;
+
+$L__BB21_66:
+	add.s64 	%rd55, %rd50, %rd29;
+	setp.ge.u64 	%p53, %rd55, %rd50;
+	@%p53 bra 	$L__BB21_75;
+
+	setp.eq.s16 	%p54, %rs32, 0;
+	@%p54 bra 	$L__BB21_69;
+
+$L__BB21_68:
+	shl.b64 	%rd47, %rd55, 1;
+	add.s64 	%rd48, %rd1, %rd47;
+	ld.global.u16 	%rs73, [%rd48];
+	// begin inline asm
+	{  cvt.f32.f16 %f138, %rs73;}
+
+	// end inline asm
+	mul.f32 	%f139, %f138, %f68;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs74, %f139;}
+
+	// end inline asm
+	st.global.u16 	[%rd48], %rs74;
+	add.s64 	%rd55, %rd55, %rd2;
+	setp.lt.u64 	%p55, %rd55, %rd29;
+	@%p55 bra 	$L__BB21_68;
+	bra.uni 	$L__BB21_75;
+
+$L__BB21_69:
+	shl.b64 	%rd49, %rd55, 1;
+	add.s64 	%rd26, %rd1, %rd49;
+	ld.global.u16 	%rs75, [%rd26];
+	// begin inline asm
+	{  cvt.f32.f16 %f140, %rs75;}
+
+	// end inline asm
+	abs.f32 	%f62, %f140;
+	setp.ge.f32 	%p56, %f62, 0f0D800000;
+	setp.le.f32 	%p57, %f62, 0f7F7FFFFF;
+	and.pred  	%p58, %p56, %p57;
+	@%p58 bra 	$L__BB21_73;
+	bra.uni 	$L__BB21_70;
+
+$L__BB21_73:
+	mul.f32 	%f141, %f140, %f68;
+	neg.f32 	%f142, %f141;
+	fma.rn.f32 	%f143, %f142, %f67, %f140;
+	fma.rn.f32 	%f155, %f143, %f68, %f141;
+	bra.uni 	$L__BB21_74;
+
+$L__BB21_70:
+	setp.eq.f32 	%p59, %f62, 0f00000000;
+	@%p59 bra 	$L__BB21_72;
+	bra.uni 	$L__BB21_71;
+
+$L__BB21_72:
+	mul.f32 	%f155, %f140, %f68;
+	bra.uni 	$L__BB21_74;
+
+$L__BB21_71:
+	div.rn.f32 	%f155, %f140, %f67;
+
+$L__BB21_74:
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs76, %f155;}
+
+	// end inline asm
+	st.global.u16 	[%rd26], %rs76;
+	add.s64 	%rd55, %rd55, %rd2;
+	setp.lt.u64 	%p60, %rd55, %rd29;
+	@%p60 bra 	$L__BB21_69;
+
+$L__BB21_75:
+	ret;
+
+}
+	// .globl	ddp_scale_i32
+.visible .entry ddp_scale_i32(
+	.param .u64 ddp_scale_i32_param_0,
+	.param .u64 ddp_scale_i32_param_1,
+	.param .f64 ddp_scale_i32_param_2,
+	.param .u8 ddp_scale_i32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<23>;
+	.reg .f64 	%fd<16>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_scale_i32_param_3];
+	ld.param.u64 	%rd16, [ddp_scale_i32_param_0];
+	ld.param.u64 	%rd15, [ddp_scale_i32_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_i32_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB22_6;
+
+	shr.u64 	%rd4, %rd15, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB22_4;
+
+	mov.u64 	%rd28, %rd3;
+
+$L__BB22_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
+	cvt.rn.f64.s32 	%fd2, %r5;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.rn.f64.s32 	%fd4, %r6;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.rn.f64.s32 	%fd6, %r7;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.rn.f64.s32 	%fd8, %r8;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rzi.s32.f64 	%r13, %fd9;
+	cvt.rzi.s32.f64 	%r14, %fd7;
+	cvt.rzi.s32.f64 	%r15, %fd5;
+	cvt.rzi.s32.f64 	%r16, %fd3;
+	st.global.v4.u32 	[%rd20], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB22_3;
+
+$L__BB22_4:
+	and.b64  	%rd21, %rd15, -4;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB22_11;
+
+$L__BB22_5:
+	shl.b64 	%rd22, %rd29, 2;
+	add.s64 	%rd23, %rd1, %rd22;
+	ld.global.u32 	%r17, [%rd23];
+	cvt.rn.f64.s32 	%fd10, %r17;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rzi.s32.f64 	%r18, %fd11;
+	st.global.u32 	[%rd23], %r18;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB22_5;
+	bra.uni 	$L__BB22_11;
+
+$L__BB22_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB22_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB22_8:
+	shl.b64 	%rd24, %rd30, 2;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.u32 	%r19, [%rd25];
+	cvt.rn.f64.s32 	%fd12, %r19;
+	mul.f64 	%fd13, %fd12, %fd1;
+	cvt.rzi.s32.f64 	%r20, %fd13;
+	st.global.u32 	[%rd25], %r20;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB22_8;
+
+$L__BB22_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB22_11;
+
+$L__BB22_10:
+	shl.b64 	%rd26, %rd31, 2;
+	add.s64 	%rd27, %rd1, %rd26;
+	ld.global.u32 	%r21, [%rd27];
+	cvt.rn.f64.s32 	%fd14, %r21;
+	mul.f64 	%fd15, %fd14, %fd1;
+	cvt.rzi.s32.f64 	%r22, %fd15;
+	st.global.u32 	[%rd27], %r22;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB22_10;
+
+$L__BB22_11:
+	ret;
+
+}
+	// .globl	ddp_divide_i32
+.visible .entry ddp_divide_i32(
+	.param .u64 ddp_divide_i32_param_0,
+	.param .u64 ddp_divide_i32_param_1,
+	.param .u32 ddp_divide_i32_param_2,
+	.param .u8 ddp_divide_i32_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<24>;
+	.reg .b64 	%rd<32>;
+
+
+	ld.param.s8 	%rs1, [ddp_divide_i32_param_3];
+	ld.param.u64 	%rd16, [ddp_divide_i32_param_0];
+	ld.param.u64 	%rd15, [ddp_divide_i32_param_1];
+	ld.param.u32 	%r1, [ddp_divide_i32_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r2, %nctaid.x;
+	mov.u32 	%r3, %ntid.x;
+	mul.wide.u32 	%rd2, %r2, %r3;
+	mov.u32 	%r4, %ctaid.x;
+	mul.wide.u32 	%rd17, %r4, %r3;
+	mov.u32 	%r5, %tid.x;
+	cvt.u64.u32 	%rd18, %r5;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB23_6;
+
+	shr.u64 	%rd4, %rd15, 2;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB23_4;
+
+	mov.u64 	%rd28, %rd3;
+
+$L__BB23_3:
+	shl.b64 	%rd19, %rd28, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v4.u32 	{%r6, %r7, %r8, %r9}, [%rd20];
+	div.s32 	%r14, %r9, %r1;
+	div.s32 	%r15, %r8, %r1;
+	div.s32 	%r16, %r7, %r1;
+	div.s32 	%r17, %r6, %r1;
+	st.global.v4.u32 	[%rd20], {%r17, %r16, %r15, %r14};
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p3, %rd28, %rd4;
+	@%p3 bra 	$L__BB23_3;
+
+$L__BB23_4:
+	and.b64  	%rd21, %rd15, -4;
+	add.s64 	%rd29, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd29, %rd15;
+	@%p4 bra 	$L__BB23_11;
+
+$L__BB23_5:
+	shl.b64 	%rd22, %rd29, 2;
+	add.s64 	%rd23, %rd1, %rd22;
+	ld.global.u32 	%r18, [%rd23];
+	div.s32 	%r19, %r18, %r1;
+	st.global.u32 	[%rd23], %r19;
+	add.s64 	%rd29, %rd29, %rd2;
+	setp.lt.u64 	%p5, %rd29, %rd15;
+	@%p5 bra 	$L__BB23_5;
+	bra.uni 	$L__BB23_11;
+
+$L__BB23_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB23_9;
+
+	mov.u64 	%rd30, %rd3;
+
+$L__BB23_8:
+	shl.b64 	%rd24, %rd30, 2;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.u32 	%r20, [%rd25];
+	div.s32 	%r21, %r20, %r1;
+	st.global.u32 	[%rd25], %r21;
+	add.s64 	%rd30, %rd30, %rd2;
+	setp.lt.u64 	%p7, %rd30, %rd15;
+	@%p7 bra 	$L__BB23_8;
+
+$L__BB23_9:
+	add.s64 	%rd31, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd31, %rd3;
+	@%p8 bra 	$L__BB23_11;
+
+$L__BB23_10:
+	shl.b64 	%rd26, %rd31, 2;
+	add.s64 	%rd27, %rd1, %rd26;
+	ld.global.u32 	%r22, [%rd27];
+	div.s32 	%r23, %r22, %r1;
+	st.global.u32 	[%rd27], %r23;
+	add.s64 	%rd31, %rd31, %rd2;
+	setp.lt.u64 	%p9, %rd31, %rd15;
+	@%p9 bra 	$L__BB23_10;
+
+$L__BB23_11:
+	ret;
+
+}
+	// .globl	ddp_scale_i64
+.visible .entry ddp_scale_i64(
+	.param .u64 ddp_scale_i64_param_0,
+	.param .u64 ddp_scale_i64_param_1,
+	.param .f64 ddp_scale_i64_param_2,
+	.param .u8 ddp_scale_i64_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<12>;
+	.reg .b64 	%rd<44>;
+
+
+	ld.param.s8 	%rs1, [ddp_scale_i64_param_3];
+	ld.param.u64 	%rd16, [ddp_scale_i64_param_0];
+	ld.param.u64 	%rd15, [ddp_scale_i64_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_i64_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB24_6;
+
+	shr.u64 	%rd4, %rd15, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB24_4;
+
+	mov.u64 	%rd40, %rd3;
+
+$L__BB24_3:
+	shl.b64 	%rd19, %rd40, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v2.u64 	{%rd21, %rd22}, [%rd20];
+	cvt.rn.f64.s64 	%fd2, %rd21;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.rn.f64.s64 	%fd4, %rd22;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.rzi.s64.f64 	%rd25, %fd5;
+	cvt.rzi.s64.f64 	%rd26, %fd3;
+	st.global.v2.u64 	[%rd20], {%rd26, %rd25};
+	add.s64 	%rd40, %rd40, %rd2;
+	setp.lt.u64 	%p3, %rd40, %rd4;
+	@%p3 bra 	$L__BB24_3;
+
+$L__BB24_4:
+	and.b64  	%rd27, %rd15, -2;
+	add.s64 	%rd41, %rd27, %rd3;
+	setp.ge.u64 	%p4, %rd41, %rd15;
+	@%p4 bra 	$L__BB24_11;
+
+$L__BB24_5:
+	shl.b64 	%rd28, %rd41, 3;
+	add.s64 	%rd29, %rd1, %rd28;
+	ld.global.u64 	%rd30, [%rd29];
+	cvt.rn.f64.s64 	%fd6, %rd30;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.rzi.s64.f64 	%rd31, %fd7;
+	st.global.u64 	[%rd29], %rd31;
+	add.s64 	%rd41, %rd41, %rd2;
+	setp.lt.u64 	%p5, %rd41, %rd15;
+	@%p5 bra 	$L__BB24_5;
+	bra.uni 	$L__BB24_11;
+
+$L__BB24_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB24_9;
+
+	mov.u64 	%rd42, %rd3;
+
+$L__BB24_8:
+	shl.b64 	%rd32, %rd42, 3;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.u64 	%rd34, [%rd33];
+	cvt.rn.f64.s64 	%fd8, %rd34;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rzi.s64.f64 	%rd35, %fd9;
+	st.global.u64 	[%rd33], %rd35;
+	add.s64 	%rd42, %rd42, %rd2;
+	setp.lt.u64 	%p7, %rd42, %rd15;
+	@%p7 bra 	$L__BB24_8;
+
+$L__BB24_9:
+	add.s64 	%rd43, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd43, %rd3;
+	@%p8 bra 	$L__BB24_11;
+
+$L__BB24_10:
+	shl.b64 	%rd36, %rd43, 3;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u64 	%rd38, [%rd37];
+	cvt.rn.f64.s64 	%fd10, %rd38;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rzi.s64.f64 	%rd39, %fd11;
+	st.global.u64 	[%rd37], %rd39;
+	add.s64 	%rd43, %rd43, %rd2;
+	setp.lt.u64 	%p9, %rd43, %rd15;
+	@%p9 bra 	$L__BB24_10;
+
+$L__BB24_11:
+	ret;
+
+}
+	// .globl	ddp_divide_i64
+.visible .entry ddp_divide_i64(
+	.param .u64 ddp_divide_i64_param_0,
+	.param .u64 ddp_divide_i64_param_1,
+	.param .u64 ddp_divide_i64_param_2,
+	.param .u8 ddp_divide_i64_param_3
+)
+{
+	.reg .pred 	%p<15>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<20>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_divide_i64_param_3];
+	ld.param.u64 	%rd41, [ddp_divide_i64_param_0];
+	ld.param.u64 	%rd39, [ddp_divide_i64_param_1];
+	ld.param.u64 	%rd40, [ddp_divide_i64_param_2];
+	cvta.to.global.u64 	%rd1, %rd41;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd42, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd43, %r4;
+	add.s64 	%rd3, %rd42, %rd43;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB25_14;
+
+	shr.u64 	%rd4, %rd39, 1;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	mov.u64 	%rd61, %rd3;
+	@%p2 bra 	$L__BB25_9;
+
+$L__BB25_2:
+	shl.b64 	%rd44, %rd61, 4;
+	add.s64 	%rd6, %rd1, %rd44;
+	ld.global.v2.u64 	{%rd45, %rd46}, [%rd6];
+	or.b64  	%rd47, %rd45, %rd40;
+	and.b64  	%rd48, %rd47, -4294967296;
+	setp.eq.s64 	%p3, %rd48, 0;
+	@%p3 bra 	$L__BB25_4;
+
+	div.s64 	%rd62, %rd45, %rd40;
+	bra.uni 	$L__BB25_5;
+
+$L__BB25_4:
+	cvt.u32.u64 	%r5, %rd40;
+	cvt.u32.u64 	%r6, %rd45;
+	div.u32 	%r7, %r6, %r5;
+	cvt.u64.u32 	%rd62, %r7;
+
+$L__BB25_5:
+	or.b64  	%rd49, %rd46, %rd40;
+	and.b64  	%rd50, %rd49, -4294967296;
+	setp.eq.s64 	%p4, %rd50, 0;
+	@%p4 bra 	$L__BB25_7;
+
+	div.s64 	%rd63, %rd46, %rd40;
+	bra.uni 	$L__BB25_8;
+
+$L__BB25_7:
+	cvt.u32.u64 	%r8, %rd40;
+	cvt.u32.u64 	%r9, %rd46;
+	div.u32 	%r10, %r9, %r8;
+	cvt.u64.u32 	%rd63, %r10;
+
+$L__BB25_8:
+	st.global.v2.u64 	[%rd6], {%rd62, %rd63};
+	add.s64 	%rd61, %rd61, %rd2;
+	setp.lt.u64 	%p5, %rd61, %rd4;
+	@%p5 bra 	$L__BB25_2;
+
+$L__BB25_9:
+	and.b64  	%rd51, %rd39, -2;
+	add.s64 	%rd64, %rd51, %rd3;
+	setp.ge.u64 	%p6, %rd64, %rd39;
+	@%p6 bra 	$L__BB25_24;
+
+$L__BB25_10:
+	shl.b64 	%rd52, %rd64, 3;
+	add.s64 	%rd18, %rd1, %rd52;
+	ld.global.u64 	%rd19, [%rd18];
+	or.b64  	%rd53, %rd19, %rd40;
+	and.b64  	%rd54, %rd53, -4294967296;
+	setp.eq.s64 	%p7, %rd54, 0;
+	@%p7 bra 	$L__BB25_12;
+
+	div.s64 	%rd65, %rd19, %rd40;
+	bra.uni 	$L__BB25_13;
+
+$L__BB25_12:
+	cvt.u32.u64 	%r11, %rd40;
+	cvt.u32.u64 	%r12, %rd19;
+	div.u32 	%r13, %r12, %r11;
+	cvt.u64.u32 	%rd65, %r13;
+
+$L__BB25_13:
+	st.global.u64 	[%rd18], %rd65;
+	add.s64 	%rd64, %rd64, %rd2;
+	setp.lt.u64 	%p8, %rd64, %rd39;
+	@%p8 bra 	$L__BB25_10;
+	bra.uni 	$L__BB25_24;
+
+$L__BB25_14:
+	setp.ge.u64 	%p9, %rd3, %rd39;
+	mov.u64 	%rd66, %rd3;
+	@%p9 bra 	$L__BB25_19;
+
+$L__BB25_15:
+	shl.b64 	%rd55, %rd66, 3;
+	add.s64 	%rd25, %rd1, %rd55;
+	ld.global.u64 	%rd26, [%rd25];
+	or.b64  	%rd56, %rd26, %rd40;
+	and.b64  	%rd57, %rd56, -4294967296;
+	setp.eq.s64 	%p10, %rd57, 0;
+	@%p10 bra 	$L__BB25_17;
+
+	div.s64 	%rd67, %rd26, %rd40;
+	bra.uni 	$L__BB25_18;
+
+$L__BB25_17:
+	cvt.u32.u64 	%r14, %rd40;
+	cvt.u32.u64 	%r15, %rd26;
+	div.u32 	%r16, %r15, %r14;
+	cvt.u64.u32 	%rd67, %r16;
+
+$L__BB25_18:
+	st.global.u64 	[%rd25], %rd67;
+	add.s64 	%rd66, %rd66, %rd2;
+	setp.lt.u64 	%p11, %rd66, %rd39;
+	@%p11 bra 	$L__BB25_15;
+
+$L__BB25_19:
+	add.s64 	%rd68, %rd3, %rd39;
+	setp.ge.u64 	%p12, %rd68, %rd3;
+	@%p12 bra 	$L__BB25_24;
+
+$L__BB25_20:
+	shl.b64 	%rd58, %rd68, 3;
+	add.s64 	%rd33, %rd1, %rd58;
+	ld.global.u64 	%rd34, [%rd33];
+	or.b64  	%rd59, %rd34, %rd40;
+	and.b64  	%rd60, %rd59, -4294967296;
+	setp.eq.s64 	%p13, %rd60, 0;
+	@%p13 bra 	$L__BB25_22;
+
+	div.s64 	%rd69, %rd34, %rd40;
+	bra.uni 	$L__BB25_23;
+
+$L__BB25_22:
+	cvt.u32.u64 	%r17, %rd40;
+	cvt.u32.u64 	%r18, %rd34;
+	div.u32 	%r19, %r18, %r17;
+	cvt.u64.u32 	%rd69, %r19;
+
+$L__BB25_23:
+	st.global.u64 	[%rd33], %rd69;
+	add.s64 	%rd68, %rd68, %rd2;
+	setp.lt.u64 	%p14, %rd68, %rd39;
+	@%p14 bra 	$L__BB25_20;
+
+$L__BB25_24:
+	ret;
+
+}
+	// .globl	ddp_scale_u8
+.visible .entry ddp_scale_u8(
+	.param .u64 ddp_scale_u8_param_0,
+	.param .u64 ddp_scale_u8_param_1,
+	.param .f64 ddp_scale_u8_param_2,
+	.param .u8 ddp_scale_u8_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<29>;
+	.reg .b32 	%r<52>;
+	.reg .f64 	%fd<40>;
+	.reg .b64 	%rd<29>;
+
+
+	ld.param.s8 	%rs1, [ddp_scale_u8_param_3];
+	ld.param.u64 	%rd16, [ddp_scale_u8_param_0];
+	ld.param.u64 	%rd15, [ddp_scale_u8_param_1];
+	ld.param.f64 	%fd1, [ddp_scale_u8_param_2];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB26_6;
+
+	shr.u64 	%rd4, %rd15, 4;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB26_4;
+
+	mov.u64 	%rd25, %rd3;
+
+$L__BB26_3:
+	shl.b64 	%rd19, %rd25, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
+	mov.b32 	{%rs2, %rs3}, %r5;
+	and.b16  	%rs4, %rs2, 255;
+	shr.u16 	%rs5, %rs2, 8;
+	and.b16  	%rs6, %rs3, 255;
+	shr.u16 	%rs7, %rs3, 8;
+	mov.b32 	{%rs8, %rs9}, %r6;
+	and.b16  	%rs10, %rs8, 255;
+	shr.u16 	%rs11, %rs8, 8;
+	and.b16  	%rs12, %rs9, 255;
+	shr.u16 	%rs13, %rs9, 8;
+	mov.b32 	{%rs14, %rs15}, %r7;
+	and.b16  	%rs16, %rs14, 255;
+	shr.u16 	%rs17, %rs14, 8;
+	and.b16  	%rs18, %rs15, 255;
+	shr.u16 	%rs19, %rs15, 8;
+	mov.b32 	{%rs20, %rs21}, %r8;
+	and.b16  	%rs22, %rs20, 255;
+	shr.u16 	%rs23, %rs20, 8;
+	and.b16  	%rs24, %rs21, 255;
+	shr.u16 	%rs25, %rs21, 8;
+	cvt.rn.f64.u16 	%fd2, %rs4;
+	mul.f64 	%fd3, %fd2, %fd1;
+	cvt.rzi.u32.f64 	%r13, %fd3;
+	cvt.rn.f64.u16 	%fd4, %rs5;
+	mul.f64 	%fd5, %fd4, %fd1;
+	cvt.rzi.u32.f64 	%r14, %fd5;
+	cvt.rn.f64.u16 	%fd6, %rs6;
+	mul.f64 	%fd7, %fd6, %fd1;
+	cvt.rzi.u32.f64 	%r15, %fd7;
+	cvt.rn.f64.u16 	%fd8, %rs7;
+	mul.f64 	%fd9, %fd8, %fd1;
+	cvt.rzi.u32.f64 	%r16, %fd9;
+	cvt.rn.f64.u16 	%fd10, %rs10;
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rzi.u32.f64 	%r17, %fd11;
+	cvt.rn.f64.u16 	%fd12, %rs11;
+	mul.f64 	%fd13, %fd12, %fd1;
+	cvt.rzi.u32.f64 	%r18, %fd13;
+	cvt.rn.f64.u16 	%fd14, %rs12;
+	mul.f64 	%fd15, %fd14, %fd1;
+	cvt.rzi.u32.f64 	%r19, %fd15;
+	cvt.rn.f64.u16 	%fd16, %rs13;
+	mul.f64 	%fd17, %fd16, %fd1;
+	cvt.rzi.u32.f64 	%r20, %fd17;
+	cvt.rn.f64.u16 	%fd18, %rs16;
+	mul.f64 	%fd19, %fd18, %fd1;
+	cvt.rzi.u32.f64 	%r21, %fd19;
+	cvt.rn.f64.u16 	%fd20, %rs17;
+	mul.f64 	%fd21, %fd20, %fd1;
+	cvt.rzi.u32.f64 	%r22, %fd21;
+	cvt.rn.f64.u16 	%fd22, %rs18;
+	mul.f64 	%fd23, %fd22, %fd1;
+	cvt.rzi.u32.f64 	%r23, %fd23;
+	cvt.rn.f64.u16 	%fd24, %rs19;
+	mul.f64 	%fd25, %fd24, %fd1;
+	cvt.rzi.u32.f64 	%r24, %fd25;
+	cvt.rn.f64.u16 	%fd26, %rs22;
+	mul.f64 	%fd27, %fd26, %fd1;
+	cvt.rzi.u32.f64 	%r25, %fd27;
+	cvt.rn.f64.u16 	%fd28, %rs23;
+	mul.f64 	%fd29, %fd28, %fd1;
+	cvt.rzi.u32.f64 	%r26, %fd29;
+	cvt.rn.f64.u16 	%fd30, %rs24;
+	mul.f64 	%fd31, %fd30, %fd1;
+	cvt.rzi.u32.f64 	%r27, %fd31;
+	cvt.rn.f64.u16 	%fd32, %rs25;
+	mul.f64 	%fd33, %fd32, %fd1;
+	cvt.rzi.u32.f64 	%r28, %fd33;
+	and.b32  	%r29, %r13, 255;
+	prmt.b32 	%r30, %r14, %r29, 30212;
+	and.b32  	%r31, %r15, 255;
+	prmt.b32 	%r32, %r16, %r31, 30212;
+	and.b32  	%r33, %r17, 255;
+	prmt.b32 	%r34, %r18, %r33, 30212;
+	and.b32  	%r35, %r19, 255;
+	prmt.b32 	%r36, %r20, %r35, 30212;
+	and.b32  	%r37, %r21, 255;
+	prmt.b32 	%r38, %r22, %r37, 30212;
+	and.b32  	%r39, %r23, 255;
+	prmt.b32 	%r40, %r24, %r39, 30212;
+	and.b32  	%r41, %r25, 255;
+	prmt.b32 	%r42, %r26, %r41, 30212;
+	and.b32  	%r43, %r27, 255;
+	prmt.b32 	%r44, %r28, %r43, 30212;
+	prmt.b32 	%r45, %r44, %r42, 4180;
+	prmt.b32 	%r46, %r40, %r38, 4180;
+	prmt.b32 	%r47, %r36, %r34, 4180;
+	prmt.b32 	%r48, %r32, %r30, 4180;
+	st.global.v4.u32 	[%rd20], {%r48, %r47, %r46, %r45};
+	add.s64 	%rd25, %rd25, %rd2;
+	setp.lt.u64 	%p3, %rd25, %rd4;
+	@%p3 bra 	$L__BB26_3;
+
+$L__BB26_4:
+	and.b64  	%rd21, %rd15, -16;
+	add.s64 	%rd26, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd26, %rd15;
+	@%p4 bra 	$L__BB26_11;
+
+$L__BB26_5:
+	add.s64 	%rd22, %rd1, %rd26;
+	ld.global.u8 	%rs26, [%rd22];
+	cvt.rn.f64.u16 	%fd34, %rs26;
+	mul.f64 	%fd35, %fd34, %fd1;
+	cvt.rzi.u32.f64 	%r49, %fd35;
+	st.global.u8 	[%rd22], %r49;
+	add.s64 	%rd26, %rd26, %rd2;
+	setp.lt.u64 	%p5, %rd26, %rd15;
+	@%p5 bra 	$L__BB26_5;
+	bra.uni 	$L__BB26_11;
+
+$L__BB26_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB26_9;
+
+	mov.u64 	%rd27, %rd3;
+
+$L__BB26_8:
+	add.s64 	%rd23, %rd1, %rd27;
+	ld.global.u8 	%rs27, [%rd23];
+	cvt.rn.f64.u16 	%fd36, %rs27;
+	mul.f64 	%fd37, %fd36, %fd1;
+	cvt.rzi.u32.f64 	%r50, %fd37;
+	st.global.u8 	[%rd23], %r50;
+	add.s64 	%rd27, %rd27, %rd2;
+	setp.lt.u64 	%p7, %rd27, %rd15;
+	@%p7 bra 	$L__BB26_8;
+
+$L__BB26_9:
+	add.s64 	%rd28, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd28, %rd3;
+	@%p8 bra 	$L__BB26_11;
+
+$L__BB26_10:
+	add.s64 	%rd24, %rd1, %rd28;
+	ld.global.u8 	%rs28, [%rd24];
+	cvt.rn.f64.u16 	%fd38, %rs28;
+	mul.f64 	%fd39, %fd38, %fd1;
+	cvt.rzi.u32.f64 	%r51, %fd39;
+	st.global.u8 	[%rd24], %r51;
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p9, %rd28, %rd15;
+	@%p9 bra 	$L__BB26_10;
+
+$L__BB26_11:
+	ret;
+
+}
+	// .globl	ddp_divide_u8
+.visible .entry ddp_divide_u8(
+	.param .u64 ddp_divide_u8_param_0,
+	.param .u64 ddp_divide_u8_param_1,
+	.param .u8 ddp_divide_u8_param_2,
+	.param .u8 ddp_divide_u8_param_3
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<65>;
+	.reg .b32 	%r<17>;
+	.reg .b64 	%rd<29>;
+
+
+	ld.param.u8 	%rs1, [ddp_divide_u8_param_2];
+	ld.param.s8 	%rs2, [ddp_divide_u8_param_3];
+	ld.param.u64 	%rd16, [ddp_divide_u8_param_0];
+	ld.param.u64 	%rd15, [ddp_divide_u8_param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd3, %rd17, %rd18;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB27_6;
+
+	shr.u64 	%rd4, %rd15, 4;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB27_4;
+
+	mov.u64 	%rd25, %rd3;
+
+$L__BB27_3:
+	shl.b64 	%rd19, %rd25, 4;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
+	mov.b32 	{%rs3, %rs4}, %r5;
+	and.b16  	%rs5, %rs3, 255;
+	shr.u16 	%rs6, %rs3, 8;
+	and.b16  	%rs7, %rs4, 255;
+	shr.u16 	%rs8, %rs4, 8;
+	mov.b32 	{%rs9, %rs10}, %r6;
+	and.b16  	%rs11, %rs9, 255;
+	shr.u16 	%rs12, %rs9, 8;
+	and.b16  	%rs13, %rs10, 255;
+	shr.u16 	%rs14, %rs10, 8;
+	mov.b32 	{%rs15, %rs16}, %r7;
+	and.b16  	%rs17, %rs15, 255;
+	shr.u16 	%rs18, %rs15, 8;
+	and.b16  	%rs19, %rs16, 255;
+	shr.u16 	%rs20, %rs16, 8;
+	mov.b32 	{%rs21, %rs22}, %r8;
+	and.b16  	%rs23, %rs21, 255;
+	shr.u16 	%rs24, %rs21, 8;
+	and.b16  	%rs25, %rs22, 255;
+	shr.u16 	%rs26, %rs22, 8;
+	div.u16 	%rs27, %rs7, %rs1;
+	div.u16 	%rs28, %rs8, %rs1;
+	shl.b16 	%rs29, %rs28, 8;
+	or.b16  	%rs30, %rs27, %rs29;
+	div.u16 	%rs31, %rs5, %rs1;
+	div.u16 	%rs32, %rs6, %rs1;
+	shl.b16 	%rs33, %rs32, 8;
+	or.b16  	%rs34, %rs31, %rs33;
+	div.u16 	%rs35, %rs13, %rs1;
+	div.u16 	%rs36, %rs14, %rs1;
+	shl.b16 	%rs37, %rs36, 8;
+	or.b16  	%rs38, %rs35, %rs37;
+	div.u16 	%rs39, %rs11, %rs1;
+	div.u16 	%rs40, %rs12, %rs1;
+	shl.b16 	%rs41, %rs40, 8;
+	or.b16  	%rs42, %rs39, %rs41;
+	div.u16 	%rs43, %rs19, %rs1;
+	div.u16 	%rs44, %rs20, %rs1;
+	shl.b16 	%rs45, %rs44, 8;
+	or.b16  	%rs46, %rs43, %rs45;
+	div.u16 	%rs47, %rs17, %rs1;
+	div.u16 	%rs48, %rs18, %rs1;
+	shl.b16 	%rs49, %rs48, 8;
+	or.b16  	%rs50, %rs47, %rs49;
+	div.u16 	%rs51, %rs25, %rs1;
+	div.u16 	%rs52, %rs26, %rs1;
+	shl.b16 	%rs53, %rs52, 8;
+	or.b16  	%rs54, %rs51, %rs53;
+	div.u16 	%rs55, %rs23, %rs1;
+	div.u16 	%rs56, %rs24, %rs1;
+	shl.b16 	%rs57, %rs56, 8;
+	or.b16  	%rs58, %rs55, %rs57;
+	mov.b32 	%r13, {%rs58, %rs54};
+	mov.b32 	%r14, {%rs50, %rs46};
+	mov.b32 	%r15, {%rs42, %rs38};
+	mov.b32 	%r16, {%rs34, %rs30};
+	st.global.v4.u32 	[%rd20], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd25, %rd25, %rd2;
+	setp.lt.u64 	%p3, %rd25, %rd4;
+	@%p3 bra 	$L__BB27_3;
+
+$L__BB27_4:
+	and.b64  	%rd21, %rd15, -16;
+	add.s64 	%rd26, %rd21, %rd3;
+	setp.ge.u64 	%p4, %rd26, %rd15;
+	@%p4 bra 	$L__BB27_11;
+
+$L__BB27_5:
+	add.s64 	%rd22, %rd1, %rd26;
+	ld.global.u8 	%rs59, [%rd22];
+	div.u16 	%rs60, %rs59, %rs1;
+	st.global.u8 	[%rd22], %rs60;
+	add.s64 	%rd26, %rd26, %rd2;
+	setp.lt.u64 	%p5, %rd26, %rd15;
+	@%p5 bra 	$L__BB27_5;
+	bra.uni 	$L__BB27_11;
+
+$L__BB27_6:
+	setp.ge.u64 	%p6, %rd3, %rd15;
+	@%p6 bra 	$L__BB27_9;
+
+	mov.u64 	%rd27, %rd3;
+
+$L__BB27_8:
+	add.s64 	%rd23, %rd1, %rd27;
+	ld.global.u8 	%rs61, [%rd23];
+	div.u16 	%rs62, %rs61, %rs1;
+	st.global.u8 	[%rd23], %rs62;
+	add.s64 	%rd27, %rd27, %rd2;
+	setp.lt.u64 	%p7, %rd27, %rd15;
+	@%p7 bra 	$L__BB27_8;
+
+$L__BB27_9:
+	add.s64 	%rd28, %rd3, %rd15;
+	setp.ge.u64 	%p8, %rd28, %rd3;
+	@%p8 bra 	$L__BB27_11;
+
+$L__BB27_10:
+	add.s64 	%rd24, %rd1, %rd28;
+	ld.global.u8 	%rs63, [%rd24];
+	div.u16 	%rs64, %rs63, %rs1;
+	st.global.u8 	[%rd24], %rs64;
+	add.s64 	%rd28, %rd28, %rd2;
+	setp.lt.u64 	%p9, %rd28, %rd15;
+	@%p9 bra 	$L__BB27_10;
+
+$L__BB27_11:
+	ret;
+
+}
+	// .globl	ddp_convert_f32_f32
+.visible .entry ddp_convert_f32_f32(
+	.param .u64 ddp_convert_f32_f32_param_0,
+	.param .u64 ddp_convert_f32_f32_param_1,
+	.param .u64 ddp_convert_f32_f32_param_2,
+	.param .f32 ddp_convert_f32_f32_param_3,
+	.param .u8 ddp_convert_f32_f32_param_4,
+	.param .u8 ddp_convert_f32_f32_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<3>;
+	.reg .f32 	%f<31>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f32_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f32_f32_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f32_f32_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f32_f32_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f32_f32_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f32_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB28_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB28_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB28_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB28_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.f32 	{%f2, %f3, %f4, %f5}, [%rd30];
+	add.s64 	%rd31, %rd1, %rd29;
+	mul.f32 	%f10, %f5, %f1;
+	mul.f32 	%f11, %f4, %f1;
+	mul.f32 	%f12, %f3, %f1;
+	mul.f32 	%f13, %f2, %f1;
+	st.global.v4.f32 	[%rd31], {%f13, %f12, %f11, %f10};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB28_4;
+	bra.uni 	$L__BB28_7;
+
+$L__BB28_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB28_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB28_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB28_14:
+	shl.b64 	%rd42, %rd58, 2;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.f32 	%f25, [%rd43];
+	mul.f32 	%f26, %f25, %f1;
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.f32 	[%rd44], %f26;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB28_14;
+	bra.uni 	$L__BB28_17;
+
+$L__BB28_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB28_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.f32 	{%f14, %f15, %f16, %f17}, [%rd33];
+	add.s64 	%rd34, %rd1, %rd32;
+	st.global.v4.f32 	[%rd34], {%f14, %f15, %f16, %f17};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB28_6;
+
+$L__BB28_7:
+	and.b64  	%rd35, %rd24, -4;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB28_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB28_10;
+
+$L__BB28_9:
+	shl.b64 	%rd36, %rd56, 2;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.f32 	%f22, [%rd37];
+	mul.f32 	%f23, %f22, %f1;
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.f32 	[%rd38], %f23;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB28_9;
+	bra.uni 	$L__BB28_21;
+
+$L__BB28_10:
+	shl.b64 	%rd39, %rd56, 2;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.f32 	%f24, [%rd40];
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.f32 	[%rd41], %f24;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB28_10;
+	bra.uni 	$L__BB28_21;
+
+$L__BB28_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB28_16:
+	shl.b64 	%rd45, %rd59, 2;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.f32 	%f27, [%rd46];
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.f32 	[%rd47], %f27;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB28_16;
+
+$L__BB28_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB28_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB28_20;
+
+$L__BB28_19:
+	shl.b64 	%rd48, %rd60, 2;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.f32 	%f28, [%rd49];
+	mul.f32 	%f29, %f28, %f1;
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.f32 	[%rd50], %f29;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB28_19;
+	bra.uni 	$L__BB28_21;
+
+$L__BB28_20:
+	shl.b64 	%rd51, %rd60, 2;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.f32 	%f30, [%rd52];
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.f32 	[%rd53], %f30;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB28_20;
+
+$L__BB28_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f32_f64
+.visible .entry ddp_convert_f32_f64(
+	.param .u64 ddp_convert_f32_f64_param_0,
+	.param .u64 ddp_convert_f32_f64_param_1,
+	.param .u64 ddp_convert_f32_f64_param_2,
+	.param .f32 ddp_convert_f32_f64_param_3,
+	.param .u8 ddp_convert_f32_f64_param_4,
+	.param .u8 ddp_convert_f32_f64_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<3>;
+	.reg .f32 	%f<19>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<9>;
+	.reg .b64 	%rd<63>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f32_f64_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f32_f64_param_5];
+	ld.param.u64 	%rd23, [ddp_convert_f32_f64_param_0];
+	ld.param.u64 	%rd24, [ddp_convert_f32_f64_param_1];
+	ld.param.u64 	%rd22, [ddp_convert_f32_f64_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f32_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd24;
+	cvta.to.global.u64 	%rd2, %rd23;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd25, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd26, %r4;
+	add.s64 	%rd4, %rd25, %rd26;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB29_8;
+
+	shr.u64 	%rd5, %rd22, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB29_4;
+
+	mov.u64 	%rd56, %rd4;
+
+$L__BB29_3:
+	shl.b64 	%rd27, %rd56, 3;
+	add.s64 	%rd28, %rd2, %rd27;
+	ld.global.v2.f32 	{%f2, %f3}, [%rd28];
+	mul.f32 	%f6, %f2, %f1;
+	mul.f32 	%f7, %f3, %f1;
+	setp.eq.s16 	%p3, %rs1, 0;
+	selp.f32 	%f8, %f3, %f7, %p3;
+	selp.f32 	%f9, %f2, %f6, %p3;
+	shl.b64 	%rd29, %rd56, 4;
+	add.s64 	%rd30, %rd1, %rd29;
+	cvt.f64.f32 	%fd1, %f8;
+	cvt.f64.f32 	%fd2, %f9;
+	st.global.v2.f64 	[%rd30], {%fd2, %fd1};
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p4, %rd56, %rd5;
+	@%p4 bra 	$L__BB29_3;
+
+$L__BB29_4:
+	and.b64  	%rd31, %rd22, -2;
+	add.s64 	%rd57, %rd31, %rd4;
+	setp.ge.u64 	%p5, %rd57, %rd22;
+	@%p5 bra 	$L__BB29_18;
+
+	setp.eq.s16 	%p6, %rs1, 0;
+	@%p6 bra 	$L__BB29_7;
+
+$L__BB29_6:
+	shl.b64 	%rd32, %rd57, 2;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.f32 	%f10, [%rd33];
+	mul.f32 	%f11, %f10, %f1;
+	cvt.f64.f32 	%fd3, %f11;
+	shl.b64 	%rd34, %rd57, 3;
+	add.s64 	%rd35, %rd1, %rd34;
+	st.global.f64 	[%rd35], %fd3;
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p7, %rd57, %rd22;
+	@%p7 bra 	$L__BB29_6;
+	bra.uni 	$L__BB29_18;
+
+$L__BB29_7:
+	shl.b64 	%rd36, %rd57, 2;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.f32 	%f12, [%rd37];
+	cvt.f64.f32 	%fd4, %f12;
+	shl.b64 	%rd38, %rd57, 3;
+	add.s64 	%rd39, %rd1, %rd38;
+	st.global.f64 	[%rd39], %fd4;
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p8, %rd57, %rd22;
+	@%p8 bra 	$L__BB29_7;
+	bra.uni 	$L__BB29_18;
+
+$L__BB29_8:
+	setp.ge.u64 	%p9, %rd4, %rd22;
+	@%p9 bra 	$L__BB29_14;
+
+	setp.eq.s16 	%p10, %rs1, 0;
+	@%p10 bra 	$L__BB29_12;
+
+	mov.u64 	%rd59, %rd4;
+
+$L__BB29_11:
+	shl.b64 	%rd40, %rd59, 2;
+	add.s64 	%rd41, %rd2, %rd40;
+	ld.global.f32 	%f13, [%rd41];
+	mul.f32 	%f14, %f13, %f1;
+	cvt.f64.f32 	%fd5, %f14;
+	shl.b64 	%rd42, %rd59, 3;
+	add.s64 	%rd43, %rd1, %rd42;
+	st.global.f64 	[%rd43], %fd5;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p11, %rd59, %rd22;
+	@%p11 bra 	$L__BB29_11;
+	bra.uni 	$L__BB29_14;
+
+$L__BB29_12:
+	mov.u64 	%rd60, %rd4;
+
+$L__BB29_13:
+	shl.b64 	%rd44, %rd60, 2;
+	add.s64 	%rd45, %rd2, %rd44;
+	ld.global.f32 	%f15, [%rd45];
+	cvt.f64.f32 	%fd6, %f15;
+	shl.b64 	%rd46, %rd60, 3;
+	add.s64 	%rd47, %rd1, %rd46;
+	st.global.f64 	[%rd47], %fd6;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p12, %rd60, %rd22;
+	@%p12 bra 	$L__BB29_13;
+
+$L__BB29_14:
+	add.s64 	%rd61, %rd4, %rd22;
+	setp.ge.u64 	%p13, %rd61, %rd4;
+	@%p13 bra 	$L__BB29_18;
+
+	setp.eq.s16 	%p14, %rs1, 0;
+	@%p14 bra 	$L__BB29_17;
+
+$L__BB29_16:
+	shl.b64 	%rd48, %rd61, 2;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.f32 	%f16, [%rd49];
+	mul.f32 	%f17, %f16, %f1;
+	cvt.f64.f32 	%fd7, %f17;
+	shl.b64 	%rd50, %rd61, 3;
+	add.s64 	%rd51, %rd1, %rd50;
+	st.global.f64 	[%rd51], %fd7;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p15, %rd61, %rd22;
+	@%p15 bra 	$L__BB29_16;
+	bra.uni 	$L__BB29_18;
+
+$L__BB29_17:
+	shl.b64 	%rd52, %rd61, 2;
+	add.s64 	%rd53, %rd2, %rd52;
+	ld.global.f32 	%f18, [%rd53];
+	cvt.f64.f32 	%fd8, %f18;
+	shl.b64 	%rd54, %rd61, 3;
+	add.s64 	%rd55, %rd1, %rd54;
+	st.global.f64 	[%rd55], %fd8;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p16, %rd61, %rd22;
+	@%p16 bra 	$L__BB29_17;
+
+$L__BB29_18:
+	ret;
+
+}
+	// .globl	ddp_convert_f32_bf16
+.visible .entry ddp_convert_f32_bf16(
+	.param .u64 ddp_convert_f32_bf16_param_0,
+	.param .u64 ddp_convert_f32_bf16_param_1,
+	.param .u64 ddp_convert_f32_bf16_param_2,
+	.param .f32 ddp_convert_f32_bf16_param_3,
+	.param .u8 ddp_convert_f32_bf16_param_4,
+	.param .u8 ddp_convert_f32_bf16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<17>;
+	.reg .f32 	%f<31>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f32_bf16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f32_bf16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f32_bf16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f32_bf16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f32_bf16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f32_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB30_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB30_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB30_5;
+
+	mov.u64 	%rd62, %rd4;
+
+$L__BB30_4:
+	shl.b64 	%rd29, %rd62, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd30];
+	mul.f32 	%f2, %f6, %f1;
+	mul.f32 	%f3, %f7, %f1;
+	mul.f32 	%f4, %f8, %f1;
+	mul.f32 	%f5, %f9, %f1;
+	shl.b64 	%rd31, %rd62, 3;
+	add.s64 	%rd32, %rd1, %rd31;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs5, %f4;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs3, %f2;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd32], {%rs3, %rs4, %rs5, %rs6};
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p4, %rd62, %rd5;
+	@%p4 bra 	$L__BB30_4;
+	bra.uni 	$L__BB30_7;
+
+$L__BB30_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB30_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB30_15;
+
+	mov.u64 	%rd66, %rd4;
+
+$L__BB30_14:
+	shl.b64 	%rd46, %rd66, 2;
+	add.s64 	%rd47, %rd2, %rd46;
+	ld.global.f32 	%f26, [%rd47];
+	mul.f32 	%f25, %f26, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs13, %f25;}
+
+	// end inline asm
+	shl.b64 	%rd48, %rd66, 1;
+	add.s64 	%rd49, %rd1, %rd48;
+	st.global.u16 	[%rd49], %rs13;
+	add.s64 	%rd66, %rd66, %rd3;
+	setp.lt.u64 	%p12, %rd66, %rd24;
+	@%p12 bra 	$L__BB30_14;
+	bra.uni 	$L__BB30_17;
+
+$L__BB30_5:
+	mov.u64 	%rd63, %rd4;
+
+$L__BB30_6:
+	shl.b64 	%rd33, %rd63, 4;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd34];
+	shl.b64 	%rd35, %rd63, 3;
+	add.s64 	%rd36, %rd1, %rd35;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs9, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs7, %f18;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd36], {%rs7, %rs8, %rs9, %rs10};
+	add.s64 	%rd63, %rd63, %rd3;
+	setp.lt.u64 	%p5, %rd63, %rd5;
+	@%p5 bra 	$L__BB30_6;
+
+$L__BB30_7:
+	and.b64  	%rd37, %rd24, -4;
+	add.s64 	%rd64, %rd37, %rd4;
+	setp.ge.u64 	%p6, %rd64, %rd24;
+	@%p6 bra 	$L__BB30_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB30_10;
+
+$L__BB30_9:
+	shl.b64 	%rd38, %rd64, 2;
+	add.s64 	%rd39, %rd2, %rd38;
+	ld.global.f32 	%f23, [%rd39];
+	mul.f32 	%f22, %f23, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs11, %f22;}
+
+	// end inline asm
+	shl.b64 	%rd40, %rd64, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	st.global.u16 	[%rd41], %rs11;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p8, %rd64, %rd24;
+	@%p8 bra 	$L__BB30_9;
+	bra.uni 	$L__BB30_21;
+
+$L__BB30_10:
+	shl.b64 	%rd42, %rd64, 2;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.f32 	%f24, [%rd43];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f24;}
+
+	// end inline asm
+	shl.b64 	%rd44, %rd64, 1;
+	add.s64 	%rd45, %rd1, %rd44;
+	st.global.u16 	[%rd45], %rs12;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p9, %rd64, %rd24;
+	@%p9 bra 	$L__BB30_10;
+	bra.uni 	$L__BB30_21;
+
+$L__BB30_15:
+	mov.u64 	%rd67, %rd4;
+
+$L__BB30_16:
+	shl.b64 	%rd50, %rd67, 2;
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.f32 	%f27, [%rd51];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f27;}
+
+	// end inline asm
+	shl.b64 	%rd52, %rd67, 1;
+	add.s64 	%rd53, %rd1, %rd52;
+	st.global.u16 	[%rd53], %rs14;
+	add.s64 	%rd67, %rd67, %rd3;
+	setp.lt.u64 	%p13, %rd67, %rd24;
+	@%p13 bra 	$L__BB30_16;
+
+$L__BB30_17:
+	add.s64 	%rd68, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd68, %rd4;
+	@%p14 bra 	$L__BB30_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB30_20;
+
+$L__BB30_19:
+	shl.b64 	%rd54, %rd68, 2;
+	add.s64 	%rd55, %rd2, %rd54;
+	ld.global.f32 	%f29, [%rd55];
+	mul.f32 	%f28, %f29, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs15, %f28;}
+
+	// end inline asm
+	shl.b64 	%rd56, %rd68, 1;
+	add.s64 	%rd57, %rd1, %rd56;
+	st.global.u16 	[%rd57], %rs15;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p16, %rd68, %rd24;
+	@%p16 bra 	$L__BB30_19;
+	bra.uni 	$L__BB30_21;
+
+$L__BB30_20:
+	shl.b64 	%rd58, %rd68, 2;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.f32 	%f30, [%rd59];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f30;}
+
+	// end inline asm
+	shl.b64 	%rd60, %rd68, 1;
+	add.s64 	%rd61, %rd1, %rd60;
+	st.global.u16 	[%rd61], %rs16;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p17, %rd68, %rd24;
+	@%p17 bra 	$L__BB30_20;
+
+$L__BB30_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f32_f16
+.visible .entry ddp_convert_f32_f16(
+	.param .u64 ddp_convert_f32_f16_param_0,
+	.param .u64 ddp_convert_f32_f16_param_1,
+	.param .u64 ddp_convert_f32_f16_param_2,
+	.param .f32 ddp_convert_f32_f16_param_3,
+	.param .u8 ddp_convert_f32_f16_param_4,
+	.param .u8 ddp_convert_f32_f16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<17>;
+	.reg .f32 	%f<31>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f32_f16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f32_f16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f32_f16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f32_f16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f32_f16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f32_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB31_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB31_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB31_5;
+
+	mov.u64 	%rd62, %rd4;
+
+$L__BB31_4:
+	shl.b64 	%rd29, %rd62, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd30];
+	mul.f32 	%f2, %f6, %f1;
+	mul.f32 	%f3, %f7, %f1;
+	mul.f32 	%f4, %f8, %f1;
+	mul.f32 	%f5, %f9, %f1;
+	shl.b64 	%rd31, %rd62, 3;
+	add.s64 	%rd32, %rd1, %rd31;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs5, %f4;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs3, %f2;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd32], {%rs3, %rs4, %rs5, %rs6};
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p4, %rd62, %rd5;
+	@%p4 bra 	$L__BB31_4;
+	bra.uni 	$L__BB31_7;
+
+$L__BB31_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB31_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB31_15;
+
+	mov.u64 	%rd66, %rd4;
+
+$L__BB31_14:
+	shl.b64 	%rd46, %rd66, 2;
+	add.s64 	%rd47, %rd2, %rd46;
+	ld.global.f32 	%f26, [%rd47];
+	mul.f32 	%f25, %f26, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs13, %f25;}
+
+	// end inline asm
+	shl.b64 	%rd48, %rd66, 1;
+	add.s64 	%rd49, %rd1, %rd48;
+	st.global.u16 	[%rd49], %rs13;
+	add.s64 	%rd66, %rd66, %rd3;
+	setp.lt.u64 	%p12, %rd66, %rd24;
+	@%p12 bra 	$L__BB31_14;
+	bra.uni 	$L__BB31_17;
+
+$L__BB31_5:
+	mov.u64 	%rd63, %rd4;
+
+$L__BB31_6:
+	shl.b64 	%rd33, %rd63, 4;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd34];
+	shl.b64 	%rd35, %rd63, 3;
+	add.s64 	%rd36, %rd1, %rd35;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs9, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs7, %f18;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd36], {%rs7, %rs8, %rs9, %rs10};
+	add.s64 	%rd63, %rd63, %rd3;
+	setp.lt.u64 	%p5, %rd63, %rd5;
+	@%p5 bra 	$L__BB31_6;
+
+$L__BB31_7:
+	and.b64  	%rd37, %rd24, -4;
+	add.s64 	%rd64, %rd37, %rd4;
+	setp.ge.u64 	%p6, %rd64, %rd24;
+	@%p6 bra 	$L__BB31_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB31_10;
+
+$L__BB31_9:
+	shl.b64 	%rd38, %rd64, 2;
+	add.s64 	%rd39, %rd2, %rd38;
+	ld.global.f32 	%f23, [%rd39];
+	mul.f32 	%f22, %f23, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs11, %f22;}
+
+	// end inline asm
+	shl.b64 	%rd40, %rd64, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	st.global.u16 	[%rd41], %rs11;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p8, %rd64, %rd24;
+	@%p8 bra 	$L__BB31_9;
+	bra.uni 	$L__BB31_21;
+
+$L__BB31_10:
+	shl.b64 	%rd42, %rd64, 2;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.f32 	%f24, [%rd43];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f24;}
+
+	// end inline asm
+	shl.b64 	%rd44, %rd64, 1;
+	add.s64 	%rd45, %rd1, %rd44;
+	st.global.u16 	[%rd45], %rs12;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p9, %rd64, %rd24;
+	@%p9 bra 	$L__BB31_10;
+	bra.uni 	$L__BB31_21;
+
+$L__BB31_15:
+	mov.u64 	%rd67, %rd4;
+
+$L__BB31_16:
+	shl.b64 	%rd50, %rd67, 2;
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.f32 	%f27, [%rd51];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f27;}
+
+	// end inline asm
+	shl.b64 	%rd52, %rd67, 1;
+	add.s64 	%rd53, %rd1, %rd52;
+	st.global.u16 	[%rd53], %rs14;
+	add.s64 	%rd67, %rd67, %rd3;
+	setp.lt.u64 	%p13, %rd67, %rd24;
+	@%p13 bra 	$L__BB31_16;
+
+$L__BB31_17:
+	add.s64 	%rd68, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd68, %rd4;
+	@%p14 bra 	$L__BB31_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB31_20;
+
+$L__BB31_19:
+	shl.b64 	%rd54, %rd68, 2;
+	add.s64 	%rd55, %rd2, %rd54;
+	ld.global.f32 	%f29, [%rd55];
+	mul.f32 	%f28, %f29, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs15, %f28;}
+
+	// end inline asm
+	shl.b64 	%rd56, %rd68, 1;
+	add.s64 	%rd57, %rd1, %rd56;
+	st.global.u16 	[%rd57], %rs15;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p16, %rd68, %rd24;
+	@%p16 bra 	$L__BB31_19;
+	bra.uni 	$L__BB31_21;
+
+$L__BB31_20:
+	shl.b64 	%rd58, %rd68, 2;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.f32 	%f30, [%rd59];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f30;}
+
+	// end inline asm
+	shl.b64 	%rd60, %rd68, 1;
+	add.s64 	%rd61, %rd1, %rd60;
+	st.global.u16 	[%rd61], %rs16;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p17, %rd68, %rd24;
+	@%p17 bra 	$L__BB31_20;
+
+$L__BB31_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f64_f32
+.visible .entry ddp_convert_f64_f32(
+	.param .u64 ddp_convert_f64_f32_param_0,
+	.param .u64 ddp_convert_f64_f32_param_1,
+	.param .u64 ddp_convert_f64_f32_param_2,
+	.param .f64 ddp_convert_f64_f32_param_3,
+	.param .u8 ddp_convert_f64_f32_param_4,
+	.param .u8 ddp_convert_f64_f32_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<3>;
+	.reg .f32 	%f<9>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<19>;
+	.reg .b64 	%rd<63>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f64_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f64_f32_param_5];
+	ld.param.u64 	%rd23, [ddp_convert_f64_f32_param_0];
+	ld.param.u64 	%rd24, [ddp_convert_f64_f32_param_1];
+	ld.param.u64 	%rd22, [ddp_convert_f64_f32_param_2];
+	ld.param.f64 	%fd1, [ddp_convert_f64_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd24;
+	cvta.to.global.u64 	%rd2, %rd23;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd25, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd26, %r4;
+	add.s64 	%rd4, %rd25, %rd26;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB32_8;
+
+	shr.u64 	%rd5, %rd22, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB32_4;
+
+	mov.u64 	%rd56, %rd4;
+
+$L__BB32_3:
+	shl.b64 	%rd27, %rd56, 4;
+	add.s64 	%rd28, %rd2, %rd27;
+	ld.global.v2.f64 	{%fd2, %fd3}, [%rd28];
+	mul.f64 	%fd6, %fd2, %fd1;
+	mul.f64 	%fd7, %fd3, %fd1;
+	setp.eq.s16 	%p3, %rs1, 0;
+	selp.f64 	%fd8, %fd3, %fd7, %p3;
+	selp.f64 	%fd9, %fd2, %fd6, %p3;
+	shl.b64 	%rd29, %rd56, 3;
+	add.s64 	%rd30, %rd1, %rd29;
+	cvt.rn.f32.f64 	%f1, %fd8;
+	cvt.rn.f32.f64 	%f2, %fd9;
+	st.global.v2.f32 	[%rd30], {%f2, %f1};
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p4, %rd56, %rd5;
+	@%p4 bra 	$L__BB32_3;
+
+$L__BB32_4:
+	and.b64  	%rd31, %rd22, -2;
+	add.s64 	%rd57, %rd31, %rd4;
+	setp.ge.u64 	%p5, %rd57, %rd22;
+	@%p5 bra 	$L__BB32_18;
+
+	setp.eq.s16 	%p6, %rs1, 0;
+	@%p6 bra 	$L__BB32_7;
+
+$L__BB32_6:
+	shl.b64 	%rd32, %rd57, 3;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.f64 	%fd10, [%rd33];
+	mul.f64 	%fd11, %fd10, %fd1;
+	cvt.rn.f32.f64 	%f3, %fd11;
+	shl.b64 	%rd34, %rd57, 2;
+	add.s64 	%rd35, %rd1, %rd34;
+	st.global.f32 	[%rd35], %f3;
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p7, %rd57, %rd22;
+	@%p7 bra 	$L__BB32_6;
+	bra.uni 	$L__BB32_18;
+
+$L__BB32_7:
+	shl.b64 	%rd36, %rd57, 3;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.f64 	%fd12, [%rd37];
+	cvt.rn.f32.f64 	%f4, %fd12;
+	shl.b64 	%rd38, %rd57, 2;
+	add.s64 	%rd39, %rd1, %rd38;
+	st.global.f32 	[%rd39], %f4;
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p8, %rd57, %rd22;
+	@%p8 bra 	$L__BB32_7;
+	bra.uni 	$L__BB32_18;
+
+$L__BB32_8:
+	setp.ge.u64 	%p9, %rd4, %rd22;
+	@%p9 bra 	$L__BB32_14;
+
+	setp.eq.s16 	%p10, %rs1, 0;
+	@%p10 bra 	$L__BB32_12;
+
+	mov.u64 	%rd59, %rd4;
+
+$L__BB32_11:
+	shl.b64 	%rd40, %rd59, 3;
+	add.s64 	%rd41, %rd2, %rd40;
+	ld.global.f64 	%fd13, [%rd41];
+	mul.f64 	%fd14, %fd13, %fd1;
+	cvt.rn.f32.f64 	%f5, %fd14;
+	shl.b64 	%rd42, %rd59, 2;
+	add.s64 	%rd43, %rd1, %rd42;
+	st.global.f32 	[%rd43], %f5;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p11, %rd59, %rd22;
+	@%p11 bra 	$L__BB32_11;
+	bra.uni 	$L__BB32_14;
+
+$L__BB32_12:
+	mov.u64 	%rd60, %rd4;
+
+$L__BB32_13:
+	shl.b64 	%rd44, %rd60, 3;
+	add.s64 	%rd45, %rd2, %rd44;
+	ld.global.f64 	%fd15, [%rd45];
+	cvt.rn.f32.f64 	%f6, %fd15;
+	shl.b64 	%rd46, %rd60, 2;
+	add.s64 	%rd47, %rd1, %rd46;
+	st.global.f32 	[%rd47], %f6;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p12, %rd60, %rd22;
+	@%p12 bra 	$L__BB32_13;
+
+$L__BB32_14:
+	add.s64 	%rd61, %rd4, %rd22;
+	setp.ge.u64 	%p13, %rd61, %rd4;
+	@%p13 bra 	$L__BB32_18;
+
+	setp.eq.s16 	%p14, %rs1, 0;
+	@%p14 bra 	$L__BB32_17;
+
+$L__BB32_16:
+	shl.b64 	%rd48, %rd61, 3;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.f64 	%fd16, [%rd49];
+	mul.f64 	%fd17, %fd16, %fd1;
+	cvt.rn.f32.f64 	%f7, %fd17;
+	shl.b64 	%rd50, %rd61, 2;
+	add.s64 	%rd51, %rd1, %rd50;
+	st.global.f32 	[%rd51], %f7;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p15, %rd61, %rd22;
+	@%p15 bra 	$L__BB32_16;
+	bra.uni 	$L__BB32_18;
+
+$L__BB32_17:
+	shl.b64 	%rd52, %rd61, 3;
+	add.s64 	%rd53, %rd2, %rd52;
+	ld.global.f64 	%fd18, [%rd53];
+	cvt.rn.f32.f64 	%f8, %fd18;
+	shl.b64 	%rd54, %rd61, 2;
+	add.s64 	%rd55, %rd1, %rd54;
+	st.global.f32 	[%rd55], %f8;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p16, %rd61, %rd22;
+	@%p16 bra 	$L__BB32_17;
+
+$L__BB32_18:
+	ret;
+
+}
+	// .globl	ddp_convert_f64_f64
+.visible .entry ddp_convert_f64_f64(
+	.param .u64 ddp_convert_f64_f64_param_0,
+	.param .u64 ddp_convert_f64_f64_param_1,
+	.param .u64 ddp_convert_f64_f64_param_2,
+	.param .f64 ddp_convert_f64_f64_param_3,
+	.param .u8 ddp_convert_f64_f64_param_4,
+	.param .u8 ddp_convert_f64_f64_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<3>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<21>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f64_f64_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f64_f64_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f64_f64_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f64_f64_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f64_f64_param_2];
+	ld.param.f64 	%fd1, [ddp_convert_f64_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB33_11;
+
+	shr.u64 	%rd5, %rd24, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB33_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB33_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB33_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v2.f64 	{%fd2, %fd3}, [%rd30];
+	add.s64 	%rd31, %rd1, %rd29;
+	mul.f64 	%fd6, %fd3, %fd1;
+	mul.f64 	%fd7, %fd2, %fd1;
+	st.global.v2.f64 	[%rd31], {%fd7, %fd6};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB33_4;
+	bra.uni 	$L__BB33_7;
+
+$L__BB33_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB33_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB33_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB33_14:
+	shl.b64 	%rd42, %rd58, 3;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.f64 	%fd15, [%rd43];
+	mul.f64 	%fd16, %fd15, %fd1;
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.f64 	[%rd44], %fd16;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB33_14;
+	bra.uni 	$L__BB33_17;
+
+$L__BB33_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB33_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v2.f64 	{%fd8, %fd9}, [%rd33];
+	add.s64 	%rd34, %rd1, %rd32;
+	st.global.v2.f64 	[%rd34], {%fd8, %fd9};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB33_6;
+
+$L__BB33_7:
+	and.b64  	%rd35, %rd24, -2;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB33_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB33_10;
+
+$L__BB33_9:
+	shl.b64 	%rd36, %rd56, 3;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.f64 	%fd12, [%rd37];
+	mul.f64 	%fd13, %fd12, %fd1;
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.f64 	[%rd38], %fd13;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB33_9;
+	bra.uni 	$L__BB33_21;
+
+$L__BB33_10:
+	shl.b64 	%rd39, %rd56, 3;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.f64 	%fd14, [%rd40];
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.f64 	[%rd41], %fd14;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB33_10;
+	bra.uni 	$L__BB33_21;
+
+$L__BB33_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB33_16:
+	shl.b64 	%rd45, %rd59, 3;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.f64 	%fd17, [%rd46];
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.f64 	[%rd47], %fd17;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB33_16;
+
+$L__BB33_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB33_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB33_20;
+
+$L__BB33_19:
+	shl.b64 	%rd48, %rd60, 3;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.f64 	%fd18, [%rd49];
+	mul.f64 	%fd19, %fd18, %fd1;
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.f64 	[%rd50], %fd19;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB33_19;
+	bra.uni 	$L__BB33_21;
+
+$L__BB33_20:
+	shl.b64 	%rd51, %rd60, 3;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.f64 	%fd20, [%rd52];
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.f64 	[%rd53], %fd20;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB33_20;
+
+$L__BB33_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f64_bf16
+.visible .entry ddp_convert_f64_bf16(
+	.param .u64 ddp_convert_f64_bf16_param_0,
+	.param .u64 ddp_convert_f64_bf16_param_1,
+	.param .u64 ddp_convert_f64_bf16_param_2,
+	.param .f64 ddp_convert_f64_bf16_param_3,
+	.param .u8 ddp_convert_f64_bf16_param_4,
+	.param .u8 ddp_convert_f64_bf16_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<21>;
+	.reg .f32 	%f<11>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<17>;
+	.reg .b64 	%rd<64>;
+
+
+	ld.param.s8 	%rs7, [ddp_convert_f64_bf16_param_4];
+	ld.param.s8 	%rs8, [ddp_convert_f64_bf16_param_5];
+	ld.param.u64 	%rd24, [ddp_convert_f64_bf16_param_0];
+	ld.param.u64 	%rd25, [ddp_convert_f64_bf16_param_1];
+	ld.param.u64 	%rd23, [ddp_convert_f64_bf16_param_2];
+	ld.param.f64 	%fd3, [ddp_convert_f64_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd25;
+	cvta.to.global.u64 	%rd2, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd26, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd27, %r4;
+	add.s64 	%rd4, %rd26, %rd27;
+	setp.eq.s16 	%p1, %rs8, 0;
+	@%p1 bra 	$L__BB34_11;
+
+	shr.u64 	%rd5, %rd23, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB34_7;
+
+	mov.u64 	%rd57, %rd4;
+
+$L__BB34_3:
+	shl.b64 	%rd7, %rd57, 1;
+	shl.b64 	%rd28, %rd57, 4;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.v2.f64 	{%fd4, %fd5}, [%rd29];
+	setp.eq.s16 	%p3, %rs7, 0;
+	@%p3 bra 	$L__BB34_5;
+
+	mul.f64 	%fd6, %fd4, %fd3;
+	cvt.rn.f32.f64 	%f1, %fd6;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs20, %f1;}
+
+	// end inline asm
+	mul.f64 	%fd7, %fd5, %fd3;
+	cvt.rn.f32.f64 	%f2, %fd7;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs19, %f2;}
+
+	// end inline asm
+	bra.uni 	$L__BB34_6;
+
+$L__BB34_5:
+	cvt.rn.f32.f64 	%f3, %fd4;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs20, %f3;}
+
+	// end inline asm
+	cvt.rn.f32.f64 	%f4, %fd5;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs19, %f4;}
+
+	// end inline asm
+
+$L__BB34_6:
+	shl.b64 	%rd30, %rd7, 1;
+	add.s64 	%rd31, %rd1, %rd30;
+	st.global.v2.u16 	[%rd31], {%rs20, %rs19};
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p4, %rd57, %rd5;
+	@%p4 bra 	$L__BB34_3;
+
+$L__BB34_7:
+	and.b64  	%rd32, %rd23, -2;
+	add.s64 	%rd58, %rd32, %rd4;
+	setp.ge.u64 	%p5, %rd58, %rd23;
+	@%p5 bra 	$L__BB34_21;
+
+	setp.eq.s16 	%p6, %rs7, 0;
+	@%p6 bra 	$L__BB34_10;
+
+$L__BB34_9:
+	shl.b64 	%rd33, %rd58, 3;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.f64 	%fd8, [%rd34];
+	mul.f64 	%fd9, %fd8, %fd3;
+	cvt.rn.f32.f64 	%f5, %fd9;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs13, %f5;}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd58, 1;
+	add.s64 	%rd36, %rd1, %rd35;
+	st.global.u16 	[%rd36], %rs13;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p7, %rd58, %rd23;
+	@%p7 bra 	$L__BB34_9;
+	bra.uni 	$L__BB34_21;
+
+$L__BB34_10:
+	shl.b64 	%rd37, %rd58, 3;
+	add.s64 	%rd38, %rd2, %rd37;
+	ld.global.f64 	%fd10, [%rd38];
+	cvt.rn.f32.f64 	%f6, %fd10;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f6;}
+
+	// end inline asm
+	shl.b64 	%rd39, %rd58, 1;
+	add.s64 	%rd40, %rd1, %rd39;
+	st.global.u16 	[%rd40], %rs14;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p8, %rd58, %rd23;
+	@%p8 bra 	$L__BB34_10;
+	bra.uni 	$L__BB34_21;
+
+$L__BB34_11:
+	setp.ge.u64 	%p9, %rd4, %rd23;
+	@%p9 bra 	$L__BB34_17;
+
+	setp.eq.s16 	%p10, %rs7, 0;
+	@%p10 bra 	$L__BB34_15;
+
+	mov.u64 	%rd60, %rd4;
+
+$L__BB34_14:
+	shl.b64 	%rd41, %rd60, 3;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.f64 	%fd11, [%rd42];
+	mul.f64 	%fd12, %fd11, %fd3;
+	cvt.rn.f32.f64 	%f7, %fd12;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs15, %f7;}
+
+	// end inline asm
+	shl.b64 	%rd43, %rd60, 1;
+	add.s64 	%rd44, %rd1, %rd43;
+	st.global.u16 	[%rd44], %rs15;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p11, %rd60, %rd23;
+	@%p11 bra 	$L__BB34_14;
+	bra.uni 	$L__BB34_17;
+
+$L__BB34_15:
+	mov.u64 	%rd61, %rd4;
+
+$L__BB34_16:
+	shl.b64 	%rd45, %rd61, 3;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.f64 	%fd13, [%rd46];
+	cvt.rn.f32.f64 	%f8, %fd13;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f8;}
+
+	// end inline asm
+	shl.b64 	%rd47, %rd61, 1;
+	add.s64 	%rd48, %rd1, %rd47;
+	st.global.u16 	[%rd48], %rs16;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p12, %rd61, %rd23;
+	@%p12 bra 	$L__BB34_16;
+
+$L__BB34_17:
+	add.s64 	%rd62, %rd4, %rd23;
+	setp.ge.u64 	%p13, %rd62, %rd4;
+	@%p13 bra 	$L__BB34_21;
+
+	setp.eq.s16 	%p14, %rs7, 0;
+	@%p14 bra 	$L__BB34_20;
+
+$L__BB34_19:
+	shl.b64 	%rd49, %rd62, 3;
+	add.s64 	%rd50, %rd2, %rd49;
+	ld.global.f64 	%fd14, [%rd50];
+	mul.f64 	%fd15, %fd14, %fd3;
+	cvt.rn.f32.f64 	%f9, %fd15;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs17, %f9;}
+
+	// end inline asm
+	shl.b64 	%rd51, %rd62, 1;
+	add.s64 	%rd52, %rd1, %rd51;
+	st.global.u16 	[%rd52], %rs17;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p15, %rd62, %rd23;
+	@%p15 bra 	$L__BB34_19;
+	bra.uni 	$L__BB34_21;
+
+$L__BB34_20:
+	shl.b64 	%rd53, %rd62, 3;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.f64 	%fd16, [%rd54];
+	cvt.rn.f32.f64 	%f10, %fd16;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs18, %f10;}
+
+	// end inline asm
+	shl.b64 	%rd55, %rd62, 1;
+	add.s64 	%rd56, %rd1, %rd55;
+	st.global.u16 	[%rd56], %rs18;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p16, %rd62, %rd23;
+	@%p16 bra 	$L__BB34_20;
+
+$L__BB34_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f64_f16
+.visible .entry ddp_convert_f64_f16(
+	.param .u64 ddp_convert_f64_f16_param_0,
+	.param .u64 ddp_convert_f64_f16_param_1,
+	.param .u64 ddp_convert_f64_f16_param_2,
+	.param .f64 ddp_convert_f64_f16_param_3,
+	.param .u8 ddp_convert_f64_f16_param_4,
+	.param .u8 ddp_convert_f64_f16_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<21>;
+	.reg .f32 	%f<11>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<17>;
+	.reg .b64 	%rd<64>;
+
+
+	ld.param.s8 	%rs7, [ddp_convert_f64_f16_param_4];
+	ld.param.s8 	%rs8, [ddp_convert_f64_f16_param_5];
+	ld.param.u64 	%rd24, [ddp_convert_f64_f16_param_0];
+	ld.param.u64 	%rd25, [ddp_convert_f64_f16_param_1];
+	ld.param.u64 	%rd23, [ddp_convert_f64_f16_param_2];
+	ld.param.f64 	%fd3, [ddp_convert_f64_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd25;
+	cvta.to.global.u64 	%rd2, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd26, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd27, %r4;
+	add.s64 	%rd4, %rd26, %rd27;
+	setp.eq.s16 	%p1, %rs8, 0;
+	@%p1 bra 	$L__BB35_11;
+
+	shr.u64 	%rd5, %rd23, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB35_7;
+
+	mov.u64 	%rd57, %rd4;
+
+$L__BB35_3:
+	shl.b64 	%rd7, %rd57, 1;
+	shl.b64 	%rd28, %rd57, 4;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.v2.f64 	{%fd4, %fd5}, [%rd29];
+	setp.eq.s16 	%p3, %rs7, 0;
+	@%p3 bra 	$L__BB35_5;
+
+	mul.f64 	%fd6, %fd4, %fd3;
+	cvt.rn.f32.f64 	%f1, %fd6;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs20, %f1;}
+
+	// end inline asm
+	mul.f64 	%fd7, %fd5, %fd3;
+	cvt.rn.f32.f64 	%f2, %fd7;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs19, %f2;}
+
+	// end inline asm
+	bra.uni 	$L__BB35_6;
+
+$L__BB35_5:
+	cvt.rn.f32.f64 	%f3, %fd4;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs20, %f3;}
+
+	// end inline asm
+	cvt.rn.f32.f64 	%f4, %fd5;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs19, %f4;}
+
+	// end inline asm
+
+$L__BB35_6:
+	shl.b64 	%rd30, %rd7, 1;
+	add.s64 	%rd31, %rd1, %rd30;
+	st.global.v2.u16 	[%rd31], {%rs20, %rs19};
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p4, %rd57, %rd5;
+	@%p4 bra 	$L__BB35_3;
+
+$L__BB35_7:
+	and.b64  	%rd32, %rd23, -2;
+	add.s64 	%rd58, %rd32, %rd4;
+	setp.ge.u64 	%p5, %rd58, %rd23;
+	@%p5 bra 	$L__BB35_21;
+
+	setp.eq.s16 	%p6, %rs7, 0;
+	@%p6 bra 	$L__BB35_10;
+
+$L__BB35_9:
+	shl.b64 	%rd33, %rd58, 3;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.f64 	%fd8, [%rd34];
+	mul.f64 	%fd9, %fd8, %fd3;
+	cvt.rn.f32.f64 	%f5, %fd9;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs13, %f5;}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd58, 1;
+	add.s64 	%rd36, %rd1, %rd35;
+	st.global.u16 	[%rd36], %rs13;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p7, %rd58, %rd23;
+	@%p7 bra 	$L__BB35_9;
+	bra.uni 	$L__BB35_21;
+
+$L__BB35_10:
+	shl.b64 	%rd37, %rd58, 3;
+	add.s64 	%rd38, %rd2, %rd37;
+	ld.global.f64 	%fd10, [%rd38];
+	cvt.rn.f32.f64 	%f6, %fd10;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f6;}
+
+	// end inline asm
+	shl.b64 	%rd39, %rd58, 1;
+	add.s64 	%rd40, %rd1, %rd39;
+	st.global.u16 	[%rd40], %rs14;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p8, %rd58, %rd23;
+	@%p8 bra 	$L__BB35_10;
+	bra.uni 	$L__BB35_21;
+
+$L__BB35_11:
+	setp.ge.u64 	%p9, %rd4, %rd23;
+	@%p9 bra 	$L__BB35_17;
+
+	setp.eq.s16 	%p10, %rs7, 0;
+	@%p10 bra 	$L__BB35_15;
+
+	mov.u64 	%rd60, %rd4;
+
+$L__BB35_14:
+	shl.b64 	%rd41, %rd60, 3;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.f64 	%fd11, [%rd42];
+	mul.f64 	%fd12, %fd11, %fd3;
+	cvt.rn.f32.f64 	%f7, %fd12;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs15, %f7;}
+
+	// end inline asm
+	shl.b64 	%rd43, %rd60, 1;
+	add.s64 	%rd44, %rd1, %rd43;
+	st.global.u16 	[%rd44], %rs15;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p11, %rd60, %rd23;
+	@%p11 bra 	$L__BB35_14;
+	bra.uni 	$L__BB35_17;
+
+$L__BB35_15:
+	mov.u64 	%rd61, %rd4;
+
+$L__BB35_16:
+	shl.b64 	%rd45, %rd61, 3;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.f64 	%fd13, [%rd46];
+	cvt.rn.f32.f64 	%f8, %fd13;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f8;}
+
+	// end inline asm
+	shl.b64 	%rd47, %rd61, 1;
+	add.s64 	%rd48, %rd1, %rd47;
+	st.global.u16 	[%rd48], %rs16;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p12, %rd61, %rd23;
+	@%p12 bra 	$L__BB35_16;
+
+$L__BB35_17:
+	add.s64 	%rd62, %rd4, %rd23;
+	setp.ge.u64 	%p13, %rd62, %rd4;
+	@%p13 bra 	$L__BB35_21;
+
+	setp.eq.s16 	%p14, %rs7, 0;
+	@%p14 bra 	$L__BB35_20;
+
+$L__BB35_19:
+	shl.b64 	%rd49, %rd62, 3;
+	add.s64 	%rd50, %rd2, %rd49;
+	ld.global.f64 	%fd14, [%rd50];
+	mul.f64 	%fd15, %fd14, %fd3;
+	cvt.rn.f32.f64 	%f9, %fd15;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs17, %f9;}
+
+	// end inline asm
+	shl.b64 	%rd51, %rd62, 1;
+	add.s64 	%rd52, %rd1, %rd51;
+	st.global.u16 	[%rd52], %rs17;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p15, %rd62, %rd23;
+	@%p15 bra 	$L__BB35_19;
+	bra.uni 	$L__BB35_21;
+
+$L__BB35_20:
+	shl.b64 	%rd53, %rd62, 3;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.f64 	%fd16, [%rd54];
+	cvt.rn.f32.f64 	%f10, %fd16;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs18, %f10;}
+
+	// end inline asm
+	shl.b64 	%rd55, %rd62, 1;
+	add.s64 	%rd56, %rd1, %rd55;
+	st.global.u16 	[%rd56], %rs18;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p16, %rd62, %rd23;
+	@%p16 bra 	$L__BB35_20;
+
+$L__BB35_21:
+	ret;
+
+}
+	// .globl	ddp_convert_bf16_f32
+.visible .entry ddp_convert_bf16_f32(
+	.param .u64 ddp_convert_bf16_f32_param_0,
+	.param .u64 ddp_convert_bf16_f32_param_1,
+	.param .u64 ddp_convert_bf16_f32_param_2,
+	.param .f32 ddp_convert_bf16_f32_param_3,
+	.param .u8 ddp_convert_bf16_f32_param_4,
+	.param .u8 ddp_convert_bf16_f32_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<25>;
+	.reg .f32 	%f<23>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_bf16_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_bf16_f32_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_bf16_f32_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_bf16_f32_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_bf16_f32_param_2];
+	ld.param.f32 	%f1, [ddp_convert_bf16_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB36_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB36_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB36_5;
+
+	mov.u64 	%rd62, %rd4;
+
+$L__BB36_4:
+	shl.b64 	%rd29, %rd62, 3;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u16 	{%rs7, %rs8, %rs9, %rs10}, [%rd30];
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs7};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f3, {0,%rs8};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs9};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f5, {0,%rs10};}
+
+	// end inline asm
+	shl.b64 	%rd31, %rd62, 4;
+	add.s64 	%rd32, %rd1, %rd31;
+	mul.f32 	%f6, %f5, %f1;
+	mul.f32 	%f7, %f4, %f1;
+	mul.f32 	%f8, %f3, %f1;
+	mul.f32 	%f9, %f2, %f1;
+	st.global.v4.f32 	[%rd32], {%f9, %f8, %f7, %f6};
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p4, %rd62, %rd5;
+	@%p4 bra 	$L__BB36_4;
+	bra.uni 	$L__BB36_7;
+
+$L__BB36_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB36_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB36_15;
+
+	mov.u64 	%rd66, %rd4;
+
+$L__BB36_14:
+	shl.b64 	%rd46, %rd66, 1;
+	add.s64 	%rd47, %rd2, %rd46;
+	ld.global.u16 	%rs21, [%rd47];
+	// begin inline asm
+	{ mov.b32 %f17, {0,%rs21};}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f1;
+	shl.b64 	%rd48, %rd66, 2;
+	add.s64 	%rd49, %rd1, %rd48;
+	st.global.f32 	[%rd49], %f18;
+	add.s64 	%rd66, %rd66, %rd3;
+	setp.lt.u64 	%p12, %rd66, %rd24;
+	@%p12 bra 	$L__BB36_14;
+	bra.uni 	$L__BB36_17;
+
+$L__BB36_5:
+	mov.u64 	%rd63, %rd4;
+
+$L__BB36_6:
+	shl.b64 	%rd33, %rd63, 3;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.v4.u16 	{%rs15, %rs16, %rs17, %rs18}, [%rd34];
+	shl.b64 	%rd35, %rd63, 4;
+	add.s64 	%rd36, %rd1, %rd35;
+	// begin inline asm
+	{ mov.b32 %f13, {0,%rs18};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs17};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f11, {0,%rs16};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs15};}
+
+	// end inline asm
+	st.global.v4.f32 	[%rd36], {%f10, %f11, %f12, %f13};
+	add.s64 	%rd63, %rd63, %rd3;
+	setp.lt.u64 	%p5, %rd63, %rd5;
+	@%p5 bra 	$L__BB36_6;
+
+$L__BB36_7:
+	and.b64  	%rd37, %rd24, -4;
+	add.s64 	%rd64, %rd37, %rd4;
+	setp.ge.u64 	%p6, %rd64, %rd24;
+	@%p6 bra 	$L__BB36_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB36_10;
+
+$L__BB36_9:
+	shl.b64 	%rd38, %rd64, 1;
+	add.s64 	%rd39, %rd2, %rd38;
+	ld.global.u16 	%rs19, [%rd39];
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs19};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	shl.b64 	%rd40, %rd64, 2;
+	add.s64 	%rd41, %rd1, %rd40;
+	st.global.f32 	[%rd41], %f15;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p8, %rd64, %rd24;
+	@%p8 bra 	$L__BB36_9;
+	bra.uni 	$L__BB36_21;
+
+$L__BB36_10:
+	shl.b64 	%rd42, %rd64, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs20, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs20};}
+
+	// end inline asm
+	shl.b64 	%rd44, %rd64, 2;
+	add.s64 	%rd45, %rd1, %rd44;
+	st.global.f32 	[%rd45], %f16;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p9, %rd64, %rd24;
+	@%p9 bra 	$L__BB36_10;
+	bra.uni 	$L__BB36_21;
+
+$L__BB36_15:
+	mov.u64 	%rd67, %rd4;
+
+$L__BB36_16:
+	shl.b64 	%rd50, %rd67, 1;
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.u16 	%rs22, [%rd51];
+	// begin inline asm
+	{ mov.b32 %f19, {0,%rs22};}
+
+	// end inline asm
+	shl.b64 	%rd52, %rd67, 2;
+	add.s64 	%rd53, %rd1, %rd52;
+	st.global.f32 	[%rd53], %f19;
+	add.s64 	%rd67, %rd67, %rd3;
+	setp.lt.u64 	%p13, %rd67, %rd24;
+	@%p13 bra 	$L__BB36_16;
+
+$L__BB36_17:
+	add.s64 	%rd68, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd68, %rd4;
+	@%p14 bra 	$L__BB36_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB36_20;
+
+$L__BB36_19:
+	shl.b64 	%rd54, %rd68, 1;
+	add.s64 	%rd55, %rd2, %rd54;
+	ld.global.u16 	%rs23, [%rd55];
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs23};}
+
+	// end inline asm
+	mul.f32 	%f21, %f20, %f1;
+	shl.b64 	%rd56, %rd68, 2;
+	add.s64 	%rd57, %rd1, %rd56;
+	st.global.f32 	[%rd57], %f21;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p16, %rd68, %rd24;
+	@%p16 bra 	$L__BB36_19;
+	bra.uni 	$L__BB36_21;
+
+$L__BB36_20:
+	shl.b64 	%rd58, %rd68, 1;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.u16 	%rs24, [%rd59];
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs24};}
+
+	// end inline asm
+	shl.b64 	%rd60, %rd68, 2;
+	add.s64 	%rd61, %rd1, %rd60;
+	st.global.f32 	[%rd61], %f22;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p17, %rd68, %rd24;
+	@%p17 bra 	$L__BB36_20;
+
+$L__BB36_21:
+	ret;
+
+}
+	// .globl	ddp_convert_bf16_f64
+.visible .entry ddp_convert_bf16_f64(
+	.param .u64 ddp_convert_bf16_f64_param_0,
+	.param .u64 ddp_convert_bf16_f64_param_1,
+	.param .u64 ddp_convert_bf16_f64_param_2,
+	.param .f32 ddp_convert_bf16_f64_param_3,
+	.param .u8 ddp_convert_bf16_f64_param_4,
+	.param .u8 ddp_convert_bf16_f64_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<15>;
+	.reg .f32 	%f<22>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<9>;
+	.reg .b64 	%rd<64>;
+
+
+	ld.param.s8 	%rs2, [ddp_convert_bf16_f64_param_4];
+	ld.param.s8 	%rs3, [ddp_convert_bf16_f64_param_5];
+	ld.param.u64 	%rd24, [ddp_convert_bf16_f64_param_0];
+	ld.param.u64 	%rd25, [ddp_convert_bf16_f64_param_1];
+	ld.param.u64 	%rd23, [ddp_convert_bf16_f64_param_2];
+	ld.param.f32 	%f7, [ddp_convert_bf16_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd25;
+	cvta.to.global.u64 	%rd2, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd26, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd27, %r4;
+	add.s64 	%rd4, %rd26, %rd27;
+	setp.eq.s16 	%p1, %rs3, 0;
+	@%p1 bra 	$L__BB37_11;
+
+	shr.u64 	%rd5, %rd23, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB37_7;
+
+	mov.u64 	%rd57, %rd4;
+
+$L__BB37_3:
+	shl.b64 	%rd7, %rd57, 1;
+	shl.b64 	%rd28, %rd57, 2;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.v2.u16 	{%rs5, %rs6}, [%rd29];
+	// begin inline asm
+	{ mov.b32 %f21, {0,%rs5};}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs2, 0;
+	@%p3 bra 	$L__BB37_5;
+
+	mul.f32 	%f21, %f21, %f7;
+	// begin inline asm
+	{ mov.b32 %f9, {0,%rs6};}
+
+	// end inline asm
+	mul.f32 	%f20, %f9, %f7;
+	bra.uni 	$L__BB37_6;
+
+$L__BB37_5:
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs6};}
+
+	// end inline asm
+
+$L__BB37_6:
+	cvt.f64.f32 	%fd1, %f20;
+	cvt.f64.f32 	%fd2, %f21;
+	shl.b64 	%rd30, %rd7, 3;
+	add.s64 	%rd31, %rd1, %rd30;
+	st.global.v2.f64 	[%rd31], {%fd2, %fd1};
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p4, %rd57, %rd5;
+	@%p4 bra 	$L__BB37_3;
+
+$L__BB37_7:
+	and.b64  	%rd32, %rd23, -2;
+	add.s64 	%rd58, %rd32, %rd4;
+	setp.ge.u64 	%p5, %rd58, %rd23;
+	@%p5 bra 	$L__BB37_21;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB37_10;
+
+$L__BB37_9:
+	shl.b64 	%rd33, %rd58, 1;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.u16 	%rs9, [%rd34];
+	// begin inline asm
+	{ mov.b32 %f11, {0,%rs9};}
+
+	// end inline asm
+	mul.f32 	%f12, %f11, %f7;
+	cvt.f64.f32 	%fd3, %f12;
+	shl.b64 	%rd35, %rd58, 3;
+	add.s64 	%rd36, %rd1, %rd35;
+	st.global.f64 	[%rd36], %fd3;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p7, %rd58, %rd23;
+	@%p7 bra 	$L__BB37_9;
+	bra.uni 	$L__BB37_21;
+
+$L__BB37_10:
+	shl.b64 	%rd37, %rd58, 1;
+	add.s64 	%rd38, %rd2, %rd37;
+	ld.global.u16 	%rs10, [%rd38];
+	// begin inline asm
+	{ mov.b32 %f13, {0,%rs10};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd4, %f13;
+	shl.b64 	%rd39, %rd58, 3;
+	add.s64 	%rd40, %rd1, %rd39;
+	st.global.f64 	[%rd40], %fd4;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p8, %rd58, %rd23;
+	@%p8 bra 	$L__BB37_10;
+	bra.uni 	$L__BB37_21;
+
+$L__BB37_11:
+	setp.ge.u64 	%p9, %rd4, %rd23;
+	@%p9 bra 	$L__BB37_17;
+
+	setp.eq.s16 	%p10, %rs2, 0;
+	@%p10 bra 	$L__BB37_15;
+
+	mov.u64 	%rd60, %rd4;
+
+$L__BB37_14:
+	shl.b64 	%rd41, %rd60, 1;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.u16 	%rs11, [%rd42];
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs11};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f7;
+	cvt.f64.f32 	%fd5, %f15;
+	shl.b64 	%rd43, %rd60, 3;
+	add.s64 	%rd44, %rd1, %rd43;
+	st.global.f64 	[%rd44], %fd5;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p11, %rd60, %rd23;
+	@%p11 bra 	$L__BB37_14;
+	bra.uni 	$L__BB37_17;
+
+$L__BB37_15:
+	mov.u64 	%rd61, %rd4;
+
+$L__BB37_16:
+	shl.b64 	%rd45, %rd61, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs12, [%rd46];
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs12};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd6, %f16;
+	shl.b64 	%rd47, %rd61, 3;
+	add.s64 	%rd48, %rd1, %rd47;
+	st.global.f64 	[%rd48], %fd6;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p12, %rd61, %rd23;
+	@%p12 bra 	$L__BB37_16;
+
+$L__BB37_17:
+	add.s64 	%rd62, %rd4, %rd23;
+	setp.ge.u64 	%p13, %rd62, %rd4;
+	@%p13 bra 	$L__BB37_21;
+
+	setp.eq.s16 	%p14, %rs2, 0;
+	@%p14 bra 	$L__BB37_20;
+
+$L__BB37_19:
+	shl.b64 	%rd49, %rd62, 1;
+	add.s64 	%rd50, %rd2, %rd49;
+	ld.global.u16 	%rs13, [%rd50];
+	// begin inline asm
+	{ mov.b32 %f17, {0,%rs13};}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f7;
+	cvt.f64.f32 	%fd7, %f18;
+	shl.b64 	%rd51, %rd62, 3;
+	add.s64 	%rd52, %rd1, %rd51;
+	st.global.f64 	[%rd52], %fd7;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p15, %rd62, %rd23;
+	@%p15 bra 	$L__BB37_19;
+	bra.uni 	$L__BB37_21;
+
+$L__BB37_20:
+	shl.b64 	%rd53, %rd62, 1;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.u16 	%rs14, [%rd54];
+	// begin inline asm
+	{ mov.b32 %f19, {0,%rs14};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd8, %f19;
+	shl.b64 	%rd55, %rd62, 3;
+	add.s64 	%rd56, %rd1, %rd55;
+	st.global.f64 	[%rd56], %fd8;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p16, %rd62, %rd23;
+	@%p16 bra 	$L__BB37_20;
+
+$L__BB37_21:
+	ret;
+
+}
+	// .globl	ddp_convert_bf16_bf16
+.visible .entry ddp_convert_bf16_bf16(
+	.param .u64 ddp_convert_bf16_bf16_param_0,
+	.param .u64 ddp_convert_bf16_bf16_param_1,
+	.param .u64 ddp_convert_bf16_bf16_param_2,
+	.param .f32 ddp_convert_bf16_bf16_param_3,
+	.param .u8 ddp_convert_bf16_bf16_param_4,
+	.param .u8 ddp_convert_bf16_bf16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_bf16_bf16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_bf16_bf16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_bf16_bf16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_bf16_bf16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_bf16_bf16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_bf16_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB38_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB38_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB38_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB38_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs3};}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs5};}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{ mov.b32 %f6, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{ mov.b32 %f8, {0,%rs9};}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs11};}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs13};}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs15};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs17};}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB38_4;
+	bra.uni 	$L__BB38_7;
+
+$L__BB38_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB38_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB38_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB38_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f38, {0,%rs39};}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB38_14;
+	bra.uni 	$L__BB38_17;
+
+$L__BB38_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB38_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{ mov.b32 %f18, {0,%rs19};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs21};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs23};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f24, {0,%rs25};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs27};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs29};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f30, {0,%rs31};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs33};}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB38_6;
+
+$L__BB38_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB38_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB38_10;
+
+$L__BB38_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f34, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB38_9;
+	bra.uni 	$L__BB38_21;
+
+$L__BB38_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs37};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB38_10;
+	bra.uni 	$L__BB38_21;
+
+$L__BB38_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB38_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{ mov.b32 %f40, {0,%rs41};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB38_16;
+
+$L__BB38_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB38_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB38_20;
+
+$L__BB38_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{ mov.b32 %f42, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB38_19;
+	bra.uni 	$L__BB38_21;
+
+$L__BB38_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs45};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB38_20;
+
+$L__BB38_21:
+	ret;
+
+}
+	// .globl	ddp_convert_bf16_f16
+.visible .entry ddp_convert_bf16_f16(
+	.param .u64 ddp_convert_bf16_f16_param_0,
+	.param .u64 ddp_convert_bf16_f16_param_1,
+	.param .u64 ddp_convert_bf16_f16_param_2,
+	.param .f32 ddp_convert_bf16_f16_param_3,
+	.param .u8 ddp_convert_bf16_f16_param_4,
+	.param .u8 ddp_convert_bf16_f16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_bf16_f16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_bf16_f16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_bf16_f16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_bf16_f16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_bf16_f16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_bf16_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB39_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB39_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB39_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB39_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs3};}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs5};}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{ mov.b32 %f6, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{ mov.b32 %f8, {0,%rs9};}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs11};}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs13};}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs15};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs17};}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB39_4;
+	bra.uni 	$L__BB39_7;
+
+$L__BB39_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB39_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB39_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB39_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f38, {0,%rs39};}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB39_14;
+	bra.uni 	$L__BB39_17;
+
+$L__BB39_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB39_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{ mov.b32 %f18, {0,%rs19};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs21};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs23};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f24, {0,%rs25};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs27};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs29};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f30, {0,%rs31};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs33};}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB39_6;
+
+$L__BB39_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB39_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB39_10;
+
+$L__BB39_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f34, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB39_9;
+	bra.uni 	$L__BB39_21;
+
+$L__BB39_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs37};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB39_10;
+	bra.uni 	$L__BB39_21;
+
+$L__BB39_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB39_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{ mov.b32 %f40, {0,%rs41};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB39_16;
+
+$L__BB39_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB39_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB39_20;
+
+$L__BB39_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{ mov.b32 %f42, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB39_19;
+	bra.uni 	$L__BB39_21;
+
+$L__BB39_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs45};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB39_20;
+
+$L__BB39_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_f32
+.visible .entry ddp_convert_f16_f32(
+	.param .u64 ddp_convert_f16_f32_param_0,
+	.param .u64 ddp_convert_f16_f32_param_1,
+	.param .u64 ddp_convert_f16_f32_param_2,
+	.param .f32 ddp_convert_f16_f32_param_3,
+	.param .u8 ddp_convert_f16_f32_param_4,
+	.param .u8 ddp_convert_f16_f32_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<25>;
+	.reg .f32 	%f<23>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f16_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f16_f32_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f16_f32_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f16_f32_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f16_f32_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f16_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB40_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB40_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB40_5;
+
+	mov.u64 	%rd62, %rd4;
+
+$L__BB40_4:
+	shl.b64 	%rd29, %rd62, 3;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u16 	{%rs7, %rs8, %rs9, %rs10}, [%rd30];
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f3, %rs8;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs10;}
+
+	// end inline asm
+	shl.b64 	%rd31, %rd62, 4;
+	add.s64 	%rd32, %rd1, %rd31;
+	mul.f32 	%f6, %f5, %f1;
+	mul.f32 	%f7, %f4, %f1;
+	mul.f32 	%f8, %f3, %f1;
+	mul.f32 	%f9, %f2, %f1;
+	st.global.v4.f32 	[%rd32], {%f9, %f8, %f7, %f6};
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p4, %rd62, %rd5;
+	@%p4 bra 	$L__BB40_4;
+	bra.uni 	$L__BB40_7;
+
+$L__BB40_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB40_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB40_15;
+
+	mov.u64 	%rd66, %rd4;
+
+$L__BB40_14:
+	shl.b64 	%rd46, %rd66, 1;
+	add.s64 	%rd47, %rd2, %rd46;
+	ld.global.u16 	%rs21, [%rd47];
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs21;}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f1;
+	shl.b64 	%rd48, %rd66, 2;
+	add.s64 	%rd49, %rd1, %rd48;
+	st.global.f32 	[%rd49], %f18;
+	add.s64 	%rd66, %rd66, %rd3;
+	setp.lt.u64 	%p12, %rd66, %rd24;
+	@%p12 bra 	$L__BB40_14;
+	bra.uni 	$L__BB40_17;
+
+$L__BB40_5:
+	mov.u64 	%rd63, %rd4;
+
+$L__BB40_6:
+	shl.b64 	%rd33, %rd63, 3;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.v4.u16 	{%rs15, %rs16, %rs17, %rs18}, [%rd34];
+	shl.b64 	%rd35, %rd63, 4;
+	add.s64 	%rd36, %rd1, %rd35;
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs16;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs15;}
+
+	// end inline asm
+	st.global.v4.f32 	[%rd36], {%f10, %f11, %f12, %f13};
+	add.s64 	%rd63, %rd63, %rd3;
+	setp.lt.u64 	%p5, %rd63, %rd5;
+	@%p5 bra 	$L__BB40_6;
+
+$L__BB40_7:
+	and.b64  	%rd37, %rd24, -4;
+	add.s64 	%rd64, %rd37, %rd4;
+	setp.ge.u64 	%p6, %rd64, %rd24;
+	@%p6 bra 	$L__BB40_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB40_10;
+
+$L__BB40_9:
+	shl.b64 	%rd38, %rd64, 1;
+	add.s64 	%rd39, %rd2, %rd38;
+	ld.global.u16 	%rs19, [%rd39];
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs19;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	shl.b64 	%rd40, %rd64, 2;
+	add.s64 	%rd41, %rd1, %rd40;
+	st.global.f32 	[%rd41], %f15;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p8, %rd64, %rd24;
+	@%p8 bra 	$L__BB40_9;
+	bra.uni 	$L__BB40_21;
+
+$L__BB40_10:
+	shl.b64 	%rd42, %rd64, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs20, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs20;}
+
+	// end inline asm
+	shl.b64 	%rd44, %rd64, 2;
+	add.s64 	%rd45, %rd1, %rd44;
+	st.global.f32 	[%rd45], %f16;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p9, %rd64, %rd24;
+	@%p9 bra 	$L__BB40_10;
+	bra.uni 	$L__BB40_21;
+
+$L__BB40_15:
+	mov.u64 	%rd67, %rd4;
+
+$L__BB40_16:
+	shl.b64 	%rd50, %rd67, 1;
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.u16 	%rs22, [%rd51];
+	// begin inline asm
+	{  cvt.f32.f16 %f19, %rs22;}
+
+	// end inline asm
+	shl.b64 	%rd52, %rd67, 2;
+	add.s64 	%rd53, %rd1, %rd52;
+	st.global.f32 	[%rd53], %f19;
+	add.s64 	%rd67, %rd67, %rd3;
+	setp.lt.u64 	%p13, %rd67, %rd24;
+	@%p13 bra 	$L__BB40_16;
+
+$L__BB40_17:
+	add.s64 	%rd68, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd68, %rd4;
+	@%p14 bra 	$L__BB40_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB40_20;
+
+$L__BB40_19:
+	shl.b64 	%rd54, %rd68, 1;
+	add.s64 	%rd55, %rd2, %rd54;
+	ld.global.u16 	%rs23, [%rd55];
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs23;}
+
+	// end inline asm
+	mul.f32 	%f21, %f20, %f1;
+	shl.b64 	%rd56, %rd68, 2;
+	add.s64 	%rd57, %rd1, %rd56;
+	st.global.f32 	[%rd57], %f21;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p16, %rd68, %rd24;
+	@%p16 bra 	$L__BB40_19;
+	bra.uni 	$L__BB40_21;
+
+$L__BB40_20:
+	shl.b64 	%rd58, %rd68, 1;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.u16 	%rs24, [%rd59];
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs24;}
+
+	// end inline asm
+	shl.b64 	%rd60, %rd68, 2;
+	add.s64 	%rd61, %rd1, %rd60;
+	st.global.f32 	[%rd61], %f22;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p17, %rd68, %rd24;
+	@%p17 bra 	$L__BB40_20;
+
+$L__BB40_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_f64
+.visible .entry ddp_convert_f16_f64(
+	.param .u64 ddp_convert_f16_f64_param_0,
+	.param .u64 ddp_convert_f16_f64_param_1,
+	.param .u64 ddp_convert_f16_f64_param_2,
+	.param .f32 ddp_convert_f16_f64_param_3,
+	.param .u8 ddp_convert_f16_f64_param_4,
+	.param .u8 ddp_convert_f16_f64_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<15>;
+	.reg .f32 	%f<22>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<9>;
+	.reg .b64 	%rd<64>;
+
+
+	ld.param.s8 	%rs2, [ddp_convert_f16_f64_param_4];
+	ld.param.s8 	%rs3, [ddp_convert_f16_f64_param_5];
+	ld.param.u64 	%rd24, [ddp_convert_f16_f64_param_0];
+	ld.param.u64 	%rd25, [ddp_convert_f16_f64_param_1];
+	ld.param.u64 	%rd23, [ddp_convert_f16_f64_param_2];
+	ld.param.f32 	%f7, [ddp_convert_f16_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd25;
+	cvta.to.global.u64 	%rd2, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd26, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd27, %r4;
+	add.s64 	%rd4, %rd26, %rd27;
+	setp.eq.s16 	%p1, %rs3, 0;
+	@%p1 bra 	$L__BB41_11;
+
+	shr.u64 	%rd5, %rd23, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB41_7;
+
+	mov.u64 	%rd57, %rd4;
+
+$L__BB41_3:
+	shl.b64 	%rd7, %rd57, 1;
+	shl.b64 	%rd28, %rd57, 2;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.v2.u16 	{%rs5, %rs6}, [%rd29];
+	// begin inline asm
+	{  cvt.f32.f16 %f21, %rs5;}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs2, 0;
+	@%p3 bra 	$L__BB41_5;
+
+	mul.f32 	%f21, %f21, %f7;
+	// begin inline asm
+	{  cvt.f32.f16 %f9, %rs6;}
+
+	// end inline asm
+	mul.f32 	%f20, %f9, %f7;
+	bra.uni 	$L__BB41_6;
+
+$L__BB41_5:
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs6;}
+
+	// end inline asm
+
+$L__BB41_6:
+	cvt.f64.f32 	%fd1, %f20;
+	cvt.f64.f32 	%fd2, %f21;
+	shl.b64 	%rd30, %rd7, 3;
+	add.s64 	%rd31, %rd1, %rd30;
+	st.global.v2.f64 	[%rd31], {%fd2, %fd1};
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p4, %rd57, %rd5;
+	@%p4 bra 	$L__BB41_3;
+
+$L__BB41_7:
+	and.b64  	%rd32, %rd23, -2;
+	add.s64 	%rd58, %rd32, %rd4;
+	setp.ge.u64 	%p5, %rd58, %rd23;
+	@%p5 bra 	$L__BB41_21;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB41_10;
+
+$L__BB41_9:
+	shl.b64 	%rd33, %rd58, 1;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.u16 	%rs9, [%rd34];
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f12, %f11, %f7;
+	cvt.f64.f32 	%fd3, %f12;
+	shl.b64 	%rd35, %rd58, 3;
+	add.s64 	%rd36, %rd1, %rd35;
+	st.global.f64 	[%rd36], %fd3;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p7, %rd58, %rd23;
+	@%p7 bra 	$L__BB41_9;
+	bra.uni 	$L__BB41_21;
+
+$L__BB41_10:
+	shl.b64 	%rd37, %rd58, 1;
+	add.s64 	%rd38, %rd2, %rd37;
+	ld.global.u16 	%rs10, [%rd38];
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs10;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd4, %f13;
+	shl.b64 	%rd39, %rd58, 3;
+	add.s64 	%rd40, %rd1, %rd39;
+	st.global.f64 	[%rd40], %fd4;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p8, %rd58, %rd23;
+	@%p8 bra 	$L__BB41_10;
+	bra.uni 	$L__BB41_21;
+
+$L__BB41_11:
+	setp.ge.u64 	%p9, %rd4, %rd23;
+	@%p9 bra 	$L__BB41_17;
+
+	setp.eq.s16 	%p10, %rs2, 0;
+	@%p10 bra 	$L__BB41_15;
+
+	mov.u64 	%rd60, %rd4;
+
+$L__BB41_14:
+	shl.b64 	%rd41, %rd60, 1;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.u16 	%rs11, [%rd42];
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f7;
+	cvt.f64.f32 	%fd5, %f15;
+	shl.b64 	%rd43, %rd60, 3;
+	add.s64 	%rd44, %rd1, %rd43;
+	st.global.f64 	[%rd44], %fd5;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p11, %rd60, %rd23;
+	@%p11 bra 	$L__BB41_14;
+	bra.uni 	$L__BB41_17;
+
+$L__BB41_15:
+	mov.u64 	%rd61, %rd4;
+
+$L__BB41_16:
+	shl.b64 	%rd45, %rd61, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs12, [%rd46];
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs12;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd6, %f16;
+	shl.b64 	%rd47, %rd61, 3;
+	add.s64 	%rd48, %rd1, %rd47;
+	st.global.f64 	[%rd48], %fd6;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p12, %rd61, %rd23;
+	@%p12 bra 	$L__BB41_16;
+
+$L__BB41_17:
+	add.s64 	%rd62, %rd4, %rd23;
+	setp.ge.u64 	%p13, %rd62, %rd4;
+	@%p13 bra 	$L__BB41_21;
+
+	setp.eq.s16 	%p14, %rs2, 0;
+	@%p14 bra 	$L__BB41_20;
+
+$L__BB41_19:
+	shl.b64 	%rd49, %rd62, 1;
+	add.s64 	%rd50, %rd2, %rd49;
+	ld.global.u16 	%rs13, [%rd50];
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f7;
+	cvt.f64.f32 	%fd7, %f18;
+	shl.b64 	%rd51, %rd62, 3;
+	add.s64 	%rd52, %rd1, %rd51;
+	st.global.f64 	[%rd52], %fd7;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p15, %rd62, %rd23;
+	@%p15 bra 	$L__BB41_19;
+	bra.uni 	$L__BB41_21;
+
+$L__BB41_20:
+	shl.b64 	%rd53, %rd62, 1;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.u16 	%rs14, [%rd54];
+	// begin inline asm
+	{  cvt.f32.f16 %f19, %rs14;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd8, %f19;
+	shl.b64 	%rd55, %rd62, 3;
+	add.s64 	%rd56, %rd1, %rd55;
+	st.global.f64 	[%rd56], %fd8;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p16, %rd62, %rd23;
+	@%p16 bra 	$L__BB41_20;
+
+$L__BB41_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_bf16
+.visible .entry ddp_convert_f16_bf16(
+	.param .u64 ddp_convert_f16_bf16_param_0,
+	.param .u64 ddp_convert_f16_bf16_param_1,
+	.param .u64 ddp_convert_f16_bf16_param_2,
+	.param .f32 ddp_convert_f16_bf16_param_3,
+	.param .u8 ddp_convert_f16_bf16_param_4,
+	.param .u8 ddp_convert_f16_bf16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f16_bf16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f16_bf16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f16_bf16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f16_bf16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f16_bf16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f16_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB42_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB42_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB42_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB42_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs3;}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs5;}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f6, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f8, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs15;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs17;}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB42_4;
+	bra.uni 	$L__BB42_7;
+
+$L__BB42_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB42_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB42_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB42_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f38, %rs39;}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB42_14;
+	bra.uni 	$L__BB42_17;
+
+$L__BB42_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB42_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{  cvt.f32.f16 %f18, %rs19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f24, %rs25;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f26, %rs27;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f28, %rs29;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f30, %rs31;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f32, %rs33;}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB42_6;
+
+$L__BB42_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB42_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB42_10;
+
+$L__BB42_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{  cvt.f32.f16 %f34, %rs35;}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB42_9;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{  cvt.f32.f16 %f36, %rs37;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB42_10;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB42_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{  cvt.f32.f16 %f40, %rs41;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB42_16;
+
+$L__BB42_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB42_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB42_20;
+
+$L__BB42_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{  cvt.f32.f16 %f42, %rs43;}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB42_19;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{  cvt.f32.f16 %f44, %rs45;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB42_20;
+
+$L__BB42_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_f16
+.visible .entry ddp_convert_f16_f16(
+	.param .u64 ddp_convert_f16_f16_param_0,
+	.param .u64 ddp_convert_f16_f16_param_1,
+	.param .u64 ddp_convert_f16_f16_param_2,
+	.param .f32 ddp_convert_f16_f16_param_3,
+	.param .u8 ddp_convert_f16_f16_param_4,
+	.param .u8 ddp_convert_f16_f16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f16_f16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f16_f16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f16_f16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f16_f16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f16_f16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f16_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB43_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB43_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB43_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB43_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs3;}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs5;}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f6, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f8, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs15;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs17;}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB43_4;
+	bra.uni 	$L__BB43_7;
+
+$L__BB43_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB43_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB43_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB43_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f38, %rs39;}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB43_14;
+	bra.uni 	$L__BB43_17;
+
+$L__BB43_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB43_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{  cvt.f32.f16 %f18, %rs19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f24, %rs25;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f26, %rs27;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f28, %rs29;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f30, %rs31;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f32, %rs33;}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB43_6;
+
+$L__BB43_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB43_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB43_10;
+
+$L__BB43_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{  cvt.f32.f16 %f34, %rs35;}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB43_9;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{  cvt.f32.f16 %f36, %rs37;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB43_10;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB43_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{  cvt.f32.f16 %f40, %rs41;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB43_16;
+
+$L__BB43_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB43_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB43_20;
+
+$L__BB43_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{  cvt.f32.f16 %f42, %rs43;}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB43_19;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{  cvt.f32.f16 %f44, %rs45;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB43_20;
+
+$L__BB43_21:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<18>;
+	.reg .f32 	%f<25>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<41>;
+
+
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+16];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+8];
+	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd18, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd19, %r4;
+	add.s64 	%rd4, %rd18, %rd19;
+	shr.u64 	%rd5, %rd15, 2;
+	setp.ge.u64 	%p1, %rd4, %rd5;
+	@%p1 bra 	$L__BB44_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB44_4;
+
+	mov.u64 	%rd37, %rd4;
+
+$L__BB44_3:
+	shl.b64 	%rd20, %rd37, 4;
+	add.s64 	%rd21, %rd1, %rd20;
+	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
+	mul.f32 	%f2, %f1, %f6;
+	mul.f32 	%f3, %f1, %f7;
+	mul.f32 	%f4, %f1, %f8;
+	mul.f32 	%f5, %f1, %f9;
+	shl.b64 	%rd22, %rd37, 3;
+	add.s64 	%rd23, %rd2, %rd22;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs9, %f4;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs7, %f2;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p3, %rd37, %rd5;
+	@%p3 bra 	$L__BB44_3;
+	bra.uni 	$L__BB44_6;
+
+$L__BB44_4:
+	mov.u64 	%rd38, %rd4;
+
+$L__BB44_5:
+	shl.b64 	%rd24, %rd38, 4;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
+	shl.b64 	%rd26, %rd38, 3;
+	add.s64 	%rd27, %rd2, %rd26;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs13, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs11, %f18;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
+	add.s64 	%rd38, %rd38, %rd3;
+	setp.lt.u64 	%p4, %rd38, %rd5;
+	@%p4 bra 	$L__BB44_5;
+
+$L__BB44_6:
+	and.b64  	%rd28, %rd15, -4;
+	add.s64 	%rd39, %rd28, %rd4;
+	setp.ge.u64 	%p5, %rd39, %rd15;
+	@%p5 bra 	$L__BB44_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB44_9;
+
+$L__BB44_8:
+	shl.b64 	%rd29, %rd39, 2;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.f32 	%f23, [%rd30];
+	mul.f32 	%f22, %f1, %f23;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f22;}
+
+	// end inline asm
+	shl.b64 	%rd31, %rd39, 1;
+	add.s64 	%rd32, %rd2, %rd31;
+	st.global.u16 	[%rd32], %rs16;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p7, %rd39, %rd15;
+	@%p7 bra 	$L__BB44_8;
+	bra.uni 	$L__BB44_10;
+
+$L__BB44_9:
+	shl.b64 	%rd33, %rd39, 2;
+	add.s64 	%rd34, %rd1, %rd33;
+	ld.global.f32 	%f24, [%rd34];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs17, %f24;}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd39, 1;
+	add.s64 	%rd36, %rd2, %rd35;
+	st.global.u16 	[%rd36], %rs17;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p8, %rd39, %rd15;
+	@%p8 bra 	$L__BB44_9;
+
+$L__BB44_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<12>;
+	.reg .f32 	%f<8>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<39>;
+
+
+	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+16];
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+8];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	cvta.to.global.u64 	%rd2, %rd15;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd4, %rd17, %rd18;
+	setp.ge.u64 	%p1, %rd4, %rd14;
+	@%p1 bra 	$L__BB45_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB45_4;
+
+	mov.u64 	%rd35, %rd4;
+
+$L__BB45_3:
+	shl.b64 	%rd19, %rd35, 2;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.f32 	%f3, [%rd20];
+	mul.f32 	%f2, %f1, %f3;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs7, %f2;}
+
+	// end inline asm
+	shl.b64 	%rd21, %rd35, 1;
+	add.s64 	%rd22, %rd2, %rd21;
+	st.global.u16 	[%rd22], %rs7;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p3, %rd35, %rd14;
+	@%p3 bra 	$L__BB45_3;
+	bra.uni 	$L__BB45_6;
+
+$L__BB45_4:
+	mov.u64 	%rd36, %rd4;
+
+$L__BB45_5:
+	shl.b64 	%rd23, %rd36, 2;
+	add.s64 	%rd24, %rd1, %rd23;
+	ld.global.f32 	%f4, [%rd24];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f4;}
+
+	// end inline asm
+	shl.b64 	%rd25, %rd36, 1;
+	add.s64 	%rd26, %rd2, %rd25;
+	st.global.u16 	[%rd26], %rs8;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p4, %rd36, %rd14;
+	@%p4 bra 	$L__BB45_5;
+
+$L__BB45_6:
+	add.s64 	%rd37, %rd4, %rd14;
+	setp.ge.u64 	%p5, %rd37, %rd4;
+	@%p5 bra 	$L__BB45_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB45_9;
+
+$L__BB45_8:
+	shl.b64 	%rd27, %rd37, 2;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.f32 	%f6, [%rd28];
+	mul.f32 	%f5, %f1, %f6;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f5;}
+
+	// end inline asm
+	shl.b64 	%rd29, %rd37, 1;
+	add.s64 	%rd30, %rd2, %rd29;
+	st.global.u16 	[%rd30], %rs10;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p7, %rd37, %rd14;
+	@%p7 bra 	$L__BB45_8;
+	bra.uni 	$L__BB45_10;
+
+$L__BB45_9:
+	shl.b64 	%rd31, %rd37, 2;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f32 	%f7, [%rd32];
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs11, %f7;}
+
+	// end inline asm
+	shl.b64 	%rd33, %rd37, 1;
+	add.s64 	%rd34, %rd2, %rd33;
+	st.global.u16 	[%rd34], %rs11;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p8, %rd37, %rd14;
+	@%p8 bra 	$L__BB45_9;
+
+$L__BB45_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<26>;
+	.reg .f32 	%f<17>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<41>;
+
+
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd18, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd19, %r4;
+	add.s64 	%rd4, %rd18, %rd19;
+	shr.u64 	%rd5, %rd15, 2;
+	setp.ge.u64 	%p1, %rd4, %rd5;
+	@%p1 bra 	$L__BB46_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB46_4;
+
+	mov.u64 	%rd37, %rd4;
+
+$L__BB46_3:
+	shl.b64 	%rd20, %rd37, 3;
+	add.s64 	%rd21, %rd1, %rd20;
+	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs11};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f3, {0,%rs12};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs13};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f5, {0,%rs14};}
+
+	// end inline asm
+	shl.b64 	%rd22, %rd37, 4;
+	add.s64 	%rd23, %rd2, %rd22;
+	mul.f32 	%f6, %f1, %f5;
+	mul.f32 	%f7, %f1, %f4;
+	mul.f32 	%f8, %f1, %f3;
+	mul.f32 	%f9, %f1, %f2;
+	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p3, %rd37, %rd5;
+	@%p3 bra 	$L__BB46_3;
+	bra.uni 	$L__BB46_6;
+
+$L__BB46_4:
+	mov.u64 	%rd38, %rd4;
+
+$L__BB46_5:
+	shl.b64 	%rd24, %rd38, 3;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
+	shl.b64 	%rd26, %rd38, 4;
+	add.s64 	%rd27, %rd2, %rd26;
+	// begin inline asm
+	{ mov.b32 %f13, {0,%rs22};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs21};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f11, {0,%rs20};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs19};}
+
+	// end inline asm
+	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
+	add.s64 	%rd38, %rd38, %rd3;
+	setp.lt.u64 	%p4, %rd38, %rd5;
+	@%p4 bra 	$L__BB46_5;
+
+$L__BB46_6:
+	and.b64  	%rd28, %rd15, -4;
+	add.s64 	%rd39, %rd28, %rd4;
+	setp.ge.u64 	%p5, %rd39, %rd15;
+	@%p5 bra 	$L__BB46_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB46_9;
+
+$L__BB46_8:
+	shl.b64 	%rd29, %rd39, 1;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.u16 	%rs24, [%rd30];
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs24};}
+
+	// end inline asm
+	mul.f32 	%f15, %f1, %f14;
+	shl.b64 	%rd31, %rd39, 2;
+	add.s64 	%rd32, %rd2, %rd31;
+	st.global.f32 	[%rd32], %f15;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p7, %rd39, %rd15;
+	@%p7 bra 	$L__BB46_8;
+	bra.uni 	$L__BB46_10;
+
+$L__BB46_9:
+	shl.b64 	%rd33, %rd39, 1;
+	add.s64 	%rd34, %rd1, %rd33;
+	ld.global.u16 	%rs25, [%rd34];
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs25};}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd39, 2;
+	add.s64 	%rd36, %rd2, %rd35;
+	st.global.f32 	[%rd36], %f16;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p8, %rd39, %rd15;
+	@%p8 bra 	$L__BB46_9;
+
+$L__BB46_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<12>;
+	.reg .f32 	%f<8>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<39>;
+
+
+	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	cvta.to.global.u64 	%rd2, %rd15;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd4, %rd17, %rd18;
+	setp.ge.u64 	%p1, %rd4, %rd14;
+	@%p1 bra 	$L__BB47_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB47_4;
+
+	mov.u64 	%rd35, %rd4;
+
+$L__BB47_3:
+	shl.b64 	%rd19, %rd35, 1;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.u16 	%rs7, [%rd20];
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f3, %f1, %f2;
+	shl.b64 	%rd21, %rd35, 2;
+	add.s64 	%rd22, %rd2, %rd21;
+	st.global.f32 	[%rd22], %f3;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p3, %rd35, %rd14;
+	@%p3 bra 	$L__BB47_3;
+	bra.uni 	$L__BB47_6;
+
+$L__BB47_4:
+	mov.u64 	%rd36, %rd4;
+
+$L__BB47_5:
+	shl.b64 	%rd23, %rd36, 1;
+	add.s64 	%rd24, %rd1, %rd23;
+	ld.global.u16 	%rs8, [%rd24];
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs8};}
+
+	// end inline asm
+	shl.b64 	%rd25, %rd36, 2;
+	add.s64 	%rd26, %rd2, %rd25;
+	st.global.f32 	[%rd26], %f4;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p4, %rd36, %rd14;
+	@%p4 bra 	$L__BB47_5;
+
+$L__BB47_6:
+	add.s64 	%rd37, %rd4, %rd14;
+	setp.ge.u64 	%p5, %rd37, %rd4;
+	@%p5 bra 	$L__BB47_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB47_9;
+
+$L__BB47_8:
+	shl.b64 	%rd27, %rd37, 1;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.u16 	%rs10, [%rd28];
+	// begin inline asm
+	{ mov.b32 %f5, {0,%rs10};}
+
+	// end inline asm
+	mul.f32 	%f6, %f1, %f5;
+	shl.b64 	%rd29, %rd37, 2;
+	add.s64 	%rd30, %rd2, %rd29;
+	st.global.f32 	[%rd30], %f6;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p7, %rd37, %rd14;
+	@%p7 bra 	$L__BB47_8;
+	bra.uni 	$L__BB47_10;
+
+$L__BB47_9:
+	shl.b64 	%rd31, %rd37, 1;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.u16 	%rs11, [%rd32];
+	// begin inline asm
+	{ mov.b32 %f7, {0,%rs11};}
+
+	// end inline asm
+	shl.b64 	%rd33, %rd37, 2;
+	add.s64 	%rd34, %rd2, %rd33;
+	st.global.f32 	[%rd34], %f7;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p8, %rd37, %rd14;
+	@%p8 bra 	$L__BB47_9;
+
+$L__BB47_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<18>;
+	.reg .f32 	%f<25>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<41>;
+
+
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd18, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd19, %r4;
+	add.s64 	%rd4, %rd18, %rd19;
+	shr.u64 	%rd5, %rd15, 2;
+	setp.ge.u64 	%p1, %rd4, %rd5;
+	@%p1 bra 	$L__BB48_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB48_4;
+
+	mov.u64 	%rd37, %rd4;
+
+$L__BB48_3:
+	shl.b64 	%rd20, %rd37, 4;
+	add.s64 	%rd21, %rd1, %rd20;
+	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
+	mul.f32 	%f2, %f1, %f6;
+	mul.f32 	%f3, %f1, %f7;
+	mul.f32 	%f4, %f1, %f8;
+	mul.f32 	%f5, %f1, %f9;
+	shl.b64 	%rd22, %rd37, 3;
+	add.s64 	%rd23, %rd2, %rd22;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs9, %f4;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs7, %f2;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p3, %rd37, %rd5;
+	@%p3 bra 	$L__BB48_3;
+	bra.uni 	$L__BB48_6;
+
+$L__BB48_4:
+	mov.u64 	%rd38, %rd4;
+
+$L__BB48_5:
+	shl.b64 	%rd24, %rd38, 4;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
+	shl.b64 	%rd26, %rd38, 3;
+	add.s64 	%rd27, %rd2, %rd26;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs13, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f19;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs11, %f18;}
+
+	// end inline asm
+	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
+	add.s64 	%rd38, %rd38, %rd3;
+	setp.lt.u64 	%p4, %rd38, %rd5;
+	@%p4 bra 	$L__BB48_5;
+
+$L__BB48_6:
+	and.b64  	%rd28, %rd15, -4;
+	add.s64 	%rd39, %rd28, %rd4;
+	setp.ge.u64 	%p5, %rd39, %rd15;
+	@%p5 bra 	$L__BB48_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB48_9;
+
+$L__BB48_8:
+	shl.b64 	%rd29, %rd39, 2;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.f32 	%f23, [%rd30];
+	mul.f32 	%f22, %f1, %f23;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f22;}
+
+	// end inline asm
+	shl.b64 	%rd31, %rd39, 1;
+	add.s64 	%rd32, %rd2, %rd31;
+	st.global.u16 	[%rd32], %rs16;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p7, %rd39, %rd15;
+	@%p7 bra 	$L__BB48_8;
+	bra.uni 	$L__BB48_10;
+
+$L__BB48_9:
+	shl.b64 	%rd33, %rd39, 2;
+	add.s64 	%rd34, %rd1, %rd33;
+	ld.global.f32 	%f24, [%rd34];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs17, %f24;}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd39, 1;
+	add.s64 	%rd36, %rd2, %rd35;
+	st.global.u16 	[%rd36], %rs17;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p8, %rd39, %rd15;
+	@%p8 bra 	$L__BB48_9;
+
+$L__BB48_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<12>;
+	.reg .f32 	%f<8>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<39>;
+
+
+	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	cvta.to.global.u64 	%rd2, %rd15;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd4, %rd17, %rd18;
+	setp.ge.u64 	%p1, %rd4, %rd14;
+	@%p1 bra 	$L__BB49_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB49_4;
+
+	mov.u64 	%rd35, %rd4;
+
+$L__BB49_3:
+	shl.b64 	%rd19, %rd35, 2;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.f32 	%f3, [%rd20];
+	mul.f32 	%f2, %f1, %f3;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs7, %f2;}
+
+	// end inline asm
+	shl.b64 	%rd21, %rd35, 1;
+	add.s64 	%rd22, %rd2, %rd21;
+	st.global.u16 	[%rd22], %rs7;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p3, %rd35, %rd14;
+	@%p3 bra 	$L__BB49_3;
+	bra.uni 	$L__BB49_6;
+
+$L__BB49_4:
+	mov.u64 	%rd36, %rd4;
+
+$L__BB49_5:
+	shl.b64 	%rd23, %rd36, 2;
+	add.s64 	%rd24, %rd1, %rd23;
+	ld.global.f32 	%f4, [%rd24];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f4;}
+
+	// end inline asm
+	shl.b64 	%rd25, %rd36, 1;
+	add.s64 	%rd26, %rd2, %rd25;
+	st.global.u16 	[%rd26], %rs8;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p4, %rd36, %rd14;
+	@%p4 bra 	$L__BB49_5;
+
+$L__BB49_6:
+	add.s64 	%rd37, %rd4, %rd14;
+	setp.ge.u64 	%p5, %rd37, %rd4;
+	@%p5 bra 	$L__BB49_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB49_9;
+
+$L__BB49_8:
+	shl.b64 	%rd27, %rd37, 2;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.f32 	%f6, [%rd28];
+	mul.f32 	%f5, %f1, %f6;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f5;}
+
+	// end inline asm
+	shl.b64 	%rd29, %rd37, 1;
+	add.s64 	%rd30, %rd2, %rd29;
+	st.global.u16 	[%rd30], %rs10;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p7, %rd37, %rd14;
+	@%p7 bra 	$L__BB49_8;
+	bra.uni 	$L__BB49_10;
+
+$L__BB49_9:
+	shl.b64 	%rd31, %rd37, 2;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.f32 	%f7, [%rd32];
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs11, %f7;}
+
+	// end inline asm
+	shl.b64 	%rd33, %rd37, 1;
+	add.s64 	%rd34, %rd2, %rd33;
+	st.global.u16 	[%rd34], %rs11;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p8, %rd37, %rd14;
+	@%p8 bra 	$L__BB49_9;
+
+$L__BB49_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<26>;
+	.reg .f32 	%f<17>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<41>;
+
+
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd17;
+	cvta.to.global.u64 	%rd2, %rd16;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd18, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd19, %r4;
+	add.s64 	%rd4, %rd18, %rd19;
+	shr.u64 	%rd5, %rd15, 2;
+	setp.ge.u64 	%p1, %rd4, %rd5;
+	@%p1 bra 	$L__BB50_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB50_4;
+
+	mov.u64 	%rd37, %rd4;
+
+$L__BB50_3:
+	shl.b64 	%rd20, %rd37, 3;
+	add.s64 	%rd21, %rd1, %rd20;
+	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f3, %rs12;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs14;}
+
+	// end inline asm
+	shl.b64 	%rd22, %rd37, 4;
+	add.s64 	%rd23, %rd2, %rd22;
+	mul.f32 	%f6, %f1, %f5;
+	mul.f32 	%f7, %f1, %f4;
+	mul.f32 	%f8, %f1, %f3;
+	mul.f32 	%f9, %f1, %f2;
+	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p3, %rd37, %rd5;
+	@%p3 bra 	$L__BB50_3;
+	bra.uni 	$L__BB50_6;
+
+$L__BB50_4:
+	mov.u64 	%rd38, %rd4;
+
+$L__BB50_5:
+	shl.b64 	%rd24, %rd38, 3;
+	add.s64 	%rd25, %rd1, %rd24;
+	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
+	shl.b64 	%rd26, %rd38, 4;
+	add.s64 	%rd27, %rd2, %rd26;
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs21;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs19;}
+
+	// end inline asm
+	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
+	add.s64 	%rd38, %rd38, %rd3;
+	setp.lt.u64 	%p4, %rd38, %rd5;
+	@%p4 bra 	$L__BB50_5;
+
+$L__BB50_6:
+	and.b64  	%rd28, %rd15, -4;
+	add.s64 	%rd39, %rd28, %rd4;
+	setp.ge.u64 	%p5, %rd39, %rd15;
+	@%p5 bra 	$L__BB50_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB50_9;
+
+$L__BB50_8:
+	shl.b64 	%rd29, %rd39, 1;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.u16 	%rs24, [%rd30];
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs24;}
+
+	// end inline asm
+	mul.f32 	%f15, %f1, %f14;
+	shl.b64 	%rd31, %rd39, 2;
+	add.s64 	%rd32, %rd2, %rd31;
+	st.global.f32 	[%rd32], %f15;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p7, %rd39, %rd15;
+	@%p7 bra 	$L__BB50_8;
+	bra.uni 	$L__BB50_10;
+
+$L__BB50_9:
+	shl.b64 	%rd33, %rd39, 1;
+	add.s64 	%rd34, %rd1, %rd33;
+	ld.global.u16 	%rs25, [%rd34];
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs25;}
+
+	// end inline asm
+	shl.b64 	%rd35, %rd39, 2;
+	add.s64 	%rd36, %rd2, %rd35;
+	st.global.f32 	[%rd36], %f16;
+	add.s64 	%rd39, %rd39, %rd3;
+	setp.lt.u64 	%p8, %rd39, %rd15;
+	@%p8 bra 	$L__BB50_9;
+
+$L__BB50_10:
+	ret;
+
+}
+	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0_
+.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0_(
+	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_0,
+	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1[24]
+)
+{
+	.reg .pred 	%p<9>;
+	.reg .b16 	%rs<12>;
+	.reg .f32 	%f<8>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<39>;
+
+
+	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_0];
+	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+20];
+	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+16];
+	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+8];
+	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1];
+	cvta.to.global.u64 	%rd1, %rd16;
+	cvta.to.global.u64 	%rd2, %rd15;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd17, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd18, %r4;
+	add.s64 	%rd4, %rd17, %rd18;
+	setp.ge.u64 	%p1, %rd4, %rd14;
+	@%p1 bra 	$L__BB51_6;
+
+	setp.eq.s16 	%p2, %rs2, 0;
+	@%p2 bra 	$L__BB51_4;
+
+	mov.u64 	%rd35, %rd4;
+
+$L__BB51_3:
+	shl.b64 	%rd19, %rd35, 1;
+	add.s64 	%rd20, %rd1, %rd19;
+	ld.global.u16 	%rs7, [%rd20];
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f3, %f1, %f2;
+	shl.b64 	%rd21, %rd35, 2;
+	add.s64 	%rd22, %rd2, %rd21;
+	st.global.f32 	[%rd22], %f3;
+	add.s64 	%rd35, %rd35, %rd3;
+	setp.lt.u64 	%p3, %rd35, %rd14;
+	@%p3 bra 	$L__BB51_3;
+	bra.uni 	$L__BB51_6;
+
+$L__BB51_4:
+	mov.u64 	%rd36, %rd4;
+
+$L__BB51_5:
+	shl.b64 	%rd23, %rd36, 1;
+	add.s64 	%rd24, %rd1, %rd23;
+	ld.global.u16 	%rs8, [%rd24];
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs8;}
+
+	// end inline asm
+	shl.b64 	%rd25, %rd36, 2;
+	add.s64 	%rd26, %rd2, %rd25;
+	st.global.f32 	[%rd26], %f4;
+	add.s64 	%rd36, %rd36, %rd3;
+	setp.lt.u64 	%p4, %rd36, %rd14;
+	@%p4 bra 	$L__BB51_5;
+
+$L__BB51_6:
+	add.s64 	%rd37, %rd4, %rd14;
+	setp.ge.u64 	%p5, %rd37, %rd4;
+	@%p5 bra 	$L__BB51_10;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB51_9;
+
+$L__BB51_8:
+	shl.b64 	%rd27, %rd37, 1;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.u16 	%rs10, [%rd28];
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs10;}
+
+	// end inline asm
+	mul.f32 	%f6, %f1, %f5;
+	shl.b64 	%rd29, %rd37, 2;
+	add.s64 	%rd30, %rd2, %rd29;
+	st.global.f32 	[%rd30], %f6;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p7, %rd37, %rd14;
+	@%p7 bra 	$L__BB51_8;
+	bra.uni 	$L__BB51_10;
+
+$L__BB51_9:
+	shl.b64 	%rd31, %rd37, 1;
+	add.s64 	%rd32, %rd1, %rd31;
+	ld.global.u16 	%rs11, [%rd32];
+	// begin inline asm
+	{  cvt.f32.f16 %f7, %rs11;}
+
+	// end inline asm
+	shl.b64 	%rd33, %rd37, 2;
+	add.s64 	%rd34, %rd2, %rd33;
+	st.global.f32 	[%rd34], %f7;
+	add.s64 	%rd37, %rd37, %rd3;
+	setp.lt.u64 	%p8, %rd37, %rd14;
+	@%p8 bra 	$L__BB51_9;
+
+$L__BB51_10:
+	ret;
+
+}
+
+)ptx";
+
+}  // namespace ddp::cuda::detail
+#endif  // DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
+// ---- end <ddp/cuda/detail/element_ptx.hpp>
+
+namespace ddp::cuda {
+
+namespace detail {
+
+/// The loaded PTX and its kernels by name, for the process's lifetime.
+class element_library {
+ public:
+  /// The kernel `name` of src/cuda/element.cu.
+  static cudaKernel_t kernel(const std::string& name) {
+    static element_library library;
+    std::lock_guard lock(library.mutex_);
+    auto [it, added] = library.kernels_.try_emplace(name, nullptr);
+    if (added) {
+      const cudaError_t code = cudaLibraryGetKernel(&it->second, library.handle_, name.c_str());
+      if (code != cudaSuccess) library.kernels_.erase(it);
+      check(code, "cudaLibraryGetKernel(" + name + ")");
+    }
+    return it->second;
+  }
+
+ private:
+  element_library() {
+    check(cudaLibraryLoadData(&handle_, element_ptx, nullptr, nullptr, 0, nullptr, nullptr, 0),
+          "cudaLibraryLoadData of ddp's element kernels (PTX for compute_80 and newer)");
+  }
+  std::mutex mutex_;
+  cudaLibrary_t handle_ = nullptr;
+  std::unordered_map<std::string, cudaKernel_t> kernels_;
+};
+
+/// Starts kernel `name` over n elements in packs of V (where every pointer is 16-byte aligned) on `stream`; `args`
+/// are the kernel's parameters after (pointers..., n) up to the trailing `vector` flag, with the kernel's types.
+template <class... Args>
+void start_element_kernel(const std::string& name, std::size_t n, int V, bool vector, cudaStream_t stream,
+                          Args... args) {
+  if (n == 0) return;
+  void* argv[] = {static_cast<void*>(&args)..., static_cast<void*>(&vector)};
+  const unsigned blocks = grid_blocks(launch_units(n, V, vector), threads_per_block);
+  check(cudaLaunchKernel(reinterpret_cast<const void*>(element_library::kernel(name)), dim3(blocks),
+                         dim3(threads_per_block), argv, 0, stream),
+        "start of kernel " + name);
+}
+
+/// Elements of `type` in a 16-byte pack.
+constexpr int pack_of(dtype type) noexcept { return static_cast<int>(16 / size_of(type)); }
+
+/// The kernel name for `op` on `type`: "ddp_fill_f32".
+inline std::string kernel_name(const char* op, dtype type) { return std::string("ddp_") + op + "_" + std::string(to_string(type)); }
+
+inline bool is_floating(dtype t) noexcept {
+  return t == dtype::f32 || t == dtype::f64 || t == dtype::bf16 || t == dtype::f16;
+}
+
+inline void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
+  if (a.type != b.type || a.size != b.size)
+    throw error(std::string("ddp::cuda::") + what + ": " + std::to_string(a.size) + " " + std::string(to_string(a.type)) +
+                " against " + std::to_string(b.size) + " " + std::string(to_string(b.type)) +
+                "; give both sides the same dtype and length");
+}
+
+}  // namespace detail
+
+/// Every element of `t` becomes `value` (bf16/f16 through float, integers truncated), on `stream`.
+inline void fill(const raw_tensor& t, double value, cudaStream_t stream) {
+  const bool vector = aligned16(t.data);
+  visit_dtype(t.type, [&]<class T>(T) {
+    T v{};
+    if constexpr (std::is_arithmetic_v<T>)
+      v = static_cast<T>(value);
+    else
+      v = T(static_cast<float>(value));
+    detail::start_element_kernel(detail::kernel_name("fill", t.type), t.size, detail::pack_of(t.type), vector, stream,
+                                 t.data, t.size, v);
+  });
+}
+
+/// into += from, element for element (same dtype and size), on `stream`.
+inline void accumulate(const raw_tensor& from, const raw_tensor& into, cudaStream_t stream) {
+  detail::same_shape(from, into, "accumulate");
+  detail::start_element_kernel(detail::kernel_name("accumulate", from.type), from.size, detail::pack_of(from.type),
+                               aligned16(from.data) && aligned16(into.data), stream, from.data, into.data, from.size);
+}
+
+/// Every element of `t` times `factor`, rounded as ddp::detail::scale rounds on the host, on `stream`.
+inline void scale(const raw_tensor& t, double factor, cudaStream_t stream) {
+  const std::string name = detail::kernel_name("scale", t.type);
+  const bool vector = aligned16(t.data);
+  const int V = detail::pack_of(t.type);
+  if (t.type == dtype::f32 || t.type == dtype::bf16 || t.type == dtype::f16) {
+    const auto exact = static_cast<float>(factor);
+    const bool in_type = t.type == dtype::f32 && static_cast<double>(exact) == factor;
+    detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, factor, exact, in_type);
+  } else if (t.type == dtype::f64) {
+    detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, factor, factor, true);
+  } else {
+    detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, factor);
+  }
+}
+
+/// Every element of `t` divided by `count` (> 0) with ddp::detail::divide's bits: the finish of an average over
+/// `count` ranks, on `stream`; nothing to do for count 1.
+inline void divide(const raw_tensor& t, int count, cudaStream_t stream) {
+  if (count <= 0) throw error("ddp::cuda::divide: count " + std::to_string(count) + " must be positive");
+  if (count == 1) return;
+  const std::string name = detail::kernel_name("divide", t.type);
+  const bool vector = aligned16(t.data);
+  const int V = detail::pack_of(t.type);
+  const bool power_of_two = (count & (count - 1)) == 0;
+  if (t.type == dtype::f64) {
+    detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, static_cast<double>(count),
+                                 1.0 / count, power_of_two);
+  } else if (detail::is_floating(t.type)) {
+    detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, static_cast<float>(count),
+                                 1.0F / static_cast<float>(count), power_of_two);
+  } else {
+    visit_dtype(t.type, [&]<class T>(T) {
+      if constexpr (std::is_integral_v<T>)
+        detail::start_element_kernel(name, t.size, V, vector, stream, t.data, t.size, static_cast<T>(count));
+    });
+  }
+}
+
+/// to = from × factor converted to `to`'s dtype, as ddp::host_domain::convert: floating types, a factor other
+/// than 1 only from f32 or f64; on `stream`.
+inline void convert(const raw_tensor& from, const raw_tensor& to, double factor, cudaStream_t stream) {
+  if (from.size != to.size)
+    throw error("ddp::cuda::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
+                "; give both sides the same length");
+  if (!detail::is_floating(from.type) || !detail::is_floating(to.type))
+    throw error("ddp::cuda::convert: " + std::string(to_string(from.type)) + " to " + std::string(to_string(to.type)) +
+                " on a device; convert between f32, f64, bf16 and f16");
+  const bool scaled = factor != 1.0;
+  if (scaled && from.type != dtype::f32 && from.type != dtype::f64)
+    throw error("ddp::cuda::convert: a factor applies to f32 and f64 sources, not " + std::string(to_string(from.type)));
+  const std::string name = "ddp_convert_" + std::string(to_string(from.type)) + "_" + std::string(to_string(to.type));
+  const int V = static_cast<int>(16 / std::max(size_of(from.type), size_of(to.type)));
+  const bool vector = aligned16(from.data) && aligned16(to.data);
+  if (from.type == dtype::f64)
+    detail::start_element_kernel(name, from.size, V, vector, stream, from.data, to.data, from.size, factor, scaled);
+  else
+    detail::start_element_kernel(name, from.size, V, vector, stream, from.data, to.data, from.size,
+                                 static_cast<float>(factor), scaled);
+}
+
+}  // namespace ddp::cuda
+#endif  // DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
+// ---- end <ddp/cuda/element.hpp>
 
 namespace ddp::nccl {
 
@@ -14149,8 +24975,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   friend class ddp::detail::collective_front<communicator>;
   using call = ddp::detail::call_info;
 
-  /// The front end numbers, counts and checks calls for NCCL; avg is NCCL's own (ncclAvg).
-  static constexpr ddp::detail::front_duties duties{.group = "an NCCL group", .average = false};
+  /// The front end numbers, counts and checks calls for NCCL, and runs avg as a sum that start() divides.
+  static constexpr ddp::detail::front_duties duties{.group = "an NCCL group"};
 
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
@@ -14298,9 +25124,25 @@ class communicator : public ddp::detail::collective_front<communicator> {
       g.ready.make_wait(g.stream());
       detail::stage_in(g, *rec);
       g.settle(body(rec->pointers), ddp::detail::describe(info));
+      divide_average(info, args, *rec);
       detail::stage_out(g, *rec);
     }
     return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
+  }
+
+  /// Divides the sum an avg asked for (info.average, or its staging copy) by the group size on the stream.
+  void divide_average(const call& info, std::initializer_list<detail::argument> args, const detail::record& rec) {
+    if (info.average.size == 0) return;
+    std::size_t index = 0;
+    for (const auto& a : args) {
+      if (a.written && a.buffer.data == info.average.data) {
+        raw_tensor sum = info.average;
+        sum.data = rec.pointers[index];
+        cuda::divide(sum, size(), group_->stream());
+        return;
+      }
+      ++index;
+    }
   }
 
   /// The record of an operation: device arguments checked and passed through, host arguments copied to pinned memory.

@@ -8,11 +8,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <span>
 #include <vector>
 
+#include <ddp/comm/average.hpp>
 #include <ddp/cuda/buffer.hpp>
 #include <ddp/cuda/kernels.cuh>
 #include <ddp/cuda/runtime.hpp>
@@ -49,31 +51,31 @@ struct placed {
   }
 };
 
-template <class T>
-std::uint16_t bits(T x) { return x.bits; }
-
-/// Scale and average of one dtype: one multiply or divide in the compute type, rounded once, must match exactly.
+/// Scale and average of one dtype: the bits of ddp::detail::scale and ddp::detail::divide on the host, for
+/// factors exact and inexact in the type and for group sizes that are and are not powers of two.
 template <class T>
 void check_scale_and_average(std::size_t offset) {
-  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const ddp::cuda::stream s;
   const auto input = random_values<T>(length, 7);
-  placed<T> scaled(input, offset), averaged(input, offset);
-  ddp::cuda::scale(scaled.span, 0.37, s.get());
-  ddp::cuda::average(averaged.span, 3, s.get());
-  s.synchronize();
-  const auto got_scaled = scaled.host();
-  const auto got_average = averaged.host();
-  for (std::size_t i = 0; i < length; ++i) {
-    const T want_scaled = T(static_cast<C>(input[i]) * static_cast<C>(0.37));
-    const T want_average = T(static_cast<C>(input[i]) / C(3));
-    if constexpr (std::is_floating_point_v<T>) {
-      REQUIRE(got_scaled[i] == want_scaled);
-      REQUIRE(got_average[i] == want_average);
-    } else {
-      REQUIRE(bits(got_scaled[i]) == bits(want_scaled));
-      REQUIRE(bits(got_average[i]) == bits(want_average));
-    }
+  for (const double factor : {0.37, 0.5, 3.0}) {
+    placed<T> scaled(input, offset);
+    ddp::cuda::scale(scaled.span, factor, s.get());
+    s.synchronize();
+    auto want = input;
+    ddp::detail::scale(ddp::raw_tensor::of(std::span<T>(want)), factor);
+    const auto got = scaled.host();
+    INFO("factor " << factor);
+    for (std::size_t i = 0; i < length; ++i) REQUIRE(std::memcmp(&got[i], &want[i], sizeof(T)) == 0);
+  }
+  for (const int count : {2, 3, 4, 5, 7, 8}) {
+    placed<T> averaged(input, offset);
+    ddp::cuda::average(averaged.span, count, s.get());
+    s.synchronize();
+    auto want = input;
+    ddp::detail::divide(ddp::raw_tensor::of(std::span<T>(want)), count);
+    const auto got = averaged.host();
+    INFO("count " << count);
+    for (std::size_t i = 0; i < length; ++i) REQUIRE(std::memcmp(&got[i], &want[i], sizeof(T)) == 0);
   }
 }
 

@@ -35,6 +35,12 @@ class work_state {
   [[nodiscard]] virtual std::string waiting_for() const { return {}; }
   /// Called once when wait() times out: what else the message should say (the flight recorder's view).
   virtual std::string diagnosis() { return {}; }
+  /// Makes the CUDA stream `cuda_stream` (a cudaStream_t) wait on its device for the operation, without blocking
+  /// the host; false where the backend cannot, and the caller waits on the host instead.
+  virtual bool order_stream(void* cuda_stream) {
+    (void)cuda_stream;
+    return false;
+  }
 };
 
 /// What a progress engine waits for while it stalls ("rank 1"); empty while it moves. The engine writes

@@ -1,8 +1,12 @@
 #pragma once
-/// \file CUDA runtime handles as RAII types: the current-device guard, streams and events.
+/// \file CUDA runtime handles as RAII types (the current-device guard, streams, events) and the launch shape of the
+/// element kernels.
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -23,6 +27,32 @@ inline int device_count() {
   check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   return count;
 }
+
+/// Streaming multiprocessors of the current device (looked up once per device).
+inline int multiprocessors() {
+  constexpr int max_devices = 64;
+  static int cached[max_devices] = {};
+  const int device = current_device();
+  int& sms = cached[device % max_devices];
+  if (sms == 0) check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return sms;
+}
+
+/// Threads of every block the element kernels start.
+constexpr unsigned threads_per_block = 256;
+
+/// Work items of a grid-stride loop in packs of V: the full packs and the tail, or every element alone.
+constexpr std::size_t launch_units(std::size_t n, int V, bool vector) noexcept { return vector ? n / V + n % V : n; }
+
+/// Blocks of `threads` for a grid-stride loop over `units` pieces of work: enough to cover them, at most eight
+/// per multiprocessor (a full device at 256 threads a block).
+inline unsigned grid_blocks(std::size_t units, unsigned threads) {
+  const std::size_t wanted = (units + threads - 1) / threads;
+  return static_cast<unsigned>(std::min<std::size_t>(wanted, static_cast<std::size_t>(multiprocessors()) * 8));
+}
+
+/// True where `p` is 16-byte aligned, so kernels may move it in 16-byte packs.
+inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 /// Makes `device` current for one scope and restores the previous device after.
 class device_guard {

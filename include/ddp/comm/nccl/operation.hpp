@@ -121,6 +121,16 @@ class op_state final : public ddp::detail::work_state {
   [[nodiscard]] int rank() const override { return group_->rank; }
   [[nodiscard]] std::string describe() const override { return ddp::detail::describe(info_); }
 
+  /// Starts the operation if it is queued, then makes `cuda_stream` wait for its completion event. A host buffer's
+  /// copy-back happens on the host, so a staged operation is waited for there (false).
+  bool order_stream(void* cuda_stream) override {
+    std::lock_guard lock(mutex_);
+    if (poll()) return true;
+    if (!rec_->staged.empty()) return false;
+    rec_->done.make_wait(static_cast<cudaStream_t>(cuda_stream));
+    return true;
+  }
+
  private:
   /// One look at the operation; the caller holds mutex_.
   bool poll() {
