@@ -22,9 +22,9 @@ TEST_CASE("every ddp dtype maps to the NCCL type of its size and kind", "[cuda][
   CHECK(ddp::nccl::detail::datatype(ddp::dtype::u8) == ncclUint8);
 }
 
-TEST_CASE("every reduce_op maps to NCCL's operator, avg to ncclAvg", "[cuda][nccl]") {
+TEST_CASE("every reduce_op maps to NCCL's operator, avg to the sum the communicator divides", "[cuda][nccl]") {
   CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::sum) == ncclSum);
-  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::avg) == ncclAvg);
+  CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::avg) == ncclSum);
   CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::min) == ncclMin);
   CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::max) == ncclMax);
   CHECK(ddp::nccl::detail::reduction(ddp::reduce_op::prod) == ncclProd);

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <ddp/comm/nccl/communicator.hpp>
 #include <ddp/comm/nccl/from_env.hpp>
 #include <ddp/cuda/buffer.hpp>
+#include <ddp/memory/cuda.hpp>
 #include <ddp/comm/backend.hpp>
 #include <ddp/comm/env.hpp>
 #include <gpu/gpu_ranks.hpp>
@@ -204,6 +206,47 @@ TEST_CASE("nccl: collectives follow the work queued on the compute stream", "[gp
   comm.all_reduce(buf.raw(), ddp::reduce_op::sum).wait();
   const auto host = buf.to_host();
   for (std::size_t i = 0; i < n; i += 4099) REQUIRE(host[i] == static_cast<std::uint8_t>(comm.size()));
+}
+
+TEST_CASE("nccl: avg of f32, f64 and bf16 is the sum divided by the group size, bit for bit", "[gpu][nccl]") {
+  auto comm = nccl_world();
+  constexpr std::size_t n = 4099;
+  std::vector<double> values(n);
+  for (std::size_t i = 0; i < n; ++i) values[i] = std::ldexp(1.0 + 0.1234567 * static_cast<double>(i % 97), static_cast<int>(i % 40) - 20) + comm.rank();
+  ddp::cuda::device_buffer<double> sum{std::span<const double>(values), comm.device()};
+  ddp::cuda::device_buffer<double> avg{std::span<const double>(values), comm.device()};
+  comm.all_reduce(sum.raw(), ddp::reduce_op::sum).wait();
+  comm.all_reduce(avg.raw(), ddp::reduce_op::avg).wait();
+  const auto s = sum.to_host(), a = avg.to_host();
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(a[i] == s[i] / comm.size());
+  std::vector<ddp::bfloat16> b(n);
+  for (std::size_t i = 0; i < n; ++i) b[i] = ddp::bfloat16(static_cast<float>(values[i]));
+  ddp::cuda::device_buffer<ddp::bfloat16> bsum{std::span<const ddp::bfloat16>(b), comm.device()};
+  ddp::cuda::device_buffer<ddp::bfloat16> bavg{std::span<const ddp::bfloat16>(b), comm.device()};
+  comm.all_reduce(bsum.raw(), ddp::reduce_op::sum).wait();
+  comm.all_reduce(bavg.raw(), ddp::reduce_op::avg).wait();
+  const auto bs = bsum.to_host(), ba = bavg.to_host();
+  for (std::size_t i = 0; i < n; ++i)
+    REQUIRE(ba[i].bits == ddp::bfloat16(static_cast<float>(bs[i]) / static_cast<float>(comm.size())).bits);
+}
+
+TEST_CASE("nccl: a device domain orders its work after an all_reduce without a host wait", "[gpu][nccl][domain]") {
+  auto comm = nccl_world();
+  ddp::cuda::domain gpu(comm.device());
+  constexpr std::size_t n = std::size_t{1} << 24;  // long enough that unordered work would read the bytes early
+  auto buffer = gpu.allocate(n * sizeof(float));
+  const ddp::raw_tensor x = buffer.view(ddp::dtype::f32, 0, n);
+  gpu.fill(x, 1.0);
+  gpu.synchronize();
+  ddp::work w = comm.all_reduce(x, ddp::reduce_op::sum);
+  gpu.order_after(w);  // the domain's stream waits for the all_reduce's event
+  gpu.scale(x, 0.5);
+  gpu.synchronize();
+  std::vector<float> host(n);
+  gpu.copy(x, ddp::raw_tensor::of(std::span<float>(host)));
+  gpu.synchronize();
+  w.wait();
+  for (std::size_t i = 0; i < n; i += 4099) REQUIRE(host[i] == 0.5F * static_cast<float>(comm.size()));
 }
 
 TEST_CASE("nccl: in-place reduce_scatter and all_gather on device memory", "[gpu][nccl]") {

@@ -14,7 +14,8 @@
 ///   device and go to NCCL as they are. Host buffers (std::span, std::vector) are staged through pinned memory and
 ///   a stream-ordered device scratch, copied back when the work completes; this serves small host-side traffic
 ///   such as all_gather_object, not gradients.
-/// - Reductions: bf16 and f16 natively; avg is ncclAvg (integers: the sum divided with truncation).
+/// - Reductions: bf16 and f16 natively; avg is the sum divided by the group size on the communicator's stream
+///   (ddp::cuda::divide), so it has the host backends' bits (integers truncate).
 /// - gather, scatter and all_to_all are grouped ncclSend/ncclRecv. send and recv are queued and started together
 ///   as one NCCL group when a send/recv work of this communicator is waited for or polled, so a rank may post its
 ///   recvs before its sends. Within one such group the messages between two ranks are matched by tag, then in
@@ -55,6 +56,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/cuda/buffer.hpp>
+#include <ddp/cuda/element.hpp>
 #include <ddp/cuda/runtime.hpp>
 
 namespace ddp::nccl {
@@ -149,8 +151,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   friend class ddp::detail::collective_front<communicator>;
   using call = ddp::detail::call_info;
 
-  /// The front end numbers, counts and checks calls for NCCL; avg is NCCL's own (ncclAvg).
-  static constexpr ddp::detail::front_duties duties{.group = "an NCCL group", .average = false};
+  /// The front end numbers, counts and checks calls for NCCL, and runs avg as a sum that start() divides.
+  static constexpr ddp::detail::front_duties duties{.group = "an NCCL group"};
 
   explicit communicator(std::shared_ptr<detail::group> g) : group_(std::move(g)) {}
 
@@ -298,9 +300,25 @@ class communicator : public ddp::detail::collective_front<communicator> {
       g.ready.make_wait(g.stream());
       detail::stage_in(g, *rec);
       g.settle(body(rec->pointers), ddp::detail::describe(info));
+      divide_average(info, args, *rec);
       detail::stage_out(g, *rec);
     }
     return work(std::make_shared<detail::op_state>(group_, info, std::move(rec)));
+  }
+
+  /// Divides the sum an avg asked for (info.average, or its staging copy) by the group size on the stream.
+  void divide_average(const call& info, std::initializer_list<detail::argument> args, const detail::record& rec) {
+    if (info.average.size == 0) return;
+    std::size_t index = 0;
+    for (const auto& a : args) {
+      if (a.written && a.buffer.data == info.average.data) {
+        raw_tensor sum = info.average;
+        sum.data = rec.pointers[index];
+        cuda::divide(sum, size(), group_->stream());
+        return;
+      }
+      ++index;
+    }
   }
 
   /// The record of an operation: device arguments checked and passed through, host arguments copied to pinned memory.

@@ -51,12 +51,12 @@ constexpr ncclDataType_t datatype(dtype t) noexcept {
   return ncclUint8;
 }
 
-/// The NCCL operator of `op`; avg is NCCL's own (ncclAvg: a pre-multiplied sum for floating types, a sum divided
-/// by the group size with truncation for integers).
+/// The NCCL operator of `op`; avg is a sum, which the communicator divides by the group size after (ncclAvg
+/// pre-multiplies each rank's value, which rounds differently from the host backends' sum / N).
 constexpr ncclRedOp_t reduction(reduce_op op) noexcept {
   switch (op) {
     case reduce_op::sum: return ncclSum;
-    case reduce_op::avg: return ncclAvg;
+    case reduce_op::avg: return ncclSum;
     case reduce_op::min: return ncclMin;
     case reduce_op::max: return ncclMax;
     case reduce_op::prod: return ncclProd;
