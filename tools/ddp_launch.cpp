@@ -13,6 +13,7 @@
 
 #include <charconv>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cerrno>
@@ -131,7 +132,8 @@ std::chrono::milliseconds parse_seconds(std::string_view option, const std::stri
   }
   if (used != text.size() || !(seconds > 0) || seconds > 7 * 24 * 3600.0)
     throw ddp::config_error(std::string(option) + " needs a positive number of seconds, got '" + text + "'");
-  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0 + 0.5));
+  // rounded up: a limit under half a millisecond must not round to 0, which means no limit
+  return std::chrono::milliseconds(static_cast<long long>(std::ceil(seconds * 1000.0)));
 }
 
 struct command_line {

@@ -2,13 +2,18 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ddp/comm/tcp/communicator.hpp>
@@ -93,6 +98,56 @@ TEST_CASE("ddp-launch: --timeout stops the job and exits 124", "[launch][ddp-lau
   INFO(r.output);
   CHECK(r.exit_code == 124);
   CHECK(contains(r.output, "did not finish within its timeout"));
+}
+
+TEST_CASE("ddp-launch: a --timeout under half a millisecond is still a limit", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "1", "--timeout", "0.0001", "--grace", "0.5", "sleep", "30"});
+  INFO(r.output);
+  CHECK(r.exit_code == 124);
+}
+
+TEST_CASE("ddp-launch: SIGKILL to the launcher ends its ranks too", "[launch][ddp-launch]") {
+  const auto dir = std::filesystem::temp_directory_path() / ("ddp-launch-orphans-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string script = "echo $$ > " + dir.string() + "/pid.$RANK; exec sleep 60";
+  const pid_t launcher = ::fork();
+  REQUIRE(launcher >= 0);
+  if (launcher == 0) {
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, STDOUT_FILENO);
+    ::dup2(null, STDERR_FILENO);
+    ::execl(DDP_LAUNCH_EXE, DDP_LAUNCH_EXE, "-n", "2", "--", "/bin/sh", "-c", script.c_str(), nullptr);
+    ::_exit(127);
+  }
+  std::vector<pid_t> ranks;
+  const auto read_pids = [&] {
+    ranks.clear();
+    for (int r = 0; r < 2; ++r) {
+      std::ifstream in(dir / ("pid." + std::to_string(r)));
+      pid_t p = 0;
+      if (in >> p) ranks.push_back(p);
+    }
+    return ranks.size() == 2;
+  };
+  for (int i = 0; i < 200 && !read_pids(); ++i) std::this_thread::sleep_for(50ms);
+  ::kill(launcher, SIGKILL);
+  ::waitpid(launcher, nullptr, 0);
+  REQUIRE(ranks.size() == 2);
+  const auto gone = [](pid_t p) {  // no such process, or a zombie nobody reaps yet
+    if (::kill(p, 0) != 0 && errno == ESRCH) return true;
+    std::ifstream stat("/proc/" + std::to_string(p) + "/stat");
+    std::string pid, name, state;
+    return stat >> pid >> name >> state && state == "Z";
+  };
+  bool all_gone = false;
+  for (int i = 0; i < 100 && !all_gone; ++i) {
+    all_gone = std::all_of(ranks.begin(), ranks.end(), gone);
+    if (!all_gone) std::this_thread::sleep_for(50ms);
+  }
+  for (pid_t p : ranks)
+    if (!gone(p)) ::kill(p, SIGKILL);  // leave nothing behind when the check fails
+  std::filesystem::remove_all(dir);
+  CHECK(all_gone);
 }
 
 TEST_CASE("ddp-launch: SIGTERM to the launcher stops every rank", "[launch][ddp-launch]") {

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -240,13 +241,17 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
 [[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
                                    const std::string& token, int out_fd, int err_fd, const exit_order& exits,
                                    int sentinel, const std::vector<stream>& parent_ends,
-                                   const std::function<void(int)>& body) {
+                                   const std::function<void(int)>& body, pid_t parent) {
   for (const auto& s : parent_ends)
     if (s.fd >= 0) ::close(s.fd);
   exits.place_sentinel(sentinel);
   // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
   // stops ranks with SIGTERM and reports crashes by their signal. Every signal is blocked from the fork until here.
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
+  // A rank dies with its launcher, even one killed with SIGKILL, which can stop nothing itself: the kernel sends
+  // SIGKILL when the thread that forked the rank ends (spawn waits for its ranks, so that is the launcher's end).
+  // A launcher that died before this line has already left the rank to another parent: exit at once.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(128 + SIGKILL);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -364,6 +369,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
+  const pid_t launcher = ::getpid();
   for (int r = 0; r < n; ++r) {
     result.ranks[static_cast<std::size_t>(r)].rank = r;
     int out[2] = {-1, -1};
@@ -386,7 +392,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     if (pid == 0) {
       if (err[0] >= 0) ::close(err[0]);
       ::close(out[0]);
-      detail::run_child(r, n, options, port, result.token, out[1], err[1], exits, sentinel, streams, body);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], exits, sentinel, streams, body, launcher);
     }
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);
