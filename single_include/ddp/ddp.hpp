@@ -2780,6 +2780,7 @@ class algo_choice {
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 
 #include <cerrno>
 
@@ -3192,6 +3193,15 @@ class shm_mapping {
       throw error("cannot open the shared-memory segment " + name + ": " + errno_text(errno) +
                       "; check that /dev/shm is mounted with room, or set DDP_SHM=0 to use the sockets only",
                   rank, errno);
+    if (create)
+      if (const int code = reserve(fd.get(), bytes); code != 0) {
+        ::shm_unlink(name.c_str());
+        throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
+                        "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
+                        "room (docker run --shm-size=1g, or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 "
+                        "to use the sockets only",
+                    rank, code);
+      }
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED)
       throw error("cannot map the shared-memory segment " + name + ": " + errno_text(errno) +
@@ -3201,6 +3211,30 @@ class shm_mapping {
     m.base_ = static_cast<char*>(p);
     m.bytes_ = bytes;
     return m;
+  }
+
+  /// Takes the pages of the segment behind `fd` now, so that a full /dev/shm is an error here and not a SIGBUS at
+  /// the first touch: 0, or the error (no room is ENOSPC, also when /dev/shm reports too little free before).
+  static int reserve(int fd, std::size_t bytes) {
+    struct stat st {};
+    struct statvfs fs {};
+    if (::fstat(fd, &st) == 0 && ::fstatvfs(fd, &fs) == 0) {
+      const std::size_t held = static_cast<std::size_t>(st.st_blocks) * 512;  // pages another rank reserved
+      const std::size_t free = static_cast<std::size_t>(fs.f_bavail) * fs.f_frsize;
+      if (held < bytes && bytes - held > free) return ENOSPC;
+    }
+    int code = 0;
+    while ((code = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes))) == EINTR) {
+    }
+    return code;
+  }
+
+  /// "/dev/shm: 12 MiB free of 64 MiB", or what stopped the look.
+  static std::string shm_room() {
+    struct statvfs fs {};
+    if (::statvfs("/dev/shm", &fs) != 0) return "/dev/shm: " + errno_text(errno);
+    const auto mib = [&](fsblkcnt_t blocks) { return std::to_string(static_cast<std::size_t>(blocks) * fs.f_frsize >> 20); };
+    return "/dev/shm: " + mib(fs.f_bavail) + " MiB free of " + mib(fs.f_blocks) + " MiB";
   }
 
   [[nodiscard]] char* data() const noexcept { return base_; }
@@ -7315,10 +7349,11 @@ class temp_claim {
 /// removes the temporary.
 class atomic_file {
  public:
-  /// Creates the temporary; throws ddp::io_error when it cannot.
-  explicit atomic_file(std::filesystem::path path)
+  /// Creates the temporary, readable by everyone or, with `mode` 0600, by its owner alone; throws ddp::io_error
+  /// when it cannot.
+  explicit atomic_file(std::filesystem::path path, mode_t mode = 0644)
       : path_((remove_stale_temps(path), std::move(path))), claim_(path_) {
-    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd_ < 0)
       fail_on("checkpoint file", claim_.path(), "cannot create the temporary file",
               "check that the directory exists and is writable", errno);
@@ -7398,7 +7433,7 @@ inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t 
   text << '\n';
   const std::string bytes = text.str();
   try {
-    ddp::detail::atomic_file file(cfg.store_file);
+    ddp::detail::atomic_file file(cfg.store_file, 0600);  // it names the job's credential: its owner's alone
     file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
     file.commit();
   } catch (const io_error& e) {
@@ -26775,6 +26810,7 @@ class progress_bar {
 /// this host with torchrun's environment set, forwards or captures their output line by line, stops
 /// the others when one fails, and reports how every rank ended.
 
+#include <sys/prctl.h>
 #include <sys/wait.h>
 
 #include <csignal>
@@ -27385,13 +27421,17 @@ inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_sta
 [[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
                                    const std::string& token, int out_fd, int err_fd, const exit_order& exits,
                                    int sentinel, const std::vector<stream>& parent_ends,
-                                   const std::function<void(int)>& body) {
+                                   const std::function<void(int)>& body, pid_t parent) {
   for (const auto& s : parent_ends)
     if (s.fd >= 0) ::close(s.fd);
   exits.place_sentinel(sentinel);
   // The parent's handlers (a test framework's, ddp-launch's) must not run in the rank: the launcher
   // stops ranks with SIGTERM and reports crashes by their signal. Every signal is blocked from the fork until here.
   for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, SIG_DFL);
+  // A rank dies with its launcher, even one killed with SIGKILL, which can stop nothing itself: the kernel sends
+  // SIGKILL when the thread that forked the rank ends (spawn waits for its ranks, so that is the launcher's end).
+  // A launcher that died before this line has already left the rank to another parent: exit at once.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(128 + SIGKILL);
   sigset_t none;
   sigemptyset(&none);
   ::sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -27509,6 +27549,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);  // the children must not inherit (and repeat) buffered output
+  const pid_t launcher = ::getpid();
   for (int r = 0; r < n; ++r) {
     result.ranks[static_cast<std::size_t>(r)].rank = r;
     int out[2] = {-1, -1};
@@ -27531,7 +27572,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     if (pid == 0) {
       if (err[0] >= 0) ::close(err[0]);
       ::close(out[0]);
-      detail::run_child(r, n, options, port, result.token, out[1], err[1], exits, sentinel, streams, body);
+      detail::run_child(r, n, options, port, result.token, out[1], err[1], exits, sentinel, streams, body, launcher);
     }
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);

@@ -3,6 +3,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/stat.h>
+
 #include <unistd.h>
 
 #include <chrono>
@@ -95,6 +97,16 @@ TEST_CASE("init(\"file:///path\", rank, size) rendezvouses through the file and 
         expect(!std::filesystem::exists(file), "the rendezvous file is still there after every rank joined");
       },
       job(60s)));
+}
+
+TEST_CASE("init(\"file://...\"): the rendezvous file is readable by its owner alone", "[tcp][init][fast]") {
+  temp_dir dir;
+  ddp::tcp::config cfg;
+  cfg.store_file = (dir.path / "rendezvous").string();
+  ddp::tcp::detail::publish_store(cfg, ddp::tcp::detail::token_hash("tcp-tests"), 29500, {"127.0.0.1"});
+  struct stat st {};
+  REQUIRE(::stat(cfg.store_file.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
 }
 
 TEST_CASE("init(\"file://...\") ignores another job's file and says so at the connect deadline", "[tcp][init]") {

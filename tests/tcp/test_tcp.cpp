@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -690,6 +691,31 @@ TEST_CASE("DDP_SHM_STORES or DDP_SHM_ALGO naming no choice is a config_error nam
         throw std::runtime_error("no config_error");
       },
       job(10s, 0, [v](int) { return ddp::launch::env_list{{v.name, v.value}}; })));
+}
+
+TEST_CASE("a segment /dev/shm has no room for is an error naming /dev/shm and DDP_SHM=0, and leaves nothing",
+          "[tcp][shm][fast]") {
+  struct statvfs fs {};
+  REQUIRE(::statvfs("/dev/shm", &fs) == 0);
+  const std::size_t too_much = static_cast<std::size_t>(fs.f_bavail) * fs.f_frsize + (std::size_t{1} << 30);
+  const std::string name = ddp::tcp::detail::shm_user_prefix() + std::to_string(::getpid()) + "-too-big";
+  try {
+    (void)ddp::tcp::detail::shm_mapping::open(name, too_much, true, true, 3);
+    FAIL("a segment larger than /dev/shm's free space was made");
+  } catch (const ddp::error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(e.rank() == 3);
+    CHECK(what.find("cannot reserve") != std::string::npos);
+    CHECK(what.find("MiB free of") != std::string::npos);
+    CHECK(what.find("DDP_SHM=0") != std::string::npos);
+  }
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+  CHECK(fd < 0);  // unlinked
+  if (fd >= 0) {
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+  }
 }
 
 TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank, and a killed job", "[tcp][shm]") {

@@ -148,10 +148,11 @@ class temp_claim {
 /// removes the temporary.
 class atomic_file {
  public:
-  /// Creates the temporary; throws ddp::io_error when it cannot.
-  explicit atomic_file(std::filesystem::path path)
+  /// Creates the temporary, readable by everyone or, with `mode` 0600, by its owner alone; throws ddp::io_error
+  /// when it cannot.
+  explicit atomic_file(std::filesystem::path path, mode_t mode = 0644)
       : path_((remove_stale_temps(path), std::move(path))), claim_(path_) {
-    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    fd_ = ::open(claim_.path().c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd_ < 0)
       fail_on("checkpoint file", claim_.path(), "cannot create the temporary file",
               "check that the directory exists and is writable", errno);

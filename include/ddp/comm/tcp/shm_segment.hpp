@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -71,6 +72,15 @@ class shm_mapping {
       throw error("cannot open the shared-memory segment " + name + ": " + errno_text(errno) +
                       "; check that /dev/shm is mounted with room, or set DDP_SHM=0 to use the sockets only",
                   rank, errno);
+    if (create)
+      if (const int code = reserve(fd.get(), bytes); code != 0) {
+        ::shm_unlink(name.c_str());
+        throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
+                        "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
+                        "room (docker run --shm-size=1g, or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 "
+                        "to use the sockets only",
+                    rank, code);
+      }
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED)
       throw error("cannot map the shared-memory segment " + name + ": " + errno_text(errno) +
@@ -80,6 +90,30 @@ class shm_mapping {
     m.base_ = static_cast<char*>(p);
     m.bytes_ = bytes;
     return m;
+  }
+
+  /// Takes the pages of the segment behind `fd` now, so that a full /dev/shm is an error here and not a SIGBUS at
+  /// the first touch: 0, or the error (no room is ENOSPC, also when /dev/shm reports too little free before).
+  static int reserve(int fd, std::size_t bytes) {
+    struct stat st {};
+    struct statvfs fs {};
+    if (::fstat(fd, &st) == 0 && ::fstatvfs(fd, &fs) == 0) {
+      const std::size_t held = static_cast<std::size_t>(st.st_blocks) * 512;  // pages another rank reserved
+      const std::size_t free = static_cast<std::size_t>(fs.f_bavail) * fs.f_frsize;
+      if (held < bytes && bytes - held > free) return ENOSPC;
+    }
+    int code = 0;
+    while ((code = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes))) == EINTR) {
+    }
+    return code;
+  }
+
+  /// "/dev/shm: 12 MiB free of 64 MiB", or what stopped the look.
+  static std::string shm_room() {
+    struct statvfs fs {};
+    if (::statvfs("/dev/shm", &fs) != 0) return "/dev/shm: " + errno_text(errno);
+    const auto mib = [&](fsblkcnt_t blocks) { return std::to_string(static_cast<std::size_t>(blocks) * fs.f_frsize >> 20); };
+    return "/dev/shm: " + mib(fs.f_bavail) + " MiB free of " + mib(fs.f_blocks) + " MiB";
   }
 
   [[nodiscard]] char* data() const noexcept { return base_; }

@@ -59,7 +59,7 @@ inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t 
   text << '\n';
   const std::string bytes = text.str();
   try {
-    ddp::detail::atomic_file file(cfg.store_file);
+    ddp::detail::atomic_file file(cfg.store_file, 0600);  // it names the job's credential: its owner's alone
     file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
     file.commit();
   } catch (const io_error& e) {
