@@ -1520,7 +1520,8 @@ using backend_of_t = typename backend_of<Comm>::type;
 }  // namespace ddp
 // ---- end <ddp/comm/backend.hpp>
 // ---- begin <ddp/comm/env.hpp>
-/// \file Reading a rank's place in the job from the environment (torchrun's env:// and Open MPI's variables).
+/// \file Reading a rank's place in the job from the environment: torchrun's env:// variables, else Open MPI's
+/// (mpirun), else Slurm's (srun), which has no MASTER_ADDR: rank 0's host is the first of the step's nodes.
 
 #include <charconv>
 #include <cstdlib>
@@ -1531,12 +1532,13 @@ namespace ddp {
 
 /// Where this process sits in the job, as the launcher described it.
 struct env_config {
-  int rank = 0;                     ///< RANK (or OMPI_COMM_WORLD_RANK)
-  int world_size = 1;               ///< WORLD_SIZE (or OMPI_COMM_WORLD_SIZE)
-  int local_rank = 0;               ///< LOCAL_RANK (or OMPI_COMM_WORLD_LOCAL_RANK), 0 if unset
-  int local_world_size = 1;         ///< LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE), world_size if unset
-  std::string master_addr = "127.0.0.1";  ///< MASTER_ADDR, 127.0.0.1 if unset
-  std::uint16_t master_port = 29500;      ///< MASTER_PORT, 29500 if unset
+  int rank = 0;                     ///< RANK (or OMPI_COMM_WORLD_RANK, or SLURM_PROCID)
+  int world_size = 1;               ///< WORLD_SIZE (or OMPI_COMM_WORLD_SIZE, or SLURM_NTASKS)
+  int local_rank = 0;               ///< LOCAL_RANK (or OMPI_COMM_WORLD_LOCAL_RANK, or SLURM_LOCALID), 0 if unset
+  int local_world_size = 1;         ///< LOCAL_WORLD_SIZE (or OMPI_COMM_WORLD_LOCAL_SIZE, or this node's count in
+                                    ///< SLURM_STEP_TASKS_PER_NODE), world_size if unset
+  std::string master_addr = "127.0.0.1";  ///< MASTER_ADDR, or under srun the step's first node; 127.0.0.1 if unset
+  std::uint16_t master_port = 29500;      ///< MASTER_PORT, or under srun 20000 + SLURM_JOB_ID % 20000; 29500 if unset
 };
 
 namespace detail {
@@ -1577,29 +1579,100 @@ std::optional<T> env_choice(const char* name, const std::pair<std::string_view, 
                      rank);
 }
 
-/// The first of two variables that is set (the torchrun name, then Open MPI's).
+/// The first of the launchers' variables that is set: torchrun's name, Open MPI's, then (where the process is a
+/// task of srun) Slurm's.
 inline std::optional<long long> env_integer_either(const char* name, const char* mpi_name, long long lo, long long hi,
-                                                   std::string_view why) {
+                                                   std::string_view why, const char* slurm_name = nullptr) {
   if (auto v = env_integer(name, lo, hi, why)) return v;
-  return env_integer(mpi_name, lo, hi, why);
+  if (auto v = env_integer(mpi_name, lo, hi, why)) return v;
+  return slurm_name ? env_integer(slurm_name, lo, hi, why) : std::nullopt;
+}
+
+/// The first host of a Slurm host list: "gpu[07-09,12],login1" gives "gpu07", "rack[1-2]-n[01-04]" "rack1-n01".
+inline std::string first_slurm_host(std::string_view list) {
+  std::string host;
+  int depth = 0;
+  bool skipping = false;  // inside brackets, past the first number or range
+  for (const char c : list) {
+    if (c == '[') {
+      ++depth;
+      skipping = false;
+    } else if (c == ']') {
+      --depth;
+    } else if (depth > 0) {
+      if (c == '-' || c == ',') skipping = true;
+      else if (!skipping) host += c;
+    } else if (c == ',') {
+      break;
+    } else {
+      host += c;
+    }
+  }
+  return host;
+}
+
+/// The tasks on node `node` (0-based) of a Slurm tasks-per-node list such as "4(x2),3" (nodes 0 and 1 run 4, node
+/// 2 runs 3); nothing where the list is malformed or shorter.
+inline std::optional<long long> slurm_tasks_on(std::string_view list, long long node) {
+  while (!list.empty()) {
+    const std::size_t comma = list.find(',');
+    std::string_view item = list.substr(0, comma);
+    list = comma == std::string_view::npos ? std::string_view() : list.substr(comma + 1);
+    long long tasks = 0, repeat = 1;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), tasks);
+    if (ec != std::errc{}) return std::nullopt;
+    item.remove_prefix(static_cast<std::size_t>(end - item.data()));
+    if (!item.empty()) {
+      if (!item.starts_with("(x") || !item.ends_with(")")) return std::nullopt;
+      item = item.substr(2, item.size() - 3);
+      const auto [rend, rec] = std::from_chars(item.data(), item.data() + item.size(), repeat);
+      if (rec != std::errc{} || rend != item.data() + item.size()) return std::nullopt;
+    }
+    if (node < repeat) return tasks;
+    node -= repeat;
+  }
+  return std::nullopt;
+}
+
+/// True in a task srun started (SLURM_PROCID set) that no other launcher describes: salloc and sbatch shells have
+/// some of Slurm's variables too, describing the allocation rather than this process.
+inline bool started_by_srun() {
+  return env_string("SLURM_PROCID").has_value() && !env_string("RANK") && !env_string("OMPI_COMM_WORLD_RANK");
+}
+
+/// The processes on this host: LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, or under srun this node's count in
+/// SLURM_STEP_TASKS_PER_NODE; nothing where none says.
+inline std::optional<long long> env_local_world_size() {
+  constexpr long long max_ranks = 1 << 20;
+  if (auto v = env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, max_ranks,
+                                  "the number of processes on this host"))
+    return v;
+  if (!started_by_srun()) return std::nullopt;
+  const auto node = env_integer("SLURM_NODEID", 0, max_ranks - 1, "this task's node in the step (srun sets it)");
+  const auto list = env_string("SLURM_STEP_TASKS_PER_NODE");
+  return node && list ? slurm_tasks_on(*list, *node) : std::nullopt;
 }
 
 }  // namespace detail
 
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (Open MPI's
-/// OMPI_COMM_WORLD_* stand in for the first four); throws ddp::config_error naming the variable and the fix.
+/// OMPI_COMM_WORLD_* stand in for the first four, then Slurm's SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
+/// SLURM_STEP_TASKS_PER_NODE; under srun rank 0's host is the first of SLURM_STEP_NODELIST and its port 20000 +
+/// SLURM_JOB_ID % 20000); throws ddp::config_error naming the variable and the fix.
 inline env_config read_env_config() {
   constexpr long long max_ranks = 1 << 20;
   env_config c;
+  const bool srun = detail::started_by_srun();
   const auto world = detail::env_integer_either("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", 1, max_ranks,
-                                                "the number of processes in the job (torchrun, mpirun and "
-                                                "ddp-launch set it)");
+                                                "the number of processes in the job (torchrun, mpirun, srun and "
+                                                "ddp-launch set it)",
+                                                srun ? "SLURM_NTASKS" : nullptr);
   const auto rank = detail::env_integer_either("RANK", "OMPI_COMM_WORLD_RANK", 0, max_ranks - 1,
-                                               "this process's rank in 0..WORLD_SIZE-1");
+                                               "this process's rank in 0..WORLD_SIZE-1", srun ? "SLURM_PROCID" : nullptr);
   if (!world || !rank)
     throw config_error(std::string("environment variable ") + (!rank ? "RANK" : "WORLD_SIZE") +
-                       " is not set; start the job with ddp-launch -n N, torchrun or mpirun, or export RANK and "
-                       "WORLD_SIZE (plus MASTER_ADDR and MASTER_PORT) yourself");
+                       " is not set; start the job with ddp-launch -n N, torchrun, mpirun or srun, or export RANK "
+                       "and WORLD_SIZE (plus MASTER_ADDR and MASTER_PORT) yourself");
   c.world_size = static_cast<int>(*world);
   c.rank = static_cast<int>(*rank);
   if (c.rank >= c.world_size)
@@ -1607,18 +1680,22 @@ inline env_config read_env_config() {
                            "; ranks run from 0 to WORLD_SIZE-1",
                        c.rank);
   c.local_rank = static_cast<int>(detail::env_integer_either("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", 0,
-                                                             max_ranks - 1, "this process's rank on its host")
+                                                             max_ranks - 1, "this process's rank on its host",
+                                                             srun ? "SLURM_LOCALID" : nullptr)
                                       .value_or(0));
-  c.local_world_size = static_cast<int>(detail::env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1,
-                                                                   max_ranks, "the number of processes on this host")
-                                            .value_or(c.world_size));
+  c.local_world_size = static_cast<int>(detail::env_local_world_size().value_or(c.world_size));
   if (c.local_rank >= c.local_world_size)
     throw config_error("LOCAL_RANK=" + std::to_string(c.local_rank) + " is not below LOCAL_WORLD_SIZE=" +
                            std::to_string(c.local_world_size) + "; fix the launcher's per-host settings",
                        c.rank);
-  if (auto addr = detail::env_string("MASTER_ADDR")) c.master_addr = *addr;
+  if (auto addr = detail::env_string("MASTER_ADDR"))
+    c.master_addr = *addr;
+  else if (auto nodes = srun ? detail::env_string("SLURM_STEP_NODELIST") : std::nullopt)
+    c.master_addr = detail::first_slurm_host(*nodes);
   if (auto port = detail::env_integer("MASTER_PORT", 0, 65535, "the TCP port rank 0 listens on (0..65535)"))
     c.master_port = static_cast<std::uint16_t>(*port);
+  else if (auto job = srun ? detail::env_integer("SLURM_JOB_ID", 0, (1LL << 62), "the Slurm job's id") : std::nullopt)
+    c.master_port = static_cast<std::uint16_t>(20000 + *job % 20000);  // apart for jobs sharing a node
   return c;
 }
 
@@ -11553,13 +11630,10 @@ namespace ddp::detail {
 
 template <class Inner, class Comm>
 struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
-  /// G: policy.group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  /// G: policy.group_size, else the processes on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, or srun's
+  /// count for this node), else the world.
   static std::size_t multiple(const Comm& comm, const hybrid<Inner>& policy) {
-    const long long g = policy.group_size > 0
-                            ? policy.group_size
-                            : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
-                                                 "the number of processes on this host")
-                                  .value_or(comm.size());
+    const long long g = policy.group_size > 0 ? policy.group_size : env_local_world_size().value_or(comm.size());
     if (g <= 0 || comm.size() % g != 0)
       throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
                              std::to_string(g) + "; give ddp::hybrid<>{.group_size = G} (or set LOCAL_WORLD_SIZE) "

@@ -3,6 +3,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <unistd.h>
@@ -95,6 +98,38 @@ TEST_CASE("init(\"file:///path\", rank, size) rendezvouses through the file and 
         check_sum(comm, rank, 3);
         comm.barrier().wait();  // rank 0 removed the file before its rendezvous ended
         expect(!std::filesystem::exists(file), "the rendezvous file is still there after every rank joined");
+      },
+      job(60s)));
+}
+
+TEST_CASE("from_env() starts a job from srun's variables alone", "[tcp][init]") {
+  // The port Slurm's job id gives (20000 + id % 20000) must be free here: take one in that range.
+  int port = 0;
+  for (int p = 20000 + ::getpid() % 19000, tries = 0; tries < 1000 && port == 0; ++tries, p = 20000 + (p - 19999) % 20000) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<std::uint16_t>(p));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) port = p;
+    ::close(fd);
+  }
+  REQUIRE(port != 0);
+  require_all_ok(run_ranks(
+      3,
+      [port](int rank) {
+        for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
+          ::unsetenv(v);
+        ::setenv("SLURM_PROCID", std::to_string(rank).c_str(), 1);
+        ::setenv("SLURM_NTASKS", "3", 1);
+        ::setenv("SLURM_LOCALID", std::to_string(rank).c_str(), 1);
+        ::setenv("SLURM_NODEID", "0", 1);
+        ::setenv("SLURM_STEP_TASKS_PER_NODE", "3", 1);
+        ::setenv("SLURM_STEP_NODELIST", "localhost", 1);
+        ::setenv("SLURM_JOB_ID", std::to_string(port - 20000 + 20000 * 7).c_str(), 1);
+        auto comm = ddp::tcp::communicator::from_env();
+        expect(comm.rank() == rank && comm.size() == 3, "srun's rank and size were not the communicator's");
+        check_sum(comm, rank, 3);
       },
       job(60s)));
 }

@@ -24,13 +24,10 @@ namespace ddp::detail {
 
 template <class Inner, class Comm>
 struct strategy<hybrid<Inner>, Comm> : strategy<Inner, Comm> {
-  /// G: policy.group_size, else LOCAL_WORLD_SIZE (OMPI_COMM_WORLD_LOCAL_SIZE), else the world.
+  /// G: policy.group_size, else the processes on this host (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, or srun's
+  /// count for this node), else the world.
   static std::size_t multiple(const Comm& comm, const hybrid<Inner>& policy) {
-    const long long g = policy.group_size > 0
-                            ? policy.group_size
-                            : env_integer_either("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", 1, 1 << 20,
-                                                 "the number of processes on this host")
-                                  .value_or(comm.size());
+    const long long g = policy.group_size > 0 ? policy.group_size : env_local_world_size().value_or(comm.size());
     if (g <= 0 || comm.size() % g != 0)
       throw config_error("hybrid: " + std::to_string(comm.size()) + " ranks do not split into groups of " +
                              std::to_string(g) + "; give ddp::hybrid<>{.group_size = G} (or set LOCAL_WORLD_SIZE) "
