@@ -2644,350 +2644,22 @@ class scratch_buffer {
 /// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
 
 
+// ---- begin <ddp/comm/tcp/accept.hpp>
+/// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
+/// mesh port) under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
+/// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
+/// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
 
-namespace ddp::tcp {
-
-/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
-enum class shm_stores {
-  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
-  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
-  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
-};
-
-/// How a shared-memory all_reduce, reduce_scatter or all_gather of 4 MiB and more runs where every rank of the
-/// host can read every other's memory (DDP_SHM_ALGO; shm_algo_choice.hpp). The group's rank 0 decides for all.
-enum class shm_algo {
-  automatic,    ///< timed: whichever of the two took less in the latest calls of the collective and size ("auto")
-  single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
-  pipeline,     ///< always the pipeline through the segment, a barrier per piece ("pipeline")
-};
-
-/// Everything a rank needs to join a job over TCP.
-struct config {
-  int rank = 0;                                   ///< this process's rank, 0..size-1
-  int size = 1;                                   ///< number of ranks
-  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
-  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
-  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
-  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
-  /// addresses there, and removes the file once every rank has joined.
-  std::string store_file;
-  std::string token;                              ///< job token; every rank must pass the same one
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
-  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
-  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
-  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
-  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
-  /// (process_vm_readv); false sends every byte through the sockets.
-  bool same_host_copy = true;
-  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
-  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
-  bool shared_memory = true;
-  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
-  shm_stores stores = shm_stores::automatic;
-  /// How a shared-memory all_reduce, reduce_scatter or all_gather from 4 MiB runs; the group's rank 0's setting
-  /// holds for every member.
-  shm_algo algo = shm_algo::automatic;
-  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
-  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
-  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
-  std::size_t max_pending_handshakes = 64;
-};
-
-/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
-/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
-/// DDP_SHM_ALGO, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
-/// the rank and the store's address aside).
-inline config options_from_env(config cfg = {}) {
-  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
-  constexpr long long max_ms = 1LL << 40;
-  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
-    cfg.timeout = std::chrono::milliseconds(*ms);
-  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
-    cfg.connect_timeout = std::chrono::milliseconds(*ms);
-  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
-  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
-    cfg.socket_buffer_bytes = static_cast<int>(*b);
-  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
-                                        "1 to copy large frames between ranks on one host directly, 0 to send "
-                                        "them through the sockets"))
-    cfg.same_host_copy = *c == 1;
-  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
-                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
-                                        "send them through the sockets"))
-    cfg.shared_memory = *s == 1;
-  constexpr std::pair<std::string_view, shm_stores> stores[] = {
-      {"auto", shm_stores::automatic}, {"ordinary", shm_stores::ordinary}, {"streaming", shm_stores::streaming}};
-  if (auto k = ddp::detail::env_choice("DDP_SHM_STORES", stores,
-                                       "the kind of store copies into shared memory use (auto: chosen from timed "
-                                       "copies)",
-                                       cfg.rank))
-    cfg.stores = *k;
-  constexpr std::pair<std::string_view, shm_algo> algos[] = {
-      {"auto", shm_algo::automatic}, {"single_copy", shm_algo::single_copy}, {"pipeline", shm_algo::pipeline}};
-  if (auto a = ddp::detail::env_choice("DDP_SHM_ALGO", algos,
-                                       "the algorithm shared-memory all_reduce, reduce_scatter and all_gather run "
-                                       "from 4 MiB (auto: whichever took less in the latest calls)",
-                                       cfg.rank))
-    cfg.algo = *a;
-  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
-                                         "the time in milliseconds a new connection to the store or a mesh port "
-                                         "gets to send its handshake"))
-    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
-  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
-                                        "the number of connections still in their handshake that the store and "
-                                        "each mesh port keep at once"))
-    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
-  return cfg;
-}
-
-/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
-/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
-inline config config_from_env() {
-  const env_config env = read_env_config();
-  config cfg;
-  cfg.rank = env.rank;
-  cfg.size = env.world_size;
-  cfg.master_addr = env.master_addr;
-  cfg.master_port = env.master_port;
-  return options_from_env(std::move(cfg));
-}
-
-/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
-inline void require_store_address(const config& cfg) {
-  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
-    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
-                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
-                       cfg.rank);
-}
-
-}  // namespace ddp::tcp
-// ---- end <ddp/comm/tcp/config.hpp>
-
-namespace ddp::tcp::detail {
-
-/// Collectives whose buffers, from this size, may be copied straight out of the peers' memory where it is
-/// readable. Measured on the 2-core VM (all_reduce, N = 2, ddp-launch), single copies against the pipeline:
-/// 1 MiB 118 us against 72 idle, 3.6 ms against 0.16 busy; 4 MiB 0.56 ms against 0.33 idle, 6.3 ms against
-/// 12.2 busy.
-inline constexpr std::size_t shm_single_copy_bytes = 4 << 20;
-
-/// Chooses, per collective and size class, the algorithm a large call runs (on the group's rank 0), from the
-/// timings record() gets. A group runs one call at a time, so it needs no lock.
-class algo_choice {
- public:
-  /// Size classes from shm_single_copy_bytes, each twice the one before, the last one open.
-  static constexpr std::size_t classes = 8;
-  /// Timings kept per algorithm and class; their median counts (the lower of two), so one preempted call does not
-  /// swing the choice, nor keep an algorithm that was slow once from being chosen.
-  static constexpr std::size_t kept = 3;
-  /// Calls the chosen algorithm makes before the other is tried again, after a change of choice.
-  static constexpr unsigned probe_first = 4;
-  /// At most this many calls between trials of the other algorithm, however often it lost.
-  static constexpr unsigned probe_most = 256;
-
-  /// The algorithm the next `kind` call of `bytes` runs: each once, then the faster one, the other at a trial.
-  [[nodiscard]] shm_algo choose(collective kind, std::size_t bytes) const {
-    const size_class& k = table_[row(kind)][class_of(bytes)];
-    if (k.algos[0].count == 0) return algo(0);
-    if (k.algos[1].count == 0) return algo(1);
-    return k.since_trial >= k.trial_after ? algo(1 - k.best) : algo(k.best);
-  }
-
-  /// Records that a `kind` call of `bytes` took `took` (after its first phase) with algorithm `a`.
-  void record(collective kind, std::size_t bytes, shm_algo a, std::chrono::nanoseconds took) {
-    size_class& k = table_[row(kind)][class_of(bytes)];
-    const std::size_t i = a == shm_algo::pipeline ? 1 : 0;
-    timings& t = k.algos[i];
-    t.ns_per_kib[t.count++ % kept] = static_cast<std::uint64_t>(took.count()) * 1024 / std::max<std::size_t>(bytes, 1);
-    if (k.algos[0].count == 0 || k.algos[1].count == 0) return;
-    const std::size_t best = median(k.algos[1]) < median(k.algos[0]) ? 1 : 0;
-    if (best != k.best) {  // the other algorithm is faster now
-      k = size_class{k.algos, best};
-    } else if (i == best) {
-      ++k.since_trial;
-    } else {  // a trial of the other algorithm confirmed the choice
-      k.since_trial = 0;
-      k.trial_after = std::min(2 * k.trial_after, probe_most);
-    }
-  }
-
- private:
-  struct timings {
-    std::array<std::uint64_t, kept> ns_per_kib{};
-    std::size_t count = 0;
-  };
-  struct size_class {
-    std::array<timings, 2> algos;  ///< single copies, the pipeline
-    std::size_t best = 0;
-    unsigned since_trial = 0;  ///< calls the best algorithm made since the other was last tried
-    unsigned trial_after = probe_first;
-  };
-
-  /// all_reduce, reduce_scatter, all_gather (the collectives that may take single copies).
-  static std::size_t row(collective kind) {
-    return kind == collective::reduce_scatter ? 1 : kind == collective::all_gather ? 2 : 0;
-  }
-  static std::size_t class_of(std::size_t bytes) {
-    const auto bits = static_cast<std::size_t>(std::bit_width(bytes / shm_single_copy_bytes));  // the first class: 1
-    return std::min(classes - 1, bits == 0 ? 0 : bits - 1);
-  }
-  static shm_algo algo(std::size_t i) { return i == 0 ? shm_algo::single_copy : shm_algo::pipeline; }
-  static std::uint64_t median(const timings& t) {
-    std::array<std::uint64_t, kept> v = t.ns_per_kib;
-    const std::size_t n = std::min(t.count, kept);
-    std::sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
-    return v[(n - 1) / 2];
-  }
-
-  std::array<std::array<size_class, classes>, 3> table_{};
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/shm_algo_choice.hpp>
-// ---- begin <ddp/comm/tcp/shm_segment.hpp>
-/// \file POSIX shared-memory segments of the same-host transport: named per job
-/// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
-/// as soon as all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job
-/// died before every rank mapped it (its creator's pid is gone) is removed by the next job on the host that runs
-/// in the same PID namespace (a container sharing /dev/shm but not the pids never judges another's segments).
-
-#include <dirent.h>
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
-
-#include <cerrno>
-
-// ---- begin <ddp/comm/tcp/same_host.hpp>
-/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
-/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
-/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
-/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
-/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
-/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
-/// remote region, so the word is read after the data).
-
-#include <sys/types.h>
-#include <sys/uio.h>
-
-#include <random>
+#include <sys/timerfd.h>
 
 
-namespace ddp::tcp::detail {
-
-/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
-/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
-inline constexpr std::size_t remote_min_bytes = 512 << 10;
-
-/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
-/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
-/// namespace has another namespace, where a pid names some unrelated process.
-struct host_identity {
-  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
-  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
-  std::uint64_t pid_ns_dev = 0;///< its device
-
-  /// Both known and equal: the pids of one process mean the same process for the other.
-  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
-    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
-  }
-};
-
-/// This process's host identity.
-inline host_identity this_host() {
-  host_identity id;
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string boot;
-  if (in >> boot) {
-    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
-    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
-  }
-  struct stat ns {};
-  if (::stat("/proc/self/ns/pid", &ns) == 0) {
-    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
-    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
-  }
-  return id;
-}
-
-/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
-struct peer_memory {
-  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
-  bool readable = false;           ///< this rank can copy from the peer's memory
-  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
-  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
-  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
-};
-
-/// This process's live word, which peers on this host read after each copy from its memory: it changes once
-/// when the engine aborts, before any buffer is released, so a copy that overlapped the release is recognised
-/// and discarded.
-class live_word {
- public:
-  live_word() {
-    std::random_device random;
-    value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
-    word_.store(value_);
-  }
-  /// The word itself (peers read it at its address).
-  [[nodiscard]] const std::atomic<std::uint64_t>& word() const { return word_; }
-  /// Changes the word, once, from either thread: after it, no copy out of this process's buffers counts.
-  void end() {
-    std::uint64_t alive = value_;
-    word_.compare_exchange_strong(alive, ~value_);
-  }
-
- private:
-  std::atomic<std::uint64_t> word_{0};
-  std::uint64_t value_ = 0;  ///< the word's value until the engine aborts
-  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
-                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
-};
-
-/// How a copy out of a peer's memory ended.
-enum class copy_result : std::uint8_t {
-  copied,   ///< every byte, and the peer had not aborted when the copy ended
-  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
-  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
-};
-
-/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
-inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
-  std::uint64_t live = 0;
-  const std::size_t total = from.bytes + sizeof live;
-  for (std::size_t done = 0; done < total;) {
-    iovec local[2];
-    iovec remote[2];
-    unsigned long n = 0;
-    if (done < from.bytes) {
-      local[n] = {dest + done, from.bytes - done};
-      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
-    }
-    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
-    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
-    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
-                   sizeof live - word_done};
-    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
-      return copy_result::failed;
-    }
-    done += static_cast<std::size_t>(k);
-  }
-  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/same_host.hpp>
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
 
 #include <arpa/inet.h>
+#include <cerrno>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -3225,6 +2897,518 @@ inline void log_line(int rank, const std::string& text) {
 
 namespace ddp::tcp::detail {
 
+/// What a listener grants a connection that has not yet sent its whole handshake.
+struct handshake_limits {
+  std::chrono::milliseconds timeout{10000};  ///< the handshake must arrive within this (DDP_HANDSHAKE_TIMEOUT_MS)
+  std::size_t max_pending = 64;              ///< handshakes in progress at once (DDP_MAX_PENDING_HANDSHAKES)
+};
+
+/// How long a listener out of descriptors leaves new connections in the kernel's queue before retrying.
+inline constexpr std::chrono::milliseconds accept_backoff{100};
+
+/// A connection whose handshake bytes have all arrived (not yet checked).
+struct arrival {
+  socket_fd fd;                     ///< the connection, non-blocking
+  std::string from;                 ///< its remote "addr:port"
+  std::vector<std::uint8_t> hello;  ///< exactly the handshake's size
+};
+
+/// A listening socket and its handshakes in progress; poll its descriptors from any loop (fill, on_events).
+class handshake_acceptor {
+ public:
+  /// Accepts on `listener`; every connection must send `hello_bytes` first. `what` names the port in logs.
+  handshake_acceptor(socket_fd listener, std::size_t hello_bytes, handshake_limits limits, int rank, std::string what)
+      : listener_(std::move(listener)), hello_bytes_(hello_bytes), limits_(limits), rank_(rank),
+        what_(std::move(what)) {
+    timer_ = socket_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!timer_.valid())
+      throw error("cannot create a timer for " + what_ + ": " + errno_text(errno) + "; raise the descriptor limit",
+                  rank, errno);
+  }
+
+  /// The port it listens on.
+  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
+  /// How many descriptors fill() appends.
+  [[nodiscard]] std::size_t descriptors() const { return 2 + pending_.size(); }
+
+  /// Appends the descriptors to poll: the listener (ignored while backing off), the timer, the handshakes.
+  void fill(std::vector<pollfd>& fds) const {
+    fds.push_back({backing_off_ ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({timer_.get(), POLLIN, 0});
+    for (const auto& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
+  }
+
+  /// Handles the poll results of the descriptors fill() appended at `base`; returns the completed handshakes.
+  std::vector<arrival> on_events(const std::vector<pollfd>& fds, std::size_t base) {
+    std::vector<arrival> done;
+    if (fds[base + 1].revents & POLLIN) {
+      std::uint64_t expirations = 0;
+      [[maybe_unused]] const auto n = ::read(timer_.get(), &expirations, sizeof expirations);
+    }
+    const auto now = clock::now();
+    for (std::size_t i = 0; i < pending_.size() && base + 2 + i < fds.size(); ++i)
+      if (fds[base + 2 + i].revents != 0) read_hello(pending_[i], done);
+    for (auto& p : pending_)
+      if (p.fd.valid() && now >= p.deadline)
+        refuse(p.fd, p.from, "no complete handshake within " + std::to_string(limits_.timeout.count()) +
+                                 " ms (DDP_HANDSHAKE_TIMEOUT_MS)");
+    std::erase_if(pending_, [](const pending& p) { return !p.fd.valid(); });
+    if (backing_off_ && now >= retry_at_) backing_off_ = false;
+    if (!backing_off_ && (fds[base].revents & POLLIN)) accept_some(now);
+    arm_timer();
+    return done;
+  }
+
+  /// Logs that the connection from `from` was refused because `why` (`who`: what it probably is, or the
+  /// fix), and closes it: bytes already queued are discarded unread (up to 1 MiB, no copy), so a stranger that
+  /// stopped sending sees an orderly close.
+  void refuse(socket_fd& fd, const std::string& from, const std::string& why,
+              const std::string& who = "a process outside this job, or a rank started with another DDP_TOKEN") const {
+    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why + " (" + who + "); the job goes on");
+    [[maybe_unused]] const auto n = ::recv(fd.get(), nullptr, 1 << 20, MSG_TRUNC | MSG_DONTWAIT);
+    fd.reset();
+  }
+
+ private:
+  struct pending {
+    socket_fd fd;
+    std::string from;
+    std::vector<std::uint8_t> hello;
+    clock::time_point deadline;
+  };
+
+  void read_hello(pending& p, std::vector<arrival>& done) {
+    const std::size_t have = p.hello.size();
+    p.hello.resize(hello_bytes_);
+    const ssize_t k = ::recv(p.fd.get(), p.hello.data() + have, hello_bytes_ - have, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      p.hello.resize(have);
+      return;
+    }
+    if (k <= 0) {
+      if (have > 0) refuse(p.fd, p.from, "it closed after a partial handshake");
+      p.fd.reset();
+      return;
+    }
+    p.hello.resize(have + static_cast<std::size_t>(k));
+    if (p.hello.size() < hello_bytes_) return;
+    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello)});
+  }
+
+  void accept_some(clock::time_point now) {
+    for (int n = 0; n < 256; ++n) {  // a burst at a time, so the caller's other descriptors get their turn
+      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        const int code = errno;
+        if (code == EINTR || code == ECONNABORTED || code == EPROTO) continue;
+        if (code == EMFILE || code == ENFILE || code == ENOBUFS || code == ENOMEM) back_off(now, code);
+        return;
+      }
+      starved_logged_ = false;
+      if (pending_.size() >= limits_.max_pending) {
+        if (!crowd_logged_)
+          log_line(rank_, std::to_string(limits_.max_pending) + " connections to " + what_ +
+                              " are in their handshake at once (DDP_MAX_PENDING_HANDSHAKES): closing the oldest "
+                              "first; the job goes on (logged once)");
+        crowd_logged_ = true;
+        pending_.front().fd.reset();
+        pending_.erase(pending_.begin());
+      }
+      socket_fd owned(fd);
+      std::string from = remote_endpoint(fd).str();
+      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout});
+    }
+  }
+
+  void back_off(clock::time_point now, int code) {
+    if (!starved_logged_)
+      log_line(rank_, "cannot accept a connection to " + what_ + ": " + errno_text(code) +
+                          "; new connections wait in the kernel's queue and are retried every " +
+                          std::to_string(accept_backoff.count()) +
+                          " ms; raise the descriptor limit (ulimit -n) or close files this process keeps open");
+    starved_logged_ = true;
+    backing_off_ = true;
+    retry_at_ = now + accept_backoff;
+  }
+
+  /// Wakes the poll loop at the first handshake deadline or at the end of a back-off; disarmed when none.
+  void arm_timer() {
+    clock::time_point next = clock::time_point::max();
+    for (const auto& p : pending_) next = std::min(next, p.deadline);
+    if (backing_off_) next = std::min(next, retry_at_);
+    itimerspec spec{};
+    if (next != clock::time_point::max()) {
+      const auto ns = std::max<std::int64_t>(
+          1, std::chrono::duration_cast<std::chrono::nanoseconds>(next.time_since_epoch()).count());
+      spec.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+      spec.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+    }
+    ::timerfd_settime(timer_.get(), TFD_TIMER_ABSTIME, &spec, nullptr);
+  }
+
+  socket_fd listener_;
+  socket_fd timer_;
+  std::size_t hello_bytes_;
+  handshake_limits limits_;
+  int rank_;
+  std::string what_;
+  std::vector<pending> pending_;
+  bool backing_off_ = false;
+  clock::time_point retry_at_{};
+  bool starved_logged_ = false;
+  bool crowd_logged_ = false;
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/accept.hpp>
+
+namespace ddp::tcp {
+
+/// Which kind of store a process uses for copies into shared memory (DDP_SHM_STORES; shm_copy.hpp).
+enum class shm_stores {
+  automatic,  ///< timed: ordinary stores unless they cost several times what streaming ones do ("auto")
+  ordinary,   ///< always ordinary stores: the peers read the lines from this core's cache ("ordinary")
+  streaming,  ///< always streaming stores: the lines go to memory, no peer's copy is taken back ("streaming")
+};
+
+/// How a shared-memory all_reduce, reduce_scatter or all_gather of 4 MiB and more runs where every rank of the
+/// host can read every other's memory (DDP_SHM_ALGO; shm_algo_choice.hpp). The group's rank 0 decides for all.
+enum class shm_algo {
+  automatic,    ///< timed: whichever of the two took less in the latest calls of the collective and size ("auto")
+  single_copy,  ///< always single copies out of the peers' buffers: no barrier per piece ("single_copy")
+  pipeline,     ///< always the pipeline through the segment, a barrier per piece ("pipeline")
+};
+
+/// Everything a rank needs to join a job over TCP.
+struct config {
+  int rank = 0;                                   ///< this process's rank, 0..size-1
+  int size = 1;                                   ///< number of ranks
+  std::string master_addr = "127.0.0.1";          ///< where rank 0 serves the rendezvous store
+  std::uint16_t master_port = 29500;              ///< the store's port (0 only for a single rank)
+  /// When set (init("file:///path")), the ranks find rank 0's store through this file on a filesystem they
+  /// share instead of master_addr:master_port: rank 0 serves the store on a free port and writes its
+  /// addresses there, and removes the file once every rank has joined.
+  std::string store_file;
+  std::string token;                              ///< job token; every rank must pass the same one
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};          ///< deadline of every operation
+  std::chrono::milliseconds connect_timeout{std::chrono::minutes(2)};  ///< deadline of the rendezvous
+  std::string interface;  ///< interface name or address for the mesh; empty: the one that reaches rank 0
+  int socket_buffer_bytes = 0;  ///< SO_SNDBUF/SO_RCVBUF of the mesh sockets; 0 keeps the kernel's autotuning
+  /// Ranks on one host (same user) copy large collective frames straight out of each other's memory
+  /// (process_vm_readv); false sends every byte through the sockets.
+  bool same_host_copy = true;
+  /// When every rank runs on one host (same user), collectives go through a shared-memory segment instead of
+  /// the sockets; false on any rank keeps every rank on the sockets (DDP_SHM=0).
+  bool shared_memory = true;
+  /// The kind of store for copies into shared memory, for the whole process (the last communicator made sets it).
+  shm_stores stores = shm_stores::automatic;
+  /// How a shared-memory all_reduce, reduce_scatter or all_gather from 4 MiB runs; the group's rank 0's setting
+  /// holds for every member.
+  shm_algo algo = shm_algo::automatic;
+  /// A connection to the store or a mesh port must send its handshake within this, or it is closed.
+  std::chrono::milliseconds handshake_timeout{std::chrono::seconds(10)};
+  /// Connections still in their handshake that the store or a mesh port keeps at once (the oldest goes first).
+  std::size_t max_pending_handshakes = 64;
+};
+
+/// `cfg` with the options the environment sets: DDP_TOKEN, DDP_TIMEOUT_MS, DDP_CONNECT_TIMEOUT_MS,
+/// DDP_INTERFACE, DDP_SOCKET_BUFFER_BYTES, DDP_SAME_HOST_COPY, DDP_SHM, DDP_SHM_STORES,
+/// DDP_SHM_ALGO, DDP_HANDSHAKE_TIMEOUT_MS, DDP_MAX_PENDING_HANDSHAKES (every init method reads them;
+/// the rank and the store's address aside).
+inline config options_from_env(config cfg = {}) {
+  if (auto t = ddp::detail::env_string("DDP_TOKEN")) cfg.token = *t;
+  constexpr long long max_ms = 1LL << 40;
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, max_ms, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = ddp::detail::env_integer("DDP_CONNECT_TIMEOUT_MS", 1, max_ms, "the rendezvous deadline in milliseconds"))
+    cfg.connect_timeout = std::chrono::milliseconds(*ms);
+  if (auto i = ddp::detail::env_string("DDP_INTERFACE")) cfg.interface = *i;
+  if (auto b = ddp::detail::env_integer("DDP_SOCKET_BUFFER_BYTES", 0, 1LL << 30, "the mesh sockets' kernel buffer size in bytes (0: autotuning)"))
+    cfg.socket_buffer_bytes = static_cast<int>(*b);
+  if (auto c = ddp::detail::env_integer("DDP_SAME_HOST_COPY", 0, 1,
+                                        "1 to copy large frames between ranks on one host directly, 0 to send "
+                                        "them through the sockets"))
+    cfg.same_host_copy = *c == 1;
+  if (auto s = ddp::detail::env_integer("DDP_SHM", 0, 1,
+                                        "1 to run the collectives of ranks on one host through shared memory, 0 to "
+                                        "send them through the sockets"))
+    cfg.shared_memory = *s == 1;
+  constexpr std::pair<std::string_view, shm_stores> stores[] = {
+      {"auto", shm_stores::automatic}, {"ordinary", shm_stores::ordinary}, {"streaming", shm_stores::streaming}};
+  if (auto k = ddp::detail::env_choice("DDP_SHM_STORES", stores,
+                                       "the kind of store copies into shared memory use (auto: chosen from timed "
+                                       "copies)",
+                                       cfg.rank))
+    cfg.stores = *k;
+  constexpr std::pair<std::string_view, shm_algo> algos[] = {
+      {"auto", shm_algo::automatic}, {"single_copy", shm_algo::single_copy}, {"pipeline", shm_algo::pipeline}};
+  if (auto a = ddp::detail::env_choice("DDP_SHM_ALGO", algos,
+                                       "the algorithm shared-memory all_reduce, reduce_scatter and all_gather run "
+                                       "from 4 MiB (auto: whichever took less in the latest calls)",
+                                       cfg.rank))
+    cfg.algo = *a;
+  if (auto ms = ddp::detail::env_integer("DDP_HANDSHAKE_TIMEOUT_MS", 1, max_ms,
+                                         "the time in milliseconds a new connection to the store or a mesh port "
+                                         "gets to send its handshake"))
+    cfg.handshake_timeout = std::chrono::milliseconds(*ms);
+  if (auto n = ddp::detail::env_integer("DDP_MAX_PENDING_HANDSHAKES", 1, 1 << 16,
+                                        "the number of connections still in their handshake that the store and "
+                                        "each mesh port keep at once"))
+    cfg.max_pending_handshakes = static_cast<std::size_t>(*n);
+  return cfg;
+}
+
+/// The config of this process from the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (or mpirun's
+/// OMPI_COMM_WORLD_*) and the options options_from_env() reads.
+inline config config_from_env() {
+  const env_config env = read_env_config();
+  config cfg;
+  cfg.rank = env.rank;
+  cfg.size = env.world_size;
+  cfg.master_addr = env.master_addr;
+  cfg.master_port = env.master_port;
+  return options_from_env(std::move(cfg));
+}
+
+namespace detail {
+/// The handshake limits of `cfg`: every rank of the job may be in its handshake at once (a listener of the job
+/// expects at most size − 1 honest connections), and DDP_MAX_PENDING_HANDSHAKES more, the strangers' bound.
+inline handshake_limits limits_of(const config& cfg) {
+  return {cfg.handshake_timeout, cfg.max_pending_handshakes + static_cast<std::size_t>(std::max(cfg.size, 1))};
+}
+}  // namespace detail
+
+/// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
+inline void require_store_address(const config& cfg) {
+  if (cfg.size > 1 && cfg.master_port == 0 && cfg.store_file.empty())
+    throw config_error("MASTER_PORT is 0: with more than one rank, every rank must know rank 0's store port; "
+                       "set MASTER_PORT to a free port, or start the job with ddp-launch, which picks one",
+                       cfg.rank);
+}
+
+}  // namespace ddp::tcp
+// ---- end <ddp/comm/tcp/config.hpp>
+
+namespace ddp::tcp::detail {
+
+/// Collectives whose buffers, from this size, may be copied straight out of the peers' memory where it is
+/// readable. Measured on the 2-core VM (all_reduce, N = 2, ddp-launch), single copies against the pipeline:
+/// 1 MiB 118 us against 72 idle, 3.6 ms against 0.16 busy; 4 MiB 0.56 ms against 0.33 idle, 6.3 ms against
+/// 12.2 busy.
+inline constexpr std::size_t shm_single_copy_bytes = 4 << 20;
+
+/// Chooses, per collective and size class, the algorithm a large call runs (on the group's rank 0), from the
+/// timings record() gets. A group runs one call at a time, so it needs no lock.
+class algo_choice {
+ public:
+  /// Size classes from shm_single_copy_bytes, each twice the one before, the last one open.
+  static constexpr std::size_t classes = 8;
+  /// Timings kept per algorithm and class; their median counts (the lower of two), so one preempted call does not
+  /// swing the choice, nor keep an algorithm that was slow once from being chosen.
+  static constexpr std::size_t kept = 3;
+  /// Calls the chosen algorithm makes before the other is tried again, after a change of choice.
+  static constexpr unsigned probe_first = 4;
+  /// At most this many calls between trials of the other algorithm, however often it lost.
+  static constexpr unsigned probe_most = 256;
+
+  /// The algorithm the next `kind` call of `bytes` runs: each once, then the faster one, the other at a trial.
+  [[nodiscard]] shm_algo choose(collective kind, std::size_t bytes) const {
+    const size_class& k = table_[row(kind)][class_of(bytes)];
+    if (k.algos[0].count == 0) return algo(0);
+    if (k.algos[1].count == 0) return algo(1);
+    return k.since_trial >= k.trial_after ? algo(1 - k.best) : algo(k.best);
+  }
+
+  /// Records that a `kind` call of `bytes` took `took` (after its first phase) with algorithm `a`.
+  void record(collective kind, std::size_t bytes, shm_algo a, std::chrono::nanoseconds took) {
+    size_class& k = table_[row(kind)][class_of(bytes)];
+    const std::size_t i = a == shm_algo::pipeline ? 1 : 0;
+    timings& t = k.algos[i];
+    t.ns_per_kib[t.count++ % kept] = static_cast<std::uint64_t>(took.count()) * 1024 / std::max<std::size_t>(bytes, 1);
+    if (k.algos[0].count == 0 || k.algos[1].count == 0) return;
+    const std::size_t best = median(k.algos[1]) < median(k.algos[0]) ? 1 : 0;
+    if (best != k.best) {  // the other algorithm is faster now
+      k = size_class{k.algos, best};
+    } else if (i == best) {
+      ++k.since_trial;
+    } else {  // a trial of the other algorithm confirmed the choice
+      k.since_trial = 0;
+      k.trial_after = std::min(2 * k.trial_after, probe_most);
+    }
+  }
+
+ private:
+  struct timings {
+    std::array<std::uint64_t, kept> ns_per_kib{};
+    std::size_t count = 0;
+  };
+  struct size_class {
+    std::array<timings, 2> algos;  ///< single copies, the pipeline
+    std::size_t best = 0;
+    unsigned since_trial = 0;  ///< calls the best algorithm made since the other was last tried
+    unsigned trial_after = probe_first;
+  };
+
+  /// all_reduce, reduce_scatter, all_gather (the collectives that may take single copies).
+  static std::size_t row(collective kind) {
+    return kind == collective::reduce_scatter ? 1 : kind == collective::all_gather ? 2 : 0;
+  }
+  static std::size_t class_of(std::size_t bytes) {
+    const auto bits = static_cast<std::size_t>(std::bit_width(bytes / shm_single_copy_bytes));  // the first class: 1
+    return std::min(classes - 1, bits == 0 ? 0 : bits - 1);
+  }
+  static shm_algo algo(std::size_t i) { return i == 0 ? shm_algo::single_copy : shm_algo::pipeline; }
+  static std::uint64_t median(const timings& t) {
+    std::array<std::uint64_t, kept> v = t.ns_per_kib;
+    const std::size_t n = std::min(t.count, kept);
+    std::sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
+    return v[(n - 1) / 2];
+  }
+
+  std::array<std::array<size_class, classes>, 3> table_{};
+};
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/shm_algo_choice.hpp>
+// ---- begin <ddp/comm/tcp/shm_segment.hpp>
+/// \file POSIX shared-memory segments of the same-host transport: named per job
+/// ("/ddp-<uid>-<pid namespace>-<creator pid>-<nonce>[-<group>]"), mapped by every rank of a group and unlinked
+/// as soon as all of them have mapped it, so nothing is left behind on any later exit path. A segment whose job
+/// died before every rank mapped it (its creator's pid is gone) is removed by the next job on the host that runs
+/// in the same PID namespace (a container sharing /dev/shm but not the pids never judges another's segments).
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+
+// ---- begin <ddp/comm/tcp/same_host.hpp>
+/// \file The same-host copy protocol. Between ranks on one host (same user), a large collective frame
+/// carries only the address of its data (a remote frame); the receiver copies the data straight out of the
+/// sender's memory with process_vm_readv (one copy instead of the socket's two) and answers op_ack, and the
+/// sender keeps the buffer unchanged until then. A sender that aborts first changes its live word, then
+/// releases its buffers; the receiver reads that word after the data, in the same system call, so a copy
+/// that overlapped the release is recognised and discarded (the kernel takes the address space's lock per
+/// remote region, so the word is read after the data).
+
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include <random>
+
+
+namespace ddp::tcp::detail {
+
+/// Collective frames of at least this many payload bytes travel as remote frames where the peer can read
+/// this process; below it, the acknowledgement's round trip costs more than the socket's second copy.
+inline constexpr std::size_t remote_min_bytes = 512 << 10;
+
+/// Which machine and process-id space a process lives in: a process id names the same process for two ranks
+/// only when both agree. Another machine has another boot id; a container or a simulated host in its own PID
+/// namespace has another namespace, where a pid names some unrelated process.
+struct host_identity {
+  std::uint64_t boot = 0;      ///< a hash of /proc/sys/kernel/random/boot_id (0 where it cannot be read)
+  std::uint64_t pid_ns = 0;    ///< the inode of /proc/self/ns/pid (0 where it cannot be read)
+  std::uint64_t pid_ns_dev = 0;///< its device
+
+  /// Both known and equal: the pids of one process mean the same process for the other.
+  [[nodiscard]] bool shares_pids_with(const host_identity& o) const noexcept {
+    return boot != 0 && pid_ns != 0 && boot == o.boot && pid_ns == o.pid_ns && pid_ns_dev == o.pid_ns_dev;
+  }
+};
+
+/// This process's host identity.
+inline host_identity this_host() {
+  host_identity id;
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  if (in >> boot) {
+    id.boot = 0xcbf29ce484222325ULL;  // FNV-1a
+    for (const unsigned char c : boot) id.boot = (id.boot ^ c) * 0x100000001b3ULL;
+  }
+  struct stat ns {};
+  if (::stat("/proc/self/ns/pid", &ns) == 0) {
+    id.pid_ns = static_cast<std::uint64_t>(ns.st_ino);
+    id.pid_ns_dev = static_cast<std::uint64_t>(ns.st_dev);
+  }
+  return id;
+}
+
+/// What a rank knows about reaching one peer's memory directly (both on one host, same user).
+struct peer_memory {
+  ::pid_t pid = 0;                 ///< the peer's process id, as this rank sees it
+  bool readable = false;           ///< this rank can copy from the peer's memory
+  bool reads_us = false;           ///< the peer can copy from this rank's memory: send it remote frames
+  std::uint64_t live_address = 0;  ///< where the peer keeps its live word
+  std::uint64_t live_value = 0;    ///< the live word's value while the peer has not aborted
+};
+
+/// This process's live word, which peers on this host read after each copy from its memory: it changes once
+/// when the engine aborts, before any buffer is released, so a copy that overlapped the release is recognised
+/// and discarded.
+class live_word {
+ public:
+  live_word() {
+    std::random_device random;
+    value_ = ((std::uint64_t{random()} << 32) ^ random()) | 1U;
+    word_.store(value_);
+  }
+  /// The word itself (peers read it at its address).
+  [[nodiscard]] const std::atomic<std::uint64_t>& word() const { return word_; }
+  /// Changes the word, once, from either thread: after it, no copy out of this process's buffers counts.
+  void end() {
+    std::uint64_t alive = value_;
+    word_.compare_exchange_strong(alive, ~value_);
+  }
+
+ private:
+  std::atomic<std::uint64_t> word_{0};
+  std::uint64_t value_ = 0;  ///< the word's value until the engine aborts
+  static_assert(std::atomic<std::uint64_t>::is_always_lock_free,
+                "ddp: peers read the live word with process_vm_readv; it must be a plain lock-free word.");
+};
+
+/// How a copy out of a peer's memory ended.
+enum class copy_result : std::uint8_t {
+  copied,   ///< every byte, and the peer had not aborted when the copy ended
+  aborted,  ///< the peer aborted (and may have released the buffer) before the copy ended: discard the bytes
+  failed,   ///< the system call failed (errno in `code`): the peer died, or released the buffer
+};
+
+/// Copies `from` (in the peer's memory) to `dest`, then reads the peer's live word in the same call.
+inline copy_result copy_from_peer(const peer_memory& peer, const remote_block& from, char* dest, int& code) {
+  std::uint64_t live = 0;
+  const std::size_t total = from.bytes + sizeof live;
+  for (std::size_t done = 0; done < total;) {
+    iovec local[2];
+    iovec remote[2];
+    unsigned long n = 0;
+    if (done < from.bytes) {
+      local[n] = {dest + done, from.bytes - done};
+      remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(from.address + done)), from.bytes - done};
+    }
+    const std::size_t word_done = done > from.bytes ? done - from.bytes : 0;
+    local[n] = {reinterpret_cast<char*>(&live) + word_done, sizeof live - word_done};
+    remote[n++] = {reinterpret_cast<void*>(static_cast<std::uintptr_t>(peer.live_address + word_done)),
+                   sizeof live - word_done};
+    const ssize_t k = ::process_vm_readv(peer.pid, local, n, remote, n, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) {
+      code = k < 0 ? errno : EFAULT;  // 0 bytes: its buffer ended early
+      return copy_result::failed;
+    }
+    done += static_cast<std::size_t>(k);
+  }
+  return live == peer.live_value ? copy_result::copied : copy_result::aborted;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/same_host.hpp>
+
+namespace ddp::tcp::detail {
+
 /// The job's segment name prefix for this user in this PID namespace: "/ddp-<uid>-<pid namespace inode>-".
 inline std::string shm_user_prefix() {
   static const std::string prefix =
@@ -3262,16 +3446,19 @@ class shm_mapping {
   ~shm_mapping() { reset(); }
 
   /// Opens (creating it where `create`; exclusively where `exclusive`) segment `name` of `bytes`, zero-filled
-  /// when new, and maps it; throws ddp::error naming `rank` when the system refuses.
-  static shm_mapping open(const std::string& name, std::size_t bytes, bool create, bool exclusive, int rank) {
+  /// when new, and maps it; throws ddp::error naming `rank` when the system refuses. A segment every byte of which
+  /// is used (`reserve`) takes its pages at once; a sparse one (the point-to-point rings, sized for every pair of
+  /// ranks but touched only by the pairs that talk) takes them as they are touched.
+  static shm_mapping open(const std::string& name, std::size_t bytes, bool create, bool exclusive, int rank,
+                          bool reserve = true) {
     const int flags = O_RDWR | (create ? O_CREAT : 0) | (exclusive ? O_EXCL : 0);
     socket_fd fd(::shm_open(name.c_str(), flags, 0600));
     if (!fd.valid() || (create && ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0))
       throw error("cannot open the shared-memory segment " + name + ": " + errno_text(errno) +
                       "; check that /dev/shm is mounted with room, or set DDP_SHM=0 to use the sockets only",
                   rank, errno);
-    if (create)
-      if (const int code = reserve(fd.get(), bytes); code != 0) {
+    if (create && reserve)
+      if (const int code = take_pages(fd.get(), bytes); code != 0) {
         ::shm_unlink(name.c_str());
         throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
                         "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
@@ -3292,7 +3479,7 @@ class shm_mapping {
 
   /// Takes the pages of the segment behind `fd` now, so that a full /dev/shm is an error here and not a SIGBUS at
   /// the first touch: 0, or the error (no room is ENOSPC, also when /dev/shm reports too little free before).
-  static int reserve(int fd, std::size_t bytes) {
+  static int take_pages(int fd, std::size_t bytes) {
     struct stat st {};
     struct statvfs fs {};
     if (::fstat(fd, &st) == 0 && ::fstatvfs(fd, &fs) == 0) {
@@ -4382,7 +4569,8 @@ class shm_rings {
   /// Maps (creating it if first) the rings of the job segment `job_name` of `size` ranks, as rank `me`.
   shm_rings(const std::string& job_name, int size, int me) : size_(static_cast<std::size_t>(size)) {
     const std::string name = job_name + "-p2p";
-    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me);
+    // sparse: N² rings of 1 MiB would reserve 10 GB at 100 ranks; a pair's pages come when it first talks
+    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me, false);
     count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, size);
   }
   shm_rings(const shm_rings&) = delete;
@@ -5641,182 +5829,6 @@ inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::
 
 #include <map>
 
-// ---- begin <ddp/comm/tcp/accept.hpp>
-/// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
-/// mesh port) under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
-/// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
-/// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
-
-#include <sys/timerfd.h>
-
-
-
-namespace ddp::tcp::detail {
-
-/// What a listener grants a connection that has not yet sent its whole handshake.
-struct handshake_limits {
-  std::chrono::milliseconds timeout{10000};  ///< the handshake must arrive within this (DDP_HANDSHAKE_TIMEOUT_MS)
-  std::size_t max_pending = 64;              ///< handshakes in progress at once (DDP_MAX_PENDING_HANDSHAKES)
-};
-
-/// How long a listener out of descriptors leaves new connections in the kernel's queue before retrying.
-inline constexpr std::chrono::milliseconds accept_backoff{100};
-
-/// A connection whose handshake bytes have all arrived (not yet checked).
-struct arrival {
-  socket_fd fd;                     ///< the connection, non-blocking
-  std::string from;                 ///< its remote "addr:port"
-  std::vector<std::uint8_t> hello;  ///< exactly the handshake's size
-};
-
-/// A listening socket and its handshakes in progress; poll its descriptors from any loop (fill, on_events).
-class handshake_acceptor {
- public:
-  /// Accepts on `listener`; every connection must send `hello_bytes` first. `what` names the port in logs.
-  handshake_acceptor(socket_fd listener, std::size_t hello_bytes, handshake_limits limits, int rank, std::string what)
-      : listener_(std::move(listener)), hello_bytes_(hello_bytes), limits_(limits), rank_(rank),
-        what_(std::move(what)) {
-    timer_ = socket_fd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
-    if (!timer_.valid())
-      throw error("cannot create a timer for " + what_ + ": " + errno_text(errno) + "; raise the descriptor limit",
-                  rank, errno);
-  }
-
-  /// The port it listens on.
-  [[nodiscard]] std::uint16_t port() const { return local_endpoint(listener_.get()).port; }
-  /// How many descriptors fill() appends.
-  [[nodiscard]] std::size_t descriptors() const { return 2 + pending_.size(); }
-
-  /// Appends the descriptors to poll: the listener (ignored while backing off), the timer, the handshakes.
-  void fill(std::vector<pollfd>& fds) const {
-    fds.push_back({backing_off_ ? -1 : listener_.get(), POLLIN, 0});
-    fds.push_back({timer_.get(), POLLIN, 0});
-    for (const auto& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
-  }
-
-  /// Handles the poll results of the descriptors fill() appended at `base`; returns the completed handshakes.
-  std::vector<arrival> on_events(const std::vector<pollfd>& fds, std::size_t base) {
-    std::vector<arrival> done;
-    if (fds[base + 1].revents & POLLIN) {
-      std::uint64_t expirations = 0;
-      [[maybe_unused]] const auto n = ::read(timer_.get(), &expirations, sizeof expirations);
-    }
-    const auto now = clock::now();
-    for (std::size_t i = 0; i < pending_.size() && base + 2 + i < fds.size(); ++i)
-      if (fds[base + 2 + i].revents != 0) read_hello(pending_[i], done);
-    for (auto& p : pending_)
-      if (p.fd.valid() && now >= p.deadline)
-        refuse(p.fd, p.from, "no complete handshake within " + std::to_string(limits_.timeout.count()) +
-                                 " ms (DDP_HANDSHAKE_TIMEOUT_MS)");
-    std::erase_if(pending_, [](const pending& p) { return !p.fd.valid(); });
-    if (backing_off_ && now >= retry_at_) backing_off_ = false;
-    if (!backing_off_ && (fds[base].revents & POLLIN)) accept_some(now);
-    arm_timer();
-    return done;
-  }
-
-  /// Logs that the connection from `from` was refused because `why` (`who`: what it probably is, or the
-  /// fix), and closes it: bytes already queued are discarded unread (up to 1 MiB, no copy), so a stranger that
-  /// stopped sending sees an orderly close.
-  void refuse(socket_fd& fd, const std::string& from, const std::string& why,
-              const std::string& who = "a process outside this job, or a rank started with another DDP_TOKEN") const {
-    log_line(rank_, "refused a connection to " + what_ + " from " + from + ": " + why + " (" + who + "); the job goes on");
-    [[maybe_unused]] const auto n = ::recv(fd.get(), nullptr, 1 << 20, MSG_TRUNC | MSG_DONTWAIT);
-    fd.reset();
-  }
-
- private:
-  struct pending {
-    socket_fd fd;
-    std::string from;
-    std::vector<std::uint8_t> hello;
-    clock::time_point deadline;
-  };
-
-  void read_hello(pending& p, std::vector<arrival>& done) {
-    const std::size_t have = p.hello.size();
-    p.hello.resize(hello_bytes_);
-    const ssize_t k = ::recv(p.fd.get(), p.hello.data() + have, hello_bytes_ - have, MSG_DONTWAIT);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      p.hello.resize(have);
-      return;
-    }
-    if (k <= 0) {
-      if (have > 0) refuse(p.fd, p.from, "it closed after a partial handshake");
-      p.fd.reset();
-      return;
-    }
-    p.hello.resize(have + static_cast<std::size_t>(k));
-    if (p.hello.size() < hello_bytes_) return;
-    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello)});
-  }
-
-  void accept_some(clock::time_point now) {
-    for (int n = 0; n < 256; ++n) {  // a burst at a time, so the caller's other descriptors get their turn
-      const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) {
-        const int code = errno;
-        if (code == EINTR || code == ECONNABORTED || code == EPROTO) continue;
-        if (code == EMFILE || code == ENFILE || code == ENOBUFS || code == ENOMEM) back_off(now, code);
-        return;
-      }
-      starved_logged_ = false;
-      if (pending_.size() >= limits_.max_pending) {
-        if (!crowd_logged_)
-          log_line(rank_, std::to_string(limits_.max_pending) + " connections to " + what_ +
-                              " are in their handshake at once (DDP_MAX_PENDING_HANDSHAKES): closing the oldest "
-                              "first; the job goes on (logged once)");
-        crowd_logged_ = true;
-        pending_.front().fd.reset();
-        pending_.erase(pending_.begin());
-      }
-      socket_fd owned(fd);
-      std::string from = remote_endpoint(fd).str();
-      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout});
-    }
-  }
-
-  void back_off(clock::time_point now, int code) {
-    if (!starved_logged_)
-      log_line(rank_, "cannot accept a connection to " + what_ + ": " + errno_text(code) +
-                          "; new connections wait in the kernel's queue and are retried every " +
-                          std::to_string(accept_backoff.count()) +
-                          " ms; raise the descriptor limit (ulimit -n) or close files this process keeps open");
-    starved_logged_ = true;
-    backing_off_ = true;
-    retry_at_ = now + accept_backoff;
-  }
-
-  /// Wakes the poll loop at the first handshake deadline or at the end of a back-off; disarmed when none.
-  void arm_timer() {
-    clock::time_point next = clock::time_point::max();
-    for (const auto& p : pending_) next = std::min(next, p.deadline);
-    if (backing_off_) next = std::min(next, retry_at_);
-    itimerspec spec{};
-    if (next != clock::time_point::max()) {
-      const auto ns = std::max<std::int64_t>(
-          1, std::chrono::duration_cast<std::chrono::nanoseconds>(next.time_since_epoch()).count());
-      spec.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
-      spec.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
-    }
-    ::timerfd_settime(timer_.get(), TFD_TIMER_ABSTIME, &spec, nullptr);
-  }
-
-  socket_fd listener_;
-  socket_fd timer_;
-  std::size_t hello_bytes_;
-  handshake_limits limits_;
-  int rank_;
-  std::string what_;
-  std::vector<pending> pending_;
-  bool backing_off_ = false;
-  clock::time_point retry_at_{};
-  bool starved_logged_ = false;
-  bool crowd_logged_ = false;
-};
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/accept.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -7593,9 +7605,6 @@ inline void retire_store_file(const config& cfg) {
 // ---- end <ddp/comm/tcp/store_file.hpp>
 
 namespace ddp::tcp::detail {
-
-/// The handshake limits of `cfg`.
-inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
 
 /// The error of two processes started with the same rank.
 inline config_error joined_twice(const std::string& rank, int me) {
@@ -25394,7 +25403,7 @@ struct env_rendezvous {
     if (cfg.rank == 0)
       served.emplace(tcp::detail::store_server(
           tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
-          {cfg.handshake_timeout, cfg.max_pending_handshakes}));
+          tcp::detail::limits_of(cfg)));
     tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
     ncclUniqueId id{};
     if (cfg.rank == 0) {

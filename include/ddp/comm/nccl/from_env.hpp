@@ -84,7 +84,7 @@ struct env_rendezvous {
     if (cfg.rank == 0)
       served.emplace(tcp::detail::store_server(
           tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
-          {cfg.handshake_timeout, cfg.max_pending_handshakes}));
+          tcp::detail::limits_of(cfg)));
     tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
     ncclUniqueId id{};
     if (cfg.rank == 0) {

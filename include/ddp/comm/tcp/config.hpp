@@ -1,6 +1,7 @@
 #pragma once
 /// \file ddp::tcp::config: everything a rank needs to join a job over TCP, and how from_env() reads it.
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <utility>
 
 #include <ddp/comm/env.hpp>
+#include <ddp/comm/tcp/accept.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp {
@@ -118,6 +120,14 @@ inline config config_from_env() {
   cfg.master_port = env.master_port;
   return options_from_env(std::move(cfg));
 }
+
+namespace detail {
+/// The handshake limits of `cfg`: every rank of the job may be in its handshake at once (a listener of the job
+/// expects at most size − 1 honest connections), and DDP_MAX_PENDING_HANDSHAKES more, the strangers' bound.
+inline handshake_limits limits_of(const config& cfg) {
+  return {cfg.handshake_timeout, cfg.max_pending_handshakes + static_cast<std::size_t>(std::max(cfg.size, 1))};
+}
+}  // namespace detail
 
 /// Refuses a job of more than one rank that does not say where rank 0's store listens (MASTER_PORT 0, no store file).
 inline void require_store_address(const config& cfg) {

@@ -33,9 +33,6 @@
 
 namespace ddp::tcp::detail {
 
-/// The handshake limits of `cfg`.
-inline handshake_limits limits_of(const config& cfg) { return {cfg.handshake_timeout, cfg.max_pending_handshakes}; }
-
 /// The error of two processes started with the same rank.
 inline config_error joined_twice(const std::string& rank, int me) {
   return config_error("rank " + rank + " joined twice: two processes of this job were started with RANK=" + rank +

@@ -94,7 +94,8 @@ class shm_rings {
   /// Maps (creating it if first) the rings of the job segment `job_name` of `size` ranks, as rank `me`.
   shm_rings(const std::string& job_name, int size, int me) : size_(static_cast<std::size_t>(size)) {
     const std::string name = job_name + "-p2p";
-    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me);
+    // sparse: N² rings of 1 MiB would reserve 10 GB at 100 ranks; a pair's pages come when it first talks
+    map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me, false);
     count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, size);
   }
   shm_rings(const shm_rings&) = delete;

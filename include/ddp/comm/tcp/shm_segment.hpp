@@ -64,16 +64,19 @@ class shm_mapping {
   ~shm_mapping() { reset(); }
 
   /// Opens (creating it where `create`; exclusively where `exclusive`) segment `name` of `bytes`, zero-filled
-  /// when new, and maps it; throws ddp::error naming `rank` when the system refuses.
-  static shm_mapping open(const std::string& name, std::size_t bytes, bool create, bool exclusive, int rank) {
+  /// when new, and maps it; throws ddp::error naming `rank` when the system refuses. A segment every byte of which
+  /// is used (`reserve`) takes its pages at once; a sparse one (the point-to-point rings, sized for every pair of
+  /// ranks but touched only by the pairs that talk) takes them as they are touched.
+  static shm_mapping open(const std::string& name, std::size_t bytes, bool create, bool exclusive, int rank,
+                          bool reserve = true) {
     const int flags = O_RDWR | (create ? O_CREAT : 0) | (exclusive ? O_EXCL : 0);
     socket_fd fd(::shm_open(name.c_str(), flags, 0600));
     if (!fd.valid() || (create && ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0))
       throw error("cannot open the shared-memory segment " + name + ": " + errno_text(errno) +
                       "; check that /dev/shm is mounted with room, or set DDP_SHM=0 to use the sockets only",
                   rank, errno);
-    if (create)
-      if (const int code = reserve(fd.get(), bytes); code != 0) {
+    if (create && reserve)
+      if (const int code = take_pages(fd.get(), bytes); code != 0) {
         ::shm_unlink(name.c_str());
         throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
                         "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
@@ -94,7 +97,7 @@ class shm_mapping {
 
   /// Takes the pages of the segment behind `fd` now, so that a full /dev/shm is an error here and not a SIGBUS at
   /// the first touch: 0, or the error (no room is ENOSPC, also when /dev/shm reports too little free before).
-  static int reserve(int fd, std::size_t bytes) {
+  static int take_pages(int fd, std::size_t bytes) {
     struct stat st {};
     struct statvfs fs {};
     if (::fstat(fd, &st) == 0 && ::fstatvfs(fd, &fs) == 0) {
