@@ -133,6 +133,21 @@ TEST_CASE("bucket planner: in ready order, contiguous runs that fit, a slot beyo
   REQUIRE(!ddp::detail::in_reverse_visit_order(layout, weight_first));
 }
 
+TEST_CASE("bucket planner: the unit the backward reaches last gets buckets of its own", "[step][rebuild]") {
+  net m = make_net();  // units fc1 [0, 6), fc2 [6, 12), fc3 [12, 16); the backward reaches fc1 last
+  ddp::detail::parameter_layout layout(m);
+  // room for everything after the first bucket: without the cut, fc1 would share [0, 14) with fc2 and fc3
+  REQUIRE(ranges(ddp::detail::plan_buckets(layout, 256, 8)) ==
+          std::vector<bucket_range>{{14, 16, 2}, {6, 14, 2}, {0, 6, 0}});
+  using order = std::vector<std::size_t>;
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, order{5, 4, 3, 2, 1, 0}, 256, 8)) ==
+          std::vector<bucket_range>{{14, 16, 2}, {6, 14, 2}, {0, 6, 0}});
+  // the gradients before the last unit must fill a first bucket (here 64 floats): else nothing is gained
+  REQUIRE(ranges(ddp::detail::plan_buckets(layout, 256, 256)) == std::vector<bucket_range>{{0, 16, 2}});
+  REQUIRE(ranges(ddp::detail::plan_in_ready_order(layout, order{5, 4, 3, 2, 1, 0}, 256, 256)) ==
+          std::vector<bucket_range>{{0, 16, 2}});
+}
+
 TEST_CASE("bucket planner: sharded buckets hold multiples of N and never cross a unit", "[step]") {
   net m = make_net();
   ddp::detail::parameter_layout layout(m, 4);  // N = 4: units start at 0, 8, 16; the arena is 20 long
@@ -277,14 +292,17 @@ TEST_CASE("recorded: replicate all-reduces each bucket as it completes, no_sync 
       guard.close();
     }
     REQUIRE(log.calls().empty());
-    backward(dp, m, {2, 1, 0});  // fc3 completes [12, 16); fc2 [8, 12) and [4, 8) once fc1.b is in; fc1 [0, 4)
+    // fc3 completes [12, 16); fc2 [8, 12) and [6, 8) (fc1, the last unit, has buckets of its own); fc1 [2, 6), [0, 2)
+    backward(dp, m, {2, 1, 0});
     REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
-                                   "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3"});
+                                   "world all_reduce 2 f32 #2", "world all_reduce 4 f32 #3",
+                                   "world all_reduce 2 f32 #4"});
     dp.finish_gradients();
     dp.step(opt);  // legal after finish_gradients: steps the same gradients, no second reduction
     REQUIRE(log.calls() == strings{"world all_reduce 4 f32 #0", "world all_reduce 4 f32 #1",
-                                   "world all_reduce 4 f32 #2", "world all_reduce 4 f32 #3", "wait #0", "wait #1",
-                                   "wait #2", "wait #3", "world broadcast 6 i64 #4", "wait #4"});  // rank 0's order
+                                   "world all_reduce 2 f32 #2", "world all_reduce 4 f32 #3",
+                                   "world all_reduce 2 f32 #4", "wait #0", "wait #1", "wait #2", "wait #3",
+                                   "wait #4", "world broadcast 6 i64 #5", "wait #5"});  // rank 0's order
     REQUIRE(m.fc1.w.value()[0] == Approx(0.25 - 0.1 * 2.0));  // two accumulated backwards, averaged over equal ranks
     log.clear();
     dp.unshard_model();
@@ -610,7 +628,7 @@ TEST_CASE("a comm hook that cannot move is made in place", "[step]") {
   net other = make_net();
   ddp::data_parallel<net, recording_backend, pinned_hook> dp{m, comm};
   ddp::data_parallel<net, recording_backend, pinned_hook, four_floats> given{other, comm, four_floats{}};
-  REQUIRE(given.bucket_count() == 4);  // 16 floats in buckets of 4
+  REQUIRE(given.bucket_count() == 5);  // 16 floats in buckets of 4, fc1's [0, 6) apart
 }
 
 TEST_CASE("recorded: inside a join scope a step's first collective counts the active ranks, finish counts 0, and a "

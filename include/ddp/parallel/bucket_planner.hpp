@@ -45,6 +45,23 @@ struct bucket_plan {
   }
 };
 
+/// Where arena `a`'s gradients that become ready last begin: the end of its first unit in visit order (the
+/// backward reaches it last), when the gradients before it in the backward (the rest of the arena) fill at least
+/// a first bucket; else 0. A bucket that ended beyond this point could start only after the whole backward, so
+/// a model whose largest layers come late in the backward would overlap none of its communication (PyTorch's
+/// fixed 25 MiB buckets leave an MLP of 23 MB one bucket that waits for the end); cut here, everything but the
+/// last unit's gradients is on the wire while that unit's backward runs.
+inline std::size_t tail_start(const parameter_layout& layout, std::size_t a, std::size_t first_bytes) {
+  const auto& arena = layout.arenas()[a];
+  const auto slots = layout.slots();
+  for (std::size_t k = 1; k < arena.params.size(); ++k)
+    if (slots[arena.params[k]].unit != slots[arena.params[0]].unit) {
+      const std::size_t cut = slots[arena.params[k]].offset;
+      return (arena.numel - cut) * size_of(arena.type) >= first_bytes ? cut : 0;
+    }
+  return 0;
+}
+
 /// The bucket [begin, end) of arena `a`, holding every non-empty slot it overlaps.
 inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::size_t begin, std::size_t end) {
   const auto slots = layout.slots();
@@ -57,9 +74,10 @@ inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::si
 }
 
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
-/// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
-/// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
-/// shards, and with bucket_cut::within_units no bucket crosses the start of a unit.
+/// and orders all buckets by their latest parameter, last first. No bucket crosses the tail_start of its arena.
+/// For the sharded strategies (on a layout padded to `multiple`) bucket lengths are multiples of `multiple`
+/// elements so each splits into equal shards, and with bucket_cut::within_units no bucket crosses the start of a
+/// unit.
 inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
                                 std::size_t multiple = 1, bucket_cut cut = bucket_cut::anywhere) {
   bucket_plan plan;
@@ -67,11 +85,14 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
   const auto slots = layout.slots();
   for (std::size_t a = 0; a < arenas.size(); ++a) {
     const std::size_t width = size_of(arenas[a].type);
-    std::vector<std::size_t> unit_starts{0};
-    if (cut == bucket_cut::within_units)
+    std::vector<std::size_t> unit_starts{0};  // where buckets must break, ascending
+    if (cut == bucket_cut::within_units) {
       for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
         if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
           unit_starts.push_back(slots[arenas[a].params[k]].offset);
+    } else if (const std::size_t tail = tail_start(layout, a, first_bytes); tail > 0) {
+      unit_starts.push_back(tail);
+    }
     std::size_t end = arenas[a].numel;
     bool first = true;
     while (end > 0) {
@@ -93,9 +114,10 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// Buckets in the order of `ready` (every slot once, in the order their gradients became ready), for a layout
 /// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
 /// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
-/// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
-/// pieces, last elements first (after the first piece, of the full capacity). Buckets start in the order their
-/// last slot became ready.
+/// capacity (`first_bytes` for an arena's first bucket) and that does not join the slots of the unit that became
+/// ready last to earlier ones (as tail_start, where the earlier ones fill a first bucket); a slot larger than the
+/// capacity alone is cut into pieces, last elements first (after the first piece, of the full capacity). Buckets
+/// start in the order their last slot became ready.
 inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
                                        std::size_t capacity_bytes, std::size_t first_bytes) {
   const auto arenas = layout.arenas();
@@ -112,10 +134,21 @@ inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span
         when.push_back(i);
       }
     const std::size_t width = size_of(arenas[a].type);
+    // The tail: the slots from the first of the unit that became ready last, kept apart where the slots before
+    // them fill a first bucket.
+    std::size_t tail = seq.size();
+    if (!seq.empty()) {
+      const std::size_t last_unit = slots[seq.back()].unit;
+      std::size_t k = seq.size(), before = 0;
+      while (k > 0 && slots[seq[k - 1]].unit == last_unit) --k;
+      for (std::size_t i = 0; i < k; ++i) before += slots[seq[i]].numel;
+      if (k > 0 && before * width >= first_bytes) tail = k;
+    }
     for (std::size_t i = 0; i < seq.size();) {
       const std::size_t cap = std::max<std::size_t>(1, (i == 0 ? first_bytes : capacity_bytes) / width);
+      const std::size_t stop = i < tail ? tail : seq.size();
       std::size_t lo = place[seq[i]], hi = lo, total = slots[seq[i]].numel, last = i, run_lo = lo, run_hi = hi;
-      for (std::size_t j = i + 1; j < seq.size() && (total += slots[seq[j]].numel) <= cap; ++j) {
+      for (std::size_t j = i + 1; j < stop && (total += slots[seq[j]].numel) <= cap; ++j) {
         lo = std::min(lo, place[seq[j]]);
         hi = std::max(hi, place[seq[j]]);
         if (hi - lo == j - i) std::tie(last, run_lo, run_hi) = std::tuple(j, lo, hi);
