@@ -90,11 +90,11 @@ DDP_ALL_TYPES(DDP_EVERY_TYPE)
 #define DDP_FLOAT_TYPE(name, T)                                                                                  \
   extern "C" __global__ void ddp_scale_##name(T* x, std::size_t n, double factor, compute_t<T> exact,          \
                                               bool in_type, bool vector) {                                       \
-    loop<pack_width<T>>(vector, n, scale_fn<T>{x, factor, exact, in_type});                                       \
+    loop<pack_width<T>>(vector, n, scale_fn<T>{x, {factor, exact, in_type}});                                     \
   }                                                                                                              \
   extern "C" __global__ void ddp_divide_##name(T* x, std::size_t n, compute_t<T> count, compute_t<T> reciprocal, \
                                                bool power_of_two, bool vector) {                                 \
-    loop<pack_width<T>>(vector, n, divide_fn<T>{x, count, reciprocal, power_of_two});                             \
+    loop<pack_width<T>>(vector, n, divide_fn<T>{x, {count, reciprocal, power_of_two}});                           \
   }
 DDP_FLOAT_TYPES(DDP_FLOAT_TYPE)
 

@@ -127,58 +127,60 @@ __device__ __forceinline__ C divide_by(C x, C n, C r) {
   return x / n;
 }
 
-/// x = x × factor as ddp::detail::scale does on the host: in the element type where the factor is exact in it
-/// (`in_type`, f32 and f64 only), else through double, rounded to the element type (bf16/f16 through float).
-template <class T>
-struct scale_fn {
+/// x = op(x), element for element in place, with `op` taking and giving the compute type.
+template <class T, class Op>
+struct in_place_fn {
   T* x;
-  double factor;
-  compute_t<T> exact;
-  bool in_type;
+  Op op;
   template <int V>
   __device__ void run(std::size_t i) const {
     auto a = load<V>(x + i);
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const auto w = widen(a.v[k]);
-      a.v[k] = in_type ? narrow<T>(w * exact) : narrow<T>(static_cast<compute_t<T>>(static_cast<double>(w) * factor));
-    }
+    for (int k = 0; k < V; ++k) a.v[k] = narrow<T>(op(widen(a.v[k])));
     store<V>(x + i, a);
   }
 };
+
+/// w × factor as ddp::detail::scale does on the host: in the element type where the factor is exact in it
+/// (`in_type`, f32 and f64 only), else through double, rounded to the element type (bf16/f16 through float).
+template <class T>
+struct scale_op {
+  double factor;
+  compute_t<T> exact;
+  bool in_type;
+  __device__ compute_t<T> operator()(compute_t<T> w) const {
+    return in_type ? w * exact : static_cast<compute_t<T>>(static_cast<double>(w) * factor);
+  }
+};
+template <class T>
+using scale_fn = in_place_fn<T, scale_op<T>>;
 
 /// The scale_fn of `factor`.
 template <class T>
 scale_fn<T> scale_by(T* x, double factor) {
   using C = compute_t<T>;
   constexpr bool standard = std::is_same_v<T, float> || std::is_same_v<T, double>;
-  return {x, factor, static_cast<C>(factor), standard && static_cast<double>(static_cast<C>(factor)) == factor};
+  return {x, {factor, static_cast<C>(factor), standard && static_cast<double>(static_cast<C>(factor)) == factor}};
 }
 
-/// x = x / count as ddp::detail::divide does on the host: a multiplication by the exact reciprocal of a power of
-/// two, else the quotient rounded once in the compute type (bf16/f16 divide in float).
+/// w / count as ddp::detail::divide does on the host: a multiplication by the exact reciprocal of a power of two,
+/// else the quotient rounded once in the compute type (bf16/f16 divide in float).
 template <class T>
-struct divide_fn {
-  T* x;
+struct divide_op {
   compute_t<T> count, reciprocal;
   bool power_of_two;
-  template <int V>
-  __device__ void run(std::size_t i) const {
-    auto a = load<V>(x + i);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const auto w = widen(a.v[k]);
-      a.v[k] = narrow<T>(power_of_two ? w * reciprocal : divide_by(w, count, reciprocal));
-    }
-    store<V>(x + i, a);
+  __device__ compute_t<T> operator()(compute_t<T> w) const {
+    return power_of_two ? w * reciprocal : divide_by(w, count, reciprocal);
   }
 };
+template <class T>
+using divide_fn = in_place_fn<T, divide_op<T>>;
 
 /// The divide_fn of `count` (a positive group size).
 template <class T>
 divide_fn<T> divide_by_count(T* x, int count) {
   using C = compute_t<T>;
-  return {x, static_cast<C>(count), C(1) / static_cast<C>(count), (count & (count - 1)) == 0};
+  return {x, {static_cast<C>(count), C(1) / static_cast<C>(count), (count & (count - 1)) == 0}};
 }
 
 /// The type a conversion from From to To passes through, as ddp::detail::convert: float where a side is 16-bit.
