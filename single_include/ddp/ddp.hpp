@@ -9773,6 +9773,23 @@ struct bucket_plan {
   }
 };
 
+/// Where arena `a`'s gradients that become ready last begin: the end of its first unit in visit order (the
+/// backward reaches it last), when the gradients before it in the backward (the rest of the arena) fill at least
+/// a first bucket; else 0. A bucket that ended beyond this point could start only after the whole backward, so
+/// a model whose largest layers come late in the backward would overlap none of its communication (PyTorch's
+/// fixed 25 MiB buckets leave an MLP of 23 MB one bucket that waits for the end); cut here, everything but the
+/// last unit's gradients is on the wire while that unit's backward runs.
+inline std::size_t tail_start(const parameter_layout& layout, std::size_t a, std::size_t first_bytes) {
+  const auto& arena = layout.arenas()[a];
+  const auto slots = layout.slots();
+  for (std::size_t k = 1; k < arena.params.size(); ++k)
+    if (slots[arena.params[k]].unit != slots[arena.params[0]].unit) {
+      const std::size_t cut = slots[arena.params[k]].offset;
+      return (arena.numel - cut) * size_of(arena.type) >= first_bytes ? cut : 0;
+    }
+  return 0;
+}
+
 /// The bucket [begin, end) of arena `a`, holding every non-empty slot it overlaps.
 inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::size_t begin, std::size_t end) {
   const auto slots = layout.slots();
@@ -9785,9 +9802,10 @@ inline bucket make_bucket(const parameter_layout& layout, std::size_t a, std::si
 }
 
 /// Cuts each arena from its end into buckets of `first_bytes` (the first), then `capacity_bytes` each,
-/// and orders all buckets by their latest parameter, last first. For the sharded strategies (on a layout
-/// padded to `multiple`) bucket lengths are multiples of `multiple` elements so each splits into equal
-/// shards, and with bucket_cut::within_units no bucket crosses the start of a unit.
+/// and orders all buckets by their latest parameter, last first. No bucket crosses the tail_start of its arena.
+/// For the sharded strategies (on a layout padded to `multiple`) bucket lengths are multiples of `multiple`
+/// elements so each splits into equal shards, and with bucket_cut::within_units no bucket crosses the start of a
+/// unit.
 inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capacity_bytes, std::size_t first_bytes,
                                 std::size_t multiple = 1, bucket_cut cut = bucket_cut::anywhere) {
   bucket_plan plan;
@@ -9795,11 +9813,14 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
   const auto slots = layout.slots();
   for (std::size_t a = 0; a < arenas.size(); ++a) {
     const std::size_t width = size_of(arenas[a].type);
-    std::vector<std::size_t> unit_starts{0};
-    if (cut == bucket_cut::within_units)
+    std::vector<std::size_t> unit_starts{0};  // where buckets must break, ascending
+    if (cut == bucket_cut::within_units) {
       for (std::size_t k = 1; k < arenas[a].params.size(); ++k)
         if (slots[arenas[a].params[k]].unit != slots[arenas[a].params[k - 1]].unit)
           unit_starts.push_back(slots[arenas[a].params[k]].offset);
+    } else if (const std::size_t tail = tail_start(layout, a, first_bytes); tail > 0) {
+      unit_starts.push_back(tail);
+    }
     std::size_t end = arenas[a].numel;
     bool first = true;
     while (end > 0) {
@@ -9821,9 +9842,10 @@ inline bucket_plan plan_buckets(const parameter_layout& layout, std::size_t capa
 /// Buckets in the order of `ready` (every slot once, in the order their gradients became ready), for a layout
 /// without padding (replicate). Each bucket is a contiguous range of its arena: from the next slot to become
 /// ready, the longest run of the slots that follow it in `ready` whose union is contiguous and fits the
-/// capacity (`first_bytes` for an arena's first bucket); a slot larger than the capacity alone is cut into
-/// pieces, last elements first (after the first piece, of the full capacity). Buckets start in the order their
-/// last slot became ready.
+/// capacity (`first_bytes` for an arena's first bucket) and that does not join the slots of the unit that became
+/// ready last to earlier ones (as tail_start, where the earlier ones fill a first bucket); a slot larger than the
+/// capacity alone is cut into pieces, last elements first (after the first piece, of the full capacity). Buckets
+/// start in the order their last slot became ready.
 inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span<const std::size_t> ready,
                                        std::size_t capacity_bytes, std::size_t first_bytes) {
   const auto arenas = layout.arenas();
@@ -9840,10 +9862,21 @@ inline bucket_plan plan_in_ready_order(const parameter_layout& layout, std::span
         when.push_back(i);
       }
     const std::size_t width = size_of(arenas[a].type);
+    // The tail: the slots from the first of the unit that became ready last, kept apart where the slots before
+    // them fill a first bucket.
+    std::size_t tail = seq.size();
+    if (!seq.empty()) {
+      const std::size_t last_unit = slots[seq.back()].unit;
+      std::size_t k = seq.size(), before = 0;
+      while (k > 0 && slots[seq[k - 1]].unit == last_unit) --k;
+      for (std::size_t i = 0; i < k; ++i) before += slots[seq[i]].numel;
+      if (k > 0 && before * width >= first_bytes) tail = k;
+    }
     for (std::size_t i = 0; i < seq.size();) {
       const std::size_t cap = std::max<std::size_t>(1, (i == 0 ? first_bytes : capacity_bytes) / width);
+      const std::size_t stop = i < tail ? tail : seq.size();
       std::size_t lo = place[seq[i]], hi = lo, total = slots[seq[i]].numel, last = i, run_lo = lo, run_hi = hi;
-      for (std::size_t j = i + 1; j < seq.size() && (total += slots[seq[j]].numel) <= cap; ++j) {
+      for (std::size_t j = i + 1; j < stop && (total += slots[seq[j]].numel) <= cap; ++j) {
         lo = std::min(lo, place[seq[j]]);
         hi = std::max(hi, place[seq[j]]);
         if (hi - lo == j - i) std::tie(last, run_lo, run_hi) = std::tuple(j, lo, hi);
@@ -14244,7 +14277,7 @@ class op_state final : public ddp::detail::work_state {
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 /// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
-/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: e0c48eb80cec731ca1b5be076d5d0d052fae1373a570306b07989d9b5945d709
+/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: 66e8d5f7317a6541c9e6602620dd69987e06c6bc433e83d63d984971e5e96be1
 
 namespace ddp::cuda::detail {
 
@@ -16971,372 +17004,387 @@ $L__BB17_45:
 	.param .u8 ddp_scale_bf16_param_5
 )
 {
-	.reg .pred 	%p<17>;
-	.reg .b16 	%rs<82>;
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
 	.reg .f32 	%f<46>;
-	.reg .b32 	%r<20>;
+	.reg .b32 	%r<29>;
 	.reg .f64 	%fd<24>;
-	.reg .b64 	%rd<51>;
+	.reg .b64 	%rd<52>;
 
 
-	ld.param.s8 	%rs26, [ddp_scale_bf16_param_4];
-	ld.param.s8 	%rs27, [ddp_scale_bf16_param_5];
-	ld.param.u64 	%rd22, [ddp_scale_bf16_param_0];
-	ld.param.u64 	%rd21, [ddp_scale_bf16_param_1];
+	ld.param.s8 	%rs1, [ddp_scale_bf16_param_4];
+	ld.param.s8 	%rs2, [ddp_scale_bf16_param_5];
+	ld.param.u64 	%rd24, [ddp_scale_bf16_param_0];
+	ld.param.u64 	%rd23, [ddp_scale_bf16_param_1];
 	ld.param.f64 	%fd1, [ddp_scale_bf16_param_2];
-	ld.param.f32 	%f2, [ddp_scale_bf16_param_3];
-	cvta.to.global.u64 	%rd1, %rd22;
-	mov.u32 	%r5, %nctaid.x;
-	mov.u32 	%r6, %ntid.x;
-	mul.wide.u32 	%rd2, %r5, %r6;
-	mov.u32 	%r7, %ctaid.x;
-	mul.wide.u32 	%rd23, %r7, %r6;
-	mov.u32 	%r8, %tid.x;
-	cvt.u64.u32 	%rd24, %r8;
-	add.s64 	%rd44, %rd23, %rd24;
-	setp.eq.s16 	%p1, %rs27, 0;
-	@%p1 bra 	$L__BB18_10;
+	ld.param.f32 	%f1, [ddp_scale_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd25, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd26, %r4;
+	add.s64 	%rd3, %rd25, %rd26;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB18_11;
 
-	shr.u64 	%rd25, %rd21, 3;
-	setp.ge.u64 	%p2, %rd44, %rd25;
-	@%p2 bra 	$L__BB18_6;
+	shr.u64 	%rd4, %rd23, 3;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB18_7;
 
-$L__BB18_2:
-	shl.b64 	%rd26, %rd44, 4;
-	add.s64 	%rd5, %rd1, %rd26;
-	ld.global.v4.u32 	{%r9, %r10, %r11, %r12}, [%rd5];
-	cvt.u16.u32 	%rs28, %r9;
-	mov.b32 	{%rs29, %rs1}, %r11;
-	// begin inline asm
-	{ mov.b32 %f3, {0,%rs28};}
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB18_5;
 
-	// end inline asm
-	setp.eq.s16 	%p3, %rs26, 0;
-	@%p3 bra 	$L__BB18_4;
-
-	mul.f32 	%f4, %f3, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs81, %f4;}
-
-	// end inline asm
-	mov.b32 	{%rs45, %rs31}, %r9;
-	// begin inline asm
-	{ mov.b32 %f5, {0,%rs31};}
-
-	// end inline asm
-	mul.f32 	%f6, %f5, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs80, %f6;}
-
-	// end inline asm
-	mov.b32 	{%rs33, %rs35}, %r10;
-	// begin inline asm
-	{ mov.b32 %f7, {0,%rs33};}
-
-	// end inline asm
-	mul.f32 	%f8, %f7, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs79, %f8;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f9, {0,%rs35};}
-
-	// end inline asm
-	mul.f32 	%f10, %f9, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs78, %f10;}
-
-	// end inline asm
-	cvt.u16.u32 	%rs37, %r11;
-	// begin inline asm
-	{ mov.b32 %f11, {0,%rs37};}
-
-	// end inline asm
-	mul.f32 	%f12, %f11, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs77, %f12;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f13, {0,%rs1};}
-
-	// end inline asm
-	mul.f32 	%f14, %f13, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs76, %f14;}
-
-	// end inline asm
-	mov.b32 	{%rs41, %rs43}, %r12;
-	// begin inline asm
-	{ mov.b32 %f15, {0,%rs41};}
-
-	// end inline asm
-	mul.f32 	%f16, %f15, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs75, %f16;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f17, {0,%rs43};}
-
-	// end inline asm
-	mul.f32 	%f18, %f17, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs74, %f18;}
-
-	// end inline asm
-	bra.uni 	$L__BB18_5;
+	mov.u64 	%rd44, %rd3;
 
 $L__BB18_4:
-	cvt.f64.f32 	%fd2, %f3;
+	shl.b64 	%rd27, %rd44, 4;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd28];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs3};}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs5};}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{ mov.b32 %f6, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{ mov.b32 %f8, {0,%rs9};}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs11};}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs13};}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs15};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs17};}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd28], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p4, %rd44, %rd4;
+	@%p4 bra 	$L__BB18_4;
+	bra.uni 	$L__BB18_7;
+
+$L__BB18_11:
+	setp.ge.u64 	%p10, %rd3, %rd23;
+	@%p10 bra 	$L__BB18_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB18_15;
+
+	mov.u64 	%rd48, %rd3;
+
+$L__BB18_14:
+	shl.b64 	%rd36, %rd48, 1;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u16 	%rs39, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f38, {0,%rs39};}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs40, %f39;}
+
+	// end inline asm
+	st.global.u16 	[%rd37], %rs40;
+	add.s64 	%rd48, %rd48, %rd2;
+	setp.lt.u64 	%p12, %rd48, %rd23;
+	@%p12 bra 	$L__BB18_14;
+	bra.uni 	$L__BB18_17;
+
+$L__BB18_5:
+	mov.u64 	%rd45, %rd3;
+
+$L__BB18_6:
+	shl.b64 	%rd29, %rd45, 4;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd30];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{ mov.b32 %f18, {0,%rs19};}
+
+	// end inline asm
+	cvt.f64.f32 	%fd2, %f18;
 	mul.f64 	%fd3, %fd2, %fd1;
 	cvt.rn.f32.f64 	%f19, %fd3;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs81, %f19;}
-
-	// end inline asm
-	mov.b32 	{%rs61, %rs47}, %r9;
-	// begin inline asm
-	{ mov.b32 %f20, {0,%rs47};}
+	{ mov.b32 %f20, {0,%rs21};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd4, %f20;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rn.f32.f64 	%f21, %fd5;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs80, %f21;}
-
-	// end inline asm
-	mov.b32 	{%rs49, %rs51}, %r10;
-	// begin inline asm
-	{ mov.b32 %f22, {0,%rs49};}
+	{ mov.b32 %f22, {0,%rs23};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd6, %f22;
 	mul.f64 	%fd7, %fd6, %fd1;
 	cvt.rn.f32.f64 	%f23, %fd7;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs79, %f23;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f24, {0,%rs51};}
+	{ mov.b32 %f24, {0,%rs25};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd8, %f24;
 	mul.f64 	%fd9, %fd8, %fd1;
 	cvt.rn.f32.f64 	%f25, %fd9;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs78, %f25;}
-
-	// end inline asm
-	cvt.u16.u32 	%rs53, %r11;
-	// begin inline asm
-	{ mov.b32 %f26, {0,%rs53};}
+	{ mov.b32 %f26, {0,%rs27};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd10, %f26;
 	mul.f64 	%fd11, %fd10, %fd1;
 	cvt.rn.f32.f64 	%f27, %fd11;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs77, %f27;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f28, {0,%rs1};}
+	{ mov.b32 %f28, {0,%rs29};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd12, %f28;
 	mul.f64 	%fd13, %fd12, %fd1;
 	cvt.rn.f32.f64 	%f29, %fd13;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs76, %f29;}
-
-	// end inline asm
-	mov.b32 	{%rs57, %rs59}, %r12;
-	// begin inline asm
-	{ mov.b32 %f30, {0,%rs57};}
+	{ mov.b32 %f30, {0,%rs31};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd14, %f30;
 	mul.f64 	%fd15, %fd14, %fd1;
 	cvt.rn.f32.f64 	%f31, %fd15;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs75, %f31;}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f32, {0,%rs59};}
+	{ mov.b32 %f32, {0,%rs33};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd16, %f32;
 	mul.f64 	%fd17, %fd16, %fd1;
 	cvt.rn.f32.f64 	%f33, %fd17;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs74, %f33;}
+	{  cvt.rn.bf16.f32 %rs22, %f21;}
 
 	// end inline asm
-
-$L__BB18_5:
-	mov.b32 	%r13, {%rs75, %rs74};
-	mov.b32 	%r14, {%rs77, %rs76};
-	mov.b32 	%r15, {%rs79, %rs78};
-	mov.b32 	%r16, {%rs81, %rs80};
-	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
-	add.s64 	%rd44, %rd44, %rd2;
-	setp.lt.u64 	%p4, %rd44, %rd25;
-	@%p4 bra 	$L__BB18_2;
-
-$L__BB18_6:
-	and.b64  	%rd28, %rd21, -8;
-	add.s64 	%rd31, %rd23, %rd24;
-	add.s64 	%rd45, %rd28, %rd31;
-	setp.ge.u64 	%p5, %rd45, %rd21;
-	@%p5 bra 	$L__BB18_20;
-
-	setp.eq.s16 	%p6, %rs26, 0;
-	@%p6 bra 	$L__BB18_9;
-
-$L__BB18_8:
-	shl.b64 	%rd32, %rd45, 1;
-	add.s64 	%rd33, %rd1, %rd32;
-	ld.global.u16 	%rs62, [%rd33];
 	// begin inline asm
-	{ mov.b32 %f34, {0,%rs62};}
+	{  cvt.rn.bf16.f32 %rs20, %f19;}
 
 	// end inline asm
-	mul.f32 	%f35, %f34, %f2;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs63, %f35;}
+	{  cvt.rn.bf16.f32 %rs26, %f25;}
 
 	// end inline asm
-	st.global.u16 	[%rd33], %rs63;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs24, %f23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs30, %f29;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs28, %f27;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs34, %f33;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs32, %f31;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd30], {%r28, %r27, %r26, %r25};
 	add.s64 	%rd45, %rd45, %rd2;
-	setp.lt.u64 	%p7, %rd45, %rd21;
-	@%p7 bra 	$L__BB18_8;
-	bra.uni 	$L__BB18_20;
+	setp.lt.u64 	%p5, %rd45, %rd4;
+	@%p5 bra 	$L__BB18_6;
+
+$L__BB18_7:
+	and.b64  	%rd31, %rd23, -8;
+	add.s64 	%rd46, %rd31, %rd3;
+	setp.ge.u64 	%p6, %rd46, %rd23;
+	@%p6 bra 	$L__BB18_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB18_10;
 
 $L__BB18_9:
-	shl.b64 	%rd34, %rd45, 1;
-	add.s64 	%rd35, %rd1, %rd34;
-	ld.global.u16 	%rs64, [%rd35];
+	shl.b64 	%rd32, %rd46, 1;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.u16 	%rs35, [%rd33];
 	// begin inline asm
-	{ mov.b32 %f36, {0,%rs64};}
+	{ mov.b32 %f34, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs36, %f35;}
+
+	// end inline asm
+	st.global.u16 	[%rd33], %rs36;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p8, %rd46, %rd23;
+	@%p8 bra 	$L__BB18_9;
+	bra.uni 	$L__BB18_21;
+
+$L__BB18_10:
+	shl.b64 	%rd34, %rd46, 1;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.u16 	%rs37, [%rd35];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs37};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd18, %f36;
 	mul.f64 	%fd19, %fd18, %fd1;
 	cvt.rn.f32.f64 	%f37, %fd19;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs65, %f37;}
+	{  cvt.rn.bf16.f32 %rs38, %f37;}
 
 	// end inline asm
-	st.global.u16 	[%rd35], %rs65;
-	add.s64 	%rd45, %rd45, %rd2;
-	setp.lt.u64 	%p8, %rd45, %rd21;
-	@%p8 bra 	$L__BB18_9;
-	bra.uni 	$L__BB18_20;
-
-$L__BB18_10:
-	setp.ge.u64 	%p9, %rd44, %rd21;
-	@%p9 bra 	$L__BB18_16;
-
-	setp.eq.s16 	%p10, %rs26, 0;
-	@%p10 bra 	$L__BB18_14;
-
-	mov.u64 	%rd47, %rd44;
-
-$L__BB18_13:
-	shl.b64 	%rd36, %rd47, 1;
-	add.s64 	%rd37, %rd1, %rd36;
-	ld.global.u16 	%rs66, [%rd37];
-	// begin inline asm
-	{ mov.b32 %f38, {0,%rs66};}
-
-	// end inline asm
-	mul.f32 	%f39, %f38, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs67, %f39;}
-
-	// end inline asm
-	st.global.u16 	[%rd37], %rs67;
-	add.s64 	%rd47, %rd47, %rd2;
-	setp.lt.u64 	%p11, %rd47, %rd21;
-	@%p11 bra 	$L__BB18_13;
-	bra.uni 	$L__BB18_16;
-
-$L__BB18_14:
-	mov.u64 	%rd48, %rd44;
+	st.global.u16 	[%rd35], %rs38;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p9, %rd46, %rd23;
+	@%p9 bra 	$L__BB18_10;
+	bra.uni 	$L__BB18_21;
 
 $L__BB18_15:
-	shl.b64 	%rd38, %rd48, 1;
+	mov.u64 	%rd49, %rd3;
+
+$L__BB18_16:
+	shl.b64 	%rd38, %rd49, 1;
 	add.s64 	%rd39, %rd1, %rd38;
-	ld.global.u16 	%rs68, [%rd39];
+	ld.global.u16 	%rs41, [%rd39];
 	// begin inline asm
-	{ mov.b32 %f40, {0,%rs68};}
+	{ mov.b32 %f40, {0,%rs41};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd20, %f40;
 	mul.f64 	%fd21, %fd20, %fd1;
 	cvt.rn.f32.f64 	%f41, %fd21;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs69, %f41;}
+	{  cvt.rn.bf16.f32 %rs42, %f41;}
 
 	// end inline asm
-	st.global.u16 	[%rd39], %rs69;
-	add.s64 	%rd48, %rd48, %rd2;
-	setp.lt.u64 	%p12, %rd48, %rd21;
-	@%p12 bra 	$L__BB18_15;
-
-$L__BB18_16:
-	add.s64 	%rd49, %rd44, %rd21;
-	setp.ge.u64 	%p13, %rd49, %rd44;
-	@%p13 bra 	$L__BB18_20;
-
-	setp.eq.s16 	%p14, %rs26, 0;
-	@%p14 bra 	$L__BB18_19;
-
-$L__BB18_18:
-	shl.b64 	%rd40, %rd49, 1;
-	add.s64 	%rd41, %rd1, %rd40;
-	ld.global.u16 	%rs70, [%rd41];
-	// begin inline asm
-	{ mov.b32 %f42, {0,%rs70};}
-
-	// end inline asm
-	mul.f32 	%f43, %f42, %f2;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs71, %f43;}
-
-	// end inline asm
-	st.global.u16 	[%rd41], %rs71;
+	st.global.u16 	[%rd39], %rs42;
 	add.s64 	%rd49, %rd49, %rd2;
-	setp.lt.u64 	%p15, %rd49, %rd21;
-	@%p15 bra 	$L__BB18_18;
-	bra.uni 	$L__BB18_20;
+	setp.lt.u64 	%p13, %rd49, %rd23;
+	@%p13 bra 	$L__BB18_16;
+
+$L__BB18_17:
+	add.s64 	%rd50, %rd3, %rd23;
+	setp.ge.u64 	%p14, %rd50, %rd3;
+	@%p14 bra 	$L__BB18_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB18_20;
 
 $L__BB18_19:
-	shl.b64 	%rd42, %rd49, 1;
-	add.s64 	%rd43, %rd1, %rd42;
-	ld.global.u16 	%rs72, [%rd43];
+	shl.b64 	%rd40, %rd50, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	ld.global.u16 	%rs43, [%rd41];
 	// begin inline asm
-	{ mov.b32 %f44, {0,%rs72};}
+	{ mov.b32 %f42, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs44, %f43;}
+
+	// end inline asm
+	st.global.u16 	[%rd41], %rs44;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p16, %rd50, %rd23;
+	@%p16 bra 	$L__BB18_19;
+	bra.uni 	$L__BB18_21;
+
+$L__BB18_20:
+	shl.b64 	%rd42, %rd50, 1;
+	add.s64 	%rd43, %rd1, %rd42;
+	ld.global.u16 	%rs45, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs45};}
 
 	// end inline asm
 	cvt.f64.f32 	%fd22, %f44;
 	mul.f64 	%fd23, %fd22, %fd1;
 	cvt.rn.f32.f64 	%f45, %fd23;
 	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs73, %f45;}
+	{  cvt.rn.bf16.f32 %rs46, %f45;}
 
 	// end inline asm
-	st.global.u16 	[%rd43], %rs73;
-	add.s64 	%rd49, %rd49, %rd2;
-	setp.lt.u64 	%p16, %rd49, %rd21;
-	@%p16 bra 	$L__BB18_19;
+	st.global.u16 	[%rd43], %rs46;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p17, %rd50, %rd23;
+	@%p17 bra 	$L__BB18_20;
 
-$L__BB18_20:
+$L__BB18_21:
 	ret;
 
 }
@@ -17986,372 +18034,387 @@ $L__BB19_75:
 	.param .u8 ddp_scale_f16_param_5
 )
 {
-	.reg .pred 	%p<17>;
-	.reg .b16 	%rs<82>;
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
 	.reg .f32 	%f<46>;
-	.reg .b32 	%r<20>;
+	.reg .b32 	%r<29>;
 	.reg .f64 	%fd<24>;
-	.reg .b64 	%rd<51>;
+	.reg .b64 	%rd<52>;
 
 
-	ld.param.s8 	%rs26, [ddp_scale_f16_param_4];
-	ld.param.s8 	%rs27, [ddp_scale_f16_param_5];
-	ld.param.u64 	%rd22, [ddp_scale_f16_param_0];
-	ld.param.u64 	%rd21, [ddp_scale_f16_param_1];
+	ld.param.s8 	%rs1, [ddp_scale_f16_param_4];
+	ld.param.s8 	%rs2, [ddp_scale_f16_param_5];
+	ld.param.u64 	%rd24, [ddp_scale_f16_param_0];
+	ld.param.u64 	%rd23, [ddp_scale_f16_param_1];
 	ld.param.f64 	%fd1, [ddp_scale_f16_param_2];
-	ld.param.f32 	%f2, [ddp_scale_f16_param_3];
-	cvta.to.global.u64 	%rd1, %rd22;
-	mov.u32 	%r5, %nctaid.x;
-	mov.u32 	%r6, %ntid.x;
-	mul.wide.u32 	%rd2, %r5, %r6;
-	mov.u32 	%r7, %ctaid.x;
-	mul.wide.u32 	%rd23, %r7, %r6;
-	mov.u32 	%r8, %tid.x;
-	cvt.u64.u32 	%rd24, %r8;
-	add.s64 	%rd44, %rd23, %rd24;
-	setp.eq.s16 	%p1, %rs27, 0;
-	@%p1 bra 	$L__BB20_10;
+	ld.param.f32 	%f1, [ddp_scale_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd2, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd25, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd26, %r4;
+	add.s64 	%rd3, %rd25, %rd26;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB20_11;
 
-	shr.u64 	%rd25, %rd21, 3;
-	setp.ge.u64 	%p2, %rd44, %rd25;
-	@%p2 bra 	$L__BB20_6;
+	shr.u64 	%rd4, %rd23, 3;
+	setp.ge.u64 	%p2, %rd3, %rd4;
+	@%p2 bra 	$L__BB20_7;
 
-$L__BB20_2:
-	shl.b64 	%rd26, %rd44, 4;
-	add.s64 	%rd5, %rd1, %rd26;
-	ld.global.v4.u32 	{%r9, %r10, %r11, %r12}, [%rd5];
-	cvt.u16.u32 	%rs28, %r9;
-	mov.b32 	{%rs29, %rs1}, %r11;
-	// begin inline asm
-	{  cvt.f32.f16 %f3, %rs28;}
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB20_5;
 
-	// end inline asm
-	setp.eq.s16 	%p3, %rs26, 0;
-	@%p3 bra 	$L__BB20_4;
-
-	mul.f32 	%f4, %f3, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs81, %f4;}
-
-	// end inline asm
-	mov.b32 	{%rs45, %rs31}, %r9;
-	// begin inline asm
-	{  cvt.f32.f16 %f5, %rs31;}
-
-	// end inline asm
-	mul.f32 	%f6, %f5, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs80, %f6;}
-
-	// end inline asm
-	mov.b32 	{%rs33, %rs35}, %r10;
-	// begin inline asm
-	{  cvt.f32.f16 %f7, %rs33;}
-
-	// end inline asm
-	mul.f32 	%f8, %f7, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs79, %f8;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f9, %rs35;}
-
-	// end inline asm
-	mul.f32 	%f10, %f9, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs78, %f10;}
-
-	// end inline asm
-	cvt.u16.u32 	%rs37, %r11;
-	// begin inline asm
-	{  cvt.f32.f16 %f11, %rs37;}
-
-	// end inline asm
-	mul.f32 	%f12, %f11, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs77, %f12;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f13, %rs1;}
-
-	// end inline asm
-	mul.f32 	%f14, %f13, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs76, %f14;}
-
-	// end inline asm
-	mov.b32 	{%rs41, %rs43}, %r12;
-	// begin inline asm
-	{  cvt.f32.f16 %f15, %rs41;}
-
-	// end inline asm
-	mul.f32 	%f16, %f15, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs75, %f16;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f17, %rs43;}
-
-	// end inline asm
-	mul.f32 	%f18, %f17, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs74, %f18;}
-
-	// end inline asm
-	bra.uni 	$L__BB20_5;
+	mov.u64 	%rd44, %rd3;
 
 $L__BB20_4:
-	cvt.f64.f32 	%fd2, %f3;
+	shl.b64 	%rd27, %rd44, 4;
+	add.s64 	%rd28, %rd1, %rd27;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd28];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs3;}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs5;}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f6, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f8, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs15;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs17;}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd28], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd44, %rd44, %rd2;
+	setp.lt.u64 	%p4, %rd44, %rd4;
+	@%p4 bra 	$L__BB20_4;
+	bra.uni 	$L__BB20_7;
+
+$L__BB20_11:
+	setp.ge.u64 	%p10, %rd3, %rd23;
+	@%p10 bra 	$L__BB20_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB20_15;
+
+	mov.u64 	%rd48, %rd3;
+
+$L__BB20_14:
+	shl.b64 	%rd36, %rd48, 1;
+	add.s64 	%rd37, %rd1, %rd36;
+	ld.global.u16 	%rs39, [%rd37];
+	// begin inline asm
+	{  cvt.f32.f16 %f38, %rs39;}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs40, %f39;}
+
+	// end inline asm
+	st.global.u16 	[%rd37], %rs40;
+	add.s64 	%rd48, %rd48, %rd2;
+	setp.lt.u64 	%p12, %rd48, %rd23;
+	@%p12 bra 	$L__BB20_14;
+	bra.uni 	$L__BB20_17;
+
+$L__BB20_5:
+	mov.u64 	%rd45, %rd3;
+
+$L__BB20_6:
+	shl.b64 	%rd29, %rd45, 4;
+	add.s64 	%rd30, %rd1, %rd29;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd30];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{  cvt.f32.f16 %f18, %rs19;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd2, %f18;
 	mul.f64 	%fd3, %fd2, %fd1;
 	cvt.rn.f32.f64 	%f19, %fd3;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs81, %f19;}
-
-	// end inline asm
-	mov.b32 	{%rs61, %rs47}, %r9;
-	// begin inline asm
-	{  cvt.f32.f16 %f20, %rs47;}
+	{  cvt.f32.f16 %f20, %rs21;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd4, %f20;
 	mul.f64 	%fd5, %fd4, %fd1;
 	cvt.rn.f32.f64 	%f21, %fd5;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs80, %f21;}
-
-	// end inline asm
-	mov.b32 	{%rs49, %rs51}, %r10;
-	// begin inline asm
-	{  cvt.f32.f16 %f22, %rs49;}
+	{  cvt.f32.f16 %f22, %rs23;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd6, %f22;
 	mul.f64 	%fd7, %fd6, %fd1;
 	cvt.rn.f32.f64 	%f23, %fd7;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs79, %f23;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f24, %rs51;}
+	{  cvt.f32.f16 %f24, %rs25;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd8, %f24;
 	mul.f64 	%fd9, %fd8, %fd1;
 	cvt.rn.f32.f64 	%f25, %fd9;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs78, %f25;}
-
-	// end inline asm
-	cvt.u16.u32 	%rs53, %r11;
-	// begin inline asm
-	{  cvt.f32.f16 %f26, %rs53;}
+	{  cvt.f32.f16 %f26, %rs27;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd10, %f26;
 	mul.f64 	%fd11, %fd10, %fd1;
 	cvt.rn.f32.f64 	%f27, %fd11;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs77, %f27;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f28, %rs1;}
+	{  cvt.f32.f16 %f28, %rs29;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd12, %f28;
 	mul.f64 	%fd13, %fd12, %fd1;
 	cvt.rn.f32.f64 	%f29, %fd13;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs76, %f29;}
-
-	// end inline asm
-	mov.b32 	{%rs57, %rs59}, %r12;
-	// begin inline asm
-	{  cvt.f32.f16 %f30, %rs57;}
+	{  cvt.f32.f16 %f30, %rs31;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd14, %f30;
 	mul.f64 	%fd15, %fd14, %fd1;
 	cvt.rn.f32.f64 	%f31, %fd15;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs75, %f31;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f32, %rs59;}
+	{  cvt.f32.f16 %f32, %rs33;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd16, %f32;
 	mul.f64 	%fd17, %fd16, %fd1;
 	cvt.rn.f32.f64 	%f33, %fd17;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs74, %f33;}
+	{  cvt.rn.f16.f32 %rs22, %f21;}
 
 	// end inline asm
-
-$L__BB20_5:
-	mov.b32 	%r13, {%rs75, %rs74};
-	mov.b32 	%r14, {%rs77, %rs76};
-	mov.b32 	%r15, {%rs79, %rs78};
-	mov.b32 	%r16, {%rs81, %rs80};
-	st.global.v4.u32 	[%rd5], {%r16, %r15, %r14, %r13};
-	add.s64 	%rd44, %rd44, %rd2;
-	setp.lt.u64 	%p4, %rd44, %rd25;
-	@%p4 bra 	$L__BB20_2;
-
-$L__BB20_6:
-	and.b64  	%rd28, %rd21, -8;
-	add.s64 	%rd31, %rd23, %rd24;
-	add.s64 	%rd45, %rd28, %rd31;
-	setp.ge.u64 	%p5, %rd45, %rd21;
-	@%p5 bra 	$L__BB20_20;
-
-	setp.eq.s16 	%p6, %rs26, 0;
-	@%p6 bra 	$L__BB20_9;
-
-$L__BB20_8:
-	shl.b64 	%rd32, %rd45, 1;
-	add.s64 	%rd33, %rd1, %rd32;
-	ld.global.u16 	%rs62, [%rd33];
 	// begin inline asm
-	{  cvt.f32.f16 %f34, %rs62;}
+	{  cvt.rn.f16.f32 %rs20, %f19;}
 
 	// end inline asm
-	mul.f32 	%f35, %f34, %f2;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs63, %f35;}
+	{  cvt.rn.f16.f32 %rs26, %f25;}
 
 	// end inline asm
-	st.global.u16 	[%rd33], %rs63;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs24, %f23;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs30, %f29;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs28, %f27;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs34, %f33;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs32, %f31;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd30], {%r28, %r27, %r26, %r25};
 	add.s64 	%rd45, %rd45, %rd2;
-	setp.lt.u64 	%p7, %rd45, %rd21;
-	@%p7 bra 	$L__BB20_8;
-	bra.uni 	$L__BB20_20;
+	setp.lt.u64 	%p5, %rd45, %rd4;
+	@%p5 bra 	$L__BB20_6;
+
+$L__BB20_7:
+	and.b64  	%rd31, %rd23, -8;
+	add.s64 	%rd46, %rd31, %rd3;
+	setp.ge.u64 	%p6, %rd46, %rd23;
+	@%p6 bra 	$L__BB20_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB20_10;
 
 $L__BB20_9:
-	shl.b64 	%rd34, %rd45, 1;
-	add.s64 	%rd35, %rd1, %rd34;
-	ld.global.u16 	%rs64, [%rd35];
+	shl.b64 	%rd32, %rd46, 1;
+	add.s64 	%rd33, %rd1, %rd32;
+	ld.global.u16 	%rs35, [%rd33];
 	// begin inline asm
-	{  cvt.f32.f16 %f36, %rs64;}
+	{  cvt.f32.f16 %f34, %rs35;}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs36, %f35;}
+
+	// end inline asm
+	st.global.u16 	[%rd33], %rs36;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p8, %rd46, %rd23;
+	@%p8 bra 	$L__BB20_9;
+	bra.uni 	$L__BB20_21;
+
+$L__BB20_10:
+	shl.b64 	%rd34, %rd46, 1;
+	add.s64 	%rd35, %rd1, %rd34;
+	ld.global.u16 	%rs37, [%rd35];
+	// begin inline asm
+	{  cvt.f32.f16 %f36, %rs37;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd18, %f36;
 	mul.f64 	%fd19, %fd18, %fd1;
 	cvt.rn.f32.f64 	%f37, %fd19;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs65, %f37;}
+	{  cvt.rn.f16.f32 %rs38, %f37;}
 
 	// end inline asm
-	st.global.u16 	[%rd35], %rs65;
-	add.s64 	%rd45, %rd45, %rd2;
-	setp.lt.u64 	%p8, %rd45, %rd21;
-	@%p8 bra 	$L__BB20_9;
-	bra.uni 	$L__BB20_20;
-
-$L__BB20_10:
-	setp.ge.u64 	%p9, %rd44, %rd21;
-	@%p9 bra 	$L__BB20_16;
-
-	setp.eq.s16 	%p10, %rs26, 0;
-	@%p10 bra 	$L__BB20_14;
-
-	mov.u64 	%rd47, %rd44;
-
-$L__BB20_13:
-	shl.b64 	%rd36, %rd47, 1;
-	add.s64 	%rd37, %rd1, %rd36;
-	ld.global.u16 	%rs66, [%rd37];
-	// begin inline asm
-	{  cvt.f32.f16 %f38, %rs66;}
-
-	// end inline asm
-	mul.f32 	%f39, %f38, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs67, %f39;}
-
-	// end inline asm
-	st.global.u16 	[%rd37], %rs67;
-	add.s64 	%rd47, %rd47, %rd2;
-	setp.lt.u64 	%p11, %rd47, %rd21;
-	@%p11 bra 	$L__BB20_13;
-	bra.uni 	$L__BB20_16;
-
-$L__BB20_14:
-	mov.u64 	%rd48, %rd44;
+	st.global.u16 	[%rd35], %rs38;
+	add.s64 	%rd46, %rd46, %rd2;
+	setp.lt.u64 	%p9, %rd46, %rd23;
+	@%p9 bra 	$L__BB20_10;
+	bra.uni 	$L__BB20_21;
 
 $L__BB20_15:
-	shl.b64 	%rd38, %rd48, 1;
+	mov.u64 	%rd49, %rd3;
+
+$L__BB20_16:
+	shl.b64 	%rd38, %rd49, 1;
 	add.s64 	%rd39, %rd1, %rd38;
-	ld.global.u16 	%rs68, [%rd39];
+	ld.global.u16 	%rs41, [%rd39];
 	// begin inline asm
-	{  cvt.f32.f16 %f40, %rs68;}
+	{  cvt.f32.f16 %f40, %rs41;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd20, %f40;
 	mul.f64 	%fd21, %fd20, %fd1;
 	cvt.rn.f32.f64 	%f41, %fd21;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs69, %f41;}
+	{  cvt.rn.f16.f32 %rs42, %f41;}
 
 	// end inline asm
-	st.global.u16 	[%rd39], %rs69;
-	add.s64 	%rd48, %rd48, %rd2;
-	setp.lt.u64 	%p12, %rd48, %rd21;
-	@%p12 bra 	$L__BB20_15;
-
-$L__BB20_16:
-	add.s64 	%rd49, %rd44, %rd21;
-	setp.ge.u64 	%p13, %rd49, %rd44;
-	@%p13 bra 	$L__BB20_20;
-
-	setp.eq.s16 	%p14, %rs26, 0;
-	@%p14 bra 	$L__BB20_19;
-
-$L__BB20_18:
-	shl.b64 	%rd40, %rd49, 1;
-	add.s64 	%rd41, %rd1, %rd40;
-	ld.global.u16 	%rs70, [%rd41];
-	// begin inline asm
-	{  cvt.f32.f16 %f42, %rs70;}
-
-	// end inline asm
-	mul.f32 	%f43, %f42, %f2;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs71, %f43;}
-
-	// end inline asm
-	st.global.u16 	[%rd41], %rs71;
+	st.global.u16 	[%rd39], %rs42;
 	add.s64 	%rd49, %rd49, %rd2;
-	setp.lt.u64 	%p15, %rd49, %rd21;
-	@%p15 bra 	$L__BB20_18;
-	bra.uni 	$L__BB20_20;
+	setp.lt.u64 	%p13, %rd49, %rd23;
+	@%p13 bra 	$L__BB20_16;
+
+$L__BB20_17:
+	add.s64 	%rd50, %rd3, %rd23;
+	setp.ge.u64 	%p14, %rd50, %rd3;
+	@%p14 bra 	$L__BB20_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB20_20;
 
 $L__BB20_19:
-	shl.b64 	%rd42, %rd49, 1;
-	add.s64 	%rd43, %rd1, %rd42;
-	ld.global.u16 	%rs72, [%rd43];
+	shl.b64 	%rd40, %rd50, 1;
+	add.s64 	%rd41, %rd1, %rd40;
+	ld.global.u16 	%rs43, [%rd41];
 	// begin inline asm
-	{  cvt.f32.f16 %f44, %rs72;}
+	{  cvt.f32.f16 %f42, %rs43;}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs44, %f43;}
+
+	// end inline asm
+	st.global.u16 	[%rd41], %rs44;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p16, %rd50, %rd23;
+	@%p16 bra 	$L__BB20_19;
+	bra.uni 	$L__BB20_21;
+
+$L__BB20_20:
+	shl.b64 	%rd42, %rd50, 1;
+	add.s64 	%rd43, %rd1, %rd42;
+	ld.global.u16 	%rs45, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f44, %rs45;}
 
 	// end inline asm
 	cvt.f64.f32 	%fd22, %f44;
 	mul.f64 	%fd23, %fd22, %fd1;
 	cvt.rn.f32.f64 	%f45, %fd23;
 	// begin inline asm
-	{  cvt.rn.f16.f32 %rs73, %f45;}
+	{  cvt.rn.f16.f32 %rs46, %f45;}
 
 	// end inline asm
-	st.global.u16 	[%rd43], %rs73;
-	add.s64 	%rd49, %rd49, %rd2;
-	setp.lt.u64 	%p16, %rd49, %rd21;
-	@%p16 bra 	$L__BB20_19;
+	st.global.u16 	[%rd43], %rs46;
+	add.s64 	%rd50, %rd50, %rd2;
+	setp.lt.u64 	%p17, %rd50, %rd23;
+	@%p17 bra 	$L__BB20_20;
 
-$L__BB20_20:
+$L__BB20_21:
 	ret;
 
 }
