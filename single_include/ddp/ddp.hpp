@@ -26616,9 +26616,11 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
     const auto seal = detail::find_seal(text, detail::manifest_marker);
     text.replace(seal, detail::unsealed_digits.size(), detail::hex(detail::fnv1a(text)));
     try {
-      detail::atomic_file file(fs::path(tmp) / "manifest.json");
-      file.write(std::as_bytes(std::span(text)));
-      file.commit();
+      {  // closed before the move: its claim's lock file is removed by the path it had in the temporary directory
+        detail::atomic_file file(fs::path(tmp) / "manifest.json");
+        file.write(std::as_bytes(std::span(text)));
+        file.commit();
+      }
       detail::install_directory(tmp, dir);
     } catch (const error&) {
       std::error_code ec;

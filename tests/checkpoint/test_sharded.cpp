@@ -151,6 +151,11 @@ void check_sharded_corrupt(Comm world) {
   damage([&] { fs::remove(last); }, "cannot be opened");
 
   ddp::save_sharded(dir.path, dp, opt);
+  for (const auto& e : fs::directory_iterator(dir.path)) {  // the manifest and the parts, nothing left behind
+    const std::string name = e.path().filename().string();
+    INFO(name);
+    REQUIRE((name == "manifest.json" || name.ends_with(".safetensors")));
+  }
   const auto before = parameters_of(dp);
   REQUIRE(ddp::load_sharded(dir.path, dp, opt).at("optim.step") == "1");
   REQUIRE(parameters_of(dp) == before);
