@@ -1,7 +1,7 @@
 # Install rules and the CMake package: headers, the ddp::ddp and ddp::launch (+ ddp::mpi, ddp::nccl) targets,
 # the ddp-launch program (exported as ddp::ddp-launch), ddpConfig.cmake, ddpConfigVersion.cmake and the
 # modules they include. Consumers: find_package(ddp 0.1 CONFIG REQUIRED [COMPONENTS launch mpi nccl])
-# (see docs/install.md).
+# (see docs/install.md); pkg-config files for other build systems: ddpPkgConfig.cmake.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
@@ -31,7 +31,8 @@ configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/ddpConfig.cmake.in
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/ddpConfigVersion.cmake
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMajorVersion ARCH_INDEPENDENT)
 install(FILES ${PROJECT_BINARY_DIR}/ddpConfig.cmake ${PROJECT_BINARY_DIR}/ddpConfigVersion.cmake
-              ${CMAKE_CURRENT_LIST_DIR}/ddpFindBackends.cmake ${CMAKE_CURRENT_LIST_DIR}/ddpComponents.cmake
-              ${CMAKE_CURRENT_LIST_DIR}/FindNCCL.cmake
+              ${CMAKE_CURRENT_LIST_DIR}/ddpFindMPI.cmake ${CMAKE_CURRENT_LIST_DIR}/ddpFindNCCL.cmake
+              ${CMAKE_CURRENT_LIST_DIR}/ddpLocateNCCL.cmake ${CMAKE_CURRENT_LIST_DIR}/ddpComponents.cmake
         DESTINATION ${DDP_INSTALL_CMAKEDIR})
 install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})
+include(ddpPkgConfig)

@@ -5,17 +5,20 @@
 One package serves every option combination (header-only: package_id clears settings and options). The
 options only shape package_info: the targets ddp::ddp (core + TCP backend), ddp::launch (the launcher API)
 and, when asked for, ddp::mpi and ddp::nccl, as components of find_package(ddp CONFIG REQUIRED). MPI comes
-from Conan (with_mpi=openmpi) or from the system (with_mpi=system, CMake's FindMPI); NCCL and the CUDA
-runtime come from the system's CUDA Toolkit (Conan Center has no NCCL), found when the consumer's CMake
-runs, by the FindNCCL.cmake and CUDAToolkit modules that the package's build module uses.
+from Conan (with_mpi=openmpi) or from the system (with_mpi=system); NCCL and the CUDA runtime come from the
+system's CUDA Toolkit (Conan Center has no NCCL). What comes from the system is found twice over: for CMake
+consumers by build modules listed for that option only (CMake's FindMPI, CUDAToolkit and ddp's NCCL lookup when
+the consumer configures), for PkgConfigDeps and other generators by the component's flags, read from the
+system's pkg-config files (MPI) or the NCCL prefix when the consumer installs.
 """
 
 import os
 
 from conan import ConanFile
-from conan.errors import ConanInvalidConfiguration
+from conan.errors import ConanException, ConanInvalidConfiguration
 from conan.tools.build import check_min_cppstd
 from conan.tools.files import copy
+from conan.tools.gnu import PkgConfig
 from conan.tools.layout import basic_layout
 from conan.tools.scm import Version
 
@@ -34,7 +37,8 @@ class DdpConan(ConanFile):
     default_options = {"with_mpi": False, "with_nccl": False}
     no_copy_source = True
 
-    _cmake_modules = ("ddpConan.cmake", "ddpFindBackends.cmake", "ddpComponents.cmake", "FindNCCL.cmake")
+    _cmake_modules = ("ddpConan.cmake", "ddpConanSystemMPI.cmake", "ddpConanNCCL.cmake", "ddpFindMPI.cmake",
+                      "ddpFindNCCL.cmake", "ddpLocateNCCL.cmake", "ddpComponents.cmake")
 
     def export_sources(self):
         root = os.path.join(self.recipe_folder, "..", "..")
@@ -73,7 +77,7 @@ class DdpConan(ConanFile):
 
     @staticmethod
     def _nccl_header():
-        """The system's nccl.h, where FindNCCL.cmake looks for it (and /usr, a distribution's package), or None."""
+        """The system's nccl.h, where ddpLocateNCCL.cmake looks for it (and /usr, a distribution's package), or None."""
         roots = [os.environ.get(v) for v in ("NCCL_ROOT", "CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda", "/usr"]
         headers = (os.path.join(root, "include", "nccl.h") for root in roots if root)
         return next((header for header in headers if os.path.isfile(header)), None)
@@ -89,7 +93,10 @@ class DdpConan(ConanFile):
         self.cpp_info.set_property("cmake_file_name", "ddp")
         # The aggregate of all components; ddp::ddp is the core component alone, as in ddp's own CMake package.
         self.cpp_info.set_property("cmake_target_name", "ddp::all")
-        self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "ddp", "ddpConan.cmake")])
+        # The options that take a backend from the system add their build module; ddpConan.cmake comes last.
+        modules = (["ddpConanSystemMPI.cmake"] if self.options.with_mpi == "system" else []) + \
+                  (["ddpConanNCCL.cmake"] if self.options.with_nccl else []) + ["ddpConan.cmake"]
+        self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "ddp", m) for m in modules])
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
 
@@ -108,6 +115,30 @@ class DdpConan(ConanFile):
         if self.options.with_mpi == "openmpi":
             component("mpi", "ddp::mpi", ["core", "openmpi::openmpi"], ["DDP_WITH_MPI=1"])
         elif self.options.with_mpi == "system":
-            component("mpi", "ddp::mpi", ["core"], ["DDP_WITH_MPI=1"])  # MPI::MPI_C linked by ddpConan.cmake
+            mpi = component("mpi", "ddp::mpi", ["core"], ["DDP_WITH_MPI=1"])  # CMake: ddpConanSystemMPI.cmake
+            self._system_mpi_flags(mpi)
         if self.options.with_nccl:
-            component("nccl", "ddp::nccl", ["core"], ["DDP_WITH_NCCL=1"])  # NCCL and cudart: ddpConan.cmake
+            nccl = component("nccl", "ddp::nccl", ["core"], ["DDP_WITH_NCCL=1"])  # CMake: ddpConanNCCL.cmake
+            self._system_nccl_flags(nccl)
+
+    def _system_mpi_flags(self, component):
+        """The system MPI's compile and link flags from its pkg-config file (Open MPI's mpi-c.pc, MPICH's
+        mpich.pc), for generators other than CMakeDeps; says so where neither is there."""
+        for name in ("mpi-c", "ompi-c", "mpich"):
+            try:
+                PkgConfig(self, name).fill_cpp_info(component, is_system=True)
+                return
+            except ConanException:
+                continue
+        self.output.warning("with_mpi=system: no pkg-config file of the system's MPI (mpi-c, ompi-c, mpich) was "
+                            "found, so ddp-mpi.pc carries no MPI flags; CMake consumers are not affected "
+                            "(FindMPI runs when they configure)")
+
+    def _system_nccl_flags(self, component):
+        """NCCL's and the CUDA runtime's flags from the prefix validate() found, for generators other than
+        CMakeDeps (the system's default directories are left out)."""
+        root = os.path.dirname(os.path.dirname(self._nccl_header()))
+        if root != "/usr":
+            component.includedirs = [os.path.join(root, "include")]
+            component.libdirs = [d for d in (os.path.join(root, "lib64"), os.path.join(root, "lib")) if os.path.isdir(d)]
+        component.system_libs = ["nccl", "cudart"]

@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <ddp/comm/env.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
 
 #include "conformance/conformance.hpp"
@@ -92,6 +94,29 @@ TEST_CASE("data_parallel: every policy, hybrid with a shard group per host, equa
   // hybrid's default groups are LOCAL_WORLD_SIZE ranks: the ranks of one host.
   check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5);
   check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, optimizer_kind::sgd_momentum, 1e-5);
+}
+
+TEST_CASE("the job as the environment describes it, and the bits replicate and hybrid train", "[.][digest]") {
+  const ddp::env_config env = ddp::read_env_config();
+  auto comm = ddp::tcp::communicator::from_env();
+  std::printf("env: rank %d of %d, local %d of %d, store %s:%u\n", env.rank, env.world_size, env.local_rank,
+              env.local_world_size, env.master_addr.c_str(), static_cast<unsigned>(env.master_port));
+  // The parameters' bytes, FNV-1a: equal runs give equal digests, a last-bit difference another one.
+  const auto digest = [](mlp trained) {
+    std::uint64_t h = 1469598103934665603ULL;
+    ddp::visit_parameters(trained, [&](std::string_view, ddp::parameter<float>& p) {
+      for (const float v : p.value()) {
+        std::uint32_t bits = 0;
+        std::memcpy(&bits, &v, sizeof bits);
+        for (int b = 0; b < 4; ++b) h = (h ^ ((bits >> (8 * b)) & 0xffU)) * 1099511628211ULL;
+      }
+    });
+    return static_cast<unsigned long long>(h);
+  };
+  const auto replicate = digest(check_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, 1e-5));
+  // hybrid's default groups are LOCAL_WORLD_SIZE ranks: under srun, this node's count of tasks.
+  const auto hybrid = digest(check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, 1e-5));
+  std::printf("digest: rank %d replicate %016llx hybrid %016llx\n", comm.rank(), replicate, hybrid);
 }
 
 TEST_CASE("hybrid keeps its all-gathers inside a host: fewer bytes cross the link than under full_shard",

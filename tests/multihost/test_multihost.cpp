@@ -68,6 +68,25 @@ std::string ranks(const layout& l, const std::string& tag, const std::string& en
          "echo \"shm left: [$(ls /dev/shm)]\"; exit $s";
 }
 
+/// The command each host runs to start 2 ranks of ddp_multihost_rank's case `tag` as `srun -N 2
+/// --ntasks-per-node 2` would: Slurm's variables alone (no RANK, WORLD_SIZE, MASTER_ADDR or MASTER_PORT); rank 0's
+/// host is the first of the compressed node list, its port 20000 + the job id % 20000 = 29400.
+std::string slurm_ranks(const std::string& tag) {
+  return "s=0; p=''; for l in 0 1; do r=$((MH_HOST * 2 + l)); SLURM_PROCID=$r SLURM_LOCALID=$l SLURM_NODEID=$MH_HOST "
+         "SLURM_NTASKS=4 SLURM_STEP_TASKS_PER_NODE='2(x2)' SLURM_STEP_NODELIST='10.200.0.[1-2]' "
+         "SLURM_JOB_NODELIST='10.200.0.[1-2]' SLURM_JOB_ID=129400 DDP_TIMEOUT_MS=30000 DDP_CONNECT_TIMEOUT_MS=30000 "
+         DDP_MULTIHOST_RANK_EXE " '" + tag + "' & p=\"$p $!\"; done; "
+         "for x in $p; do wait $x || s=$?; done; exit $s";
+}
+
+/// Every hexadecimal word that follows `key` in `text`, in order.
+std::vector<std::string> words_after(const std::string& text, const std::string& key) {
+  std::vector<std::string> found;
+  for (auto at = text.find(key); at != std::string::npos; at = text.find(key, at + 1))
+    found.push_back(text.substr(at + key.size(), text.find_first_of(" \n", at + key.size()) - at - key.size()));
+  return found;
+}
+
 /// Every number that follows `key` in `text`.
 std::vector<double> numbers_after(const std::string& text, const std::string& key) {
   std::vector<double> found;
@@ -264,6 +283,31 @@ TEST_CASE("hybrid's shard groups stay inside a host: fewer of its bytes cross be
     REQUIRE(hosts.ok());
     CHECK(contains(hosts.hosts[0].output, "under hybrid<full_shard>"));
   }
+}
+
+TEST_CASE("2 hosts x 2 ranks started with Slurm's variables alone (as srun sets them) train the bits ddp-launch's job "
+          "trains, hybrid with a shard group per node",
+          "[mh_slurm]") {
+  const auto slurm = run_on_hosts({}, slurm_ranks("[digest]"));
+  INFO(slurm.describe());
+  REQUIRE(slurm.ok());
+  const auto launched = run_on_hosts({}, launch("[digest]"));
+  INFO(launched.describe());
+  REQUIRE(launched.ok());
+  for (int h = 0; h < 2; ++h) {
+    for (int l = 0; l < 2; ++l)
+      CHECK(contains(slurm.hosts[h].output, "env: rank " + std::to_string(2 * h + l) + " of 4, local " +
+                                                std::to_string(l) + " of 2, store 10.200.0.1:29400"));
+  }
+  std::vector<std::string> got, want;
+  for (int h = 0; h < 2; ++h) {
+    for (const auto& d : words_after(slurm.hosts[h].output, "replicate ")) got.push_back(d);
+    for (const auto& d : words_after(slurm.hosts[h].output, "hybrid ")) got.push_back(d);
+    for (const auto& d : words_after(launched.hosts[h].output, "replicate ")) want.push_back(d);
+    for (const auto& d : words_after(launched.hosts[h].output, "hybrid ")) want.push_back(d);
+  }
+  REQUIRE(got.size() == 8);
+  CHECK(got == want);
 }
 
 TEST_CASE("2 hosts x 2 ranks join through tcp://host:port and file:///shared/path", "[mh_init]") {

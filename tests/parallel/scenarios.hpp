@@ -111,9 +111,10 @@ inline void require_close(mlp& got, mlp& want, double tol, closeness how) {
 
 /// N ranks with policies Ps (the sharding policy's value `sharding`) give the reference's parameters;
 /// `micro` > 1 accumulates that many micro-batches per step, all but the last under no_sync. Model is mlp
-/// (ddp::parameter leaves) or a foreign_mlp (ddp::trainable leaves over vectors or spans).
+/// (ddp::parameter leaves) or a foreign_mlp (ddp::trainable leaves over vectors or spans). Returns the trained
+/// parameters (as an mlp).
 template <class Model, class... Ps, class Comm>
-void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1,
+mlp check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1,
                           closeness how = closeness::per_element,
                           typename ddp::policies<Ps...>::sharding sharding = {},
                           ddp::data_parallel_options options = {}) {
@@ -145,14 +146,15 @@ void check_equivalence_of(Comm comm, optimizer_kind k, double tol, int micro = 1
   if constexpr (!std::is_same_v<Model, mlp>) copy_back(*foreign, base);
   mlp want = reference_training(k);
   require_close(base, want, tol, how);
+  return base;
 }
 
 /// check_equivalence_of the mlp of ddp::parameter leaves.
 template <class... Ps, class Comm>
-void check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
-                       closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
-                       ddp::data_parallel_options options = {}) {
-  check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, sharding, std::move(options));
+mlp check_equivalence(Comm comm, optimizer_kind k, double tol, int micro = 1,
+                      closeness how = closeness::per_element, typename ddp::policies<Ps...>::sharding sharding = {},
+                      ddp::data_parallel_options options = {}) {
+  return check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, sharding, std::move(options));
 }
 
 /// A rank whose model differs makes every rank throw mismatch_error naming the entry on each rank.

@@ -122,6 +122,27 @@ TEST_CASE("Slurm's variables yield to torchrun's and Open MPI's, and describe no
   CHECK(c.master_port == 29500);
 }
 
+TEST_CASE("a partial or wrong set of srun's variables is a config_error naming the variable", "[env]") {
+  scoped_env env;
+  env.set("SLURM_PROCID", "1");
+  CHECK_THROWS_AS(ddp::read_env_config(), ddp::config_error);
+  CHECK_THROWS_WITH(ddp::read_env_config(), Catch::Contains("SLURM_NTASKS is not"));
+  env.set("SLURM_NTASKS", "4");
+  env.set("SLURM_STEP_TASKS_PER_NODE", "2(x2)");
+  CHECK_THROWS_WITH(ddp::read_env_config(), Catch::Contains("SLURM_NODEID is not"));
+  env.set("SLURM_NODEID", "2");
+  CHECK_THROWS_WITH(ddp::read_env_config(), Catch::Contains("SLURM_STEP_TASKS_PER_NODE='2(x2)' has no entry for "
+                                                            "SLURM_NODEID=2"));
+  env.set("SLURM_NODEID", "0");
+  env.set("SLURM_STEP_TASKS_PER_NODE", "2[x2]");
+  CHECK_THROWS_WITH(ddp::read_env_config(), Catch::Contains("SLURM_STEP_TASKS_PER_NODE='2[x2]'"));
+  env.set("SLURM_STEP_TASKS_PER_NODE", "2(x2)");
+  env.set("SLURM_PROCID", "four");
+  CHECK_THROWS_WITH(ddp::read_env_config(), Catch::Contains("SLURM_PROCID"));
+  env.set("SLURM_PROCID", "1");
+  CHECK(ddp::read_env_config().local_world_size == 2);
+}
+
 TEST_CASE("Slurm host lists and tasks-per-node lists", "[env]") {
   using ddp::detail::first_slurm_host;
   using ddp::detail::slurm_tasks_on;

@@ -133,9 +133,16 @@ inline std::optional<long long> env_local_world_size() {
                                   "the number of processes on this host"))
     return v;
   if (!started_by_srun()) return std::nullopt;
-  const auto node = env_integer("SLURM_NODEID", 0, max_ranks - 1, "this task's node in the step (srun sets it)");
   const auto list = env_string("SLURM_STEP_TASKS_PER_NODE");
-  return node && list ? slurm_tasks_on(*list, *node) : std::nullopt;
+  if (!list) return std::nullopt;
+  const auto node = env_integer("SLURM_NODEID", 0, max_ranks - 1, "this task's node in the step (srun sets it)");
+  if (!node)
+    throw config_error("SLURM_STEP_TASKS_PER_NODE is set but SLURM_NODEID is not: ddp cannot tell how many tasks "
+                       "run on this node; start the task with srun, which sets both, or set LOCAL_WORLD_SIZE");
+  if (auto tasks = slurm_tasks_on(*list, *node)) return tasks;
+  throw config_error("SLURM_STEP_TASKS_PER_NODE='" + *list + "' has no entry for SLURM_NODEID=" +
+                     std::to_string(*node) + " (expected counts such as '4(x2),3'); start the task with srun, which "
+                     "sets both, or set LOCAL_WORLD_SIZE");
 }
 
 }  // namespace detail
@@ -154,6 +161,9 @@ inline env_config read_env_config() {
                                                 srun ? "SLURM_NTASKS" : nullptr);
   const auto rank = detail::env_integer_either("RANK", "OMPI_COMM_WORLD_RANK", 0, max_ranks - 1,
                                                "this process's rank in 0..WORLD_SIZE-1", srun ? "SLURM_PROCID" : nullptr);
+  if (srun && !world)
+    throw config_error("SLURM_PROCID is set but SLURM_NTASKS is not: under srun the job's size comes from "
+                       "SLURM_NTASKS (srun sets it); start the task with srun, or export WORLD_SIZE");
   if (!world || !rank)
     throw config_error(std::string("environment variable ") + (!rank ? "RANK" : "WORLD_SIZE") +
                        " is not set; start the job with ddp-launch -n N, torchrun, mpirun or srun, or export RANK "

@@ -26,6 +26,7 @@ vcpkg_cmake_install()
 # share/cmake/ddp -> share/ddp; the exported ddp::ddp-launch is pointed at tools/ddp/ddp-launch.
 vcpkg_cmake_config_fixup(CONFIG_PATH share/cmake/ddp)
 vcpkg_copy_tools(TOOL_NAMES ddp-launch AUTO_CLEAN)
+vcpkg_fixup_pkgconfig()  # share/pkgconfig/ddp*.pc (header-only: not under lib)
 
 file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/share/doc")  # the LICENSE copy of ddp's install rules: copyright below
 file(INSTALL "${CMAKE_CURRENT_LIST_DIR}/usage" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
