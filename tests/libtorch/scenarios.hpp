@@ -7,10 +7,15 @@
 // after several steps their parameters must equal one plain LibTorch process stepping the same optimizer on the
 // whole batch: |a − b| ≤ 1e-5·max(|b|, 1e-2) per element.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <memory>
 #include <span>
 #include <string>
@@ -117,15 +122,24 @@ inline void require_close(const std::vector<std::pair<std::string, torch::Tensor
   }
 }
 
+/// How a training loop zeroes the gradients before a step's backward.
+enum class zero_with {
+  wrapper,         ///< dp.zero_grad()
+  model,           ///< net->zero_grad(): LibTorch drops every .grad (set_to_none)
+  model_in_place,  ///< net->zero_grad(false): zeroes every .grad in place
+  optimizer,       ///< opt.zero_grad() of a torch::optim optimizer (set_to_none)
+};
+
 /// N ranks with policies Ps (the sharding policy's settings `sharding`) train Net from different initial values
 /// (rank 0's are broadcast) on their shards and end where one process on the whole batch ends. torch::optim
 /// optimizers step the model's parameters under replicate and ddp::parameters(dp) under the sharded policies.
 /// `micro` > 1 accumulates that many micro-batches per step, all but the last under dp.no_sync(). The deep model
-/// runs each unit through ddp::forward.
+/// runs each unit through ddp::forward. `z` is how each step zeroes the gradients.
 template <class Net, class... Ps, class Comm>
-void check_equivalence(Comm comm, optimizer_kind k, int micro = 1, typename ddp::policies<Ps...>::sharding sharding = {}) {
+void check_equivalence(Comm comm, optimizer_kind k, int micro = 1, typename ddp::policies<Ps...>::sharding sharding = {},
+                       zero_with z = zero_with::wrapper) {
   INFO("model " << (std::is_same_v<Net, mlp> ? "mlp" : std::is_same_v<Net, cnn> ? "cnn" : "deep") << ", optimizer "
-                << static_cast<int>(k) << ", " << micro << " micro-batch(es)");
+                << static_cast<int>(k) << ", " << micro << " micro-batch(es), zeroing " << static_cast<int>(z));
   Net net = make_model<Net>(1 + static_cast<std::uint64_t>(comm.rank()));
   {
     ddp::data_parallel<wrapped_t<Net>, Ps...> dp{wrapped(net), comm, sharding};
@@ -139,7 +153,14 @@ void check_equivalence(Comm comm, optimizer_kind k, int micro = 1, typename ddp:
     const double scale = static_cast<double>(comm.size()) / global_batch;
     auto train = [&](auto& opt) {
       for (int s = 0; s < steps; ++s) {
-        dp.zero_grad();
+        switch (z) {
+          case zero_with::wrapper: dp.zero_grad(); break;
+          case zero_with::model: net->zero_grad(); break;
+          case zero_with::model_in_place: net->zero_grad(false); break;
+          case zero_with::optimizer:
+            if constexpr (requires { opt.zero_grad(); }) opt.zero_grad();
+            break;
+        }
         const auto [x, y] = make_batch<Net>(static_cast<std::uint64_t>(s), global_batch);
         const auto mx = x.narrow(0, begin, count), my = y.narrow(0, begin, count);
         for (int m = 0; m < micro; ++m) {  // micro-batch m: rows [count·m/micro, count·(m+1)/micro)
@@ -303,6 +324,64 @@ void check_errors(Comm comm) {
       REQUIRE_THAT(e.what(), Catch::Contains("ddp::parameters(dp)"));
     }
   }
+}
+
+/// What `body()` writes to the process's standard error (fd 2) while it runs.
+template <class F>
+std::string captured_stderr(F&& body) {
+  std::fflush(stderr);
+  std::FILE* file = std::tmpfile();
+  REQUIRE(file != nullptr);
+  const int saved = ::dup(STDERR_FILENO);
+  ::dup2(::fileno(file), STDERR_FILENO);
+  body();
+  std::fflush(stderr);
+  ::dup2(saved, STDERR_FILENO);
+  ::close(saved);
+  std::rewind(file);
+  std::string text;
+  for (int c; (c = std::fgetc(file)) != EOF;) text += static_cast<char>(c);
+  std::fclose(file);
+  return text;
+}
+
+/// A LibTorch loop's mistakes are named or harmless: opt.step() in place of dp.step(opt) fails at the next backward
+/// with a ddp::error naming dp.step(opt); ddp::parameters(dp) gives the same tensors on every call; a wrapper
+/// destroyed while an optimizer over them lives gives them memory of their own (stepping them then is safe) and
+/// says so on stderr, naming the optimizer's lifetime.
+template <class Backend, class Comm>
+void check_loop_mistakes(Comm comm) {
+  mlp net = make_model<mlp>(1);
+  const auto [x, y] = make_batch<mlp>(0, 4);
+  {
+    ddp::data_parallel<wrapped_t<mlp>, Backend> dp{wrapped(net), comm};
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    dp.zero_grad();
+    scaled_loss(net->forward(x), y, 1.0).backward();
+    opt.step();  // the buckets' all-reduces may still run: what the user steps is not yet averaged
+    opt.zero_grad();
+    try {
+      scaled_loss(net->forward(x), y, 1.0).backward();
+      FAIL("a second backward without dp.step(opt) was accepted");
+    } catch (const ddp::error& e) {
+      REQUIRE_THAT(e.what(), Catch::Contains("step with dp.step(opt), not opt.step() alone"));
+    }
+  }
+  std::unique_ptr<torch::optim::Adam> opt;
+  const void* owned = nullptr;
+  const std::string said = captured_stderr([&] {
+    ddp::data_parallel<wrapped_t<mlp>, Backend, ddp::shard_grad_op> dp{wrapped(net), comm};
+    opt = std::make_unique<torch::optim::Adam>(ddp::parameters(dp));
+    REQUIRE(ddp::parameters(dp)[0].unsafeGetTensorImpl() == opt->param_groups()[0].params()[0].unsafeGetTensorImpl());
+    owned = opt->param_groups()[0].params()[0].data_ptr();
+    dp.zero_grad();
+    scaled_loss(net->forward(x), y, 1.0).backward();
+    dp.step(*opt);
+  });
+  REQUIRE_THAT(said, Catch::Contains("the data_parallel wrapper was destroyed while") &&
+                         Catch::Contains("destroy the optimizer before the wrapper"));
+  REQUIRE(opt->param_groups()[0].params()[0].data_ptr() != owned);
+  opt->step();  // copies: no access to the wrapper's freed memory (ASan would report one)
 }
 
 /// full_shard outside ddp::forward: a sharded unit's parameters are empty, so a plain forward fails in LibTorch

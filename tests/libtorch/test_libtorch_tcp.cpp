@@ -47,6 +47,27 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
+TEST_CASE("tcp: net->zero_grad(), net->zero_grad(false) and opt.zero_grad() in place of dp.zero_grad() train as one "
+          "process under every policy (a step consumes the owned gradients)",
+          "[equivalence][zero_grad]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    for (const auto z : {zero_with::model, zero_with::model_in_place, zero_with::optimizer}) {
+      check_equivalence<mlp, tcp, tiny>(comm, optimizer_kind::torch_adam, 1, {}, z);
+      check_equivalence<mlp, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_sgd_momentum, 1, {}, z);
+      check_equivalence<mlp, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam, 2, {}, z);
+      check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_sgd_momentum, 1, {}, z);
+      check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::torch_adam, 2,
+                                                    {.reshard_after_forward = false}, z);
+      check_equivalence<deep, tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::torch_adam, 1, {.group_size = 1}, z);
+    }
+    check_equivalence<deep, tcp, ddp::full_shard>(comm, optimizer_kind::ddp_adamw, 1, {}, zero_with::model);
+  });
+}
+TEST_CASE("tcp: opt.step() in place of dp.step(opt) is named at the next backward, a wrapper destroyed before its "
+          "optimizer leaves it stepping copies and says so",
+          "[errors][zero_grad]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) { check_loop_mistakes<tcp>(comm); });
+}
 TEST_CASE("torch::Tensor leaves: a rebinding moves the parameter's storage, so a view autograd saved reads the new "
           "memory, a vacated parameter is empty", "[full_shard]") {
   using traits = ddp::storage_traits<torch::Tensor>;

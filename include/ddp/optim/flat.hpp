@@ -48,9 +48,10 @@ concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
 };
 
 /// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
-///   static void check(const Opt&, std::span<const flat_buffer> owned, int rank);
-/// throwing ddp::config_error unless it steps tensors over the `owned` buffers: data_parallel calls it before each
-/// step under the sharded policies, where only the owned blocks receive the averaged gradients.
+///   static void prepare(const Opt&, std::span<const flat_buffer> owned, int rank);
+/// throwing ddp::config_error unless it steps tensors over the `owned` buffers, and pointing each tensor's gradient
+/// at its buffer's gradients again where the framework dropped it (its own zero_grad): data_parallel calls it
+/// before each step under the sharded policies, where only the owned blocks receive the averaged gradients.
 template <class Opt>
 struct optimizer_traits {};
 

@@ -128,8 +128,8 @@ class data_parallel {
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
-      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty()) strategy_->leaves_report_themselves();
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) held_.push_back(std::move(w));
+    if (!held_.empty()) strategy_->leaves_report_themselves();
   }
 
  public:
@@ -204,11 +204,11 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
+  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step).
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    strategy_type::check_optimizer(opt, owned_buffers(), rank());
+    strategy_type::prepare_optimizer(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
@@ -311,6 +311,9 @@ class data_parallel {
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
     return masters_.buffers(strategy_->optimizer_buffers());
   }
+  /// Ties `token` to the wrapper: its deleter runs when the wrapper goes, while the wrapper's memory is still there
+  /// (ddp::parameters(dp) takes the tensors it handed out off that memory).
+  void hold_until_destroyed(std::shared_ptr<void> token) { held_.push_back(std::move(token)); }
   /// Number of gradient buckets (start units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
   /// The gradient buckets in start order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
@@ -355,8 +358,10 @@ class data_parallel {
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
     if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
-                  "report each parameter once per step, after its gradient is final", rank());
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
+                  "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
+                  "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
+                  "twice (report each parameter once, after its gradient is final)", rank());
     start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
@@ -419,7 +424,7 @@ class data_parallel {
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
-  std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
+  std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;

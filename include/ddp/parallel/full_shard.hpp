@@ -81,10 +81,12 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
       if (this->state().unit(u).scopes == 0 && reshard_) reshard(u);
     }
   }
-  /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
-  /// unit still held is unsharded again in place; then the pooled buffers this step did not need are freed.
+  /// The owned blocks changed (and the step consumed the owned gradients): every unit no scope holds is resharded
+  /// (the next scope unshards it again), a unit still held is unsharded again in place; then the pooled buffers
+  /// this step did not need are freed.
   void after_step() {
     recorded_ = true;  // the execution order of the first step is known
+    this->consume_owned_gradients();
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       if (this->state().unit(u).scopes == 0) {

@@ -40,12 +40,13 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
       : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op",
                            policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
 
-  /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
-  /// gradient buffers this step did not need.
+  /// All-gathers every bucket's updated owned blocks back into the full parameters; the step consumed the owned
+  /// gradients; frees the pooled gradient buffers this step did not need.
   void after_step() {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
+    this->consume_owned_gradients();
     this->trim_pools();
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.

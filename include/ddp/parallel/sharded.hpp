@@ -8,8 +8,10 @@
 /// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
 /// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
-/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
-/// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
+/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad() or a
+/// step (a step consumes them, so a backward after it starts from zero however the user zeroed: dp.zero_grad(),
+/// a framework's own zero_grad on the model, which cannot reach the owned blocks, or not at all), else into a
+/// receive buffer that is then added (accumulation over backwards of one step, as under no_sync). hybrid averages each
 /// block across the replica group too: that all-reduce is chained when the next bucket starts (after
 /// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
 /// every rank by construction: choosing it by polling completion would order the shard and replica groups'
@@ -77,7 +79,7 @@ enum class owned_value_home : std::uint8_t {
 /// Bucket `b`'s sharded bookkeeping: its owned block and where its reduce-scatter writes.
 struct shard_bucket {
   owned_block block;        ///< the owned block
-  bool owned_zero = true;   ///< the owned gradients are zero (since zero_grad)
+  bool overwrite = true;    ///< the next reduce-scatter overwrites the owned gradients (zero_grad or a step since)
   bool direct = true;       ///< this step's reduce-scatter writes straight into the owned gradients
 };
 /// Unit `u`'s pooled buffers (unit_pool ids), or no_buffer.
@@ -97,11 +99,12 @@ class sharded_core {
   static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::within_units;  ///< a unit's buckets are its own
   static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
   /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
-  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::check says so, where specialized.
+  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::prepare checks it and points their
+  /// gradients at the owned ones again, where specialized.
   template <class Opt>
-  static void check_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
-    if constexpr (requires { optim::optimizer_traits<Opt>::check(opt, buffers, rank); })
-      optim::optimizer_traits<Opt>::check(opt, buffers, rank);
+  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+    if constexpr (requires { optim::optimizer_traits<Opt>::prepare(opt, buffers, rank); })
+      optim::optimizer_traits<Opt>::prepare(opt, buffers, rank);
   }
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
@@ -185,8 +188,8 @@ class sharded_core {
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);  // no report reached it: zero gradients
     state_.move_grads(u, grad_phase::reported, {grad_phase::held, grad_phase::reported});  // read until reduced
     auto& sb = buckets_[b];
-    sb.direct = sb.owned_zero;
-    sb.owned_zero = false;
+    sb.direct = sb.overwrite;
+    sb.overwrite = false;
     if (b == 0) chained_ = 0;  // a new step
     const auto& bk = plan_.buckets[b];
     const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
@@ -229,9 +232,14 @@ class sharded_core {
     for (std::size_t a = 0; a < own_grads_.size(); ++a)
       layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
                                                          own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
-    for (auto& sb : buckets_) sb.owned_zero = true;
+    for (auto& sb : buckets_) sb.overwrite = true;
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
+  }
+  /// The step consumed the owned gradients: each bucket's next reduce-scatter overwrites them (they keep their
+  /// values until then, for whoever reads them after the step).
+  void consume_owned_gradients() noexcept {
+    for (auto& sb : buckets_) sb.overwrite = true;
   }
   /// One flat buffer per bucket: the owned values and gradients with the parameter pieces in them.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return optimizer_; }

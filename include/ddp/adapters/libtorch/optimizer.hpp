@@ -4,17 +4,24 @@
 /// Under replicate a torch::optim optimizer may step the model's own parameters (their values and gradients
 /// are ddp's arenas). Under shard_grad_op and full_shard only this rank's owned blocks receive the averaged
 /// gradients (and under full_shard the model's parameters are empty tensors outside a unit's forward and
-/// backward), so the optimizer must step those: ddp::parameters(dp) gives one flat 1-D tensor per block (values over ddp's
-/// owned values, `.grad` over the owned gradients), and dp.step(opt) all-gathers the updated blocks into the
-/// model afterwards (full_shard: the next forward unshards them). Optimizer state is then sharded with the blocks. Element-wise optimizers (SGD, Adam,
-/// AdamW, RMSprop, Adagrad) step flat blocks exactly as the parameters; per-parameter groups and options are
-/// not kept (one group). The tensors refer to the wrapper's memory: make the optimizer after the wrapper and
-/// drop it first; zero gradients with dp.zero_grad(), not opt.zero_grad().
+/// backward), so the optimizer must step those: ddp::parameters(dp) gives one flat 1-D tensor per block (values
+/// over ddp's owned values, `.grad` over the owned gradients), and dp.step(opt) all-gathers the updated blocks
+/// into the model afterwards (full_shard: the next forward unshards them). Optimizer state is then sharded with
+/// the blocks. Element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad) step flat blocks exactly as the
+/// parameters; per-parameter groups and options are not kept (one group). opt.zero_grad() and dp.zero_grad()
+/// both zero the gradients (dp.step(opt) points the tensors' `.grad` at the owned gradients again where
+/// opt.zero_grad() dropped them). The tensors refer to the wrapper's memory: make the optimizer after the
+/// wrapper and drop it first (a wrapper destroyed first gives the tensors still held copies and says so).
 
 #include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include <torch/torch.h>
@@ -25,9 +32,66 @@
 
 namespace ddp {
 
-/// One flat tensor per buffer this rank's optimizer steps (see this header's description), in step order.
+namespace detail::libtorch {
+
+/// The tensors ddp::parameters gave out, per wrapper (by address), until the wrapper goes.
+class handed_out {
+ public:
+  /// The wrapper's tensors, or none yet.
+  std::optional<std::vector<torch::Tensor>> find(const void* dp) {
+    const std::lock_guard lock(mutex_);
+    const auto it = tensors_.find(dp);
+    return it == tensors_.end() ? std::nullopt : std::optional(it->second);
+  }
+  /// Records the wrapper's tensors.
+  void set(const void* dp, std::vector<torch::Tensor> tensors) {
+    const std::lock_guard lock(mutex_);
+    tensors_[dp] = std::move(tensors);
+  }
+  /// The wrapper at `dp` goes: the tensors something still holds (an optimizer) get memory of their own, so stepping
+  /// them no longer touches freed memory, and the user is told; `rank` names the process.
+  void wrapper_gone(const void* dp, int rank) {
+    std::vector<torch::Tensor> tensors;
+    {
+      const std::lock_guard lock(mutex_);
+      const auto it = tensors_.find(dp);
+      if (it == tensors_.end()) return;
+      tensors = std::move(it->second);
+      tensors_.erase(it);
+    }
+    std::size_t held = 0;
+    torch::NoGradGuard no_grad;
+    for (auto& t : tensors) {
+      if (t.use_count() <= 1) continue;  // only this list held it
+      ++held;
+      t.set_data(t.detach().clone());
+      if (t.grad().defined()) t.mutable_grad() = t.grad().clone();
+    }
+    if (held > 0)
+      std::fprintf(stderr, "ddp: rank %d: the data_parallel wrapper was destroyed while %zu tensor(s) of "
+                   "ddp::parameters(dp) were still held (a torch::optim optimizer?); they now hold copies, and stepping "
+                   "them no longer changes the model: destroy the optimizer before the wrapper (make it after)\n",
+                   rank, held);
+  }
+  /// The process's list.
+  static handed_out& instance() {
+    static handed_out h;
+    return h;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<const void*, std::vector<torch::Tensor>> tensors_;
+};
+
+}  // namespace detail::libtorch
+
+/// One flat tensor per buffer this rank's optimizer steps (see this header's description), in step order; the
+/// same tensors on every call for one wrapper.
 template <class DP>
 std::vector<torch::Tensor> parameters(DP& dp) {
+  auto& handed = detail::libtorch::handed_out::instance();
+  if (auto given = handed.find(&dp)) return *given;
   std::vector<torch::Tensor> out;
   for (const optim::flat_buffer& b : dp.owned_buffers()) {
     const auto options = torch::TensorOptions().dtype(detail::libtorch::scalar_type_of(b.values.type));
@@ -36,6 +100,9 @@ std::vector<torch::Tensor> parameters(DP& dp) {
     p.mutable_grad() = torch::from_blob(b.grads.data, {n}, options);
     out.push_back(std::move(p));
   }
+  handed.set(&dp, out);
+  const int rank = dp.rank();
+  dp.hold_until_destroyed(std::shared_ptr<void>(&dp, [rank](void* at) { detail::libtorch::handed_out::instance().wrapper_gone(at, rank); }));
   return out;
 }
 
@@ -43,16 +110,25 @@ std::vector<torch::Tensor> parameters(DP& dp) {
 template <class O>
   requires std::derived_from<O, torch::optim::Optimizer>
 struct optim::optimizer_traits<O> {
-  /// Throws ddp::config_error unless every tensor `opt` steps starts one of the `owned` buffers.
-  static void check(const O& opt, std::span<const optim::flat_buffer> owned, int rank) {
+  /// Throws ddp::config_error unless every tensor `opt` steps starts one of the `owned` buffers; points each
+  /// one's `.grad` at its buffer's gradients again where `opt.zero_grad()` dropped it (set_to_none, LibTorch's
+  /// default) or replaced it (the replacement's values are kept).
+  static void prepare(const O& opt, std::span<const optim::flat_buffer> owned, int rank) {
     for (const auto& group : opt.param_groups())
       for (const auto& p : group.params()) {
         const void* at = p.data_ptr();
-        if (std::none_of(owned.begin(), owned.end(), [&](const optim::flat_buffer& b) { return b.values.data == at; }))
+        const auto b = std::find_if(owned.begin(), owned.end(), [&](const optim::flat_buffer& f) { return f.values.data == at; });
+        if (b == owned.end())
           throw config_error("dp.step: under a sharded policy the torch::optim optimizer must step this rank's owned "
                              "blocks, the only memory that receives the averaged gradients, but it holds another "
                              "tensor (the model's parameters? those cannot be stepped: under full_shard they are "
                              "empty outside a unit's forward and backward); make it over ddp::parameters(dp)", rank);
+        auto& g = p.mutable_grad();
+        if (g.defined() && g.data_ptr() == b->grads.data) continue;
+        torch::NoGradGuard no_grad;
+        torch::Tensor owned_grads = torch::from_blob(b->grads.data, p.sizes(), p.options().requires_grad(false));
+        if (g.defined()) owned_grads.copy_(g);
+        g = owned_grads;
       }
   }
 };

@@ -221,11 +221,14 @@ struct storage_traits<torch::Tensor> {
     registry.set(p, std::move(a));
   }
   /// Adopts `values` (zeros: the unit is sharded) as the storage's memory but leaves the parameter empty, so a
-  /// forward that uses it fails instead of computing with zeros; the next adopt makes it whole again.
+  /// forward that uses it fails instead of computing with zeros, and without `.grad`, so the model's zero_grad
+  /// (in place or not) touches no gradient memory the unit does not hold; the next adopt makes it whole again.
   static void vacate(const torch::Tensor& t, void* values, void* grads) {
     adopt(t, values, grads);
     torch::NoGradGuard no_grad;
-    const_cast<torch::Tensor&>(t).set_data(torch::empty({0}, t.options().requires_grad(false)));
+    auto& p = const_cast<torch::Tensor&>(t);
+    p.set_data(torch::empty({0}, t.options().requires_grad(false)));
+    p.mutable_grad() = torch::Tensor();
   }
   /// Takes the values and `.grad` into memory of the tensor's own again (the wrapper is going away).
   static void release(const torch::Tensor& t) {
