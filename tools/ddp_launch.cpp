@@ -65,6 +65,8 @@ GROUP_RANK = R):
   --master-port P   rank 0's store port (default 29500); node 0's launcher listens on P+1 for the others
   --token-file F    read the job token from file F (first line); else DDP_TOKEN must be set on every node
   --join-timeout S  every node's launcher must have joined node 0's within S seconds (default 300)
+  --exit-barrier-timeout S  once its ranks ended, node 0 waits S seconds (default 300) for the other nodes'
+                    to end, the others S + 60 for node 0's verdict; then the silent node is named, and all fail
 When a rank fails on any node, node 0 tells every launcher, each stops its ranks, and all exit with the
 failing rank's status and name its node and rank.
 
@@ -143,6 +145,7 @@ struct command_line {
   std::string token_file;
   bool master_addr_given = false;
   std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};
+  std::chrono::milliseconds exit_barrier{std::chrono::minutes(5)};
   int max_restarts = 0;
   ddp::launch::bind_mode bind = ddp::launch::bind_mode::core;
   ddp::launch::spawn_options options;
@@ -185,6 +188,8 @@ command_line parse(int argc, char** argv) {
       c.max_restarts = static_cast<int>(parse_integer(a, value_of(a), 0, 1000));
     } else if (a == "--join-timeout") {
       c.join_timeout = parse_seconds(a, value_of(a));
+    } else if (a == "--exit-barrier-timeout" || a == "--exit_barrier_timeout") {
+      c.exit_barrier = parse_seconds(a, value_of(a));
     } else if (a == "--bind") {
       const std::string mode = value_of(a);
       if (mode == "none")
@@ -249,7 +254,7 @@ int run_node(command_line& cmd) {
   const std::string me = "node " + std::to_string(cmd.node_rank);
   ddp::launch::node_link link({cmd.nodes, cmd.node_rank, k, cmd.options.master_addr,
                                static_cast<std::uint16_t>(cmd.options.port + 1), cmd.options.token, cmd.join_timeout,
-                               cmd.max_restarts, cmd.options.interrupt});
+                               cmd.max_restarts, cmd.exit_barrier, cmd.options.interrupt});
   std::fprintf(stderr, "ddp-launch: %s of %d joined; ranks %d..%d of %d start (store at %s:%u)\n", me.c_str(),
                cmd.nodes, cmd.options.first_rank, cmd.options.first_rank + k - 1, cmd.options.world_size,
                cmd.options.master_addr.c_str(), cmd.options.port);

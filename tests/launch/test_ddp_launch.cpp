@@ -56,6 +56,29 @@ TEST_CASE("ddp-launch: every rank sees the environment, every line is prefixed",
     CHECK(contains(r.output, line));
 }
 
+TEST_CASE("ddp-launch: a carriage return ends a line (progress bars show), and a line without an end goes out in pieces of "
+          "64 KiB", "[launch][ddp-launch]") {
+  const auto r = ddp_launch({"-n", "1", "--", "/bin/sh", "-c",
+                             "printf 'bar 1\\rbar 2\\r\\nthen'; head -c 300000 /dev/zero | tr '\\0' x; printf '\\ndone\\n'"});
+  CHECK(r.exit_code == 0);
+  CHECK(contains(r.output, "[rank 0] bar 1\r[rank 0] bar 2\r\n[rank 0] thenxxx"));
+  CHECK(contains(r.output, "[rank 0] done\n"));
+  std::size_t xs = 0, pieces = 0, longest = 0;
+  for (std::size_t at = 0; at < r.output.size();) {
+    const std::size_t end = std::min(r.output.find('\n', at), r.output.size());
+    const std::string line = r.output.substr(at, end - at);
+    if (line.find('x') != std::string::npos) {
+      ++pieces;
+      longest = std::max(longest, line.size());
+      xs += static_cast<std::size_t>(std::count(line.begin(), line.end(), 'x'));
+    }
+    at = end + 1;
+  }
+  CHECK(xs == 300000);  // nothing lost
+  CHECK(pieces == 5);   // 300 004 bytes: four pieces of 65 536 and the rest
+  CHECK(longest == std::string("[rank 0] ").size() + 65536);
+}
+
 TEST_CASE("ddp-launch: torchrun's --nproc-per-node and --master-port spellings work", "[launch][ddp-launch]") {
   const auto r = ddp_launch(
       {"--nproc-per-node", "2", "--master-port", "23457", "/bin/sh", "-c", "echo $WORLD_SIZE $MASTER_PORT"});

@@ -111,6 +111,21 @@ TEST_CASE("ddp-launch --nnodes: a rank failing on node 1 stops node 0's ranks, b
   CHECK(contains(rs.ranks[1].output, "rank 3 (local rank 1) failed first with exit code 7"));
 }
 
+TEST_CASE("ddp-launch --nnodes: node 0's ranks ended, node 1's still running past --exit-barrier-timeout: both "
+          "launchers end at once, naming node 1",
+          "[launch][nodes]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $GROUP_RANK = 1 ]; then exec sleep 30; fi",
+                                                  {"--grace", "1", "--exit-barrier-timeout", "2"}));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  CHECK(took < 15s);  // 2 s barrier, 1 s settling, node 1 stopping its ranks: far below their 30 s
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 124);
+    CHECK(contains(node.output, "the job failed: the launcher of node 1 said nothing within the exit barrier"));
+  }
+}
+
 TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an error (a lost peer's symptom)",
           "[launch][nodes]") {
   const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "

@@ -43,15 +43,22 @@ struct node_plan {
   std::string token;                        ///< the job token every launcher shares
   std::chrono::milliseconds join_timeout{std::chrono::minutes(5)};  ///< every launcher must join by then
   int max_restarts = 0;                     ///< --max-restarts, the same on every node
+  /// --exit-barrier-timeout: once this node's ranks ended, how long node 0 waits for every other node's to end,
+  /// and another node for node 0's verdict (this long plus a minute), before it names the silent node and ends.
+  std::chrono::milliseconds exit_barrier{std::chrono::minutes(5)};
   /// When set and it becomes non-zero (a signal handler writes the signal number), joining and waiting for
   /// the other nodes give up with ddp::error.
   const volatile std::sig_atomic_t* interrupt = nullptr;
 };
 
-/// A failed rank of a job of several nodes (or a node whose launcher vanished: rank -1).
+/// A failed rank of a job of several nodes (or a node whose launcher vanished: rank -1; or stayed silent past
+/// the exit barrier: rank -2).
 struct node_failure {
+  /// The rank of a node_failure whose launcher said nothing within the exit barrier.
+  static constexpr int silent = -2;
+
   int node = 0;                ///< the node it ran on
-  int rank = -1;               ///< its global rank; -1: the node's launcher itself was lost
+  int rank = -1;               ///< its global rank; -1: the node's launcher itself was lost; silent
   int status = 1;              ///< its status as a shell reports it
   std::int64_t began_us = 0;   ///< when its launcher saw it end (wall clock, microseconds)
 
@@ -72,6 +79,9 @@ struct node_failure {
 
   /// "rank 3 on node 1 failed with status 137", or the launcher's line.
   [[nodiscard]] std::string describe() const {
+    if (rank == silent)
+      return "the launcher of node " + std::to_string(node) + " said nothing within the exit barrier after the " +
+             "other nodes' ranks ended (stopped, hung, or its ranks still running; --exit-barrier-timeout sets it)";
     if (rank < 0)
       return "the launcher of node " + std::to_string(node) + " stopped (interrupted, timed out, or lost with its " +
              "host) with status " + std::to_string(status);
@@ -153,10 +163,18 @@ class node_link {
   /// job's verdict (node 0: for every node's end, then sends it); returns the failure every node stopped for,
   /// or nothing when every rank of every node succeeded.
   std::optional<node_failure> finish() {
+    const auto barrier = tcp::detail::clock::now() + plan_.exit_barrier;
     if (plan_.node_rank == 0) {
       done_[0] = true;
       while (!all_done() || (blame_at_ && !stop_)) {
         check_interrupt("waiting for the other nodes' ranks to end");
+        if (tcp::detail::clock::now() >= barrier && !all_done()) {
+          for (std::size_t k = 1; k < done_.size(); ++k)
+            if (!done_[k] && peers_[k].valid()) {
+              note({static_cast<int>(k), node_failure::silent, 124, detail::wall_us()});
+              done_[k] = true;
+            }
+        }
         service(100);
       }
       const node_failure none{0, -1, 0, 0};
@@ -167,6 +185,8 @@ class node_link {
     send(peers_[0], frame(detail::control_kind::done, {}));
     while (!verdict_) {
       check_interrupt("waiting for node 0's verdict");
+      if (tcp::detail::clock::now() >= barrier + std::chrono::minutes(1))  // node 0 waits the barrier itself first
+        verdict_ = stop_ ? stop_ : node_failure{0, node_failure::silent, 124, detail::wall_us()};
       service(100);
     }
     return verdict_->status == 0 ? std::nullopt : verdict_;

@@ -1,6 +1,6 @@
 #pragma once
 /// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
-/// this host with torchrun's environment set, forwards or captures their output line by line, stops
+/// this host with torchrun's environment set, forwards or captures their output (launch/output.hpp), stops
 /// the others when one fails, and reports how every rank ended.
 
 #include <fcntl.h>
@@ -32,6 +32,7 @@
 #include <ddp/launch/binding.hpp>
 #include <ddp/launch/exit_order.hpp>
 #include <ddp/launch/job_identity.hpp>
+#include <ddp/launch/output.hpp>
 
 namespace ddp::launch {
 
@@ -163,79 +164,6 @@ struct spawn_result {
 };
 
 namespace detail {
-
-/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
-inline void write_all(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t k = ::write(fd, data.data(), data.size());
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return;
-    data.remove_prefix(static_cast<std::size_t>(k));
-  }
-}
-
-/// One pipe from a rank: where its bytes go and the unfinished line.
-struct stream {
-  int rank = 0;
-  int fd = -1;         ///< read end, -1 once closed
-  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
-  std::string pending; ///< forward: bytes after the last newline
-  int global = 0;      ///< the rank's RANK, in its lines' prefix
-};
-
-/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
-inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
-  if (s.target < 0) {
-    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
-    return;
-  }
-  s.pending.append(data, n);
-  const std::string prefix = "[rank " + std::to_string(s.global) + "] ";
-  std::string out;
-  std::size_t start = 0;
-  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
-    out += prefix;
-    out.append(s.pending, start, nl + 1 - start);
-    start = nl + 1;
-  }
-  s.pending.erase(0, start);
-  write_all(s.target, out);
-}
-
-/// The rank closed the stream: a last line without a newline still goes out, with one.
-inline void finish(stream& s) {
-  if (s.fd >= 0) ::close(s.fd);
-  s.fd = -1;
-  if (s.target >= 0 && !s.pending.empty()) {
-    write_all(s.target, "[rank " + std::to_string(s.global) + "] " + s.pending + "\n");
-    s.pending.clear();
-  }
-}
-
-/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte or
-/// for `wake_fd` (when >= 0) to become readable; the caller reads `wake_fd` itself.
-inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks, int wake_fd = -1) {
-  std::vector<pollfd> fds;
-  std::vector<std::size_t> which;
-  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
-  const std::size_t first_stream = fds.size();
-  for (std::size_t i = 0; i < streams.size(); ++i)
-    if (streams[i].fd >= 0) {
-      fds.push_back({streams[i].fd, POLLIN, 0});
-      which.push_back(i);
-    }
-  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
-  char buf[16384];
-  for (std::size_t k = first_stream; k < fds.size(); ++k) {
-    if (fds[k].revents == 0) continue;
-    stream& s = streams[which[k - first_stream]];
-    const ssize_t got = ::read(s.fd, buf, sizeof buf);
-    if (got > 0)
-      deliver(s, buf, static_cast<std::size_t>(got), ranks);
-    else if (got == 0 || errno != EINTR)
-      finish(s);
-  }
-}
 
 /// The child's side after fork: environment, output pipes, body, exit status.
 [[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
@@ -397,10 +325,12 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);
     ::close(out[1]);
-    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}, options.first_rank + r});
+    auto& capture = result.ranks[static_cast<std::size_t>(r)].output;  // sized before the first fork
+    streams.push_back({.fd = out[0], .target = forward ? STDOUT_FILENO : -1, .global = options.first_rank + r,
+                       .capture = forward ? nullptr : &capture});
     if (forward) {
       ::close(err[1]);
-      streams.push_back({r, err[0], STDERR_FILENO, {}, options.first_rank + r});
+      streams.push_back({.fd = err[0], .target = STDERR_FILENO, .global = options.first_rank + r});
     }
   }
 
@@ -442,7 +372,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   };
   constexpr int tick_ms = 20;  // how often deadlines, interrupts and exits without a SIGCHLD are looked at
   while (running > 0) {
-    detail::pump(streams, tick_ms, result.ranks, exits.fd());
+    detail::pump(streams, tick_ms, exits.fd());
     if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
       result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
       stop_all();
@@ -472,7 +402,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   const auto drain_until = clock::now() + std::chrono::milliseconds(200);
   while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
          clock::now() < drain_until)
-    detail::pump(streams, tick_ms, result.ranks);
+    detail::pump(streams, tick_ms);
   for (auto& s : streams) detail::finish(s);
   return result;
 }
