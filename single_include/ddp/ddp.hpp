@@ -5146,7 +5146,8 @@ class peer_io : protected engine_errors {
 /// \file Running a collective over its group's shared-memory segment, on either thread. On the caller's
 /// thread (the engine idle: no hop between threads) until its first barrier has spun shm_handoff_after
 /// without its peers; then, or from the start where the engine is busy, on the engine thread, which sleeps
-/// in 1 ms slices and serves its sockets between them.
+/// in slices of 1 ms, doubling up to shm_longest_engine_slice while the peers stay away, and serves its sockets
+/// between them.
 
 
 // ---- begin <ddp/comm/tcp/shm_algorithms.hpp>
@@ -5287,6 +5288,12 @@ struct shm_handoff {};
 /// Spin this long at a barrier before sleeping on the futex (where the job has a core per rank).
 inline constexpr std::chrono::microseconds shm_spin{50};
 
+/// The engine thread's longest sleep in a flat shared-memory wait, between which it serves its sockets: a rank
+/// that waits long for its peers costs 1.3-2.3 ms of CPU a second (1 ms slices throughout cost 19-21 ms a second;
+/// 16 ms slices 2.7-4.1; measured on the 2-core VM, loaded, a 4 s wait at N = 2 and 3). The call itself ends as
+/// soon as the peers post (they wake the sleeper); only bytes arriving on the sockets meanwhile wait this long.
+inline constexpr std::chrono::milliseconds shm_longest_engine_slice{32};
+
 /// How a shared-memory call waits for its peers.
 struct shm_waiting {
   /// How long a barrier spins before it sleeps.
@@ -5297,8 +5304,11 @@ struct shm_waiting {
   std::chrono::nanoseconds handoff_after{0};
   /// The call was handed off: its first region is filled and posted already.
   bool resumed = false;
-  /// How long one futex sleep lasts before the checks run again.
+  /// How long the first futex sleep lasts before the checks (and `between`) run again; each later one doubles,
+  /// up to longest_slice, while the peers stay away (a long wait costs little CPU).
   std::chrono::milliseconds slice{20};
+  /// The longest futex sleep.
+  std::chrono::milliseconds longest_slice{20};
   /// Runs between sleeps (the engine thread serves its sockets); empty on the caller's thread.
   std::function<void()> between;
   /// Where wait() reads whom the call waits for while it sleeps.
@@ -5421,8 +5431,10 @@ class shm_channel {
         if (note != nullptr) note->set({});
       }
     } on_exit{theirs, how_.note};
-    const long slice = std::chrono::duration_cast<std::chrono::nanoseconds>(how_.slice).count();
-    while (true) {
+    long slice = std::chrono::duration_cast<std::chrono::nanoseconds>(how_.slice).count();
+    const long longest = std::max(slice, static_cast<long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                              how_.longest_slice).count()));
+    for (;; slice = std::min(2 * slice, longest)) {
       const std::uint32_t seen = theirs.posted.load(std::memory_order_seq_cst);
       if (static_cast<std::int32_t>(seen - target) >= 0) return;
       check(r);
@@ -5821,6 +5833,7 @@ inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::
   shm_waiting how = waiting_among(*c.grp->shm);
   how.resumed = c.resumed;
   how.slice = std::chrono::milliseconds(1);
+  how.longest_slice = shm_longest_engine_slice;
   how.note = note;
   how.between = std::move(serve);
   // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
@@ -6961,6 +6974,7 @@ template <class F>
 void on_this_host(engine& e, const call& step, host_plan& p, F f) {
   shm_waiting how = waiting_among(*p.shm);
   how.slice = std::chrono::milliseconds(1);
+  how.longest_slice = std::chrono::milliseconds(8);  // a lead's sockets carry this call's bytes between hosts
   how.between = [&e] { e.serve_sockets(); };
   // One slice past the call's deadline, as run_shm_on_engine gives: wait() gives up first.
   shm_channel ch(*p.shm, step, e.deadline() + how.slice, std::move(how));
@@ -9203,9 +9217,10 @@ concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
 };
 
 /// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
-///   static void check(const Opt&, std::span<const flat_buffer> owned, int rank);
-/// throwing ddp::config_error unless it steps tensors over the `owned` buffers: data_parallel calls it before each
-/// step under the sharded policies, where only the owned blocks receive the averaged gradients.
+///   static void prepare(const Opt&, std::span<const flat_buffer> owned, int rank);
+/// throwing ddp::config_error unless it steps tensors over the `owned` buffers, and pointing each tensor's gradient
+/// at its buffer's gradients again where the framework dropped it (its own zero_grad): data_parallel calls it
+/// before each step under the sharded policies, where only the owned blocks receive the averaged gradients.
 template <class Opt>
 struct optimizer_traits {};
 
@@ -10602,8 +10617,10 @@ void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
 /// which goes back to the pool afterwards (steady-state steps reuse the same buffers: nothing is allocated
 /// and no page is faulted in). Outside, a parameter's gradient points at its place in the layout's gradient
 /// arena, whose pages are released once at construction (zeros, not resident). Each bucket is
-/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad(),
-/// else into a receive buffer that is then added (accumulation, as under no_sync). hybrid averages each
+/// reduce-scattered (average) into the owned block: straight into the owned gradients after zero_grad() or a
+/// step (a step consumes them, so a backward after it starts from zero however the user zeroed: dp.zero_grad(),
+/// a framework's own zero_grad on the model, which cannot reach the owned blocks, or not at all), else into a
+/// receive buffer that is then added (accumulation over backwards of one step, as under no_sync). hybrid averages each
 /// block across the replica group too: that all-reduce is chained when the next bucket starts (after
 /// waiting for the block's reduce-scatter), so it overlaps the rest of the backward. The point is the same on
 /// every rank by construction: choosing it by polling completion would order the shard and replica groups'
@@ -11016,7 +11033,7 @@ enum class owned_value_home : std::uint8_t {
 /// Bucket `b`'s sharded bookkeeping: its owned block and where its reduce-scatter writes.
 struct shard_bucket {
   owned_block block;        ///< the owned block
-  bool owned_zero = true;   ///< the owned gradients are zero (since zero_grad)
+  bool overwrite = true;    ///< the next reduce-scatter overwrites the owned gradients (zero_grad or a step since)
   bool direct = true;       ///< this step's reduce-scatter writes straight into the owned gradients
 };
 /// Unit `u`'s pooled buffers (unit_pool ids), or no_buffer.
@@ -11036,11 +11053,12 @@ class sharded_core {
   static constexpr detail::bucket_cut bucket_cut = detail::bucket_cut::within_units;  ///< a unit's buckets are its own
   static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
   /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
-  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::check says so, where specialized.
+  /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::prepare checks it and points their
+  /// gradients at the owned ones again, where specialized.
   template <class Opt>
-  static void check_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
-    if constexpr (requires { optim::optimizer_traits<Opt>::check(opt, buffers, rank); })
-      optim::optimizer_traits<Opt>::check(opt, buffers, rank);
+  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+    if constexpr (requires { optim::optimizer_traits<Opt>::prepare(opt, buffers, rank); })
+      optim::optimizer_traits<Opt>::prepare(opt, buffers, rank);
   }
 
   sharded_core(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm shard,
@@ -11124,8 +11142,8 @@ class sharded_core {
     if (state_.unit(u).grads == grad_phase::released) hold_gradients(u);  // no report reached it: zero gradients
     state_.move_grads(u, grad_phase::reported, {grad_phase::held, grad_phase::reported});  // read until reduced
     auto& sb = buckets_[b];
-    sb.direct = sb.owned_zero;
-    sb.owned_zero = false;
+    sb.direct = sb.overwrite;
+    sb.overwrite = false;
     if (b == 0) chained_ = 0;  // a new step
     const auto& bk = plan_.buckets[b];
     const raw_tensor in = staging_.stage(gradient_view(b), bk.arena, bk.begin);  // mixed precision: widened
@@ -11168,9 +11186,14 @@ class sharded_core {
     for (std::size_t a = 0; a < own_grads_.size(); ++a)
       layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
                                                          own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
-    for (auto& sb : buckets_) sb.owned_zero = true;
+    for (auto& sb : buckets_) sb.overwrite = true;
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
+  }
+  /// The step consumed the owned gradients: each bucket's next reduce-scatter overwrites them (they keep their
+  /// values until then, for whoever reads them after the step).
+  void consume_owned_gradients() noexcept {
+    for (auto& sb : buckets_) sb.overwrite = true;
   }
   /// One flat buffer per bucket: the owned values and gradients with the parameter pieces in them.
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return optimizer_; }
@@ -11424,7 +11447,8 @@ struct strategy {
 ///   rebuilds_buckets            the first step's ready order may replan the buckets (parallel/bucket_rebuild.hpp)
 ///   join_replays_scopes         a join shadow step replays the last step's scopes and reports
 ///   check_leaves(layout, rank)  refuses leaves the strategy cannot hold, before any collective
-///   check_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors (a template)
+///   prepare_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors, relinks its
+///                               gradients to the owned ones (a template)
 /// Work:
 ///   S(layout, plan, state, comm, policy)      collective
 ///   reduce(hook, b): bucket b waiting → started (and, under hybrid, chains earlier buckets without waiting)
@@ -11520,10 +11544,12 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
       if (this->state().unit(u).scopes == 0 && reshard_) reshard(u);
     }
   }
-  /// The owned blocks changed: every unit no scope holds is resharded (the next scope unshards it again), a
-  /// unit still held is unsharded again in place; then the pooled buffers this step did not need are freed.
+  /// The owned blocks changed (and the step consumed the owned gradients): every unit no scope holds is resharded
+  /// (the next scope unshards it again), a unit still held is unsharded again in place; then the pooled buffers
+  /// this step did not need are freed.
   void after_step() {
     recorded_ = true;  // the execution order of the first step is known
+    this->consume_owned_gradients();
     for (std::size_t u = 0; u < this->state().units(); ++u) {
       if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
       if (this->state().unit(u).scopes == 0) {
@@ -11645,12 +11671,13 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
       : sharded_core<Comm>(layout, plan, state, std::move(shard), std::move(replica), "shard_grad_op",
                            policy.keep_unit_buffers, policy.deterministic, owned_value_home::value_arena) {}
 
-  /// All-gathers every bucket's updated owned blocks back into the full parameters; frees the pooled
-  /// gradient buffers this step did not need.
+  /// All-gathers every bucket's updated owned blocks back into the full parameters; the step consumed the owned
+  /// gradients; frees the pooled gradient buffers this step did not need.
   void after_step() {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     wait_all(works);
+    this->consume_owned_gradients();
     this->trim_pools();
   }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
@@ -11857,7 +11884,7 @@ struct strategy<replicate, Comm> {
   static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
   /// A framework's optimizer may hold the model's own parameters: they are the whole arenas.
   template <class Opt>
-  static void check_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
+  static void prepare_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
@@ -12024,8 +12051,8 @@ class data_parallel {
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
-      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) watches_.push_back(std::move(w));
-    if (!watches_.empty()) strategy_->leaves_report_themselves();
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) held_.push_back(std::move(w));
+    if (!held_.empty()) strategy_->leaves_report_themselves();
   }
 
  public:
@@ -12100,11 +12127,11 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients (optim::optimizer_traits<Opt>::check, where specialized, says so before the step).
+  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step).
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    strategy_type::check_optimizer(opt, owned_buffers(), rank());
+    strategy_type::prepare_optimizer(opt, owned_buffers(), rank());
     run_step([&] { opt.step(); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
@@ -12207,6 +12234,9 @@ class data_parallel {
   [[nodiscard]] std::span<const optim::flat_buffer> owned_buffers() const noexcept {
     return masters_.buffers(strategy_->optimizer_buffers());
   }
+  /// Ties `token` to the wrapper: its deleter runs when the wrapper goes, while the wrapper's memory is still there
+  /// (ddp::parameters(dp) takes the tensors it handed out off that memory).
+  void hold_until_destroyed(std::shared_ptr<void> token) { held_.push_back(std::move(token)); }
   /// Number of gradient buckets (start units).
   [[nodiscard]] std::size_t bucket_count() const noexcept { return plan_.buckets.size(); }
   /// The gradient buckets in start order (rebuilt in the first step's ready order; bucket_rebuild.hpp).
@@ -12251,8 +12281,10 @@ class data_parallel {
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
     if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice in one backward; "
-                  "report each parameter once per step, after its gradient is final", rank());
+      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
+                  "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
+                  "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
+                  "twice (report each parameter once, after its gradient is final)", rank());
     start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
   }
@@ -12315,7 +12347,7 @@ class data_parallel {
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
   detail::master_weights masters_;          // mixed precision: the f32 masters of the owned values
   std::vector<char> unused_;                // per slot: declared unused
-  std::vector<std::shared_ptr<void>> watches_;  // leaves that report their own gradients (autograd hooks)
+  std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
@@ -14287,7 +14319,7 @@ class op_state final : public ddp::detail::work_state {
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 /// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
-/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: 66e8d5f7317a6541c9e6602620dd69987e06c6bc433e83d63d984971e5e96be1
+/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: cadd47b1183ae9b595eafd6c65da694a952c2d0e2383123d20c1410d5be4ef93
 
 namespace ddp::cuda::detail {
 
@@ -26965,7 +26997,7 @@ class progress_bar {
 
 // ---- begin <ddp/launch/spawn.hpp>
 /// \file Local launcher (like torch.multiprocessing.spawn and torchrun --standalone): forks N ranks on
-/// this host with torchrun's environment set, forwards or captures their output line by line, stops
+/// this host with torchrun's environment set, forwards or captures their output (launch/output.hpp), stops
 /// the others when one fails, and reports how every rank ended.
 
 #include <sys/prctl.h>
@@ -27370,6 +27402,107 @@ inline std::string random_token() {
 
 }  // namespace ddp::launch::detail
 // ---- end <ddp/launch/job_identity.hpp>
+// ---- begin <ddp/launch/output.hpp>
+/// \file How ddp::launch::spawn hands its ranks' output on. Each rank's stdout and stderr arrive through pipes; in
+/// forward mode they go to the launcher's own, line by line with a "[rank R] " prefix. A line ends at '\n', or at
+/// '\r' (a progress bar redraws its line with it, and shows as it goes); a line longer than max_line bytes goes out
+/// in pieces of that size, each ended with a newline, so a rank that never writes one costs bounded memory. In
+/// capture mode the bytes are kept whole, in order (tests read them).
+
+
+
+namespace ddp::launch::detail {
+
+/// The longest piece of a line the launcher holds before it forwards it.
+inline constexpr std::size_t max_line = 64 * 1024;
+
+/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
+inline void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    const ssize_t k = ::write(fd, data.data(), data.size());
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return;
+    data.remove_prefix(static_cast<std::size_t>(k));
+  }
+}
+
+/// One pipe from a rank: where its bytes go and the unfinished line.
+struct stream {
+  int fd = -1;                     ///< read end, -1 once closed
+  int target = -1;                 ///< forward: the launcher's fd (1 or 2); capture: -1
+  int global = 0;                  ///< the rank's RANK, in its lines' prefix
+  std::string* capture = nullptr;  ///< capture: where the bytes go
+  std::string pending{};           ///< forward: bytes after the last line end (fewer than max_line)
+};
+
+/// Hands `n` bytes read from `s` on: whole lines (and pieces of max_line bytes) prefixed to the target, or
+/// appended to the capture.
+inline void deliver(stream& s, const char* data, std::size_t n) {
+  if (s.target < 0) {
+    s.capture->append(data, n);
+    return;
+  }
+  s.pending.append(data, n);
+  const std::string prefix = "[rank " + std::to_string(s.global) + "] ";
+  std::string out;
+  std::size_t start = 0;
+  while (start < s.pending.size()) {
+    std::size_t end = s.pending.find_first_of("\n\r", start);
+    if (end != std::string::npos && end - start < max_line) {
+      if (s.pending[end] == '\r' && end + 1 < s.pending.size() && s.pending[end + 1] == '\n') ++end;  // "\r\n": one end
+      out += prefix;
+      out.append(s.pending, start, end + 1 - start);
+      start = end + 1;
+    } else if (s.pending.size() - start >= max_line) {  // no line end within max_line bytes: a piece
+      out += prefix;
+      out.append(s.pending, start, max_line);
+      out += '\n';
+      start += max_line;
+    } else {
+      break;
+    }
+  }
+  s.pending.erase(0, start);
+  write_all(s.target, out);
+}
+
+/// The rank closed the stream: a last line without a newline still goes out, with one.
+inline void finish(stream& s) {
+  if (s.fd >= 0) ::close(s.fd);
+  s.fd = -1;
+  if (s.target >= 0 && !s.pending.empty()) {
+    write_all(s.target, "[rank " + std::to_string(s.global) + "] " + s.pending + "\n");
+    s.pending.clear();
+  }
+}
+
+/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte or
+/// for `wake_fd` (when >= 0) to become readable; the caller reads `wake_fd` itself.
+inline void pump(std::vector<stream>& streams, int wait_ms, int wake_fd = -1) {
+  std::vector<pollfd> fds;
+  std::vector<std::size_t> which;
+  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
+  const std::size_t first_stream = fds.size();
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    if (streams[i].fd >= 0) {
+      fds.push_back({streams[i].fd, POLLIN, 0});
+      which.push_back(i);
+    }
+  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
+  char buf[16384];
+  for (std::size_t k = first_stream; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    stream& s = streams[which[k - first_stream]];
+    const ssize_t got = ::read(s.fd, buf, sizeof buf);
+    if (got > 0)
+      deliver(s, buf, static_cast<std::size_t>(got));
+    else if (got == 0 || errno != EINTR)
+      finish(s);
+  }
+}
+
+}  // namespace ddp::launch::detail
+// ---- end <ddp/launch/output.hpp>
 
 namespace ddp::launch {
 
@@ -27501,79 +27634,6 @@ struct spawn_result {
 };
 
 namespace detail {
-
-/// write(2) all of `data`, retrying on EINTR and short writes; errors are dropped (the reader went away).
-inline void write_all(int fd, std::string_view data) {
-  while (!data.empty()) {
-    const ssize_t k = ::write(fd, data.data(), data.size());
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return;
-    data.remove_prefix(static_cast<std::size_t>(k));
-  }
-}
-
-/// One pipe from a rank: where its bytes go and the unfinished line.
-struct stream {
-  int rank = 0;
-  int fd = -1;         ///< read end, -1 once closed
-  int target = -1;     ///< forward: the launcher's fd (1 or 2); capture: -1
-  std::string pending; ///< forward: bytes after the last newline
-  int global = 0;      ///< the rank's RANK, in its lines' prefix
-};
-
-/// Hands `n` bytes read from `s` on: whole lines prefixed to the target, or appended to the capture.
-inline void deliver(stream& s, const char* data, std::size_t n, std::vector<rank_status>& ranks) {
-  if (s.target < 0) {
-    ranks[static_cast<std::size_t>(s.rank)].output.append(data, n);
-    return;
-  }
-  s.pending.append(data, n);
-  const std::string prefix = "[rank " + std::to_string(s.global) + "] ";
-  std::string out;
-  std::size_t start = 0;
-  for (std::size_t nl = s.pending.find('\n'); nl != std::string::npos; nl = s.pending.find('\n', start)) {
-    out += prefix;
-    out.append(s.pending, start, nl + 1 - start);
-    start = nl + 1;
-  }
-  s.pending.erase(0, start);
-  write_all(s.target, out);
-}
-
-/// The rank closed the stream: a last line without a newline still goes out, with one.
-inline void finish(stream& s) {
-  if (s.fd >= 0) ::close(s.fd);
-  s.fd = -1;
-  if (s.target >= 0 && !s.pending.empty()) {
-    write_all(s.target, "[rank " + std::to_string(s.global) + "] " + s.pending + "\n");
-    s.pending.clear();
-  }
-}
-
-/// Reads what is available on every open stream, waiting at most `wait_ms` for the first byte or
-/// for `wake_fd` (when >= 0) to become readable; the caller reads `wake_fd` itself.
-inline void pump(std::vector<stream>& streams, int wait_ms, std::vector<rank_status>& ranks, int wake_fd = -1) {
-  std::vector<pollfd> fds;
-  std::vector<std::size_t> which;
-  if (wake_fd >= 0) fds.push_back({wake_fd, POLLIN, 0});
-  const std::size_t first_stream = fds.size();
-  for (std::size_t i = 0; i < streams.size(); ++i)
-    if (streams[i].fd >= 0) {
-      fds.push_back({streams[i].fd, POLLIN, 0});
-      which.push_back(i);
-    }
-  if (::poll(fds.data(), fds.size(), wait_ms) <= 0) return;  // timeout, or EINTR: the caller looks again
-  char buf[16384];
-  for (std::size_t k = first_stream; k < fds.size(); ++k) {
-    if (fds[k].revents == 0) continue;
-    stream& s = streams[which[k - first_stream]];
-    const ssize_t got = ::read(s.fd, buf, sizeof buf);
-    if (got > 0)
-      deliver(s, buf, static_cast<std::size_t>(got), ranks);
-    else if (got == 0 || errno != EINTR)
-      finish(s);
-  }
-}
 
 /// The child's side after fork: environment, output pipes, body, exit status.
 [[noreturn]] inline void run_child(int rank, int n, const spawn_options& o, const std::string& port,
@@ -27735,10 +27795,12 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     pids[static_cast<std::size_t>(r)] = pid;
     ::close(sentinel);
     ::close(out[1]);
-    streams.push_back({r, out[0], forward ? STDOUT_FILENO : -1, {}, options.first_rank + r});
+    auto& capture = result.ranks[static_cast<std::size_t>(r)].output;  // sized before the first fork
+    streams.push_back({.fd = out[0], .target = forward ? STDOUT_FILENO : -1, .global = options.first_rank + r,
+                       .capture = forward ? nullptr : &capture});
     if (forward) {
       ::close(err[1]);
-      streams.push_back({r, err[0], STDERR_FILENO, {}, options.first_rank + r});
+      streams.push_back({.fd = err[0], .target = STDERR_FILENO, .global = options.first_rank + r});
     }
   }
 
@@ -27780,7 +27842,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   };
   constexpr int tick_ms = 20;  // how often deadlines, interrupts and exits without a SIGCHLD are looked at
   while (running > 0) {
-    detail::pump(streams, tick_ms, result.ranks, exits.fd());
+    detail::pump(streams, tick_ms, exits.fd());
     if (options.interrupt != nullptr && *options.interrupt != 0 && result.interrupted_by == 0) {
       result.interrupted_by = static_cast<int>(*options.interrupt);  // before reaping: ^C also hit the ranks
       stop_all();
@@ -27810,7 +27872,7 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
   const auto drain_until = clock::now() + std::chrono::milliseconds(200);
   while (std::any_of(streams.begin(), streams.end(), [](const detail::stream& s) { return s.fd >= 0; }) &&
          clock::now() < drain_until)
-    detail::pump(streams, tick_ms, result.ranks);
+    detail::pump(streams, tick_ms);
   for (auto& s : streams) detail::finish(s);
   return result;
 }

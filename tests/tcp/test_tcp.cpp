@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -154,6 +155,35 @@ TEST_CASE("repeated collectives allocate no buffers: the engine's scratch is reu
         expect(extra == 0, std::to_string(extra) + " allocations of 64 KiB or more in the 3 rounds after the first");
       },
       job(60s, 0, same_host_copy(copy))));
+}
+
+TEST_CASE("a rank waiting 2 s in a shared-memory collective uses at most 8 ms of CPU a second (1 ms slices used 20)",
+          "[tcp][shm]") {
+  const int n = GENERATE(2, 3);
+  CAPTURE(n);
+  require_all_ok(run_ranks(
+      n,
+      [](int rank) {
+        auto comm = ddp::tcp::communicator::from_env();
+        std::vector<float> v(1024, 1.0F);
+        comm.all_reduce(v).wait();
+        const auto cpu = [] {
+          rusage u{};
+          ::getrusage(RUSAGE_SELF, &u);  // every thread of the rank: the caller's and the engine's
+          return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+                 1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+        };
+        if (rank == 0) std::this_thread::sleep_for(2s);  // the others wait for it
+        const double before = cpu();
+        const auto start = std::chrono::steady_clock::now();
+        comm.all_reduce(v).wait();
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const double ms_per_s = 1e3 * (cpu() - before) / waited;
+        if (rank != 0)
+          expect(waited > 1.5 && ms_per_s <= 8.0, "rank " + std::to_string(rank) + " waited " + std::to_string(waited) +
+                                                      " s using " + std::to_string(ms_per_s) + " ms of CPU a second");
+      },
+      job(60s, 0, shm_env("1"))));
 }
 
 TEST_CASE("the store serves set get add and a blocking wait and refuses strangers", "[tcp][store]") {

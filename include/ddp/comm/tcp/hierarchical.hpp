@@ -96,6 +96,7 @@ template <class F>
 void on_this_host(engine& e, const call& step, host_plan& p, F f) {
   shm_waiting how = waiting_among(*p.shm);
   how.slice = std::chrono::milliseconds(1);
+  how.longest_slice = std::chrono::milliseconds(8);  // a lead's sockets carry this call's bytes between hosts
   how.between = [&e] { e.serve_sockets(); };
   // One slice past the call's deadline, as run_shm_on_engine gives: wait() gives up first.
   shm_channel ch(*p.shm, step, e.deadline() + how.slice, std::move(how));

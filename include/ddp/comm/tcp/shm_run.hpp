@@ -2,7 +2,8 @@
 /// \file Running a collective over its group's shared-memory segment, on either thread. On the caller's
 /// thread (the engine idle: no hop between threads) until its first barrier has spun shm_handoff_after
 /// without its peers; then, or from the start where the engine is busy, on the engine thread, which sleeps
-/// in 1 ms slices and serves its sockets between them.
+/// in slices of 1 ms, doubling up to shm_longest_engine_slice while the peers stay away, and serves its sockets
+/// between them.
 
 #include <chrono>
 #include <functional>
@@ -44,6 +45,7 @@ inline void run_shm_on_engine(call& c, clock::time_point deadline, ddp::detail::
   shm_waiting how = waiting_among(*c.grp->shm);
   how.resumed = c.resumed;
   how.slice = std::chrono::milliseconds(1);
+  how.longest_slice = shm_longest_engine_slice;
   how.note = note;
   how.between = std::move(serve);
   // One slice past the deadline, as poll's rounding gives the sockets: wait(), whose timeout message carries the
