@@ -20,6 +20,7 @@
 #include <ddp/ddp.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
 
+#include "common/blas.hpp"
 #include "common/mlp.hpp"
 
 namespace {
@@ -78,9 +79,11 @@ int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   if (comm.rank() == 0)
     std::printf("{\"impl\": \"ddp\", \"backend\": \"%s\", \"world\": %d, \"batch\": %zu, \"steps\": %d, "
                 "\"median_ms\": %.3f, \"mean_ms\": %.3f, \"forward_backward_ms\": %.3f, \"step_call_ms\": %.3f, "
-                "\"bucket_mib\": %d, \"buckets\": %zu, \"deterministic\": %s}\n",
+                "\"bucket_mib\": %d, \"buckets\": %zu, \"deterministic\": %s, \"blas_core\": \"%s\", "
+                "\"blas_better_core\": \"%s\"}\n",
                 s.backend.c_str(), comm.size(), s.batch, s.steps, median, mean, compute, finish, s.bucket_mib,
-                dp.bucket_count(), s.deterministic ? "true" : "false");
+                dp.bucket_count(), s.deterministic ? "true" : "false", example::blas_core().c_str(),
+                example::blas_better_core().c_str());
   return 0;
 }
 

@@ -3,7 +3,7 @@
 implementations so machine load drifts hit all of them alike. Writes docs/bench/data_parallel.md and the plot.
 
 usage: /usr/bin/python3 bench/parallel/run_data_parallel.py --build build [--rounds 3] [--steps 20] [--worlds 1,2,4]
-       [--python /usr/bin/python3]
+       [--python /usr/bin/python3] [--blas-core auto|as-is|NAME]
 """
 import argparse
 import datetime
@@ -78,12 +78,29 @@ def run_one(impl, n, a):
         outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
         return {"median_ms": max(last_json(o)["median_ms"] for o in outs)}
     if impl == "ddp mpi":
+        coretype = ["-x", "OPENBLAS_CORETYPE"] if "OPENBLAS_CORETYPE" in os.environ else []
         out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), "-x",
-                              "OPENBLAS_NUM_THREADS=1", exe, "--backend", "mpi"] + common,
+                              "OPENBLAS_NUM_THREADS=1"] + coretype + [exe, "--backend", "mpi"] + common,
                              capture_output=True, text=True, timeout=a.timeout, check=True).stdout
         return last_json(out)
     return last_json(spawn_env_ranks([a.python, os.path.join(HERE, "torch_ddp_step.py")] + common, n,
                                      a.timeout))
+
+
+def choose_blas_kernel(a):
+    """Runs dp_step_bench once at N = 1 to learn OpenBLAS's kernel; with --blas-core auto, where it is a fallback below
+    this CPU (an SSE kernel on a CPU with AVX2 or AVX-512), every run of the round gets OPENBLAS_CORETYPE set to the
+    kernel the CPU has. Returns the line the report gives the BLAS."""
+    exe = os.path.join(a.build, "bench", "parallel", "dp_step_bench")
+    probe = last_json(spawn_env_ranks([exe, "--steps", "1", "--warmup", "0", "--batch", "8"], 1, a.timeout))
+    chosen, better = probe.get("blas_core", "?"), probe.get("blas_better_core", "")
+    if a.blas_core == "as-is" or not better:
+        return "OpenBLAS %s kernel, as OpenBLAS chose it%s" % (
+            chosen, "" if not better else " (below this CPU: OPENBLAS_CORETYPE=%s would be faster)" % better)
+    os.environ["OPENBLAS_CORETYPE"] = better if a.blas_core == "auto" else a.blas_core
+    print("OpenBLAS chose its %s kernel on this CPU; the runs use OPENBLAS_CORETYPE=%s" % (
+        chosen, os.environ["OPENBLAS_CORETYPE"]), flush=True)
+    return "OpenBLAS %s kernel (OPENBLAS_CORETYPE; OpenBLAS itself chose %s)" % (os.environ["OPENBLAS_CORETYPE"], chosen)
 
 
 def machine():
@@ -109,6 +126,9 @@ def main():
     ap.add_argument("--impls", default="ddp tcp,ddp mpi,pytorch,ddp solo")
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--python", default="/usr/bin/python3", help="the Python with PyTorch, for the PyTorch DDP runs")
+    ap.add_argument("--blas-core", default="auto",
+                    help="auto: where OpenBLAS picks a kernel below the CPU, run with the one the CPU has; as-is: "
+                         "OpenBLAS's choice; else an OPENBLAS_CORETYPE name for every ddp run")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "data_parallel.md"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "img", "data_parallel.png"))
     a = ap.parse_args()
@@ -116,6 +136,7 @@ def main():
     impls = a.impls.split(",")
     results = {(i, n): [] for i in impls for n in worlds}
     split = {(i, n): [] for i in impls for n in worlds}  # ddp's rank-0 (forward+backward, dp.step) medians
+    blas = choose_blas_kernel(a)
     load_before = os.getloadavg()
     for rnd in range(a.rounds):
         for n in worlds:
@@ -153,6 +174,7 @@ def main():
         (a.batch, a.rounds, a.steps, a.warmup),
         "",
         "- Machine: %s" % machine(),
+        "- BLAS of the ddp runs: %s; PyTorch: its own" % blas,
         "- Date: %s UTC; load average before/after: %.1f / %.1f" % (
             datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"), load_before[0], load_after[0]),
         "- Command: `%s`" % cmd,

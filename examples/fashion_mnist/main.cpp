@@ -26,6 +26,7 @@
 #include <ddp/ddp.hpp>
 #include <ddp/log.hpp>
 
+#include "common/blas.hpp"
 #include "common/cli.hpp"
 #include "common/idx.hpp"
 #include "common/mlp.hpp"
@@ -77,6 +78,8 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count(), " s), batch ", s.batch,
            " per rank (", s.batch * static_cast<std::size_t>(comm.size()), " global), lr ", s.lr, s.cosine ? " (cosine to 0)" : " (constant)");
 
+  log.info("BLAS: ", example::blas_description());
+  if (const std::string warning = example::blas_warning(); !warning.empty()) log.warn(warning);
   example::mlp model = example::make_mlp(train_set.features(), 256, 128, 10, 1234);
   ddp::data_parallel dp{model, comm};  // data_parallel<example::mlp, Backend>, from the communicator's type
   ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
