@@ -7122,7 +7122,8 @@ namespace ddp::tcp {
 
 /// The config of init method `url` for rank `rank` of `size` (torch.distributed.init_process_group's
 /// init_method, rank and world_size): "env://" takes both from the environment unless given; "tcp://host:port"
-/// and "file:///absolute/path" need them. Throws config_error naming the mistake and its fix.
+/// and "file:///absolute/path" need them; "file://" also a job token (DDP_TOKEN), unless DDP_ALLOW_NO_TOKEN=1.
+/// Throws config_error naming the mistake and its fix.
 inline config config_from_url(std::string_view url, int rank = -1, int size = -1) {
   const auto given = [&](std::string_view method) {
     if (rank < 0 || size < 1)
@@ -7168,6 +7169,12 @@ inline config config_from_url(std::string_view url, int rank = -1, int size = -1
                          rank);
     config cfg = given("file://");
     cfg.store_file = std::string(path);
+    if (cfg.token.empty() && ddp::detail::env_string("DDP_ALLOW_NO_TOKEN").value_or("") != "1")
+      throw config_error("init method '" + std::string(url) + "' without a job token: two jobs that use this path "
+                         "at once would join each other's ranks; export the same DDP_TOKEN (e.g. 32 random hex "
+                         "digits) on every rank (ddp-launch does), or DDP_ALLOW_NO_TOKEN=1 where one job at a time "
+                         "uses the path",
+                         rank);
     return cfg;
   }
   throw config_error("unknown init method '" + std::string(url) + "'; ddp::tcp takes env://, tcp://host:port or "

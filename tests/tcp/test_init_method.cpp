@@ -179,7 +179,22 @@ TEST_CASE("init methods: every malformed URL is a config_error telling the fix",
   CHECK(tcp.master_port == 1234);
   CHECK(tcp.rank == 1);
   CHECK(tcp.size == 4);
+  // file:// without a token: two jobs sharing the path would merge, so it is refused unless allowed.
+  const char* token = std::getenv("DDP_TOKEN");
+  const std::string saved = token != nullptr ? token : "";
+  ::unsetenv("DDP_TOKEN");
+  ::unsetenv("DDP_ALLOW_NO_TOKEN");
+  CHECK_THROWS_WITH(config_from_url("file:///shared/job", 3, 4),
+                    Catch::Contains("without a job token") && Catch::Contains("DDP_ALLOW_NO_TOKEN=1"));
+  ::setenv("DDP_ALLOW_NO_TOKEN", "1", 1);
+  CHECK(config_from_url("file:///shared/job", 3, 4).token.empty());
+  ::unsetenv("DDP_ALLOW_NO_TOKEN");
+  ::setenv("DDP_TOKEN", "a job's token", 1);
   const auto file = config_from_url("file:///shared/job", 3, 4);
   CHECK(file.store_file == "/shared/job");
   CHECK(file.rank == 3);
+  if (token != nullptr)
+    ::setenv("DDP_TOKEN", saved.c_str(), 1);
+  else
+    ::unsetenv("DDP_TOKEN");
 }
