@@ -3503,12 +3503,15 @@ class shm_mapping {
     return code;
   }
 
-  /// "/dev/shm: 12 MiB free of 64 MiB", or what stopped the look.
+  /// "/dev/shm: 12 MiB free of 64 MiB" (KiB below 4 MiB), or what stopped the look.
   static std::string shm_room() {
     struct statvfs fs {};
     if (::statvfs("/dev/shm", &fs) != 0) return "/dev/shm: " + errno_text(errno);
-    const auto mib = [&](fsblkcnt_t blocks) { return std::to_string(static_cast<std::size_t>(blocks) * fs.f_frsize >> 20); };
-    return "/dev/shm: " + mib(fs.f_bavail) + " MiB free of " + mib(fs.f_blocks) + " MiB";
+    const auto size = [&](fsblkcnt_t blocks) {
+      const std::size_t bytes = static_cast<std::size_t>(blocks) * fs.f_frsize;
+      return bytes >= (std::size_t{4} << 20) ? std::to_string(bytes >> 20) + " MiB" : std::to_string(bytes >> 10) + " KiB";
+    };
+    return "/dev/shm: " + size(fs.f_bavail) + " free of " + size(fs.f_blocks);
   }
 
   [[nodiscard]] char* data() const noexcept { return base_; }
@@ -4378,7 +4381,9 @@ class frame_writer {
 /// receiver's reads what is there, straight into the matched recv. No system call on the fast path; a rank's
 /// engine that sleeps in poll says so in its bell word, and a peer that wrote to it (or freed room in a ring
 /// the sleeper waits to write) rings it with an op_ring frame on the socket. Every rank maps the segment with
-/// O_CREAT at the rendezvous; the last to map it unlinks it.
+/// O_CREAT at the rendezvous; the last to map it unlinks it. The segment is sparse (a ring for every pair of
+/// ranks): a rank takes the pages of its incoming rings' heads when it maps the segment, and those of a ring it
+/// sends through before its first send, so that a full /dev/shm is an error naming it, never a SIGBUS.
 
 
 
@@ -4577,18 +4582,29 @@ class shm_ring {
 class shm_rings {
  public:
   /// Maps (creating it if first) the rings of the job segment `job_name` of `size` ranks, as rank `me`.
-  shm_rings(const std::string& job_name, int size, int me) : size_(static_cast<std::size_t>(size)) {
+  shm_rings(const std::string& job_name, int size, int me)
+      : size_(static_cast<std::size_t>(size)), me_(me), sent_before_(size_, 0) {
     const std::string name = job_name + "-p2p";
-    // sparse: N² rings of 1 MiB would reserve 10 GB at 100 ranks; a pair's pages come when it first talks
+    // sparse: N² rings of 1 MiB would reserve 10 GB at 100 ranks; a pair's pages are taken when it first talks
     map_ = shm_mapping::open(name, offset_of_ring(size_ * size_), true, false, me, false);
     count_mapping(*reinterpret_cast<std::atomic<std::uint32_t>*>(map_.data()), name, size);
+    take(map_.data(), offset_of_ring(0), "the rings' bells");
+    for (int r = 0; r < size; ++r)  // the heads of the rings into this rank, which its engine looks at every turn
+      if (r != me) take(map_.data() + offset_of_ring(index(r, me)), sizeof(ring_head), "the ring from rank " + std::to_string(r));
   }
   shm_rings(const shm_rings&) = delete;
 
   /// The ring from world rank `from` to world rank `to`.
   [[nodiscard]] shm_ring ring(int from, int to) const {
-    char* at = map_.data() + offset_of_ring(static_cast<std::size_t>(from) * size_ + static_cast<std::size_t>(to));
+    char* at = map_.data() + offset_of_ring(index(from, to));
     return {reinterpret_cast<ring_head*>(at), at + sizeof(ring_head)};
+  }
+  /// Before this rank's first send to world rank `to`: takes the pages of that ring now, so that a full /dev/shm
+  /// is an error naming it here, not a SIGBUS in the copy.
+  void before_sending(int to) {
+    if (std::exchange(sent_before_[static_cast<std::size_t>(to)], 1) != 0) return;
+    take(map_.data() + offset_of_ring(index(me_, to)), sizeof(ring_head) + ring_bytes,
+         "the ring to rank " + std::to_string(to));
   }
   /// World rank `r`'s bell.
   [[nodiscard]] ring_bell& bell(int r) const {
@@ -4596,11 +4612,30 @@ class shm_rings {
   }
 
  private:
+  [[nodiscard]] std::size_t index(int from, int to) const {
+    return static_cast<std::size_t>(from) * size_ + static_cast<std::size_t>(to);
+  }
+  /// Takes the /dev/shm pages under [at, at + bytes) (MADV_POPULATE_WRITE, whole pages); throws ddp::error naming
+  /// /dev/shm, its room and the fixes where it has none. Kernels before 5.14 lack the advice: nothing is taken.
+  void take(char* at, std::size_t bytes, const std::string& what) const {
+    constexpr std::size_t page = 4096;
+    const auto first = reinterpret_cast<std::uintptr_t>(at) / page * page;
+    const auto end = (reinterpret_cast<std::uintptr_t>(at) + bytes + page - 1) / page * page;
+    if (::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_WRITE) == 0 || errno == EINVAL) return;
+    const int code = errno;
+    throw error("cannot take " + std::to_string((end - first) >> 10) + " KiB of /dev/shm for " + what +
+                    " (point-to-point through shared memory): " + errno_text(code) + " (" +
+                    shm_mapping::shm_room() + "); give /dev/shm more room (docker run --shm-size=1g, or mount -o "
+                    "remount,size=1g /dev/shm), or set DDP_SHM=0 to use the sockets only",
+                me_, code);
+  }
   /// Bytes before ring `i`: the mapping count, the bells, then the rings.
   [[nodiscard]] std::size_t offset_of_ring(std::size_t i) const {
     return 64 + size_ * sizeof(ring_bell) + i * (sizeof(ring_head) + ring_bytes);
   }
   std::size_t size_;
+  int me_;
+  std::vector<char> sent_before_;  ///< per world rank: this rank has sent to it through its ring
   shm_mapping map_;
 };
 
@@ -4927,6 +4962,7 @@ class peer_io : protected engine_errors {
       c.grp->stats.add_bytes(c.kind, h.length);
       if (!p.ring) return post(world_peer, h, c.in, c.done);
       if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
+      rings_->before_sending(world_peer);
       p.ring->queue.push_back({h, static_cast<const char*>(c.in), 0, c.done});
       write_ring(world_peer);
       return;

@@ -146,7 +146,7 @@ void check_corrupt(Comm comm) {
 }  // namespace
 
 #define DDP_CHECKPOINT_SCENARIOS(X)                                                                        \
-  X(check_resume, "save then load restores parameters, optimizer state and step count; training resumes")  \
+  X(check_resume, "save then load restores parameters, optimizer state and step count, and training resumes") \
   X(check_parameters_only, "load without an optimizer takes only the parameters")                         \
   X(check_owning_leaves, "owning leaves (std::vector via ddp::trainable) take the loaded values at once")   \
   X(check_mismatch, "loading into a different model names the first differing tensor on every rank")      \

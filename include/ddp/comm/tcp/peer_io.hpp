@@ -50,6 +50,7 @@ class peer_io : protected engine_errors {
       c.grp->stats.add_bytes(c.kind, h.length);
       if (!p.ring) return post(world_peer, h, c.in, c.done);
       if (p.in.ended()) throw lost(world_peer, 0, farewell(p.in));
+      rings_->before_sending(world_peer);
       p.ring->queue.push_back({h, static_cast<const char*>(c.in), 0, c.done});
       write_ring(world_peer);
       return;

@@ -111,12 +111,15 @@ class shm_mapping {
     return code;
   }
 
-  /// "/dev/shm: 12 MiB free of 64 MiB", or what stopped the look.
+  /// "/dev/shm: 12 MiB free of 64 MiB" (KiB below 4 MiB), or what stopped the look.
   static std::string shm_room() {
     struct statvfs fs {};
     if (::statvfs("/dev/shm", &fs) != 0) return "/dev/shm: " + errno_text(errno);
-    const auto mib = [&](fsblkcnt_t blocks) { return std::to_string(static_cast<std::size_t>(blocks) * fs.f_frsize >> 20); };
-    return "/dev/shm: " + mib(fs.f_bavail) + " MiB free of " + mib(fs.f_blocks) + " MiB";
+    const auto size = [&](fsblkcnt_t blocks) {
+      const std::size_t bytes = static_cast<std::size_t>(blocks) * fs.f_frsize;
+      return bytes >= (std::size_t{4} << 20) ? std::to_string(bytes >> 20) + " MiB" : std::to_string(bytes >> 10) + " KiB";
+    };
+    return "/dev/shm: " + size(fs.f_bavail) + " free of " + size(fs.f_blocks);
   }
 
   [[nodiscard]] char* data() const noexcept { return base_; }
