@@ -3181,6 +3181,10 @@ inline config config_from_env() {
 }
 
 namespace detail {
+/// The most ranks a ddp::tcp job may have: every rank holds a socket to every other (ulimit -n must exceed the
+/// world size), and rank 0's store and each engine visit every peer each turn.
+inline constexpr int max_world = 4096;
+
 /// The handshake limits of `cfg`: every rank of the job may be in its handshake at once (a listener of the job
 /// expects at most size − 1 honest connections), and DDP_MAX_PENDING_HANDSHAKES more, the strangers' bound.
 inline handshake_limits limits_of(const config& cfg) {
@@ -7985,6 +7989,12 @@ class communicator : public ddp::detail::collective_front<communicator> {
     if (cfg.size < 1 || cfg.rank < 0 || cfg.rank >= cfg.size)
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
+                         cfg.rank);
+    if (cfg.size > detail::max_world)
+      throw config_error("WORLD_SIZE=" + std::to_string(cfg.size) + " is more ranks than ddp::tcp's full mesh serves (" +
+                             std::to_string(detail::max_world) + ": a socket to every peer, and rank 0's store and "
+                             "engine visit every rank each turn; tested with 100 ranks on one host); use the MPI or "
+                             "NCCL backend for larger jobs",
                          cfg.rank);
     require_store_address(cfg);
     const std::uint64_t token = detail::token_hash(cfg.token);

@@ -830,6 +830,17 @@ TEST_CASE("shared-memory segments are gone after a normal exit, a SIGKILLed rank
   CHECK(shm_entries(printed_pid(rs.ranks[0].output)).empty());
 }
 
+TEST_CASE("a world larger than ddp::tcp's stated maximum is a config_error naming it and the other backends, before any "
+          "socket", "[tcp][config][fast]") {
+  ddp::tcp::config cfg;
+  cfg.size = ddp::tcp::detail::max_world + 1;
+  cfg.rank = cfg.size - 1;
+  cfg.master_port = 29500;
+  CHECK_THROWS_AS(ddp::tcp::communicator(cfg), ddp::config_error);
+  CHECK_THROWS_WITH(ddp::tcp::communicator(cfg), Catch::Contains("WORLD_SIZE=4097") && Catch::Contains("4096") &&
+                                                     Catch::Contains("MPI or NCCL"));
+}
+
 TEST_CASE("from_env reports a missing variable as config_error", "[tcp][config][fast]") {
   const auto rs = run_ranks(
       1,

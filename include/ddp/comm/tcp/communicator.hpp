@@ -60,6 +60,12 @@ class communicator : public ddp::detail::collective_front<communicator> {
       throw config_error("rank " + std::to_string(cfg.rank) + " of " + std::to_string(cfg.size) +
                              " is not a place in a job; ranks run from 0 to size-1",
                          cfg.rank);
+    if (cfg.size > detail::max_world)
+      throw config_error("WORLD_SIZE=" + std::to_string(cfg.size) + " is more ranks than ddp::tcp's full mesh serves (" +
+                             std::to_string(detail::max_world) + ": a socket to every peer, and rank 0's store and "
+                             "engine visit every rank each turn; tested with 100 ranks on one host); use the MPI or "
+                             "NCCL backend for larger jobs",
+                         cfg.rank);
     require_store_address(cfg);
     const std::uint64_t token = detail::token_hash(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;

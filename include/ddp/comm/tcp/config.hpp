@@ -122,6 +122,10 @@ inline config config_from_env() {
 }
 
 namespace detail {
+/// The most ranks a ddp::tcp job may have: every rank holds a socket to every other (ulimit -n must exceed the
+/// world size), and rank 0's store and each engine visit every peer each turn.
+inline constexpr int max_world = 4096;
+
 /// The handshake limits of `cfg`: every rank of the job may be in its handshake at once (a listener of the job
 /// expects at most size − 1 honest connections), and DDP_MAX_PENDING_HANDSHAKES more, the strangers' bound.
 inline handshake_limits limits_of(const config& cfg) {
