@@ -3920,10 +3920,11 @@ class call_queue {
   /// With mutex() held: queues `c` behind the others.
   void push_locked(call c) { calls_.push_back(std::move(c)); }
   /// With mutex() held: true (and the queue claimed) when call `c` may run on the caller's thread now: a
-  /// collective over shared memory, or a send or recv where the job has shared memory, with nothing running or
-  /// waiting before it and the engine not failed.
+  /// collective over shared memory or of a group of one rank, or a send or recv where the job has shared memory,
+  /// with nothing running or waiting before it and the engine not failed.
   bool claim_locked(const call& c) {
-    if (c.grp->shm == nullptr || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    const bool alone = c.grp->size() == 1 && c.side == p2p::none;  // a collective of one rank moves no byte
+    if ((c.grp->shm == nullptr && !alone) || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
     busy_ = true;
     return true;
   }
@@ -6196,8 +6197,9 @@ class engine : peer_io {
 
   /// The calls submitted, and who runs them.
   call_queue& queue() { return queue_; }
-  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
-  /// the engine thread if the peers are not there within shm_handoff_after.
+  /// Runs call `c`, claimed with queue().claim_locked(), on the caller's thread: a collective of a group of one
+  /// at once (no thread hand-off, as a job of one rank steps), a shared-memory call unless the peers are not there
+  /// within shm_handoff_after (then the engine thread takes it).
   /// A point-to-point call runs through its peer's ring, with the engine's io mutex taken while the engine
   /// thread sleeps in poll (peer_io.hpp); a recv not there within shm_handoff_after stays posted for the engine.
   void run_on_caller(call c) {
@@ -6205,7 +6207,11 @@ class engine : peer_io {
     std::exception_ptr failure;
     bool wake_engine = false;
     try {
-      if (c.side != p2p::none) {
+      if (c.grp->shm == nullptr) {  // a collective of a group of one (call_queue::claim_locked): local copies
+        std::lock_guard io(io_);       // the engine thread reads the peers' state only while it holds io_
+        exec_(*this, c);
+        c.done->finish();
+      } else if (c.side != p2p::none) {
         std::lock_guard io(io_);
         if (!point_to_point_on_caller(c, shm_handoff_after, yield_after_among(*c.grp->shm), wake_engine))
           back = std::move(c);
@@ -6217,7 +6223,7 @@ class engine : peer_io {
     } catch (...) {
       failure = std::current_exception();
       live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      if (c.grp->shm) c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
       c.done->fail(failure);
     }
     if (queue_.release(std::move(back), std::move(failure)) || wake_engine) wake();

@@ -22,10 +22,11 @@ class call_queue {
   /// With mutex() held: queues `c` behind the others.
   void push_locked(call c) { calls_.push_back(std::move(c)); }
   /// With mutex() held: true (and the queue claimed) when call `c` may run on the caller's thread now: a
-  /// collective over shared memory, or a send or recv where the job has shared memory, with nothing running or
-  /// waiting before it and the engine not failed.
+  /// collective over shared memory or of a group of one rank, or a send or recv where the job has shared memory,
+  /// with nothing running or waiting before it and the engine not failed.
   bool claim_locked(const call& c) {
-    if (c.grp->shm == nullptr || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
+    const bool alone = c.grp->size() == 1 && c.side == p2p::none;  // a collective of one rank moves no byte
+    if ((c.grp->shm == nullptr && !alone) || busy_ || !calls_.empty() || failed_ || caller_failure_) return false;
     busy_ = true;
     return true;
   }

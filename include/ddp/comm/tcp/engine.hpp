@@ -81,8 +81,9 @@ class engine : peer_io {
 
   /// The calls submitted, and who runs them.
   call_queue& queue() { return queue_; }
-  /// Runs shared-memory call `c`, claimed with queue().claim_locked(), on the caller's thread; hands it to
-  /// the engine thread if the peers are not there within shm_handoff_after.
+  /// Runs call `c`, claimed with queue().claim_locked(), on the caller's thread: a collective of a group of one
+  /// at once (no thread hand-off, as a job of one rank steps), a shared-memory call unless the peers are not there
+  /// within shm_handoff_after (then the engine thread takes it).
   /// A point-to-point call runs through its peer's ring, with the engine's io mutex taken while the engine
   /// thread sleeps in poll (peer_io.hpp); a recv not there within shm_handoff_after stays posted for the engine.
   void run_on_caller(call c) {
@@ -90,7 +91,11 @@ class engine : peer_io {
     std::exception_ptr failure;
     bool wake_engine = false;
     try {
-      if (c.side != p2p::none) {
+      if (c.grp->shm == nullptr) {  // a collective of a group of one (call_queue::claim_locked): local copies
+        std::lock_guard io(io_);       // the engine thread reads the peers' state only while it holds io_
+        exec_(*this, c);
+        c.done->finish();
+      } else if (c.side != p2p::none) {
         std::lock_guard io(io_);
         if (!point_to_point_on_caller(c, shm_handoff_after, yield_after_among(*c.grp->shm), wake_engine))
           back = std::move(c);
@@ -102,7 +107,7 @@ class engine : peer_io {
     } catch (...) {
       failure = std::current_exception();
       live_.end();  // first: peers copying from this process's buffers must discard what they copy from now on
-      c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
+      if (c.grp->shm) c.grp->shm->world().abort(notice_of(failure));  // the peers must hear of it even if this process exits
       c.done->fail(failure);
     }
     if (queue_.release(std::move(back), std::move(failure)) || wake_engine) wake();
