@@ -11,30 +11,20 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/, for machine.py
+import machine  # noqa: E402
 
 
 def run(exe, args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([exe] + args, capture_output=True, text=True, env=env, timeout=1800, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
-
-
-def machine():
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return "%s, %d logical CPUs, %s" % (model or platform.processor(), os.cpu_count(), platform.platform())
 
 
 def main():
@@ -72,7 +62,7 @@ def main():
         "alternates); each reports the median of %d steps; the table gives the medians over rounds. The last column "
         "is the same comparison inside one process (both variants alternating step by step)." % (a.rounds, a.steps),
         "",
-        "- Machine: %s" % machine(),
+        "- Machine: %s" % machine.describe(),
         "- Date: %s UTC; load average before/after: %.1f / %.1f" % (
             datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"), load_before[0], load_after[0]),
         "- Command: `/usr/bin/python3 bench/libtorch/run_libtorch_step.py %s`" % " ".join(

@@ -9,7 +9,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -18,6 +17,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(HERE))  # bench/, for machine.py
+import machine  # noqa: E402
 
 
 def free_port():
@@ -103,18 +104,6 @@ def choose_blas_kernel(a):
     return "OpenBLAS %s kernel (OPENBLAS_CORETYPE; OpenBLAS itself chose %s)" % (os.environ["OPENBLAS_CORETYPE"], chosen)
 
 
-def machine():
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return "%s, %d logical CPUs, %s" % (model or platform.processor(), os.cpu_count(), platform.platform())
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
@@ -173,7 +162,7 @@ def main():
         "time): the part of T_N that is only the ranks sharing the CPU cores." %
         (a.batch, a.rounds, a.steps, a.warmup),
         "",
-        "- Machine: %s" % machine(),
+        "- Machine: %s" % machine.describe(),
         "- BLAS of the ddp runs: %s; PyTorch: its own" % blas,
         "- Date: %s UTC; load average before/after: %.1f / %.1f" % (
             datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M"), load_before[0], load_after[0]),
