@@ -27259,6 +27259,13 @@ class launch_error : public ddp::error {
 
 namespace detail {
 
+/// A rank ended by signal `sig` crashed (SIGKILL, SIGSEGV, ...: no launcher sends those, nor does a rank that
+/// fails with an exception), so it is a root cause: the peers of a lost rank fail with an exit code or SIGABRT
+/// (std::terminate), and SIGTERM, SIGINT and SIGHUP come from a launcher or the user.
+inline bool crash_signal(int sig) noexcept {
+  return sig > 0 && sig != SIGABRT && sig != SIGTERM && sig != SIGINT && sig != SIGHUP;
+}
+
 [[noreturn]] inline void throw_errno(const std::string& what) {
   const int code = errno;
   throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +
@@ -27881,21 +27888,29 @@ inline spawn_result spawn(int n, const std::function<void(int rank)>& body, cons
     result.ranks[r].ended = std::chrono::system_clock::now();
   };
   // The job's failure is the reaped failed rank whose exit began first, named once every rank whose
-  // exit began before it has been reaped too (it may have failed as well), or a second after.
+  // exit began before it has been reaped too (it may have failed as well), or a second after. A crash (a rank
+  // killed by a signal no launcher sends) is blamed before an exit with an error whose exit began first: a
+  // survivor may see the death through shared memory and exit before the victim's sentinel closes, so until the
+  // second is over, every rank whose exit began is reaped before one that did not crash is named.
   std::optional<clock::time_point> blame_by;
   std::optional<clock::time_point> stop_at;  // when the ranks still running after a failure are stopped
+  const auto crashed = [&](int r) {
+    const auto& s = result.ranks[static_cast<std::size_t>(r)];
+    return !s.stopped_by_launcher && detail::crash_signal(s.signal);
+  };
   const auto blame = [&](clock::time_point now) {
     if (result.first_failed >= 0 || result.timed_out || result.interrupted_by != 0 || result.stopped_by_watch) return;
     int first = -1;
     for (int r = 0; r < n; ++r)
       if (pids[static_cast<std::size_t>(r)] < 0 && !result.ranks[static_cast<std::size_t>(r)].ok() &&
-          (first < 0 || exits.began(r) < exits.began(first)))
+          (first < 0 || (crashed(r) && !crashed(first)) ||
+           (crashed(r) == crashed(first) && exits.began(r) < exits.began(first))))
         first = r;
     if (first < 0) return;
     if (!blame_by) blame_by = now + std::chrono::seconds(1);
     for (int r = 0; r < n; ++r)
-      if (pids[static_cast<std::size_t>(r)] > 0 && exits.began(r) != 0 && exits.began(r) < exits.began(first) &&
-          now < *blame_by)
+      if (pids[static_cast<std::size_t>(r)] > 0 && exits.began(r) != 0 &&
+          (exits.began(r) < exits.began(first) || !crashed(first)) && now < *blame_by)
         return;
     result.first_failed = first;
   };

@@ -29,6 +29,13 @@ class launch_error : public ddp::error {
 
 namespace detail {
 
+/// A rank ended by signal `sig` crashed (SIGKILL, SIGSEGV, ...: no launcher sends those, nor does a rank that
+/// fails with an exception), so it is a root cause: the peers of a lost rank fail with an exit code or SIGABRT
+/// (std::terminate), and SIGTERM, SIGINT and SIGHUP come from a launcher or the user.
+inline bool crash_signal(int sig) noexcept {
+  return sig > 0 && sig != SIGABRT && sig != SIGTERM && sig != SIGINT && sig != SIGHUP;
+}
+
 [[noreturn]] inline void throw_errno(const std::string& what) {
   const int code = errno;
   throw launch_error("the launcher could not " + what + ": " + std::strerror(code) +

@@ -30,6 +30,7 @@
 #include <ddp/comm/tcp/accept.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/launch/exit_order.hpp>
 
 namespace ddp::launch {
 
@@ -64,10 +65,7 @@ struct node_failure {
 
   /// Killed by a signal no launcher sends (SIGKILL, SIGSEGV, ...: a crash, the OOM killer): a root cause, since
   /// the peers of a lost rank fail with an exception (an exit code, or SIGABRT from std::terminate).
-  [[nodiscard]] bool crashed() const noexcept {
-    const int sig = status - 128;
-    return rank >= 0 && sig > 0 && sig != SIGABRT && sig != SIGTERM && sig != SIGINT && sig != SIGHUP;
-  }
+  [[nodiscard]] bool crashed() const noexcept { return rank >= 0 && detail::crash_signal(status - 128); }
   /// Blamed before `o`: a crash before an exit, else the one that ended first.
   [[nodiscard]] bool before(const node_failure& o) const noexcept {
     if (crashed() != o.crashed()) return crashed();
