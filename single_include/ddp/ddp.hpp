@@ -3475,9 +3475,7 @@ class shm_mapping {
       if (const int code = take_pages(fd.get(), bytes); code != 0) {
         ::shm_unlink(name.c_str());
         throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
-                        "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
-                        "room (docker run --shm-size=1g, or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 "
-                        "to use the sockets only",
+                        "segment " + name + no_room(code),
                     rank, code);
       }
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
@@ -3507,6 +3505,12 @@ class shm_mapping {
     return code;
   }
 
+  /// What follows "cannot ... of /dev/shm for X" when /dev/shm had no room: the error `code`, the room left and
+  /// the fixes.
+  static std::string no_room(int code) {
+    return ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more room (docker run --shm-size=1g, "
+           "or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 to use the sockets only";
+  }
   /// "/dev/shm: 12 MiB free of 64 MiB" (KiB below 4 MiB), or what stopped the look.
   static std::string shm_room() {
     struct statvfs fs {};
@@ -4629,9 +4633,7 @@ class shm_rings {
     if (::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_WRITE) == 0 || errno == EINVAL) return;
     const int code = errno;
     throw error("cannot take " + std::to_string((end - first) >> 10) + " KiB of /dev/shm for " + what +
-                    " (point-to-point through shared memory): " + errno_text(code) + " (" +
-                    shm_mapping::shm_room() + "); give /dev/shm more room (docker run --shm-size=1g, or mount -o "
-                    "remount,size=1g /dev/shm), or set DDP_SHM=0 to use the sockets only",
+                    " (point-to-point through shared memory)" + shm_mapping::no_room(code),
                 me_, code);
   }
   /// Bytes before ring `i`: the mapping count, the bells, then the rings.
@@ -11245,12 +11247,12 @@ class sharded_core {
     for (std::size_t a = 0; a < own_grads_.size(); ++a)
       layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
                                                          own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
-    for (auto& sb : buckets_) sb.overwrite = true;
+    consume_owned_gradients();  // zero now: the next reduce-scatters may write them directly
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
   }
-  /// The step consumed the owned gradients: each bucket's next reduce-scatter overwrites them (they keep their
-  /// values until then, for whoever reads them after the step).
+  /// The owned gradients were consumed by a step (or zeroed): each bucket's next reduce-scatter overwrites them
+  /// (after a step they keep their values until then, for whoever reads them).
   void consume_owned_gradients() noexcept {
     for (auto& sb : buckets_) sb.overwrite = true;
   }

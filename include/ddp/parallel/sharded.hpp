@@ -232,12 +232,12 @@ class sharded_core {
     for (std::size_t a = 0; a < own_grads_.size(); ++a)
       layout_.arenas()[a].domain->zero(own_grads_[a].view(layout_.arenas()[a].reduce_type, 0,
                                                          own_grads_[a].size() / size_of(layout_.arenas()[a].reduce_type)));
-    for (auto& sb : buckets_) sb.overwrite = true;
+    consume_owned_gradients();  // zero now: the next reduce-scatters may write them directly
     for (std::size_t u = 0; u < pooled_.size(); ++u)
       if (pooled_[u].grads != no_buffer) zero_gradients(u);
   }
-  /// The step consumed the owned gradients: each bucket's next reduce-scatter overwrites them (they keep their
-  /// values until then, for whoever reads them after the step).
+  /// The owned gradients were consumed by a step (or zeroed): each bucket's next reduce-scatter overwrites them
+  /// (after a step they keep their values until then, for whoever reads them).
   void consume_owned_gradients() noexcept {
     for (auto& sb : buckets_) sb.overwrite = true;
   }

@@ -140,9 +140,7 @@ class shm_rings {
     if (::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_WRITE) == 0 || errno == EINVAL) return;
     const int code = errno;
     throw error("cannot take " + std::to_string((end - first) >> 10) + " KiB of /dev/shm for " + what +
-                    " (point-to-point through shared memory): " + errno_text(code) + " (" +
-                    shm_mapping::shm_room() + "); give /dev/shm more room (docker run --shm-size=1g, or mount -o "
-                    "remount,size=1g /dev/shm), or set DDP_SHM=0 to use the sockets only",
+                    " (point-to-point through shared memory)" + shm_mapping::no_room(code),
                 me_, code);
   }
   /// Bytes before ring `i`: the mapping count, the bells, then the rings.

@@ -79,9 +79,7 @@ class shm_mapping {
       if (const int code = take_pages(fd.get(), bytes); code != 0) {
         ::shm_unlink(name.c_str());
         throw error("cannot reserve " + std::to_string(bytes >> 10) + " KiB of /dev/shm for the shared-memory "
-                        "segment " + name + ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more "
-                        "room (docker run --shm-size=1g, or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 "
-                        "to use the sockets only",
+                        "segment " + name + no_room(code),
                     rank, code);
       }
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
@@ -111,6 +109,12 @@ class shm_mapping {
     return code;
   }
 
+  /// What follows "cannot ... of /dev/shm for X" when /dev/shm had no room: the error `code`, the room left and
+  /// the fixes.
+  static std::string no_room(int code) {
+    return ": " + errno_text(code) + " (" + shm_room() + "); give /dev/shm more room (docker run --shm-size=1g, "
+           "or mount -o remount,size=1g /dev/shm), or set DDP_SHM=0 to use the sockets only";
+  }
   /// "/dev/shm: 12 MiB free of 64 MiB" (KiB below 4 MiB), or what stopped the look.
   static std::string shm_room() {
     struct statvfs fs {};
