@@ -21,12 +21,11 @@
 #include <ddp/comm/object.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/memory/devices.hpp>
 #include <ddp/memory/domain.hpp>
 #include <ddp/memory/host.hpp>
-#include <ddp/memory/staged.hpp>
 
 #include <ddp/parallel/policies.hpp>
 #include <ddp/parallel/data_parallel.hpp>

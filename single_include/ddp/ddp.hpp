@@ -1265,7 +1265,7 @@ class stats_counter {
 }  // namespace detail
 }  // namespace ddp
 // ---- end <ddp/comm/stats.hpp>
-// ---- begin <ddp/comm/work.hpp>
+// ---- begin <ddp/core/work.hpp>
 /// \file ddp::work: the handle of an in-flight operation; errors and timeouts surface here.
 
 #include <chrono>
@@ -1428,7 +1428,7 @@ inline void wait_all(std::span<work> works) {
 }
 
 }  // namespace ddp
-// ---- end <ddp/comm/work.hpp>
+// ---- end <ddp/core/work.hpp>
 
 namespace ddp {
 
@@ -1893,7 +1893,8 @@ inline std::string describe(const call_info& c) {
 ///   start_scatter(c, in, out), start_all_to_all(c, in, out), start_barrier(c), start_send(c, buffer),
 ///   start_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
 /// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
-/// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
+/// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages. Device tensors
+/// reach the starts through host memory (comm/staging.hpp) unless a public moves_device_memory() returns true.
 
 
 // ---- begin <ddp/comm/call_check.hpp>
@@ -2210,6 +2211,601 @@ inline std::string next_group_label() {
 
 }  // namespace ddp::detail
 // ---- end <ddp/comm/flight_recorder.hpp>
+// ---- begin <ddp/comm/staging.hpp>
+/// \file Device tensors on a host backend (ddp::tcp, an MPI without CUDA support), as Gloo takes CUDA tensors:
+/// the collective front end hands each device argument's bytes to the backend through a host buffer. The device's
+/// memory domain (memory/devices.hpp) copies the inputs out and is waited for (the backend reads them now); the
+/// backend runs on the host buffers; the copy of each output back to its device is queued at once on the device's
+/// domain, ordered after the collective there (the domain's order_after), so later work on that domain sees the
+/// result without the host waiting; the host buffers go back to the pool once the domain has run the copies.
+/// Waiting for the work on the host returns once the outputs are home.
+
+
+// ---- begin <ddp/memory/devices.hpp>
+/// \file The memory domain of each device of this process: the host's for the CPU; for a device, the domain its
+/// owner registered (ddp::device_registration: the CUDA runtime's, a test's fake device). Whatever meets a
+/// tensor on a device (data_parallel laying a leaf into an arena, a host backend staging a buffer) finds the
+/// domain that can touch it here.
+
+
+// ---- begin <ddp/memory/domain.hpp>
+/// \file ddp::memory_domain: where a wrapper's memory lives and how element work runs on it. What data_parallel
+/// allocates or touches element by element (arenas, the unit pool, the reduce staging, the owned blocks, master
+/// weights, the optimizers' flat state and their updates, leaf copies, the comm hooks' conversions, join's rescale) goes through the
+/// domain of the memory's device: the host domain (memory/host.hpp) for the CPU, a device domain for an
+/// accelerator. A domain also orders its work: the host runs each operation before returning; a device domain
+/// enqueues it on its stream, and orders it after a collective by enqueueing the wait (order_after) rather than
+/// blocking the host.
+///
+/// An abstract class, not a concept: the arenas of one wrapper may live in several domains (a model split over
+/// devices, or over the CPU and a device), known only at run time from the leaves' devices, and every operation is
+/// a bulk one over a buffer, so one virtual call per operation costs nothing measurable.
+
+
+// ---- begin <ddp/memory/updates.hpp>
+/// \file The optimizers' element updates as a memory domain runs them: torch.optim.SGD's and torch.optim.AdamW's
+/// per-element arithmetic over flat f32 or f64 ranges, with the step's scalars worked out by the optimizer
+/// (optim/sgd.hpp, optim/adamw.hpp). The host domain runs the loops below; a device domain runs the same arithmetic
+/// as kernels (cuda/kernels.cuh), so a step gives the same bits wherever its memory lives.
+
+#include <cmath>
+
+
+namespace ddp {
+
+/// One torch.optim.SGD step: g = grad + weight_decay·p; with momentum, buf = g on the first step, else
+/// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
+struct sgd_update {
+  double lr = 0;            ///< learning rate
+  double momentum = 0;      ///< momentum factor (0: no momentum buffer)
+  double dampening = 0;     ///< dampening of the momentum
+  double weight_decay = 0;  ///< L2 penalty added to the gradient
+  bool nesterov = false;    ///< Nesterov momentum
+  bool first = false;       ///< the buffer's first step (it takes the gradient)
+};
+
+/// One torch.optim.AdamW step at step t: p ·= decay; m += (1 − β1)·(g − m); v = β2·v + (1 − β2)·g²;
+/// p −= step_size · m / (√v / correction2_sqrt + eps), where decay = 1 − lr·weight_decay,
+/// step_size = lr / (1 − β1ᵗ) and correction2_sqrt = √(1 − β2ᵗ).
+struct adamw_update {
+  double decay = 1;             ///< 1 − lr·weight_decay
+  double beta1 = 0.9;           ///< decay of the first moment
+  double beta2 = 0.999;         ///< decay of the second moment
+  double step_size = 0;         ///< lr / (1 − β1ᵗ)
+  double correction2_sqrt = 1;  ///< √(1 − β2ᵗ)
+  double eps = 1e-8;            ///< added to the denominator
+};
+
+namespace detail {
+
+/// Throws config_error unless `type` is one an optimizer steps (f32 or f64); `who` names the caller.
+inline void steppable(dtype type, const char* who) {
+  if (type != dtype::f32 && type != dtype::f64)
+    throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(type)) + " cannot be "
+                       "stepped; keep f32 or f64 parameters (master weights) and compress gradients with a comm hook "
+                       "instead");
+}
+
+/// sgd_update over host memory: `momentum` is empty when u.momentum is 0.
+inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) {
+  steppable(values.type, "optim::sgd");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>) {
+      T* p = static_cast<T*>(values.data);
+      const T* g = static_cast<const T*>(grads.data);
+      T* buf = static_cast<T*>(momentum.data);
+      const T lr = static_cast<T>(u.lr), wd = static_cast<T>(u.weight_decay);
+      const T mu = static_cast<T>(u.momentum), keep = static_cast<T>(1 - u.dampening);
+      for (std::size_t i = 0; i < values.size; ++i) {
+        T d = g[i];
+        if (u.weight_decay != 0) d += wd * p[i];
+        if (u.momentum != 0) {
+          buf[i] = u.first ? d : mu * buf[i] + keep * d;
+          d = u.nesterov ? d + mu * buf[i] : buf[i];
+        }
+        p[i] -= lr * d;
+      }
+    }
+  });
+}
+
+/// adamw_update over host memory.
+inline void host_adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                       const raw_tensor& exp_avg_sq, const adamw_update& u) {
+  steppable(values.type, "optim::adamw");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>) {
+      T* p = static_cast<T*>(values.data);
+      const T* g = static_cast<const T*>(grads.data);
+      T* m = static_cast<T*>(exp_avg.data);
+      T* v = static_cast<T*>(exp_avg_sq.data);
+      const T decay = static_cast<T>(u.decay), b1 = static_cast<T>(u.beta1), b2 = static_cast<T>(u.beta2);
+      const T step_size = static_cast<T>(u.step_size), c2 = static_cast<T>(u.correction2_sqrt);
+      const T eps = static_cast<T>(u.eps);
+      for (std::size_t i = 0; i < values.size; ++i) {
+        p[i] *= decay;
+        m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
+        v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
+        p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
+      }
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/memory/updates.hpp>
+
+namespace ddp {
+
+class memory_domain;
+
+/// Memory a domain allocated, zeroed when made and freed with the last handle.
+class domain_buffer {
+ public:
+  domain_buffer() = default;
+  /// `size` bytes at `data` of `domain`, freed by `owner`'s deleter.
+  domain_buffer(std::shared_ptr<std::byte> owner, std::size_t size, memory_domain* domain) noexcept
+      : data_(std::move(owner)), size_(size), domain_(domain) {}
+  /// The first byte.
+  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
+  /// Bytes.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The domain it lives in (null for an empty buffer).
+  [[nodiscard]] memory_domain* domain() const noexcept { return domain_; }
+  /// Elements [begin, begin + count) of `type`, viewed on the domain's device.
+  [[nodiscard]] raw_tensor view(dtype type, std::size_t begin, std::size_t count) const noexcept;
+  /// Zeroes bytes [begin, end), their whole pages handed back where the domain can (memory_domain::release).
+  void release(std::size_t begin, std::size_t end) const;
+
+ private:
+  std::shared_ptr<std::byte> data_;
+  std::size_t size_ = 0;
+  memory_domain* domain_ = nullptr;
+};
+
+/// Where memory lives and how element work runs there (see the file comment).
+class memory_domain {
+ public:
+  memory_domain() = default;
+  memory_domain(const memory_domain&) = delete;
+  memory_domain& operator=(const memory_domain&) = delete;
+  virtual ~memory_domain() = default;
+
+  /// The device its memory is on.
+  [[nodiscard]] virtual device where() const noexcept = 0;
+  /// `bytes` of zeroed memory of this domain.
+  [[nodiscard]] virtual domain_buffer allocate(std::size_t bytes) = 0;
+  /// Zeroes bytes [begin, end) of `b`; where the domain can, the whole pages inside take no memory until touched
+  /// again (the host's madvise). A domain that cannot only zeroes: size buffers to what must be resident.
+  virtual void release(const domain_buffer& b, std::size_t begin, std::size_t end) = 0;
+  /// Every element of `t` becomes zero.
+  virtual void zero(const raw_tensor& t) = 0;
+  /// to = from, element for element (same dtype and size); one side may be host memory (staging, owning leaves).
+  virtual void copy(const raw_tensor& from, const raw_tensor& to) = 0;
+  /// into += from, element for element (same dtype and size).
+  virtual void accumulate(const raw_tensor& from, const raw_tensor& into) = 0;
+  /// to = from × factor converted to `to`'s dtype: the product in from's dtype (factor rounded to it), then the
+  /// conversion (16-bit floats through float, rounding to nearest even); factor 1 converts alone.
+  virtual void convert(const raw_tensor& from, const raw_tensor& to, double factor) = 0;
+  /// to = from converted to `to`'s dtype.
+  void convert(const raw_tensor& from, const raw_tensor& to) { convert(from, to, 1.0); }
+  /// Every element of `t` times `factor` (rounded once, as ddp::detail::scale does on the host).
+  virtual void scale(const raw_tensor& t, double factor) = 0;
+  /// Every element of `t` becomes `value`.
+  virtual void fill(const raw_tensor& t, double value) = 0;
+  /// One torch.optim.SGD step over `values` with `grads` (see ddp::sgd_update); `momentum` is empty when
+  /// u.momentum is 0.
+  virtual void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum,
+                   const sgd_update& u) = 0;
+  /// One torch.optim.AdamW step over `values` with `grads` and the moments (see ddp::adamw_update).
+  virtual void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                     const raw_tensor& exp_avg_sq, const adamw_update& u) = 0;
+  /// Work given to this domain later runs after `w` completes: the host waits for it now, a device enqueues the
+  /// wait on its stream.
+  virtual void order_after(work& w) = 0;
+  /// Returns once every operation given to this domain has run (the optimizer's end of a step).
+  virtual void synchronize() = 0;
+  /// Calls `f` once every operation given to this domain so far has run: at once on the host, from the stream on a
+  /// device (on no thread of the caller's; `f` must not throw or give the domain work).
+  virtual void when_done(std::function<void()> f) = 0;
+};
+
+inline raw_tensor domain_buffer::view(dtype type, std::size_t begin, std::size_t count) const noexcept {
+  return {data_.get() + begin * size_of(type), count, type, domain_ ? domain_->where() : device::cpu()};
+}
+inline void domain_buffer::release(std::size_t begin, std::size_t end) const {
+  if (domain_ && begin < end) domain_->release(*this, begin, end);
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/domain.hpp>
+// ---- begin <ddp/memory/host.hpp>
+/// \file ddp::host_domain: the memory domain of the CPU. Page-aligned zeroed memory whose whole pages can go back
+/// to the OS while the range stays mapped (madvise), and element work as loops on the calling thread, which
+/// has run when the call returns (so order_after waits for the collective, and synchronize has nothing to do).
+
+#include <new>
+
+#include <sys/mman.h>
+
+// ---- begin <ddp/memory/average.hpp>
+/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
+/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float); and scaling by a factor.
+
+
+
+namespace ddp::detail {
+
+/// Multiplies every element of the host buffer `t` by `factor`: in the element type where `factor` is exact in
+/// it (the product then rounds once, as it would through double), else in double, rounded to the element type
+/// (bf16/f16 through float; integers truncate toward zero).
+inline void scale(const raw_tensor& t, double factor) {
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_floating_point_v<T>) {
+      if (static_cast<double>(static_cast<T>(factor)) == factor) {
+        const T exact = static_cast<T>(factor);
+        for (std::size_t i = 0; i < t.size; ++i) p[i] *= exact;
+        return;
+      }
+    }
+    for (std::size_t i = 0; i < t.size; ++i)
+      if constexpr (std::is_arithmetic_v<T>)
+        p[i] = static_cast<T>(static_cast<double>(p[i]) * factor);
+      else
+        p[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(p[i])) * factor));
+  });
+}
+
+/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
+inline void divide(const raw_tensor& t, int n) {
+  if (n == 1) return;
+  visit_dtype(t.type, [&](auto zero) {
+    using T = decltype(zero);
+    auto* p = static_cast<T*>(t.data);
+    if constexpr (std::is_integral_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
+    } else if ((n & (n - 1)) == 0) {
+      // A power of two's reciprocal is exact, so multiplying by it gives the quotient's bits at a fraction of
+      // a division's cost.
+      scale(t, 1.0 / n);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
+    } else {
+      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
+    }
+  });
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/memory/average.hpp>
+
+namespace ddp {
+
+/// The CPU's memory domain (see the file comment).
+class host_domain final : public memory_domain {
+ public:
+  static constexpr std::size_t page_bytes = 4096;  ///< allocations are aligned to, and released in, whole pages
+
+  [[nodiscard]] device where() const noexcept override { return device::cpu(); }
+  [[nodiscard]] domain_buffer allocate(std::size_t bytes) override {
+    if (bytes == 0) return {};
+    std::shared_ptr<std::byte> p(static_cast<std::byte*>(::operator new(round_up(bytes), std::align_val_t{page_bytes})),
+                                 [](std::byte* q) { ::operator delete(q, std::align_val_t{page_bytes}); });
+    std::fill_n(p.get(), bytes, std::byte{0});
+    return {std::move(p), bytes, this};
+  }
+  void release(const domain_buffer& b, std::size_t begin, std::size_t end) override {
+    std::byte* data = b.data();
+    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
+    if (first_page < last_page) {
+      std::fill(data + begin, data + first_page, std::byte{0});
+      std::fill(data + last_page, data + end, std::byte{0});
+      if (::madvise(data + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
+    }
+    std::fill(data + begin, data + end, std::byte{0});
+  }
+  void zero(const raw_tensor& t) override {
+    if (t.size) std::memset(t.data, 0, t.bytes());
+  }
+  void copy(const raw_tensor& from, const raw_tensor& to) override {
+    same_shape(from, to, "copy");
+    if (from.size && from.data != to.data) std::memcpy(to.data, from.data, from.bytes());
+  }
+  void accumulate(const raw_tensor& from, const raw_tensor& into) override {
+    same_shape(from, into, "accumulate");
+    visit_dtype(from.type, [&]<class T>(T) {
+      const T* src = static_cast<const T*>(from.data);
+      T* dst = static_cast<T*>(into.data);
+      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
+    });
+  }
+  using memory_domain::convert;
+  void convert(const raw_tensor& from, const raw_tensor& to, double factor) override {
+    if (from.size != to.size)
+      throw error("host_domain::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
+                  "; give both sides the same length");
+    if (factor == 1.0) return detail::convert(from, to);
+    visit_dtype(from.type, [&]<class F>(F) {
+      visit_dtype(to.type, [&]<class T>(T) {
+        if constexpr (std::is_floating_point_v<F>) {
+          using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
+          const F* src = static_cast<const F*>(from.data);
+          T* dst = static_cast<T*>(to.data);
+          const F f = static_cast<F>(factor);
+          detail::for_each_blocked(from.size, [&](std::size_t i) {
+            dst[i] = static_cast<T>(static_cast<wide>(static_cast<F>(src[i] * f)));
+          });
+        } else {
+          throw error("host_domain::convert: a factor applies to f32 and f64 sources, not " +
+                      std::string(to_string(from.type)));
+        }
+      });
+    });
+  }
+  void scale(const raw_tensor& t, double factor) override { detail::scale(t, factor); }
+  void fill(const raw_tensor& t, double value) override {
+    visit_dtype(t.type, [&]<class T>(T) {
+      T v{};
+      if constexpr (std::is_arithmetic_v<T>)
+        v = static_cast<T>(value);
+      else
+        v = T(static_cast<float>(value));  // bf16, f16: through float
+      std::fill_n(static_cast<T*>(t.data), t.size, v);
+    });
+  }
+  void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) override {
+    detail::host_sgd(values, grads, momentum, u);
+  }
+  void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg, const raw_tensor& exp_avg_sq,
+             const adamw_update& u) override {
+    detail::host_adamw(values, grads, exp_avg, exp_avg_sq, u);
+  }
+  void order_after(work& w) override { w.wait(); }
+  void synchronize() override {}
+  void when_done(std::function<void()> f) override { f(); }
+
+ private:
+  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
+  static void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
+    if (a.type != b.type || a.size != b.size)
+      throw error(std::string("host_domain::") + what + ": " + std::to_string(a.size) + " " +
+                  std::string(to_string(a.type)) + " against " + std::to_string(b.size) + " " +
+                  std::string(to_string(b.type)) + "; give both sides the same dtype and length");
+  }
+};
+
+/// The process's host domain: every wrapper's CPU memory comes from it (it keeps no state but its identity).
+inline host_domain& host_memory() {
+  static host_domain domain;
+  return domain;
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/host.hpp>
+
+namespace ddp {
+
+namespace detail {
+/// The registered device domains.
+struct device_table {
+  std::mutex mutex;
+  std::vector<std::pair<device, memory_domain*>> entries;
+};
+inline device_table& device_domains() {
+  static device_table table;
+  return table;
+}
+}  // namespace detail
+
+/// The memory domain of `d`: the host's for the CPU, else the one registered for `d`, else null.
+inline memory_domain* domain_of(device d) {
+  if (!d.is_cuda()) return &host_memory();
+  auto& t = detail::device_domains();
+  std::lock_guard lock(t.mutex);
+  const auto it = std::find_if(t.entries.begin(), t.entries.end(), [&](const auto& e) { return e.first == d; });
+  return it == t.entries.end() ? nullptr : it->second;
+}
+
+/// The memory domain of `d`, or a ddp::config_error naming the fix (`who` names the caller in the message).
+inline memory_domain& require_domain_of(device d, const std::string& who) {
+  if (memory_domain* m = domain_of(d)) return *m;
+  throw config_error(who + ": memory on " + d.to_string() + " has no memory domain in this process; register "
+                     "one (ddp::device_registration: the CUDA runtime's domain of ddp::cuda, or a test's fake "
+                     "device) before handing ddp device memory, or keep the tensors on the CPU");
+}
+
+/// Registers `domain` as the memory domain of its device for the registration's lifetime; a device has one.
+class [[nodiscard]] device_registration {
+ public:
+  /// Registers `domain` (which must outlive the registration) for `domain.where()`.
+  explicit device_registration(memory_domain& domain) : device_(domain.where()) {
+    if (!device_.is_cuda()) throw config_error("device_registration: the CPU's domain is the host's; register devices");
+    auto& t = detail::device_domains();
+    std::lock_guard lock(t.mutex);
+    for (const auto& e : t.entries)
+      if (e.first == device_)
+        throw config_error("device_registration: " + device_.to_string() + " has a memory domain registered "
+                           "already; one domain per device (drop the first registration before making another)");
+    t.entries.emplace_back(device_, &domain);
+  }
+  device_registration(const device_registration&) = delete;
+  device_registration& operator=(const device_registration&) = delete;
+  ~device_registration() {
+    auto& t = detail::device_domains();
+    std::lock_guard lock(t.mutex);
+    std::erase_if(t.entries, [&](const auto& e) { return e.first == device_; });
+  }
+
+ private:
+  device device_;
+};
+
+}  // namespace ddp
+// ---- end <ddp/memory/devices.hpp>
+
+namespace ddp::detail {
+
+/// Host buffers for staging, reused by every communicator of the process: a collective takes the smallest idle
+/// one that fits and gives it back once its outputs are home.
+class staging_pool {
+ public:
+  /// An idle host buffer of at least `bytes`, now busy.
+  domain_buffer take(std::size_t bytes) {
+    std::lock_guard lock(mutex_);
+    std::size_t best = idle_.size();
+    for (std::size_t i = 0; i < idle_.size(); ++i)
+      if (idle_[i].size() >= bytes && (best == idle_.size() || idle_[i].size() < idle_[best].size())) best = i;
+    if (best == idle_.size()) return host_memory().allocate(bytes);
+    domain_buffer b = std::move(idle_[best]);
+    idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
+    return b;
+  }
+  /// Gives `b` back.
+  void give(domain_buffer b) {
+    std::lock_guard lock(mutex_);
+    idle_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<domain_buffer> idle_;
+};
+
+/// The process's staging pool.
+inline staging_pool& host_staging_pool() {
+  static staging_pool pool;
+  return pool;
+}
+
+/// One argument of a collective: the tensor, and whether the collective reads it and writes it.
+struct staging_argument {
+  raw_tensor tensor;
+  bool reads = true;
+  bool writes = true;
+};
+
+/// The device arguments of one collective and their host stand-ins, until the outputs are home.
+struct staged_record {
+  struct entry {
+    raw_tensor device;      ///< the caller's tensor
+    raw_tensor host;        ///< its stand-in, in `buffer`
+    domain_buffer buffer;   ///< from the pool
+    memory_domain* domain;  ///< the device's domain
+    bool output;            ///< written by the collective: copied back
+  };
+  std::vector<entry> entries;
+  std::mutex mutex;
+  std::condition_variable home_cv;
+  int away = 0;       ///< domains whose copies back have not run yet
+  bool home = false;  ///< every output is on its device and the buffers are back in the pool
+
+  /// One domain ran its copies back; the last one gives the buffers back.
+  void arrived() noexcept {
+    std::lock_guard lock(mutex);
+    if (--away > 0) return;
+    for (auto& e : entries) host_staging_pool().give(std::move(e.buffer));
+    home = true;
+    home_cv.notify_all();
+  }
+};
+
+/// The work of a staged collective: the backend's, then its outputs home on their devices.
+class staged_state final : public work_state {
+ public:
+  /// Queues, on each output's domain, the wait for `inner` and the copy back (see the file comment).
+  staged_state(work inner, std::shared_ptr<staged_record> record) : inner_(std::move(inner)), record_(std::move(record)) {
+    std::vector<memory_domain*> domains;
+    for (const auto& e : record_->entries)
+      if (e.output && std::find(domains.begin(), domains.end(), e.domain) == domains.end()) domains.push_back(e.domain);
+    record_->away = static_cast<int>(domains.size()) + 1;  // + the collective's completion, seen by test or wait
+    for (memory_domain* d : domains) {
+      d->order_after(inner_);
+      for (const auto& e : record_->entries)
+        if (e.output && e.domain == d) d->copy(e.host, e.device);
+      d->when_done([r = record_] { r->arrived(); });
+    }
+  }
+  bool test() override {
+    if (!inner_.done()) return false;
+    completed();
+    std::lock_guard lock(record_->mutex);
+    return record_->home;
+  }
+  bool wait_until(clock::time_point deadline) override {
+    auto& s = work_access::state(inner_);
+    if (s && !s->wait_until(deadline)) return false;
+    completed();
+    std::unique_lock lock(record_->mutex);
+    return record_->home_cv.wait_until(lock, deadline, [&] { return record_->home; });
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const override {
+    return inner() ? inner()->timeout() : std::chrono::milliseconds(std::chrono::minutes(10));
+  }
+  [[nodiscard]] int rank() const override { return inner() ? inner()->rank() : -1; }
+  [[nodiscard]] std::string describe() const override {
+    return (inner() ? inner()->describe() : std::string("a collective")) + " (staged through the host)";
+  }
+  [[nodiscard]] std::string waiting_for() const override { return inner() ? inner()->waiting_for() : std::string(); }
+  std::string diagnosis() override { return inner() ? work_access::state(inner_)->diagnosis() : std::string(); }
+
+ private:
+  /// The backend's state (null: the backend completed the collective at once).
+  [[nodiscard]] const work_state* inner() const { return work_access::state(const_cast<work&>(inner_)).get(); }
+  /// The collective completed (the host buffers of its inputs are free once the outputs are home).
+  void completed() noexcept {
+    if (!seen_.exchange(true)) record_->arrived();
+  }
+  std::atomic<bool> seen_{false};
+  work inner_;
+  std::shared_ptr<staged_record> record_;
+};
+
+/// The N arguments of one collective as the backend sees them: host tensors as they are, device tensors through
+/// host stand-ins (see the file comment). Costs a test of each argument's device when none is on one.
+template <std::size_t N>
+class host_staging {
+ public:
+  /// Stages the device arguments among `args` (inputs copied out and waited for), unless `direct()` says the
+  /// backend moves device memory itself (asked only when an argument is on a device).
+  template <class Direct>
+  host_staging(const std::array<staging_argument, N>& args, Direct&& direct) {
+    bool checked = false;
+    for (std::size_t i = 0; i < N; ++i) {
+      const raw_tensor& t = args[i].tensor;
+      use_[i] = t;
+      if (!t.where.is_cuda() || t.size == 0) continue;
+      if (!checked) {
+        if (direct()) return;
+        checked = true;
+      }
+      if (!record_) record_ = std::make_shared<staged_record>();
+      memory_domain& d = require_domain_of(t.where, "a host backend's collective");
+      domain_buffer b = host_staging_pool().take(t.bytes());
+      use_[i] = b.view(t.type, 0, t.size);
+      if (args[i].reads) d.copy(t, use_[i]);
+      record_->entries.push_back({t, use_[i], std::move(b), &d, args[i].writes});
+    }
+    if (record_)
+      for (auto& e : record_->entries) e.domain->synchronize();  // the backend reads the copies now
+  }
+  /// Argument `i` as the backend takes it.
+  [[nodiscard]] const raw_tensor& operator[](std::size_t i) const noexcept { return use_[i]; }
+  /// The collective's work: `w` itself without device arguments, else `w` and the outputs' way home.
+  work finish(work w) {
+    if (!record_) return w;
+    return work(std::make_shared<staged_state>(std::move(w), std::move(record_)));
+  }
+
+ private:
+  std::array<raw_tensor, N> use_{};
+  std::shared_ptr<staged_record> record_;
+};
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/staging.hpp>
 
 namespace ddp::detail {
 
@@ -2240,8 +2836,9 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::all_reduce, "all_reduce", op, b, -1);
     verify(c);
-    const reduce_op run = average(c, op, b);
-    return counted(c, share(b.bytes(), 2), self().start_all_reduce(c, b, run));
+    auto h = host_side<1>({{{b, true, true}}});
+    const reduce_op run = average(c, op, h[0]);
+    return counted(c, share(b.bytes(), 2), h.finish(self().start_all_reduce(c, h[0], run)));
   }
 
   /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
@@ -2252,8 +2849,9 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, in.size, out.size, "input", "output");
     verify(c);
-    const reduce_op run = average(c, op, out);
-    return counted(c, share(in.bytes(), 1), self().start_reduce_scatter(c, in, out, run));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    const reduce_op run = average(c, op, h[1]);
+    return counted(c, share(in.bytes(), 1), h.finish(self().start_reduce_scatter(c, h[0], h[1], run)));
   }
 
   /// Gathers k elements from every rank into N·k elements, rank r's at block r.
@@ -2264,7 +2862,9 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, out.size, in.size, "output", "input");
     verify(c);
-    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().start_all_gather(c, in, out));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(),
+                   h.finish(self().start_all_gather(c, h[0], h[1])));
   }
 
   /// Copies root's `buffer` to every rank.
@@ -2275,7 +2875,8 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const std::uint64_t sent = self().rank() == root && self().size() > 1 ? b.bytes() : 0;
-    return counted(c, sent, self().start_broadcast(c, b));
+    auto h = host_side<1>({{{b, self().rank() == root, self().rank() != root}}});
+    return counted(c, sent, h.finish(self().start_broadcast(c, h[0])));
   }
 
   /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
@@ -2286,8 +2887,9 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const bool at_root = self().rank() == root;
-    const reduce_op run = average(c, op, at_root ? b : raw_tensor{});
-    return counted(c, at_root ? 0 : b.bytes(), self().start_reduce(c, b, run));
+    auto h = host_side<1>({{{b, true, at_root}}});
+    const reduce_op run = average(c, op, at_root ? h[0] : raw_tensor{});
+    return counted(c, at_root ? 0 : b.bytes(), h.finish(self().start_reduce(c, h[0], run)));
   }
 
   /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
@@ -2295,7 +2897,9 @@ class collective_front : public object_collectives<Derived> {
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::gather, "gather", in, out, root);
-    return counted(c, self().rank() == root ? 0 : in.bytes(), self().start_gather(c, in, out));
+    const bool at_root = self().rank() == root;
+    auto h = host_side<2>({{{in, true, false}, {at_root ? out : raw_tensor{}, false, true}}});
+    return counted(c, at_root ? 0 : in.bytes(), h.finish(self().start_gather(c, h[0], at_root ? h[1] : out)));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
@@ -2303,7 +2907,9 @@ class collective_front : public object_collectives<Derived> {
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
-    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().start_scatter(c, in, out));
+    const bool at_root = self().rank() == root;
+    auto h = host_side<2>({{{at_root ? in : raw_tensor{}, true, false}, {out, false, true}}});
+    return counted(c, at_root ? share(in.bytes(), 1) : 0, h.finish(self().start_scatter(c, at_root ? h[0] : in, h[1])));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -2317,7 +2923,8 @@ class collective_front : public object_collectives<Derived> {
       fail(c, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
                   "; both must hold the same multiple of size()=" + std::to_string(n));
     verify(c);
-    return counted(c, share(in.bytes(), 1), self().start_all_to_all(c, in, out));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    return counted(c, share(in.bytes(), 1), h.finish(self().start_all_to_all(c, h[0], h[1])));
   }
 
   /// Completes once every rank of the group has entered the barrier.
@@ -2333,7 +2940,8 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "send", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, b.bytes(), self().start_send(c, b));
+    auto h = host_side<1>({{{b, true, false}}});
+    return counted(c, b.bytes(), h.finish(self().start_send(c, h[0])));
   }
 
   /// Receives into `buffer` what rank `peer` sends with `tag`.
@@ -2342,7 +2950,8 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "recv", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, 0, self().start_recv(c, b));
+    auto h = host_side<1>({{{b, false, true}}});
+    return counted(c, 0, h.finish(self().start_recv(c, h[0])));
   }
 
  protected:
@@ -2354,6 +2963,18 @@ class collective_front : public object_collectives<Derived> {
  private:
   Derived& self() noexcept { return static_cast<Derived&>(*this); }
   const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  /// The arguments as the backend takes them: device tensors through host memory (comm/staging.hpp) unless the
+  /// backend's `moves_device_memory()` says it takes them itself.
+  template <std::size_t N>
+  host_staging<N> host_side(const std::array<staging_argument, N>& args) const {
+    return host_staging<N>(args, [&] {
+      if constexpr (requires { self().moves_device_memory(); })
+        return static_cast<bool>(self().moves_device_memory());
+      else
+        return false;
+    });
+  }
 
   call_info open(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& t, int peer,
                  int tag = -1) {
@@ -3293,7 +3914,6 @@ class algo_choice {
 
 #include <dirent.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 
@@ -5212,58 +5832,6 @@ class peer_io : protected engine_errors {
 /// dtype; bf16/f16 widen to float for the arithmetic. Plain loops the compiler vectorizes.
 
 
-// ---- begin <ddp/comm/average.hpp>
-/// \file The host-side finish of reduce_op::avg: a sum divided by the group size, the same way on every backend
-/// that averages on the host (integers truncate toward zero, bf16/f16 divide in float); and scaling by a factor.
-
-
-
-namespace ddp::detail {
-
-/// Multiplies every element of the host buffer `t` by `factor`: in the element type where `factor` is exact in
-/// it (the product then rounds once, as it would through double), else in double, rounded to the element type
-/// (bf16/f16 through float; integers truncate toward zero).
-inline void scale(const raw_tensor& t, double factor) {
-  visit_dtype(t.type, [&](auto zero) {
-    using T = decltype(zero);
-    auto* p = static_cast<T*>(t.data);
-    if constexpr (std::is_floating_point_v<T>) {
-      if (static_cast<double>(static_cast<T>(factor)) == factor) {
-        const T exact = static_cast<T>(factor);
-        for (std::size_t i = 0; i < t.size; ++i) p[i] *= exact;
-        return;
-      }
-    }
-    for (std::size_t i = 0; i < t.size; ++i)
-      if constexpr (std::is_arithmetic_v<T>)
-        p[i] = static_cast<T>(static_cast<double>(p[i]) * factor);
-      else
-        p[i] = T(static_cast<float>(static_cast<double>(static_cast<float>(p[i])) * factor));
-  });
-}
-
-/// Divides every element of the host buffer `t` by `n`; nothing to do for n = 1.
-inline void divide(const raw_tensor& t, int n) {
-  if (n == 1) return;
-  visit_dtype(t.type, [&](auto zero) {
-    using T = decltype(zero);
-    auto* p = static_cast<T*>(t.data);
-    if constexpr (std::is_integral_v<T>) {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = static_cast<T>(p[i] / static_cast<T>(n));
-    } else if ((n & (n - 1)) == 0) {
-      // A power of two's reciprocal is exact, so multiplying by it gives the quotient's bits at a fraction of
-      // a division's cost.
-      scale(t, 1.0 / n);
-    } else if constexpr (std::is_floating_point_v<T>) {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] /= static_cast<T>(n);
-    } else {
-      for (std::size_t i = 0; i < t.size; ++i) p[i] = T(static_cast<float>(p[i]) / static_cast<float>(n));
-    }
-  });
-}
-
-}  // namespace ddp::detail
-// ---- end <ddp/comm/average.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -8095,60 +8663,39 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->flight; }
 
-  /// ddp::tcp moves host memory only.
-  void host(const raw_tensor& t, const call& c) const {
-    if (t.where.is_cuda())
-      fail(c, "the buffer is on " + t.where.to_string() +
-                  ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
-  }
-
-  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
-    host(b, c);
+  // The front end hands every start host memory (device tensors staged through it: comm/staging.hpp).
+  work start_all_reduce(const call& /*c*/, const raw_tensor& b, reduce_op op) {
     return submit(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
-    host(in, c);
-    host(out, c);
+  work start_reduce_scatter(const call& /*c*/, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     return submit(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
   }
-  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    host(out, c);
+  work start_all_gather(const call& /*c*/, const raw_tensor& in, const raw_tensor& out) {
     return submit(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
   work start_broadcast(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
   }
   work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
-    host(b, c);
     return submit(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
   }
   work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    if (rank() == c.peer) host(out, c);
     return submit(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
   }
   work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(out, c);
-    if (rank() == c.peer) host(in, c);
     return submit(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
   }
-  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    host(out, c);
+  work start_all_to_all(const call& /*c*/, const raw_tensor& in, const raw_tensor& out) {
     return submit(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
   work start_barrier(const call&) { return submit(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
   /// Completes once written to the socket.
   work start_send(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
                  detail::p2p::send);
   }
   /// The send must have the same count and dtype.
   work start_recv(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
                  detail::p2p::recv);
   }
@@ -8212,485 +8759,6 @@ struct backend_of<tcp::communicator> {
 };
 }  // namespace ddp
 // ---- end <ddp/comm/tcp/communicator.hpp>
-// ---- begin <ddp/memory/devices.hpp>
-/// \file The memory domain of each device of this process: the host's for the CPU; for a device, the domain its
-/// owner registered (ddp::device_registration: the CUDA runtime's, a test's fake device). Whatever meets a
-/// tensor on a device (data_parallel laying a leaf into an arena, a host backend staging a buffer) finds the
-/// domain that can touch it here.
-
-
-// ---- begin <ddp/memory/domain.hpp>
-/// \file ddp::memory_domain: where a wrapper's memory lives and how element work runs on it. What data_parallel
-/// allocates or touches element by element (arenas, the unit pool, the reduce staging, the owned blocks, master
-/// weights, the optimizers' flat state, leaf copies, the comm hooks' conversions, join's rescale) goes through the
-/// domain of the memory's device: the host domain (memory/host.hpp) for the CPU, a device domain for an
-/// accelerator. A domain also orders its work: the host runs each operation before returning; a device domain
-/// enqueues it on its stream, and orders it after a collective by enqueueing the wait (order_after) rather than
-/// blocking the host.
-///
-/// An abstract class, not a concept: the arenas of one wrapper may live in several domains (a model split over
-/// devices, or over the CPU and a device), known only at run time from the leaves' devices, and every operation is
-/// a bulk one over a buffer, so one virtual call per operation costs nothing measurable.
-
-
-
-namespace ddp {
-
-class memory_domain;
-
-/// Memory a domain allocated, zeroed when made and freed with the last handle.
-class domain_buffer {
- public:
-  domain_buffer() = default;
-  /// `size` bytes at `data` of `domain`, freed by `owner`'s deleter.
-  domain_buffer(std::shared_ptr<std::byte> owner, std::size_t size, memory_domain* domain) noexcept
-      : data_(std::move(owner)), size_(size), domain_(domain) {}
-  /// The first byte.
-  [[nodiscard]] std::byte* data() const noexcept { return data_.get(); }
-  /// Bytes.
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  /// The domain it lives in (null for an empty buffer).
-  [[nodiscard]] memory_domain* domain() const noexcept { return domain_; }
-  /// Elements [begin, begin + count) of `type`, viewed on the domain's device.
-  [[nodiscard]] raw_tensor view(dtype type, std::size_t begin, std::size_t count) const noexcept;
-  /// Zeroes bytes [begin, end), their whole pages handed back where the domain can (memory_domain::release).
-  void release(std::size_t begin, std::size_t end) const;
-
- private:
-  std::shared_ptr<std::byte> data_;
-  std::size_t size_ = 0;
-  memory_domain* domain_ = nullptr;
-};
-
-/// Where memory lives and how element work runs there (see the file comment).
-class memory_domain {
- public:
-  memory_domain() = default;
-  memory_domain(const memory_domain&) = delete;
-  memory_domain& operator=(const memory_domain&) = delete;
-  virtual ~memory_domain() = default;
-
-  /// The device its memory is on.
-  [[nodiscard]] virtual device where() const noexcept = 0;
-  /// `bytes` of zeroed memory of this domain.
-  [[nodiscard]] virtual domain_buffer allocate(std::size_t bytes) = 0;
-  /// Zeroes bytes [begin, end) of `b`; where the domain can, the whole pages inside take no memory until touched
-  /// again (the host's madvise). A domain that cannot only zeroes: size buffers to what must be resident.
-  virtual void release(const domain_buffer& b, std::size_t begin, std::size_t end) = 0;
-  /// Every element of `t` becomes zero.
-  virtual void zero(const raw_tensor& t) = 0;
-  /// to = from, element for element (same dtype and size); one side may be host memory (staging, owning leaves).
-  virtual void copy(const raw_tensor& from, const raw_tensor& to) = 0;
-  /// into += from, element for element (same dtype and size).
-  virtual void accumulate(const raw_tensor& from, const raw_tensor& into) = 0;
-  /// to = from × factor converted to `to`'s dtype: the product in from's dtype (factor rounded to it), then the
-  /// conversion (16-bit floats through float, rounding to nearest even); factor 1 converts alone.
-  virtual void convert(const raw_tensor& from, const raw_tensor& to, double factor) = 0;
-  /// to = from converted to `to`'s dtype.
-  void convert(const raw_tensor& from, const raw_tensor& to) { convert(from, to, 1.0); }
-  /// Every element of `t` times `factor` (rounded once, as ddp::detail::scale does on the host).
-  virtual void scale(const raw_tensor& t, double factor) = 0;
-  /// Every element of `t` becomes `value`.
-  virtual void fill(const raw_tensor& t, double value) = 0;
-  /// Work given to this domain later runs after `w` completes: the host waits for it now, a device enqueues the
-  /// wait on its stream.
-  virtual void order_after(work& w) = 0;
-  /// Returns once every operation given to this domain has run (the optimizer's end of a step).
-  virtual void synchronize() = 0;
-};
-
-inline raw_tensor domain_buffer::view(dtype type, std::size_t begin, std::size_t count) const noexcept {
-  return {data_.get() + begin * size_of(type), count, type, domain_ ? domain_->where() : device::cpu()};
-}
-inline void domain_buffer::release(std::size_t begin, std::size_t end) const {
-  if (domain_ && begin < end) domain_->release(*this, begin, end);
-}
-
-}  // namespace ddp
-// ---- end <ddp/memory/domain.hpp>
-// ---- begin <ddp/memory/host.hpp>
-/// \file ddp::host_domain: the memory domain of the CPU. Page-aligned zeroed memory whose whole pages can go back
-/// to the OS while the range stays mapped (madvise), and element work as loops on the calling thread, which
-/// has run when the call returns (so order_after waits for the collective, and synchronize has nothing to do).
-
-#include <new>
-
-
-
-namespace ddp {
-
-/// The CPU's memory domain (see the file comment).
-class host_domain final : public memory_domain {
- public:
-  static constexpr std::size_t page_bytes = 4096;  ///< allocations are aligned to, and released in, whole pages
-
-  [[nodiscard]] device where() const noexcept override { return device::cpu(); }
-  [[nodiscard]] domain_buffer allocate(std::size_t bytes) override {
-    if (bytes == 0) return {};
-    std::shared_ptr<std::byte> p(static_cast<std::byte*>(::operator new(round_up(bytes), std::align_val_t{page_bytes})),
-                                 [](std::byte* q) { ::operator delete(q, std::align_val_t{page_bytes}); });
-    std::fill_n(p.get(), bytes, std::byte{0});
-    return {std::move(p), bytes, this};
-  }
-  void release(const domain_buffer& b, std::size_t begin, std::size_t end) override {
-    std::byte* data = b.data();
-    const std::size_t first_page = round_up(begin), last_page = end / page_bytes * page_bytes;
-    if (first_page < last_page) {
-      std::fill(data + begin, data + first_page, std::byte{0});
-      std::fill(data + last_page, data + end, std::byte{0});
-      if (::madvise(data + first_page, last_page - first_page, MADV_DONTNEED) == 0) return;
-    }
-    std::fill(data + begin, data + end, std::byte{0});
-  }
-  void zero(const raw_tensor& t) override {
-    if (t.size) std::memset(t.data, 0, t.bytes());
-  }
-  void copy(const raw_tensor& from, const raw_tensor& to) override {
-    same_shape(from, to, "copy");
-    if (from.size && from.data != to.data) std::memcpy(to.data, from.data, from.bytes());
-  }
-  void accumulate(const raw_tensor& from, const raw_tensor& into) override {
-    same_shape(from, into, "accumulate");
-    visit_dtype(from.type, [&]<class T>(T) {
-      const T* src = static_cast<const T*>(from.data);
-      T* dst = static_cast<T*>(into.data);
-      for (std::size_t i = 0; i < from.size; ++i) dst[i] = static_cast<T>(dst[i] + src[i]);
-    });
-  }
-  using memory_domain::convert;
-  void convert(const raw_tensor& from, const raw_tensor& to, double factor) override {
-    if (from.size != to.size)
-      throw error("host_domain::convert: " + std::to_string(from.size) + " elements into " + std::to_string(to.size) +
-                  "; give both sides the same length");
-    if (factor == 1.0) return detail::convert(from, to);
-    visit_dtype(from.type, [&]<class F>(F) {
-      visit_dtype(to.type, [&]<class T>(T) {
-        if constexpr (std::is_floating_point_v<F>) {
-          using wide = std::conditional_t<sizeof(F) == 2 || sizeof(T) == 2, float, double>;
-          const F* src = static_cast<const F*>(from.data);
-          T* dst = static_cast<T*>(to.data);
-          const F f = static_cast<F>(factor);
-          detail::for_each_blocked(from.size, [&](std::size_t i) {
-            dst[i] = static_cast<T>(static_cast<wide>(static_cast<F>(src[i] * f)));
-          });
-        } else {
-          throw error("host_domain::convert: a factor applies to f32 and f64 sources, not " +
-                      std::string(to_string(from.type)));
-        }
-      });
-    });
-  }
-  void scale(const raw_tensor& t, double factor) override { detail::scale(t, factor); }
-  void fill(const raw_tensor& t, double value) override {
-    visit_dtype(t.type, [&]<class T>(T) {
-      T v{};
-      if constexpr (std::is_arithmetic_v<T>)
-        v = static_cast<T>(value);
-      else
-        v = T(static_cast<float>(value));  // bf16, f16: through float
-      std::fill_n(static_cast<T*>(t.data), t.size, v);
-    });
-  }
-  void order_after(work& w) override { w.wait(); }
-  void synchronize() override {}
-
- private:
-  static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }
-  static void same_shape(const raw_tensor& a, const raw_tensor& b, const char* what) {
-    if (a.type != b.type || a.size != b.size)
-      throw error(std::string("host_domain::") + what + ": " + std::to_string(a.size) + " " +
-                  std::string(to_string(a.type)) + " against " + std::to_string(b.size) + " " +
-                  std::string(to_string(b.type)) + "; give both sides the same dtype and length");
-  }
-};
-
-/// The process's host domain: every wrapper's CPU memory comes from it (it keeps no state but its identity).
-inline host_domain& host_memory() {
-  static host_domain domain;
-  return domain;
-}
-
-}  // namespace ddp
-// ---- end <ddp/memory/host.hpp>
-
-namespace ddp {
-
-namespace detail {
-/// The registered device domains.
-struct device_table {
-  std::mutex mutex;
-  std::vector<std::pair<device, memory_domain*>> entries;
-};
-inline device_table& device_domains() {
-  static device_table table;
-  return table;
-}
-}  // namespace detail
-
-/// The memory domain of `d`: the host's for the CPU, else the one registered for `d`, else null.
-inline memory_domain* domain_of(device d) {
-  if (!d.is_cuda()) return &host_memory();
-  auto& t = detail::device_domains();
-  std::lock_guard lock(t.mutex);
-  const auto it = std::find_if(t.entries.begin(), t.entries.end(), [&](const auto& e) { return e.first == d; });
-  return it == t.entries.end() ? nullptr : it->second;
-}
-
-/// The memory domain of `d`, or a ddp::config_error naming the fix (`who` names the caller in the message).
-inline memory_domain& require_domain_of(device d, const std::string& who) {
-  if (memory_domain* m = domain_of(d)) return *m;
-  throw config_error(who + ": memory on " + d.to_string() + " has no memory domain in this process; register "
-                     "one (ddp::device_registration: the CUDA runtime's domain of ddp::cuda, or a test's fake "
-                     "device) before handing ddp device memory, or keep the tensors on the CPU");
-}
-
-/// Registers `domain` as the memory domain of its device for the registration's lifetime; a device has one.
-class [[nodiscard]] device_registration {
- public:
-  /// Registers `domain` (which must outlive the registration) for `domain.where()`.
-  explicit device_registration(memory_domain& domain) : device_(domain.where()) {
-    if (!device_.is_cuda()) throw config_error("device_registration: the CPU's domain is the host's; register devices");
-    auto& t = detail::device_domains();
-    std::lock_guard lock(t.mutex);
-    for (const auto& e : t.entries)
-      if (e.first == device_)
-        throw config_error("device_registration: " + device_.to_string() + " has a memory domain registered "
-                           "already; one domain per device (drop the first registration before making another)");
-    t.entries.emplace_back(device_, &domain);
-  }
-  device_registration(const device_registration&) = delete;
-  device_registration& operator=(const device_registration&) = delete;
-  ~device_registration() {
-    auto& t = detail::device_domains();
-    std::lock_guard lock(t.mutex);
-    std::erase_if(t.entries, [&](const auto& e) { return e.first == device_; });
-  }
-
- private:
-  device device_;
-};
-
-}  // namespace ddp
-// ---- end <ddp/memory/devices.hpp>
-// ---- begin <ddp/memory/staged.hpp>
-/// \file ddp::staged<Comm>: a communicator that moves device tensors through host memory, for backends that move
-/// host memory only (ddp::tcp, an MPI without CUDA support). A collective whose tensors are all on the host (or a
-/// backend that takes device memory itself, ddp::nccl) goes straight to the backend. Otherwise each device tensor
-/// is copied into a host buffer by its device's memory domain (memory/devices.hpp), the copies are waited for (a
-/// host backend must read them), the backend runs the collective on the host buffers, and once it completes the
-/// outputs are copied back to the device and waited for, so the host buffers can go back to the staging pool.
-
-#include <initializer_list>
-
-
-namespace ddp {
-
-/// Whether Comm's collectives take device memory themselves: a communicator says so with
-/// `static constexpr bool takes_device_memory = true;` (ddp::nccl's does).
-template <class Comm>
-inline constexpr bool takes_device_memory = [] {
-  if constexpr (requires { Comm::takes_device_memory; })
-    return static_cast<bool>(Comm::takes_device_memory);
-  else
-    return false;
-}();
-
-namespace detail {
-
-/// Host buffers for staging, reused: a collective takes the smallest idle one that fits and gives it back once
-/// its outputs are home. Shared by the copies of a staged communicator.
-class staging_pool {
- public:
-  /// An idle host buffer of at least `bytes`, now busy.
-  domain_buffer take(std::size_t bytes) {
-    std::lock_guard lock(mutex_);
-    std::size_t best = idle_.size();
-    for (std::size_t i = 0; i < idle_.size(); ++i)
-      if (idle_[i].size() >= bytes && (best == idle_.size() || idle_[i].size() < idle_[best].size())) best = i;
-    if (best == idle_.size()) return host_memory().allocate(bytes);
-    domain_buffer b = std::move(idle_[best]);
-    idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(best));
-    return b;
-  }
-  /// Gives `b` back.
-  void give(domain_buffer b) {
-    std::lock_guard lock(mutex_);
-    idle_.push_back(std::move(b));
-  }
-
- private:
-  std::mutex mutex_;
-  std::vector<domain_buffer> idle_;
-};
-
-/// One device tensor of a collective and its host stand-in.
-struct staged_tensor {
-  raw_tensor device;        ///< the caller's tensor
-  raw_tensor host;          ///< its stand-in, in `buffer`
-  domain_buffer buffer;     ///< from the pool
-  memory_domain* domain;    ///< the device's domain
-  bool output;              ///< written by the collective: copied back once it completes
-};
-
-/// The work of a staged collective: the backend's, then the outputs copied home once it completes.
-class staged_state final : public work_state {
- public:
-  staged_state(work inner, std::vector<staged_tensor> tensors, std::shared_ptr<staging_pool> pool)
-      : inner_(std::move(inner)), tensors_(std::move(tensors)), pool_(std::move(pool)) {}
-  bool test() override {
-    if (!inner_.done()) return false;
-    bring_home();
-    return true;
-  }
-  bool wait_until(clock::time_point deadline) override {
-    auto& s = work_access::state(inner_);
-    if (s && !s->wait_until(deadline)) return false;
-    bring_home();
-    return true;
-  }
-  [[nodiscard]] std::chrono::milliseconds timeout() const override { return inner().timeout(); }
-  [[nodiscard]] int rank() const override { return inner().rank(); }
-  [[nodiscard]] std::string describe() const override { return inner().describe() + " (staged through the host)"; }
-  [[nodiscard]] std::string waiting_for() const override { return inner().waiting_for(); }
-  std::string diagnosis() override { return work_access::state(inner_) ? work_access::state(inner_)->diagnosis() : ""; }
-
- private:
-  [[nodiscard]] const work_state& inner() const { return *work_access::state(const_cast<work&>(inner_)); }
-  /// Once: the outputs copied back to their devices and waited for, the host buffers returned.
-  void bring_home() {
-    std::call_once(home_, [&] {
-      for (auto& t : tensors_)
-        if (t.output) t.domain->copy(t.host, t.device);
-      for (auto& t : tensors_)
-        if (t.output) t.domain->synchronize();
-      for (auto& t : tensors_) pool_->give(std::move(t.buffer));
-    });
-  }
-  work inner_;
-  std::vector<staged_tensor> tensors_;
-  std::shared_ptr<staging_pool> pool_;
-  std::once_flag home_;
-};
-
-}  // namespace detail
-
-/// A communicator over `Comm` whose collectives also take device tensors, staged through host memory (see the
-/// file comment). Copies share the staging pool; split() stages the subgroup alike.
-template <class Comm>
-class staged {
-  static_assert(communicator<Comm>, "ddp::staged<Comm>: Comm must model ddp::communicator; stage a backend's communicator.");
- public:
-  /// Stages `comm`'s collectives.
-  explicit staged(Comm comm) : comm_(std::move(comm)), pool_(std::make_shared<detail::staging_pool>()) {}
-
-  /// The backend's communicator.
-  [[nodiscard]] Comm& inner() noexcept { return comm_; }
-  /// The backend's communicator.
-  [[nodiscard]] const Comm& inner() const noexcept { return comm_; }
-  /// This process's rank in the group.
-  [[nodiscard]] int rank() const { return comm_.rank(); }
-  /// Number of ranks.
-  [[nodiscard]] int size() const { return comm_.size(); }
-  /// The backend's traffic counts.
-  [[nodiscard]] comm_stats stats() const { return comm_.stats(); }
-  /// Collective: the backend's split, staged alike (sharing the staging pool).
-  staged split(int color, int key) { return staged(comm_.split(color, key), pool_); }
-
-  /// all_reduce, staged where `buffer` is on a device.
-  template <tensor T>
-  work all_reduce(T&& buffer, reduce_op op = reduce_op::sum) {
-    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.all_reduce(h[0], op); });
-  }
-  /// reduce_scatter, staged where a tensor is on a device.
-  template <tensor In, tensor Out>
-  work reduce_scatter(In&& input, Out&& output, reduce_op op = reduce_op::sum) {
-    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
-               [&](auto& h) { return comm_.reduce_scatter(h[0], h[1], op); });
-  }
-  /// all_gather, staged where a tensor is on a device.
-  template <tensor In, tensor Out>
-  work all_gather(In&& input, Out&& output) {
-    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
-               [&](auto& h) { return comm_.all_gather(h[0], h[1]); });
-  }
-  /// broadcast, staged where `buffer` is on a device.
-  template <tensor T>
-  work broadcast(T&& buffer, int root = 0) {
-    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.broadcast(h[0], root); });
-  }
-  /// reduce, staged where `buffer` is on a device.
-  template <tensor T>
-  work reduce(T&& buffer, reduce_op op = reduce_op::sum, int root = 0) {
-    return run({{as_raw(buffer), true, true}}, [&](auto& h) { return comm_.reduce(h[0], op, root); });
-  }
-  /// gather, staged where a tensor is on a device.
-  template <tensor In, tensor Out>
-  work gather(In&& input, Out&& output, int root = 0) {
-    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
-               [&](auto& h) { return comm_.gather(h[0], h[1], root); });
-  }
-  /// scatter, staged where a tensor is on a device.
-  template <tensor In, tensor Out>
-  work scatter(In&& input, Out&& output, int root = 0) {
-    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
-               [&](auto& h) { return comm_.scatter(h[0], h[1], root); });
-  }
-  /// all_to_all, staged where a tensor is on a device.
-  template <tensor In, tensor Out>
-  work all_to_all(In&& input, Out&& output) {
-    return run({{as_raw(input), true, false}, {as_raw(output), false, true}},
-               [&](auto& h) { return comm_.all_to_all(h[0], h[1]); });
-  }
-  /// The backend's barrier.
-  work barrier() { return comm_.barrier(); }
-  /// send, staged where `buffer` is on a device.
-  template <tensor T>
-  work send(T&& buffer, int peer, int tag = 0) {
-    return run({{as_raw(buffer), true, false}}, [&](auto& h) { return comm_.send(h[0], peer, tag); });
-  }
-  /// recv, staged where `buffer` is on a device.
-  template <tensor T>
-  work recv(T&& buffer, int peer, int tag = 0) {
-    return run({{as_raw(buffer), false, true}}, [&](auto& h) { return comm_.recv(h[0], peer, tag); });
-  }
-
- private:
-  staged(Comm comm, std::shared_ptr<detail::staging_pool> pool) : comm_(std::move(comm)), pool_(std::move(pool)) {}
-
-  struct argument {
-    raw_tensor tensor;
-    bool reads;   // the collective reads it: copied to the host first
-    bool writes;  // the collective writes it: copied back once it completes
-  };
-  /// Runs `launch` on the arguments, or on host stand-ins of those on a device (see the file comment).
-  template <class Launch>
-  work run(std::initializer_list<argument> args, Launch&& launch) {
-    std::vector<raw_tensor> use;
-    std::vector<detail::staged_tensor> staged_tensors;
-    for (const auto& a : args) {
-      if (!a.tensor.where.is_cuda() || takes_device_memory<Comm> || a.tensor.size == 0) {
-        use.push_back(a.tensor);
-        continue;
-      }
-      memory_domain& d = require_domain_of(a.tensor.where, "ddp::staged");
-      domain_buffer b = pool_->take(a.tensor.bytes());
-      const raw_tensor host = b.view(a.tensor.type, 0, a.tensor.size);
-      if (a.reads) d.copy(a.tensor, host);
-      use.push_back(host);
-      staged_tensors.push_back({a.tensor, host, std::move(b), &d, a.writes});
-    }
-    if (staged_tensors.empty()) return launch(use);
-    for (auto& t : staged_tensors) t.domain->synchronize();  // the host backend reads the copies now
-    work w = launch(use);
-    return work(std::make_shared<detail::staged_state>(std::move(w), std::move(staged_tensors), pool_));
-  }
-
-  Comm comm_;
-  std::shared_ptr<detail::staging_pool> pool_;
-};
-
-}  // namespace ddp
-// ---- end <ddp/memory/staged.hpp>
 
 // ---- begin <ddp/parallel/policies.hpp>
 /// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.
@@ -8887,6 +8955,7 @@ struct mixed_precision {
 /// parameters; when data_parallel builds its layout it resolves the part, by those addresses, to the dotted
 /// prefix its parameters share in the wrapped model, which then names the unit.
 
+#include <initializer_list>
 #include <unordered_map>
 
 
@@ -9340,32 +9409,20 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `kernel(values, grads, arrays)` with typed spans for every buffer, after attach().
-  template <class Kernel>
-  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
+  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
+  /// tensors of the buffer's domain, where the update runs (memory/updates.hpp).
+  template <class Update>
+  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
     attach(buffers);
     for (std::size_t i = 0; i < buffers.size(); ++i) {
       const auto& b = buffers[i];
-      if (b.values.where.is_cuda())
-        throw config_error(std::string(who) + ": this optimizer steps host memory; the parameters are on " +
-                           b.values.where.to_string() + ", use the CUDA optimizer kernels of <ddp/cuda/...>");
       if (b.grads.type != b.values.type || b.grads.size != b.values.size)
         throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
                            " differ in dtype or length; pass matching spans");
-      auto run = [&]<class T>(T*) {
-        std::vector<std::span<T>> arrays;
-        for (auto& s : state_[i]) arrays.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
-        kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
-               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(arrays));
-      };
-      if (b.values.type == dtype::f32)
-        run(static_cast<float*>(nullptr));
-      else if (b.values.type == dtype::f64)
-        run(static_cast<double*>(nullptr));
-      else
-        throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(b.values.type)) +
-                           " cannot be stepped; keep f32 or f64 parameters (master weights) and compress "
-                           "gradients with a comm hook instead");
+      ddp::detail::steppable(b.values.type, std::string(who).c_str());
+      std::vector<raw_tensor> arrays;
+      for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
+      update(b, b.memory(), std::span<const raw_tensor>(arrays));
     }
   }
 
@@ -9382,7 +9439,8 @@ class flat_state {
 // ---- end <ddp/optim/flat.hpp>
 // ---- begin <ddp/parallel/arena.hpp>
 /// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous buffer of values
-/// and one of gradients per dtype, in visit order, in a memory domain (memory/); each leaf is bound to its slice.
+/// and one of gradients per dtype and device, in visit order, in that device's memory domain (memory/); each leaf
+/// is bound to its slice. A model split over devices (DDP with model parallelism) gets an arena per device.
 
 
 // ---- begin <ddp/parallel/leaf_binding.hpp>
@@ -9438,6 +9496,7 @@ class leaf_binding_of final : public leaf_binding {
     home_grads_ = static_cast<std::byte*>(traits::grads(*leaf_));
     bytes_ = bytes;
     domain_ = &domain;
+    if constexpr (requires { traits::device(*leaf_); }) where_ = traits::device(*leaf_);
     to_ddp(values, home_values_);
     to_ddp(grads, home_grads_);
     rebind(values, grads, true);
@@ -9471,7 +9530,7 @@ class leaf_binding_of final : public leaf_binding {
     if constexpr (!adopting) to_home(home_values_, values_);
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting) host_memory().zero(home(home_grads_));
+    if constexpr (!adopting) domain_->zero(home(home_grads_));
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -9481,9 +9540,9 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
-  /// The leaf's own bytes at `p` (host memory: the leaves ddp copies own theirs there).
+  /// The leaf's own bytes at `p`, on its device.
   [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
-    return {const_cast<std::byte*>(p), bytes_, dtype::u8, device::cpu()};
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, where_};
   }
   /// ddp's bytes at `p`, in the bound domain.
   [[nodiscard]] raw_tensor ours(const std::byte* p) const noexcept {
@@ -9504,7 +9563,8 @@ class leaf_binding_of final : public leaf_binding {
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
-  memory_domain* domain_ = &host_memory();  // where ddp's copy lives (bind sets it)
+  device where_ = device::cpu();            // the leaf's device
+  memory_domain* domain_ = &host_memory();  // where ddp's copy lives, the domain of the leaf's device (bind sets it)
 };
 
 }  // namespace ddp::detail
@@ -9518,6 +9578,7 @@ struct param_slot {
   std::vector<std::size_t> shape;  ///< shape
   dtype type = dtype::f32;         ///< element type
   std::size_t numel = 0;           ///< elements
+  device where = device::cpu();    ///< the device its values live on
   const void* key = nullptr;       ///< the address gradient_ready knows it by
   std::size_t arena = 0;           ///< index of its arena
   std::size_t offset = 0;          ///< first element inside the arena
@@ -9532,9 +9593,10 @@ struct param_slot {
   }
 };
 
-/// One dtype's flat values and gradients, in one memory domain.
+/// One dtype's flat values and gradients on one device, in that device's memory domain.
 struct arena {
   dtype type = dtype::f32;          ///< element type
+  device where = device::cpu();     ///< the device its memory is on
   dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
   memory_domain* domain = nullptr;  ///< where its memory lives and its element work runs
@@ -9611,17 +9673,13 @@ class parameter_layout {
                     "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
                     "(data_parallel rebinds each parameter to its flat arena).");
       using traits = storage_traits<T>;
-      if constexpr (requires { traits::device(p); })
-        if (traits::device(p).is_cuda())
-          throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " +
-                             traits::device(p).to_string() +
-                             "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
       param_slot s;
       s.name = std::string(name);
       s.shape = traits::shape(p);
       s.type = traits::dtype(p);
       s.numel = 1;
       for (const auto d : s.shape) s.numel *= d;
+      if constexpr (requires { traits::device(p); }) s.where = traits::device(p);
       s.key = leaf_key(p);
       s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
       adopting_ = adopting_ && s.leaf->adopts();
@@ -9636,10 +9694,13 @@ class parameter_layout {
     rule.check_all_used();
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       auto& s = slots_[i];
-      auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
+      auto it = std::find_if(arenas_.begin(), arenas_.end(),
+                             [&](const arena& a) { return a.type == s.type && a.where == s.where; });
       if (it == arenas_.end()) {
-        arenas_.emplace_back().type = s.type;
-        arenas_.back().reduce_type = s.type;
+        auto& a = arenas_.emplace_back();
+        a.type = a.reduce_type = s.type;
+        a.where = s.where;
+        a.domain = &require_domain_of(s.where, "data_parallel (parameter '" + s.name + "')");
         it = arenas_.end() - 1;
       }
       s.arena = static_cast<std::size_t>(it - arenas_.begin());
@@ -9651,7 +9712,6 @@ class parameter_layout {
     }
     for (auto& a : arenas_) {
       a.numel = (a.numel + pad - 1) / pad * pad;
-      a.domain = &host_memory();
       a.values = a.domain->allocate(a.numel * size_of(a.type));
       a.grads = a.domain->allocate(a.numel * size_of(a.type));
     }
@@ -9685,7 +9745,7 @@ class parameter_layout {
     for (const auto& s : slots_) out.push_back(s.unit);
     return out;
   }
-  /// Every arena (one per dtype, in order of first appearance).
+  /// Every arena (one per dtype and device, in order of first appearance).
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).
   [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }
@@ -10346,10 +10406,10 @@ class step_state {
     buckets_[b].average = std::move(w);
   }
   /// Waits for bucket `b`'s reduction (started) or cross-group average (chained).
-  void wait(std::size_t b) {
-    auto& r = buckets_[b];
-    (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
-  }
+  void wait(std::size_t b) { in_flight(b).wait(); }
+  /// Orders the work given to `domain` from now on after bucket `b`'s reduction or cross-group average (the host
+  /// waits for it; a device enqueues the wait on its stream).
+  void order(std::size_t b, memory_domain& domain) { domain.order_after(in_flight(b)); }
   /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
   [[nodiscard]] bool scattered(std::size_t b) {
     const auto p = buckets_[b].phase;
@@ -10389,10 +10449,12 @@ class step_state {
     move_unit(u, unit_phase::unsharding, unit_phase::sharded);
     units_[u].all_gathers = std::move(all_gathers);
   }
-  /// unsharding → unsharded, waiting for its all-gathers.
-  void unsharded(std::size_t u) {
+  /// unsharding → unsharded, its all-gathers ordered before later work by `order(i, w)` (w: the all-gather of the
+  /// unit's i-th bucket in unit_buckets order).
+  template <class Order>
+  void unsharded(std::size_t u, Order&& order) {
     move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
-    wait_all(units_[u].all_gathers);
+    for (std::size_t i = 0; i < units_[u].all_gathers.size(); ++i) order(i, units_[u].all_gathers[i]);
     units_[u].all_gathers.clear();
   }
   /// unsharded → sharded: the full values are freed.
@@ -10427,6 +10489,11 @@ class step_state {
   void index_units() {
     unit_buckets_.assign(units_.size(), {});
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) unit_buckets_[plan_.buckets[b].unit].push_back(b);
+  }
+  /// Bucket `b`'s operation in flight: its cross-group average when chained, else its reduction.
+  work& in_flight(std::size_t b) {
+    auto& r = buckets_[b];
+    return r.phase == bucket_phase::chained ? r.average : r.reduction;
   }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "
@@ -10541,6 +10608,28 @@ class bucket_rebuild {
 /// first differing parameter and the ranks that disagree.
 
 
+// ---- begin <ddp/memory/host_copy.hpp>
+/// \file Device memory where host code can read it: what checks and checkpoints hash or write out of a device
+/// arena goes through a host copy made by the device's domain and waited for.
+
+
+
+namespace ddp {
+
+/// `t` itself where it is host memory; else its elements copied to the host into `scratch` (grown as needed) by
+/// its device's domain, which is waited for.
+inline raw_tensor readable_on_host(const raw_tensor& t, domain_buffer& scratch) {
+  if (!t.where.is_cuda() || t.size == 0) return t;
+  memory_domain& d = require_domain_of(t.where, "reading device memory on the host");
+  if (scratch.size() < t.bytes()) scratch = host_memory().allocate(t.bytes());
+  const raw_tensor host = scratch.view(t.type, 0, t.size);
+  d.copy(t, host);
+  d.synchronize();
+  return host;
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/host_copy.hpp>
 
 namespace ddp::detail {
 
@@ -10581,9 +10670,16 @@ struct replica_digest {
 /// The digest of a rank holding every parameter's full values at its place in the arenas.
 inline replica_digest digest_full(const parameter_layout& layout) {
   replica_digest d;
+  std::vector<raw_tensor> arenas;  // each arena's values where the host reads them
+  std::vector<domain_buffer> scratch(layout.arenas().size());
+  for (std::size_t a = 0; a < layout.arenas().size(); ++a) {
+    const auto& arena = layout.arenas()[a];
+    arenas.push_back(readable_on_host(arena.value_view(0, arena.numel), scratch[a]));
+  }
   for (const auto& slot : layout.slots()) {
     const std::size_t w = size_of(slot.type);
-    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
+    d.hashes.push_back(fnv1a(std::span(static_cast<const std::byte*>(arenas[slot.arena].data) + slot.offset * w,
+                                       slot.numel * w)));
   }
   return d;
 }
@@ -10597,8 +10693,9 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
   d.hashes.assign(layout.slots().size(), fnv1a_basis);
   std::unordered_map<std::string_view, std::size_t> slot_of;
   for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
+  domain_buffer scratch;
   for (const auto& b : owned) {
-    const auto* values = static_cast<const std::byte*>(b.values.data);
+    const auto* values = static_cast<const std::byte*>(readable_on_host(b.values, scratch).data);
     const std::size_t w = size_of(b.values.type);
     for (const auto& seg : b.segments) {
       auto& h = d.hashes[slot_of.at(seg.name)];
@@ -10929,8 +11026,18 @@ class ordered_reduction {
     return comm.all_to_all(whole, scratch(key, whole, 1));
   }
   /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block): one pass,
-  /// with the bits of the sum followed by detail::divide.
-  void average_into(std::size_t key, const raw_tensor& out, int n) const {
+  /// with the bits of the sum followed by detail::divide. `out` on a device receives the host's sum through its
+  /// domain, waited for (the sum runs on the host).
+  void average_into(std::size_t key, const raw_tensor& out, int n) {
+    if (out.where.is_cuda()) {
+      if (result_.size() < out.bytes()) result_ = host_memory().allocate(out.bytes());
+      const raw_tensor host = result_.view(out.type, 0, out.size);
+      average_into(key, host, n);
+      memory_domain& d = require_domain_of(out.where, "deterministic reduction");
+      d.copy(host, out);
+      d.synchronize();  // result_ is the next bucket's
+      return;
+    }
     const std::byte* blocks = scratch_[key].data();
     visit_dtype(out.type, [&](auto zero) {
       using T = decltype(zero);
@@ -10964,6 +11071,7 @@ class ordered_reduction {
     return scratch_[key].view(like.type, 0, like.size * times);
   }
   std::vector<domain_buffer> scratch_;  // host memory: the rank-order sum runs on the host
+  domain_buffer result_;                // host memory: the sum of a block bound for a device
 };
 
 }  // namespace ddp::detail
@@ -11227,7 +11335,10 @@ class sharded_core {
         state_.wait(chained_);
         chain(chained_);
       }
-    state_.wait(b);
+    if (deterministic_)
+      state_.wait(b);  // the rank-order sum runs on the host
+    else
+      state_.order(b, domain_of_bucket(b));
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
@@ -11287,10 +11398,24 @@ class sharded_core {
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
-  /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
+  /// unsharding → unsharded: unit `u`'s all-gathers are ordered before later work on their domains; its
+  /// parameters hold their values from now on.
   void unsharded(std::size_t u) {
-    state_.unsharded(u);
+    settle_unsharding(u);
     bind_unit(u);
+  }
+  /// unsharding → unsharded without rebinding: unit `u`'s all-gathers ordered before later work on their domains.
+  void settle_unsharding(std::size_t u) {
+    const auto buckets = state_.unit_buckets(u);
+    state_.unsharded(u, [&](std::size_t i, work& w) { domain_of_bucket(buckets[i]).order_after(w); });
+  }
+  /// Orders `works` (one per bucket, in plan order) before later work on each bucket's domain.
+  void order_buckets(std::vector<work>& works) {
+    for (std::size_t b = 0; b < works.size(); ++b) domain_of_bucket(b).order_after(works[b]);
+  }
+  /// The memory domain of bucket `b`'s arena.
+  [[nodiscard]] memory_domain& domain_of_bucket(std::size_t b) const {
+    return *layout_.arenas()[plan_.buckets[b].arena].domain;
   }
   /// Unit `u`'s values buffer goes back to the pool; its parameters point at their arena place.
   void give_values(std::size_t u) {
@@ -11612,13 +11737,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     recorded_ = true;  // the execution order of the first step is known
     this->consume_owned_gradients();
     for (std::size_t u = 0; u < this->state().units(); ++u) {
-      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->settle_unsharding(u);
       if (this->state().unit(u).scopes == 0) {
         reshard(u);
       } else if (this->state().unit(u).values == unit_phase::unsharded) {  // a scope open across the step
         this->state().reshard(u);
         unshard(u);
-        this->state().unsharded(u);
+        this->settle_unsharding(u);
       }
     }
     this->trim_pools();
@@ -11634,7 +11759,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
-    wait_all(works);
+    this->order_buckets(works);
     this->arena_holds_values();
   }
   /// The units' forwards open scopes and their backwards reopen them (backward_opener, ddp::forward of the
@@ -11677,7 +11802,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
   /// → sharded: waits for all-gathers in flight, gives the values buffer back.
   void reshard(std::size_t u) {
-    if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+    if (this->state().unit(u).values == unit_phase::unsharding) this->settle_unsharding(u);
     if (this->state().unit(u).values == unit_phase::unsharded) {
       this->give_values(u);
       this->state().reshard(u);
@@ -11737,7 +11862,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   void after_step() {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
-    wait_all(works);
+    this->order_buckets(works);
     this->consume_owned_gradients();
     this->trim_pools();
   }
@@ -11967,12 +12092,16 @@ struct strategy<replicate, Comm> {
     state_.start(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
                                     : hook.start(gradients(b, true)));
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
+  /// Orders bucket `b`'s all-reduce before the work that follows on its domain (the host waits for it, a device's
+  /// stream does); the hook (deterministic beyond two ranks: the rank-order sum) writes the
   /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer
   /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    state_.wait(b);
+    if (in_rank_order_)
+      state_.wait(b);  // the rank-order sum runs on the host
+    else
+      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
     if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
     else
@@ -12440,7 +12569,6 @@ data_parallel(Model&, Comm, P1, P2, P3, P4, data_parallel_options)
 /// \file ddp::optim::adamw: Adam with decoupled weight decay over flat buffers, with torch.optim.AdamW's
 /// exact update.
 
-#include <cmath>
 
 
 namespace ddp::optim {
@@ -12473,18 +12601,10 @@ class adamw : public detail::flat_state {
     const auto t = static_cast<double>(steps_ + 1);
     const double correction1 = 1 - std::pow(opt_.beta1, t);
     const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
-      const T decay = static_cast<T>(1 - opt_.lr * opt_.weight_decay);
-      const T b1 = static_cast<T>(opt_.beta1), b2 = static_cast<T>(opt_.beta2);
-      const T step_size = static_cast<T>(opt_.lr / correction1);
-      const T c2 = static_cast<T>(correction2_sqrt), eps = static_cast<T>(opt_.eps);
-      std::span<T> m = arrays[0], v = arrays[1];
-      for (std::size_t i = 0; i < p.size(); ++i) {
-        p[i] *= decay;
-        m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
-        v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
-        p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
-      }
+    const adamw_update u{.decay = 1 - opt_.lr * opt_.weight_decay, .beta1 = opt_.beta1, .beta2 = opt_.beta2,
+                         .step_size = opt_.lr / correction1, .correction2_sqrt = correction2_sqrt, .eps = opt_.eps};
+    for_each_buffer(buffers, "optim::adamw", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
+      on.adamw(b.values, b.grads, arrays[0], arrays[1], u);
     });
     ++steps_;
   }
@@ -12534,20 +12654,10 @@ class sgd : public detail::flat_state {
 
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const bool first = steps_ == 0;
-    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
-      const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
-      const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
-      for (std::size_t i = 0; i < p.size(); ++i) {
-        T d = g[i];
-        if (opt_.weight_decay != 0) d += wd * p[i];
-        if (opt_.momentum != 0) {
-          T& buf = arrays[0][i];
-          buf = first ? d : mu * buf + keep * d;
-          d = opt_.nesterov ? d + mu * buf : buf;
-        }
-        p[i] -= lr * d;
-      }
+    const sgd_update u{.lr = opt_.lr, .momentum = opt_.momentum, .dampening = opt_.dampening,
+                       .weight_decay = opt_.weight_decay, .nesterov = opt_.nesterov, .first = steps_ == 0};
+    for_each_buffer(buffers, "optim::sgd", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
+      on.sgd(b.values, b.grads, arrays.empty() ? raw_tensor{} : arrays[0], u);
     });
     ++steps_;
   }
@@ -13224,6 +13334,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return false;
 #endif
   }
+  /// A CUDA-aware MPI takes device memory itself; otherwise the front end stages device tensors through the host.
+  [[nodiscard]] static bool moves_device_memory() noexcept { return cuda_aware(); }
 
   /// Collective: ranks with the same color (≥ 0) form a new group, ordered by key, then by rank here.
   [[nodiscard]] communicator split(int color, int key) const {
@@ -13398,13 +13510,9 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return static_cast<int>(n);
   }
 
-  /// Device memory needs a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
+  /// Device memory reaches here only on a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
   void device_check(const call& c, const raw_tensor& b) const {
     if (!b.where.is_cuda()) return;
-    if (!cuda_aware())
-      fail(c, "the buffer is on " + b.where.to_string() +
-                  " but this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0); use a CUDA-aware Open MPI, "
-                  "copy the buffer to host memory, or use ddp::nccl for device buffers");
     if (c.op && (*c.op == reduce_op::avg || b.type == dtype::bf16 || b.type == dtype::f16))
       fail(c, "avg and bf16/f16 reductions are computed on the host and the buffer is on " + b.where.to_string() +
                   "; reduce with sum in f32/f64 and scale on the device, or use ddp::nccl");
@@ -14380,7 +14488,7 @@ class op_state final : public ddp::detail::work_state {
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 /// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
-/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: cadd47b1183ae9b595eafd6c65da694a952c2d0e2383123d20c1410d5be4ef93
+/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: 7eddf9092fde50065053fe02852df2b5644c6d39e1f9277d2225951019ec5929
 
 namespace ddp::cuda::detail {
 
@@ -19157,6 +19265,1834 @@ $L__BB21_75:
 	ret;
 
 }
+	// .globl	ddp_sgd_f32
+.visible .entry ddp_sgd_f32(
+	.param .u64 ddp_sgd_f32_param_0,
+	.param .u64 ddp_sgd_f32_param_1,
+	.param .u64 ddp_sgd_f32_param_2,
+	.param .u64 ddp_sgd_f32_param_3,
+	.param .f32 ddp_sgd_f32_param_4,
+	.param .f32 ddp_sgd_f32_param_5,
+	.param .f32 ddp_sgd_f32_param_6,
+	.param .f32 ddp_sgd_f32_param_7,
+	.param .u8 ddp_sgd_f32_param_8,
+	.param .u8 ddp_sgd_f32_param_9,
+	.param .u8 ddp_sgd_f32_param_10,
+	.param .u8 ddp_sgd_f32_param_11,
+	.param .u8 ddp_sgd_f32_param_12
+)
+{
+	.reg .pred 	%p<89>;
+	.reg .b16 	%rs<6>;
+	.reg .f32 	%f<325>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<93>;
+
+
+	ld.param.s8 	%rs4, [ddp_sgd_f32_param_11];
+	ld.param.s8 	%rs3, [ddp_sgd_f32_param_10];
+	ld.param.s8 	%rs2, [ddp_sgd_f32_param_9];
+	ld.param.s8 	%rs1, [ddp_sgd_f32_param_8];
+	ld.param.s8 	%rs5, [ddp_sgd_f32_param_12];
+	ld.param.u64 	%rd45, [ddp_sgd_f32_param_0];
+	ld.param.u64 	%rd46, [ddp_sgd_f32_param_1];
+	ld.param.u64 	%rd47, [ddp_sgd_f32_param_2];
+	ld.param.u64 	%rd44, [ddp_sgd_f32_param_3];
+	ld.param.f32 	%f143, [ddp_sgd_f32_param_4];
+	ld.param.f32 	%f144, [ddp_sgd_f32_param_5];
+	ld.param.f32 	%f145, [ddp_sgd_f32_param_6];
+	ld.param.f32 	%f146, [ddp_sgd_f32_param_7];
+	cvta.to.global.u64 	%rd1, %rd47;
+	cvta.to.global.u64 	%rd2, %rd46;
+	cvta.to.global.u64 	%rd3, %rd45;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd4, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd48, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd49, %r4;
+	add.s64 	%rd5, %rd48, %rd49;
+	setp.eq.s16 	%p3, %rs5, 0;
+	@%p3 bra 	$L__BB22_75;
+
+	shr.u64 	%rd6, %rd44, 2;
+	setp.ge.u64 	%p4, %rd5, %rd6;
+	@%p4 bra 	$L__BB22_51;
+
+	setp.ne.s16 	%p5, %rs2, 0;
+	setp.eq.s16 	%p6, %rs4, 0;
+	and.pred  	%p1, %p5, %p6;
+	not.pred 	%p7, %p1;
+	mov.u64 	%rd83, %rd5;
+
+$L__BB22_3:
+	shl.b64 	%rd50, %rd83, 4;
+	add.s64 	%rd8, %rd3, %rd50;
+	ld.global.v4.f32 	{%f151, %f152, %f153, %f154}, [%rd8];
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.v4.f32 	{%f155, %f156, %f157, %f158}, [%rd51];
+	add.s64 	%rd9, %rd1, %rd50;
+	mov.f32 	%f279, 0f00000000;
+	mov.f32 	%f276, %f279;
+	mov.f32 	%f273, %f279;
+	mov.f32 	%f268, %f279;
+	@%p7 bra 	$L__BB22_5;
+
+	ld.global.v4.f32 	{%f268, %f273, %f276, %f279}, [%rd9];
+
+$L__BB22_5:
+	setp.eq.s16 	%p8, %rs1, 0;
+	@%p8 bra 	$L__BB22_27;
+
+	setp.eq.s16 	%p9, %rs2, 0;
+	mul.rn.f32 	%f163, %f144, %f151;
+	add.rn.f32 	%f17, %f155, %f163;
+	mov.f32 	%f270, %f268;
+	mov.f32 	%f271, %f17;
+	@%p9 bra 	$L__BB22_11;
+
+	setp.ne.s16 	%p10, %rs4, 0;
+	mov.f32 	%f270, %f17;
+	@%p10 bra 	$L__BB22_9;
+
+	mul.rn.f32 	%f164, %f145, %f268;
+	mul.rn.f32 	%f165, %f146, %f17;
+	add.rn.f32 	%f270, %f164, %f165;
+
+$L__BB22_9:
+	setp.eq.s16 	%p11, %rs3, 0;
+	mov.f32 	%f271, %f270;
+	@%p11 bra 	$L__BB22_11;
+
+	mul.rn.f32 	%f166, %f145, %f270;
+	add.rn.f32 	%f271, %f17, %f166;
+
+$L__BB22_11:
+	mul.rn.f32 	%f167, %f143, %f271;
+	sub.rn.f32 	%f293, %f151, %f167;
+	mul.rn.f32 	%f168, %f144, %f152;
+	add.rn.f32 	%f24, %f156, %f168;
+	mov.f32 	%f274, %f24;
+	@%p9 bra 	$L__BB22_16;
+
+	setp.ne.s16 	%p13, %rs4, 0;
+	mov.f32 	%f274, %f24;
+	@%p13 bra 	$L__BB22_14;
+
+	mul.rn.f32 	%f169, %f145, %f273;
+	mul.rn.f32 	%f170, %f146, %f24;
+	add.rn.f32 	%f274, %f169, %f170;
+
+$L__BB22_14:
+	setp.eq.s16 	%p14, %rs3, 0;
+	mov.f32 	%f273, %f274;
+	@%p14 bra 	$L__BB22_16;
+
+	mul.rn.f32 	%f171, %f145, %f274;
+	add.rn.f32 	%f27, %f24, %f171;
+	mov.f32 	%f273, %f274;
+	mov.f32 	%f274, %f27;
+
+$L__BB22_16:
+	mul.rn.f32 	%f172, %f143, %f274;
+	sub.rn.f32 	%f294, %f152, %f172;
+	mul.rn.f32 	%f173, %f144, %f153;
+	add.rn.f32 	%f31, %f157, %f173;
+	mov.f32 	%f277, %f31;
+	@%p9 bra 	$L__BB22_21;
+
+	setp.ne.s16 	%p16, %rs4, 0;
+	mov.f32 	%f277, %f31;
+	@%p16 bra 	$L__BB22_19;
+
+	mul.rn.f32 	%f174, %f145, %f276;
+	mul.rn.f32 	%f175, %f146, %f31;
+	add.rn.f32 	%f277, %f174, %f175;
+
+$L__BB22_19:
+	setp.eq.s16 	%p17, %rs3, 0;
+	mov.f32 	%f276, %f277;
+	@%p17 bra 	$L__BB22_21;
+
+	mul.rn.f32 	%f176, %f145, %f277;
+	add.rn.f32 	%f34, %f31, %f176;
+	mov.f32 	%f276, %f277;
+	mov.f32 	%f277, %f34;
+
+$L__BB22_21:
+	mul.rn.f32 	%f177, %f143, %f277;
+	sub.rn.f32 	%f295, %f153, %f177;
+	mul.rn.f32 	%f178, %f144, %f154;
+	add.rn.f32 	%f38, %f158, %f178;
+	mov.f32 	%f280, %f38;
+	@%p9 bra 	$L__BB22_26;
+
+	setp.ne.s16 	%p19, %rs4, 0;
+	mov.f32 	%f280, %f38;
+	@%p19 bra 	$L__BB22_24;
+
+	mul.rn.f32 	%f179, %f145, %f279;
+	mul.rn.f32 	%f180, %f146, %f38;
+	add.rn.f32 	%f280, %f179, %f180;
+
+$L__BB22_24:
+	setp.eq.s16 	%p20, %rs3, 0;
+	mov.f32 	%f279, %f280;
+	@%p20 bra 	$L__BB22_26;
+
+	mul.rn.f32 	%f181, %f145, %f280;
+	add.rn.f32 	%f41, %f38, %f181;
+	mov.f32 	%f279, %f280;
+	mov.f32 	%f280, %f41;
+
+$L__BB22_26:
+	mul.rn.f32 	%f182, %f143, %f280;
+	sub.rn.f32 	%f296, %f154, %f182;
+	bra.uni 	$L__BB22_48;
+
+$L__BB22_27:
+	setp.eq.s16 	%p21, %rs2, 0;
+	mov.f32 	%f270, %f268;
+	mov.f32 	%f283, %f155;
+	@%p21 bra 	$L__BB22_32;
+
+	setp.ne.s16 	%p22, %rs4, 0;
+	mov.f32 	%f270, %f155;
+	@%p22 bra 	$L__BB22_30;
+
+	mul.rn.f32 	%f183, %f145, %f268;
+	mul.rn.f32 	%f184, %f146, %f155;
+	add.rn.f32 	%f270, %f183, %f184;
+
+$L__BB22_30:
+	setp.eq.s16 	%p23, %rs3, 0;
+	mov.f32 	%f283, %f270;
+	@%p23 bra 	$L__BB22_32;
+
+	mul.rn.f32 	%f185, %f145, %f270;
+	add.rn.f32 	%f283, %f155, %f185;
+
+$L__BB22_32:
+	mul.rn.f32 	%f186, %f143, %f283;
+	sub.rn.f32 	%f293, %f151, %f186;
+	mov.f32 	%f286, %f156;
+	@%p21 bra 	$L__BB22_37;
+
+	setp.ne.s16 	%p25, %rs4, 0;
+	mov.f32 	%f286, %f156;
+	@%p25 bra 	$L__BB22_35;
+
+	mul.rn.f32 	%f187, %f145, %f273;
+	mul.rn.f32 	%f188, %f146, %f156;
+	add.rn.f32 	%f286, %f187, %f188;
+
+$L__BB22_35:
+	setp.eq.s16 	%p26, %rs3, 0;
+	mov.f32 	%f273, %f286;
+	@%p26 bra 	$L__BB22_37;
+
+	mul.rn.f32 	%f189, %f145, %f286;
+	add.rn.f32 	%f53, %f156, %f189;
+	mov.f32 	%f273, %f286;
+	mov.f32 	%f286, %f53;
+
+$L__BB22_37:
+	mul.rn.f32 	%f190, %f143, %f286;
+	sub.rn.f32 	%f294, %f152, %f190;
+	mov.f32 	%f289, %f157;
+	@%p21 bra 	$L__BB22_42;
+
+	setp.ne.s16 	%p28, %rs4, 0;
+	mov.f32 	%f289, %f157;
+	@%p28 bra 	$L__BB22_40;
+
+	mul.rn.f32 	%f191, %f145, %f276;
+	mul.rn.f32 	%f192, %f146, %f157;
+	add.rn.f32 	%f289, %f191, %f192;
+
+$L__BB22_40:
+	setp.eq.s16 	%p29, %rs3, 0;
+	mov.f32 	%f276, %f289;
+	@%p29 bra 	$L__BB22_42;
+
+	mul.rn.f32 	%f193, %f145, %f289;
+	add.rn.f32 	%f59, %f157, %f193;
+	mov.f32 	%f276, %f289;
+	mov.f32 	%f289, %f59;
+
+$L__BB22_42:
+	mul.rn.f32 	%f194, %f143, %f289;
+	sub.rn.f32 	%f295, %f153, %f194;
+	mov.f32 	%f292, %f158;
+	@%p21 bra 	$L__BB22_47;
+
+	setp.ne.s16 	%p31, %rs4, 0;
+	mov.f32 	%f292, %f158;
+	@%p31 bra 	$L__BB22_45;
+
+	mul.rn.f32 	%f195, %f145, %f279;
+	mul.rn.f32 	%f196, %f146, %f158;
+	add.rn.f32 	%f292, %f195, %f196;
+
+$L__BB22_45:
+	setp.eq.s16 	%p32, %rs3, 0;
+	mov.f32 	%f279, %f292;
+	@%p32 bra 	$L__BB22_47;
+
+	mul.rn.f32 	%f197, %f145, %f292;
+	add.rn.f32 	%f65, %f158, %f197;
+	mov.f32 	%f279, %f292;
+	mov.f32 	%f292, %f65;
+
+$L__BB22_47:
+	mul.rn.f32 	%f198, %f143, %f292;
+	sub.rn.f32 	%f296, %f154, %f198;
+
+$L__BB22_48:
+	st.global.v4.f32 	[%rd8], {%f293, %f294, %f295, %f296};
+	setp.eq.s16 	%p33, %rs2, 0;
+	@%p33 bra 	$L__BB22_50;
+
+	st.global.v4.f32 	[%rd9], {%f270, %f273, %f276, %f279};
+
+$L__BB22_50:
+	add.s64 	%rd83, %rd83, %rd4;
+	setp.lt.u64 	%p34, %rd83, %rd6;
+	@%p34 bra 	$L__BB22_3;
+
+$L__BB22_51:
+	and.b64  	%rd52, %rd44, -4;
+	add.s64 	%rd84, %rd52, %rd5;
+	setp.ge.u64 	%p35, %rd84, %rd44;
+	@%p35 bra 	$L__BB22_126;
+
+	setp.ne.s16 	%p36, %rs2, 0;
+	setp.eq.s16 	%p37, %rs4, 0;
+	and.pred  	%p38, %p36, %p37;
+	@%p38 bra 	$L__BB22_70;
+	bra.uni 	$L__BB22_53;
+
+$L__BB22_70:
+	shl.b64 	%rd61, %rd84, 2;
+	add.s64 	%rd19, %rd3, %rd61;
+	ld.global.f32 	%f91, [%rd19];
+	add.s64 	%rd62, %rd2, %rd61;
+	ld.global.f32 	%f307, [%rd62];
+	add.s64 	%rd20, %rd1, %rd61;
+	ld.global.f32 	%f93, [%rd20];
+	setp.eq.s16 	%p50, %rs1, 0;
+	@%p50 bra 	$L__BB22_72;
+
+	mul.rn.f32 	%f215, %f144, %f91;
+	add.rn.f32 	%f307, %f307, %f215;
+
+$L__BB22_72:
+	mul.rn.f32 	%f216, %f146, %f307;
+	mul.rn.f32 	%f217, %f145, %f93;
+	add.rn.f32 	%f96, %f217, %f216;
+	setp.eq.s16 	%p51, %rs3, 0;
+	mov.f32 	%f308, %f96;
+	@%p51 bra 	$L__BB22_74;
+
+	mul.rn.f32 	%f218, %f145, %f96;
+	add.rn.f32 	%f308, %f307, %f218;
+
+$L__BB22_74:
+	mul.rn.f32 	%f219, %f143, %f308;
+	sub.rn.f32 	%f220, %f91, %f219;
+	st.global.f32 	[%rd19], %f220;
+	st.global.f32 	[%rd20], %f96;
+	add.s64 	%rd84, %rd84, %rd4;
+	setp.lt.u64 	%p52, %rd84, %rd44;
+	@%p52 bra 	$L__BB22_70;
+	bra.uni 	$L__BB22_126;
+
+$L__BB22_75:
+	setp.ge.u64 	%p53, %rd5, %rd44;
+	@%p53 bra 	$L__BB22_102;
+
+	setp.ne.s16 	%p54, %rs2, 0;
+	setp.eq.s16 	%p55, %rs4, 0;
+	and.pred  	%p56, %p54, %p55;
+	@%p56 bra 	$L__BB22_96;
+	bra.uni 	$L__BB22_77;
+
+$L__BB22_96:
+	mov.u64 	%rd89, %rd5;
+
+$L__BB22_97:
+	shl.b64 	%rd71, %rd89, 2;
+	add.s64 	%rd29, %rd3, %rd71;
+	ld.global.f32 	%f113, [%rd29];
+	add.s64 	%rd72, %rd2, %rd71;
+	ld.global.f32 	%f315, [%rd72];
+	add.s64 	%rd30, %rd1, %rd71;
+	ld.global.f32 	%f115, [%rd30];
+	setp.eq.s16 	%p68, %rs1, 0;
+	@%p68 bra 	$L__BB22_99;
+
+	mul.rn.f32 	%f237, %f144, %f113;
+	add.rn.f32 	%f315, %f315, %f237;
+
+$L__BB22_99:
+	mul.rn.f32 	%f238, %f146, %f315;
+	mul.rn.f32 	%f239, %f145, %f115;
+	add.rn.f32 	%f118, %f239, %f238;
+	setp.eq.s16 	%p69, %rs3, 0;
+	mov.f32 	%f316, %f118;
+	@%p69 bra 	$L__BB22_101;
+
+	mul.rn.f32 	%f240, %f145, %f118;
+	add.rn.f32 	%f316, %f315, %f240;
+
+$L__BB22_101:
+	mul.rn.f32 	%f241, %f143, %f316;
+	sub.rn.f32 	%f242, %f113, %f241;
+	st.global.f32 	[%rd29], %f242;
+	st.global.f32 	[%rd30], %f118;
+	add.s64 	%rd89, %rd89, %rd4;
+	setp.lt.u64 	%p70, %rd89, %rd44;
+	@%p70 bra 	$L__BB22_97;
+	bra.uni 	$L__BB22_102;
+
+$L__BB22_53:
+	setp.eq.s16 	%p39, %rs1, 0;
+	@%p39 bra 	$L__BB22_62;
+
+$L__BB22_54:
+	shl.b64 	%rd53, %rd84, 2;
+	add.s64 	%rd13, %rd3, %rd53;
+	ld.global.f32 	%f77, [%rd13];
+	mul.rn.f32 	%f200, %f144, %f77;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.f32 	%f201, [%rd54];
+	add.rn.f32 	%f78, %f201, %f200;
+	setp.eq.s16 	%p40, %rs2, 0;
+	mov.f32 	%f302, 0f00000000;
+	mov.f32 	%f303, %f78;
+	@%p40 bra 	$L__BB22_59;
+
+	setp.ne.s16 	%p41, %rs4, 0;
+	mov.f32 	%f302, %f78;
+	@%p41 bra 	$L__BB22_57;
+
+	mov.f32 	%f202, 0f00000000;
+	mul.rn.f32 	%f203, %f145, %f202;
+	mul.rn.f32 	%f204, %f146, %f78;
+	add.rn.f32 	%f302, %f203, %f204;
+
+$L__BB22_57:
+	setp.eq.s16 	%p42, %rs3, 0;
+	mov.f32 	%f303, %f302;
+	@%p42 bra 	$L__BB22_59;
+
+	mul.rn.f32 	%f205, %f145, %f302;
+	add.rn.f32 	%f303, %f78, %f205;
+
+$L__BB22_59:
+	mul.rn.f32 	%f206, %f143, %f303;
+	sub.rn.f32 	%f207, %f77, %f206;
+	st.global.f32 	[%rd13], %f207;
+	@%p40 bra 	$L__BB22_61;
+
+	add.s64 	%rd56, %rd1, %rd53;
+	st.global.f32 	[%rd56], %f302;
+
+$L__BB22_61:
+	add.s64 	%rd84, %rd84, %rd4;
+	setp.lt.u64 	%p44, %rd84, %rd44;
+	@%p44 bra 	$L__BB22_54;
+	bra.uni 	$L__BB22_126;
+
+$L__BB22_62:
+	shl.b64 	%rd57, %rd84, 2;
+	add.s64 	%rd16, %rd3, %rd57;
+	ld.global.f32 	%f84, [%rd16];
+	add.s64 	%rd58, %rd2, %rd57;
+	ld.global.f32 	%f85, [%rd58];
+	setp.eq.s16 	%p45, %rs2, 0;
+	mov.f32 	%f305, 0f00000000;
+	mov.f32 	%f306, %f85;
+	@%p45 bra 	$L__BB22_67;
+
+	setp.ne.s16 	%p46, %rs4, 0;
+	mov.f32 	%f305, %f85;
+	@%p46 bra 	$L__BB22_65;
+
+	mov.f32 	%f209, 0f00000000;
+	mul.rn.f32 	%f210, %f145, %f209;
+	mul.rn.f32 	%f211, %f146, %f85;
+	add.rn.f32 	%f305, %f210, %f211;
+
+$L__BB22_65:
+	setp.eq.s16 	%p47, %rs3, 0;
+	mov.f32 	%f306, %f305;
+	@%p47 bra 	$L__BB22_67;
+
+	mul.rn.f32 	%f212, %f145, %f305;
+	add.rn.f32 	%f306, %f85, %f212;
+
+$L__BB22_67:
+	mul.rn.f32 	%f213, %f143, %f306;
+	sub.rn.f32 	%f214, %f84, %f213;
+	st.global.f32 	[%rd16], %f214;
+	@%p45 bra 	$L__BB22_69;
+
+	add.s64 	%rd60, %rd1, %rd57;
+	st.global.f32 	[%rd60], %f305;
+
+$L__BB22_69:
+	add.s64 	%rd84, %rd84, %rd4;
+	setp.lt.u64 	%p49, %rd84, %rd44;
+	@%p49 bra 	$L__BB22_62;
+	bra.uni 	$L__BB22_126;
+
+$L__BB22_77:
+	setp.eq.s16 	%p57, %rs1, 0;
+	@%p57 bra 	$L__BB22_87;
+
+	mov.u64 	%rd87, %rd5;
+
+$L__BB22_79:
+	shl.b64 	%rd63, %rd87, 2;
+	add.s64 	%rd23, %rd3, %rd63;
+	ld.global.f32 	%f99, [%rd23];
+	mul.rn.f32 	%f222, %f144, %f99;
+	add.s64 	%rd64, %rd2, %rd63;
+	ld.global.f32 	%f223, [%rd64];
+	add.rn.f32 	%f100, %f223, %f222;
+	setp.eq.s16 	%p58, %rs2, 0;
+	mov.f32 	%f310, 0f00000000;
+	mov.f32 	%f311, %f100;
+	@%p58 bra 	$L__BB22_84;
+
+	setp.ne.s16 	%p59, %rs4, 0;
+	mov.f32 	%f310, %f100;
+	@%p59 bra 	$L__BB22_82;
+
+	mov.f32 	%f224, 0f00000000;
+	mul.rn.f32 	%f225, %f145, %f224;
+	mul.rn.f32 	%f226, %f146, %f100;
+	add.rn.f32 	%f310, %f225, %f226;
+
+$L__BB22_82:
+	setp.eq.s16 	%p60, %rs3, 0;
+	mov.f32 	%f311, %f310;
+	@%p60 bra 	$L__BB22_84;
+
+	mul.rn.f32 	%f227, %f145, %f310;
+	add.rn.f32 	%f311, %f100, %f227;
+
+$L__BB22_84:
+	mul.rn.f32 	%f228, %f143, %f311;
+	sub.rn.f32 	%f229, %f99, %f228;
+	st.global.f32 	[%rd23], %f229;
+	@%p58 bra 	$L__BB22_86;
+
+	add.s64 	%rd66, %rd1, %rd63;
+	st.global.f32 	[%rd66], %f310;
+
+$L__BB22_86:
+	add.s64 	%rd87, %rd87, %rd4;
+	setp.lt.u64 	%p62, %rd87, %rd44;
+	@%p62 bra 	$L__BB22_79;
+	bra.uni 	$L__BB22_102;
+
+$L__BB22_87:
+	mov.u64 	%rd88, %rd5;
+
+$L__BB22_88:
+	shl.b64 	%rd67, %rd88, 2;
+	add.s64 	%rd26, %rd3, %rd67;
+	ld.global.f32 	%f106, [%rd26];
+	add.s64 	%rd68, %rd2, %rd67;
+	ld.global.f32 	%f107, [%rd68];
+	setp.eq.s16 	%p63, %rs2, 0;
+	mov.f32 	%f313, 0f00000000;
+	mov.f32 	%f314, %f107;
+	@%p63 bra 	$L__BB22_93;
+
+	setp.ne.s16 	%p64, %rs4, 0;
+	mov.f32 	%f313, %f107;
+	@%p64 bra 	$L__BB22_91;
+
+	mov.f32 	%f231, 0f00000000;
+	mul.rn.f32 	%f232, %f145, %f231;
+	mul.rn.f32 	%f233, %f146, %f107;
+	add.rn.f32 	%f313, %f232, %f233;
+
+$L__BB22_91:
+	setp.eq.s16 	%p65, %rs3, 0;
+	mov.f32 	%f314, %f313;
+	@%p65 bra 	$L__BB22_93;
+
+	mul.rn.f32 	%f234, %f145, %f313;
+	add.rn.f32 	%f314, %f107, %f234;
+
+$L__BB22_93:
+	mul.rn.f32 	%f235, %f143, %f314;
+	sub.rn.f32 	%f236, %f106, %f235;
+	st.global.f32 	[%rd26], %f236;
+	@%p63 bra 	$L__BB22_95;
+
+	add.s64 	%rd70, %rd1, %rd67;
+	st.global.f32 	[%rd70], %f313;
+
+$L__BB22_95:
+	add.s64 	%rd88, %rd88, %rd4;
+	setp.lt.u64 	%p67, %rd88, %rd44;
+	@%p67 bra 	$L__BB22_88;
+
+$L__BB22_102:
+	add.s64 	%rd90, %rd5, %rd44;
+	setp.ge.u64 	%p71, %rd90, %rd5;
+	@%p71 bra 	$L__BB22_126;
+
+	setp.ne.s16 	%p72, %rs2, 0;
+	setp.eq.s16 	%p73, %rs4, 0;
+	and.pred  	%p74, %p72, %p73;
+	@%p74 bra 	$L__BB22_121;
+	bra.uni 	$L__BB22_104;
+
+$L__BB22_121:
+	shl.b64 	%rd81, %rd90, 2;
+	add.s64 	%rd41, %rd3, %rd81;
+	ld.global.f32 	%f135, [%rd41];
+	add.s64 	%rd82, %rd2, %rd81;
+	ld.global.f32 	%f323, [%rd82];
+	add.s64 	%rd42, %rd1, %rd81;
+	ld.global.f32 	%f137, [%rd42];
+	setp.eq.s16 	%p86, %rs1, 0;
+	@%p86 bra 	$L__BB22_123;
+
+	mul.rn.f32 	%f259, %f144, %f135;
+	add.rn.f32 	%f323, %f323, %f259;
+
+$L__BB22_123:
+	mul.rn.f32 	%f260, %f146, %f323;
+	mul.rn.f32 	%f261, %f145, %f137;
+	add.rn.f32 	%f140, %f261, %f260;
+	setp.eq.s16 	%p87, %rs3, 0;
+	mov.f32 	%f324, %f140;
+	@%p87 bra 	$L__BB22_125;
+
+	mul.rn.f32 	%f262, %f145, %f140;
+	add.rn.f32 	%f324, %f323, %f262;
+
+$L__BB22_125:
+	mul.rn.f32 	%f263, %f143, %f324;
+	sub.rn.f32 	%f264, %f135, %f263;
+	st.global.f32 	[%rd41], %f264;
+	st.global.f32 	[%rd42], %f140;
+	add.s64 	%rd90, %rd90, %rd4;
+	setp.lt.u64 	%p88, %rd90, %rd44;
+	@%p88 bra 	$L__BB22_121;
+	bra.uni 	$L__BB22_126;
+
+$L__BB22_104:
+	setp.eq.s16 	%p75, %rs1, 0;
+	@%p75 bra 	$L__BB22_113;
+
+$L__BB22_105:
+	shl.b64 	%rd73, %rd90, 2;
+	add.s64 	%rd35, %rd3, %rd73;
+	ld.global.f32 	%f121, [%rd35];
+	mul.rn.f32 	%f244, %f144, %f121;
+	add.s64 	%rd74, %rd2, %rd73;
+	ld.global.f32 	%f245, [%rd74];
+	add.rn.f32 	%f122, %f245, %f244;
+	setp.eq.s16 	%p76, %rs2, 0;
+	mov.f32 	%f318, 0f00000000;
+	mov.f32 	%f319, %f122;
+	@%p76 bra 	$L__BB22_110;
+
+	setp.ne.s16 	%p77, %rs4, 0;
+	mov.f32 	%f318, %f122;
+	@%p77 bra 	$L__BB22_108;
+
+	mov.f32 	%f246, 0f00000000;
+	mul.rn.f32 	%f247, %f145, %f246;
+	mul.rn.f32 	%f248, %f146, %f122;
+	add.rn.f32 	%f318, %f247, %f248;
+
+$L__BB22_108:
+	setp.eq.s16 	%p78, %rs3, 0;
+	mov.f32 	%f319, %f318;
+	@%p78 bra 	$L__BB22_110;
+
+	mul.rn.f32 	%f249, %f145, %f318;
+	add.rn.f32 	%f319, %f122, %f249;
+
+$L__BB22_110:
+	mul.rn.f32 	%f250, %f143, %f319;
+	sub.rn.f32 	%f251, %f121, %f250;
+	st.global.f32 	[%rd35], %f251;
+	@%p76 bra 	$L__BB22_112;
+
+	add.s64 	%rd76, %rd1, %rd73;
+	st.global.f32 	[%rd76], %f318;
+
+$L__BB22_112:
+	add.s64 	%rd90, %rd90, %rd4;
+	setp.lt.u64 	%p80, %rd90, %rd44;
+	@%p80 bra 	$L__BB22_105;
+	bra.uni 	$L__BB22_126;
+
+$L__BB22_113:
+	shl.b64 	%rd77, %rd90, 2;
+	add.s64 	%rd38, %rd3, %rd77;
+	ld.global.f32 	%f128, [%rd38];
+	add.s64 	%rd78, %rd2, %rd77;
+	ld.global.f32 	%f129, [%rd78];
+	setp.eq.s16 	%p81, %rs2, 0;
+	mov.f32 	%f321, 0f00000000;
+	mov.f32 	%f322, %f129;
+	@%p81 bra 	$L__BB22_118;
+
+	setp.ne.s16 	%p82, %rs4, 0;
+	mov.f32 	%f321, %f129;
+	@%p82 bra 	$L__BB22_116;
+
+	mov.f32 	%f253, 0f00000000;
+	mul.rn.f32 	%f254, %f145, %f253;
+	mul.rn.f32 	%f255, %f146, %f129;
+	add.rn.f32 	%f321, %f254, %f255;
+
+$L__BB22_116:
+	setp.eq.s16 	%p83, %rs3, 0;
+	mov.f32 	%f322, %f321;
+	@%p83 bra 	$L__BB22_118;
+
+	mul.rn.f32 	%f256, %f145, %f321;
+	add.rn.f32 	%f322, %f129, %f256;
+
+$L__BB22_118:
+	mul.rn.f32 	%f257, %f143, %f322;
+	sub.rn.f32 	%f258, %f128, %f257;
+	st.global.f32 	[%rd38], %f258;
+	@%p81 bra 	$L__BB22_120;
+
+	add.s64 	%rd80, %rd1, %rd77;
+	st.global.f32 	[%rd80], %f321;
+
+$L__BB22_120:
+	add.s64 	%rd90, %rd90, %rd4;
+	setp.lt.u64 	%p85, %rd90, %rd44;
+	@%p85 bra 	$L__BB22_113;
+
+$L__BB22_126:
+	ret;
+
+}
+	// .globl	ddp_adamw_f32
+.visible .entry ddp_adamw_f32(
+	.param .u64 ddp_adamw_f32_param_0,
+	.param .u64 ddp_adamw_f32_param_1,
+	.param .u64 ddp_adamw_f32_param_2,
+	.param .u64 ddp_adamw_f32_param_3,
+	.param .u64 ddp_adamw_f32_param_4,
+	.param .f32 ddp_adamw_f32_param_5,
+	.param .f32 ddp_adamw_f32_param_6,
+	.param .f32 ddp_adamw_f32_param_7,
+	.param .f32 ddp_adamw_f32_param_8,
+	.param .f32 ddp_adamw_f32_param_9,
+	.param .f32 ddp_adamw_f32_param_10,
+	.param .u8 ddp_adamw_f32_param_11
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .f32 	%f<161>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<50>;
+
+
+	ld.param.s8 	%rs1, [ddp_adamw_f32_param_11];
+	ld.param.u64 	%rd19, [ddp_adamw_f32_param_0];
+	ld.param.u64 	%rd20, [ddp_adamw_f32_param_1];
+	ld.param.u64 	%rd21, [ddp_adamw_f32_param_2];
+	ld.param.u64 	%rd22, [ddp_adamw_f32_param_3];
+	ld.param.u64 	%rd18, [ddp_adamw_f32_param_4];
+	ld.param.f32 	%f9, [ddp_adamw_f32_param_5];
+	ld.param.f32 	%f10, [ddp_adamw_f32_param_6];
+	ld.param.f32 	%f11, [ddp_adamw_f32_param_7];
+	ld.param.f32 	%f12, [ddp_adamw_f32_param_8];
+	ld.param.f32 	%f13, [ddp_adamw_f32_param_9];
+	ld.param.f32 	%f14, [ddp_adamw_f32_param_10];
+	cvta.to.global.u64 	%rd1, %rd22;
+	cvta.to.global.u64 	%rd2, %rd21;
+	cvta.to.global.u64 	%rd3, %rd20;
+	cvta.to.global.u64 	%rd4, %rd19;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd5, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd23, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd24, %r4;
+	add.s64 	%rd6, %rd23, %rd24;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB23_7;
+
+	shr.u64 	%rd7, %rd18, 2;
+	setp.ge.u64 	%p2, %rd6, %rd7;
+	@%p2 bra 	$L__BB23_4;
+
+	mov.f32 	%f15, 0f3F800000;
+	sub.rn.f32 	%f1, %f15, %f10;
+	sub.rn.f32 	%f2, %f15, %f11;
+	mov.u64 	%rd46, %rd6;
+
+$L__BB23_3:
+	shl.b64 	%rd25, %rd46, 4;
+	add.s64 	%rd26, %rd4, %rd25;
+	ld.global.v4.f32 	{%f16, %f17, %f18, %f19}, [%rd26];
+	add.s64 	%rd27, %rd3, %rd25;
+	ld.global.v4.f32 	{%f24, %f25, %f26, %f27}, [%rd27];
+	add.s64 	%rd28, %rd2, %rd25;
+	ld.global.v4.f32 	{%f32, %f33, %f34, %f35}, [%rd28];
+	add.s64 	%rd29, %rd1, %rd25;
+	ld.global.v4.f32 	{%f40, %f41, %f42, %f43}, [%rd29];
+	mul.rn.f32 	%f48, %f16, %f9;
+	sub.rn.f32 	%f49, %f24, %f32;
+	mul.rn.f32 	%f50, %f1, %f49;
+	mul.rn.f32 	%f51, %f11, %f40;
+	mul.rn.f32 	%f52, %f2, %f24;
+	mul.rn.f32 	%f53, %f52, %f24;
+	add.rn.f32 	%f54, %f32, %f50;
+	mul.rn.f32 	%f55, %f12, %f54;
+	add.rn.f32 	%f56, %f51, %f53;
+	sqrt.rn.f32 	%f57, %f56;
+	div.rn.f32 	%f58, %f57, %f13;
+	add.rn.f32 	%f59, %f58, %f14;
+	div.rn.f32 	%f60, %f55, %f59;
+	mul.rn.f32 	%f61, %f17, %f9;
+	sub.rn.f32 	%f62, %f25, %f33;
+	mul.rn.f32 	%f63, %f1, %f62;
+	mul.rn.f32 	%f64, %f11, %f41;
+	mul.rn.f32 	%f65, %f2, %f25;
+	mul.rn.f32 	%f66, %f65, %f25;
+	add.rn.f32 	%f67, %f33, %f63;
+	mul.rn.f32 	%f68, %f12, %f67;
+	add.rn.f32 	%f69, %f64, %f66;
+	sqrt.rn.f32 	%f70, %f69;
+	div.rn.f32 	%f71, %f70, %f13;
+	add.rn.f32 	%f72, %f71, %f14;
+	div.rn.f32 	%f73, %f68, %f72;
+	mul.rn.f32 	%f74, %f18, %f9;
+	sub.rn.f32 	%f75, %f26, %f34;
+	mul.rn.f32 	%f76, %f1, %f75;
+	mul.rn.f32 	%f77, %f11, %f42;
+	mul.rn.f32 	%f78, %f2, %f26;
+	mul.rn.f32 	%f79, %f78, %f26;
+	add.rn.f32 	%f80, %f34, %f76;
+	mul.rn.f32 	%f81, %f12, %f80;
+	add.rn.f32 	%f82, %f77, %f79;
+	sqrt.rn.f32 	%f83, %f82;
+	div.rn.f32 	%f84, %f83, %f13;
+	add.rn.f32 	%f85, %f84, %f14;
+	div.rn.f32 	%f86, %f81, %f85;
+	mul.rn.f32 	%f87, %f19, %f9;
+	sub.rn.f32 	%f88, %f27, %f35;
+	mul.rn.f32 	%f89, %f1, %f88;
+	mul.rn.f32 	%f90, %f11, %f43;
+	mul.rn.f32 	%f91, %f2, %f27;
+	mul.rn.f32 	%f92, %f91, %f27;
+	add.rn.f32 	%f93, %f35, %f89;
+	mul.rn.f32 	%f94, %f12, %f93;
+	add.rn.f32 	%f95, %f90, %f92;
+	sqrt.rn.f32 	%f96, %f95;
+	div.rn.f32 	%f97, %f96, %f13;
+	add.rn.f32 	%f98, %f97, %f14;
+	div.rn.f32 	%f99, %f94, %f98;
+	sub.rn.f32 	%f100, %f87, %f99;
+	sub.rn.f32 	%f101, %f74, %f86;
+	sub.rn.f32 	%f102, %f61, %f73;
+	sub.rn.f32 	%f103, %f48, %f60;
+	st.global.v4.f32 	[%rd26], {%f103, %f102, %f101, %f100};
+	st.global.v4.f32 	[%rd28], {%f54, %f67, %f80, %f93};
+	st.global.v4.f32 	[%rd29], {%f56, %f69, %f82, %f95};
+	add.s64 	%rd46, %rd46, %rd5;
+	setp.lt.u64 	%p3, %rd46, %rd7;
+	@%p3 bra 	$L__BB23_3;
+
+$L__BB23_4:
+	and.b64  	%rd30, %rd18, -4;
+	add.s64 	%rd47, %rd30, %rd6;
+	setp.ge.u64 	%p4, %rd47, %rd18;
+	@%p4 bra 	$L__BB23_13;
+
+	mov.f32 	%f104, 0f3F800000;
+	sub.rn.f32 	%f3, %f104, %f10;
+	sub.rn.f32 	%f4, %f104, %f11;
+
+$L__BB23_6:
+	shl.b64 	%rd31, %rd47, 2;
+	add.s64 	%rd32, %rd4, %rd31;
+	ld.global.f32 	%f105, [%rd32];
+	mul.rn.f32 	%f106, %f105, %f9;
+	add.s64 	%rd33, %rd2, %rd31;
+	ld.global.f32 	%f107, [%rd33];
+	add.s64 	%rd34, %rd3, %rd31;
+	ld.global.f32 	%f108, [%rd34];
+	sub.rn.f32 	%f109, %f108, %f107;
+	mul.rn.f32 	%f110, %f3, %f109;
+	add.rn.f32 	%f111, %f107, %f110;
+	add.s64 	%rd35, %rd1, %rd31;
+	ld.global.f32 	%f112, [%rd35];
+	mul.rn.f32 	%f113, %f11, %f112;
+	mul.rn.f32 	%f114, %f4, %f108;
+	mul.rn.f32 	%f115, %f114, %f108;
+	add.rn.f32 	%f116, %f113, %f115;
+	mul.rn.f32 	%f117, %f12, %f111;
+	sqrt.rn.f32 	%f118, %f116;
+	div.rn.f32 	%f119, %f118, %f13;
+	add.rn.f32 	%f120, %f119, %f14;
+	div.rn.f32 	%f121, %f117, %f120;
+	sub.rn.f32 	%f122, %f106, %f121;
+	st.global.f32 	[%rd32], %f122;
+	st.global.f32 	[%rd33], %f111;
+	st.global.f32 	[%rd35], %f116;
+	add.s64 	%rd47, %rd47, %rd5;
+	setp.lt.u64 	%p5, %rd47, %rd18;
+	@%p5 bra 	$L__BB23_6;
+	bra.uni 	$L__BB23_13;
+
+$L__BB23_7:
+	setp.ge.u64 	%p6, %rd6, %rd18;
+	@%p6 bra 	$L__BB23_10;
+
+	mov.f32 	%f123, 0f3F800000;
+	sub.rn.f32 	%f5, %f123, %f10;
+	sub.rn.f32 	%f6, %f123, %f11;
+	mov.u64 	%rd48, %rd6;
+
+$L__BB23_9:
+	shl.b64 	%rd36, %rd48, 2;
+	add.s64 	%rd37, %rd4, %rd36;
+	ld.global.f32 	%f124, [%rd37];
+	mul.rn.f32 	%f125, %f124, %f9;
+	add.s64 	%rd38, %rd2, %rd36;
+	ld.global.f32 	%f126, [%rd38];
+	add.s64 	%rd39, %rd3, %rd36;
+	ld.global.f32 	%f127, [%rd39];
+	sub.rn.f32 	%f128, %f127, %f126;
+	mul.rn.f32 	%f129, %f5, %f128;
+	add.rn.f32 	%f130, %f126, %f129;
+	add.s64 	%rd40, %rd1, %rd36;
+	ld.global.f32 	%f131, [%rd40];
+	mul.rn.f32 	%f132, %f11, %f131;
+	mul.rn.f32 	%f133, %f6, %f127;
+	mul.rn.f32 	%f134, %f133, %f127;
+	add.rn.f32 	%f135, %f132, %f134;
+	mul.rn.f32 	%f136, %f12, %f130;
+	sqrt.rn.f32 	%f137, %f135;
+	div.rn.f32 	%f138, %f137, %f13;
+	add.rn.f32 	%f139, %f138, %f14;
+	div.rn.f32 	%f140, %f136, %f139;
+	sub.rn.f32 	%f141, %f125, %f140;
+	st.global.f32 	[%rd37], %f141;
+	st.global.f32 	[%rd38], %f130;
+	st.global.f32 	[%rd40], %f135;
+	add.s64 	%rd48, %rd48, %rd5;
+	setp.lt.u64 	%p7, %rd48, %rd18;
+	@%p7 bra 	$L__BB23_9;
+
+$L__BB23_10:
+	add.s64 	%rd49, %rd6, %rd18;
+	setp.ge.u64 	%p8, %rd49, %rd6;
+	@%p8 bra 	$L__BB23_13;
+
+	mov.f32 	%f142, 0f3F800000;
+	sub.rn.f32 	%f7, %f142, %f10;
+	sub.rn.f32 	%f8, %f142, %f11;
+
+$L__BB23_12:
+	shl.b64 	%rd41, %rd49, 2;
+	add.s64 	%rd42, %rd4, %rd41;
+	ld.global.f32 	%f143, [%rd42];
+	mul.rn.f32 	%f144, %f143, %f9;
+	add.s64 	%rd43, %rd2, %rd41;
+	ld.global.f32 	%f145, [%rd43];
+	add.s64 	%rd44, %rd3, %rd41;
+	ld.global.f32 	%f146, [%rd44];
+	sub.rn.f32 	%f147, %f146, %f145;
+	mul.rn.f32 	%f148, %f7, %f147;
+	add.rn.f32 	%f149, %f145, %f148;
+	add.s64 	%rd45, %rd1, %rd41;
+	ld.global.f32 	%f150, [%rd45];
+	mul.rn.f32 	%f151, %f11, %f150;
+	mul.rn.f32 	%f152, %f8, %f146;
+	mul.rn.f32 	%f153, %f152, %f146;
+	add.rn.f32 	%f154, %f151, %f153;
+	mul.rn.f32 	%f155, %f12, %f149;
+	sqrt.rn.f32 	%f156, %f154;
+	div.rn.f32 	%f157, %f156, %f13;
+	add.rn.f32 	%f158, %f157, %f14;
+	div.rn.f32 	%f159, %f155, %f158;
+	sub.rn.f32 	%f160, %f144, %f159;
+	st.global.f32 	[%rd42], %f160;
+	st.global.f32 	[%rd43], %f149;
+	st.global.f32 	[%rd45], %f154;
+	add.s64 	%rd49, %rd49, %rd5;
+	setp.lt.u64 	%p9, %rd49, %rd18;
+	@%p9 bra 	$L__BB23_12;
+
+$L__BB23_13:
+	ret;
+
+}
+	// .globl	ddp_sgd_f64
+.visible .entry ddp_sgd_f64(
+	.param .u64 ddp_sgd_f64_param_0,
+	.param .u64 ddp_sgd_f64_param_1,
+	.param .u64 ddp_sgd_f64_param_2,
+	.param .u64 ddp_sgd_f64_param_3,
+	.param .f64 ddp_sgd_f64_param_4,
+	.param .f64 ddp_sgd_f64_param_5,
+	.param .f64 ddp_sgd_f64_param_6,
+	.param .f64 ddp_sgd_f64_param_7,
+	.param .u8 ddp_sgd_f64_param_8,
+	.param .u8 ddp_sgd_f64_param_9,
+	.param .u8 ddp_sgd_f64_param_10,
+	.param .u8 ddp_sgd_f64_param_11,
+	.param .u8 ddp_sgd_f64_param_12
+)
+{
+	.reg .pred 	%p<77>;
+	.reg .b16 	%rs<6>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<243>;
+	.reg .b64 	%rd<95>;
+
+
+	ld.param.s8 	%rs4, [ddp_sgd_f64_param_11];
+	ld.param.s8 	%rs3, [ddp_sgd_f64_param_10];
+	ld.param.s8 	%rs2, [ddp_sgd_f64_param_9];
+	ld.param.s8 	%rs1, [ddp_sgd_f64_param_8];
+	ld.param.s8 	%rs5, [ddp_sgd_f64_param_12];
+	ld.param.u64 	%rd45, [ddp_sgd_f64_param_0];
+	ld.param.u64 	%rd46, [ddp_sgd_f64_param_1];
+	ld.param.u64 	%rd47, [ddp_sgd_f64_param_2];
+	ld.param.u64 	%rd44, [ddp_sgd_f64_param_3];
+	ld.param.f64 	%fd105, [ddp_sgd_f64_param_4];
+	ld.param.f64 	%fd106, [ddp_sgd_f64_param_5];
+	ld.param.f64 	%fd107, [ddp_sgd_f64_param_6];
+	ld.param.f64 	%fd108, [ddp_sgd_f64_param_7];
+	cvta.to.global.u64 	%rd1, %rd47;
+	cvta.to.global.u64 	%rd2, %rd46;
+	cvta.to.global.u64 	%rd3, %rd45;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd4, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd48, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd49, %r4;
+	add.s64 	%rd5, %rd48, %rd49;
+	setp.eq.s16 	%p3, %rs5, 0;
+	@%p3 bra 	$L__BB24_55;
+
+	shr.u64 	%rd6, %rd44, 1;
+	setp.ge.u64 	%p4, %rd5, %rd6;
+	@%p4 bra 	$L__BB24_31;
+
+	setp.ne.s16 	%p5, %rs2, 0;
+	setp.eq.s16 	%p6, %rs4, 0;
+	and.pred  	%p1, %p5, %p6;
+	not.pred 	%p7, %p1;
+	mov.u64 	%rd85, %rd5;
+
+$L__BB24_3:
+	shl.b64 	%rd50, %rd85, 4;
+	add.s64 	%rd8, %rd3, %rd50;
+	ld.global.v2.f64 	{%fd111, %fd112}, [%rd8];
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.v2.f64 	{%fd113, %fd114}, [%rd51];
+	add.s64 	%rd9, %rd1, %rd50;
+	mov.f64 	%fd207, 0d0000000000000000;
+	mov.f64 	%fd202, %fd207;
+	@%p7 bra 	$L__BB24_5;
+
+	ld.global.v2.f64 	{%fd202, %fd207}, [%rd9];
+
+$L__BB24_5:
+	setp.eq.s16 	%p8, %rs1, 0;
+	@%p8 bra 	$L__BB24_17;
+
+	setp.eq.s16 	%p9, %rs2, 0;
+	mul.rn.f64 	%fd117, %fd106, %fd111;
+	add.rn.f64 	%fd9, %fd113, %fd117;
+	mov.f64 	%fd204, %fd202;
+	mov.f64 	%fd205, %fd9;
+	@%p9 bra 	$L__BB24_11;
+
+	setp.ne.s16 	%p10, %rs4, 0;
+	mov.f64 	%fd204, %fd9;
+	@%p10 bra 	$L__BB24_9;
+
+	mul.rn.f64 	%fd118, %fd107, %fd202;
+	mul.rn.f64 	%fd119, %fd108, %fd9;
+	add.rn.f64 	%fd204, %fd118, %fd119;
+
+$L__BB24_9:
+	setp.eq.s16 	%p11, %rs3, 0;
+	mov.f64 	%fd205, %fd204;
+	@%p11 bra 	$L__BB24_11;
+
+	mul.rn.f64 	%fd120, %fd107, %fd204;
+	add.rn.f64 	%fd205, %fd9, %fd120;
+
+$L__BB24_11:
+	mul.rn.f64 	%fd121, %fd105, %fd205;
+	sub.rn.f64 	%fd215, %fd111, %fd121;
+	mul.rn.f64 	%fd122, %fd106, %fd112;
+	add.rn.f64 	%fd16, %fd114, %fd122;
+	mov.f64 	%fd208, %fd16;
+	@%p9 bra 	$L__BB24_16;
+
+	setp.ne.s16 	%p13, %rs4, 0;
+	mov.f64 	%fd208, %fd16;
+	@%p13 bra 	$L__BB24_14;
+
+	mul.rn.f64 	%fd123, %fd107, %fd207;
+	mul.rn.f64 	%fd124, %fd108, %fd16;
+	add.rn.f64 	%fd208, %fd123, %fd124;
+
+$L__BB24_14:
+	setp.eq.s16 	%p14, %rs3, 0;
+	mov.f64 	%fd207, %fd208;
+	@%p14 bra 	$L__BB24_16;
+
+	mul.rn.f64 	%fd125, %fd107, %fd208;
+	add.rn.f64 	%fd19, %fd16, %fd125;
+	mov.f64 	%fd207, %fd208;
+	mov.f64 	%fd208, %fd19;
+
+$L__BB24_16:
+	mul.rn.f64 	%fd126, %fd105, %fd208;
+	sub.rn.f64 	%fd216, %fd112, %fd126;
+	bra.uni 	$L__BB24_28;
+
+$L__BB24_17:
+	setp.eq.s16 	%p15, %rs2, 0;
+	mov.f64 	%fd204, %fd202;
+	mov.f64 	%fd211, %fd113;
+	@%p15 bra 	$L__BB24_22;
+
+	setp.ne.s16 	%p16, %rs4, 0;
+	mov.f64 	%fd204, %fd113;
+	@%p16 bra 	$L__BB24_20;
+
+	mul.rn.f64 	%fd127, %fd107, %fd202;
+	mul.rn.f64 	%fd128, %fd108, %fd113;
+	add.rn.f64 	%fd204, %fd127, %fd128;
+
+$L__BB24_20:
+	setp.eq.s16 	%p17, %rs3, 0;
+	mov.f64 	%fd211, %fd204;
+	@%p17 bra 	$L__BB24_22;
+
+	mul.rn.f64 	%fd129, %fd107, %fd204;
+	add.rn.f64 	%fd211, %fd113, %fd129;
+
+$L__BB24_22:
+	mul.rn.f64 	%fd130, %fd105, %fd211;
+	sub.rn.f64 	%fd215, %fd111, %fd130;
+	mov.f64 	%fd214, %fd114;
+	@%p15 bra 	$L__BB24_27;
+
+	setp.ne.s16 	%p19, %rs4, 0;
+	mov.f64 	%fd214, %fd114;
+	@%p19 bra 	$L__BB24_25;
+
+	mul.rn.f64 	%fd131, %fd107, %fd207;
+	mul.rn.f64 	%fd132, %fd108, %fd114;
+	add.rn.f64 	%fd214, %fd131, %fd132;
+
+$L__BB24_25:
+	setp.eq.s16 	%p20, %rs3, 0;
+	mov.f64 	%fd207, %fd214;
+	@%p20 bra 	$L__BB24_27;
+
+	mul.rn.f64 	%fd133, %fd107, %fd214;
+	add.rn.f64 	%fd31, %fd114, %fd133;
+	mov.f64 	%fd207, %fd214;
+	mov.f64 	%fd214, %fd31;
+
+$L__BB24_27:
+	mul.rn.f64 	%fd134, %fd105, %fd214;
+	sub.rn.f64 	%fd216, %fd112, %fd134;
+
+$L__BB24_28:
+	shl.b64 	%rd84, %rd85, 4;
+	add.s64 	%rd83, %rd3, %rd84;
+	st.global.v2.f64 	[%rd83], {%fd215, %fd216};
+	setp.eq.s16 	%p21, %rs2, 0;
+	@%p21 bra 	$L__BB24_30;
+
+	st.global.v2.f64 	[%rd9], {%fd204, %fd207};
+
+$L__BB24_30:
+	add.s64 	%rd85, %rd85, %rd4;
+	setp.lt.u64 	%p22, %rd85, %rd6;
+	@%p22 bra 	$L__BB24_3;
+
+$L__BB24_31:
+	and.b64  	%rd52, %rd44, -2;
+	add.s64 	%rd86, %rd52, %rd5;
+	setp.ge.u64 	%p23, %rd86, %rd44;
+	@%p23 bra 	$L__BB24_106;
+
+	setp.ne.s16 	%p24, %rs2, 0;
+	setp.eq.s16 	%p25, %rs4, 0;
+	and.pred  	%p26, %p24, %p25;
+	@%p26 bra 	$L__BB24_50;
+	bra.uni 	$L__BB24_33;
+
+$L__BB24_50:
+	shl.b64 	%rd61, %rd86, 3;
+	add.s64 	%rd19, %rd3, %rd61;
+	ld.global.f64 	%fd53, [%rd19];
+	add.s64 	%rd62, %rd2, %rd61;
+	ld.global.f64 	%fd225, [%rd62];
+	add.s64 	%rd20, %rd1, %rd61;
+	ld.global.f64 	%fd55, [%rd20];
+	setp.eq.s16 	%p38, %rs1, 0;
+	@%p38 bra 	$L__BB24_52;
+
+	mul.rn.f64 	%fd151, %fd106, %fd53;
+	add.rn.f64 	%fd225, %fd225, %fd151;
+
+$L__BB24_52:
+	mul.rn.f64 	%fd152, %fd108, %fd225;
+	mul.rn.f64 	%fd153, %fd107, %fd55;
+	add.rn.f64 	%fd58, %fd153, %fd152;
+	setp.eq.s16 	%p39, %rs3, 0;
+	mov.f64 	%fd226, %fd58;
+	@%p39 bra 	$L__BB24_54;
+
+	mul.rn.f64 	%fd154, %fd107, %fd58;
+	add.rn.f64 	%fd226, %fd225, %fd154;
+
+$L__BB24_54:
+	mul.rn.f64 	%fd155, %fd105, %fd226;
+	sub.rn.f64 	%fd156, %fd53, %fd155;
+	st.global.f64 	[%rd19], %fd156;
+	st.global.f64 	[%rd20], %fd58;
+	add.s64 	%rd86, %rd86, %rd4;
+	setp.lt.u64 	%p40, %rd86, %rd44;
+	@%p40 bra 	$L__BB24_50;
+	bra.uni 	$L__BB24_106;
+
+$L__BB24_55:
+	setp.ge.u64 	%p41, %rd5, %rd44;
+	@%p41 bra 	$L__BB24_82;
+
+	setp.ne.s16 	%p42, %rs2, 0;
+	setp.eq.s16 	%p43, %rs4, 0;
+	and.pred  	%p44, %p42, %p43;
+	@%p44 bra 	$L__BB24_76;
+	bra.uni 	$L__BB24_57;
+
+$L__BB24_76:
+	mov.u64 	%rd91, %rd5;
+
+$L__BB24_77:
+	shl.b64 	%rd71, %rd91, 3;
+	add.s64 	%rd29, %rd3, %rd71;
+	ld.global.f64 	%fd75, [%rd29];
+	add.s64 	%rd72, %rd2, %rd71;
+	ld.global.f64 	%fd233, [%rd72];
+	add.s64 	%rd30, %rd1, %rd71;
+	ld.global.f64 	%fd77, [%rd30];
+	setp.eq.s16 	%p56, %rs1, 0;
+	@%p56 bra 	$L__BB24_79;
+
+	mul.rn.f64 	%fd173, %fd106, %fd75;
+	add.rn.f64 	%fd233, %fd233, %fd173;
+
+$L__BB24_79:
+	mul.rn.f64 	%fd174, %fd108, %fd233;
+	mul.rn.f64 	%fd175, %fd107, %fd77;
+	add.rn.f64 	%fd80, %fd175, %fd174;
+	setp.eq.s16 	%p57, %rs3, 0;
+	mov.f64 	%fd234, %fd80;
+	@%p57 bra 	$L__BB24_81;
+
+	mul.rn.f64 	%fd176, %fd107, %fd80;
+	add.rn.f64 	%fd234, %fd233, %fd176;
+
+$L__BB24_81:
+	mul.rn.f64 	%fd177, %fd105, %fd234;
+	sub.rn.f64 	%fd178, %fd75, %fd177;
+	st.global.f64 	[%rd29], %fd178;
+	st.global.f64 	[%rd30], %fd80;
+	add.s64 	%rd91, %rd91, %rd4;
+	setp.lt.u64 	%p58, %rd91, %rd44;
+	@%p58 bra 	$L__BB24_77;
+	bra.uni 	$L__BB24_82;
+
+$L__BB24_33:
+	setp.eq.s16 	%p27, %rs1, 0;
+	@%p27 bra 	$L__BB24_42;
+
+$L__BB24_34:
+	shl.b64 	%rd53, %rd86, 3;
+	add.s64 	%rd13, %rd3, %rd53;
+	ld.global.f64 	%fd39, [%rd13];
+	mul.rn.f64 	%fd136, %fd106, %fd39;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.f64 	%fd137, [%rd54];
+	add.rn.f64 	%fd40, %fd137, %fd136;
+	setp.eq.s16 	%p28, %rs2, 0;
+	mov.f64 	%fd220, 0d0000000000000000;
+	mov.f64 	%fd221, %fd40;
+	@%p28 bra 	$L__BB24_39;
+
+	setp.ne.s16 	%p29, %rs4, 0;
+	mov.f64 	%fd220, %fd40;
+	@%p29 bra 	$L__BB24_37;
+
+	mov.f64 	%fd138, 0d0000000000000000;
+	mul.rn.f64 	%fd139, %fd107, %fd138;
+	mul.rn.f64 	%fd140, %fd108, %fd40;
+	add.rn.f64 	%fd220, %fd139, %fd140;
+
+$L__BB24_37:
+	setp.eq.s16 	%p30, %rs3, 0;
+	mov.f64 	%fd221, %fd220;
+	@%p30 bra 	$L__BB24_39;
+
+	mul.rn.f64 	%fd141, %fd107, %fd220;
+	add.rn.f64 	%fd221, %fd40, %fd141;
+
+$L__BB24_39:
+	mul.rn.f64 	%fd142, %fd105, %fd221;
+	sub.rn.f64 	%fd143, %fd39, %fd142;
+	st.global.f64 	[%rd13], %fd143;
+	@%p28 bra 	$L__BB24_41;
+
+	add.s64 	%rd56, %rd1, %rd53;
+	st.global.f64 	[%rd56], %fd220;
+
+$L__BB24_41:
+	add.s64 	%rd86, %rd86, %rd4;
+	setp.lt.u64 	%p32, %rd86, %rd44;
+	@%p32 bra 	$L__BB24_34;
+	bra.uni 	$L__BB24_106;
+
+$L__BB24_42:
+	shl.b64 	%rd57, %rd86, 3;
+	add.s64 	%rd16, %rd3, %rd57;
+	ld.global.f64 	%fd46, [%rd16];
+	add.s64 	%rd58, %rd2, %rd57;
+	ld.global.f64 	%fd47, [%rd58];
+	setp.eq.s16 	%p33, %rs2, 0;
+	mov.f64 	%fd223, 0d0000000000000000;
+	mov.f64 	%fd224, %fd47;
+	@%p33 bra 	$L__BB24_47;
+
+	setp.ne.s16 	%p34, %rs4, 0;
+	mov.f64 	%fd223, %fd47;
+	@%p34 bra 	$L__BB24_45;
+
+	mov.f64 	%fd145, 0d0000000000000000;
+	mul.rn.f64 	%fd146, %fd107, %fd145;
+	mul.rn.f64 	%fd147, %fd108, %fd47;
+	add.rn.f64 	%fd223, %fd146, %fd147;
+
+$L__BB24_45:
+	setp.eq.s16 	%p35, %rs3, 0;
+	mov.f64 	%fd224, %fd223;
+	@%p35 bra 	$L__BB24_47;
+
+	mul.rn.f64 	%fd148, %fd107, %fd223;
+	add.rn.f64 	%fd224, %fd47, %fd148;
+
+$L__BB24_47:
+	mul.rn.f64 	%fd149, %fd105, %fd224;
+	sub.rn.f64 	%fd150, %fd46, %fd149;
+	st.global.f64 	[%rd16], %fd150;
+	@%p33 bra 	$L__BB24_49;
+
+	add.s64 	%rd60, %rd1, %rd57;
+	st.global.f64 	[%rd60], %fd223;
+
+$L__BB24_49:
+	add.s64 	%rd86, %rd86, %rd4;
+	setp.lt.u64 	%p37, %rd86, %rd44;
+	@%p37 bra 	$L__BB24_42;
+	bra.uni 	$L__BB24_106;
+
+$L__BB24_57:
+	setp.eq.s16 	%p45, %rs1, 0;
+	@%p45 bra 	$L__BB24_67;
+
+	mov.u64 	%rd89, %rd5;
+
+$L__BB24_59:
+	shl.b64 	%rd63, %rd89, 3;
+	add.s64 	%rd23, %rd3, %rd63;
+	ld.global.f64 	%fd61, [%rd23];
+	mul.rn.f64 	%fd158, %fd106, %fd61;
+	add.s64 	%rd64, %rd2, %rd63;
+	ld.global.f64 	%fd159, [%rd64];
+	add.rn.f64 	%fd62, %fd159, %fd158;
+	setp.eq.s16 	%p46, %rs2, 0;
+	mov.f64 	%fd228, 0d0000000000000000;
+	mov.f64 	%fd229, %fd62;
+	@%p46 bra 	$L__BB24_64;
+
+	setp.ne.s16 	%p47, %rs4, 0;
+	mov.f64 	%fd228, %fd62;
+	@%p47 bra 	$L__BB24_62;
+
+	mov.f64 	%fd160, 0d0000000000000000;
+	mul.rn.f64 	%fd161, %fd107, %fd160;
+	mul.rn.f64 	%fd162, %fd108, %fd62;
+	add.rn.f64 	%fd228, %fd161, %fd162;
+
+$L__BB24_62:
+	setp.eq.s16 	%p48, %rs3, 0;
+	mov.f64 	%fd229, %fd228;
+	@%p48 bra 	$L__BB24_64;
+
+	mul.rn.f64 	%fd163, %fd107, %fd228;
+	add.rn.f64 	%fd229, %fd62, %fd163;
+
+$L__BB24_64:
+	mul.rn.f64 	%fd164, %fd105, %fd229;
+	sub.rn.f64 	%fd165, %fd61, %fd164;
+	st.global.f64 	[%rd23], %fd165;
+	@%p46 bra 	$L__BB24_66;
+
+	add.s64 	%rd66, %rd1, %rd63;
+	st.global.f64 	[%rd66], %fd228;
+
+$L__BB24_66:
+	add.s64 	%rd89, %rd89, %rd4;
+	setp.lt.u64 	%p50, %rd89, %rd44;
+	@%p50 bra 	$L__BB24_59;
+	bra.uni 	$L__BB24_82;
+
+$L__BB24_67:
+	mov.u64 	%rd90, %rd5;
+
+$L__BB24_68:
+	shl.b64 	%rd67, %rd90, 3;
+	add.s64 	%rd26, %rd3, %rd67;
+	ld.global.f64 	%fd68, [%rd26];
+	add.s64 	%rd68, %rd2, %rd67;
+	ld.global.f64 	%fd69, [%rd68];
+	setp.eq.s16 	%p51, %rs2, 0;
+	mov.f64 	%fd231, 0d0000000000000000;
+	mov.f64 	%fd232, %fd69;
+	@%p51 bra 	$L__BB24_73;
+
+	setp.ne.s16 	%p52, %rs4, 0;
+	mov.f64 	%fd231, %fd69;
+	@%p52 bra 	$L__BB24_71;
+
+	mov.f64 	%fd167, 0d0000000000000000;
+	mul.rn.f64 	%fd168, %fd107, %fd167;
+	mul.rn.f64 	%fd169, %fd108, %fd69;
+	add.rn.f64 	%fd231, %fd168, %fd169;
+
+$L__BB24_71:
+	setp.eq.s16 	%p53, %rs3, 0;
+	mov.f64 	%fd232, %fd231;
+	@%p53 bra 	$L__BB24_73;
+
+	mul.rn.f64 	%fd170, %fd107, %fd231;
+	add.rn.f64 	%fd232, %fd69, %fd170;
+
+$L__BB24_73:
+	mul.rn.f64 	%fd171, %fd105, %fd232;
+	sub.rn.f64 	%fd172, %fd68, %fd171;
+	st.global.f64 	[%rd26], %fd172;
+	@%p51 bra 	$L__BB24_75;
+
+	add.s64 	%rd70, %rd1, %rd67;
+	st.global.f64 	[%rd70], %fd231;
+
+$L__BB24_75:
+	add.s64 	%rd90, %rd90, %rd4;
+	setp.lt.u64 	%p55, %rd90, %rd44;
+	@%p55 bra 	$L__BB24_68;
+
+$L__BB24_82:
+	add.s64 	%rd92, %rd5, %rd44;
+	setp.ge.u64 	%p59, %rd92, %rd5;
+	@%p59 bra 	$L__BB24_106;
+
+	setp.ne.s16 	%p60, %rs2, 0;
+	setp.eq.s16 	%p61, %rs4, 0;
+	and.pred  	%p62, %p60, %p61;
+	@%p62 bra 	$L__BB24_101;
+	bra.uni 	$L__BB24_84;
+
+$L__BB24_101:
+	shl.b64 	%rd81, %rd92, 3;
+	add.s64 	%rd41, %rd3, %rd81;
+	ld.global.f64 	%fd97, [%rd41];
+	add.s64 	%rd82, %rd2, %rd81;
+	ld.global.f64 	%fd241, [%rd82];
+	add.s64 	%rd42, %rd1, %rd81;
+	ld.global.f64 	%fd99, [%rd42];
+	setp.eq.s16 	%p74, %rs1, 0;
+	@%p74 bra 	$L__BB24_103;
+
+	mul.rn.f64 	%fd195, %fd106, %fd97;
+	add.rn.f64 	%fd241, %fd241, %fd195;
+
+$L__BB24_103:
+	mul.rn.f64 	%fd196, %fd108, %fd241;
+	mul.rn.f64 	%fd197, %fd107, %fd99;
+	add.rn.f64 	%fd102, %fd197, %fd196;
+	setp.eq.s16 	%p75, %rs3, 0;
+	mov.f64 	%fd242, %fd102;
+	@%p75 bra 	$L__BB24_105;
+
+	mul.rn.f64 	%fd198, %fd107, %fd102;
+	add.rn.f64 	%fd242, %fd241, %fd198;
+
+$L__BB24_105:
+	mul.rn.f64 	%fd199, %fd105, %fd242;
+	sub.rn.f64 	%fd200, %fd97, %fd199;
+	st.global.f64 	[%rd41], %fd200;
+	st.global.f64 	[%rd42], %fd102;
+	add.s64 	%rd92, %rd92, %rd4;
+	setp.lt.u64 	%p76, %rd92, %rd44;
+	@%p76 bra 	$L__BB24_101;
+	bra.uni 	$L__BB24_106;
+
+$L__BB24_84:
+	setp.eq.s16 	%p63, %rs1, 0;
+	@%p63 bra 	$L__BB24_93;
+
+$L__BB24_85:
+	shl.b64 	%rd73, %rd92, 3;
+	add.s64 	%rd35, %rd3, %rd73;
+	ld.global.f64 	%fd83, [%rd35];
+	mul.rn.f64 	%fd180, %fd106, %fd83;
+	add.s64 	%rd74, %rd2, %rd73;
+	ld.global.f64 	%fd181, [%rd74];
+	add.rn.f64 	%fd84, %fd181, %fd180;
+	setp.eq.s16 	%p64, %rs2, 0;
+	mov.f64 	%fd236, 0d0000000000000000;
+	mov.f64 	%fd237, %fd84;
+	@%p64 bra 	$L__BB24_90;
+
+	setp.ne.s16 	%p65, %rs4, 0;
+	mov.f64 	%fd236, %fd84;
+	@%p65 bra 	$L__BB24_88;
+
+	mov.f64 	%fd182, 0d0000000000000000;
+	mul.rn.f64 	%fd183, %fd107, %fd182;
+	mul.rn.f64 	%fd184, %fd108, %fd84;
+	add.rn.f64 	%fd236, %fd183, %fd184;
+
+$L__BB24_88:
+	setp.eq.s16 	%p66, %rs3, 0;
+	mov.f64 	%fd237, %fd236;
+	@%p66 bra 	$L__BB24_90;
+
+	mul.rn.f64 	%fd185, %fd107, %fd236;
+	add.rn.f64 	%fd237, %fd84, %fd185;
+
+$L__BB24_90:
+	mul.rn.f64 	%fd186, %fd105, %fd237;
+	sub.rn.f64 	%fd187, %fd83, %fd186;
+	st.global.f64 	[%rd35], %fd187;
+	@%p64 bra 	$L__BB24_92;
+
+	add.s64 	%rd76, %rd1, %rd73;
+	st.global.f64 	[%rd76], %fd236;
+
+$L__BB24_92:
+	add.s64 	%rd92, %rd92, %rd4;
+	setp.lt.u64 	%p68, %rd92, %rd44;
+	@%p68 bra 	$L__BB24_85;
+	bra.uni 	$L__BB24_106;
+
+$L__BB24_93:
+	shl.b64 	%rd77, %rd92, 3;
+	add.s64 	%rd38, %rd3, %rd77;
+	ld.global.f64 	%fd90, [%rd38];
+	add.s64 	%rd78, %rd2, %rd77;
+	ld.global.f64 	%fd91, [%rd78];
+	setp.eq.s16 	%p69, %rs2, 0;
+	mov.f64 	%fd239, 0d0000000000000000;
+	mov.f64 	%fd240, %fd91;
+	@%p69 bra 	$L__BB24_98;
+
+	setp.ne.s16 	%p70, %rs4, 0;
+	mov.f64 	%fd239, %fd91;
+	@%p70 bra 	$L__BB24_96;
+
+	mov.f64 	%fd189, 0d0000000000000000;
+	mul.rn.f64 	%fd190, %fd107, %fd189;
+	mul.rn.f64 	%fd191, %fd108, %fd91;
+	add.rn.f64 	%fd239, %fd190, %fd191;
+
+$L__BB24_96:
+	setp.eq.s16 	%p71, %rs3, 0;
+	mov.f64 	%fd240, %fd239;
+	@%p71 bra 	$L__BB24_98;
+
+	mul.rn.f64 	%fd192, %fd107, %fd239;
+	add.rn.f64 	%fd240, %fd91, %fd192;
+
+$L__BB24_98:
+	mul.rn.f64 	%fd193, %fd105, %fd240;
+	sub.rn.f64 	%fd194, %fd90, %fd193;
+	st.global.f64 	[%rd38], %fd194;
+	@%p69 bra 	$L__BB24_100;
+
+	add.s64 	%rd80, %rd1, %rd77;
+	st.global.f64 	[%rd80], %fd239;
+
+$L__BB24_100:
+	add.s64 	%rd92, %rd92, %rd4;
+	setp.lt.u64 	%p73, %rd92, %rd44;
+	@%p73 bra 	$L__BB24_93;
+
+$L__BB24_106:
+	ret;
+
+}
+	// .globl	ddp_adamw_f64
+.visible .entry ddp_adamw_f64(
+	.param .u64 ddp_adamw_f64_param_0,
+	.param .u64 ddp_adamw_f64_param_1,
+	.param .u64 ddp_adamw_f64_param_2,
+	.param .u64 ddp_adamw_f64_param_3,
+	.param .u64 ddp_adamw_f64_param_4,
+	.param .f64 ddp_adamw_f64_param_5,
+	.param .f64 ddp_adamw_f64_param_6,
+	.param .f64 ddp_adamw_f64_param_7,
+	.param .f64 ddp_adamw_f64_param_8,
+	.param .f64 ddp_adamw_f64_param_9,
+	.param .f64 ddp_adamw_f64_param_10,
+	.param .u8 ddp_adamw_f64_param_11
+)
+{
+	.reg .pred 	%p<10>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<117>;
+	.reg .b64 	%rd<50>;
+
+
+	ld.param.s8 	%rs1, [ddp_adamw_f64_param_11];
+	ld.param.u64 	%rd19, [ddp_adamw_f64_param_0];
+	ld.param.u64 	%rd20, [ddp_adamw_f64_param_1];
+	ld.param.u64 	%rd21, [ddp_adamw_f64_param_2];
+	ld.param.u64 	%rd22, [ddp_adamw_f64_param_3];
+	ld.param.u64 	%rd18, [ddp_adamw_f64_param_4];
+	ld.param.f64 	%fd9, [ddp_adamw_f64_param_5];
+	ld.param.f64 	%fd10, [ddp_adamw_f64_param_6];
+	ld.param.f64 	%fd11, [ddp_adamw_f64_param_7];
+	ld.param.f64 	%fd12, [ddp_adamw_f64_param_8];
+	ld.param.f64 	%fd13, [ddp_adamw_f64_param_9];
+	ld.param.f64 	%fd14, [ddp_adamw_f64_param_10];
+	cvta.to.global.u64 	%rd1, %rd22;
+	cvta.to.global.u64 	%rd2, %rd21;
+	cvta.to.global.u64 	%rd3, %rd20;
+	cvta.to.global.u64 	%rd4, %rd19;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd5, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd23, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd24, %r4;
+	add.s64 	%rd6, %rd23, %rd24;
+	setp.eq.s16 	%p1, %rs1, 0;
+	@%p1 bra 	$L__BB25_7;
+
+	shr.u64 	%rd7, %rd18, 1;
+	setp.ge.u64 	%p2, %rd6, %rd7;
+	@%p2 bra 	$L__BB25_4;
+
+	mov.f64 	%fd15, 0d3FF0000000000000;
+	sub.rn.f64 	%fd1, %fd15, %fd10;
+	sub.rn.f64 	%fd2, %fd15, %fd11;
+	mov.u64 	%rd46, %rd6;
+
+$L__BB25_3:
+	shl.b64 	%rd25, %rd46, 4;
+	add.s64 	%rd26, %rd4, %rd25;
+	ld.global.v2.f64 	{%fd16, %fd17}, [%rd26];
+	add.s64 	%rd27, %rd3, %rd25;
+	ld.global.v2.f64 	{%fd20, %fd21}, [%rd27];
+	add.s64 	%rd28, %rd2, %rd25;
+	ld.global.v2.f64 	{%fd24, %fd25}, [%rd28];
+	add.s64 	%rd29, %rd1, %rd25;
+	ld.global.v2.f64 	{%fd28, %fd29}, [%rd29];
+	mul.rn.f64 	%fd32, %fd16, %fd9;
+	sub.rn.f64 	%fd33, %fd20, %fd24;
+	mul.rn.f64 	%fd34, %fd1, %fd33;
+	mul.rn.f64 	%fd35, %fd11, %fd28;
+	mul.rn.f64 	%fd36, %fd2, %fd20;
+	mul.rn.f64 	%fd37, %fd36, %fd20;
+	add.rn.f64 	%fd38, %fd24, %fd34;
+	mul.rn.f64 	%fd39, %fd12, %fd38;
+	add.rn.f64 	%fd40, %fd35, %fd37;
+	sqrt.rn.f64 	%fd41, %fd40;
+	div.rn.f64 	%fd42, %fd41, %fd13;
+	add.rn.f64 	%fd43, %fd42, %fd14;
+	div.rn.f64 	%fd44, %fd39, %fd43;
+	mul.rn.f64 	%fd45, %fd17, %fd9;
+	sub.rn.f64 	%fd46, %fd21, %fd25;
+	mul.rn.f64 	%fd47, %fd1, %fd46;
+	mul.rn.f64 	%fd48, %fd11, %fd29;
+	mul.rn.f64 	%fd49, %fd2, %fd21;
+	mul.rn.f64 	%fd50, %fd49, %fd21;
+	add.rn.f64 	%fd51, %fd25, %fd47;
+	mul.rn.f64 	%fd52, %fd12, %fd51;
+	add.rn.f64 	%fd53, %fd48, %fd50;
+	sqrt.rn.f64 	%fd54, %fd53;
+	div.rn.f64 	%fd55, %fd54, %fd13;
+	add.rn.f64 	%fd56, %fd55, %fd14;
+	div.rn.f64 	%fd57, %fd52, %fd56;
+	sub.rn.f64 	%fd58, %fd45, %fd57;
+	sub.rn.f64 	%fd59, %fd32, %fd44;
+	st.global.v2.f64 	[%rd26], {%fd59, %fd58};
+	st.global.v2.f64 	[%rd28], {%fd38, %fd51};
+	st.global.v2.f64 	[%rd29], {%fd40, %fd53};
+	add.s64 	%rd46, %rd46, %rd5;
+	setp.lt.u64 	%p3, %rd46, %rd7;
+	@%p3 bra 	$L__BB25_3;
+
+$L__BB25_4:
+	and.b64  	%rd30, %rd18, -2;
+	add.s64 	%rd47, %rd30, %rd6;
+	setp.ge.u64 	%p4, %rd47, %rd18;
+	@%p4 bra 	$L__BB25_13;
+
+	mov.f64 	%fd60, 0d3FF0000000000000;
+	sub.rn.f64 	%fd3, %fd60, %fd10;
+	sub.rn.f64 	%fd4, %fd60, %fd11;
+
+$L__BB25_6:
+	shl.b64 	%rd31, %rd47, 3;
+	add.s64 	%rd32, %rd4, %rd31;
+	ld.global.f64 	%fd61, [%rd32];
+	mul.rn.f64 	%fd62, %fd61, %fd9;
+	add.s64 	%rd33, %rd2, %rd31;
+	ld.global.f64 	%fd63, [%rd33];
+	add.s64 	%rd34, %rd3, %rd31;
+	ld.global.f64 	%fd64, [%rd34];
+	sub.rn.f64 	%fd65, %fd64, %fd63;
+	mul.rn.f64 	%fd66, %fd3, %fd65;
+	add.rn.f64 	%fd67, %fd63, %fd66;
+	add.s64 	%rd35, %rd1, %rd31;
+	ld.global.f64 	%fd68, [%rd35];
+	mul.rn.f64 	%fd69, %fd11, %fd68;
+	mul.rn.f64 	%fd70, %fd4, %fd64;
+	mul.rn.f64 	%fd71, %fd70, %fd64;
+	add.rn.f64 	%fd72, %fd69, %fd71;
+	mul.rn.f64 	%fd73, %fd12, %fd67;
+	sqrt.rn.f64 	%fd74, %fd72;
+	div.rn.f64 	%fd75, %fd74, %fd13;
+	add.rn.f64 	%fd76, %fd75, %fd14;
+	div.rn.f64 	%fd77, %fd73, %fd76;
+	sub.rn.f64 	%fd78, %fd62, %fd77;
+	st.global.f64 	[%rd32], %fd78;
+	st.global.f64 	[%rd33], %fd67;
+	st.global.f64 	[%rd35], %fd72;
+	add.s64 	%rd47, %rd47, %rd5;
+	setp.lt.u64 	%p5, %rd47, %rd18;
+	@%p5 bra 	$L__BB25_6;
+	bra.uni 	$L__BB25_13;
+
+$L__BB25_7:
+	setp.ge.u64 	%p6, %rd6, %rd18;
+	@%p6 bra 	$L__BB25_10;
+
+	mov.f64 	%fd79, 0d3FF0000000000000;
+	sub.rn.f64 	%fd5, %fd79, %fd10;
+	sub.rn.f64 	%fd6, %fd79, %fd11;
+	mov.u64 	%rd48, %rd6;
+
+$L__BB25_9:
+	shl.b64 	%rd36, %rd48, 3;
+	add.s64 	%rd37, %rd4, %rd36;
+	ld.global.f64 	%fd80, [%rd37];
+	mul.rn.f64 	%fd81, %fd80, %fd9;
+	add.s64 	%rd38, %rd2, %rd36;
+	ld.global.f64 	%fd82, [%rd38];
+	add.s64 	%rd39, %rd3, %rd36;
+	ld.global.f64 	%fd83, [%rd39];
+	sub.rn.f64 	%fd84, %fd83, %fd82;
+	mul.rn.f64 	%fd85, %fd5, %fd84;
+	add.rn.f64 	%fd86, %fd82, %fd85;
+	add.s64 	%rd40, %rd1, %rd36;
+	ld.global.f64 	%fd87, [%rd40];
+	mul.rn.f64 	%fd88, %fd11, %fd87;
+	mul.rn.f64 	%fd89, %fd6, %fd83;
+	mul.rn.f64 	%fd90, %fd89, %fd83;
+	add.rn.f64 	%fd91, %fd88, %fd90;
+	mul.rn.f64 	%fd92, %fd12, %fd86;
+	sqrt.rn.f64 	%fd93, %fd91;
+	div.rn.f64 	%fd94, %fd93, %fd13;
+	add.rn.f64 	%fd95, %fd94, %fd14;
+	div.rn.f64 	%fd96, %fd92, %fd95;
+	sub.rn.f64 	%fd97, %fd81, %fd96;
+	st.global.f64 	[%rd37], %fd97;
+	st.global.f64 	[%rd38], %fd86;
+	st.global.f64 	[%rd40], %fd91;
+	add.s64 	%rd48, %rd48, %rd5;
+	setp.lt.u64 	%p7, %rd48, %rd18;
+	@%p7 bra 	$L__BB25_9;
+
+$L__BB25_10:
+	add.s64 	%rd49, %rd6, %rd18;
+	setp.ge.u64 	%p8, %rd49, %rd6;
+	@%p8 bra 	$L__BB25_13;
+
+	mov.f64 	%fd98, 0d3FF0000000000000;
+	sub.rn.f64 	%fd7, %fd98, %fd10;
+	sub.rn.f64 	%fd8, %fd98, %fd11;
+
+$L__BB25_12:
+	shl.b64 	%rd41, %rd49, 3;
+	add.s64 	%rd42, %rd4, %rd41;
+	ld.global.f64 	%fd99, [%rd42];
+	mul.rn.f64 	%fd100, %fd99, %fd9;
+	add.s64 	%rd43, %rd2, %rd41;
+	ld.global.f64 	%fd101, [%rd43];
+	add.s64 	%rd44, %rd3, %rd41;
+	ld.global.f64 	%fd102, [%rd44];
+	sub.rn.f64 	%fd103, %fd102, %fd101;
+	mul.rn.f64 	%fd104, %fd7, %fd103;
+	add.rn.f64 	%fd105, %fd101, %fd104;
+	add.s64 	%rd45, %rd1, %rd41;
+	ld.global.f64 	%fd106, [%rd45];
+	mul.rn.f64 	%fd107, %fd11, %fd106;
+	mul.rn.f64 	%fd108, %fd8, %fd102;
+	mul.rn.f64 	%fd109, %fd108, %fd102;
+	add.rn.f64 	%fd110, %fd107, %fd109;
+	mul.rn.f64 	%fd111, %fd12, %fd105;
+	sqrt.rn.f64 	%fd112, %fd110;
+	div.rn.f64 	%fd113, %fd112, %fd13;
+	add.rn.f64 	%fd114, %fd113, %fd14;
+	div.rn.f64 	%fd115, %fd111, %fd114;
+	sub.rn.f64 	%fd116, %fd100, %fd115;
+	st.global.f64 	[%rd42], %fd116;
+	st.global.f64 	[%rd43], %fd105;
+	st.global.f64 	[%rd45], %fd110;
+	add.s64 	%rd49, %rd49, %rd5;
+	setp.lt.u64 	%p9, %rd49, %rd18;
+	@%p9 bra 	$L__BB25_12;
+
+$L__BB25_13:
+	ret;
+
+}
 	// .globl	ddp_scale_i32
 .visible .entry ddp_scale_i32(
 	.param .u64 ddp_scale_i32_param_0,
@@ -19186,15 +21122,15 @@ $L__BB21_75:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd3, %rd17, %rd18;
 	setp.eq.s16 	%p1, %rs1, 0;
-	@%p1 bra 	$L__BB22_6;
+	@%p1 bra 	$L__BB26_6;
 
 	shr.u64 	%rd4, %rd15, 2;
 	setp.ge.u64 	%p2, %rd3, %rd4;
-	@%p2 bra 	$L__BB22_4;
+	@%p2 bra 	$L__BB26_4;
 
 	mov.u64 	%rd28, %rd3;
 
-$L__BB22_3:
+$L__BB26_3:
 	shl.b64 	%rd19, %rd28, 4;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
@@ -19213,15 +21149,15 @@ $L__BB22_3:
 	st.global.v4.u32 	[%rd20], {%r16, %r15, %r14, %r13};
 	add.s64 	%rd28, %rd28, %rd2;
 	setp.lt.u64 	%p3, %rd28, %rd4;
-	@%p3 bra 	$L__BB22_3;
+	@%p3 bra 	$L__BB26_3;
 
-$L__BB22_4:
+$L__BB26_4:
 	and.b64  	%rd21, %rd15, -4;
 	add.s64 	%rd29, %rd21, %rd3;
 	setp.ge.u64 	%p4, %rd29, %rd15;
-	@%p4 bra 	$L__BB22_11;
+	@%p4 bra 	$L__BB26_11;
 
-$L__BB22_5:
+$L__BB26_5:
 	shl.b64 	%rd22, %rd29, 2;
 	add.s64 	%rd23, %rd1, %rd22;
 	ld.global.u32 	%r17, [%rd23];
@@ -19231,16 +21167,16 @@ $L__BB22_5:
 	st.global.u32 	[%rd23], %r18;
 	add.s64 	%rd29, %rd29, %rd2;
 	setp.lt.u64 	%p5, %rd29, %rd15;
-	@%p5 bra 	$L__BB22_5;
-	bra.uni 	$L__BB22_11;
+	@%p5 bra 	$L__BB26_5;
+	bra.uni 	$L__BB26_11;
 
-$L__BB22_6:
+$L__BB26_6:
 	setp.ge.u64 	%p6, %rd3, %rd15;
-	@%p6 bra 	$L__BB22_9;
+	@%p6 bra 	$L__BB26_9;
 
 	mov.u64 	%rd30, %rd3;
 
-$L__BB22_8:
+$L__BB26_8:
 	shl.b64 	%rd24, %rd30, 2;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.u32 	%r19, [%rd25];
@@ -19250,14 +21186,14 @@ $L__BB22_8:
 	st.global.u32 	[%rd25], %r20;
 	add.s64 	%rd30, %rd30, %rd2;
 	setp.lt.u64 	%p7, %rd30, %rd15;
-	@%p7 bra 	$L__BB22_8;
+	@%p7 bra 	$L__BB26_8;
 
-$L__BB22_9:
+$L__BB26_9:
 	add.s64 	%rd31, %rd3, %rd15;
 	setp.ge.u64 	%p8, %rd31, %rd3;
-	@%p8 bra 	$L__BB22_11;
+	@%p8 bra 	$L__BB26_11;
 
-$L__BB22_10:
+$L__BB26_10:
 	shl.b64 	%rd26, %rd31, 2;
 	add.s64 	%rd27, %rd1, %rd26;
 	ld.global.u32 	%r21, [%rd27];
@@ -19267,9 +21203,9 @@ $L__BB22_10:
 	st.global.u32 	[%rd27], %r22;
 	add.s64 	%rd31, %rd31, %rd2;
 	setp.lt.u64 	%p9, %rd31, %rd15;
-	@%p9 bra 	$L__BB22_10;
+	@%p9 bra 	$L__BB26_10;
 
-$L__BB22_11:
+$L__BB26_11:
 	ret;
 
 }
@@ -19301,15 +21237,15 @@ $L__BB22_11:
 	cvt.u64.u32 	%rd18, %r5;
 	add.s64 	%rd3, %rd17, %rd18;
 	setp.eq.s16 	%p1, %rs1, 0;
-	@%p1 bra 	$L__BB23_6;
+	@%p1 bra 	$L__BB27_6;
 
 	shr.u64 	%rd4, %rd15, 2;
 	setp.ge.u64 	%p2, %rd3, %rd4;
-	@%p2 bra 	$L__BB23_4;
+	@%p2 bra 	$L__BB27_4;
 
 	mov.u64 	%rd28, %rd3;
 
-$L__BB23_3:
+$L__BB27_3:
 	shl.b64 	%rd19, %rd28, 4;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.v4.u32 	{%r6, %r7, %r8, %r9}, [%rd20];
@@ -19320,15 +21256,15 @@ $L__BB23_3:
 	st.global.v4.u32 	[%rd20], {%r17, %r16, %r15, %r14};
 	add.s64 	%rd28, %rd28, %rd2;
 	setp.lt.u64 	%p3, %rd28, %rd4;
-	@%p3 bra 	$L__BB23_3;
+	@%p3 bra 	$L__BB27_3;
 
-$L__BB23_4:
+$L__BB27_4:
 	and.b64  	%rd21, %rd15, -4;
 	add.s64 	%rd29, %rd21, %rd3;
 	setp.ge.u64 	%p4, %rd29, %rd15;
-	@%p4 bra 	$L__BB23_11;
+	@%p4 bra 	$L__BB27_11;
 
-$L__BB23_5:
+$L__BB27_5:
 	shl.b64 	%rd22, %rd29, 2;
 	add.s64 	%rd23, %rd1, %rd22;
 	ld.global.u32 	%r18, [%rd23];
@@ -19336,16 +21272,16 @@ $L__BB23_5:
 	st.global.u32 	[%rd23], %r19;
 	add.s64 	%rd29, %rd29, %rd2;
 	setp.lt.u64 	%p5, %rd29, %rd15;
-	@%p5 bra 	$L__BB23_5;
-	bra.uni 	$L__BB23_11;
+	@%p5 bra 	$L__BB27_5;
+	bra.uni 	$L__BB27_11;
 
-$L__BB23_6:
+$L__BB27_6:
 	setp.ge.u64 	%p6, %rd3, %rd15;
-	@%p6 bra 	$L__BB23_9;
+	@%p6 bra 	$L__BB27_9;
 
 	mov.u64 	%rd30, %rd3;
 
-$L__BB23_8:
+$L__BB27_8:
 	shl.b64 	%rd24, %rd30, 2;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.u32 	%r20, [%rd25];
@@ -19353,14 +21289,14 @@ $L__BB23_8:
 	st.global.u32 	[%rd25], %r21;
 	add.s64 	%rd30, %rd30, %rd2;
 	setp.lt.u64 	%p7, %rd30, %rd15;
-	@%p7 bra 	$L__BB23_8;
+	@%p7 bra 	$L__BB27_8;
 
-$L__BB23_9:
+$L__BB27_9:
 	add.s64 	%rd31, %rd3, %rd15;
 	setp.ge.u64 	%p8, %rd31, %rd3;
-	@%p8 bra 	$L__BB23_11;
+	@%p8 bra 	$L__BB27_11;
 
-$L__BB23_10:
+$L__BB27_10:
 	shl.b64 	%rd26, %rd31, 2;
 	add.s64 	%rd27, %rd1, %rd26;
 	ld.global.u32 	%r22, [%rd27];
@@ -19368,9 +21304,9 @@ $L__BB23_10:
 	st.global.u32 	[%rd27], %r23;
 	add.s64 	%rd31, %rd31, %rd2;
 	setp.lt.u64 	%p9, %rd31, %rd15;
-	@%p9 bra 	$L__BB23_10;
+	@%p9 bra 	$L__BB27_10;
 
-$L__BB23_11:
+$L__BB27_11:
 	ret;
 
 }
@@ -19403,15 +21339,15 @@ $L__BB23_11:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd3, %rd17, %rd18;
 	setp.eq.s16 	%p1, %rs1, 0;
-	@%p1 bra 	$L__BB24_6;
+	@%p1 bra 	$L__BB28_6;
 
 	shr.u64 	%rd4, %rd15, 1;
 	setp.ge.u64 	%p2, %rd3, %rd4;
-	@%p2 bra 	$L__BB24_4;
+	@%p2 bra 	$L__BB28_4;
 
 	mov.u64 	%rd40, %rd3;
 
-$L__BB24_3:
+$L__BB28_3:
 	shl.b64 	%rd19, %rd40, 4;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.v2.u64 	{%rd21, %rd22}, [%rd20];
@@ -19424,15 +21360,15 @@ $L__BB24_3:
 	st.global.v2.u64 	[%rd20], {%rd26, %rd25};
 	add.s64 	%rd40, %rd40, %rd2;
 	setp.lt.u64 	%p3, %rd40, %rd4;
-	@%p3 bra 	$L__BB24_3;
+	@%p3 bra 	$L__BB28_3;
 
-$L__BB24_4:
+$L__BB28_4:
 	and.b64  	%rd27, %rd15, -2;
 	add.s64 	%rd41, %rd27, %rd3;
 	setp.ge.u64 	%p4, %rd41, %rd15;
-	@%p4 bra 	$L__BB24_11;
+	@%p4 bra 	$L__BB28_11;
 
-$L__BB24_5:
+$L__BB28_5:
 	shl.b64 	%rd28, %rd41, 3;
 	add.s64 	%rd29, %rd1, %rd28;
 	ld.global.u64 	%rd30, [%rd29];
@@ -19442,16 +21378,16 @@ $L__BB24_5:
 	st.global.u64 	[%rd29], %rd31;
 	add.s64 	%rd41, %rd41, %rd2;
 	setp.lt.u64 	%p5, %rd41, %rd15;
-	@%p5 bra 	$L__BB24_5;
-	bra.uni 	$L__BB24_11;
+	@%p5 bra 	$L__BB28_5;
+	bra.uni 	$L__BB28_11;
 
-$L__BB24_6:
+$L__BB28_6:
 	setp.ge.u64 	%p6, %rd3, %rd15;
-	@%p6 bra 	$L__BB24_9;
+	@%p6 bra 	$L__BB28_9;
 
 	mov.u64 	%rd42, %rd3;
 
-$L__BB24_8:
+$L__BB28_8:
 	shl.b64 	%rd32, %rd42, 3;
 	add.s64 	%rd33, %rd1, %rd32;
 	ld.global.u64 	%rd34, [%rd33];
@@ -19461,14 +21397,14 @@ $L__BB24_8:
 	st.global.u64 	[%rd33], %rd35;
 	add.s64 	%rd42, %rd42, %rd2;
 	setp.lt.u64 	%p7, %rd42, %rd15;
-	@%p7 bra 	$L__BB24_8;
+	@%p7 bra 	$L__BB28_8;
 
-$L__BB24_9:
+$L__BB28_9:
 	add.s64 	%rd43, %rd3, %rd15;
 	setp.ge.u64 	%p8, %rd43, %rd3;
-	@%p8 bra 	$L__BB24_11;
+	@%p8 bra 	$L__BB28_11;
 
-$L__BB24_10:
+$L__BB28_10:
 	shl.b64 	%rd36, %rd43, 3;
 	add.s64 	%rd37, %rd1, %rd36;
 	ld.global.u64 	%rd38, [%rd37];
@@ -19478,9 +21414,9 @@ $L__BB24_10:
 	st.global.u64 	[%rd37], %rd39;
 	add.s64 	%rd43, %rd43, %rd2;
 	setp.lt.u64 	%p9, %rd43, %rd15;
-	@%p9 bra 	$L__BB24_10;
+	@%p9 bra 	$L__BB28_10;
 
-$L__BB24_11:
+$L__BB28_11:
 	ret;
 
 }
@@ -19512,142 +21448,142 @@ $L__BB24_11:
 	cvt.u64.u32 	%rd43, %r4;
 	add.s64 	%rd3, %rd42, %rd43;
 	setp.eq.s16 	%p1, %rs1, 0;
-	@%p1 bra 	$L__BB25_14;
+	@%p1 bra 	$L__BB29_14;
 
 	shr.u64 	%rd4, %rd39, 1;
 	setp.ge.u64 	%p2, %rd3, %rd4;
 	mov.u64 	%rd61, %rd3;
-	@%p2 bra 	$L__BB25_9;
+	@%p2 bra 	$L__BB29_9;
 
-$L__BB25_2:
+$L__BB29_2:
 	shl.b64 	%rd44, %rd61, 4;
 	add.s64 	%rd6, %rd1, %rd44;
 	ld.global.v2.u64 	{%rd45, %rd46}, [%rd6];
 	or.b64  	%rd47, %rd45, %rd40;
 	and.b64  	%rd48, %rd47, -4294967296;
 	setp.eq.s64 	%p3, %rd48, 0;
-	@%p3 bra 	$L__BB25_4;
+	@%p3 bra 	$L__BB29_4;
 
 	div.s64 	%rd62, %rd45, %rd40;
-	bra.uni 	$L__BB25_5;
+	bra.uni 	$L__BB29_5;
 
-$L__BB25_4:
+$L__BB29_4:
 	cvt.u32.u64 	%r5, %rd40;
 	cvt.u32.u64 	%r6, %rd45;
 	div.u32 	%r7, %r6, %r5;
 	cvt.u64.u32 	%rd62, %r7;
 
-$L__BB25_5:
+$L__BB29_5:
 	or.b64  	%rd49, %rd46, %rd40;
 	and.b64  	%rd50, %rd49, -4294967296;
 	setp.eq.s64 	%p4, %rd50, 0;
-	@%p4 bra 	$L__BB25_7;
+	@%p4 bra 	$L__BB29_7;
 
 	div.s64 	%rd63, %rd46, %rd40;
-	bra.uni 	$L__BB25_8;
+	bra.uni 	$L__BB29_8;
 
-$L__BB25_7:
+$L__BB29_7:
 	cvt.u32.u64 	%r8, %rd40;
 	cvt.u32.u64 	%r9, %rd46;
 	div.u32 	%r10, %r9, %r8;
 	cvt.u64.u32 	%rd63, %r10;
 
-$L__BB25_8:
+$L__BB29_8:
 	st.global.v2.u64 	[%rd6], {%rd62, %rd63};
 	add.s64 	%rd61, %rd61, %rd2;
 	setp.lt.u64 	%p5, %rd61, %rd4;
-	@%p5 bra 	$L__BB25_2;
+	@%p5 bra 	$L__BB29_2;
 
-$L__BB25_9:
+$L__BB29_9:
 	and.b64  	%rd51, %rd39, -2;
 	add.s64 	%rd64, %rd51, %rd3;
 	setp.ge.u64 	%p6, %rd64, %rd39;
-	@%p6 bra 	$L__BB25_24;
+	@%p6 bra 	$L__BB29_24;
 
-$L__BB25_10:
+$L__BB29_10:
 	shl.b64 	%rd52, %rd64, 3;
 	add.s64 	%rd18, %rd1, %rd52;
 	ld.global.u64 	%rd19, [%rd18];
 	or.b64  	%rd53, %rd19, %rd40;
 	and.b64  	%rd54, %rd53, -4294967296;
 	setp.eq.s64 	%p7, %rd54, 0;
-	@%p7 bra 	$L__BB25_12;
+	@%p7 bra 	$L__BB29_12;
 
 	div.s64 	%rd65, %rd19, %rd40;
-	bra.uni 	$L__BB25_13;
+	bra.uni 	$L__BB29_13;
 
-$L__BB25_12:
+$L__BB29_12:
 	cvt.u32.u64 	%r11, %rd40;
 	cvt.u32.u64 	%r12, %rd19;
 	div.u32 	%r13, %r12, %r11;
 	cvt.u64.u32 	%rd65, %r13;
 
-$L__BB25_13:
+$L__BB29_13:
 	st.global.u64 	[%rd18], %rd65;
 	add.s64 	%rd64, %rd64, %rd2;
 	setp.lt.u64 	%p8, %rd64, %rd39;
-	@%p8 bra 	$L__BB25_10;
-	bra.uni 	$L__BB25_24;
+	@%p8 bra 	$L__BB29_10;
+	bra.uni 	$L__BB29_24;
 
-$L__BB25_14:
+$L__BB29_14:
 	setp.ge.u64 	%p9, %rd3, %rd39;
 	mov.u64 	%rd66, %rd3;
-	@%p9 bra 	$L__BB25_19;
+	@%p9 bra 	$L__BB29_19;
 
-$L__BB25_15:
+$L__BB29_15:
 	shl.b64 	%rd55, %rd66, 3;
 	add.s64 	%rd25, %rd1, %rd55;
 	ld.global.u64 	%rd26, [%rd25];
 	or.b64  	%rd56, %rd26, %rd40;
 	and.b64  	%rd57, %rd56, -4294967296;
 	setp.eq.s64 	%p10, %rd57, 0;
-	@%p10 bra 	$L__BB25_17;
+	@%p10 bra 	$L__BB29_17;
 
 	div.s64 	%rd67, %rd26, %rd40;
-	bra.uni 	$L__BB25_18;
+	bra.uni 	$L__BB29_18;
 
-$L__BB25_17:
+$L__BB29_17:
 	cvt.u32.u64 	%r14, %rd40;
 	cvt.u32.u64 	%r15, %rd26;
 	div.u32 	%r16, %r15, %r14;
 	cvt.u64.u32 	%rd67, %r16;
 
-$L__BB25_18:
+$L__BB29_18:
 	st.global.u64 	[%rd25], %rd67;
 	add.s64 	%rd66, %rd66, %rd2;
 	setp.lt.u64 	%p11, %rd66, %rd39;
-	@%p11 bra 	$L__BB25_15;
+	@%p11 bra 	$L__BB29_15;
 
-$L__BB25_19:
+$L__BB29_19:
 	add.s64 	%rd68, %rd3, %rd39;
 	setp.ge.u64 	%p12, %rd68, %rd3;
-	@%p12 bra 	$L__BB25_24;
+	@%p12 bra 	$L__BB29_24;
 
-$L__BB25_20:
+$L__BB29_20:
 	shl.b64 	%rd58, %rd68, 3;
 	add.s64 	%rd33, %rd1, %rd58;
 	ld.global.u64 	%rd34, [%rd33];
 	or.b64  	%rd59, %rd34, %rd40;
 	and.b64  	%rd60, %rd59, -4294967296;
 	setp.eq.s64 	%p13, %rd60, 0;
-	@%p13 bra 	$L__BB25_22;
+	@%p13 bra 	$L__BB29_22;
 
 	div.s64 	%rd69, %rd34, %rd40;
-	bra.uni 	$L__BB25_23;
+	bra.uni 	$L__BB29_23;
 
-$L__BB25_22:
+$L__BB29_22:
 	cvt.u32.u64 	%r17, %rd40;
 	cvt.u32.u64 	%r18, %rd34;
 	div.u32 	%r19, %r18, %r17;
 	cvt.u64.u32 	%rd69, %r19;
 
-$L__BB25_23:
+$L__BB29_23:
 	st.global.u64 	[%rd33], %rd69;
 	add.s64 	%rd68, %rd68, %rd2;
 	setp.lt.u64 	%p14, %rd68, %rd39;
-	@%p14 bra 	$L__BB25_20;
+	@%p14 bra 	$L__BB29_20;
 
-$L__BB25_24:
+$L__BB29_24:
 	ret;
 
 }
@@ -19680,15 +21616,15 @@ $L__BB25_24:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd3, %rd17, %rd18;
 	setp.eq.s16 	%p1, %rs1, 0;
-	@%p1 bra 	$L__BB26_6;
+	@%p1 bra 	$L__BB30_6;
 
 	shr.u64 	%rd4, %rd15, 4;
 	setp.ge.u64 	%p2, %rd3, %rd4;
-	@%p2 bra 	$L__BB26_4;
+	@%p2 bra 	$L__BB30_4;
 
 	mov.u64 	%rd25, %rd3;
 
-$L__BB26_3:
+$L__BB30_3:
 	shl.b64 	%rd19, %rd25, 4;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
@@ -19783,15 +21719,15 @@ $L__BB26_3:
 	st.global.v4.u32 	[%rd20], {%r48, %r47, %r46, %r45};
 	add.s64 	%rd25, %rd25, %rd2;
 	setp.lt.u64 	%p3, %rd25, %rd4;
-	@%p3 bra 	$L__BB26_3;
+	@%p3 bra 	$L__BB30_3;
 
-$L__BB26_4:
+$L__BB30_4:
 	and.b64  	%rd21, %rd15, -16;
 	add.s64 	%rd26, %rd21, %rd3;
 	setp.ge.u64 	%p4, %rd26, %rd15;
-	@%p4 bra 	$L__BB26_11;
+	@%p4 bra 	$L__BB30_11;
 
-$L__BB26_5:
+$L__BB30_5:
 	add.s64 	%rd22, %rd1, %rd26;
 	ld.global.u8 	%rs26, [%rd22];
 	cvt.rn.f64.u16 	%fd34, %rs26;
@@ -19800,16 +21736,16 @@ $L__BB26_5:
 	st.global.u8 	[%rd22], %r49;
 	add.s64 	%rd26, %rd26, %rd2;
 	setp.lt.u64 	%p5, %rd26, %rd15;
-	@%p5 bra 	$L__BB26_5;
-	bra.uni 	$L__BB26_11;
+	@%p5 bra 	$L__BB30_5;
+	bra.uni 	$L__BB30_11;
 
-$L__BB26_6:
+$L__BB30_6:
 	setp.ge.u64 	%p6, %rd3, %rd15;
-	@%p6 bra 	$L__BB26_9;
+	@%p6 bra 	$L__BB30_9;
 
 	mov.u64 	%rd27, %rd3;
 
-$L__BB26_8:
+$L__BB30_8:
 	add.s64 	%rd23, %rd1, %rd27;
 	ld.global.u8 	%rs27, [%rd23];
 	cvt.rn.f64.u16 	%fd36, %rs27;
@@ -19818,14 +21754,14 @@ $L__BB26_8:
 	st.global.u8 	[%rd23], %r50;
 	add.s64 	%rd27, %rd27, %rd2;
 	setp.lt.u64 	%p7, %rd27, %rd15;
-	@%p7 bra 	$L__BB26_8;
+	@%p7 bra 	$L__BB30_8;
 
-$L__BB26_9:
+$L__BB30_9:
 	add.s64 	%rd28, %rd3, %rd15;
 	setp.ge.u64 	%p8, %rd28, %rd3;
-	@%p8 bra 	$L__BB26_11;
+	@%p8 bra 	$L__BB30_11;
 
-$L__BB26_10:
+$L__BB30_10:
 	add.s64 	%rd24, %rd1, %rd28;
 	ld.global.u8 	%rs28, [%rd24];
 	cvt.rn.f64.u16 	%fd38, %rs28;
@@ -19834,9 +21770,9 @@ $L__BB26_10:
 	st.global.u8 	[%rd24], %r51;
 	add.s64 	%rd28, %rd28, %rd2;
 	setp.lt.u64 	%p9, %rd28, %rd15;
-	@%p9 bra 	$L__BB26_10;
+	@%p9 bra 	$L__BB30_10;
 
-$L__BB26_11:
+$L__BB30_11:
 	ret;
 
 }
@@ -19868,15 +21804,15 @@ $L__BB26_11:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd3, %rd17, %rd18;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB27_6;
+	@%p1 bra 	$L__BB31_6;
 
 	shr.u64 	%rd4, %rd15, 4;
 	setp.ge.u64 	%p2, %rd3, %rd4;
-	@%p2 bra 	$L__BB27_4;
+	@%p2 bra 	$L__BB31_4;
 
 	mov.u64 	%rd25, %rd3;
 
-$L__BB27_3:
+$L__BB31_3:
 	shl.b64 	%rd19, %rd25, 4;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd20];
@@ -19939,54 +21875,54 @@ $L__BB27_3:
 	st.global.v4.u32 	[%rd20], {%r16, %r15, %r14, %r13};
 	add.s64 	%rd25, %rd25, %rd2;
 	setp.lt.u64 	%p3, %rd25, %rd4;
-	@%p3 bra 	$L__BB27_3;
+	@%p3 bra 	$L__BB31_3;
 
-$L__BB27_4:
+$L__BB31_4:
 	and.b64  	%rd21, %rd15, -16;
 	add.s64 	%rd26, %rd21, %rd3;
 	setp.ge.u64 	%p4, %rd26, %rd15;
-	@%p4 bra 	$L__BB27_11;
+	@%p4 bra 	$L__BB31_11;
 
-$L__BB27_5:
+$L__BB31_5:
 	add.s64 	%rd22, %rd1, %rd26;
 	ld.global.u8 	%rs59, [%rd22];
 	div.u16 	%rs60, %rs59, %rs1;
 	st.global.u8 	[%rd22], %rs60;
 	add.s64 	%rd26, %rd26, %rd2;
 	setp.lt.u64 	%p5, %rd26, %rd15;
-	@%p5 bra 	$L__BB27_5;
-	bra.uni 	$L__BB27_11;
+	@%p5 bra 	$L__BB31_5;
+	bra.uni 	$L__BB31_11;
 
-$L__BB27_6:
+$L__BB31_6:
 	setp.ge.u64 	%p6, %rd3, %rd15;
-	@%p6 bra 	$L__BB27_9;
+	@%p6 bra 	$L__BB31_9;
 
 	mov.u64 	%rd27, %rd3;
 
-$L__BB27_8:
+$L__BB31_8:
 	add.s64 	%rd23, %rd1, %rd27;
 	ld.global.u8 	%rs61, [%rd23];
 	div.u16 	%rs62, %rs61, %rs1;
 	st.global.u8 	[%rd23], %rs62;
 	add.s64 	%rd27, %rd27, %rd2;
 	setp.lt.u64 	%p7, %rd27, %rd15;
-	@%p7 bra 	$L__BB27_8;
+	@%p7 bra 	$L__BB31_8;
 
-$L__BB27_9:
+$L__BB31_9:
 	add.s64 	%rd28, %rd3, %rd15;
 	setp.ge.u64 	%p8, %rd28, %rd3;
-	@%p8 bra 	$L__BB27_11;
+	@%p8 bra 	$L__BB31_11;
 
-$L__BB27_10:
+$L__BB31_10:
 	add.s64 	%rd24, %rd1, %rd28;
 	ld.global.u8 	%rs63, [%rd24];
 	div.u16 	%rs64, %rs63, %rs1;
 	st.global.u8 	[%rd24], %rs64;
 	add.s64 	%rd28, %rd28, %rd2;
 	setp.lt.u64 	%p9, %rd28, %rd15;
-	@%p9 bra 	$L__BB27_10;
+	@%p9 bra 	$L__BB31_10;
 
-$L__BB27_11:
+$L__BB31_11:
 	ret;
 
 }
@@ -20024,18 +21960,18 @@ $L__BB27_11:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB28_11;
+	@%p1 bra 	$L__BB32_11;
 
 	shr.u64 	%rd5, %rd24, 2;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB28_7;
+	@%p2 bra 	$L__BB32_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB28_5;
+	@%p3 bra 	$L__BB32_5;
 
 	mov.u64 	%rd54, %rd4;
 
-$L__BB28_4:
+$L__BB32_4:
 	shl.b64 	%rd29, %rd54, 4;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v4.f32 	{%f2, %f3, %f4, %f5}, [%rd30];
@@ -20047,19 +21983,19 @@ $L__BB28_4:
 	st.global.v4.f32 	[%rd31], {%f13, %f12, %f11, %f10};
 	add.s64 	%rd54, %rd54, %rd3;
 	setp.lt.u64 	%p4, %rd54, %rd5;
-	@%p4 bra 	$L__BB28_4;
-	bra.uni 	$L__BB28_7;
+	@%p4 bra 	$L__BB32_4;
+	bra.uni 	$L__BB32_7;
 
-$L__BB28_11:
+$L__BB32_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB28_17;
+	@%p10 bra 	$L__BB32_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB28_15;
+	@%p11 bra 	$L__BB32_15;
 
 	mov.u64 	%rd58, %rd4;
 
-$L__BB28_14:
+$L__BB32_14:
 	shl.b64 	%rd42, %rd58, 2;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.f32 	%f25, [%rd43];
@@ -20068,13 +22004,13 @@ $L__BB28_14:
 	st.global.f32 	[%rd44], %f26;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p12, %rd58, %rd24;
-	@%p12 bra 	$L__BB28_14;
-	bra.uni 	$L__BB28_17;
+	@%p12 bra 	$L__BB32_14;
+	bra.uni 	$L__BB32_17;
 
-$L__BB28_5:
+$L__BB32_5:
 	mov.u64 	%rd55, %rd4;
 
-$L__BB28_6:
+$L__BB32_6:
 	shl.b64 	%rd32, %rd55, 4;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.v4.f32 	{%f14, %f15, %f16, %f17}, [%rd33];
@@ -20082,18 +22018,18 @@ $L__BB28_6:
 	st.global.v4.f32 	[%rd34], {%f14, %f15, %f16, %f17};
 	add.s64 	%rd55, %rd55, %rd3;
 	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB28_6;
+	@%p5 bra 	$L__BB32_6;
 
-$L__BB28_7:
+$L__BB32_7:
 	and.b64  	%rd35, %rd24, -4;
 	add.s64 	%rd56, %rd35, %rd4;
 	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB28_21;
+	@%p6 bra 	$L__BB32_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB28_10;
+	@%p7 bra 	$L__BB32_10;
 
-$L__BB28_9:
+$L__BB32_9:
 	shl.b64 	%rd36, %rd56, 2;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.f32 	%f22, [%rd37];
@@ -20102,10 +22038,10 @@ $L__BB28_9:
 	st.global.f32 	[%rd38], %f23;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB28_9;
-	bra.uni 	$L__BB28_21;
+	@%p8 bra 	$L__BB32_9;
+	bra.uni 	$L__BB32_21;
 
-$L__BB28_10:
+$L__BB32_10:
 	shl.b64 	%rd39, %rd56, 2;
 	add.s64 	%rd40, %rd2, %rd39;
 	ld.global.f32 	%f24, [%rd40];
@@ -20113,13 +22049,13 @@ $L__BB28_10:
 	st.global.f32 	[%rd41], %f24;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB28_10;
-	bra.uni 	$L__BB28_21;
+	@%p9 bra 	$L__BB32_10;
+	bra.uni 	$L__BB32_21;
 
-$L__BB28_15:
+$L__BB32_15:
 	mov.u64 	%rd59, %rd4;
 
-$L__BB28_16:
+$L__BB32_16:
 	shl.b64 	%rd45, %rd59, 2;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.f32 	%f27, [%rd46];
@@ -20127,17 +22063,17 @@ $L__BB28_16:
 	st.global.f32 	[%rd47], %f27;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB28_16;
+	@%p13 bra 	$L__BB32_16;
 
-$L__BB28_17:
+$L__BB32_17:
 	add.s64 	%rd60, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB28_21;
+	@%p14 bra 	$L__BB32_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB28_20;
+	@%p15 bra 	$L__BB32_20;
 
-$L__BB28_19:
+$L__BB32_19:
 	shl.b64 	%rd48, %rd60, 2;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.f32 	%f28, [%rd49];
@@ -20146,10 +22082,10 @@ $L__BB28_19:
 	st.global.f32 	[%rd50], %f29;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB28_19;
-	bra.uni 	$L__BB28_21;
+	@%p16 bra 	$L__BB32_19;
+	bra.uni 	$L__BB32_21;
 
-$L__BB28_20:
+$L__BB32_20:
 	shl.b64 	%rd51, %rd60, 2;
 	add.s64 	%rd52, %rd2, %rd51;
 	ld.global.f32 	%f30, [%rd52];
@@ -20157,9 +22093,9 @@ $L__BB28_20:
 	st.global.f32 	[%rd53], %f30;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB28_20;
+	@%p17 bra 	$L__BB32_20;
 
-$L__BB28_21:
+$L__BB32_21:
 	ret;
 
 }
@@ -20198,15 +22134,15 @@ $L__BB28_21:
 	cvt.u64.u32 	%rd26, %r4;
 	add.s64 	%rd4, %rd25, %rd26;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB29_8;
+	@%p1 bra 	$L__BB33_8;
 
 	shr.u64 	%rd5, %rd22, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB29_4;
+	@%p2 bra 	$L__BB33_4;
 
 	mov.u64 	%rd56, %rd4;
 
-$L__BB29_3:
+$L__BB33_3:
 	shl.b64 	%rd27, %rd56, 3;
 	add.s64 	%rd28, %rd2, %rd27;
 	ld.global.v2.f32 	{%f2, %f3}, [%rd28];
@@ -20222,18 +22158,18 @@ $L__BB29_3:
 	st.global.v2.f64 	[%rd30], {%fd2, %fd1};
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p4, %rd56, %rd5;
-	@%p4 bra 	$L__BB29_3;
+	@%p4 bra 	$L__BB33_3;
 
-$L__BB29_4:
+$L__BB33_4:
 	and.b64  	%rd31, %rd22, -2;
 	add.s64 	%rd57, %rd31, %rd4;
 	setp.ge.u64 	%p5, %rd57, %rd22;
-	@%p5 bra 	$L__BB29_18;
+	@%p5 bra 	$L__BB33_18;
 
 	setp.eq.s16 	%p6, %rs1, 0;
-	@%p6 bra 	$L__BB29_7;
+	@%p6 bra 	$L__BB33_7;
 
-$L__BB29_6:
+$L__BB33_6:
 	shl.b64 	%rd32, %rd57, 2;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.f32 	%f10, [%rd33];
@@ -20244,10 +22180,10 @@ $L__BB29_6:
 	st.global.f64 	[%rd35], %fd3;
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p7, %rd57, %rd22;
-	@%p7 bra 	$L__BB29_6;
-	bra.uni 	$L__BB29_18;
+	@%p7 bra 	$L__BB33_6;
+	bra.uni 	$L__BB33_18;
 
-$L__BB29_7:
+$L__BB33_7:
 	shl.b64 	%rd36, %rd57, 2;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.f32 	%f12, [%rd37];
@@ -20257,19 +22193,19 @@ $L__BB29_7:
 	st.global.f64 	[%rd39], %fd4;
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p8, %rd57, %rd22;
-	@%p8 bra 	$L__BB29_7;
-	bra.uni 	$L__BB29_18;
+	@%p8 bra 	$L__BB33_7;
+	bra.uni 	$L__BB33_18;
 
-$L__BB29_8:
+$L__BB33_8:
 	setp.ge.u64 	%p9, %rd4, %rd22;
-	@%p9 bra 	$L__BB29_14;
+	@%p9 bra 	$L__BB33_14;
 
 	setp.eq.s16 	%p10, %rs1, 0;
-	@%p10 bra 	$L__BB29_12;
+	@%p10 bra 	$L__BB33_12;
 
 	mov.u64 	%rd59, %rd4;
 
-$L__BB29_11:
+$L__BB33_11:
 	shl.b64 	%rd40, %rd59, 2;
 	add.s64 	%rd41, %rd2, %rd40;
 	ld.global.f32 	%f13, [%rd41];
@@ -20280,13 +22216,13 @@ $L__BB29_11:
 	st.global.f64 	[%rd43], %fd5;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p11, %rd59, %rd22;
-	@%p11 bra 	$L__BB29_11;
-	bra.uni 	$L__BB29_14;
+	@%p11 bra 	$L__BB33_11;
+	bra.uni 	$L__BB33_14;
 
-$L__BB29_12:
+$L__BB33_12:
 	mov.u64 	%rd60, %rd4;
 
-$L__BB29_13:
+$L__BB33_13:
 	shl.b64 	%rd44, %rd60, 2;
 	add.s64 	%rd45, %rd2, %rd44;
 	ld.global.f32 	%f15, [%rd45];
@@ -20296,17 +22232,17 @@ $L__BB29_13:
 	st.global.f64 	[%rd47], %fd6;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p12, %rd60, %rd22;
-	@%p12 bra 	$L__BB29_13;
+	@%p12 bra 	$L__BB33_13;
 
-$L__BB29_14:
+$L__BB33_14:
 	add.s64 	%rd61, %rd4, %rd22;
 	setp.ge.u64 	%p13, %rd61, %rd4;
-	@%p13 bra 	$L__BB29_18;
+	@%p13 bra 	$L__BB33_18;
 
 	setp.eq.s16 	%p14, %rs1, 0;
-	@%p14 bra 	$L__BB29_17;
+	@%p14 bra 	$L__BB33_17;
 
-$L__BB29_16:
+$L__BB33_16:
 	shl.b64 	%rd48, %rd61, 2;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.f32 	%f16, [%rd49];
@@ -20317,10 +22253,10 @@ $L__BB29_16:
 	st.global.f64 	[%rd51], %fd7;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p15, %rd61, %rd22;
-	@%p15 bra 	$L__BB29_16;
-	bra.uni 	$L__BB29_18;
+	@%p15 bra 	$L__BB33_16;
+	bra.uni 	$L__BB33_18;
 
-$L__BB29_17:
+$L__BB33_17:
 	shl.b64 	%rd52, %rd61, 2;
 	add.s64 	%rd53, %rd2, %rd52;
 	ld.global.f32 	%f18, [%rd53];
@@ -20330,9 +22266,9 @@ $L__BB29_17:
 	st.global.f64 	[%rd55], %fd8;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p16, %rd61, %rd22;
-	@%p16 bra 	$L__BB29_17;
+	@%p16 bra 	$L__BB33_17;
 
-$L__BB29_18:
+$L__BB33_18:
 	ret;
 
 }
@@ -20370,18 +22306,18 @@ $L__BB29_18:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB30_11;
+	@%p1 bra 	$L__BB34_11;
 
 	shr.u64 	%rd5, %rd24, 2;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB30_7;
+	@%p2 bra 	$L__BB34_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB30_5;
+	@%p3 bra 	$L__BB34_5;
 
 	mov.u64 	%rd62, %rd4;
 
-$L__BB30_4:
+$L__BB34_4:
 	shl.b64 	%rd29, %rd62, 4;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd30];
@@ -20410,19 +22346,19 @@ $L__BB30_4:
 	st.global.v4.u16 	[%rd32], {%rs3, %rs4, %rs5, %rs6};
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p4, %rd62, %rd5;
-	@%p4 bra 	$L__BB30_4;
-	bra.uni 	$L__BB30_7;
+	@%p4 bra 	$L__BB34_4;
+	bra.uni 	$L__BB34_7;
 
-$L__BB30_11:
+$L__BB34_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB30_17;
+	@%p10 bra 	$L__BB34_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB30_15;
+	@%p11 bra 	$L__BB34_15;
 
 	mov.u64 	%rd66, %rd4;
 
-$L__BB30_14:
+$L__BB34_14:
 	shl.b64 	%rd46, %rd66, 2;
 	add.s64 	%rd47, %rd2, %rd46;
 	ld.global.f32 	%f26, [%rd47];
@@ -20436,13 +22372,13 @@ $L__BB30_14:
 	st.global.u16 	[%rd49], %rs13;
 	add.s64 	%rd66, %rd66, %rd3;
 	setp.lt.u64 	%p12, %rd66, %rd24;
-	@%p12 bra 	$L__BB30_14;
-	bra.uni 	$L__BB30_17;
+	@%p12 bra 	$L__BB34_14;
+	bra.uni 	$L__BB34_17;
 
-$L__BB30_5:
+$L__BB34_5:
 	mov.u64 	%rd63, %rd4;
 
-$L__BB30_6:
+$L__BB34_6:
 	shl.b64 	%rd33, %rd63, 4;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd34];
@@ -20467,18 +22403,18 @@ $L__BB30_6:
 	st.global.v4.u16 	[%rd36], {%rs7, %rs8, %rs9, %rs10};
 	add.s64 	%rd63, %rd63, %rd3;
 	setp.lt.u64 	%p5, %rd63, %rd5;
-	@%p5 bra 	$L__BB30_6;
+	@%p5 bra 	$L__BB34_6;
 
-$L__BB30_7:
+$L__BB34_7:
 	and.b64  	%rd37, %rd24, -4;
 	add.s64 	%rd64, %rd37, %rd4;
 	setp.ge.u64 	%p6, %rd64, %rd24;
-	@%p6 bra 	$L__BB30_21;
+	@%p6 bra 	$L__BB34_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB30_10;
+	@%p7 bra 	$L__BB34_10;
 
-$L__BB30_9:
+$L__BB34_9:
 	shl.b64 	%rd38, %rd64, 2;
 	add.s64 	%rd39, %rd2, %rd38;
 	ld.global.f32 	%f23, [%rd39];
@@ -20492,10 +22428,10 @@ $L__BB30_9:
 	st.global.u16 	[%rd41], %rs11;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p8, %rd64, %rd24;
-	@%p8 bra 	$L__BB30_9;
-	bra.uni 	$L__BB30_21;
+	@%p8 bra 	$L__BB34_9;
+	bra.uni 	$L__BB34_21;
 
-$L__BB30_10:
+$L__BB34_10:
 	shl.b64 	%rd42, %rd64, 2;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.f32 	%f24, [%rd43];
@@ -20508,13 +22444,13 @@ $L__BB30_10:
 	st.global.u16 	[%rd45], %rs12;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p9, %rd64, %rd24;
-	@%p9 bra 	$L__BB30_10;
-	bra.uni 	$L__BB30_21;
+	@%p9 bra 	$L__BB34_10;
+	bra.uni 	$L__BB34_21;
 
-$L__BB30_15:
+$L__BB34_15:
 	mov.u64 	%rd67, %rd4;
 
-$L__BB30_16:
+$L__BB34_16:
 	shl.b64 	%rd50, %rd67, 2;
 	add.s64 	%rd51, %rd2, %rd50;
 	ld.global.f32 	%f27, [%rd51];
@@ -20527,17 +22463,17 @@ $L__BB30_16:
 	st.global.u16 	[%rd53], %rs14;
 	add.s64 	%rd67, %rd67, %rd3;
 	setp.lt.u64 	%p13, %rd67, %rd24;
-	@%p13 bra 	$L__BB30_16;
+	@%p13 bra 	$L__BB34_16;
 
-$L__BB30_17:
+$L__BB34_17:
 	add.s64 	%rd68, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd68, %rd4;
-	@%p14 bra 	$L__BB30_21;
+	@%p14 bra 	$L__BB34_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB30_20;
+	@%p15 bra 	$L__BB34_20;
 
-$L__BB30_19:
+$L__BB34_19:
 	shl.b64 	%rd54, %rd68, 2;
 	add.s64 	%rd55, %rd2, %rd54;
 	ld.global.f32 	%f29, [%rd55];
@@ -20551,10 +22487,10 @@ $L__BB30_19:
 	st.global.u16 	[%rd57], %rs15;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p16, %rd68, %rd24;
-	@%p16 bra 	$L__BB30_19;
-	bra.uni 	$L__BB30_21;
+	@%p16 bra 	$L__BB34_19;
+	bra.uni 	$L__BB34_21;
 
-$L__BB30_20:
+$L__BB34_20:
 	shl.b64 	%rd58, %rd68, 2;
 	add.s64 	%rd59, %rd2, %rd58;
 	ld.global.f32 	%f30, [%rd59];
@@ -20567,9 +22503,9 @@ $L__BB30_20:
 	st.global.u16 	[%rd61], %rs16;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p17, %rd68, %rd24;
-	@%p17 bra 	$L__BB30_20;
+	@%p17 bra 	$L__BB34_20;
 
-$L__BB30_21:
+$L__BB34_21:
 	ret;
 
 }
@@ -20607,18 +22543,18 @@ $L__BB30_21:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB31_11;
+	@%p1 bra 	$L__BB35_11;
 
 	shr.u64 	%rd5, %rd24, 2;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB31_7;
+	@%p2 bra 	$L__BB35_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB31_5;
+	@%p3 bra 	$L__BB35_5;
 
 	mov.u64 	%rd62, %rd4;
 
-$L__BB31_4:
+$L__BB35_4:
 	shl.b64 	%rd29, %rd62, 4;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd30];
@@ -20647,19 +22583,19 @@ $L__BB31_4:
 	st.global.v4.u16 	[%rd32], {%rs3, %rs4, %rs5, %rs6};
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p4, %rd62, %rd5;
-	@%p4 bra 	$L__BB31_4;
-	bra.uni 	$L__BB31_7;
+	@%p4 bra 	$L__BB35_4;
+	bra.uni 	$L__BB35_7;
 
-$L__BB31_11:
+$L__BB35_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB31_17;
+	@%p10 bra 	$L__BB35_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB31_15;
+	@%p11 bra 	$L__BB35_15;
 
 	mov.u64 	%rd66, %rd4;
 
-$L__BB31_14:
+$L__BB35_14:
 	shl.b64 	%rd46, %rd66, 2;
 	add.s64 	%rd47, %rd2, %rd46;
 	ld.global.f32 	%f26, [%rd47];
@@ -20673,13 +22609,13 @@ $L__BB31_14:
 	st.global.u16 	[%rd49], %rs13;
 	add.s64 	%rd66, %rd66, %rd3;
 	setp.lt.u64 	%p12, %rd66, %rd24;
-	@%p12 bra 	$L__BB31_14;
-	bra.uni 	$L__BB31_17;
+	@%p12 bra 	$L__BB35_14;
+	bra.uni 	$L__BB35_17;
 
-$L__BB31_5:
+$L__BB35_5:
 	mov.u64 	%rd63, %rd4;
 
-$L__BB31_6:
+$L__BB35_6:
 	shl.b64 	%rd33, %rd63, 4;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd34];
@@ -20704,18 +22640,18 @@ $L__BB31_6:
 	st.global.v4.u16 	[%rd36], {%rs7, %rs8, %rs9, %rs10};
 	add.s64 	%rd63, %rd63, %rd3;
 	setp.lt.u64 	%p5, %rd63, %rd5;
-	@%p5 bra 	$L__BB31_6;
+	@%p5 bra 	$L__BB35_6;
 
-$L__BB31_7:
+$L__BB35_7:
 	and.b64  	%rd37, %rd24, -4;
 	add.s64 	%rd64, %rd37, %rd4;
 	setp.ge.u64 	%p6, %rd64, %rd24;
-	@%p6 bra 	$L__BB31_21;
+	@%p6 bra 	$L__BB35_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB31_10;
+	@%p7 bra 	$L__BB35_10;
 
-$L__BB31_9:
+$L__BB35_9:
 	shl.b64 	%rd38, %rd64, 2;
 	add.s64 	%rd39, %rd2, %rd38;
 	ld.global.f32 	%f23, [%rd39];
@@ -20729,10 +22665,10 @@ $L__BB31_9:
 	st.global.u16 	[%rd41], %rs11;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p8, %rd64, %rd24;
-	@%p8 bra 	$L__BB31_9;
-	bra.uni 	$L__BB31_21;
+	@%p8 bra 	$L__BB35_9;
+	bra.uni 	$L__BB35_21;
 
-$L__BB31_10:
+$L__BB35_10:
 	shl.b64 	%rd42, %rd64, 2;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.f32 	%f24, [%rd43];
@@ -20745,13 +22681,13 @@ $L__BB31_10:
 	st.global.u16 	[%rd45], %rs12;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p9, %rd64, %rd24;
-	@%p9 bra 	$L__BB31_10;
-	bra.uni 	$L__BB31_21;
+	@%p9 bra 	$L__BB35_10;
+	bra.uni 	$L__BB35_21;
 
-$L__BB31_15:
+$L__BB35_15:
 	mov.u64 	%rd67, %rd4;
 
-$L__BB31_16:
+$L__BB35_16:
 	shl.b64 	%rd50, %rd67, 2;
 	add.s64 	%rd51, %rd2, %rd50;
 	ld.global.f32 	%f27, [%rd51];
@@ -20764,17 +22700,17 @@ $L__BB31_16:
 	st.global.u16 	[%rd53], %rs14;
 	add.s64 	%rd67, %rd67, %rd3;
 	setp.lt.u64 	%p13, %rd67, %rd24;
-	@%p13 bra 	$L__BB31_16;
+	@%p13 bra 	$L__BB35_16;
 
-$L__BB31_17:
+$L__BB35_17:
 	add.s64 	%rd68, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd68, %rd4;
-	@%p14 bra 	$L__BB31_21;
+	@%p14 bra 	$L__BB35_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB31_20;
+	@%p15 bra 	$L__BB35_20;
 
-$L__BB31_19:
+$L__BB35_19:
 	shl.b64 	%rd54, %rd68, 2;
 	add.s64 	%rd55, %rd2, %rd54;
 	ld.global.f32 	%f29, [%rd55];
@@ -20788,10 +22724,10 @@ $L__BB31_19:
 	st.global.u16 	[%rd57], %rs15;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p16, %rd68, %rd24;
-	@%p16 bra 	$L__BB31_19;
-	bra.uni 	$L__BB31_21;
+	@%p16 bra 	$L__BB35_19;
+	bra.uni 	$L__BB35_21;
 
-$L__BB31_20:
+$L__BB35_20:
 	shl.b64 	%rd58, %rd68, 2;
 	add.s64 	%rd59, %rd2, %rd58;
 	ld.global.f32 	%f30, [%rd59];
@@ -20804,9 +22740,9 @@ $L__BB31_20:
 	st.global.u16 	[%rd61], %rs16;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p17, %rd68, %rd24;
-	@%p17 bra 	$L__BB31_20;
+	@%p17 bra 	$L__BB35_20;
 
-$L__BB31_21:
+$L__BB35_21:
 	ret;
 
 }
@@ -20845,15 +22781,15 @@ $L__BB31_21:
 	cvt.u64.u32 	%rd26, %r4;
 	add.s64 	%rd4, %rd25, %rd26;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB32_8;
+	@%p1 bra 	$L__BB36_8;
 
 	shr.u64 	%rd5, %rd22, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB32_4;
+	@%p2 bra 	$L__BB36_4;
 
 	mov.u64 	%rd56, %rd4;
 
-$L__BB32_3:
+$L__BB36_3:
 	shl.b64 	%rd27, %rd56, 4;
 	add.s64 	%rd28, %rd2, %rd27;
 	ld.global.v2.f64 	{%fd2, %fd3}, [%rd28];
@@ -20869,18 +22805,18 @@ $L__BB32_3:
 	st.global.v2.f32 	[%rd30], {%f2, %f1};
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p4, %rd56, %rd5;
-	@%p4 bra 	$L__BB32_3;
+	@%p4 bra 	$L__BB36_3;
 
-$L__BB32_4:
+$L__BB36_4:
 	and.b64  	%rd31, %rd22, -2;
 	add.s64 	%rd57, %rd31, %rd4;
 	setp.ge.u64 	%p5, %rd57, %rd22;
-	@%p5 bra 	$L__BB32_18;
+	@%p5 bra 	$L__BB36_18;
 
 	setp.eq.s16 	%p6, %rs1, 0;
-	@%p6 bra 	$L__BB32_7;
+	@%p6 bra 	$L__BB36_7;
 
-$L__BB32_6:
+$L__BB36_6:
 	shl.b64 	%rd32, %rd57, 3;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.f64 	%fd10, [%rd33];
@@ -20891,10 +22827,10 @@ $L__BB32_6:
 	st.global.f32 	[%rd35], %f3;
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p7, %rd57, %rd22;
-	@%p7 bra 	$L__BB32_6;
-	bra.uni 	$L__BB32_18;
+	@%p7 bra 	$L__BB36_6;
+	bra.uni 	$L__BB36_18;
 
-$L__BB32_7:
+$L__BB36_7:
 	shl.b64 	%rd36, %rd57, 3;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.f64 	%fd12, [%rd37];
@@ -20904,19 +22840,19 @@ $L__BB32_7:
 	st.global.f32 	[%rd39], %f4;
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p8, %rd57, %rd22;
-	@%p8 bra 	$L__BB32_7;
-	bra.uni 	$L__BB32_18;
+	@%p8 bra 	$L__BB36_7;
+	bra.uni 	$L__BB36_18;
 
-$L__BB32_8:
+$L__BB36_8:
 	setp.ge.u64 	%p9, %rd4, %rd22;
-	@%p9 bra 	$L__BB32_14;
+	@%p9 bra 	$L__BB36_14;
 
 	setp.eq.s16 	%p10, %rs1, 0;
-	@%p10 bra 	$L__BB32_12;
+	@%p10 bra 	$L__BB36_12;
 
 	mov.u64 	%rd59, %rd4;
 
-$L__BB32_11:
+$L__BB36_11:
 	shl.b64 	%rd40, %rd59, 3;
 	add.s64 	%rd41, %rd2, %rd40;
 	ld.global.f64 	%fd13, [%rd41];
@@ -20927,13 +22863,13 @@ $L__BB32_11:
 	st.global.f32 	[%rd43], %f5;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p11, %rd59, %rd22;
-	@%p11 bra 	$L__BB32_11;
-	bra.uni 	$L__BB32_14;
+	@%p11 bra 	$L__BB36_11;
+	bra.uni 	$L__BB36_14;
 
-$L__BB32_12:
+$L__BB36_12:
 	mov.u64 	%rd60, %rd4;
 
-$L__BB32_13:
+$L__BB36_13:
 	shl.b64 	%rd44, %rd60, 3;
 	add.s64 	%rd45, %rd2, %rd44;
 	ld.global.f64 	%fd15, [%rd45];
@@ -20943,17 +22879,17 @@ $L__BB32_13:
 	st.global.f32 	[%rd47], %f6;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p12, %rd60, %rd22;
-	@%p12 bra 	$L__BB32_13;
+	@%p12 bra 	$L__BB36_13;
 
-$L__BB32_14:
+$L__BB36_14:
 	add.s64 	%rd61, %rd4, %rd22;
 	setp.ge.u64 	%p13, %rd61, %rd4;
-	@%p13 bra 	$L__BB32_18;
+	@%p13 bra 	$L__BB36_18;
 
 	setp.eq.s16 	%p14, %rs1, 0;
-	@%p14 bra 	$L__BB32_17;
+	@%p14 bra 	$L__BB36_17;
 
-$L__BB32_16:
+$L__BB36_16:
 	shl.b64 	%rd48, %rd61, 3;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.f64 	%fd16, [%rd49];
@@ -20964,10 +22900,10 @@ $L__BB32_16:
 	st.global.f32 	[%rd51], %f7;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p15, %rd61, %rd22;
-	@%p15 bra 	$L__BB32_16;
-	bra.uni 	$L__BB32_18;
+	@%p15 bra 	$L__BB36_16;
+	bra.uni 	$L__BB36_18;
 
-$L__BB32_17:
+$L__BB36_17:
 	shl.b64 	%rd52, %rd61, 3;
 	add.s64 	%rd53, %rd2, %rd52;
 	ld.global.f64 	%fd18, [%rd53];
@@ -20977,9 +22913,9 @@ $L__BB32_17:
 	st.global.f32 	[%rd55], %f8;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p16, %rd61, %rd22;
-	@%p16 bra 	$L__BB32_17;
+	@%p16 bra 	$L__BB36_17;
 
-$L__BB32_18:
+$L__BB36_18:
 	ret;
 
 }
@@ -21017,18 +22953,18 @@ $L__BB32_18:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB33_11;
+	@%p1 bra 	$L__BB37_11;
 
 	shr.u64 	%rd5, %rd24, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB33_7;
+	@%p2 bra 	$L__BB37_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB33_5;
+	@%p3 bra 	$L__BB37_5;
 
 	mov.u64 	%rd54, %rd4;
 
-$L__BB33_4:
+$L__BB37_4:
 	shl.b64 	%rd29, %rd54, 4;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v2.f64 	{%fd2, %fd3}, [%rd30];
@@ -21038,19 +22974,19 @@ $L__BB33_4:
 	st.global.v2.f64 	[%rd31], {%fd7, %fd6};
 	add.s64 	%rd54, %rd54, %rd3;
 	setp.lt.u64 	%p4, %rd54, %rd5;
-	@%p4 bra 	$L__BB33_4;
-	bra.uni 	$L__BB33_7;
+	@%p4 bra 	$L__BB37_4;
+	bra.uni 	$L__BB37_7;
 
-$L__BB33_11:
+$L__BB37_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB33_17;
+	@%p10 bra 	$L__BB37_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB33_15;
+	@%p11 bra 	$L__BB37_15;
 
 	mov.u64 	%rd58, %rd4;
 
-$L__BB33_14:
+$L__BB37_14:
 	shl.b64 	%rd42, %rd58, 3;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.f64 	%fd15, [%rd43];
@@ -21059,13 +22995,13 @@ $L__BB33_14:
 	st.global.f64 	[%rd44], %fd16;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p12, %rd58, %rd24;
-	@%p12 bra 	$L__BB33_14;
-	bra.uni 	$L__BB33_17;
+	@%p12 bra 	$L__BB37_14;
+	bra.uni 	$L__BB37_17;
 
-$L__BB33_5:
+$L__BB37_5:
 	mov.u64 	%rd55, %rd4;
 
-$L__BB33_6:
+$L__BB37_6:
 	shl.b64 	%rd32, %rd55, 4;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.v2.f64 	{%fd8, %fd9}, [%rd33];
@@ -21073,18 +23009,18 @@ $L__BB33_6:
 	st.global.v2.f64 	[%rd34], {%fd8, %fd9};
 	add.s64 	%rd55, %rd55, %rd3;
 	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB33_6;
+	@%p5 bra 	$L__BB37_6;
 
-$L__BB33_7:
+$L__BB37_7:
 	and.b64  	%rd35, %rd24, -2;
 	add.s64 	%rd56, %rd35, %rd4;
 	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB33_21;
+	@%p6 bra 	$L__BB37_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB33_10;
+	@%p7 bra 	$L__BB37_10;
 
-$L__BB33_9:
+$L__BB37_9:
 	shl.b64 	%rd36, %rd56, 3;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.f64 	%fd12, [%rd37];
@@ -21093,10 +23029,10 @@ $L__BB33_9:
 	st.global.f64 	[%rd38], %fd13;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB33_9;
-	bra.uni 	$L__BB33_21;
+	@%p8 bra 	$L__BB37_9;
+	bra.uni 	$L__BB37_21;
 
-$L__BB33_10:
+$L__BB37_10:
 	shl.b64 	%rd39, %rd56, 3;
 	add.s64 	%rd40, %rd2, %rd39;
 	ld.global.f64 	%fd14, [%rd40];
@@ -21104,13 +23040,13 @@ $L__BB33_10:
 	st.global.f64 	[%rd41], %fd14;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB33_10;
-	bra.uni 	$L__BB33_21;
+	@%p9 bra 	$L__BB37_10;
+	bra.uni 	$L__BB37_21;
 
-$L__BB33_15:
+$L__BB37_15:
 	mov.u64 	%rd59, %rd4;
 
-$L__BB33_16:
+$L__BB37_16:
 	shl.b64 	%rd45, %rd59, 3;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.f64 	%fd17, [%rd46];
@@ -21118,17 +23054,17 @@ $L__BB33_16:
 	st.global.f64 	[%rd47], %fd17;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB33_16;
+	@%p13 bra 	$L__BB37_16;
 
-$L__BB33_17:
+$L__BB37_17:
 	add.s64 	%rd60, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB33_21;
+	@%p14 bra 	$L__BB37_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB33_20;
+	@%p15 bra 	$L__BB37_20;
 
-$L__BB33_19:
+$L__BB37_19:
 	shl.b64 	%rd48, %rd60, 3;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.f64 	%fd18, [%rd49];
@@ -21137,10 +23073,10 @@ $L__BB33_19:
 	st.global.f64 	[%rd50], %fd19;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB33_19;
-	bra.uni 	$L__BB33_21;
+	@%p16 bra 	$L__BB37_19;
+	bra.uni 	$L__BB37_21;
 
-$L__BB33_20:
+$L__BB37_20:
 	shl.b64 	%rd51, %rd60, 3;
 	add.s64 	%rd52, %rd2, %rd51;
 	ld.global.f64 	%fd20, [%rd52];
@@ -21148,9 +23084,9 @@ $L__BB33_20:
 	st.global.f64 	[%rd53], %fd20;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB33_20;
+	@%p17 bra 	$L__BB37_20;
 
-$L__BB33_21:
+$L__BB37_21:
 	ret;
 
 }
@@ -21189,21 +23125,21 @@ $L__BB33_21:
 	cvt.u64.u32 	%rd27, %r4;
 	add.s64 	%rd4, %rd26, %rd27;
 	setp.eq.s16 	%p1, %rs8, 0;
-	@%p1 bra 	$L__BB34_11;
+	@%p1 bra 	$L__BB38_11;
 
 	shr.u64 	%rd5, %rd23, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB34_7;
+	@%p2 bra 	$L__BB38_7;
 
 	mov.u64 	%rd57, %rd4;
 
-$L__BB34_3:
+$L__BB38_3:
 	shl.b64 	%rd7, %rd57, 1;
 	shl.b64 	%rd28, %rd57, 4;
 	add.s64 	%rd29, %rd2, %rd28;
 	ld.global.v2.f64 	{%fd4, %fd5}, [%rd29];
 	setp.eq.s16 	%p3, %rs7, 0;
-	@%p3 bra 	$L__BB34_5;
+	@%p3 bra 	$L__BB38_5;
 
 	mul.f64 	%fd6, %fd4, %fd3;
 	cvt.rn.f32.f64 	%f1, %fd6;
@@ -21217,9 +23153,9 @@ $L__BB34_3:
 	{  cvt.rn.bf16.f32 %rs19, %f2;}
 
 	// end inline asm
-	bra.uni 	$L__BB34_6;
+	bra.uni 	$L__BB38_6;
 
-$L__BB34_5:
+$L__BB38_5:
 	cvt.rn.f32.f64 	%f3, %fd4;
 	// begin inline asm
 	{  cvt.rn.bf16.f32 %rs20, %f3;}
@@ -21231,24 +23167,24 @@ $L__BB34_5:
 
 	// end inline asm
 
-$L__BB34_6:
+$L__BB38_6:
 	shl.b64 	%rd30, %rd7, 1;
 	add.s64 	%rd31, %rd1, %rd30;
 	st.global.v2.u16 	[%rd31], {%rs20, %rs19};
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p4, %rd57, %rd5;
-	@%p4 bra 	$L__BB34_3;
+	@%p4 bra 	$L__BB38_3;
 
-$L__BB34_7:
+$L__BB38_7:
 	and.b64  	%rd32, %rd23, -2;
 	add.s64 	%rd58, %rd32, %rd4;
 	setp.ge.u64 	%p5, %rd58, %rd23;
-	@%p5 bra 	$L__BB34_21;
+	@%p5 bra 	$L__BB38_21;
 
 	setp.eq.s16 	%p6, %rs7, 0;
-	@%p6 bra 	$L__BB34_10;
+	@%p6 bra 	$L__BB38_10;
 
-$L__BB34_9:
+$L__BB38_9:
 	shl.b64 	%rd33, %rd58, 3;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.f64 	%fd8, [%rd34];
@@ -21263,10 +23199,10 @@ $L__BB34_9:
 	st.global.u16 	[%rd36], %rs13;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p7, %rd58, %rd23;
-	@%p7 bra 	$L__BB34_9;
-	bra.uni 	$L__BB34_21;
+	@%p7 bra 	$L__BB38_9;
+	bra.uni 	$L__BB38_21;
 
-$L__BB34_10:
+$L__BB38_10:
 	shl.b64 	%rd37, %rd58, 3;
 	add.s64 	%rd38, %rd2, %rd37;
 	ld.global.f64 	%fd10, [%rd38];
@@ -21280,19 +23216,19 @@ $L__BB34_10:
 	st.global.u16 	[%rd40], %rs14;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p8, %rd58, %rd23;
-	@%p8 bra 	$L__BB34_10;
-	bra.uni 	$L__BB34_21;
+	@%p8 bra 	$L__BB38_10;
+	bra.uni 	$L__BB38_21;
 
-$L__BB34_11:
+$L__BB38_11:
 	setp.ge.u64 	%p9, %rd4, %rd23;
-	@%p9 bra 	$L__BB34_17;
+	@%p9 bra 	$L__BB38_17;
 
 	setp.eq.s16 	%p10, %rs7, 0;
-	@%p10 bra 	$L__BB34_15;
+	@%p10 bra 	$L__BB38_15;
 
 	mov.u64 	%rd60, %rd4;
 
-$L__BB34_14:
+$L__BB38_14:
 	shl.b64 	%rd41, %rd60, 3;
 	add.s64 	%rd42, %rd2, %rd41;
 	ld.global.f64 	%fd11, [%rd42];
@@ -21307,13 +23243,13 @@ $L__BB34_14:
 	st.global.u16 	[%rd44], %rs15;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p11, %rd60, %rd23;
-	@%p11 bra 	$L__BB34_14;
-	bra.uni 	$L__BB34_17;
+	@%p11 bra 	$L__BB38_14;
+	bra.uni 	$L__BB38_17;
 
-$L__BB34_15:
+$L__BB38_15:
 	mov.u64 	%rd61, %rd4;
 
-$L__BB34_16:
+$L__BB38_16:
 	shl.b64 	%rd45, %rd61, 3;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.f64 	%fd13, [%rd46];
@@ -21327,17 +23263,17 @@ $L__BB34_16:
 	st.global.u16 	[%rd48], %rs16;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p12, %rd61, %rd23;
-	@%p12 bra 	$L__BB34_16;
+	@%p12 bra 	$L__BB38_16;
 
-$L__BB34_17:
+$L__BB38_17:
 	add.s64 	%rd62, %rd4, %rd23;
 	setp.ge.u64 	%p13, %rd62, %rd4;
-	@%p13 bra 	$L__BB34_21;
+	@%p13 bra 	$L__BB38_21;
 
 	setp.eq.s16 	%p14, %rs7, 0;
-	@%p14 bra 	$L__BB34_20;
+	@%p14 bra 	$L__BB38_20;
 
-$L__BB34_19:
+$L__BB38_19:
 	shl.b64 	%rd49, %rd62, 3;
 	add.s64 	%rd50, %rd2, %rd49;
 	ld.global.f64 	%fd14, [%rd50];
@@ -21352,10 +23288,10 @@ $L__BB34_19:
 	st.global.u16 	[%rd52], %rs17;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p15, %rd62, %rd23;
-	@%p15 bra 	$L__BB34_19;
-	bra.uni 	$L__BB34_21;
+	@%p15 bra 	$L__BB38_19;
+	bra.uni 	$L__BB38_21;
 
-$L__BB34_20:
+$L__BB38_20:
 	shl.b64 	%rd53, %rd62, 3;
 	add.s64 	%rd54, %rd2, %rd53;
 	ld.global.f64 	%fd16, [%rd54];
@@ -21369,9 +23305,9 @@ $L__BB34_20:
 	st.global.u16 	[%rd56], %rs18;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p16, %rd62, %rd23;
-	@%p16 bra 	$L__BB34_20;
+	@%p16 bra 	$L__BB38_20;
 
-$L__BB34_21:
+$L__BB38_21:
 	ret;
 
 }
@@ -21410,21 +23346,21 @@ $L__BB34_21:
 	cvt.u64.u32 	%rd27, %r4;
 	add.s64 	%rd4, %rd26, %rd27;
 	setp.eq.s16 	%p1, %rs8, 0;
-	@%p1 bra 	$L__BB35_11;
+	@%p1 bra 	$L__BB39_11;
 
 	shr.u64 	%rd5, %rd23, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB35_7;
+	@%p2 bra 	$L__BB39_7;
 
 	mov.u64 	%rd57, %rd4;
 
-$L__BB35_3:
+$L__BB39_3:
 	shl.b64 	%rd7, %rd57, 1;
 	shl.b64 	%rd28, %rd57, 4;
 	add.s64 	%rd29, %rd2, %rd28;
 	ld.global.v2.f64 	{%fd4, %fd5}, [%rd29];
 	setp.eq.s16 	%p3, %rs7, 0;
-	@%p3 bra 	$L__BB35_5;
+	@%p3 bra 	$L__BB39_5;
 
 	mul.f64 	%fd6, %fd4, %fd3;
 	cvt.rn.f32.f64 	%f1, %fd6;
@@ -21438,9 +23374,9 @@ $L__BB35_3:
 	{  cvt.rn.f16.f32 %rs19, %f2;}
 
 	// end inline asm
-	bra.uni 	$L__BB35_6;
+	bra.uni 	$L__BB39_6;
 
-$L__BB35_5:
+$L__BB39_5:
 	cvt.rn.f32.f64 	%f3, %fd4;
 	// begin inline asm
 	{  cvt.rn.f16.f32 %rs20, %f3;}
@@ -21452,24 +23388,24 @@ $L__BB35_5:
 
 	// end inline asm
 
-$L__BB35_6:
+$L__BB39_6:
 	shl.b64 	%rd30, %rd7, 1;
 	add.s64 	%rd31, %rd1, %rd30;
 	st.global.v2.u16 	[%rd31], {%rs20, %rs19};
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p4, %rd57, %rd5;
-	@%p4 bra 	$L__BB35_3;
+	@%p4 bra 	$L__BB39_3;
 
-$L__BB35_7:
+$L__BB39_7:
 	and.b64  	%rd32, %rd23, -2;
 	add.s64 	%rd58, %rd32, %rd4;
 	setp.ge.u64 	%p5, %rd58, %rd23;
-	@%p5 bra 	$L__BB35_21;
+	@%p5 bra 	$L__BB39_21;
 
 	setp.eq.s16 	%p6, %rs7, 0;
-	@%p6 bra 	$L__BB35_10;
+	@%p6 bra 	$L__BB39_10;
 
-$L__BB35_9:
+$L__BB39_9:
 	shl.b64 	%rd33, %rd58, 3;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.f64 	%fd8, [%rd34];
@@ -21484,10 +23420,10 @@ $L__BB35_9:
 	st.global.u16 	[%rd36], %rs13;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p7, %rd58, %rd23;
-	@%p7 bra 	$L__BB35_9;
-	bra.uni 	$L__BB35_21;
+	@%p7 bra 	$L__BB39_9;
+	bra.uni 	$L__BB39_21;
 
-$L__BB35_10:
+$L__BB39_10:
 	shl.b64 	%rd37, %rd58, 3;
 	add.s64 	%rd38, %rd2, %rd37;
 	ld.global.f64 	%fd10, [%rd38];
@@ -21501,19 +23437,19 @@ $L__BB35_10:
 	st.global.u16 	[%rd40], %rs14;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p8, %rd58, %rd23;
-	@%p8 bra 	$L__BB35_10;
-	bra.uni 	$L__BB35_21;
+	@%p8 bra 	$L__BB39_10;
+	bra.uni 	$L__BB39_21;
 
-$L__BB35_11:
+$L__BB39_11:
 	setp.ge.u64 	%p9, %rd4, %rd23;
-	@%p9 bra 	$L__BB35_17;
+	@%p9 bra 	$L__BB39_17;
 
 	setp.eq.s16 	%p10, %rs7, 0;
-	@%p10 bra 	$L__BB35_15;
+	@%p10 bra 	$L__BB39_15;
 
 	mov.u64 	%rd60, %rd4;
 
-$L__BB35_14:
+$L__BB39_14:
 	shl.b64 	%rd41, %rd60, 3;
 	add.s64 	%rd42, %rd2, %rd41;
 	ld.global.f64 	%fd11, [%rd42];
@@ -21528,13 +23464,13 @@ $L__BB35_14:
 	st.global.u16 	[%rd44], %rs15;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p11, %rd60, %rd23;
-	@%p11 bra 	$L__BB35_14;
-	bra.uni 	$L__BB35_17;
+	@%p11 bra 	$L__BB39_14;
+	bra.uni 	$L__BB39_17;
 
-$L__BB35_15:
+$L__BB39_15:
 	mov.u64 	%rd61, %rd4;
 
-$L__BB35_16:
+$L__BB39_16:
 	shl.b64 	%rd45, %rd61, 3;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.f64 	%fd13, [%rd46];
@@ -21548,17 +23484,17 @@ $L__BB35_16:
 	st.global.u16 	[%rd48], %rs16;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p12, %rd61, %rd23;
-	@%p12 bra 	$L__BB35_16;
+	@%p12 bra 	$L__BB39_16;
 
-$L__BB35_17:
+$L__BB39_17:
 	add.s64 	%rd62, %rd4, %rd23;
 	setp.ge.u64 	%p13, %rd62, %rd4;
-	@%p13 bra 	$L__BB35_21;
+	@%p13 bra 	$L__BB39_21;
 
 	setp.eq.s16 	%p14, %rs7, 0;
-	@%p14 bra 	$L__BB35_20;
+	@%p14 bra 	$L__BB39_20;
 
-$L__BB35_19:
+$L__BB39_19:
 	shl.b64 	%rd49, %rd62, 3;
 	add.s64 	%rd50, %rd2, %rd49;
 	ld.global.f64 	%fd14, [%rd50];
@@ -21573,10 +23509,10 @@ $L__BB35_19:
 	st.global.u16 	[%rd52], %rs17;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p15, %rd62, %rd23;
-	@%p15 bra 	$L__BB35_19;
-	bra.uni 	$L__BB35_21;
+	@%p15 bra 	$L__BB39_19;
+	bra.uni 	$L__BB39_21;
 
-$L__BB35_20:
+$L__BB39_20:
 	shl.b64 	%rd53, %rd62, 3;
 	add.s64 	%rd54, %rd2, %rd53;
 	ld.global.f64 	%fd16, [%rd54];
@@ -21590,9 +23526,9 @@ $L__BB35_20:
 	st.global.u16 	[%rd56], %rs18;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p16, %rd62, %rd23;
-	@%p16 bra 	$L__BB35_20;
+	@%p16 bra 	$L__BB39_20;
 
-$L__BB35_21:
+$L__BB39_21:
 	ret;
 
 }
@@ -21630,18 +23566,18 @@ $L__BB35_21:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB36_11;
+	@%p1 bra 	$L__BB40_11;
 
 	shr.u64 	%rd5, %rd24, 2;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB36_7;
+	@%p2 bra 	$L__BB40_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB36_5;
+	@%p3 bra 	$L__BB40_5;
 
 	mov.u64 	%rd62, %rd4;
 
-$L__BB36_4:
+$L__BB40_4:
 	shl.b64 	%rd29, %rd62, 3;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v4.u16 	{%rs7, %rs8, %rs9, %rs10}, [%rd30];
@@ -21670,19 +23606,19 @@ $L__BB36_4:
 	st.global.v4.f32 	[%rd32], {%f9, %f8, %f7, %f6};
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p4, %rd62, %rd5;
-	@%p4 bra 	$L__BB36_4;
-	bra.uni 	$L__BB36_7;
+	@%p4 bra 	$L__BB40_4;
+	bra.uni 	$L__BB40_7;
 
-$L__BB36_11:
+$L__BB40_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB36_17;
+	@%p10 bra 	$L__BB40_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB36_15;
+	@%p11 bra 	$L__BB40_15;
 
 	mov.u64 	%rd66, %rd4;
 
-$L__BB36_14:
+$L__BB40_14:
 	shl.b64 	%rd46, %rd66, 1;
 	add.s64 	%rd47, %rd2, %rd46;
 	ld.global.u16 	%rs21, [%rd47];
@@ -21696,13 +23632,13 @@ $L__BB36_14:
 	st.global.f32 	[%rd49], %f18;
 	add.s64 	%rd66, %rd66, %rd3;
 	setp.lt.u64 	%p12, %rd66, %rd24;
-	@%p12 bra 	$L__BB36_14;
-	bra.uni 	$L__BB36_17;
+	@%p12 bra 	$L__BB40_14;
+	bra.uni 	$L__BB40_17;
 
-$L__BB36_5:
+$L__BB40_5:
 	mov.u64 	%rd63, %rd4;
 
-$L__BB36_6:
+$L__BB40_6:
 	shl.b64 	%rd33, %rd63, 3;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.v4.u16 	{%rs15, %rs16, %rs17, %rs18}, [%rd34];
@@ -21727,18 +23663,18 @@ $L__BB36_6:
 	st.global.v4.f32 	[%rd36], {%f10, %f11, %f12, %f13};
 	add.s64 	%rd63, %rd63, %rd3;
 	setp.lt.u64 	%p5, %rd63, %rd5;
-	@%p5 bra 	$L__BB36_6;
+	@%p5 bra 	$L__BB40_6;
 
-$L__BB36_7:
+$L__BB40_7:
 	and.b64  	%rd37, %rd24, -4;
 	add.s64 	%rd64, %rd37, %rd4;
 	setp.ge.u64 	%p6, %rd64, %rd24;
-	@%p6 bra 	$L__BB36_21;
+	@%p6 bra 	$L__BB40_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB36_10;
+	@%p7 bra 	$L__BB40_10;
 
-$L__BB36_9:
+$L__BB40_9:
 	shl.b64 	%rd38, %rd64, 1;
 	add.s64 	%rd39, %rd2, %rd38;
 	ld.global.u16 	%rs19, [%rd39];
@@ -21752,10 +23688,10 @@ $L__BB36_9:
 	st.global.f32 	[%rd41], %f15;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p8, %rd64, %rd24;
-	@%p8 bra 	$L__BB36_9;
-	bra.uni 	$L__BB36_21;
+	@%p8 bra 	$L__BB40_9;
+	bra.uni 	$L__BB40_21;
 
-$L__BB36_10:
+$L__BB40_10:
 	shl.b64 	%rd42, %rd64, 1;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.u16 	%rs20, [%rd43];
@@ -21768,13 +23704,13 @@ $L__BB36_10:
 	st.global.f32 	[%rd45], %f16;
 	add.s64 	%rd64, %rd64, %rd3;
 	setp.lt.u64 	%p9, %rd64, %rd24;
-	@%p9 bra 	$L__BB36_10;
-	bra.uni 	$L__BB36_21;
+	@%p9 bra 	$L__BB40_10;
+	bra.uni 	$L__BB40_21;
 
-$L__BB36_15:
+$L__BB40_15:
 	mov.u64 	%rd67, %rd4;
 
-$L__BB36_16:
+$L__BB40_16:
 	shl.b64 	%rd50, %rd67, 1;
 	add.s64 	%rd51, %rd2, %rd50;
 	ld.global.u16 	%rs22, [%rd51];
@@ -21787,17 +23723,17 @@ $L__BB36_16:
 	st.global.f32 	[%rd53], %f19;
 	add.s64 	%rd67, %rd67, %rd3;
 	setp.lt.u64 	%p13, %rd67, %rd24;
-	@%p13 bra 	$L__BB36_16;
+	@%p13 bra 	$L__BB40_16;
 
-$L__BB36_17:
+$L__BB40_17:
 	add.s64 	%rd68, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd68, %rd4;
-	@%p14 bra 	$L__BB36_21;
+	@%p14 bra 	$L__BB40_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB36_20;
+	@%p15 bra 	$L__BB40_20;
 
-$L__BB36_19:
+$L__BB40_19:
 	shl.b64 	%rd54, %rd68, 1;
 	add.s64 	%rd55, %rd2, %rd54;
 	ld.global.u16 	%rs23, [%rd55];
@@ -21811,10 +23747,10 @@ $L__BB36_19:
 	st.global.f32 	[%rd57], %f21;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p16, %rd68, %rd24;
-	@%p16 bra 	$L__BB36_19;
-	bra.uni 	$L__BB36_21;
+	@%p16 bra 	$L__BB40_19;
+	bra.uni 	$L__BB40_21;
 
-$L__BB36_20:
+$L__BB40_20:
 	shl.b64 	%rd58, %rd68, 1;
 	add.s64 	%rd59, %rd2, %rd58;
 	ld.global.u16 	%rs24, [%rd59];
@@ -21827,9 +23763,9 @@ $L__BB36_20:
 	st.global.f32 	[%rd61], %f22;
 	add.s64 	%rd68, %rd68, %rd3;
 	setp.lt.u64 	%p17, %rd68, %rd24;
-	@%p17 bra 	$L__BB36_20;
+	@%p17 bra 	$L__BB40_20;
 
-$L__BB36_21:
+$L__BB40_21:
 	ret;
 
 }
@@ -21868,15 +23804,15 @@ $L__BB36_21:
 	cvt.u64.u32 	%rd27, %r4;
 	add.s64 	%rd4, %rd26, %rd27;
 	setp.eq.s16 	%p1, %rs3, 0;
-	@%p1 bra 	$L__BB37_11;
+	@%p1 bra 	$L__BB41_11;
 
 	shr.u64 	%rd5, %rd23, 1;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB37_7;
+	@%p2 bra 	$L__BB41_7;
 
 	mov.u64 	%rd57, %rd4;
 
-$L__BB37_3:
+$L__BB41_3:
 	shl.b64 	%rd7, %rd57, 1;
 	shl.b64 	%rd28, %rd57, 2;
 	add.s64 	%rd29, %rd2, %rd28;
@@ -21886,7 +23822,7 @@ $L__BB37_3:
 
 	// end inline asm
 	setp.eq.s16 	%p3, %rs2, 0;
-	@%p3 bra 	$L__BB37_5;
+	@%p3 bra 	$L__BB41_5;
 
 	mul.f32 	%f21, %f21, %f7;
 	// begin inline asm
@@ -21894,15 +23830,15 @@ $L__BB37_3:
 
 	// end inline asm
 	mul.f32 	%f20, %f9, %f7;
-	bra.uni 	$L__BB37_6;
+	bra.uni 	$L__BB41_6;
 
-$L__BB37_5:
+$L__BB41_5:
 	// begin inline asm
 	{ mov.b32 %f20, {0,%rs6};}
 
 	// end inline asm
 
-$L__BB37_6:
+$L__BB41_6:
 	cvt.f64.f32 	%fd1, %f20;
 	cvt.f64.f32 	%fd2, %f21;
 	shl.b64 	%rd30, %rd7, 3;
@@ -21910,18 +23846,18 @@ $L__BB37_6:
 	st.global.v2.f64 	[%rd31], {%fd2, %fd1};
 	add.s64 	%rd57, %rd57, %rd3;
 	setp.lt.u64 	%p4, %rd57, %rd5;
-	@%p4 bra 	$L__BB37_3;
+	@%p4 bra 	$L__BB41_3;
 
-$L__BB37_7:
+$L__BB41_7:
 	and.b64  	%rd32, %rd23, -2;
 	add.s64 	%rd58, %rd32, %rd4;
 	setp.ge.u64 	%p5, %rd58, %rd23;
-	@%p5 bra 	$L__BB37_21;
+	@%p5 bra 	$L__BB41_21;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB37_10;
+	@%p6 bra 	$L__BB41_10;
 
-$L__BB37_9:
+$L__BB41_9:
 	shl.b64 	%rd33, %rd58, 1;
 	add.s64 	%rd34, %rd2, %rd33;
 	ld.global.u16 	%rs9, [%rd34];
@@ -21936,10 +23872,10 @@ $L__BB37_9:
 	st.global.f64 	[%rd36], %fd3;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p7, %rd58, %rd23;
-	@%p7 bra 	$L__BB37_9;
-	bra.uni 	$L__BB37_21;
+	@%p7 bra 	$L__BB41_9;
+	bra.uni 	$L__BB41_21;
 
-$L__BB37_10:
+$L__BB41_10:
 	shl.b64 	%rd37, %rd58, 1;
 	add.s64 	%rd38, %rd2, %rd37;
 	ld.global.u16 	%rs10, [%rd38];
@@ -21953,19 +23889,19 @@ $L__BB37_10:
 	st.global.f64 	[%rd40], %fd4;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p8, %rd58, %rd23;
-	@%p8 bra 	$L__BB37_10;
-	bra.uni 	$L__BB37_21;
+	@%p8 bra 	$L__BB41_10;
+	bra.uni 	$L__BB41_21;
 
-$L__BB37_11:
+$L__BB41_11:
 	setp.ge.u64 	%p9, %rd4, %rd23;
-	@%p9 bra 	$L__BB37_17;
+	@%p9 bra 	$L__BB41_17;
 
 	setp.eq.s16 	%p10, %rs2, 0;
-	@%p10 bra 	$L__BB37_15;
+	@%p10 bra 	$L__BB41_15;
 
 	mov.u64 	%rd60, %rd4;
 
-$L__BB37_14:
+$L__BB41_14:
 	shl.b64 	%rd41, %rd60, 1;
 	add.s64 	%rd42, %rd2, %rd41;
 	ld.global.u16 	%rs11, [%rd42];
@@ -21980,13 +23916,13 @@ $L__BB37_14:
 	st.global.f64 	[%rd44], %fd5;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p11, %rd60, %rd23;
-	@%p11 bra 	$L__BB37_14;
-	bra.uni 	$L__BB37_17;
+	@%p11 bra 	$L__BB41_14;
+	bra.uni 	$L__BB41_17;
 
-$L__BB37_15:
+$L__BB41_15:
 	mov.u64 	%rd61, %rd4;
 
-$L__BB37_16:
+$L__BB41_16:
 	shl.b64 	%rd45, %rd61, 1;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.u16 	%rs12, [%rd46];
@@ -22000,17 +23936,17 @@ $L__BB37_16:
 	st.global.f64 	[%rd48], %fd6;
 	add.s64 	%rd61, %rd61, %rd3;
 	setp.lt.u64 	%p12, %rd61, %rd23;
-	@%p12 bra 	$L__BB37_16;
+	@%p12 bra 	$L__BB41_16;
 
-$L__BB37_17:
+$L__BB41_17:
 	add.s64 	%rd62, %rd4, %rd23;
 	setp.ge.u64 	%p13, %rd62, %rd4;
-	@%p13 bra 	$L__BB37_21;
+	@%p13 bra 	$L__BB41_21;
 
 	setp.eq.s16 	%p14, %rs2, 0;
-	@%p14 bra 	$L__BB37_20;
+	@%p14 bra 	$L__BB41_20;
 
-$L__BB37_19:
+$L__BB41_19:
 	shl.b64 	%rd49, %rd62, 1;
 	add.s64 	%rd50, %rd2, %rd49;
 	ld.global.u16 	%rs13, [%rd50];
@@ -22025,10 +23961,10 @@ $L__BB37_19:
 	st.global.f64 	[%rd52], %fd7;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p15, %rd62, %rd23;
-	@%p15 bra 	$L__BB37_19;
-	bra.uni 	$L__BB37_21;
+	@%p15 bra 	$L__BB41_19;
+	bra.uni 	$L__BB41_21;
 
-$L__BB37_20:
+$L__BB41_20:
 	shl.b64 	%rd53, %rd62, 1;
 	add.s64 	%rd54, %rd2, %rd53;
 	ld.global.u16 	%rs14, [%rd54];
@@ -22042,9 +23978,9 @@ $L__BB37_20:
 	st.global.f64 	[%rd56], %fd8;
 	add.s64 	%rd62, %rd62, %rd3;
 	setp.lt.u64 	%p16, %rd62, %rd23;
-	@%p16 bra 	$L__BB37_20;
+	@%p16 bra 	$L__BB41_20;
 
-$L__BB37_21:
+$L__BB41_21:
 	ret;
 
 }
@@ -22082,1196 +24018,6 @@ $L__BB37_21:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB38_11;
-
-	shr.u64 	%rd5, %rd24, 3;
-	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB38_7;
-
-	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB38_5;
-
-	mov.u64 	%rd54, %rd4;
-
-$L__BB38_4:
-	shl.b64 	%rd29, %rd54, 4;
-	add.s64 	%rd30, %rd2, %rd29;
-	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
-	mov.b32 	{%rs3, %rs5}, %r5;
-	mov.b32 	{%rs7, %rs9}, %r6;
-	mov.b32 	{%rs11, %rs13}, %r7;
-	mov.b32 	{%rs15, %rs17}, %r8;
-	// begin inline asm
-	{ mov.b32 %f2, {0,%rs3};}
-
-	// end inline asm
-	mul.f32 	%f3, %f2, %f1;
-	// begin inline asm
-	{ mov.b32 %f4, {0,%rs5};}
-
-	// end inline asm
-	mul.f32 	%f5, %f4, %f1;
-	// begin inline asm
-	{ mov.b32 %f6, {0,%rs7};}
-
-	// end inline asm
-	mul.f32 	%f7, %f6, %f1;
-	// begin inline asm
-	{ mov.b32 %f8, {0,%rs9};}
-
-	// end inline asm
-	mul.f32 	%f9, %f8, %f1;
-	// begin inline asm
-	{ mov.b32 %f10, {0,%rs11};}
-
-	// end inline asm
-	mul.f32 	%f11, %f10, %f1;
-	// begin inline asm
-	{ mov.b32 %f12, {0,%rs13};}
-
-	// end inline asm
-	mul.f32 	%f13, %f12, %f1;
-	// begin inline asm
-	{ mov.b32 %f14, {0,%rs15};}
-
-	// end inline asm
-	mul.f32 	%f15, %f14, %f1;
-	// begin inline asm
-	{ mov.b32 %f16, {0,%rs17};}
-
-	// end inline asm
-	mul.f32 	%f17, %f16, %f1;
-	add.s64 	%rd31, %rd1, %rd29;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs6, %f5;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs4, %f3;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs10, %f9;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs8, %f7;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs14, %f13;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs12, %f11;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs18, %f17;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs16, %f15;}
-
-	// end inline asm
-	mov.b32 	%r13, {%rs16, %rs18};
-	mov.b32 	%r14, {%rs12, %rs14};
-	mov.b32 	%r15, {%rs8, %rs10};
-	mov.b32 	%r16, {%rs4, %rs6};
-	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
-	add.s64 	%rd54, %rd54, %rd3;
-	setp.lt.u64 	%p4, %rd54, %rd5;
-	@%p4 bra 	$L__BB38_4;
-	bra.uni 	$L__BB38_7;
-
-$L__BB38_11:
-	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB38_17;
-
-	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB38_15;
-
-	mov.u64 	%rd58, %rd4;
-
-$L__BB38_14:
-	shl.b64 	%rd42, %rd58, 1;
-	add.s64 	%rd43, %rd2, %rd42;
-	ld.global.u16 	%rs39, [%rd43];
-	// begin inline asm
-	{ mov.b32 %f38, {0,%rs39};}
-
-	// end inline asm
-	mul.f32 	%f39, %f38, %f1;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs40, %f39;}
-
-	// end inline asm
-	add.s64 	%rd44, %rd1, %rd42;
-	st.global.u16 	[%rd44], %rs40;
-	add.s64 	%rd58, %rd58, %rd3;
-	setp.lt.u64 	%p12, %rd58, %rd24;
-	@%p12 bra 	$L__BB38_14;
-	bra.uni 	$L__BB38_17;
-
-$L__BB38_5:
-	mov.u64 	%rd55, %rd4;
-
-$L__BB38_6:
-	shl.b64 	%rd32, %rd55, 4;
-	add.s64 	%rd33, %rd2, %rd32;
-	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
-	mov.b32 	{%rs19, %rs21}, %r17;
-	mov.b32 	{%rs23, %rs25}, %r18;
-	mov.b32 	{%rs27, %rs29}, %r19;
-	mov.b32 	{%rs31, %rs33}, %r20;
-	// begin inline asm
-	{ mov.b32 %f18, {0,%rs19};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f20, {0,%rs21};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f22, {0,%rs23};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f24, {0,%rs25};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f26, {0,%rs27};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f28, {0,%rs29};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f30, {0,%rs31};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f32, {0,%rs33};}
-
-	// end inline asm
-	add.s64 	%rd34, %rd1, %rd32;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs22, %f20;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs20, %f18;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs26, %f24;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs24, %f22;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs30, %f28;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs28, %f26;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs34, %f32;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs32, %f30;}
-
-	// end inline asm
-	mov.b32 	%r25, {%rs32, %rs34};
-	mov.b32 	%r26, {%rs28, %rs30};
-	mov.b32 	%r27, {%rs24, %rs26};
-	mov.b32 	%r28, {%rs20, %rs22};
-	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
-	add.s64 	%rd55, %rd55, %rd3;
-	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB38_6;
-
-$L__BB38_7:
-	and.b64  	%rd35, %rd24, -8;
-	add.s64 	%rd56, %rd35, %rd4;
-	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB38_21;
-
-	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB38_10;
-
-$L__BB38_9:
-	shl.b64 	%rd36, %rd56, 1;
-	add.s64 	%rd37, %rd2, %rd36;
-	ld.global.u16 	%rs35, [%rd37];
-	// begin inline asm
-	{ mov.b32 %f34, {0,%rs35};}
-
-	// end inline asm
-	mul.f32 	%f35, %f34, %f1;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs36, %f35;}
-
-	// end inline asm
-	add.s64 	%rd38, %rd1, %rd36;
-	st.global.u16 	[%rd38], %rs36;
-	add.s64 	%rd56, %rd56, %rd3;
-	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB38_9;
-	bra.uni 	$L__BB38_21;
-
-$L__BB38_10:
-	shl.b64 	%rd39, %rd56, 1;
-	add.s64 	%rd40, %rd2, %rd39;
-	ld.global.u16 	%rs37, [%rd40];
-	// begin inline asm
-	{ mov.b32 %f36, {0,%rs37};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs38, %f36;}
-
-	// end inline asm
-	add.s64 	%rd41, %rd1, %rd39;
-	st.global.u16 	[%rd41], %rs38;
-	add.s64 	%rd56, %rd56, %rd3;
-	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB38_10;
-	bra.uni 	$L__BB38_21;
-
-$L__BB38_15:
-	mov.u64 	%rd59, %rd4;
-
-$L__BB38_16:
-	shl.b64 	%rd45, %rd59, 1;
-	add.s64 	%rd46, %rd2, %rd45;
-	ld.global.u16 	%rs41, [%rd46];
-	// begin inline asm
-	{ mov.b32 %f40, {0,%rs41};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs42, %f40;}
-
-	// end inline asm
-	add.s64 	%rd47, %rd1, %rd45;
-	st.global.u16 	[%rd47], %rs42;
-	add.s64 	%rd59, %rd59, %rd3;
-	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB38_16;
-
-$L__BB38_17:
-	add.s64 	%rd60, %rd4, %rd24;
-	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB38_21;
-
-	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB38_20;
-
-$L__BB38_19:
-	shl.b64 	%rd48, %rd60, 1;
-	add.s64 	%rd49, %rd2, %rd48;
-	ld.global.u16 	%rs43, [%rd49];
-	// begin inline asm
-	{ mov.b32 %f42, {0,%rs43};}
-
-	// end inline asm
-	mul.f32 	%f43, %f42, %f1;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs44, %f43;}
-
-	// end inline asm
-	add.s64 	%rd50, %rd1, %rd48;
-	st.global.u16 	[%rd50], %rs44;
-	add.s64 	%rd60, %rd60, %rd3;
-	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB38_19;
-	bra.uni 	$L__BB38_21;
-
-$L__BB38_20:
-	shl.b64 	%rd51, %rd60, 1;
-	add.s64 	%rd52, %rd2, %rd51;
-	ld.global.u16 	%rs45, [%rd52];
-	// begin inline asm
-	{ mov.b32 %f44, {0,%rs45};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs46, %f44;}
-
-	// end inline asm
-	add.s64 	%rd53, %rd1, %rd51;
-	st.global.u16 	[%rd53], %rs46;
-	add.s64 	%rd60, %rd60, %rd3;
-	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB38_20;
-
-$L__BB38_21:
-	ret;
-
-}
-	// .globl	ddp_convert_bf16_f16
-.visible .entry ddp_convert_bf16_f16(
-	.param .u64 ddp_convert_bf16_f16_param_0,
-	.param .u64 ddp_convert_bf16_f16_param_1,
-	.param .u64 ddp_convert_bf16_f16_param_2,
-	.param .f32 ddp_convert_bf16_f16_param_3,
-	.param .u8 ddp_convert_bf16_f16_param_4,
-	.param .u8 ddp_convert_bf16_f16_param_5
-)
-{
-	.reg .pred 	%p<18>;
-	.reg .b16 	%rs<47>;
-	.reg .f32 	%f<46>;
-	.reg .b32 	%r<29>;
-	.reg .b64 	%rd<62>;
-
-
-	ld.param.s8 	%rs1, [ddp_convert_bf16_f16_param_4];
-	ld.param.s8 	%rs2, [ddp_convert_bf16_f16_param_5];
-	ld.param.u64 	%rd25, [ddp_convert_bf16_f16_param_0];
-	ld.param.u64 	%rd26, [ddp_convert_bf16_f16_param_1];
-	ld.param.u64 	%rd24, [ddp_convert_bf16_f16_param_2];
-	ld.param.f32 	%f1, [ddp_convert_bf16_f16_param_3];
-	cvta.to.global.u64 	%rd1, %rd26;
-	cvta.to.global.u64 	%rd2, %rd25;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd27, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd28, %r4;
-	add.s64 	%rd4, %rd27, %rd28;
-	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB39_11;
-
-	shr.u64 	%rd5, %rd24, 3;
-	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB39_7;
-
-	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB39_5;
-
-	mov.u64 	%rd54, %rd4;
-
-$L__BB39_4:
-	shl.b64 	%rd29, %rd54, 4;
-	add.s64 	%rd30, %rd2, %rd29;
-	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
-	mov.b32 	{%rs3, %rs5}, %r5;
-	mov.b32 	{%rs7, %rs9}, %r6;
-	mov.b32 	{%rs11, %rs13}, %r7;
-	mov.b32 	{%rs15, %rs17}, %r8;
-	// begin inline asm
-	{ mov.b32 %f2, {0,%rs3};}
-
-	// end inline asm
-	mul.f32 	%f3, %f2, %f1;
-	// begin inline asm
-	{ mov.b32 %f4, {0,%rs5};}
-
-	// end inline asm
-	mul.f32 	%f5, %f4, %f1;
-	// begin inline asm
-	{ mov.b32 %f6, {0,%rs7};}
-
-	// end inline asm
-	mul.f32 	%f7, %f6, %f1;
-	// begin inline asm
-	{ mov.b32 %f8, {0,%rs9};}
-
-	// end inline asm
-	mul.f32 	%f9, %f8, %f1;
-	// begin inline asm
-	{ mov.b32 %f10, {0,%rs11};}
-
-	// end inline asm
-	mul.f32 	%f11, %f10, %f1;
-	// begin inline asm
-	{ mov.b32 %f12, {0,%rs13};}
-
-	// end inline asm
-	mul.f32 	%f13, %f12, %f1;
-	// begin inline asm
-	{ mov.b32 %f14, {0,%rs15};}
-
-	// end inline asm
-	mul.f32 	%f15, %f14, %f1;
-	// begin inline asm
-	{ mov.b32 %f16, {0,%rs17};}
-
-	// end inline asm
-	mul.f32 	%f17, %f16, %f1;
-	add.s64 	%rd31, %rd1, %rd29;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs6, %f5;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs4, %f3;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs10, %f9;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs8, %f7;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs14, %f13;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs12, %f11;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs18, %f17;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs16, %f15;}
-
-	// end inline asm
-	mov.b32 	%r13, {%rs16, %rs18};
-	mov.b32 	%r14, {%rs12, %rs14};
-	mov.b32 	%r15, {%rs8, %rs10};
-	mov.b32 	%r16, {%rs4, %rs6};
-	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
-	add.s64 	%rd54, %rd54, %rd3;
-	setp.lt.u64 	%p4, %rd54, %rd5;
-	@%p4 bra 	$L__BB39_4;
-	bra.uni 	$L__BB39_7;
-
-$L__BB39_11:
-	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB39_17;
-
-	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB39_15;
-
-	mov.u64 	%rd58, %rd4;
-
-$L__BB39_14:
-	shl.b64 	%rd42, %rd58, 1;
-	add.s64 	%rd43, %rd2, %rd42;
-	ld.global.u16 	%rs39, [%rd43];
-	// begin inline asm
-	{ mov.b32 %f38, {0,%rs39};}
-
-	// end inline asm
-	mul.f32 	%f39, %f38, %f1;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs40, %f39;}
-
-	// end inline asm
-	add.s64 	%rd44, %rd1, %rd42;
-	st.global.u16 	[%rd44], %rs40;
-	add.s64 	%rd58, %rd58, %rd3;
-	setp.lt.u64 	%p12, %rd58, %rd24;
-	@%p12 bra 	$L__BB39_14;
-	bra.uni 	$L__BB39_17;
-
-$L__BB39_5:
-	mov.u64 	%rd55, %rd4;
-
-$L__BB39_6:
-	shl.b64 	%rd32, %rd55, 4;
-	add.s64 	%rd33, %rd2, %rd32;
-	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
-	mov.b32 	{%rs19, %rs21}, %r17;
-	mov.b32 	{%rs23, %rs25}, %r18;
-	mov.b32 	{%rs27, %rs29}, %r19;
-	mov.b32 	{%rs31, %rs33}, %r20;
-	// begin inline asm
-	{ mov.b32 %f18, {0,%rs19};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f20, {0,%rs21};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f22, {0,%rs23};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f24, {0,%rs25};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f26, {0,%rs27};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f28, {0,%rs29};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f30, {0,%rs31};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f32, {0,%rs33};}
-
-	// end inline asm
-	add.s64 	%rd34, %rd1, %rd32;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs22, %f20;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs20, %f18;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs26, %f24;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs24, %f22;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs30, %f28;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs28, %f26;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs34, %f32;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs32, %f30;}
-
-	// end inline asm
-	mov.b32 	%r25, {%rs32, %rs34};
-	mov.b32 	%r26, {%rs28, %rs30};
-	mov.b32 	%r27, {%rs24, %rs26};
-	mov.b32 	%r28, {%rs20, %rs22};
-	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
-	add.s64 	%rd55, %rd55, %rd3;
-	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB39_6;
-
-$L__BB39_7:
-	and.b64  	%rd35, %rd24, -8;
-	add.s64 	%rd56, %rd35, %rd4;
-	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB39_21;
-
-	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB39_10;
-
-$L__BB39_9:
-	shl.b64 	%rd36, %rd56, 1;
-	add.s64 	%rd37, %rd2, %rd36;
-	ld.global.u16 	%rs35, [%rd37];
-	// begin inline asm
-	{ mov.b32 %f34, {0,%rs35};}
-
-	// end inline asm
-	mul.f32 	%f35, %f34, %f1;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs36, %f35;}
-
-	// end inline asm
-	add.s64 	%rd38, %rd1, %rd36;
-	st.global.u16 	[%rd38], %rs36;
-	add.s64 	%rd56, %rd56, %rd3;
-	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB39_9;
-	bra.uni 	$L__BB39_21;
-
-$L__BB39_10:
-	shl.b64 	%rd39, %rd56, 1;
-	add.s64 	%rd40, %rd2, %rd39;
-	ld.global.u16 	%rs37, [%rd40];
-	// begin inline asm
-	{ mov.b32 %f36, {0,%rs37};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs38, %f36;}
-
-	// end inline asm
-	add.s64 	%rd41, %rd1, %rd39;
-	st.global.u16 	[%rd41], %rs38;
-	add.s64 	%rd56, %rd56, %rd3;
-	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB39_10;
-	bra.uni 	$L__BB39_21;
-
-$L__BB39_15:
-	mov.u64 	%rd59, %rd4;
-
-$L__BB39_16:
-	shl.b64 	%rd45, %rd59, 1;
-	add.s64 	%rd46, %rd2, %rd45;
-	ld.global.u16 	%rs41, [%rd46];
-	// begin inline asm
-	{ mov.b32 %f40, {0,%rs41};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs42, %f40;}
-
-	// end inline asm
-	add.s64 	%rd47, %rd1, %rd45;
-	st.global.u16 	[%rd47], %rs42;
-	add.s64 	%rd59, %rd59, %rd3;
-	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB39_16;
-
-$L__BB39_17:
-	add.s64 	%rd60, %rd4, %rd24;
-	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB39_21;
-
-	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB39_20;
-
-$L__BB39_19:
-	shl.b64 	%rd48, %rd60, 1;
-	add.s64 	%rd49, %rd2, %rd48;
-	ld.global.u16 	%rs43, [%rd49];
-	// begin inline asm
-	{ mov.b32 %f42, {0,%rs43};}
-
-	// end inline asm
-	mul.f32 	%f43, %f42, %f1;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs44, %f43;}
-
-	// end inline asm
-	add.s64 	%rd50, %rd1, %rd48;
-	st.global.u16 	[%rd50], %rs44;
-	add.s64 	%rd60, %rd60, %rd3;
-	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB39_19;
-	bra.uni 	$L__BB39_21;
-
-$L__BB39_20:
-	shl.b64 	%rd51, %rd60, 1;
-	add.s64 	%rd52, %rd2, %rd51;
-	ld.global.u16 	%rs45, [%rd52];
-	// begin inline asm
-	{ mov.b32 %f44, {0,%rs45};}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs46, %f44;}
-
-	// end inline asm
-	add.s64 	%rd53, %rd1, %rd51;
-	st.global.u16 	[%rd53], %rs46;
-	add.s64 	%rd60, %rd60, %rd3;
-	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB39_20;
-
-$L__BB39_21:
-	ret;
-
-}
-	// .globl	ddp_convert_f16_f32
-.visible .entry ddp_convert_f16_f32(
-	.param .u64 ddp_convert_f16_f32_param_0,
-	.param .u64 ddp_convert_f16_f32_param_1,
-	.param .u64 ddp_convert_f16_f32_param_2,
-	.param .f32 ddp_convert_f16_f32_param_3,
-	.param .u8 ddp_convert_f16_f32_param_4,
-	.param .u8 ddp_convert_f16_f32_param_5
-)
-{
-	.reg .pred 	%p<18>;
-	.reg .b16 	%rs<25>;
-	.reg .f32 	%f<23>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<70>;
-
-
-	ld.param.s8 	%rs1, [ddp_convert_f16_f32_param_4];
-	ld.param.s8 	%rs2, [ddp_convert_f16_f32_param_5];
-	ld.param.u64 	%rd25, [ddp_convert_f16_f32_param_0];
-	ld.param.u64 	%rd26, [ddp_convert_f16_f32_param_1];
-	ld.param.u64 	%rd24, [ddp_convert_f16_f32_param_2];
-	ld.param.f32 	%f1, [ddp_convert_f16_f32_param_3];
-	cvta.to.global.u64 	%rd1, %rd26;
-	cvta.to.global.u64 	%rd2, %rd25;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd27, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd28, %r4;
-	add.s64 	%rd4, %rd27, %rd28;
-	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB40_11;
-
-	shr.u64 	%rd5, %rd24, 2;
-	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB40_7;
-
-	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB40_5;
-
-	mov.u64 	%rd62, %rd4;
-
-$L__BB40_4:
-	shl.b64 	%rd29, %rd62, 3;
-	add.s64 	%rd30, %rd2, %rd29;
-	ld.global.v4.u16 	{%rs7, %rs8, %rs9, %rs10}, [%rd30];
-	// begin inline asm
-	{  cvt.f32.f16 %f2, %rs7;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f3, %rs8;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f4, %rs9;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f5, %rs10;}
-
-	// end inline asm
-	shl.b64 	%rd31, %rd62, 4;
-	add.s64 	%rd32, %rd1, %rd31;
-	mul.f32 	%f6, %f5, %f1;
-	mul.f32 	%f7, %f4, %f1;
-	mul.f32 	%f8, %f3, %f1;
-	mul.f32 	%f9, %f2, %f1;
-	st.global.v4.f32 	[%rd32], {%f9, %f8, %f7, %f6};
-	add.s64 	%rd62, %rd62, %rd3;
-	setp.lt.u64 	%p4, %rd62, %rd5;
-	@%p4 bra 	$L__BB40_4;
-	bra.uni 	$L__BB40_7;
-
-$L__BB40_11:
-	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB40_17;
-
-	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB40_15;
-
-	mov.u64 	%rd66, %rd4;
-
-$L__BB40_14:
-	shl.b64 	%rd46, %rd66, 1;
-	add.s64 	%rd47, %rd2, %rd46;
-	ld.global.u16 	%rs21, [%rd47];
-	// begin inline asm
-	{  cvt.f32.f16 %f17, %rs21;}
-
-	// end inline asm
-	mul.f32 	%f18, %f17, %f1;
-	shl.b64 	%rd48, %rd66, 2;
-	add.s64 	%rd49, %rd1, %rd48;
-	st.global.f32 	[%rd49], %f18;
-	add.s64 	%rd66, %rd66, %rd3;
-	setp.lt.u64 	%p12, %rd66, %rd24;
-	@%p12 bra 	$L__BB40_14;
-	bra.uni 	$L__BB40_17;
-
-$L__BB40_5:
-	mov.u64 	%rd63, %rd4;
-
-$L__BB40_6:
-	shl.b64 	%rd33, %rd63, 3;
-	add.s64 	%rd34, %rd2, %rd33;
-	ld.global.v4.u16 	{%rs15, %rs16, %rs17, %rs18}, [%rd34];
-	shl.b64 	%rd35, %rd63, 4;
-	add.s64 	%rd36, %rd1, %rd35;
-	// begin inline asm
-	{  cvt.f32.f16 %f13, %rs18;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f12, %rs17;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f11, %rs16;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f10, %rs15;}
-
-	// end inline asm
-	st.global.v4.f32 	[%rd36], {%f10, %f11, %f12, %f13};
-	add.s64 	%rd63, %rd63, %rd3;
-	setp.lt.u64 	%p5, %rd63, %rd5;
-	@%p5 bra 	$L__BB40_6;
-
-$L__BB40_7:
-	and.b64  	%rd37, %rd24, -4;
-	add.s64 	%rd64, %rd37, %rd4;
-	setp.ge.u64 	%p6, %rd64, %rd24;
-	@%p6 bra 	$L__BB40_21;
-
-	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB40_10;
-
-$L__BB40_9:
-	shl.b64 	%rd38, %rd64, 1;
-	add.s64 	%rd39, %rd2, %rd38;
-	ld.global.u16 	%rs19, [%rd39];
-	// begin inline asm
-	{  cvt.f32.f16 %f14, %rs19;}
-
-	// end inline asm
-	mul.f32 	%f15, %f14, %f1;
-	shl.b64 	%rd40, %rd64, 2;
-	add.s64 	%rd41, %rd1, %rd40;
-	st.global.f32 	[%rd41], %f15;
-	add.s64 	%rd64, %rd64, %rd3;
-	setp.lt.u64 	%p8, %rd64, %rd24;
-	@%p8 bra 	$L__BB40_9;
-	bra.uni 	$L__BB40_21;
-
-$L__BB40_10:
-	shl.b64 	%rd42, %rd64, 1;
-	add.s64 	%rd43, %rd2, %rd42;
-	ld.global.u16 	%rs20, [%rd43];
-	// begin inline asm
-	{  cvt.f32.f16 %f16, %rs20;}
-
-	// end inline asm
-	shl.b64 	%rd44, %rd64, 2;
-	add.s64 	%rd45, %rd1, %rd44;
-	st.global.f32 	[%rd45], %f16;
-	add.s64 	%rd64, %rd64, %rd3;
-	setp.lt.u64 	%p9, %rd64, %rd24;
-	@%p9 bra 	$L__BB40_10;
-	bra.uni 	$L__BB40_21;
-
-$L__BB40_15:
-	mov.u64 	%rd67, %rd4;
-
-$L__BB40_16:
-	shl.b64 	%rd50, %rd67, 1;
-	add.s64 	%rd51, %rd2, %rd50;
-	ld.global.u16 	%rs22, [%rd51];
-	// begin inline asm
-	{  cvt.f32.f16 %f19, %rs22;}
-
-	// end inline asm
-	shl.b64 	%rd52, %rd67, 2;
-	add.s64 	%rd53, %rd1, %rd52;
-	st.global.f32 	[%rd53], %f19;
-	add.s64 	%rd67, %rd67, %rd3;
-	setp.lt.u64 	%p13, %rd67, %rd24;
-	@%p13 bra 	$L__BB40_16;
-
-$L__BB40_17:
-	add.s64 	%rd68, %rd4, %rd24;
-	setp.ge.u64 	%p14, %rd68, %rd4;
-	@%p14 bra 	$L__BB40_21;
-
-	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB40_20;
-
-$L__BB40_19:
-	shl.b64 	%rd54, %rd68, 1;
-	add.s64 	%rd55, %rd2, %rd54;
-	ld.global.u16 	%rs23, [%rd55];
-	// begin inline asm
-	{  cvt.f32.f16 %f20, %rs23;}
-
-	// end inline asm
-	mul.f32 	%f21, %f20, %f1;
-	shl.b64 	%rd56, %rd68, 2;
-	add.s64 	%rd57, %rd1, %rd56;
-	st.global.f32 	[%rd57], %f21;
-	add.s64 	%rd68, %rd68, %rd3;
-	setp.lt.u64 	%p16, %rd68, %rd24;
-	@%p16 bra 	$L__BB40_19;
-	bra.uni 	$L__BB40_21;
-
-$L__BB40_20:
-	shl.b64 	%rd58, %rd68, 1;
-	add.s64 	%rd59, %rd2, %rd58;
-	ld.global.u16 	%rs24, [%rd59];
-	// begin inline asm
-	{  cvt.f32.f16 %f22, %rs24;}
-
-	// end inline asm
-	shl.b64 	%rd60, %rd68, 2;
-	add.s64 	%rd61, %rd1, %rd60;
-	st.global.f32 	[%rd61], %f22;
-	add.s64 	%rd68, %rd68, %rd3;
-	setp.lt.u64 	%p17, %rd68, %rd24;
-	@%p17 bra 	$L__BB40_20;
-
-$L__BB40_21:
-	ret;
-
-}
-	// .globl	ddp_convert_f16_f64
-.visible .entry ddp_convert_f16_f64(
-	.param .u64 ddp_convert_f16_f64_param_0,
-	.param .u64 ddp_convert_f16_f64_param_1,
-	.param .u64 ddp_convert_f16_f64_param_2,
-	.param .f32 ddp_convert_f16_f64_param_3,
-	.param .u8 ddp_convert_f16_f64_param_4,
-	.param .u8 ddp_convert_f16_f64_param_5
-)
-{
-	.reg .pred 	%p<17>;
-	.reg .b16 	%rs<15>;
-	.reg .f32 	%f<22>;
-	.reg .b32 	%r<5>;
-	.reg .f64 	%fd<9>;
-	.reg .b64 	%rd<64>;
-
-
-	ld.param.s8 	%rs2, [ddp_convert_f16_f64_param_4];
-	ld.param.s8 	%rs3, [ddp_convert_f16_f64_param_5];
-	ld.param.u64 	%rd24, [ddp_convert_f16_f64_param_0];
-	ld.param.u64 	%rd25, [ddp_convert_f16_f64_param_1];
-	ld.param.u64 	%rd23, [ddp_convert_f16_f64_param_2];
-	ld.param.f32 	%f7, [ddp_convert_f16_f64_param_3];
-	cvta.to.global.u64 	%rd1, %rd25;
-	cvta.to.global.u64 	%rd2, %rd24;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd26, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd27, %r4;
-	add.s64 	%rd4, %rd26, %rd27;
-	setp.eq.s16 	%p1, %rs3, 0;
-	@%p1 bra 	$L__BB41_11;
-
-	shr.u64 	%rd5, %rd23, 1;
-	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB41_7;
-
-	mov.u64 	%rd57, %rd4;
-
-$L__BB41_3:
-	shl.b64 	%rd7, %rd57, 1;
-	shl.b64 	%rd28, %rd57, 2;
-	add.s64 	%rd29, %rd2, %rd28;
-	ld.global.v2.u16 	{%rs5, %rs6}, [%rd29];
-	// begin inline asm
-	{  cvt.f32.f16 %f21, %rs5;}
-
-	// end inline asm
-	setp.eq.s16 	%p3, %rs2, 0;
-	@%p3 bra 	$L__BB41_5;
-
-	mul.f32 	%f21, %f21, %f7;
-	// begin inline asm
-	{  cvt.f32.f16 %f9, %rs6;}
-
-	// end inline asm
-	mul.f32 	%f20, %f9, %f7;
-	bra.uni 	$L__BB41_6;
-
-$L__BB41_5:
-	// begin inline asm
-	{  cvt.f32.f16 %f20, %rs6;}
-
-	// end inline asm
-
-$L__BB41_6:
-	cvt.f64.f32 	%fd1, %f20;
-	cvt.f64.f32 	%fd2, %f21;
-	shl.b64 	%rd30, %rd7, 3;
-	add.s64 	%rd31, %rd1, %rd30;
-	st.global.v2.f64 	[%rd31], {%fd2, %fd1};
-	add.s64 	%rd57, %rd57, %rd3;
-	setp.lt.u64 	%p4, %rd57, %rd5;
-	@%p4 bra 	$L__BB41_3;
-
-$L__BB41_7:
-	and.b64  	%rd32, %rd23, -2;
-	add.s64 	%rd58, %rd32, %rd4;
-	setp.ge.u64 	%p5, %rd58, %rd23;
-	@%p5 bra 	$L__BB41_21;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB41_10;
-
-$L__BB41_9:
-	shl.b64 	%rd33, %rd58, 1;
-	add.s64 	%rd34, %rd2, %rd33;
-	ld.global.u16 	%rs9, [%rd34];
-	// begin inline asm
-	{  cvt.f32.f16 %f11, %rs9;}
-
-	// end inline asm
-	mul.f32 	%f12, %f11, %f7;
-	cvt.f64.f32 	%fd3, %f12;
-	shl.b64 	%rd35, %rd58, 3;
-	add.s64 	%rd36, %rd1, %rd35;
-	st.global.f64 	[%rd36], %fd3;
-	add.s64 	%rd58, %rd58, %rd3;
-	setp.lt.u64 	%p7, %rd58, %rd23;
-	@%p7 bra 	$L__BB41_9;
-	bra.uni 	$L__BB41_21;
-
-$L__BB41_10:
-	shl.b64 	%rd37, %rd58, 1;
-	add.s64 	%rd38, %rd2, %rd37;
-	ld.global.u16 	%rs10, [%rd38];
-	// begin inline asm
-	{  cvt.f32.f16 %f13, %rs10;}
-
-	// end inline asm
-	cvt.f64.f32 	%fd4, %f13;
-	shl.b64 	%rd39, %rd58, 3;
-	add.s64 	%rd40, %rd1, %rd39;
-	st.global.f64 	[%rd40], %fd4;
-	add.s64 	%rd58, %rd58, %rd3;
-	setp.lt.u64 	%p8, %rd58, %rd23;
-	@%p8 bra 	$L__BB41_10;
-	bra.uni 	$L__BB41_21;
-
-$L__BB41_11:
-	setp.ge.u64 	%p9, %rd4, %rd23;
-	@%p9 bra 	$L__BB41_17;
-
-	setp.eq.s16 	%p10, %rs2, 0;
-	@%p10 bra 	$L__BB41_15;
-
-	mov.u64 	%rd60, %rd4;
-
-$L__BB41_14:
-	shl.b64 	%rd41, %rd60, 1;
-	add.s64 	%rd42, %rd2, %rd41;
-	ld.global.u16 	%rs11, [%rd42];
-	// begin inline asm
-	{  cvt.f32.f16 %f14, %rs11;}
-
-	// end inline asm
-	mul.f32 	%f15, %f14, %f7;
-	cvt.f64.f32 	%fd5, %f15;
-	shl.b64 	%rd43, %rd60, 3;
-	add.s64 	%rd44, %rd1, %rd43;
-	st.global.f64 	[%rd44], %fd5;
-	add.s64 	%rd60, %rd60, %rd3;
-	setp.lt.u64 	%p11, %rd60, %rd23;
-	@%p11 bra 	$L__BB41_14;
-	bra.uni 	$L__BB41_17;
-
-$L__BB41_15:
-	mov.u64 	%rd61, %rd4;
-
-$L__BB41_16:
-	shl.b64 	%rd45, %rd61, 1;
-	add.s64 	%rd46, %rd2, %rd45;
-	ld.global.u16 	%rs12, [%rd46];
-	// begin inline asm
-	{  cvt.f32.f16 %f16, %rs12;}
-
-	// end inline asm
-	cvt.f64.f32 	%fd6, %f16;
-	shl.b64 	%rd47, %rd61, 3;
-	add.s64 	%rd48, %rd1, %rd47;
-	st.global.f64 	[%rd48], %fd6;
-	add.s64 	%rd61, %rd61, %rd3;
-	setp.lt.u64 	%p12, %rd61, %rd23;
-	@%p12 bra 	$L__BB41_16;
-
-$L__BB41_17:
-	add.s64 	%rd62, %rd4, %rd23;
-	setp.ge.u64 	%p13, %rd62, %rd4;
-	@%p13 bra 	$L__BB41_21;
-
-	setp.eq.s16 	%p14, %rs2, 0;
-	@%p14 bra 	$L__BB41_20;
-
-$L__BB41_19:
-	shl.b64 	%rd49, %rd62, 1;
-	add.s64 	%rd50, %rd2, %rd49;
-	ld.global.u16 	%rs13, [%rd50];
-	// begin inline asm
-	{  cvt.f32.f16 %f17, %rs13;}
-
-	// end inline asm
-	mul.f32 	%f18, %f17, %f7;
-	cvt.f64.f32 	%fd7, %f18;
-	shl.b64 	%rd51, %rd62, 3;
-	add.s64 	%rd52, %rd1, %rd51;
-	st.global.f64 	[%rd52], %fd7;
-	add.s64 	%rd62, %rd62, %rd3;
-	setp.lt.u64 	%p15, %rd62, %rd23;
-	@%p15 bra 	$L__BB41_19;
-	bra.uni 	$L__BB41_21;
-
-$L__BB41_20:
-	shl.b64 	%rd53, %rd62, 1;
-	add.s64 	%rd54, %rd2, %rd53;
-	ld.global.u16 	%rs14, [%rd54];
-	// begin inline asm
-	{  cvt.f32.f16 %f19, %rs14;}
-
-	// end inline asm
-	cvt.f64.f32 	%fd8, %f19;
-	shl.b64 	%rd55, %rd62, 3;
-	add.s64 	%rd56, %rd1, %rd55;
-	st.global.f64 	[%rd56], %fd8;
-	add.s64 	%rd62, %rd62, %rd3;
-	setp.lt.u64 	%p16, %rd62, %rd23;
-	@%p16 bra 	$L__BB41_20;
-
-$L__BB41_21:
-	ret;
-
-}
-	// .globl	ddp_convert_f16_bf16
-.visible .entry ddp_convert_f16_bf16(
-	.param .u64 ddp_convert_f16_bf16_param_0,
-	.param .u64 ddp_convert_f16_bf16_param_1,
-	.param .u64 ddp_convert_f16_bf16_param_2,
-	.param .f32 ddp_convert_f16_bf16_param_3,
-	.param .u8 ddp_convert_f16_bf16_param_4,
-	.param .u8 ddp_convert_f16_bf16_param_5
-)
-{
-	.reg .pred 	%p<18>;
-	.reg .b16 	%rs<47>;
-	.reg .f32 	%f<46>;
-	.reg .b32 	%r<29>;
-	.reg .b64 	%rd<62>;
-
-
-	ld.param.s8 	%rs1, [ddp_convert_f16_bf16_param_4];
-	ld.param.s8 	%rs2, [ddp_convert_f16_bf16_param_5];
-	ld.param.u64 	%rd25, [ddp_convert_f16_bf16_param_0];
-	ld.param.u64 	%rd26, [ddp_convert_f16_bf16_param_1];
-	ld.param.u64 	%rd24, [ddp_convert_f16_bf16_param_2];
-	ld.param.f32 	%f1, [ddp_convert_f16_bf16_param_3];
-	cvta.to.global.u64 	%rd1, %rd26;
-	cvta.to.global.u64 	%rd2, %rd25;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd27, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd28, %r4;
-	add.s64 	%rd4, %rd27, %rd28;
-	setp.eq.s16 	%p1, %rs2, 0;
 	@%p1 bra 	$L__BB42_11;
 
 	shr.u64 	%rd5, %rd24, 3;
@@ -23292,42 +24038,42 @@ $L__BB42_4:
 	mov.b32 	{%rs11, %rs13}, %r7;
 	mov.b32 	{%rs15, %rs17}, %r8;
 	// begin inline asm
-	{  cvt.f32.f16 %f2, %rs3;}
+	{ mov.b32 %f2, {0,%rs3};}
 
 	// end inline asm
 	mul.f32 	%f3, %f2, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f4, %rs5;}
+	{ mov.b32 %f4, {0,%rs5};}
 
 	// end inline asm
 	mul.f32 	%f5, %f4, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f6, %rs7;}
+	{ mov.b32 %f6, {0,%rs7};}
 
 	// end inline asm
 	mul.f32 	%f7, %f6, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f8, %rs9;}
+	{ mov.b32 %f8, {0,%rs9};}
 
 	// end inline asm
 	mul.f32 	%f9, %f8, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f10, %rs11;}
+	{ mov.b32 %f10, {0,%rs11};}
 
 	// end inline asm
 	mul.f32 	%f11, %f10, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f12, %rs13;}
+	{ mov.b32 %f12, {0,%rs13};}
 
 	// end inline asm
 	mul.f32 	%f13, %f12, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f14, %rs15;}
+	{ mov.b32 %f14, {0,%rs15};}
 
 	// end inline asm
 	mul.f32 	%f15, %f14, %f1;
 	// begin inline asm
-	{  cvt.f32.f16 %f16, %rs17;}
+	{ mov.b32 %f16, {0,%rs17};}
 
 	// end inline asm
 	mul.f32 	%f17, %f16, %f1;
@@ -23388,7 +24134,7 @@ $L__BB42_14:
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.u16 	%rs39, [%rd43];
 	// begin inline asm
-	{  cvt.f32.f16 %f38, %rs39;}
+	{ mov.b32 %f38, {0,%rs39};}
 
 	// end inline asm
 	mul.f32 	%f39, %f38, %f1;
@@ -23407,6 +24153,1196 @@ $L__BB42_5:
 	mov.u64 	%rd55, %rd4;
 
 $L__BB42_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{ mov.b32 %f18, {0,%rs19};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs21};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs23};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f24, {0,%rs25};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs27};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs29};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f30, {0,%rs31};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs33};}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB42_6;
+
+$L__BB42_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB42_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB42_10;
+
+$L__BB42_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f34, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB42_9;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs37};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB42_10;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB42_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{ mov.b32 %f40, {0,%rs41};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB42_16;
+
+$L__BB42_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB42_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB42_20;
+
+$L__BB42_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{ mov.b32 %f42, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB42_19;
+	bra.uni 	$L__BB42_21;
+
+$L__BB42_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs45};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB42_20;
+
+$L__BB42_21:
+	ret;
+
+}
+	// .globl	ddp_convert_bf16_f16
+.visible .entry ddp_convert_bf16_f16(
+	.param .u64 ddp_convert_bf16_f16_param_0,
+	.param .u64 ddp_convert_bf16_f16_param_1,
+	.param .u64 ddp_convert_bf16_f16_param_2,
+	.param .f32 ddp_convert_bf16_f16_param_3,
+	.param .u8 ddp_convert_bf16_f16_param_4,
+	.param .u8 ddp_convert_bf16_f16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_bf16_f16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_bf16_f16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_bf16_f16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_bf16_f16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_bf16_f16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_bf16_f16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB43_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB43_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB43_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB43_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{ mov.b32 %f2, {0,%rs3};}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{ mov.b32 %f4, {0,%rs5};}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{ mov.b32 %f6, {0,%rs7};}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{ mov.b32 %f8, {0,%rs9};}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{ mov.b32 %f10, {0,%rs11};}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{ mov.b32 %f12, {0,%rs13};}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{ mov.b32 %f14, {0,%rs15};}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{ mov.b32 %f16, {0,%rs17};}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB43_4;
+	bra.uni 	$L__BB43_7;
+
+$L__BB43_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB43_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB43_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB43_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{ mov.b32 %f38, {0,%rs39};}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB43_14;
+	bra.uni 	$L__BB43_17;
+
+$L__BB43_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB43_6:
+	shl.b64 	%rd32, %rd55, 4;
+	add.s64 	%rd33, %rd2, %rd32;
+	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
+	mov.b32 	{%rs19, %rs21}, %r17;
+	mov.b32 	{%rs23, %rs25}, %r18;
+	mov.b32 	{%rs27, %rs29}, %r19;
+	mov.b32 	{%rs31, %rs33}, %r20;
+	// begin inline asm
+	{ mov.b32 %f18, {0,%rs19};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f20, {0,%rs21};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f22, {0,%rs23};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f24, {0,%rs25};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f26, {0,%rs27};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f28, {0,%rs29};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f30, {0,%rs31};}
+
+	// end inline asm
+	// begin inline asm
+	{ mov.b32 %f32, {0,%rs33};}
+
+	// end inline asm
+	add.s64 	%rd34, %rd1, %rd32;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs22, %f20;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs20, %f18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs26, %f24;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs24, %f22;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs30, %f28;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs28, %f26;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs34, %f32;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs32, %f30;}
+
+	// end inline asm
+	mov.b32 	%r25, {%rs32, %rs34};
+	mov.b32 	%r26, {%rs28, %rs30};
+	mov.b32 	%r27, {%rs24, %rs26};
+	mov.b32 	%r28, {%rs20, %rs22};
+	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
+	add.s64 	%rd55, %rd55, %rd3;
+	setp.lt.u64 	%p5, %rd55, %rd5;
+	@%p5 bra 	$L__BB43_6;
+
+$L__BB43_7:
+	and.b64  	%rd35, %rd24, -8;
+	add.s64 	%rd56, %rd35, %rd4;
+	setp.ge.u64 	%p6, %rd56, %rd24;
+	@%p6 bra 	$L__BB43_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB43_10;
+
+$L__BB43_9:
+	shl.b64 	%rd36, %rd56, 1;
+	add.s64 	%rd37, %rd2, %rd36;
+	ld.global.u16 	%rs35, [%rd37];
+	// begin inline asm
+	{ mov.b32 %f34, {0,%rs35};}
+
+	// end inline asm
+	mul.f32 	%f35, %f34, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs36, %f35;}
+
+	// end inline asm
+	add.s64 	%rd38, %rd1, %rd36;
+	st.global.u16 	[%rd38], %rs36;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p8, %rd56, %rd24;
+	@%p8 bra 	$L__BB43_9;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_10:
+	shl.b64 	%rd39, %rd56, 1;
+	add.s64 	%rd40, %rd2, %rd39;
+	ld.global.u16 	%rs37, [%rd40];
+	// begin inline asm
+	{ mov.b32 %f36, {0,%rs37};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs38, %f36;}
+
+	// end inline asm
+	add.s64 	%rd41, %rd1, %rd39;
+	st.global.u16 	[%rd41], %rs38;
+	add.s64 	%rd56, %rd56, %rd3;
+	setp.lt.u64 	%p9, %rd56, %rd24;
+	@%p9 bra 	$L__BB43_10;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_15:
+	mov.u64 	%rd59, %rd4;
+
+$L__BB43_16:
+	shl.b64 	%rd45, %rd59, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs41, [%rd46];
+	// begin inline asm
+	{ mov.b32 %f40, {0,%rs41};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs42, %f40;}
+
+	// end inline asm
+	add.s64 	%rd47, %rd1, %rd45;
+	st.global.u16 	[%rd47], %rs42;
+	add.s64 	%rd59, %rd59, %rd3;
+	setp.lt.u64 	%p13, %rd59, %rd24;
+	@%p13 bra 	$L__BB43_16;
+
+$L__BB43_17:
+	add.s64 	%rd60, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd60, %rd4;
+	@%p14 bra 	$L__BB43_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB43_20;
+
+$L__BB43_19:
+	shl.b64 	%rd48, %rd60, 1;
+	add.s64 	%rd49, %rd2, %rd48;
+	ld.global.u16 	%rs43, [%rd49];
+	// begin inline asm
+	{ mov.b32 %f42, {0,%rs43};}
+
+	// end inline asm
+	mul.f32 	%f43, %f42, %f1;
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs44, %f43;}
+
+	// end inline asm
+	add.s64 	%rd50, %rd1, %rd48;
+	st.global.u16 	[%rd50], %rs44;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p16, %rd60, %rd24;
+	@%p16 bra 	$L__BB43_19;
+	bra.uni 	$L__BB43_21;
+
+$L__BB43_20:
+	shl.b64 	%rd51, %rd60, 1;
+	add.s64 	%rd52, %rd2, %rd51;
+	ld.global.u16 	%rs45, [%rd52];
+	// begin inline asm
+	{ mov.b32 %f44, {0,%rs45};}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.f16.f32 %rs46, %f44;}
+
+	// end inline asm
+	add.s64 	%rd53, %rd1, %rd51;
+	st.global.u16 	[%rd53], %rs46;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p17, %rd60, %rd24;
+	@%p17 bra 	$L__BB43_20;
+
+$L__BB43_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_f32
+.visible .entry ddp_convert_f16_f32(
+	.param .u64 ddp_convert_f16_f32_param_0,
+	.param .u64 ddp_convert_f16_f32_param_1,
+	.param .u64 ddp_convert_f16_f32_param_2,
+	.param .f32 ddp_convert_f16_f32_param_3,
+	.param .u8 ddp_convert_f16_f32_param_4,
+	.param .u8 ddp_convert_f16_f32_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<25>;
+	.reg .f32 	%f<23>;
+	.reg .b32 	%r<5>;
+	.reg .b64 	%rd<70>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f16_f32_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f16_f32_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f16_f32_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f16_f32_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f16_f32_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f16_f32_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB44_11;
+
+	shr.u64 	%rd5, %rd24, 2;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB44_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB44_5;
+
+	mov.u64 	%rd62, %rd4;
+
+$L__BB44_4:
+	shl.b64 	%rd29, %rd62, 3;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u16 	{%rs7, %rs8, %rs9, %rs10}, [%rd30];
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f3, %rs8;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f5, %rs10;}
+
+	// end inline asm
+	shl.b64 	%rd31, %rd62, 4;
+	add.s64 	%rd32, %rd1, %rd31;
+	mul.f32 	%f6, %f5, %f1;
+	mul.f32 	%f7, %f4, %f1;
+	mul.f32 	%f8, %f3, %f1;
+	mul.f32 	%f9, %f2, %f1;
+	st.global.v4.f32 	[%rd32], {%f9, %f8, %f7, %f6};
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p4, %rd62, %rd5;
+	@%p4 bra 	$L__BB44_4;
+	bra.uni 	$L__BB44_7;
+
+$L__BB44_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB44_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB44_15;
+
+	mov.u64 	%rd66, %rd4;
+
+$L__BB44_14:
+	shl.b64 	%rd46, %rd66, 1;
+	add.s64 	%rd47, %rd2, %rd46;
+	ld.global.u16 	%rs21, [%rd47];
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs21;}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f1;
+	shl.b64 	%rd48, %rd66, 2;
+	add.s64 	%rd49, %rd1, %rd48;
+	st.global.f32 	[%rd49], %f18;
+	add.s64 	%rd66, %rd66, %rd3;
+	setp.lt.u64 	%p12, %rd66, %rd24;
+	@%p12 bra 	$L__BB44_14;
+	bra.uni 	$L__BB44_17;
+
+$L__BB44_5:
+	mov.u64 	%rd63, %rd4;
+
+$L__BB44_6:
+	shl.b64 	%rd33, %rd63, 3;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.v4.u16 	{%rs15, %rs16, %rs17, %rs18}, [%rd34];
+	shl.b64 	%rd35, %rd63, 4;
+	add.s64 	%rd36, %rd1, %rd35;
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs18;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs16;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs15;}
+
+	// end inline asm
+	st.global.v4.f32 	[%rd36], {%f10, %f11, %f12, %f13};
+	add.s64 	%rd63, %rd63, %rd3;
+	setp.lt.u64 	%p5, %rd63, %rd5;
+	@%p5 bra 	$L__BB44_6;
+
+$L__BB44_7:
+	and.b64  	%rd37, %rd24, -4;
+	add.s64 	%rd64, %rd37, %rd4;
+	setp.ge.u64 	%p6, %rd64, %rd24;
+	@%p6 bra 	$L__BB44_21;
+
+	setp.eq.s16 	%p7, %rs1, 0;
+	@%p7 bra 	$L__BB44_10;
+
+$L__BB44_9:
+	shl.b64 	%rd38, %rd64, 1;
+	add.s64 	%rd39, %rd2, %rd38;
+	ld.global.u16 	%rs19, [%rd39];
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs19;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	shl.b64 	%rd40, %rd64, 2;
+	add.s64 	%rd41, %rd1, %rd40;
+	st.global.f32 	[%rd41], %f15;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p8, %rd64, %rd24;
+	@%p8 bra 	$L__BB44_9;
+	bra.uni 	$L__BB44_21;
+
+$L__BB44_10:
+	shl.b64 	%rd42, %rd64, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs20, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs20;}
+
+	// end inline asm
+	shl.b64 	%rd44, %rd64, 2;
+	add.s64 	%rd45, %rd1, %rd44;
+	st.global.f32 	[%rd45], %f16;
+	add.s64 	%rd64, %rd64, %rd3;
+	setp.lt.u64 	%p9, %rd64, %rd24;
+	@%p9 bra 	$L__BB44_10;
+	bra.uni 	$L__BB44_21;
+
+$L__BB44_15:
+	mov.u64 	%rd67, %rd4;
+
+$L__BB44_16:
+	shl.b64 	%rd50, %rd67, 1;
+	add.s64 	%rd51, %rd2, %rd50;
+	ld.global.u16 	%rs22, [%rd51];
+	// begin inline asm
+	{  cvt.f32.f16 %f19, %rs22;}
+
+	// end inline asm
+	shl.b64 	%rd52, %rd67, 2;
+	add.s64 	%rd53, %rd1, %rd52;
+	st.global.f32 	[%rd53], %f19;
+	add.s64 	%rd67, %rd67, %rd3;
+	setp.lt.u64 	%p13, %rd67, %rd24;
+	@%p13 bra 	$L__BB44_16;
+
+$L__BB44_17:
+	add.s64 	%rd68, %rd4, %rd24;
+	setp.ge.u64 	%p14, %rd68, %rd4;
+	@%p14 bra 	$L__BB44_21;
+
+	setp.eq.s16 	%p15, %rs1, 0;
+	@%p15 bra 	$L__BB44_20;
+
+$L__BB44_19:
+	shl.b64 	%rd54, %rd68, 1;
+	add.s64 	%rd55, %rd2, %rd54;
+	ld.global.u16 	%rs23, [%rd55];
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs23;}
+
+	// end inline asm
+	mul.f32 	%f21, %f20, %f1;
+	shl.b64 	%rd56, %rd68, 2;
+	add.s64 	%rd57, %rd1, %rd56;
+	st.global.f32 	[%rd57], %f21;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p16, %rd68, %rd24;
+	@%p16 bra 	$L__BB44_19;
+	bra.uni 	$L__BB44_21;
+
+$L__BB44_20:
+	shl.b64 	%rd58, %rd68, 1;
+	add.s64 	%rd59, %rd2, %rd58;
+	ld.global.u16 	%rs24, [%rd59];
+	// begin inline asm
+	{  cvt.f32.f16 %f22, %rs24;}
+
+	// end inline asm
+	shl.b64 	%rd60, %rd68, 2;
+	add.s64 	%rd61, %rd1, %rd60;
+	st.global.f32 	[%rd61], %f22;
+	add.s64 	%rd68, %rd68, %rd3;
+	setp.lt.u64 	%p17, %rd68, %rd24;
+	@%p17 bra 	$L__BB44_20;
+
+$L__BB44_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_f64
+.visible .entry ddp_convert_f16_f64(
+	.param .u64 ddp_convert_f16_f64_param_0,
+	.param .u64 ddp_convert_f16_f64_param_1,
+	.param .u64 ddp_convert_f16_f64_param_2,
+	.param .f32 ddp_convert_f16_f64_param_3,
+	.param .u8 ddp_convert_f16_f64_param_4,
+	.param .u8 ddp_convert_f16_f64_param_5
+)
+{
+	.reg .pred 	%p<17>;
+	.reg .b16 	%rs<15>;
+	.reg .f32 	%f<22>;
+	.reg .b32 	%r<5>;
+	.reg .f64 	%fd<9>;
+	.reg .b64 	%rd<64>;
+
+
+	ld.param.s8 	%rs2, [ddp_convert_f16_f64_param_4];
+	ld.param.s8 	%rs3, [ddp_convert_f16_f64_param_5];
+	ld.param.u64 	%rd24, [ddp_convert_f16_f64_param_0];
+	ld.param.u64 	%rd25, [ddp_convert_f16_f64_param_1];
+	ld.param.u64 	%rd23, [ddp_convert_f16_f64_param_2];
+	ld.param.f32 	%f7, [ddp_convert_f16_f64_param_3];
+	cvta.to.global.u64 	%rd1, %rd25;
+	cvta.to.global.u64 	%rd2, %rd24;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd26, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd27, %r4;
+	add.s64 	%rd4, %rd26, %rd27;
+	setp.eq.s16 	%p1, %rs3, 0;
+	@%p1 bra 	$L__BB45_11;
+
+	shr.u64 	%rd5, %rd23, 1;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB45_7;
+
+	mov.u64 	%rd57, %rd4;
+
+$L__BB45_3:
+	shl.b64 	%rd7, %rd57, 1;
+	shl.b64 	%rd28, %rd57, 2;
+	add.s64 	%rd29, %rd2, %rd28;
+	ld.global.v2.u16 	{%rs5, %rs6}, [%rd29];
+	// begin inline asm
+	{  cvt.f32.f16 %f21, %rs5;}
+
+	// end inline asm
+	setp.eq.s16 	%p3, %rs2, 0;
+	@%p3 bra 	$L__BB45_5;
+
+	mul.f32 	%f21, %f21, %f7;
+	// begin inline asm
+	{  cvt.f32.f16 %f9, %rs6;}
+
+	// end inline asm
+	mul.f32 	%f20, %f9, %f7;
+	bra.uni 	$L__BB45_6;
+
+$L__BB45_5:
+	// begin inline asm
+	{  cvt.f32.f16 %f20, %rs6;}
+
+	// end inline asm
+
+$L__BB45_6:
+	cvt.f64.f32 	%fd1, %f20;
+	cvt.f64.f32 	%fd2, %f21;
+	shl.b64 	%rd30, %rd7, 3;
+	add.s64 	%rd31, %rd1, %rd30;
+	st.global.v2.f64 	[%rd31], {%fd2, %fd1};
+	add.s64 	%rd57, %rd57, %rd3;
+	setp.lt.u64 	%p4, %rd57, %rd5;
+	@%p4 bra 	$L__BB45_3;
+
+$L__BB45_7:
+	and.b64  	%rd32, %rd23, -2;
+	add.s64 	%rd58, %rd32, %rd4;
+	setp.ge.u64 	%p5, %rd58, %rd23;
+	@%p5 bra 	$L__BB45_21;
+
+	setp.eq.s16 	%p6, %rs2, 0;
+	@%p6 bra 	$L__BB45_10;
+
+$L__BB45_9:
+	shl.b64 	%rd33, %rd58, 1;
+	add.s64 	%rd34, %rd2, %rd33;
+	ld.global.u16 	%rs9, [%rd34];
+	// begin inline asm
+	{  cvt.f32.f16 %f11, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f12, %f11, %f7;
+	cvt.f64.f32 	%fd3, %f12;
+	shl.b64 	%rd35, %rd58, 3;
+	add.s64 	%rd36, %rd1, %rd35;
+	st.global.f64 	[%rd36], %fd3;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p7, %rd58, %rd23;
+	@%p7 bra 	$L__BB45_9;
+	bra.uni 	$L__BB45_21;
+
+$L__BB45_10:
+	shl.b64 	%rd37, %rd58, 1;
+	add.s64 	%rd38, %rd2, %rd37;
+	ld.global.u16 	%rs10, [%rd38];
+	// begin inline asm
+	{  cvt.f32.f16 %f13, %rs10;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd4, %f13;
+	shl.b64 	%rd39, %rd58, 3;
+	add.s64 	%rd40, %rd1, %rd39;
+	st.global.f64 	[%rd40], %fd4;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p8, %rd58, %rd23;
+	@%p8 bra 	$L__BB45_10;
+	bra.uni 	$L__BB45_21;
+
+$L__BB45_11:
+	setp.ge.u64 	%p9, %rd4, %rd23;
+	@%p9 bra 	$L__BB45_17;
+
+	setp.eq.s16 	%p10, %rs2, 0;
+	@%p10 bra 	$L__BB45_15;
+
+	mov.u64 	%rd60, %rd4;
+
+$L__BB45_14:
+	shl.b64 	%rd41, %rd60, 1;
+	add.s64 	%rd42, %rd2, %rd41;
+	ld.global.u16 	%rs11, [%rd42];
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f7;
+	cvt.f64.f32 	%fd5, %f15;
+	shl.b64 	%rd43, %rd60, 3;
+	add.s64 	%rd44, %rd1, %rd43;
+	st.global.f64 	[%rd44], %fd5;
+	add.s64 	%rd60, %rd60, %rd3;
+	setp.lt.u64 	%p11, %rd60, %rd23;
+	@%p11 bra 	$L__BB45_14;
+	bra.uni 	$L__BB45_17;
+
+$L__BB45_15:
+	mov.u64 	%rd61, %rd4;
+
+$L__BB45_16:
+	shl.b64 	%rd45, %rd61, 1;
+	add.s64 	%rd46, %rd2, %rd45;
+	ld.global.u16 	%rs12, [%rd46];
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs12;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd6, %f16;
+	shl.b64 	%rd47, %rd61, 3;
+	add.s64 	%rd48, %rd1, %rd47;
+	st.global.f64 	[%rd48], %fd6;
+	add.s64 	%rd61, %rd61, %rd3;
+	setp.lt.u64 	%p12, %rd61, %rd23;
+	@%p12 bra 	$L__BB45_16;
+
+$L__BB45_17:
+	add.s64 	%rd62, %rd4, %rd23;
+	setp.ge.u64 	%p13, %rd62, %rd4;
+	@%p13 bra 	$L__BB45_21;
+
+	setp.eq.s16 	%p14, %rs2, 0;
+	@%p14 bra 	$L__BB45_20;
+
+$L__BB45_19:
+	shl.b64 	%rd49, %rd62, 1;
+	add.s64 	%rd50, %rd2, %rd49;
+	ld.global.u16 	%rs13, [%rd50];
+	// begin inline asm
+	{  cvt.f32.f16 %f17, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f18, %f17, %f7;
+	cvt.f64.f32 	%fd7, %f18;
+	shl.b64 	%rd51, %rd62, 3;
+	add.s64 	%rd52, %rd1, %rd51;
+	st.global.f64 	[%rd52], %fd7;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p15, %rd62, %rd23;
+	@%p15 bra 	$L__BB45_19;
+	bra.uni 	$L__BB45_21;
+
+$L__BB45_20:
+	shl.b64 	%rd53, %rd62, 1;
+	add.s64 	%rd54, %rd2, %rd53;
+	ld.global.u16 	%rs14, [%rd54];
+	// begin inline asm
+	{  cvt.f32.f16 %f19, %rs14;}
+
+	// end inline asm
+	cvt.f64.f32 	%fd8, %f19;
+	shl.b64 	%rd55, %rd62, 3;
+	add.s64 	%rd56, %rd1, %rd55;
+	st.global.f64 	[%rd56], %fd8;
+	add.s64 	%rd62, %rd62, %rd3;
+	setp.lt.u64 	%p16, %rd62, %rd23;
+	@%p16 bra 	$L__BB45_20;
+
+$L__BB45_21:
+	ret;
+
+}
+	// .globl	ddp_convert_f16_bf16
+.visible .entry ddp_convert_f16_bf16(
+	.param .u64 ddp_convert_f16_bf16_param_0,
+	.param .u64 ddp_convert_f16_bf16_param_1,
+	.param .u64 ddp_convert_f16_bf16_param_2,
+	.param .f32 ddp_convert_f16_bf16_param_3,
+	.param .u8 ddp_convert_f16_bf16_param_4,
+	.param .u8 ddp_convert_f16_bf16_param_5
+)
+{
+	.reg .pred 	%p<18>;
+	.reg .b16 	%rs<47>;
+	.reg .f32 	%f<46>;
+	.reg .b32 	%r<29>;
+	.reg .b64 	%rd<62>;
+
+
+	ld.param.s8 	%rs1, [ddp_convert_f16_bf16_param_4];
+	ld.param.s8 	%rs2, [ddp_convert_f16_bf16_param_5];
+	ld.param.u64 	%rd25, [ddp_convert_f16_bf16_param_0];
+	ld.param.u64 	%rd26, [ddp_convert_f16_bf16_param_1];
+	ld.param.u64 	%rd24, [ddp_convert_f16_bf16_param_2];
+	ld.param.f32 	%f1, [ddp_convert_f16_bf16_param_3];
+	cvta.to.global.u64 	%rd1, %rd26;
+	cvta.to.global.u64 	%rd2, %rd25;
+	mov.u32 	%r1, %nctaid.x;
+	mov.u32 	%r2, %ntid.x;
+	mul.wide.u32 	%rd3, %r1, %r2;
+	mov.u32 	%r3, %ctaid.x;
+	mul.wide.u32 	%rd27, %r3, %r2;
+	mov.u32 	%r4, %tid.x;
+	cvt.u64.u32 	%rd28, %r4;
+	add.s64 	%rd4, %rd27, %rd28;
+	setp.eq.s16 	%p1, %rs2, 0;
+	@%p1 bra 	$L__BB46_11;
+
+	shr.u64 	%rd5, %rd24, 3;
+	setp.ge.u64 	%p2, %rd4, %rd5;
+	@%p2 bra 	$L__BB46_7;
+
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB46_5;
+
+	mov.u64 	%rd54, %rd4;
+
+$L__BB46_4:
+	shl.b64 	%rd29, %rd54, 4;
+	add.s64 	%rd30, %rd2, %rd29;
+	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
+	mov.b32 	{%rs3, %rs5}, %r5;
+	mov.b32 	{%rs7, %rs9}, %r6;
+	mov.b32 	{%rs11, %rs13}, %r7;
+	mov.b32 	{%rs15, %rs17}, %r8;
+	// begin inline asm
+	{  cvt.f32.f16 %f2, %rs3;}
+
+	// end inline asm
+	mul.f32 	%f3, %f2, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f4, %rs5;}
+
+	// end inline asm
+	mul.f32 	%f5, %f4, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f6, %rs7;}
+
+	// end inline asm
+	mul.f32 	%f7, %f6, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f8, %rs9;}
+
+	// end inline asm
+	mul.f32 	%f9, %f8, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f10, %rs11;}
+
+	// end inline asm
+	mul.f32 	%f11, %f10, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f12, %rs13;}
+
+	// end inline asm
+	mul.f32 	%f13, %f12, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f14, %rs15;}
+
+	// end inline asm
+	mul.f32 	%f15, %f14, %f1;
+	// begin inline asm
+	{  cvt.f32.f16 %f16, %rs17;}
+
+	// end inline asm
+	mul.f32 	%f17, %f16, %f1;
+	add.s64 	%rd31, %rd1, %rd29;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs6, %f5;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs4, %f3;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs10, %f9;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs8, %f7;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs14, %f13;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs12, %f11;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs18, %f17;}
+
+	// end inline asm
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs16, %f15;}
+
+	// end inline asm
+	mov.b32 	%r13, {%rs16, %rs18};
+	mov.b32 	%r14, {%rs12, %rs14};
+	mov.b32 	%r15, {%rs8, %rs10};
+	mov.b32 	%r16, {%rs4, %rs6};
+	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
+	add.s64 	%rd54, %rd54, %rd3;
+	setp.lt.u64 	%p4, %rd54, %rd5;
+	@%p4 bra 	$L__BB46_4;
+	bra.uni 	$L__BB46_7;
+
+$L__BB46_11:
+	setp.ge.u64 	%p10, %rd4, %rd24;
+	@%p10 bra 	$L__BB46_17;
+
+	setp.eq.s16 	%p11, %rs1, 0;
+	@%p11 bra 	$L__BB46_15;
+
+	mov.u64 	%rd58, %rd4;
+
+$L__BB46_14:
+	shl.b64 	%rd42, %rd58, 1;
+	add.s64 	%rd43, %rd2, %rd42;
+	ld.global.u16 	%rs39, [%rd43];
+	// begin inline asm
+	{  cvt.f32.f16 %f38, %rs39;}
+
+	// end inline asm
+	mul.f32 	%f39, %f38, %f1;
+	// begin inline asm
+	{  cvt.rn.bf16.f32 %rs40, %f39;}
+
+	// end inline asm
+	add.s64 	%rd44, %rd1, %rd42;
+	st.global.u16 	[%rd44], %rs40;
+	add.s64 	%rd58, %rd58, %rd3;
+	setp.lt.u64 	%p12, %rd58, %rd24;
+	@%p12 bra 	$L__BB46_14;
+	bra.uni 	$L__BB46_17;
+
+$L__BB46_5:
+	mov.u64 	%rd55, %rd4;
+
+$L__BB46_6:
 	shl.b64 	%rd32, %rd55, 4;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
@@ -23486,18 +25422,18 @@ $L__BB42_6:
 	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
 	add.s64 	%rd55, %rd55, %rd3;
 	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB42_6;
+	@%p5 bra 	$L__BB46_6;
 
-$L__BB42_7:
+$L__BB46_7:
 	and.b64  	%rd35, %rd24, -8;
 	add.s64 	%rd56, %rd35, %rd4;
 	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB42_21;
+	@%p6 bra 	$L__BB46_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB42_10;
+	@%p7 bra 	$L__BB46_10;
 
-$L__BB42_9:
+$L__BB46_9:
 	shl.b64 	%rd36, %rd56, 1;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.u16 	%rs35, [%rd37];
@@ -23514,10 +25450,10 @@ $L__BB42_9:
 	st.global.u16 	[%rd38], %rs36;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB42_9;
-	bra.uni 	$L__BB42_21;
+	@%p8 bra 	$L__BB46_9;
+	bra.uni 	$L__BB46_21;
 
-$L__BB42_10:
+$L__BB46_10:
 	shl.b64 	%rd39, %rd56, 1;
 	add.s64 	%rd40, %rd2, %rd39;
 	ld.global.u16 	%rs37, [%rd40];
@@ -23533,13 +25469,13 @@ $L__BB42_10:
 	st.global.u16 	[%rd41], %rs38;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB42_10;
-	bra.uni 	$L__BB42_21;
+	@%p9 bra 	$L__BB46_10;
+	bra.uni 	$L__BB46_21;
 
-$L__BB42_15:
+$L__BB46_15:
 	mov.u64 	%rd59, %rd4;
 
-$L__BB42_16:
+$L__BB46_16:
 	shl.b64 	%rd45, %rd59, 1;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.u16 	%rs41, [%rd46];
@@ -23555,17 +25491,17 @@ $L__BB42_16:
 	st.global.u16 	[%rd47], %rs42;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB42_16;
+	@%p13 bra 	$L__BB46_16;
 
-$L__BB42_17:
+$L__BB46_17:
 	add.s64 	%rd60, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB42_21;
+	@%p14 bra 	$L__BB46_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB42_20;
+	@%p15 bra 	$L__BB46_20;
 
-$L__BB42_19:
+$L__BB46_19:
 	shl.b64 	%rd48, %rd60, 1;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.u16 	%rs43, [%rd49];
@@ -23582,10 +25518,10 @@ $L__BB42_19:
 	st.global.u16 	[%rd50], %rs44;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB42_19;
-	bra.uni 	$L__BB42_21;
+	@%p16 bra 	$L__BB46_19;
+	bra.uni 	$L__BB46_21;
 
-$L__BB42_20:
+$L__BB46_20:
 	shl.b64 	%rd51, %rd60, 1;
 	add.s64 	%rd52, %rd2, %rd51;
 	ld.global.u16 	%rs45, [%rd52];
@@ -23601,9 +25537,9 @@ $L__BB42_20:
 	st.global.u16 	[%rd53], %rs46;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB42_20;
+	@%p17 bra 	$L__BB46_20;
 
-$L__BB42_21:
+$L__BB46_21:
 	ret;
 
 }
@@ -23641,18 +25577,18 @@ $L__BB42_21:
 	cvt.u64.u32 	%rd28, %r4;
 	add.s64 	%rd4, %rd27, %rd28;
 	setp.eq.s16 	%p1, %rs2, 0;
-	@%p1 bra 	$L__BB43_11;
+	@%p1 bra 	$L__BB47_11;
 
 	shr.u64 	%rd5, %rd24, 3;
 	setp.ge.u64 	%p2, %rd4, %rd5;
-	@%p2 bra 	$L__BB43_7;
+	@%p2 bra 	$L__BB47_7;
 
 	setp.eq.s16 	%p3, %rs1, 0;
-	@%p3 bra 	$L__BB43_5;
+	@%p3 bra 	$L__BB47_5;
 
 	mov.u64 	%rd54, %rd4;
 
-$L__BB43_4:
+$L__BB47_4:
 	shl.b64 	%rd29, %rd54, 4;
 	add.s64 	%rd30, %rd2, %rd29;
 	ld.global.v4.u32 	{%r5, %r6, %r7, %r8}, [%rd30];
@@ -23740,19 +25676,19 @@ $L__BB43_4:
 	st.global.v4.u32 	[%rd31], {%r16, %r15, %r14, %r13};
 	add.s64 	%rd54, %rd54, %rd3;
 	setp.lt.u64 	%p4, %rd54, %rd5;
-	@%p4 bra 	$L__BB43_4;
-	bra.uni 	$L__BB43_7;
+	@%p4 bra 	$L__BB47_4;
+	bra.uni 	$L__BB47_7;
 
-$L__BB43_11:
+$L__BB47_11:
 	setp.ge.u64 	%p10, %rd4, %rd24;
-	@%p10 bra 	$L__BB43_17;
+	@%p10 bra 	$L__BB47_17;
 
 	setp.eq.s16 	%p11, %rs1, 0;
-	@%p11 bra 	$L__BB43_15;
+	@%p11 bra 	$L__BB47_15;
 
 	mov.u64 	%rd58, %rd4;
 
-$L__BB43_14:
+$L__BB47_14:
 	shl.b64 	%rd42, %rd58, 1;
 	add.s64 	%rd43, %rd2, %rd42;
 	ld.global.u16 	%rs39, [%rd43];
@@ -23769,13 +25705,13 @@ $L__BB43_14:
 	st.global.u16 	[%rd44], %rs40;
 	add.s64 	%rd58, %rd58, %rd3;
 	setp.lt.u64 	%p12, %rd58, %rd24;
-	@%p12 bra 	$L__BB43_14;
-	bra.uni 	$L__BB43_17;
+	@%p12 bra 	$L__BB47_14;
+	bra.uni 	$L__BB47_17;
 
-$L__BB43_5:
+$L__BB47_5:
 	mov.u64 	%rd55, %rd4;
 
-$L__BB43_6:
+$L__BB47_6:
 	shl.b64 	%rd32, %rd55, 4;
 	add.s64 	%rd33, %rd2, %rd32;
 	ld.global.v4.u32 	{%r17, %r18, %r19, %r20}, [%rd33];
@@ -23855,18 +25791,18 @@ $L__BB43_6:
 	st.global.v4.u32 	[%rd34], {%r28, %r27, %r26, %r25};
 	add.s64 	%rd55, %rd55, %rd3;
 	setp.lt.u64 	%p5, %rd55, %rd5;
-	@%p5 bra 	$L__BB43_6;
+	@%p5 bra 	$L__BB47_6;
 
-$L__BB43_7:
+$L__BB47_7:
 	and.b64  	%rd35, %rd24, -8;
 	add.s64 	%rd56, %rd35, %rd4;
 	setp.ge.u64 	%p6, %rd56, %rd24;
-	@%p6 bra 	$L__BB43_21;
+	@%p6 bra 	$L__BB47_21;
 
 	setp.eq.s16 	%p7, %rs1, 0;
-	@%p7 bra 	$L__BB43_10;
+	@%p7 bra 	$L__BB47_10;
 
-$L__BB43_9:
+$L__BB47_9:
 	shl.b64 	%rd36, %rd56, 1;
 	add.s64 	%rd37, %rd2, %rd36;
 	ld.global.u16 	%rs35, [%rd37];
@@ -23883,10 +25819,10 @@ $L__BB43_9:
 	st.global.u16 	[%rd38], %rs36;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p8, %rd56, %rd24;
-	@%p8 bra 	$L__BB43_9;
-	bra.uni 	$L__BB43_21;
+	@%p8 bra 	$L__BB47_9;
+	bra.uni 	$L__BB47_21;
 
-$L__BB43_10:
+$L__BB47_10:
 	shl.b64 	%rd39, %rd56, 1;
 	add.s64 	%rd40, %rd2, %rd39;
 	ld.global.u16 	%rs37, [%rd40];
@@ -23902,13 +25838,13 @@ $L__BB43_10:
 	st.global.u16 	[%rd41], %rs38;
 	add.s64 	%rd56, %rd56, %rd3;
 	setp.lt.u64 	%p9, %rd56, %rd24;
-	@%p9 bra 	$L__BB43_10;
-	bra.uni 	$L__BB43_21;
+	@%p9 bra 	$L__BB47_10;
+	bra.uni 	$L__BB47_21;
 
-$L__BB43_15:
+$L__BB47_15:
 	mov.u64 	%rd59, %rd4;
 
-$L__BB43_16:
+$L__BB47_16:
 	shl.b64 	%rd45, %rd59, 1;
 	add.s64 	%rd46, %rd2, %rd45;
 	ld.global.u16 	%rs41, [%rd46];
@@ -23924,17 +25860,17 @@ $L__BB43_16:
 	st.global.u16 	[%rd47], %rs42;
 	add.s64 	%rd59, %rd59, %rd3;
 	setp.lt.u64 	%p13, %rd59, %rd24;
-	@%p13 bra 	$L__BB43_16;
+	@%p13 bra 	$L__BB47_16;
 
-$L__BB43_17:
+$L__BB47_17:
 	add.s64 	%rd60, %rd4, %rd24;
 	setp.ge.u64 	%p14, %rd60, %rd4;
-	@%p14 bra 	$L__BB43_21;
+	@%p14 bra 	$L__BB47_21;
 
 	setp.eq.s16 	%p15, %rs1, 0;
-	@%p15 bra 	$L__BB43_20;
+	@%p15 bra 	$L__BB47_20;
 
-$L__BB43_19:
+$L__BB47_19:
 	shl.b64 	%rd48, %rd60, 1;
 	add.s64 	%rd49, %rd2, %rd48;
 	ld.global.u16 	%rs43, [%rd49];
@@ -23951,10 +25887,10 @@ $L__BB43_19:
 	st.global.u16 	[%rd50], %rs44;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p16, %rd60, %rd24;
-	@%p16 bra 	$L__BB43_19;
-	bra.uni 	$L__BB43_21;
+	@%p16 bra 	$L__BB47_19;
+	bra.uni 	$L__BB47_21;
 
-$L__BB43_20:
+$L__BB47_20:
 	shl.b64 	%rd51, %rd60, 1;
 	add.s64 	%rd52, %rd2, %rd51;
 	ld.global.u16 	%rs45, [%rd52];
@@ -23970,9 +25906,9 @@ $L__BB43_20:
 	st.global.u16 	[%rd53], %rs46;
 	add.s64 	%rd60, %rd60, %rd3;
 	setp.lt.u64 	%p17, %rd60, %rd24;
-	@%p17 bra 	$L__BB43_20;
+	@%p17 bra 	$L__BB47_20;
 
-$L__BB43_21:
+$L__BB47_21:
 	ret;
 
 }
@@ -24006,14 +25942,14 @@ $L__BB43_21:
 	add.s64 	%rd4, %rd18, %rd19;
 	shr.u64 	%rd5, %rd15, 2;
 	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB44_6;
+	@%p1 bra 	$L__BB48_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB44_4;
+	@%p2 bra 	$L__BB48_4;
 
 	mov.u64 	%rd37, %rd4;
 
-$L__BB44_3:
+$L__BB48_3:
 	shl.b64 	%rd20, %rd37, 4;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
@@ -24042,13 +25978,13 @@ $L__BB44_3:
 	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB44_3;
-	bra.uni 	$L__BB44_6;
+	@%p3 bra 	$L__BB48_3;
+	bra.uni 	$L__BB48_6;
 
-$L__BB44_4:
+$L__BB48_4:
 	mov.u64 	%rd38, %rd4;
 
-$L__BB44_5:
+$L__BB48_5:
 	shl.b64 	%rd24, %rd38, 4;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
@@ -24073,18 +26009,18 @@ $L__BB44_5:
 	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
 	add.s64 	%rd38, %rd38, %rd3;
 	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB44_5;
+	@%p4 bra 	$L__BB48_5;
 
-$L__BB44_6:
+$L__BB48_6:
 	and.b64  	%rd28, %rd15, -4;
 	add.s64 	%rd39, %rd28, %rd4;
 	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB44_10;
+	@%p5 bra 	$L__BB48_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB44_9;
+	@%p6 bra 	$L__BB48_9;
 
-$L__BB44_8:
+$L__BB48_8:
 	shl.b64 	%rd29, %rd39, 2;
 	add.s64 	%rd30, %rd1, %rd29;
 	ld.global.f32 	%f23, [%rd30];
@@ -24098,10 +26034,10 @@ $L__BB44_8:
 	st.global.u16 	[%rd32], %rs16;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB44_8;
-	bra.uni 	$L__BB44_10;
+	@%p7 bra 	$L__BB48_8;
+	bra.uni 	$L__BB48_10;
 
-$L__BB44_9:
+$L__BB48_9:
 	shl.b64 	%rd33, %rd39, 2;
 	add.s64 	%rd34, %rd1, %rd33;
 	ld.global.f32 	%f24, [%rd34];
@@ -24114,9 +26050,9 @@ $L__BB44_9:
 	st.global.u16 	[%rd36], %rs17;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB44_9;
+	@%p8 bra 	$L__BB48_9;
 
-$L__BB44_10:
+$L__BB48_10:
 	ret;
 
 }
@@ -24149,14 +26085,14 @@ $L__BB44_10:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd4, %rd17, %rd18;
 	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB45_6;
+	@%p1 bra 	$L__BB49_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB45_4;
+	@%p2 bra 	$L__BB49_4;
 
 	mov.u64 	%rd35, %rd4;
 
-$L__BB45_3:
+$L__BB49_3:
 	shl.b64 	%rd19, %rd35, 2;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.f32 	%f3, [%rd20];
@@ -24170,13 +26106,13 @@ $L__BB45_3:
 	st.global.u16 	[%rd22], %rs7;
 	add.s64 	%rd35, %rd35, %rd3;
 	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB45_3;
-	bra.uni 	$L__BB45_6;
+	@%p3 bra 	$L__BB49_3;
+	bra.uni 	$L__BB49_6;
 
-$L__BB45_4:
+$L__BB49_4:
 	mov.u64 	%rd36, %rd4;
 
-$L__BB45_5:
+$L__BB49_5:
 	shl.b64 	%rd23, %rd36, 2;
 	add.s64 	%rd24, %rd1, %rd23;
 	ld.global.f32 	%f4, [%rd24];
@@ -24189,17 +26125,17 @@ $L__BB45_5:
 	st.global.u16 	[%rd26], %rs8;
 	add.s64 	%rd36, %rd36, %rd3;
 	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB45_5;
+	@%p4 bra 	$L__BB49_5;
 
-$L__BB45_6:
+$L__BB49_6:
 	add.s64 	%rd37, %rd4, %rd14;
 	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB45_10;
+	@%p5 bra 	$L__BB49_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB45_9;
+	@%p6 bra 	$L__BB49_9;
 
-$L__BB45_8:
+$L__BB49_8:
 	shl.b64 	%rd27, %rd37, 2;
 	add.s64 	%rd28, %rd1, %rd27;
 	ld.global.f32 	%f6, [%rd28];
@@ -24213,10 +26149,10 @@ $L__BB45_8:
 	st.global.u16 	[%rd30], %rs10;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB45_8;
-	bra.uni 	$L__BB45_10;
+	@%p7 bra 	$L__BB49_8;
+	bra.uni 	$L__BB49_10;
 
-$L__BB45_9:
+$L__BB49_9:
 	shl.b64 	%rd31, %rd37, 2;
 	add.s64 	%rd32, %rd1, %rd31;
 	ld.global.f32 	%f7, [%rd32];
@@ -24229,9 +26165,9 @@ $L__BB45_9:
 	st.global.u16 	[%rd34], %rs11;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB45_9;
+	@%p8 bra 	$L__BB49_9;
 
-$L__BB45_10:
+$L__BB49_10:
 	ret;
 
 }
@@ -24265,14 +26201,14 @@ $L__BB45_10:
 	add.s64 	%rd4, %rd18, %rd19;
 	shr.u64 	%rd5, %rd15, 2;
 	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB46_6;
+	@%p1 bra 	$L__BB50_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB46_4;
+	@%p2 bra 	$L__BB50_4;
 
 	mov.u64 	%rd37, %rd4;
 
-$L__BB46_3:
+$L__BB50_3:
 	shl.b64 	%rd20, %rd37, 3;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
@@ -24301,13 +26237,13 @@ $L__BB46_3:
 	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB46_3;
-	bra.uni 	$L__BB46_6;
+	@%p3 bra 	$L__BB50_3;
+	bra.uni 	$L__BB50_6;
 
-$L__BB46_4:
+$L__BB50_4:
 	mov.u64 	%rd38, %rd4;
 
-$L__BB46_5:
+$L__BB50_5:
 	shl.b64 	%rd24, %rd38, 3;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
@@ -24332,18 +26268,18 @@ $L__BB46_5:
 	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
 	add.s64 	%rd38, %rd38, %rd3;
 	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB46_5;
+	@%p4 bra 	$L__BB50_5;
 
-$L__BB46_6:
+$L__BB50_6:
 	and.b64  	%rd28, %rd15, -4;
 	add.s64 	%rd39, %rd28, %rd4;
 	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB46_10;
+	@%p5 bra 	$L__BB50_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB46_9;
+	@%p6 bra 	$L__BB50_9;
 
-$L__BB46_8:
+$L__BB50_8:
 	shl.b64 	%rd29, %rd39, 1;
 	add.s64 	%rd30, %rd1, %rd29;
 	ld.global.u16 	%rs24, [%rd30];
@@ -24357,10 +26293,10 @@ $L__BB46_8:
 	st.global.f32 	[%rd32], %f15;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB46_8;
-	bra.uni 	$L__BB46_10;
+	@%p7 bra 	$L__BB50_8;
+	bra.uni 	$L__BB50_10;
 
-$L__BB46_9:
+$L__BB50_9:
 	shl.b64 	%rd33, %rd39, 1;
 	add.s64 	%rd34, %rd1, %rd33;
 	ld.global.u16 	%rs25, [%rd34];
@@ -24373,9 +26309,9 @@ $L__BB46_9:
 	st.global.f32 	[%rd36], %f16;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB46_9;
+	@%p8 bra 	$L__BB50_9;
 
-$L__BB46_10:
+$L__BB50_10:
 	ret;
 
 }
@@ -24408,14 +26344,14 @@ $L__BB46_10:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd4, %rd17, %rd18;
 	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB47_6;
+	@%p1 bra 	$L__BB51_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB47_4;
+	@%p2 bra 	$L__BB51_4;
 
 	mov.u64 	%rd35, %rd4;
 
-$L__BB47_3:
+$L__BB51_3:
 	shl.b64 	%rd19, %rd35, 1;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.u16 	%rs7, [%rd20];
@@ -24429,13 +26365,13 @@ $L__BB47_3:
 	st.global.f32 	[%rd22], %f3;
 	add.s64 	%rd35, %rd35, %rd3;
 	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB47_3;
-	bra.uni 	$L__BB47_6;
+	@%p3 bra 	$L__BB51_3;
+	bra.uni 	$L__BB51_6;
 
-$L__BB47_4:
+$L__BB51_4:
 	mov.u64 	%rd36, %rd4;
 
-$L__BB47_5:
+$L__BB51_5:
 	shl.b64 	%rd23, %rd36, 1;
 	add.s64 	%rd24, %rd1, %rd23;
 	ld.global.u16 	%rs8, [%rd24];
@@ -24448,17 +26384,17 @@ $L__BB47_5:
 	st.global.f32 	[%rd26], %f4;
 	add.s64 	%rd36, %rd36, %rd3;
 	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB47_5;
+	@%p4 bra 	$L__BB51_5;
 
-$L__BB47_6:
+$L__BB51_6:
 	add.s64 	%rd37, %rd4, %rd14;
 	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB47_10;
+	@%p5 bra 	$L__BB51_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB47_9;
+	@%p6 bra 	$L__BB51_9;
 
-$L__BB47_8:
+$L__BB51_8:
 	shl.b64 	%rd27, %rd37, 1;
 	add.s64 	%rd28, %rd1, %rd27;
 	ld.global.u16 	%rs10, [%rd28];
@@ -24472,10 +26408,10 @@ $L__BB47_8:
 	st.global.f32 	[%rd30], %f6;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB47_8;
-	bra.uni 	$L__BB47_10;
+	@%p7 bra 	$L__BB51_8;
+	bra.uni 	$L__BB51_10;
 
-$L__BB47_9:
+$L__BB51_9:
 	shl.b64 	%rd31, %rd37, 1;
 	add.s64 	%rd32, %rd1, %rd31;
 	ld.global.u16 	%rs11, [%rd32];
@@ -24488,9 +26424,9 @@ $L__BB47_9:
 	st.global.f32 	[%rd34], %f7;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB47_9;
+	@%p8 bra 	$L__BB51_9;
 
-$L__BB47_10:
+$L__BB51_10:
 	ret;
 
 }
@@ -24524,14 +26460,14 @@ $L__BB47_10:
 	add.s64 	%rd4, %rd18, %rd19;
 	shr.u64 	%rd5, %rd15, 2;
 	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB48_6;
+	@%p1 bra 	$L__BB52_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB48_4;
+	@%p2 bra 	$L__BB52_4;
 
 	mov.u64 	%rd37, %rd4;
 
-$L__BB48_3:
+$L__BB52_3:
 	shl.b64 	%rd20, %rd37, 4;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
@@ -24560,13 +26496,13 @@ $L__BB48_3:
 	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB48_3;
-	bra.uni 	$L__BB48_6;
+	@%p3 bra 	$L__BB52_3;
+	bra.uni 	$L__BB52_6;
 
-$L__BB48_4:
+$L__BB52_4:
 	mov.u64 	%rd38, %rd4;
 
-$L__BB48_5:
+$L__BB52_5:
 	shl.b64 	%rd24, %rd38, 4;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
@@ -24591,18 +26527,18 @@ $L__BB48_5:
 	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
 	add.s64 	%rd38, %rd38, %rd3;
 	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB48_5;
+	@%p4 bra 	$L__BB52_5;
 
-$L__BB48_6:
+$L__BB52_6:
 	and.b64  	%rd28, %rd15, -4;
 	add.s64 	%rd39, %rd28, %rd4;
 	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB48_10;
+	@%p5 bra 	$L__BB52_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB48_9;
+	@%p6 bra 	$L__BB52_9;
 
-$L__BB48_8:
+$L__BB52_8:
 	shl.b64 	%rd29, %rd39, 2;
 	add.s64 	%rd30, %rd1, %rd29;
 	ld.global.f32 	%f23, [%rd30];
@@ -24616,10 +26552,10 @@ $L__BB48_8:
 	st.global.u16 	[%rd32], %rs16;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB48_8;
-	bra.uni 	$L__BB48_10;
+	@%p7 bra 	$L__BB52_8;
+	bra.uni 	$L__BB52_10;
 
-$L__BB48_9:
+$L__BB52_9:
 	shl.b64 	%rd33, %rd39, 2;
 	add.s64 	%rd34, %rd1, %rd33;
 	ld.global.f32 	%f24, [%rd34];
@@ -24632,9 +26568,9 @@ $L__BB48_9:
 	st.global.u16 	[%rd36], %rs17;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB48_9;
+	@%p8 bra 	$L__BB52_9;
 
-$L__BB48_10:
+$L__BB52_10:
 	ret;
 
 }
@@ -24667,14 +26603,14 @@ $L__BB48_10:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd4, %rd17, %rd18;
 	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB49_6;
+	@%p1 bra 	$L__BB53_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB49_4;
+	@%p2 bra 	$L__BB53_4;
 
 	mov.u64 	%rd35, %rd4;
 
-$L__BB49_3:
+$L__BB53_3:
 	shl.b64 	%rd19, %rd35, 2;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.f32 	%f3, [%rd20];
@@ -24688,13 +26624,13 @@ $L__BB49_3:
 	st.global.u16 	[%rd22], %rs7;
 	add.s64 	%rd35, %rd35, %rd3;
 	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB49_3;
-	bra.uni 	$L__BB49_6;
+	@%p3 bra 	$L__BB53_3;
+	bra.uni 	$L__BB53_6;
 
-$L__BB49_4:
+$L__BB53_4:
 	mov.u64 	%rd36, %rd4;
 
-$L__BB49_5:
+$L__BB53_5:
 	shl.b64 	%rd23, %rd36, 2;
 	add.s64 	%rd24, %rd1, %rd23;
 	ld.global.f32 	%f4, [%rd24];
@@ -24707,17 +26643,17 @@ $L__BB49_5:
 	st.global.u16 	[%rd26], %rs8;
 	add.s64 	%rd36, %rd36, %rd3;
 	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB49_5;
+	@%p4 bra 	$L__BB53_5;
 
-$L__BB49_6:
+$L__BB53_6:
 	add.s64 	%rd37, %rd4, %rd14;
 	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB49_10;
+	@%p5 bra 	$L__BB53_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB49_9;
+	@%p6 bra 	$L__BB53_9;
 
-$L__BB49_8:
+$L__BB53_8:
 	shl.b64 	%rd27, %rd37, 2;
 	add.s64 	%rd28, %rd1, %rd27;
 	ld.global.f32 	%f6, [%rd28];
@@ -24731,10 +26667,10 @@ $L__BB49_8:
 	st.global.u16 	[%rd30], %rs10;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB49_8;
-	bra.uni 	$L__BB49_10;
+	@%p7 bra 	$L__BB53_8;
+	bra.uni 	$L__BB53_10;
 
-$L__BB49_9:
+$L__BB53_9:
 	shl.b64 	%rd31, %rd37, 2;
 	add.s64 	%rd32, %rd1, %rd31;
 	ld.global.f32 	%f7, [%rd32];
@@ -24747,9 +26683,9 @@ $L__BB49_9:
 	st.global.u16 	[%rd34], %rs11;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB49_9;
+	@%p8 bra 	$L__BB53_9;
 
-$L__BB49_10:
+$L__BB53_10:
 	ret;
 
 }
@@ -24783,14 +26719,14 @@ $L__BB49_10:
 	add.s64 	%rd4, %rd18, %rd19;
 	shr.u64 	%rd5, %rd15, 2;
 	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB50_6;
+	@%p1 bra 	$L__BB54_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB50_4;
+	@%p2 bra 	$L__BB54_4;
 
 	mov.u64 	%rd37, %rd4;
 
-$L__BB50_3:
+$L__BB54_3:
 	shl.b64 	%rd20, %rd37, 3;
 	add.s64 	%rd21, %rd1, %rd20;
 	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
@@ -24819,13 +26755,13 @@ $L__BB50_3:
 	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB50_3;
-	bra.uni 	$L__BB50_6;
+	@%p3 bra 	$L__BB54_3;
+	bra.uni 	$L__BB54_6;
 
-$L__BB50_4:
+$L__BB54_4:
 	mov.u64 	%rd38, %rd4;
 
-$L__BB50_5:
+$L__BB54_5:
 	shl.b64 	%rd24, %rd38, 3;
 	add.s64 	%rd25, %rd1, %rd24;
 	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
@@ -24850,18 +26786,18 @@ $L__BB50_5:
 	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
 	add.s64 	%rd38, %rd38, %rd3;
 	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB50_5;
+	@%p4 bra 	$L__BB54_5;
 
-$L__BB50_6:
+$L__BB54_6:
 	and.b64  	%rd28, %rd15, -4;
 	add.s64 	%rd39, %rd28, %rd4;
 	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB50_10;
+	@%p5 bra 	$L__BB54_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB50_9;
+	@%p6 bra 	$L__BB54_9;
 
-$L__BB50_8:
+$L__BB54_8:
 	shl.b64 	%rd29, %rd39, 1;
 	add.s64 	%rd30, %rd1, %rd29;
 	ld.global.u16 	%rs24, [%rd30];
@@ -24875,10 +26811,10 @@ $L__BB50_8:
 	st.global.f32 	[%rd32], %f15;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB50_8;
-	bra.uni 	$L__BB50_10;
+	@%p7 bra 	$L__BB54_8;
+	bra.uni 	$L__BB54_10;
 
-$L__BB50_9:
+$L__BB54_9:
 	shl.b64 	%rd33, %rd39, 1;
 	add.s64 	%rd34, %rd1, %rd33;
 	ld.global.u16 	%rs25, [%rd34];
@@ -24891,9 +26827,9 @@ $L__BB50_9:
 	st.global.f32 	[%rd36], %f16;
 	add.s64 	%rd39, %rd39, %rd3;
 	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB50_9;
+	@%p8 bra 	$L__BB54_9;
 
-$L__BB50_10:
+$L__BB54_10:
 	ret;
 
 }
@@ -24926,14 +26862,14 @@ $L__BB50_10:
 	cvt.u64.u32 	%rd18, %r4;
 	add.s64 	%rd4, %rd17, %rd18;
 	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB51_6;
+	@%p1 bra 	$L__BB55_6;
 
 	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB51_4;
+	@%p2 bra 	$L__BB55_4;
 
 	mov.u64 	%rd35, %rd4;
 
-$L__BB51_3:
+$L__BB55_3:
 	shl.b64 	%rd19, %rd35, 1;
 	add.s64 	%rd20, %rd1, %rd19;
 	ld.global.u16 	%rs7, [%rd20];
@@ -24947,13 +26883,13 @@ $L__BB51_3:
 	st.global.f32 	[%rd22], %f3;
 	add.s64 	%rd35, %rd35, %rd3;
 	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB51_3;
-	bra.uni 	$L__BB51_6;
+	@%p3 bra 	$L__BB55_3;
+	bra.uni 	$L__BB55_6;
 
-$L__BB51_4:
+$L__BB55_4:
 	mov.u64 	%rd36, %rd4;
 
-$L__BB51_5:
+$L__BB55_5:
 	shl.b64 	%rd23, %rd36, 1;
 	add.s64 	%rd24, %rd1, %rd23;
 	ld.global.u16 	%rs8, [%rd24];
@@ -24966,17 +26902,17 @@ $L__BB51_5:
 	st.global.f32 	[%rd26], %f4;
 	add.s64 	%rd36, %rd36, %rd3;
 	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB51_5;
+	@%p4 bra 	$L__BB55_5;
 
-$L__BB51_6:
+$L__BB55_6:
 	add.s64 	%rd37, %rd4, %rd14;
 	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB51_10;
+	@%p5 bra 	$L__BB55_10;
 
 	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB51_9;
+	@%p6 bra 	$L__BB55_9;
 
-$L__BB51_8:
+$L__BB55_8:
 	shl.b64 	%rd27, %rd37, 1;
 	add.s64 	%rd28, %rd1, %rd27;
 	ld.global.u16 	%rs10, [%rd28];
@@ -24990,10 +26926,10 @@ $L__BB51_8:
 	st.global.f32 	[%rd30], %f6;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB51_8;
-	bra.uni 	$L__BB51_10;
+	@%p7 bra 	$L__BB55_8;
+	bra.uni 	$L__BB55_10;
 
-$L__BB51_9:
+$L__BB55_9:
 	shl.b64 	%rd31, %rd37, 1;
 	add.s64 	%rd32, %rd1, %rd31;
 	ld.global.u16 	%rs11, [%rd32];
@@ -25006,9 +26942,9 @@ $L__BB51_9:
 	st.global.f32 	[%rd34], %f7;
 	add.s64 	%rd37, %rd37, %rd3;
 	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB51_9;
+	@%p8 bra 	$L__BB55_9;
 
-$L__BB51_10:
+$L__BB55_10:
 	ret;
 
 }
@@ -25163,6 +27099,44 @@ inline void convert(const raw_tensor& from, const raw_tensor& to, double factor,
                                  static_cast<float>(factor), scaled);
 }
 
+/// One torch.optim.SGD step over `values` (f32 or f64) with the host's bits (ddp::detail::host_sgd); `momentum` is
+/// empty when u.momentum is 0; on `stream`.
+inline void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u,
+                cudaStream_t stream) {
+  ddp::detail::steppable(values.type, "ddp::cuda::sgd");
+  detail::same_shape(values, grads, "sgd");
+  const bool with_momentum = u.momentum != 0;
+  if (with_momentum) detail::same_shape(values, momentum, "sgd");
+  const bool vector = aligned16(values.data) && aligned16(grads.data) && (!with_momentum || aligned16(momentum.data));
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>)
+      detail::start_element_kernel(detail::kernel_name("sgd", values.type), values.size, detail::pack_of(values.type),
+                                   vector, stream, values.data, grads.data, momentum.data, values.size,
+                                   static_cast<T>(u.lr), static_cast<T>(u.weight_decay), static_cast<T>(u.momentum),
+                                   static_cast<T>(1 - u.dampening), u.weight_decay != 0, with_momentum, u.nesterov,
+                                   u.first);
+  });
+}
+
+/// One torch.optim.AdamW step over `values` (f32 or f64) with the host's bits (ddp::detail::host_adamw), on `stream`.
+inline void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                  const raw_tensor& exp_avg_sq, const adamw_update& u, cudaStream_t stream) {
+  ddp::detail::steppable(values.type, "ddp::cuda::adamw");
+  detail::same_shape(values, grads, "adamw");
+  detail::same_shape(values, exp_avg, "adamw");
+  detail::same_shape(values, exp_avg_sq, "adamw");
+  const bool vector = aligned16(values.data) && aligned16(grads.data) && aligned16(exp_avg.data) &&
+                      aligned16(exp_avg_sq.data);
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>)
+      detail::start_element_kernel(detail::kernel_name("adamw", values.type), values.size, detail::pack_of(values.type),
+                                   vector, stream, values.data, grads.data, exp_avg.data, exp_avg_sq.data, values.size,
+                                   static_cast<T>(u.decay), static_cast<T>(u.beta1), static_cast<T>(u.beta2),
+                                   static_cast<T>(u.step_size), static_cast<T>(u.correction2_sqrt),
+                                   static_cast<T>(u.eps));
+  });
+}
+
 }  // namespace ddp::cuda
 #endif  // DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
 // ---- end <ddp/cuda/element.hpp>
@@ -25186,8 +27160,6 @@ inline ncclUniqueId new_unique_id() {
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
   using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
-  /// Collectives take device memory themselves: ddp::staged passes device tensors straight through.
-  static constexpr bool takes_device_memory = true;
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
@@ -25217,6 +27189,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] int rank() const noexcept { return group_->rank; }
   /// Number of ranks in the group.
   [[nodiscard]] int size() const noexcept { return group_->size; }
+  /// NCCL moves device memory itself: the front end hands it device tensors as they are.
+  [[nodiscard]] static constexpr bool moves_device_memory() noexcept { return true; }
   /// The CUDA device this rank's buffers must live on.
   [[nodiscard]] int device() const noexcept { return group_->device; }
   /// The NCCL communicator.
@@ -26133,6 +28107,12 @@ struct piece_description {
   std::uint64_t numel = 0;
 };
 
+/// A piece of device memory and its copy in host memory, which a checkpoint reads and fills.
+struct device_mirror {
+  raw_tensor device;   ///< the memory on its device
+  domain_buffer host;  ///< its copy on the host
+};
+
 /// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
 struct training_state {
   std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
@@ -26140,6 +28120,26 @@ struct training_state {
   std::vector<state_piece> mine;                    ///< this rank's pieces
   std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
+  std::vector<device_mirror> mirrors;               ///< pieces on a device: `mine` points at their host copies
+
+  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (made by its device's
+  /// domain; wait with synchronize_mirrors() before reading it), written back by to_devices().
+  std::byte* host_side(const raw_tensor& t) {
+    if (!t.where.is_cuda() || t.size == 0) return static_cast<std::byte*>(t.data);
+    auto& m = mirrors.emplace_back(device_mirror{t, host_memory().allocate(t.bytes())});
+    require_domain_of(t.where, "checkpoint").copy(t, m.host.view(t.type, 0, t.size));
+    return m.host.data();
+  }
+  /// Waits for the copies host_side() started.
+  void synchronize_mirrors() const {
+    for (const auto& m : mirrors) require_domain_of(m.device.where, "checkpoint").synchronize();
+  }
+  /// After loading: the host copies of device pieces go back to their devices (waited for).
+  void to_devices() const {
+    for (const auto& m : mirrors)
+      require_domain_of(m.device.where, "checkpoint").copy(m.host.view(m.device.type, 0, m.device.size), m.device);
+    synchronize_mirrors();
+  }
 
   /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
   [[nodiscard]] std::byte* at(std::size_t tensor, std::size_t start, std::size_t numel) const {
@@ -26201,18 +28201,21 @@ training_state collect_state(DP& dp, Opt* opt) {
 
   std::vector<piece_description> described;
   std::vector<std::byte*> data;
-  for (const auto& b : dp.owned_buffers())
+  for (const auto& b : dp.owned_buffers()) {
+    std::byte* values = st.host_side(b.values);
     for (const auto& seg : b.segments) {
       described.push_back({seg.name, b.values.type, seg.start, seg.numel});
-      data.push_back(static_cast<std::byte*>(b.values.data) + seg.offset * size_of(b.values.type));
+      data.push_back(values + seg.offset * size_of(b.values.type));
     }
+  }
   if constexpr (!std::is_void_v<Opt>) {
     dp.attach(*opt);
     opt->for_each_state([&](const std::string& name, raw_tensor view, const optim::flat_segment& seg) {
       described.push_back({"optim." + name, view.type, seg.start, view.size});
-      data.push_back(static_cast<std::byte*>(view.data));
+      data.push_back(st.host_side(view));
     });
   }
+  st.synchronize_mirrors();
   const auto everyone = all_gather_object(dp.comm(), described);
   for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
     for (const auto& d : rank_pieces)
@@ -26377,16 +28380,22 @@ template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
     const auto slots = dp.layout().slots();
-    std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
+    std::vector<std::vector<std::size_t>> members;  // per unit: its tensors (parameters)
     for (std::size_t t = 0; t < slots.size(); ++t) {
-      const auto& p = slots[t];
-      if (members.size() <= p.unit) members.resize(p.unit + 1);
-      members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
+      if (members.size() <= slots[t].unit) members.resize(slots[t].unit + 1);
+      members[slots[t].unit].push_back(t);
     }
+    std::vector<std::byte> staged;  // a parameter of a device arena, assembled on the host
     for (std::size_t u = 0; u < members.size(); ++u) {
       typename DP::unshard_guard scope(dp, {u});
-      for (const auto& [tensor, full] : members[u]) {
-        const dtype type = st.tensors[tensor].type, home = slots[tensor].type;  // they differ under mixed precision
+      for (const std::size_t tensor : members[u]) {
+        const auto& p = slots[tensor];
+        const auto& arena = dp.layout().arenas()[p.arena];
+        const raw_tensor place = arena.value_view(p.offset, p.numel);
+        const bool on_device = place.where.is_cuda();
+        if (on_device) staged.resize(place.bytes());
+        std::byte* full = on_device ? staged.data() : static_cast<std::byte*>(place.data);
+        const dtype type = st.tensors[tensor].type, home = p.type;  // they differ under mixed precision
         const std::size_t width = size_of(type);
         std::vector<std::byte> wide;  // mixed precision: a master piece on its way to the compute-dtype parameter
         for (const auto& c : st.cover[tensor]) {
@@ -26397,6 +28406,10 @@ void refresh_parameters(DP& dp, const training_state& st) {
           if (type != home)
             convert(raw_tensor{dst, c.numel, type, device::cpu()},
                     raw_tensor{full + c.start * size_of(home), c.numel, home, device::cpu()});
+        }
+        if (on_device) {
+          arena.domain->copy(raw_tensor{full, p.numel, home, device::cpu()}, place);
+          arena.domain->synchronize();  // `staged` is the next parameter's
         }
       }
     }
@@ -26636,6 +28649,7 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
     }
   });
   agree_on_failure(comm, failed.message(me));
+  st.to_devices();
   refresh_parameters(dp, st);
   restore_step_count(manifest_path, m.metadata, opt, me);
   return m.metadata;
@@ -26832,6 +28846,7 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
     }
   }
   share_rank0_outcome(comm, rank0.failure);
+  st.to_devices();
   refresh_parameters(dp, st);
   broadcast_object(comm, meta_flat, 0);
   checkpoint_metadata meta;

@@ -98,6 +98,18 @@ DDP_ALL_TYPES(DDP_EVERY_TYPE)
   }
 DDP_FLOAT_TYPES(DDP_FLOAT_TYPE)
 
+#define DDP_OPTIMIZER_TYPE(name, T)                                                                              \
+  extern "C" __global__ void ddp_sgd_##name(T* p, const T* g, T* buf, std::size_t n, T lr, T wd, T mu, T keep,    \
+                                            bool decay, bool momentum, bool nesterov, bool first, bool vector) {  \
+    loop<pack_width<T>>(vector, n, sgd_fn<T>{p, g, buf, lr, wd, mu, keep, decay, momentum, nesterov, first}); \
+  }                                                                                                              \
+  extern "C" __global__ void ddp_adamw_##name(T* p, const T* g, T* m, T* v, std::size_t n, T decay, T b1, T b2,   \
+                                              T step_size, T c2, T eps, bool vector) {                           \
+    loop<pack_width<T>>(vector, n, adamw_fn<T>{p, g, m, v, decay, b1, b2, step_size, c2, eps});            \
+  }
+DDP_OPTIMIZER_TYPE(f32, float)
+DDP_OPTIMIZER_TYPE(f64, double)
+
 #define DDP_INTEGER_TYPE(name, T)                                                                                \
   extern "C" __global__ void ddp_scale_##name(T* x, std::size_t n, double factor, bool vector) {               \
     loop<pack_width<T>>(vector, n, integer_fn<T>{x, factor, T(1), false});                                        \

@@ -4,6 +4,7 @@
 // kernels come from the PTX of <ddp/cuda/element.hpp>.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/memory/cuda.hpp>
@@ -135,6 +136,63 @@ TEST_CASE("cuda domain: fill, accumulate, scale and divide give the host's bits 
         ddp::detail::divide(host_view(want, type), count);
         require_same(type, x.host(gpu), want, "divide by " + std::to_string(count));
       }
+    }
+  }
+}
+
+TEST_CASE("cuda domain: the optimizers' sgd and adamw updates give the host's bits, and when_done runs after them",
+          "[gpu][domain]") {
+  ddp::cuda::domain gpu(0);
+  auto& cpu = ddp::host_memory();
+  // finite, moderate values: parameters, gradients, momenta and second moments (kept non-negative)
+  auto moderate = [](ddp::dtype type, std::uint32_t seed, bool positive) {
+    std::vector<std::byte> out(length * ddp::size_of(type));
+    std::mt19937 gen(seed);
+    std::uniform_real_distribution<double> u(positive ? 0.0 : -2.0, 2.0);
+    ddp::visit_dtype(type, [&]<class T>(T) {
+      if constexpr (std::is_floating_point_v<T>)
+        for (std::size_t i = 0; i < length; ++i) reinterpret_cast<T*>(out.data())[i] = static_cast<T>(u(gen));
+    });
+    return out;
+  };
+  for (std::size_t offset : {0, 1}) {
+    for (const ddp::dtype type : {ddp::dtype::f32, ddp::dtype::f64}) {
+      INFO("offset " << offset << ", " << to_string(type));
+      const auto p = moderate(type, 1, false), g = moderate(type, 2, false), m = moderate(type, 3, false),
+                 v = moderate(type, 4, true);
+      for (const bool first : {true, false})
+        for (const bool nesterov : {false, true}) {
+          const ddp::sgd_update u{.lr = 0.05, .momentum = 0.9, .dampening = nesterov ? 0.0 : 0.1,
+                                  .weight_decay = 0.01, .nesterov = nesterov, .first = first};
+          on_device x(gpu, type, p, offset), dx(gpu, type, g, offset), buf(gpu, type, m, offset);
+          auto want = p, want_buf = m;
+          gpu.sgd(x.tensor, dx.tensor, buf.tensor, u);
+          cpu.sgd(host_view(want, type), host_view(const_cast<std::vector<std::byte>&>(g), type),
+                  host_view(want_buf, type), u);
+          require_same(type, x.host(gpu), want, "sgd values");
+          require_same(type, buf.host(gpu), want_buf, "sgd momentum");
+        }
+      {
+        const ddp::sgd_update plain{.lr = 0.1};
+        on_device x(gpu, type, p, offset), dx(gpu, type, g, offset);
+        auto want = p;
+        gpu.sgd(x.tensor, dx.tensor, {}, plain);
+        cpu.sgd(host_view(want, type), host_view(const_cast<std::vector<std::byte>&>(g), type), {}, plain);
+        require_same(type, x.host(gpu), want, "sgd without momentum");
+      }
+      const ddp::adamw_update u{.decay = 1 - 1e-3 * 1e-2, .beta1 = 0.9, .beta2 = 0.999, .step_size = 1e-3 / (1 - 0.9 * 0.9),
+                                .correction2_sqrt = std::sqrt(1 - 0.999 * 0.999), .eps = 1e-8};
+      on_device x(gpu, type, p, offset), dx(gpu, type, g, offset), mm(gpu, type, m, offset), vv(gpu, type, v, offset);
+      auto want = p, want_m = m, want_v = v;
+      gpu.adamw(x.tensor, dx.tensor, mm.tensor, vv.tensor, u);
+      std::atomic<bool> ran{false};
+      gpu.when_done([&ran] { ran = true; });
+      cpu.adamw(host_view(want, type), host_view(const_cast<std::vector<std::byte>&>(g), type), host_view(want_m, type),
+                host_view(want_v, type), u);
+      require_same(type, x.host(gpu), want, "adamw values");
+      REQUIRE(ran);
+      require_same(type, mm.host(gpu), want_m, "adamw exp_avg");
+      require_same(type, vv.host(gpu), want_v, "adamw exp_avg_sq");
     }
   }
 }

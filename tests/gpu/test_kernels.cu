@@ -14,7 +14,7 @@
 #include <span>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/cuda/buffer.hpp>
 #include <ddp/cuda/kernels.cuh>
 #include <ddp/cuda/runtime.hpp>

@@ -11,6 +11,9 @@
 
 #include <conformance/conformance.hpp>
 #include <ddp/comm/mpi/communicator.hpp>
+#include <ddp/memory/devices.hpp>
+
+#include "support/fake_device.hpp"
 
 namespace {
 
@@ -179,20 +182,33 @@ TEST_CASE("mpi: wrong arguments raise ddp::error naming the call and the fix", "
   comm.barrier().wait();
 }
 
-TEST_CASE("mpi: a device buffer on an MPI without CUDA support is refused with a clear error", "[mpi][errors]") {
+TEST_CASE("mpi: device tensors on an MPI without CUDA support go through their device's domain", "[mpi]") {
   auto comm = world();
   if (ddp::mpi::communicator::cuda_aware()) {
     WARN("this MPI is CUDA-aware: device buffers go to MPI directly and are tested by the gpu-labelled tests");
     return;
   }
-  float fake_device_memory[4] = {};
-  ddp::raw_tensor on_gpu{fake_device_memory, 4, ddp::dtype::f32, ddp::device::cuda(0)};
+  ddp::testing::fake_device dev(0), stranger(1);  // stranger: no domain registered for cuda:1
+  const ddp::device_registration registered(dev);
+  const std::size_t n = 1000;
+  std::vector<float> mine(n), host(n);
+  for (std::size_t i = 0; i < n; ++i) host[i] = mine[i] = static_cast<float>(comm.rank() + 1) * 0.25F + static_cast<float>(i % 7);
+  const ddp::domain_buffer memory = dev.allocate(n * sizeof(float));
+  const ddp::raw_tensor on_device = memory.view(ddp::dtype::f32, 0, n);
+  dev.copy(ddp::raw_tensor::of(std::span<float>(mine)), on_device);
+  ddp::work w = comm.all_reduce(on_device, ddp::reduce_op::avg);
+  dev.scale(on_device, 2.0);  // queued on the device after the result's copy back, with no host wait between
+  comm.all_reduce(std::span<float>(host), ddp::reduce_op::avg).wait();
+  w.wait();
+  const auto got = dev.read<float>(on_device);
+  for (std::size_t i = 0; i < n; ++i) REQUIRE(got[i] == 2.0F * host[i]);
+  const ddp::domain_buffer elsewhere = stranger.allocate(16);
   try {
-    (void)comm.all_reduce(on_gpu, ddp::reduce_op::sum);
-    FAIL("a cuda:0 buffer was accepted by a non-CUDA-aware MPI");
-  } catch (const ddp::error& e) {
-    CHECK(std::string(e.what()).find("not CUDA-aware") != std::string::npos);
-    CHECK(std::string(e.what()).find("cuda:0") != std::string::npos);
+    (void)comm.all_reduce(elsewhere.view(ddp::dtype::f32, 0, 4), ddp::reduce_op::sum);
+    FAIL("a cuda:1 tensor without a memory domain was accepted");
+  } catch (const ddp::config_error& e) {
+    CHECK(std::string(e.what()).find("cuda:1 has no memory domain") != std::string::npos);
+    CHECK(std::string(e.what()).find("device_registration") != std::string::npos);
   }
 }
 

@@ -31,7 +31,7 @@
 #include <catch2/catch.hpp>
 
 #include <ddp/checkpoint.hpp>
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/comm/object.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/parallel/data_parallel.hpp>

@@ -21,7 +21,7 @@
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
 

@@ -6,6 +6,7 @@
 
 #include <ddp/comm/mpi/communicator.hpp>
 
+#include "device_scenarios.hpp"
 #include "join_scenarios.hpp"
 #include "mixed_scenarios.hpp"
 #include "rebuild_scenarios.hpp"
@@ -127,4 +128,17 @@ TEST_CASE("mpi rebuild: buckets in the backward's order on every rank (rank 1's 
   check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::sgd_momentum, 1e-5);
   check_rebuilt_training<mpi, tiny>(world(), optimizer_kind::adamw, 1e-5, closeness::per_element, 2, {}, {}, true);
   check_rebuilt_deterministic<mpi>(world());
+}
+
+// The model on fake devices (device_scenarios.hpp): device tensors staged through host memory by the front end.
+TEST_CASE("mpi device: every policy on one device or two equals one process and the host's bits", "[device]") {
+  auto comm = world();
+  check_device_equivalence<mpi, tiny>(comm, optimizer_kind::adamw, true, 2);
+  check_device_equivalence<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, false);
+  check_device_equivalence<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, true, 2);
+  check_device_equivalence<mpi, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::sgd_nesterov, false, 1, 1e-5,
+                                                                    closeness::per_element,
+                                                                    hybrid_groups<ddp::full_shard>(comm.size()));
+  check_device_equivalence<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, true, 1, 1e-5,
+                                                       closeness::per_element, ddp::full_shard{.deterministic = true});
 }

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/data_parallel.hpp>
@@ -250,12 +250,13 @@ TEST_CASE("step state: every legal transition, and each illegal one raises a ddp
 
   // units: sharded → unsharding → unsharded → sharded
   REQUIRE(st.unit(1).values == unit_phase::sharded);
-  raises([&] { st.unsharded(1); }, "unit 1 cannot go from sharded to unsharded");
+  const auto wait = [](std::size_t, ddp::work& w) { w.wait(); };
+  raises([&] { st.unsharded(1, wait); }, "unit 1 cannot go from sharded to unsharded");
   raises([&] { st.reshard(1); }, "unit 1 cannot go from sharded to sharded");
   st.unshard(1, {});
   REQUIRE(st.unit(1).values == unit_phase::unsharding);
   raises([&] { st.unshard(1, {}); }, "unit 1 cannot go from unsharding to unsharding");
-  st.unsharded(1);
+  st.unsharded(1, wait);
   REQUIRE(st.unit(1).values == unit_phase::unsharded);
   st.reshard(1);
   REQUIRE(st.unit(1).values == unit_phase::sharded);

@@ -14,6 +14,8 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <cerrno>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -27,7 +29,7 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -65,6 +67,7 @@ class fake_device final : public ddp::memory_domain {
     allocated_ += mapped;
     ++allocations_;
     std::shared_ptr<std::byte> owner(static_cast<std::byte*>(p), [this, mapped](std::byte* q) {
+      drain();  // as cudaFree: the operations queued before it run first
       allocated_ -= mapped;
       ::munmap(q, mapped);
     });
@@ -92,16 +95,32 @@ class fake_device final : public ddp::memory_domain {
   void fill(const ddp::raw_tensor& t, double value) override {
     enqueue({t}, [t, value] { ddp::host_memory().fill(t, value); });
   }
-  /// The stream waits for `w` before its next operation; the host goes on.
+  void sgd(const ddp::raw_tensor& values, const ddp::raw_tensor& grads, const ddp::raw_tensor& momentum,
+           const ddp::sgd_update& u) override {
+    enqueue({values, grads, momentum}, [=] { ddp::host_memory().sgd(values, grads, momentum, u); });
+  }
+  void adamw(const ddp::raw_tensor& values, const ddp::raw_tensor& grads, const ddp::raw_tensor& exp_avg,
+             const ddp::raw_tensor& exp_avg_sq, const ddp::adamw_update& u) override {
+    enqueue({values, grads, exp_avg, exp_avg_sq}, [=] { ddp::host_memory().adamw(values, grads, exp_avg, exp_avg_sq, u); });
+  }
+  /// The stream waits for `w` before its next operation; the host goes on (nothing after forget_ordering()).
   void order_after(ddp::work& w) override {
+    if (forgetful_) return;
     enqueue({}, [w]() mutable { w.wait(); });
   }
+  /// From now on order_after does nothing: a device that loses its ordering waits, to show a test catches it.
+  void forget_ordering() noexcept { forgetful_ = true; }
   /// Waits until every operation enqueued so far has run; rethrows the first that failed.
   void synchronize() override {
+    if (std::this_thread::get_id() == worker_.get_id())
+      throw ddp::error("fake_device: synchronize() called from the device's own stream, which would wait for itself");
+    drain();
     std::unique_lock lock(mutex_);
-    drained_.wait(lock, [&] { return queue_.empty() && !busy_; });
     if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
   }
+
+  /// Calls `f` on the stream once everything enqueued before has run.
+  void when_done(std::function<void()> f) override { enqueue({}, std::move(f)); }
 
   /// Runs `kernel` on the stream with `ranges` (this device's memory, or host memory) open to it: a test's own
   /// compute on the device (a forward, a backward).
@@ -131,6 +150,13 @@ class fake_device final : public ddp::memory_domain {
   static constexpr std::size_t page = 4096;
   static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page - 1) / page * page; }
 
+  /// Waits until the stream is idle (at once on the stream itself: an operation freeing memory).
+  void drain() {
+    if (std::this_thread::get_id() == worker_.get_id()) return;
+    std::unique_lock lock(mutex_);
+    drained_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  }
+
   void enqueue(std::vector<ddp::raw_tensor> ranges, std::function<void()> f) {
     std::vector<ddp::raw_tensor> mine;
     for (const auto& r : ranges)
@@ -150,7 +176,8 @@ class fake_device final : public ddp::memory_domain {
       const auto begin = reinterpret_cast<std::uintptr_t>(r.data) / page * page;
       const auto end = round_up(reinterpret_cast<std::uintptr_t>(r.data) + r.bytes());
       if (::mprotect(reinterpret_cast<void*>(begin), end - begin, how) != 0)
-        throw std::runtime_error("fake_device: mprotect failed");
+        throw std::runtime_error("fake_device: mprotect of " + std::to_string(end - begin) + " bytes failed: " +
+                                 std::strerror(errno) + " (memory freed while an operation on it was queued?)");
     }
   }
   void serve() {
@@ -191,6 +218,7 @@ class fake_device final : public ddp::memory_domain {
   std::mutex mutex_;
   std::condition_variable wake_, drained_;
   std::deque<task> queue_;
+  bool forgetful_ = false;  // order_after does nothing (forget_ordering)
   bool busy_ = false;
   bool stopping_ = false;
   std::exception_ptr failure_;

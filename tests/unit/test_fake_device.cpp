@@ -14,7 +14,7 @@
 #include <span>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 #include "support/fake_device.hpp"
 

@@ -11,8 +11,8 @@
 #include <thread>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/memory/average.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/memory/host.hpp>
 

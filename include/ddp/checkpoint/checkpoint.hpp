@@ -106,6 +106,7 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
     }
   }
   share_rank0_outcome(comm, rank0.failure);
+  st.to_devices();
   refresh_parameters(dp, st);
   broadcast_object(comm, meta_flat, 0);
   checkpoint_metadata meta;

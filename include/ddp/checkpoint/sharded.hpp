@@ -261,6 +261,7 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
     }
   });
   agree_on_failure(comm, failed.message(me));
+  st.to_devices();
   refresh_parameters(dp, st);
   restore_step_count(manifest_path, m.metadata, opt, me);
   return m.metadata;

@@ -27,6 +27,9 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/parameter.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/devices.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/policies.hpp>
 
@@ -60,6 +63,12 @@ struct piece_description {
   std::uint64_t numel = 0;
 };
 
+/// A piece of device memory and its copy in host memory, which a checkpoint reads and fills.
+struct device_mirror {
+  raw_tensor device;   ///< the memory on its device
+  domain_buffer host;  ///< its copy on the host
+};
+
 /// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
 struct training_state {
   std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
@@ -67,6 +76,26 @@ struct training_state {
   std::vector<state_piece> mine;                    ///< this rank's pieces
   std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
+  std::vector<device_mirror> mirrors;               ///< pieces on a device: `mine` points at their host copies
+
+  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (made by its device's
+  /// domain; wait with synchronize_mirrors() before reading it), written back by to_devices().
+  std::byte* host_side(const raw_tensor& t) {
+    if (!t.where.is_cuda() || t.size == 0) return static_cast<std::byte*>(t.data);
+    auto& m = mirrors.emplace_back(device_mirror{t, host_memory().allocate(t.bytes())});
+    require_domain_of(t.where, "checkpoint").copy(t, m.host.view(t.type, 0, t.size));
+    return m.host.data();
+  }
+  /// Waits for the copies host_side() started.
+  void synchronize_mirrors() const {
+    for (const auto& m : mirrors) require_domain_of(m.device.where, "checkpoint").synchronize();
+  }
+  /// After loading: the host copies of device pieces go back to their devices (waited for).
+  void to_devices() const {
+    for (const auto& m : mirrors)
+      require_domain_of(m.device.where, "checkpoint").copy(m.host.view(m.device.type, 0, m.device.size), m.device);
+    synchronize_mirrors();
+  }
 
   /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
   [[nodiscard]] std::byte* at(std::size_t tensor, std::size_t start, std::size_t numel) const {
@@ -128,18 +157,21 @@ training_state collect_state(DP& dp, Opt* opt) {
 
   std::vector<piece_description> described;
   std::vector<std::byte*> data;
-  for (const auto& b : dp.owned_buffers())
+  for (const auto& b : dp.owned_buffers()) {
+    std::byte* values = st.host_side(b.values);
     for (const auto& seg : b.segments) {
       described.push_back({seg.name, b.values.type, seg.start, seg.numel});
-      data.push_back(static_cast<std::byte*>(b.values.data) + seg.offset * size_of(b.values.type));
+      data.push_back(values + seg.offset * size_of(b.values.type));
     }
+  }
   if constexpr (!std::is_void_v<Opt>) {
     dp.attach(*opt);
     opt->for_each_state([&](const std::string& name, raw_tensor view, const optim::flat_segment& seg) {
       described.push_back({"optim." + name, view.type, seg.start, view.size});
-      data.push_back(static_cast<std::byte*>(view.data));
+      data.push_back(st.host_side(view));
     });
   }
+  st.synchronize_mirrors();
   const auto everyone = all_gather_object(dp.comm(), described);
   for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
     for (const auto& d : rank_pieces)
@@ -304,16 +336,22 @@ template <class DP>
 void refresh_parameters(DP& dp, const training_state& st) {
   if constexpr (!std::is_same_v<typename DP::sharding, replicate>) {
     const auto slots = dp.layout().slots();
-    std::vector<std::vector<std::pair<std::size_t, std::byte*>>> members;  // per unit: (tensor, full values)
+    std::vector<std::vector<std::size_t>> members;  // per unit: its tensors (parameters)
     for (std::size_t t = 0; t < slots.size(); ++t) {
-      const auto& p = slots[t];
-      if (members.size() <= p.unit) members.resize(p.unit + 1);
-      members[p.unit].emplace_back(t, dp.layout().arenas()[p.arena].values.data() + p.offset * size_of(p.type));
+      if (members.size() <= slots[t].unit) members.resize(slots[t].unit + 1);
+      members[slots[t].unit].push_back(t);
     }
+    std::vector<std::byte> staged;  // a parameter of a device arena, assembled on the host
     for (std::size_t u = 0; u < members.size(); ++u) {
       typename DP::unshard_guard scope(dp, {u});
-      for (const auto& [tensor, full] : members[u]) {
-        const dtype type = st.tensors[tensor].type, home = slots[tensor].type;  // they differ under mixed precision
+      for (const std::size_t tensor : members[u]) {
+        const auto& p = slots[tensor];
+        const auto& arena = dp.layout().arenas()[p.arena];
+        const raw_tensor place = arena.value_view(p.offset, p.numel);
+        const bool on_device = place.where.is_cuda();
+        if (on_device) staged.resize(place.bytes());
+        std::byte* full = on_device ? staged.data() : static_cast<std::byte*>(place.data);
+        const dtype type = st.tensors[tensor].type, home = p.type;  // they differ under mixed precision
         const std::size_t width = size_of(type);
         std::vector<std::byte> wide;  // mixed precision: a master piece on its way to the compute-dtype parameter
         for (const auto& c : st.cover[tensor]) {
@@ -324,6 +362,10 @@ void refresh_parameters(DP& dp, const training_state& st) {
           if (type != home)
             convert(raw_tensor{dst, c.numel, type, device::cpu()},
                     raw_tensor{full + c.start * size_of(home), c.numel, home, device::cpu()});
+        }
+        if (on_device) {
+          arena.domain->copy(raw_tensor{full, p.numel, home, device::cpu()}, place);
+          arena.domain->synchronize();  // `staged` is the next parameter's
         }
       }
     }

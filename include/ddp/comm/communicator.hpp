@@ -14,7 +14,7 @@
 
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/tensor_traits.hpp>
 
 namespace ddp {

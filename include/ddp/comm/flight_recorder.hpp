@@ -22,7 +22,7 @@
 
 #include <ddp/comm/call.hpp>
 #include <ddp/comm/env.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 namespace ddp::detail {
 

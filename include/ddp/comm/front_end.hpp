@@ -9,8 +9,10 @@
 ///   start_scatter(c, in, out), start_all_to_all(c, in, out), start_barrier(c), start_send(c, buffer),
 ///   start_recv(c, buffer)   (c: the call_info; roots, peers and tags are c.peer and c.tag), each returning work;
 /// rank(), size(), max_tag(), flight() (the group's flight recorder, null when off), `static constexpr front_duties duties`, and front() (a front_state shared by the
-/// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages.
+/// copies of a group) where a duty needs it. A public device() puts "on cuda:N" into the messages. Device tensors
+/// reach the starts through host memory (comm/staging.hpp) unless a public moves_device_memory() returns true.
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -26,8 +28,9 @@
 #include <ddp/comm/flight_recorder.hpp>
 #include <ddp/comm/object.hpp>
 #include <ddp/comm/reduce_op.hpp>
+#include <ddp/comm/staging.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 
@@ -60,8 +63,9 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::all_reduce, "all_reduce", op, b, -1);
     verify(c);
-    const reduce_op run = average(c, op, b);
-    return counted(c, share(b.bytes(), 2), self().start_all_reduce(c, b, run));
+    auto h = host_side<1>({{{b, true, true}}});
+    const reduce_op run = average(c, op, h[0]);
+    return counted(c, share(b.bytes(), 2), h.finish(self().start_all_reduce(c, h[0], run)));
   }
 
   /// Reduces N·k input elements and leaves block rank() (k elements) in `output`.
@@ -72,8 +76,9 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, in.size, out.size, "input", "output");
     verify(c);
-    const reduce_op run = average(c, op, out);
-    return counted(c, share(in.bytes(), 1), self().start_reduce_scatter(c, in, out, run));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    const reduce_op run = average(c, op, h[1]);
+    return counted(c, share(in.bytes(), 1), h.finish(self().start_reduce_scatter(c, h[0], h[1], run)));
   }
 
   /// Gathers k elements from every rank into N·k elements, rank r's at block r.
@@ -84,7 +89,9 @@ class collective_front : public object_collectives<Derived> {
     same_type(c, in, out);
     blocks(c, out.size, in.size, "output", "input");
     verify(c);
-    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(), self().start_all_gather(c, in, out));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    return counted(c, static_cast<std::uint64_t>(self().size() - 1) * in.bytes(),
+                   h.finish(self().start_all_gather(c, h[0], h[1])));
   }
 
   /// Copies root's `buffer` to every rank.
@@ -95,7 +102,8 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const std::uint64_t sent = self().rank() == root && self().size() > 1 ? b.bytes() : 0;
-    return counted(c, sent, self().start_broadcast(c, b));
+    auto h = host_side<1>({{{b, self().rank() == root, self().rank() != root}}});
+    return counted(c, sent, h.finish(self().start_broadcast(c, h[0])));
   }
 
   /// Reduces `buffer` onto root, in place there; other ranks' buffers are left as they were.
@@ -106,8 +114,9 @@ class collective_front : public object_collectives<Derived> {
     check_rank(c, root, "root");
     verify(c);
     const bool at_root = self().rank() == root;
-    const reduce_op run = average(c, op, at_root ? b : raw_tensor{});
-    return counted(c, at_root ? 0 : b.bytes(), self().start_reduce(c, b, run));
+    auto h = host_side<1>({{{b, true, at_root}}});
+    const reduce_op run = average(c, op, at_root ? h[0] : raw_tensor{});
+    return counted(c, at_root ? 0 : b.bytes(), h.finish(self().start_reduce(c, h[0], run)));
   }
 
   /// Gathers k elements from every rank into root's N·k-element `output` (unused on other ranks).
@@ -115,7 +124,9 @@ class collective_front : public object_collectives<Derived> {
   work gather(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::gather, "gather", in, out, root);
-    return counted(c, self().rank() == root ? 0 : in.bytes(), self().start_gather(c, in, out));
+    const bool at_root = self().rank() == root;
+    auto h = host_side<2>({{{in, true, false}, {at_root ? out : raw_tensor{}, false, true}}});
+    return counted(c, at_root ? 0 : in.bytes(), h.finish(self().start_gather(c, h[0], at_root ? h[1] : out)));
   }
 
   /// Sends block r of root's N·k-element `input` (unused on other ranks) to rank r's k-element `output`.
@@ -123,7 +134,9 @@ class collective_front : public object_collectives<Derived> {
   work scatter(In&& input, Out&& output, int root = 0) {
     const raw_tensor in = as_raw(input), out = as_raw(output);
     call_info c = open_rooted(collective::scatter, "scatter", in, out, root);
-    return counted(c, self().rank() == root ? share(in.bytes(), 1) : 0, self().start_scatter(c, in, out));
+    const bool at_root = self().rank() == root;
+    auto h = host_side<2>({{{at_root ? in : raw_tensor{}, true, false}, {out, false, true}}});
+    return counted(c, at_root ? share(in.bytes(), 1) : 0, h.finish(self().start_scatter(c, at_root ? h[0] : in, h[1])));
   }
 
   /// Sends block i of the N·k-element `input` to rank i; block j of `output` comes from rank j.
@@ -137,7 +150,8 @@ class collective_front : public object_collectives<Derived> {
       fail(c, "input has " + std::to_string(in.size) + " elements and output " + std::to_string(out.size) +
                   "; both must hold the same multiple of size()=" + std::to_string(n));
     verify(c);
-    return counted(c, share(in.bytes(), 1), self().start_all_to_all(c, in, out));
+    auto h = host_side<2>({{{in, true, false}, {out, false, true}}});
+    return counted(c, share(in.bytes(), 1), h.finish(self().start_all_to_all(c, h[0], h[1])));
   }
 
   /// Completes once every rank of the group has entered the barrier.
@@ -153,7 +167,8 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "send", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, b.bytes(), self().start_send(c, b));
+    auto h = host_side<1>({{{b, true, false}}});
+    return counted(c, b.bytes(), h.finish(self().start_send(c, h[0])));
   }
 
   /// Receives into `buffer` what rank `peer` sends with `tag`.
@@ -162,7 +177,8 @@ class collective_front : public object_collectives<Derived> {
     const raw_tensor b = as_raw(buffer);
     call_info c = open(collective::send_recv, "recv", std::nullopt, b, peer, tag);
     check_peer(c);
-    return counted(c, 0, self().start_recv(c, b));
+    auto h = host_side<1>({{{b, false, true}}});
+    return counted(c, 0, h.finish(self().start_recv(c, h[0])));
   }
 
  protected:
@@ -174,6 +190,18 @@ class collective_front : public object_collectives<Derived> {
  private:
   Derived& self() noexcept { return static_cast<Derived&>(*this); }
   const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  /// The arguments as the backend takes them: device tensors through host memory (comm/staging.hpp) unless the
+  /// backend's `moves_device_memory()` says it takes them itself.
+  template <std::size_t N>
+  host_staging<N> host_side(const std::array<staging_argument, N>& args) const {
+    return host_staging<N>(args, [&] {
+      if constexpr (requires { self().moves_device_memory(); })
+        return static_cast<bool>(self().moves_device_memory());
+      else
+        return false;
+    });
+  }
 
   call_info open(collective kind, const char* name, std::optional<reduce_op> op, const raw_tensor& t, int peer,
                  int tag = -1) {

@@ -19,6 +19,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/cuda/detail/element_ptx.hpp>
+#include <ddp/memory/updates.hpp>
 #include <ddp/cuda/error.hpp>
 #include <ddp/cuda/runtime.hpp>
 
@@ -164,6 +165,44 @@ inline void convert(const raw_tensor& from, const raw_tensor& to, double factor,
   else
     detail::start_element_kernel(name, from.size, V, vector, stream, from.data, to.data, from.size,
                                  static_cast<float>(factor), scaled);
+}
+
+/// One torch.optim.SGD step over `values` (f32 or f64) with the host's bits (ddp::detail::host_sgd); `momentum` is
+/// empty when u.momentum is 0; on `stream`.
+inline void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u,
+                cudaStream_t stream) {
+  ddp::detail::steppable(values.type, "ddp::cuda::sgd");
+  detail::same_shape(values, grads, "sgd");
+  const bool with_momentum = u.momentum != 0;
+  if (with_momentum) detail::same_shape(values, momentum, "sgd");
+  const bool vector = aligned16(values.data) && aligned16(grads.data) && (!with_momentum || aligned16(momentum.data));
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>)
+      detail::start_element_kernel(detail::kernel_name("sgd", values.type), values.size, detail::pack_of(values.type),
+                                   vector, stream, values.data, grads.data, momentum.data, values.size,
+                                   static_cast<T>(u.lr), static_cast<T>(u.weight_decay), static_cast<T>(u.momentum),
+                                   static_cast<T>(1 - u.dampening), u.weight_decay != 0, with_momentum, u.nesterov,
+                                   u.first);
+  });
+}
+
+/// One torch.optim.AdamW step over `values` (f32 or f64) with the host's bits (ddp::detail::host_adamw), on `stream`.
+inline void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                  const raw_tensor& exp_avg_sq, const adamw_update& u, cudaStream_t stream) {
+  ddp::detail::steppable(values.type, "ddp::cuda::adamw");
+  detail::same_shape(values, grads, "adamw");
+  detail::same_shape(values, exp_avg, "adamw");
+  detail::same_shape(values, exp_avg_sq, "adamw");
+  const bool vector = aligned16(values.data) && aligned16(grads.data) && aligned16(exp_avg.data) &&
+                      aligned16(exp_avg_sq.data);
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>)
+      detail::start_element_kernel(detail::kernel_name("adamw", values.type), values.size, detail::pack_of(values.type),
+                                   vector, stream, values.data, grads.data, exp_avg.data, exp_avg_sq.data, values.size,
+                                   static_cast<T>(u.decay), static_cast<T>(u.beta1), static_cast<T>(u.beta2),
+                                   static_cast<T>(u.step_size), static_cast<T>(u.correction2_sqrt),
+                                   static_cast<T>(u.eps));
+  });
 }
 
 }  // namespace ddp::cuda

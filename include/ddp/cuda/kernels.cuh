@@ -209,68 +209,71 @@ struct convert_fn {
   }
 };
 
-/// One torch.optim.SGD step (see sgd_step).
+/// IEEE operations rounded once each, never fused, so the optimizers' updates give the host's bits.
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float root(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double root(double a) { return __dsqrt_rn(a); }
+
+/// One torch.optim.SGD step (ddp::sgd_update), in ddp::detail::host_sgd's order of operations.
 template <class T>
 struct sgd_fn {
-  T* param;
-  const T* grad;
-  T* buf;  // null when momentum == 0
-  T lr, momentum, dampening, weight_decay;
-  bool nesterov, first;
+  T* p;
+  const T* g;
+  T* buf;  // unused without momentum
+  T lr, wd, mu, keep;
+  bool decay, momentum, nesterov, first;
   template <int V>
   __device__ void run(std::size_t i) const {
-    auto p = load<V>(param + i);
-    const auto g = load<V>(grad + i);
+    auto x = load<V>(p + i);
+    const auto d0 = load<V>(g + i);
     pack<T, V> b{};
-    if (buf != nullptr && !first) b = load<V>(buf + i);
+    if (momentum && !first) b = load<V>(buf + i);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      T d = g.v[k];
-      if (weight_decay != T(0)) d += weight_decay * p.v[k];
-      if (buf != nullptr) {
-        b.v[k] = first ? d : momentum * b.v[k] + (T(1) - dampening) * d;
-        d = nesterov ? d + momentum * b.v[k] : b.v[k];
+      T d = d0.v[k];
+      if (decay) d = add(d, mul(wd, x.v[k]));
+      if (momentum) {
+        b.v[k] = first ? d : add(mul(mu, b.v[k]), mul(keep, d));
+        d = nesterov ? add(d, mul(mu, b.v[k])) : b.v[k];
       }
-      p.v[k] -= lr * d;
+      x.v[k] = sub(x.v[k], mul(lr, d));
     }
-    store<V>(param + i, p);
-    if (buf != nullptr) store<V>(buf + i, b);
+    store<V>(p + i, x);
+    if (momentum) store<V>(buf + i, b);
   }
 };
 
-/// PyTorch's lerp: start + w·(end − start), computed from the nearer end for w ≥ 0.5.
-template <class T>
-__device__ __forceinline__ T lerp(T start, T end, T w) {
-  const T diff = end - start;
-  return w < T(0.5) ? start + w * diff : end - diff * (T(1) - w);
-}
-
-/// One torch.optim.AdamW step (see adamw_step).
+/// One torch.optim.AdamW step (ddp::adamw_update), in ddp::detail::host_adamw's order of operations.
 template <class T>
 struct adamw_fn {
-  T* param;
-  const T* grad;
-  T* exp_avg;
-  T* exp_avg_sq;
-  T decay;  // 1 - lr·weight_decay
-  T one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps;
+  T* p;
+  const T* g;
+  T* m;
+  T* v;
+  T decay, b1, b2, step_size, c2, eps;
   template <int V>
   __device__ void run(std::size_t i) const {
-    auto p = load<V>(param + i);
-    const auto g = load<V>(grad + i);
-    auto m = load<V>(exp_avg + i);
-    auto v = load<V>(exp_avg_sq + i);
+    auto x = load<V>(p + i);
+    const auto d = load<V>(g + i);
+    auto a = load<V>(m + i);
+    auto s = load<V>(v + i);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const T d = g.v[k];
-      p.v[k] *= decay;
-      m.v[k] = lerp(m.v[k], d, one_minus_beta1);
-      v.v[k] = v.v[k] * beta2 + one_minus_beta2 * d * d;
-      p.v[k] -= step_size * (m.v[k] / (sqrt(v.v[k]) / bias_correction2_sqrt + eps));
+      x.v[k] = mul(x.v[k], decay);
+      a.v[k] = add(a.v[k], mul(sub(T(1), b1), sub(d.v[k], a.v[k])));
+      s.v[k] = add(mul(b2, s.v[k]), mul(mul(sub(T(1), b2), d.v[k]), d.v[k]));
+      x.v[k] = sub(x.v[k], div(mul(step_size, a.v[k]), add(div(root(s.v[k]), c2), eps)));
     }
-    store<V>(param + i, p);
-    store<V>(exp_avg + i, m);
-    store<V>(exp_avg_sq + i, v);
+    store<V>(p + i, x);
+    store<V>(m + i, a);
+    store<V>(v + i, s);
   }
 };
 
@@ -347,8 +350,17 @@ void sgd_step(std::span<T> param, std::span<const T> grad, std::span<T> momentum
   if (o.nesterov && (!momentum || o.dampening != 0))
     throw error("ddp::cuda::sgd_step: Nesterov momentum needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
   T* buf = momentum ? momentum_buffer.data() : nullptr;
-  const detail::sgd_fn<T> f{param.data(), grad.data(), buf, static_cast<T>(o.lr), static_cast<T>(o.momentum),
-                            static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first_step};
+  const detail::sgd_fn<T> f{param.data(),
+                            grad.data(),
+                            buf,
+                            static_cast<T>(o.lr),
+                            static_cast<T>(o.weight_decay),
+                            static_cast<T>(o.momentum),
+                            static_cast<T>(1 - o.dampening),
+                            o.weight_decay != 0,
+                            momentum,
+                            o.nesterov,
+                            first_step};
   if (momentum)
     detail::run_kernel<detail::pack_width<T>>(name, param.size(), stream, f, param.data(), grad.data(), buf);
   else
@@ -356,7 +368,7 @@ void sgd_step(std::span<T> param, std::span<const T> grad, std::span<T> momentum
 }
 
 /// One torch.optim.AdamW step over a flat range; `step` counts steps including this one (1 on the first).
-/// param ·= 1 − lr·weight_decay; m = lerp(m, g, 1 − β1); v = β2·v + (1 − β2)·g²;
+/// param ·= 1 − lr·weight_decay; m += (1 − β1)·(g − m); v = β2·v + (1 − β2)·g²;
 /// param −= lr/(1 − β1^step) · m / (√v / √(1 − β2^step) + eps).
 template <class T>
   requires std::is_same_v<T, float> || std::is_same_v<T, double>
@@ -374,9 +386,8 @@ void adamw_step(std::span<T> param, std::span<const T> grad, std::span<T> exp_av
                               exp_avg.data(),
                               exp_avg_sq.data(),
                               static_cast<T>(1 - o.lr * o.weight_decay),
-                              static_cast<T>(1 - o.beta1),
+                              static_cast<T>(o.beta1),
                               static_cast<T>(o.beta2),
-                              static_cast<T>(1 - o.beta2),
                               static_cast<T>(o.lr / bias_correction1),
                               static_cast<T>(std::sqrt(bias_correction2)),
                               static_cast<T>(o.eps)};

@@ -12,12 +12,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <utility>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -111,12 +112,36 @@ class domain final : public memory_domain {
     const device_guard on(device_);
     cuda::fill(t, value, stream_);
   }
+  void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) override {
+    mine(values, "sgd");
+    mine(grads, "sgd");
+    mine(momentum, "sgd");
+    const device_guard on(device_);
+    cuda::sgd(values, grads, momentum, u, stream_);
+  }
+  void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg, const raw_tensor& exp_avg_sq,
+             const adamw_update& u) override {
+    for (const raw_tensor* t : {&values, &grads, &exp_avg, &exp_avg_sq}) mine(*t, "adamw");
+    const device_guard on(device_);
+    cuda::adamw(values, grads, exp_avg, exp_avg_sq, u, stream_);
+  }
   /// Enqueues the wait for `w` on the stream where its backend can (ddp::nccl), else waits on the host.
   void order_after(work& w) override {
     if (w.done()) return;
     const auto& state = ddp::detail::work_access::state(w);
     const device_guard on(device_);
     if (!state->order_stream(stream_)) w.wait();
+  }
+  /// Calls `f` from CUDA's host-function thread once the stream has run everything given to it so far.
+  void when_done(std::function<void()> f) override {
+    const device_guard on(device_);
+    auto* heap = new std::function<void()>(std::move(f));
+    const cudaError_t e = cudaLaunchHostFunc(stream_, [](void* p) {
+      const std::unique_ptr<std::function<void()>> call(static_cast<std::function<void()>*>(p));
+      (*call)();
+    }, heap);
+    if (e != cudaSuccess) delete heap;
+    check(e, "cudaLaunchHostFunc");
   }
   /// Waits on the host, at most the domain's timeout, for every operation given to the domain.
   void synchronize() override {

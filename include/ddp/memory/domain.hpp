@@ -1,7 +1,7 @@
 #pragma once
 /// \file ddp::memory_domain: where a wrapper's memory lives and how element work runs on it. What data_parallel
 /// allocates or touches element by element (arenas, the unit pool, the reduce staging, the owned blocks, master
-/// weights, the optimizers' flat state, leaf copies, the comm hooks' conversions, join's rescale) goes through the
+/// weights, the optimizers' flat state and their updates, leaf copies, the comm hooks' conversions, join's rescale) goes through the
 /// domain of the memory's device: the host domain (memory/host.hpp) for the CPU, a device domain for an
 /// accelerator. A domain also orders its work: the host runs each operation before returning; a device domain
 /// enqueues it on its stream, and orders it after a collective by enqueueing the wait (order_after) rather than
@@ -12,13 +12,15 @@
 /// a bulk one over a buffer, so one virtual call per operation costs nothing measurable.
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <utility>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/updates.hpp>
 
 namespace ddp {
 
@@ -78,11 +80,21 @@ class memory_domain {
   virtual void scale(const raw_tensor& t, double factor) = 0;
   /// Every element of `t` becomes `value`.
   virtual void fill(const raw_tensor& t, double value) = 0;
+  /// One torch.optim.SGD step over `values` with `grads` (see ddp::sgd_update); `momentum` is empty when
+  /// u.momentum is 0.
+  virtual void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum,
+                   const sgd_update& u) = 0;
+  /// One torch.optim.AdamW step over `values` with `grads` and the moments (see ddp::adamw_update).
+  virtual void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                     const raw_tensor& exp_avg_sq, const adamw_update& u) = 0;
   /// Work given to this domain later runs after `w` completes: the host waits for it now, a device enqueues the
   /// wait on its stream.
   virtual void order_after(work& w) = 0;
   /// Returns once every operation given to this domain has run (the optimizer's end of a step).
   virtual void synchronize() = 0;
+  /// Calls `f` once every operation given to this domain so far has run: at once on the host, from the stream on a
+  /// device (on no thread of the caller's; `f` must not throw or give the domain work).
+  virtual void when_done(std::function<void()> f) = 0;
 };
 
 inline raw_tensor domain_buffer::view(dtype type, std::size_t begin, std::size_t count) const noexcept {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <string>
@@ -13,8 +14,8 @@
 
 #include <sys/mman.h>
 
-#include <ddp/comm/average.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/memory/average.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/detail/blocked.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
@@ -96,8 +97,16 @@ class host_domain final : public memory_domain {
       std::fill_n(static_cast<T*>(t.data), t.size, v);
     });
   }
+  void sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) override {
+    detail::host_sgd(values, grads, momentum, u);
+  }
+  void adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg, const raw_tensor& exp_avg_sq,
+             const adamw_update& u) override {
+    detail::host_adamw(values, grads, exp_avg, exp_avg_sq, u);
+  }
   void order_after(work& w) override { w.wait(); }
   void synchronize() override {}
+  void when_done(std::function<void()> f) override { f(); }
 
  private:
   static constexpr std::size_t round_up(std::size_t n) noexcept { return (n + page_bytes - 1) / page_bytes * page_bytes; }

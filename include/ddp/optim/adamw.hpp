@@ -9,6 +9,9 @@
 #include <vector>
 
 #include <ddp/core/error.hpp>
+#include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/updates.hpp>
 #include <ddp/optim/flat.hpp>
 
 namespace ddp::optim {
@@ -41,18 +44,10 @@ class adamw : public detail::flat_state {
     const auto t = static_cast<double>(steps_ + 1);
     const double correction1 = 1 - std::pow(opt_.beta1, t);
     const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    for_each_buffer(buffers, "optim::adamw", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
-      const T decay = static_cast<T>(1 - opt_.lr * opt_.weight_decay);
-      const T b1 = static_cast<T>(opt_.beta1), b2 = static_cast<T>(opt_.beta2);
-      const T step_size = static_cast<T>(opt_.lr / correction1);
-      const T c2 = static_cast<T>(correction2_sqrt), eps = static_cast<T>(opt_.eps);
-      std::span<T> m = arrays[0], v = arrays[1];
-      for (std::size_t i = 0; i < p.size(); ++i) {
-        p[i] *= decay;
-        m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
-        v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
-        p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
-      }
+    const adamw_update u{.decay = 1 - opt_.lr * opt_.weight_decay, .beta1 = opt_.beta1, .beta2 = opt_.beta2,
+                         .step_size = opt_.lr / correction1, .correction2_sqrt = correction2_sqrt, .eps = opt_.eps};
+    for_each_buffer(buffers, "optim::adamw", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
+      on.adamw(b.values, b.grads, arrays[0], arrays[1], u);
     });
     ++steps_;
   }

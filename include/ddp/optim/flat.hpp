@@ -17,6 +17,7 @@
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
 #include <ddp/memory/host.hpp>
+#include <ddp/memory/updates.hpp>
 
 namespace ddp::optim {
 
@@ -110,32 +111,20 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `kernel(values, grads, arrays)` with typed spans for every buffer, after attach().
-  template <class Kernel>
-  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Kernel&& kernel) {
+  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
+  /// tensors of the buffer's domain, where the update runs (memory/updates.hpp).
+  template <class Update>
+  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
     attach(buffers);
     for (std::size_t i = 0; i < buffers.size(); ++i) {
       const auto& b = buffers[i];
-      if (b.values.where.is_cuda())
-        throw config_error(std::string(who) + ": this optimizer steps host memory; the parameters are on " +
-                           b.values.where.to_string() + ", use the CUDA optimizer kernels of <ddp/cuda/...>");
       if (b.grads.type != b.values.type || b.grads.size != b.values.size)
         throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
                            " differ in dtype or length; pass matching spans");
-      auto run = [&]<class T>(T*) {
-        std::vector<std::span<T>> arrays;
-        for (auto& s : state_[i]) arrays.emplace_back(reinterpret_cast<T*>(s.data()), b.values.size);
-        kernel(std::span<T>(static_cast<T*>(b.values.data), b.values.size),
-               std::span<const T>(static_cast<const T*>(b.grads.data), b.grads.size), std::span(arrays));
-      };
-      if (b.values.type == dtype::f32)
-        run(static_cast<float*>(nullptr));
-      else if (b.values.type == dtype::f64)
-        run(static_cast<double*>(nullptr));
-      else
-        throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(b.values.type)) +
-                           " cannot be stepped; keep f32 or f64 parameters (master weights) and compress "
-                           "gradients with a comm hook instead");
+      ddp::detail::steppable(b.values.type, std::string(who).c_str());
+      std::vector<raw_tensor> arrays;
+      for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
+      update(b, b.memory(), std::span<const raw_tensor>(arrays));
     }
   }
 

@@ -8,6 +8,9 @@
 #include <vector>
 
 #include <ddp/core/error.hpp>
+#include <ddp/core/tensor_traits.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/updates.hpp>
 #include <ddp/optim/flat.hpp>
 
 namespace ddp::optim {
@@ -41,20 +44,10 @@ class sgd : public detail::flat_state {
 
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const bool first = steps_ == 0;
-    for_each_buffer(buffers, "optim::sgd", [&]<class T>(std::span<T> p, std::span<const T> g, auto arrays) {
-      const T lr = static_cast<T>(opt_.lr), wd = static_cast<T>(opt_.weight_decay);
-      const T mu = static_cast<T>(opt_.momentum), keep = static_cast<T>(1 - opt_.dampening);
-      for (std::size_t i = 0; i < p.size(); ++i) {
-        T d = g[i];
-        if (opt_.weight_decay != 0) d += wd * p[i];
-        if (opt_.momentum != 0) {
-          T& buf = arrays[0][i];
-          buf = first ? d : mu * buf + keep * d;
-          d = opt_.nesterov ? d + mu * buf : buf;
-        }
-        p[i] -= lr * d;
-      }
+    const sgd_update u{.lr = opt_.lr, .momentum = opt_.momentum, .dampening = opt_.dampening,
+                       .weight_decay = opt_.weight_decay, .nesterov = opt_.nesterov, .first = steps_ == 0};
+    for_each_buffer(buffers, "optim::sgd", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
+      on.sgd(b.values, b.grads, arrays.empty() ? raw_tensor{} : arrays[0], u);
     });
     ++steps_;
   }

@@ -6,7 +6,7 @@
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 namespace ddp::detail {
 

@@ -1,6 +1,7 @@
 #pragma once
 /// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous buffer of values
-/// and one of gradients per dtype, in visit order, in a memory domain (memory/); each leaf is bound to its slice.
+/// and one of gradients per dtype and device, in visit order, in that device's memory domain (memory/); each leaf
+/// is bound to its slice. A model split over devices (DDP with model parallelism) gets an arena per device.
 
 #include <algorithm>
 #include <cstddef>
@@ -13,13 +14,14 @@
 #include <unordered_map>
 #include <vector>
 
+#include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
 #include <ddp/memory/domain.hpp>
-#include <ddp/memory/host.hpp>
+#include <ddp/memory/devices.hpp>
 #include <ddp/parallel/leaf_binding.hpp>
 #include <ddp/parallel/options.hpp>
 
@@ -31,6 +33,7 @@ struct param_slot {
   std::vector<std::size_t> shape;  ///< shape
   dtype type = dtype::f32;         ///< element type
   std::size_t numel = 0;           ///< elements
+  device where = device::cpu();    ///< the device its values live on
   const void* key = nullptr;       ///< the address gradient_ready knows it by
   std::size_t arena = 0;           ///< index of its arena
   std::size_t offset = 0;          ///< first element inside the arena
@@ -45,9 +48,10 @@ struct param_slot {
   }
 };
 
-/// One dtype's flat values and gradients, in one memory domain.
+/// One dtype's flat values and gradients on one device, in that device's memory domain.
 struct arena {
   dtype type = dtype::f32;          ///< element type
+  device where = device::cpu();     ///< the device its memory is on
   dtype reduce_type = type;         ///< the dtype its gradients are reduced in (wider under ddp::mixed_precision)
   std::size_t numel = 0;            ///< elements
   memory_domain* domain = nullptr;  ///< where its memory lives and its element work runs
@@ -124,17 +128,13 @@ class parameter_layout {
                     "ddp::data_parallel: the model's visitor hands out const parameters; wrap a mutable model "
                     "(data_parallel rebinds each parameter to its flat arena).");
       using traits = storage_traits<T>;
-      if constexpr (requires { traits::device(p); })
-        if (traits::device(p).is_cuda())
-          throw config_error("data_parallel: parameter '" + std::string(name) + "' lives on " +
-                             traits::device(p).to_string() +
-                             "; this wrapper lays host parameters into host arenas, keep the model on the CPU");
       param_slot s;
       s.name = std::string(name);
       s.shape = traits::shape(p);
       s.type = traits::dtype(p);
       s.numel = 1;
       for (const auto d : s.shape) s.numel *= d;
+      if constexpr (requires { traits::device(p); }) s.where = traits::device(p);
       s.key = leaf_key(p);
       s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
       adopting_ = adopting_ && s.leaf->adopts();
@@ -149,10 +149,13 @@ class parameter_layout {
     rule.check_all_used();
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       auto& s = slots_[i];
-      auto it = std::find_if(arenas_.begin(), arenas_.end(), [&](const arena& a) { return a.type == s.type; });
+      auto it = std::find_if(arenas_.begin(), arenas_.end(),
+                             [&](const arena& a) { return a.type == s.type && a.where == s.where; });
       if (it == arenas_.end()) {
-        arenas_.emplace_back().type = s.type;
-        arenas_.back().reduce_type = s.type;
+        auto& a = arenas_.emplace_back();
+        a.type = a.reduce_type = s.type;
+        a.where = s.where;
+        a.domain = &require_domain_of(s.where, "data_parallel (parameter '" + s.name + "')");
         it = arenas_.end() - 1;
       }
       s.arena = static_cast<std::size_t>(it - arenas_.begin());
@@ -164,7 +167,6 @@ class parameter_layout {
     }
     for (auto& a : arenas_) {
       a.numel = (a.numel + pad - 1) / pad * pad;
-      a.domain = &host_memory();
       a.values = a.domain->allocate(a.numel * size_of(a.type));
       a.grads = a.domain->allocate(a.numel * size_of(a.type));
     }
@@ -198,7 +200,7 @@ class parameter_layout {
     for (const auto& s : slots_) out.push_back(s.unit);
     return out;
   }
-  /// Every arena (one per dtype, in order of first appearance).
+  /// Every arena (one per dtype and device, in order of first appearance).
   [[nodiscard]] std::span<const arena> arenas() const noexcept { return arenas_; }
   /// Every arena, writable (the strategies release and refill their pages).
   [[nodiscard]] std::span<arena> arenas() noexcept { return arenas_; }

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include <ddp/comm/reduce_op.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>

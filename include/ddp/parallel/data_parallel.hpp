@@ -21,7 +21,7 @@
 #include <ddp/comm/backend.hpp>
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/object.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>

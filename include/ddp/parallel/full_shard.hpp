@@ -16,7 +16,7 @@
 #include <span>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
@@ -88,13 +88,13 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     recorded_ = true;  // the execution order of the first step is known
     this->consume_owned_gradients();
     for (std::size_t u = 0; u < this->state().units(); ++u) {
-      if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+      if (this->state().unit(u).values == unit_phase::unsharding) this->settle_unsharding(u);
       if (this->state().unit(u).scopes == 0) {
         reshard(u);
       } else if (this->state().unit(u).values == unit_phase::unsharded) {  // a scope open across the step
         this->state().reshard(u);
         unshard(u);
-        this->state().unsharded(u);
+        this->settle_unsharding(u);
       }
     }
     this->trim_pools();
@@ -110,7 +110,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
-    wait_all(works);
+    this->order_buckets(works);
     this->arena_holds_values();
   }
   /// The units' forwards open scopes and their backwards reopen them (backward_opener, ddp::forward of the
@@ -153,7 +153,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
   }
   /// → sharded: waits for all-gathers in flight, gives the values buffer back.
   void reshard(std::size_t u) {
-    if (this->state().unit(u).values == unit_phase::unsharding) this->state().unsharded(u);
+    if (this->state().unit(u).values == unit_phase::unsharding) this->settle_unsharding(u);
     if (this->state().unit(u).values == unit_phase::unsharded) {
       this->give_values(u);
       this->state().reshard(u);

@@ -62,6 +62,7 @@ class leaf_binding_of final : public leaf_binding {
     home_grads_ = static_cast<std::byte*>(traits::grads(*leaf_));
     bytes_ = bytes;
     domain_ = &domain;
+    if constexpr (requires { traits::device(*leaf_); }) where_ = traits::device(*leaf_);
     to_ddp(values, home_values_);
     to_ddp(grads, home_grads_);
     rebind(values, grads, true);
@@ -95,7 +96,7 @@ class leaf_binding_of final : public leaf_binding {
     if constexpr (!adopting) to_home(home_values_, values_);
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting) host_memory().zero(home(home_grads_));
+    if constexpr (!adopting) domain_->zero(home(home_grads_));
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -105,9 +106,9 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
-  /// The leaf's own bytes at `p` (host memory: the leaves ddp copies own theirs there).
+  /// The leaf's own bytes at `p`, on its device.
   [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
-    return {const_cast<std::byte*>(p), bytes_, dtype::u8, device::cpu()};
+    return {const_cast<std::byte*>(p), bytes_, dtype::u8, where_};
   }
   /// ddp's bytes at `p`, in the bound domain.
   [[nodiscard]] raw_tensor ours(const std::byte* p) const noexcept {
@@ -128,7 +129,8 @@ class leaf_binding_of final : public leaf_binding {
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
-  memory_domain* domain_ = &host_memory();  // where ddp's copy lives (bind sets it)
+  device where_ = device::cpu();            // the leaf's device
+  memory_domain* domain_ = &host_memory();  // where ddp's copy lives, the domain of the leaf's device (bind sets it)
 };
 
 }  // namespace ddp::detail

@@ -11,11 +11,12 @@
 #include <type_traits>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/memory/average.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
+#include <ddp/memory/devices.hpp>
 #include <ddp/memory/host.hpp>
 
 namespace ddp::detail {
@@ -38,8 +39,18 @@ class ordered_reduction {
     return comm.all_to_all(whole, scratch(key, whole, 1));
   }
   /// Writes the average of the `n` blocks in key's scratch, summed in rank order, to `out` (one block): one pass,
-  /// with the bits of the sum followed by detail::divide.
-  void average_into(std::size_t key, const raw_tensor& out, int n) const {
+  /// with the bits of the sum followed by detail::divide. `out` on a device receives the host's sum through its
+  /// domain, waited for (the sum runs on the host).
+  void average_into(std::size_t key, const raw_tensor& out, int n) {
+    if (out.where.is_cuda()) {
+      if (result_.size() < out.bytes()) result_ = host_memory().allocate(out.bytes());
+      const raw_tensor host = result_.view(out.type, 0, out.size);
+      average_into(key, host, n);
+      memory_domain& d = require_domain_of(out.where, "deterministic reduction");
+      d.copy(host, out);
+      d.synchronize();  // result_ is the next bucket's
+      return;
+    }
     const std::byte* blocks = scratch_[key].data();
     visit_dtype(out.type, [&](auto zero) {
       using T = decltype(zero);
@@ -73,6 +84,7 @@ class ordered_reduction {
     return scratch_[key].view(like.type, 0, like.size * times);
   }
   std::vector<domain_buffer> scratch_;  // host memory: the rank-order sum runs on the host
+  domain_buffer result_;                // host memory: the sum of a block bound for a device
 };
 
 }  // namespace ddp::detail

@@ -19,6 +19,8 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/detail/hash.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/memory/domain.hpp>
+#include <ddp/memory/host_copy.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/arena.hpp>
 
@@ -61,9 +63,16 @@ struct replica_digest {
 /// The digest of a rank holding every parameter's full values at its place in the arenas.
 inline replica_digest digest_full(const parameter_layout& layout) {
   replica_digest d;
+  std::vector<raw_tensor> arenas;  // each arena's values where the host reads them
+  std::vector<domain_buffer> scratch(layout.arenas().size());
+  for (std::size_t a = 0; a < layout.arenas().size(); ++a) {
+    const auto& arena = layout.arenas()[a];
+    arenas.push_back(readable_on_host(arena.value_view(0, arena.numel), scratch[a]));
+  }
   for (const auto& slot : layout.slots()) {
     const std::size_t w = size_of(slot.type);
-    d.hashes.push_back(fnv1a(std::span(layout.arenas()[slot.arena].values.data() + slot.offset * w, slot.numel * w)));
+    d.hashes.push_back(fnv1a(std::span(static_cast<const std::byte*>(arenas[slot.arena].data) + slot.offset * w,
+                                       slot.numel * w)));
   }
   return d;
 }
@@ -77,8 +86,9 @@ inline replica_digest digest_owned(const parameter_layout& layout, std::span<con
   d.hashes.assign(layout.slots().size(), fnv1a_basis);
   std::unordered_map<std::string_view, std::size_t> slot_of;
   for (std::size_t s = 0; s < layout.slots().size(); ++s) slot_of.emplace(layout.slots()[s].name, s);
+  domain_buffer scratch;
   for (const auto& b : owned) {
-    const auto* values = static_cast<const std::byte*>(b.values.data);
+    const auto* values = static_cast<const std::byte*>(readable_on_host(b.values, scratch).data);
     const std::size_t w = size_of(b.values.type);
     for (const auto& seg : b.segments) {
       auto& h = d.hashes[slot_of.at(seg.name)];

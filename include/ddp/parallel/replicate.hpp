@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/accumulation.hpp>
 #include <ddp/parallel/archetype.hpp>
@@ -72,12 +72,16 @@ struct strategy<replicate, Comm> {
     state_.start(b, in_rank_order_ ? ordered_.all_gather_part(comm_, b, gradients(b, true).grads)
                                     : hook.start(gradients(b, true)));
   }
-  /// Waits for bucket `b`'s all-reduce; the hook (deterministic beyond two ranks: the rank-order sum) writes the
+  /// Orders bucket `b`'s all-reduce before the work that follows on its domain (the host waits for it, a device's
+  /// stream does); the hook (deterministic beyond two ranks: the rank-order sum) writes the
   /// averaged gradients back (in the reduce dtype: under mixed precision into the staging, where the optimizer
   /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    state_.wait(b);
+    if (in_rank_order_)
+      state_.wait(b);  // the rank-order sum runs on the host
+    else
+      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
     if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
     else

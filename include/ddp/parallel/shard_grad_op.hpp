@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/arena.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
@@ -45,7 +45,7 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
   void after_step() {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
-    wait_all(works);
+    this->order_buckets(works);
     this->consume_owned_gradients();
     this->trim_pools();
   }

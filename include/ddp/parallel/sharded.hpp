@@ -36,7 +36,7 @@
 #include <vector>
 
 #include <ddp/comm/reduce_op.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -212,7 +212,10 @@ class sharded_core {
         state_.wait(chained_);
         chain(chained_);
       }
-    state_.wait(b);
+    if (deterministic_)
+      state_.wait(b);  // the rank-order sum runs on the host
+    else
+      state_.order(b, domain_of_bucket(b));
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
     if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
@@ -272,10 +275,24 @@ class sharded_core {
     pooled_[u].values = values_pool_.take(sizes(u));
     bind_unit(u);
   }
-  /// unsharding → unsharded: waits for unit `u`'s all-gathers; its parameters hold their values from now on.
+  /// unsharding → unsharded: unit `u`'s all-gathers are ordered before later work on their domains; its
+  /// parameters hold their values from now on.
   void unsharded(std::size_t u) {
-    state_.unsharded(u);
+    settle_unsharding(u);
     bind_unit(u);
+  }
+  /// unsharding → unsharded without rebinding: unit `u`'s all-gathers ordered before later work on their domains.
+  void settle_unsharding(std::size_t u) {
+    const auto buckets = state_.unit_buckets(u);
+    state_.unsharded(u, [&](std::size_t i, work& w) { domain_of_bucket(buckets[i]).order_after(w); });
+  }
+  /// Orders `works` (one per bucket, in plan order) before later work on each bucket's domain.
+  void order_buckets(std::vector<work>& works) {
+    for (std::size_t b = 0; b < works.size(); ++b) domain_of_bucket(b).order_after(works[b]);
+  }
+  /// The memory domain of bucket `b`'s arena.
+  [[nodiscard]] memory_domain& domain_of_bucket(std::size_t b) const {
+    return *layout_.arenas()[plan_.buckets[b].arena].domain;
   }
   /// Unit `u`'s values buffer goes back to the pool; its parameters point at their arena place.
   void give_values(std::size_t u) {

@@ -17,8 +17,9 @@
 #include <string>
 #include <vector>
 
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/memory/domain.hpp>
 #include <ddp/parallel/backward_scopes.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
 #include <ddp/parallel/join_state.hpp>
@@ -163,10 +164,10 @@ class step_state {
     buckets_[b].average = std::move(w);
   }
   /// Waits for bucket `b`'s reduction (started) or cross-group average (chained).
-  void wait(std::size_t b) {
-    auto& r = buckets_[b];
-    (r.phase == bucket_phase::chained ? r.average : r.reduction).wait();
-  }
+  void wait(std::size_t b) { in_flight(b).wait(); }
+  /// Orders the work given to `domain` from now on after bucket `b`'s reduction or cross-group average (the host
+  /// waits for it; a device enqueues the wait on its stream).
+  void order(std::size_t b, memory_domain& domain) { domain.order_after(in_flight(b)); }
   /// Whether bucket `b`'s reduce-scatter has completed, without blocking.
   [[nodiscard]] bool scattered(std::size_t b) {
     const auto p = buckets_[b].phase;
@@ -206,10 +207,12 @@ class step_state {
     move_unit(u, unit_phase::unsharding, unit_phase::sharded);
     units_[u].all_gathers = std::move(all_gathers);
   }
-  /// unsharding → unsharded, waiting for its all-gathers.
-  void unsharded(std::size_t u) {
+  /// unsharding → unsharded, its all-gathers ordered before later work by `order(i, w)` (w: the all-gather of the
+  /// unit's i-th bucket in unit_buckets order).
+  template <class Order>
+  void unsharded(std::size_t u, Order&& order) {
     move_unit(u, unit_phase::unsharded, unit_phase::unsharding);
-    wait_all(units_[u].all_gathers);
+    for (std::size_t i = 0; i < units_[u].all_gathers.size(); ++i) order(i, units_[u].all_gathers[i]);
     units_[u].all_gathers.clear();
   }
   /// unsharded → sharded: the full values are freed.
@@ -244,6 +247,11 @@ class step_state {
   void index_units() {
     unit_buckets_.assign(units_.size(), {});
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) unit_buckets_[plan_.buckets[b].unit].push_back(b);
+  }
+  /// Bucket `b`'s operation in flight: its cross-group average when chained, else its reduction.
+  work& in_flight(std::size_t b) {
+    auto& r = buckets_[b];
+    return r.phase == bucket_phase::chained ? r.average : r.reduction;
   }
   [[noreturn]] void fail(const std::string& what) const {
     throw error("data_parallel step state: " + what + "; the step's calls came in an order the wrapper does not "

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <ddp/comm/backend.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/archetype.hpp>
 #include <ddp/parallel/accumulation.hpp>

@@ -34,7 +34,7 @@
 #include <string>
 #include <utility>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/comm/backend.hpp>
 #include <ddp/comm/call.hpp>
 #include <ddp/comm/communicator.hpp>
@@ -43,7 +43,7 @@
 #include <ddp/comm/mpi/group.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -90,6 +90,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return false;
 #endif
   }
+  /// A CUDA-aware MPI takes device memory itself; otherwise the front end stages device tensors through the host.
+  [[nodiscard]] static bool moves_device_memory() noexcept { return cuda_aware(); }
 
   /// Collective: ranks with the same color (≥ 0) form a new group, ordered by key, then by rank here.
   [[nodiscard]] communicator split(int color, int key) const {
@@ -264,13 +266,9 @@ class communicator : public ddp::detail::collective_front<communicator> {
     return static_cast<int>(n);
   }
 
-  /// Device memory needs a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
+  /// Device memory reaches here only on a CUDA-aware MPI, and avg and bf16/f16 reductions compute on the host.
   void device_check(const call& c, const raw_tensor& b) const {
     if (!b.where.is_cuda()) return;
-    if (!cuda_aware())
-      fail(c, "the buffer is on " + b.where.to_string() +
-                  " but this MPI is not CUDA-aware (MPIX_Query_cuda_support() is 0); use a CUDA-aware Open MPI, "
-                  "copy the buffer to host memory, or use ddp::nccl for device buffers");
     if (c.op && (*c.op == reduce_op::avg || b.type == dtype::bf16 || b.type == dtype::f16))
       fail(c, "avg and bf16/f16 reductions are computed on the host and the buffer is on " + b.where.to_string() +
                   "; reduce with sum in f32/f64 and scale on the device, or use ddp::nccl");

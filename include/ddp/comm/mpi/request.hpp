@@ -17,10 +17,10 @@
 #include <utility>
 #include <vector>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/comm/call.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::mpi::detail {

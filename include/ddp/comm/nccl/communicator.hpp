@@ -51,7 +51,7 @@
 #include <ddp/comm/nccl/operation.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/comm/stats.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -78,8 +78,6 @@ inline ncclUniqueId new_unique_id() {
 class communicator : public ddp::detail::collective_front<communicator> {
  public:
   using backend_tag = ddp::backend::nccl;  ///< the backend tag data_parallel deduces from this communicator
-  /// Collectives take device memory themselves: ddp::staged passes device tensors straight through.
-  static constexpr bool takes_device_memory = true;
   /// Collective over `bootstrap`'s ranks: rank 0 creates the ncclUniqueId, `bootstrap` broadcasts it, and each rank
   /// joins with its bootstrap rank on config::device. `bootstrap` may be dropped afterwards.
   template <class Bootstrap>
@@ -109,6 +107,8 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] int rank() const noexcept { return group_->rank; }
   /// Number of ranks in the group.
   [[nodiscard]] int size() const noexcept { return group_->size; }
+  /// NCCL moves device memory itself: the front end hands it device tensors as they are.
+  [[nodiscard]] static constexpr bool moves_device_memory() noexcept { return true; }
   /// The CUDA device this rank's buffers must live on.
   [[nodiscard]] int device() const noexcept { return group_->device; }
   /// The NCCL communicator.

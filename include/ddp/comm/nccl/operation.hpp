@@ -19,7 +19,7 @@
 #include <ddp/comm/call.hpp>
 #include <ddp/comm/nccl/error.hpp>
 #include <ddp/comm/nccl/group.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/cuda/error.hpp>
 #include <ddp/cuda/runtime.hpp>

@@ -15,7 +15,7 @@
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/tcp/shm_hosts.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 
 namespace ddp::tcp::detail {

@@ -33,7 +33,7 @@
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
 #include <ddp/comm/tcp/store_file.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 
@@ -157,60 +157,39 @@ class communicator : public ddp::detail::collective_front<communicator> {
   [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
   [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return group_->flight; }
 
-  /// ddp::tcp moves host memory only.
-  void host(const raw_tensor& t, const call& c) const {
-    if (t.where.is_cuda())
-      fail(c, "the buffer is on " + t.where.to_string() +
-                  ": ddp::tcp moves host memory; copy it to the host first, or use ddp::nccl for device buffers");
-  }
-
-  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) {
-    host(b, c);
+  // The front end hands every start host memory (device tensors staged through it: comm/staging.hpp).
+  work start_all_reduce(const call& /*c*/, const raw_tensor& b, reduce_op op) {
     return submit(collective::all_reduce, b.type, op, -1, b.size, nullptr, b.data);
   }
-  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
-    host(in, c);
-    host(out, c);
+  work start_reduce_scatter(const call& /*c*/, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
     return submit(collective::reduce_scatter, out.type, op, -1, out.size, in.data, out.data);
   }
-  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    host(out, c);
+  work start_all_gather(const call& /*c*/, const raw_tensor& in, const raw_tensor& out) {
     return submit(collective::all_gather, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
   work start_broadcast(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::broadcast, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data);
   }
   work start_reduce(const call& c, const raw_tensor& b, reduce_op op) {
-    host(b, c);
     return submit(collective::reduce, b.type, op, c.peer, b.size, nullptr, b.data);
   }
   work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    if (rank() == c.peer) host(out, c);
     return submit(collective::gather, in.type, reduce_op::sum, c.peer, in.size, in.data, out.data);
   }
   work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(out, c);
-    if (rank() == c.peer) host(in, c);
     return submit(collective::scatter, out.type, reduce_op::sum, c.peer, out.size, in.data, out.data);
   }
-  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
-    host(in, c);
-    host(out, c);
+  work start_all_to_all(const call& /*c*/, const raw_tensor& in, const raw_tensor& out) {
     return submit(collective::all_to_all, in.type, reduce_op::sum, -1, in.size, in.data, out.data);
   }
   work start_barrier(const call&) { return submit(collective::barrier, dtype::u8, reduce_op::sum, -1, 0, nullptr, nullptr); }
   /// Completes once written to the socket.
   work start_send(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, b.data, nullptr, c.tag,
                  detail::p2p::send);
   }
   /// The send must have the same count and dtype.
   work start_recv(const call& c, const raw_tensor& b) {
-    host(b, c);
     return submit(collective::send_recv, b.type, reduce_op::sum, c.peer, b.size, nullptr, b.data, c.tag,
                  detail::p2p::recv);
   }

@@ -14,7 +14,7 @@
 
 #include <ddp/comm/tcp/protocol.hpp>
 #include <ddp/comm/tcp/socket.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 namespace ddp::tcp::detail {
 

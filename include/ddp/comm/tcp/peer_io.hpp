@@ -24,7 +24,7 @@
 #include <ddp/comm/tcp/shm_rings.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 namespace ddp::tcp::detail {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include <ddp/comm/average.hpp>
+#include <ddp/memory/average.hpp>
 #include <ddp/comm/reduce_op.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>

@@ -25,7 +25,7 @@
 #include <ddp/comm/tcp/shm_group.hpp>
 #include <ddp/comm/tcp/shm_world.hpp>
 #include <ddp/comm/tcp/socket.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {

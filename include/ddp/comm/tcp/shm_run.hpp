@@ -12,7 +12,7 @@
 #include <ddp/comm/tcp/call.hpp>
 #include <ddp/comm/tcp/shm_algorithms.hpp>
 #include <ddp/comm/tcp/shm_channel.hpp>
-#include <ddp/comm/work.hpp>
+#include <ddp/core/work.hpp>
 
 namespace ddp::tcp::detail {
 

@@ -1,0 +1,97 @@
+#pragma once
+/// \file The optimizers' element updates as a memory domain runs them: torch.optim.SGD's and torch.optim.AdamW's
+/// per-element arithmetic over flat f32 or f64 ranges, with the step's scalars worked out by the optimizer
+/// (optim/sgd.hpp, optim/adamw.hpp). The host domain runs the loops below; a device domain runs the same arithmetic
+/// as kernels (cuda/kernels.cuh), so a step gives the same bits wherever its memory lives.
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+
+#include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
+#include <ddp/core/tensor_traits.hpp>
+
+namespace ddp {
+
+/// One torch.optim.SGD step: g = grad + weight_decay·p; with momentum, buf = g on the first step, else
+/// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
+struct sgd_update {
+  double lr = 0;            ///< learning rate
+  double momentum = 0;      ///< momentum factor (0: no momentum buffer)
+  double dampening = 0;     ///< dampening of the momentum
+  double weight_decay = 0;  ///< L2 penalty added to the gradient
+  bool nesterov = false;    ///< Nesterov momentum
+  bool first = false;       ///< the buffer's first step (it takes the gradient)
+};
+
+/// One torch.optim.AdamW step at step t: p ·= decay; m += (1 − β1)·(g − m); v = β2·v + (1 − β2)·g²;
+/// p −= step_size · m / (√v / correction2_sqrt + eps), where decay = 1 − lr·weight_decay,
+/// step_size = lr / (1 − β1ᵗ) and correction2_sqrt = √(1 − β2ᵗ).
+struct adamw_update {
+  double decay = 1;             ///< 1 − lr·weight_decay
+  double beta1 = 0.9;           ///< decay of the first moment
+  double beta2 = 0.999;         ///< decay of the second moment
+  double step_size = 0;         ///< lr / (1 − β1ᵗ)
+  double correction2_sqrt = 1;  ///< √(1 − β2ᵗ)
+  double eps = 1e-8;            ///< added to the denominator
+};
+
+namespace detail {
+
+/// Throws config_error unless `type` is one an optimizer steps (f32 or f64); `who` names the caller.
+inline void steppable(dtype type, const char* who) {
+  if (type != dtype::f32 && type != dtype::f64)
+    throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(type)) + " cannot be "
+                       "stepped; keep f32 or f64 parameters (master weights) and compress gradients with a comm hook "
+                       "instead");
+}
+
+/// sgd_update over host memory: `momentum` is empty when u.momentum is 0.
+inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) {
+  steppable(values.type, "optim::sgd");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>) {
+      T* p = static_cast<T*>(values.data);
+      const T* g = static_cast<const T*>(grads.data);
+      T* buf = static_cast<T*>(momentum.data);
+      const T lr = static_cast<T>(u.lr), wd = static_cast<T>(u.weight_decay);
+      const T mu = static_cast<T>(u.momentum), keep = static_cast<T>(1 - u.dampening);
+      for (std::size_t i = 0; i < values.size; ++i) {
+        T d = g[i];
+        if (u.weight_decay != 0) d += wd * p[i];
+        if (u.momentum != 0) {
+          buf[i] = u.first ? d : mu * buf[i] + keep * d;
+          d = u.nesterov ? d + mu * buf[i] : buf[i];
+        }
+        p[i] -= lr * d;
+      }
+    }
+  });
+}
+
+/// adamw_update over host memory.
+inline void host_adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                       const raw_tensor& exp_avg_sq, const adamw_update& u) {
+  steppable(values.type, "optim::adamw");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>) {
+      T* p = static_cast<T*>(values.data);
+      const T* g = static_cast<const T*>(grads.data);
+      T* m = static_cast<T*>(exp_avg.data);
+      T* v = static_cast<T*>(exp_avg_sq.data);
+      const T decay = static_cast<T>(u.decay), b1 = static_cast<T>(u.beta1), b2 = static_cast<T>(u.beta2);
+      const T step_size = static_cast<T>(u.step_size), c2 = static_cast<T>(u.correction2_sqrt);
+      const T eps = static_cast<T>(u.eps);
+      for (std::size_t i = 0; i < values.size; ++i) {
+        p[i] *= decay;
+        m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
+        v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
+        p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
+      }
+    }
+  });
+}
+
+}  // namespace detail
+}  // namespace ddp

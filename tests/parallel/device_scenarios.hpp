@@ -1,0 +1,188 @@
+#pragma once
+// data_parallel with the model on fake devices (device_mlp.hpp), written once for any communicator: N ranks
+// training the device model under a policy give one process's parameters on the whole batch (scenarios.hpp's
+// reference and tolerance), with the model on one device or split over two (DDP with model parallelism: one arena
+// per device). The fake device keeps its memory PROT_NONE outside its own operations, so any host access ddp makes
+// to a device arena kills the rank, and its stream sleeps a random time before each operation, so a missing
+// ordering shows as a wrong value.
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ddp/checkpoint.hpp>
+#include <ddp/memory/devices.hpp>
+#include <ddp/parallel/data_parallel.hpp>
+
+#include "device_mlp.hpp"
+#include "join_scenarios.hpp"
+#include "scenarios.hpp"
+#include "support/fake_device.hpp"
+
+namespace ddp_test {
+
+/// Every parameter of `a` equals `b`'s bit for bit.
+inline void require_same_bits(mlp& a, mlp& b) {
+  std::vector<std::vector<float>> want;
+  ddp::visit_parameters(b, [&](std::string_view, ddp::parameter<float>& p) {
+    want.emplace_back(p.value().begin(), p.value().end());
+  });
+  std::size_t k = 0;
+  ddp::visit_parameters(a, [&](std::string_view name, ddp::parameter<float>& p) {
+    INFO("parameter " << name);
+    REQUIRE(std::equal(p.value().begin(), p.value().end(), want[k].begin(), want[k].end(),
+                       [](float x, float y) { return std::bit_cast<std::uint32_t>(x) == std::bit_cast<std::uint32_t>(y); }));
+    ++k;
+  });
+}
+
+/// How train_on_devices runs.
+struct device_run {
+  bool split = false;      ///< fc3 on a second device
+  int micro = 1;           ///< micro-batches per step
+  bool forgetful = false;  ///< the devices drop every order_after (a missing ordering wait)
+  std::string checkpoint;  ///< non-empty: after half the steps, save there (ddp::save, or save_sharded under
+                           ///< `sharded_checkpoint`), and go on in a new wrapper, optimizer and model loaded from it
+  bool sharded_checkpoint = false;
+};
+
+/// Trains the device model as check_equivalence_of trains the host one and returns the trained values.
+template <class... Ps, class Comm>
+mlp train_on_devices(Comm comm, optimizer_kind k, const device_run& run,
+                     typename ddp::policies<Ps...>::sharding sharding = {}, ddp::data_parallel_options options = {}) {
+  using namespace std::chrono_literals;
+  const auto seed = static_cast<unsigned>(comm.rank()) * 7 + 3;
+  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  if (run.forgetful) {
+    dev.forget_ordering();
+    other.forget_ordering();
+  }
+  const ddp::device_registration on_dev(dev), on_other(other);
+  ddp::testing::fake_device& last = run.split ? other : dev;
+  mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
+  std::optional<device_model> placed(std::in_place, base, dev, last);
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  const float scale = static_cast<float>(comm.size()) / global_batch;
+  // Steps [from, to) on a new wrapper over `placed`, which loads the checkpoint first when `resume`.
+  auto train = [&](int from, int to, bool resume, bool save) {
+    ddp::data_parallel<device_mlp, Ps...> dp{placed->model, comm, sharding, options};
+    REQUIRE(dp.layout().arenas().size() == (run.split ? 2U : 1U));
+    auto scope = [&](auto& l) { return dp.unshard(l); };
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    with_optimizer(k, [&](auto& opt) {
+      if (resume) {
+        if (run.sharded_checkpoint) ddp::load_sharded(run.checkpoint, dp, opt);
+        else ddp::load(run.checkpoint, dp, opt);
+      }
+      for (int s = from; s < to; ++s) {
+        dp.zero_grad();
+        const batch mine = make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count);
+        over_micro_batches(dp, mine, run.micro, [&](const batch& b) {
+          device_forward_backward(placed->model, b, scale, report, scope, dev, last);
+        });
+        dp.step(opt);
+      }
+      if (save) {
+        if (run.sharded_checkpoint) ddp::save_sharded(run.checkpoint, dp, opt);
+        else ddp::save(run.checkpoint, dp, opt);
+      }
+    });
+    if (!run.forgetful) dp.verify_in_sync();
+    dp.unshard_model();  // full_shard: the model's own parameters take the trained values
+  };
+  if (run.checkpoint.empty()) {
+    train(0, steps, false, false);
+  } else {
+    train(0, steps / 2, false, true);
+    mlp other_start = make_mlp(50 + static_cast<std::uint64_t>(comm.rank()));  // the checkpoint must overwrite it
+    placed.emplace(other_start, dev, last);
+    train(steps / 2, steps, true, false);
+  }
+  return read_back(placed->model, dev, last);
+}
+
+/// train_on_devices within `tol` of one process on the whole batch, and bit for bit what the same policies give on
+/// the host (the fake device runs the host's arithmetic, so any difference is an operation lost, repeated or run
+/// out of order).
+template <class... Ps, class Comm>
+mlp check_device_equivalence(Comm comm, optimizer_kind k, bool split, int micro = 1, double tol = 1e-5,
+                             closeness how = closeness::per_element,
+                             typename ddp::policies<Ps...>::sharding sharding = {},
+                             ddp::data_parallel_options options = {}) {
+  mlp got = train_on_devices<Ps...>(comm, k, {.split = split, .micro = micro}, sharding, options);
+  mlp want = reference_training(k);
+  require_close(got, want, tol, how);
+  mlp host = check_equivalence_of<mlp, Ps...>(comm, k, tol, micro, how, sharding, options);
+  require_same_bits(got, host);
+  return got;
+}
+
+/// Half the steps on the devices, a checkpoint (full or sharded) of the device arenas, the other half in a new
+/// wrapper and optimizer over a model loaded from it: bit for bit the uninterrupted training on the host.
+template <class... Ps, class Comm>
+void check_device_checkpoint(Comm comm, optimizer_kind k, bool split, bool sharded, const std::string& path,
+                             typename ddp::policies<Ps...>::sharding sharding = {}) {
+  mlp got = train_on_devices<Ps...>(comm, k, {.split = split, .checkpoint = path, .sharded_checkpoint = sharded},
+                                    sharding);
+  mlp host = check_equivalence_of<mlp, Ps...>(comm, k, 1e-5, 1, closeness::per_element, sharding);
+  require_same_bits(got, host);
+}
+
+/// The largest relative difference between `a` and `b` over every parameter element (scenarios.hpp's measure).
+inline double worst_difference(mlp& a, mlp& b) {
+  std::vector<std::vector<float>> want;
+  ddp::visit_parameters(b, [&](std::string_view, ddp::parameter<float>& p) {
+    want.emplace_back(p.value().begin(), p.value().end());
+  });
+  double worst = 0;
+  std::size_t k = 0;
+  ddp::visit_parameters(a, [&](std::string_view, ddp::parameter<float>& p) {
+    for (std::size_t i = 0; i < p.numel(); ++i)
+      worst = std::max(worst, std::abs(double(p.value()[i]) - want[k][i]) / std::max(std::abs(double(want[k][i])), 1e-2));
+    ++k;
+  });
+  return worst;
+}
+
+/// join_scenarios.hpp's uneven epochs with the model on the devices: each rank steps its own number of batches
+/// inside a join scope per epoch; the result equals join_reference (the mean over the active ranks' batches at
+/// every step) and the replicas agree.
+template <class... Ps, class Comm>
+void check_device_join(Comm comm, optimizer_kind k, bool split, typename ddp::policies<Ps...>::sharding sharding = {}) {
+  using namespace std::chrono_literals;
+  const auto seed = static_cast<unsigned>(comm.rank()) * 5 + 1;
+  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  const ddp::device_registration on_dev(dev), on_other(other);
+  ddp::testing::fake_device& last = split ? other : dev;
+  mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));
+  device_model placed(base, dev, last);
+  {
+    ddp::data_parallel<device_mlp, Ps...> dp{placed.model, comm, sharding};
+    auto scope = [&](auto& l) { return dp.unshard(l); };
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    with_optimizer(k, [&](auto& opt) {
+      for (int e = 0; e < join_epochs; ++e) {
+        auto j = dp.join();
+        for (int s = 0; s < uneven_batches(comm.rank(), e); ++s) {
+          dp.zero_grad();
+          device_forward_backward(placed.model, join_batch_of(e, comm.rank(), s), 1.0F / join_batch, report, scope,
+                                  dev, last);
+          dp.step(opt);
+        }
+        j.finish(opt);
+      }
+    });
+    dp.verify_in_sync();
+    dp.unshard_model();
+  }
+  mlp got = read_back(placed.model, dev, last);
+  mlp want = join_reference(k, comm.size());
+  require_close(got, want, 1e-5, closeness::per_element);
+}
+
+}  // namespace ddp_test

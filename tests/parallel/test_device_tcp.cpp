@@ -1,0 +1,93 @@
+// data_parallel with the model on fake devices over the TCP backend (device_scenarios.hpp), at N = 1..4 forked
+// ranks: buckets staged through host memory by the collective front end, element work and the optimizer on the
+// devices' streams.
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#include <ddp/comm/tcp/communicator.hpp>
+
+#include "device_scenarios.hpp"
+#include "support/run_ranks.hpp"
+
+namespace {
+using namespace ddp_test;
+using ddp::backend::tcp;
+using tiny = ddp::bucket_bytes<200, 60>;  // 50 floats a bucket, 15 in the first: boundaries inside parameters
+}  // namespace
+
+TEST_CASE("tcp device replicate: one device or two, sgd and adamw, no_sync, the compression hooks", "[device]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
+    check_device_equivalence<tcp>(comm, optimizer_kind::sgd_momentum, false);
+    check_device_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, false);
+    check_device_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_nesterov, true);
+    check_device_equivalence<tcp, tiny>(comm, optimizer_kind::adamw, true, 2);
+    check_device_equivalence<tcp, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, true, 1, 1e-2,
+                                                                 closeness::per_tensor);
+    check_device_equivalence<tcp, tiny, ddp::fp16_compress_hook>(comm, optimizer_kind::adamw, false, 1, 1e-2,
+                                                                 closeness::per_tensor);
+  });
+}
+TEST_CASE("tcp device shard_grad_op and full_shard: one device or two, sgd and adamw, no_sync", "[device]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
+    check_device_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, false);
+    check_device_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, true, 2);
+    check_device_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, false);
+    check_device_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov, true, 3);
+  });
+}
+TEST_CASE("tcp device hybrid and deterministic reduction", "[device]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
+    check_device_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(
+        comm, optimizer_kind::adamw, true, 1, 1e-5, closeness::per_element, hybrid_groups<ddp::full_shard>(comm.size()));
+    check_device_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(
+        comm, optimizer_kind::sgd_momentum, false, 1, 1e-5, closeness::per_element,
+        hybrid_groups<ddp::shard_grad_op>(comm.size()));
+    check_device_equivalence<tcp, tiny>(comm, optimizer_kind::sgd_momentum, true, 1, 1e-5, closeness::per_element,
+                                        ddp::replicate{.deterministic = true});
+    check_device_equivalence<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, false, 1, 1e-5,
+                                                         closeness::per_element, ddp::full_shard{.deterministic = true});
+  });
+}
+TEST_CASE("tcp device: a device that drops its ordering waits trains wrong, so the suite would catch a lost wait",
+          "[device]") {
+  ddp::testing::require_all_ok(ddp::testing::run_ranks(2, [](int) {
+    ddp::tcp::communicator comm = ddp::tcp::communicator::from_env();
+    mlp got = train_on_devices<tcp, tiny>(comm, optimizer_kind::sgd_momentum, {.forgetful = true});
+    mlp want = reference_training(optimizer_kind::sgd_momentum);
+    const double worst = worst_difference(got, want);
+    INFO("worst relative difference from one process without the ordering waits: " << worst);
+    REQUIRE(worst > 1e-3);
+    mlp kept = train_on_devices<tcp, tiny>(comm, optimizer_kind::sgd_momentum, {});  // the same with them
+    REQUIRE(worst_difference(kept, want) <= 1e-5);
+  }));
+}
+TEST_CASE("tcp device checkpoints: full and sharded, every policy, resume bit for bit", "[device]") {
+  const std::string dir = "/tmp/ddp_device_ckpt_" + std::to_string(::getpid());
+  ddp::testing::on_1_to_n_ranks(3, [&](ddp::tcp::communicator comm) {
+    const std::string at = dir + "_n" + std::to_string(comm.size());
+    check_device_checkpoint<tcp, tiny>(comm, optimizer_kind::adamw, true, false, at + "_replicate.safetensors");
+    check_device_checkpoint<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::sgd_momentum, false, true,
+                                                           at + "_shard_grad_op");
+    check_device_checkpoint<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, true, false,
+                                                        at + "_full_shard.safetensors");
+    check_device_checkpoint<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, false, true, at + "_full_shard");
+  });
+  std::error_code ignored;
+  for (int n = 1; n <= 3; ++n)
+    for (const char* name : {"_replicate.safetensors", "_shard_grad_op", "_full_shard.safetensors", "_full_shard"})
+      std::filesystem::remove_all(dir + "_n" + std::to_string(n) + name, ignored);
+}
+TEST_CASE("tcp device join: uneven batch counts under every policy equal one process", "[device]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
+    check_device_join<tcp, tiny>(comm, optimizer_kind::sgd_momentum, true);
+    check_device_join<tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, false);
+    check_device_join<tcp, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov, true);
+    check_device_join<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::adamw, false,
+                                                              hybrid_groups<ddp::full_shard>(comm.size()));
+  });
+}
