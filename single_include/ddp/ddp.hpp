@@ -2379,6 +2379,9 @@ class memory_domain {
   /// Zeroes bytes [begin, end) of `b`; where the domain can, the whole pages inside take no memory until touched
   /// again (the host's madvise). A domain that cannot only zeroes: size buffers to what must be resident.
   virtual void release(const domain_buffer& b, std::size_t begin, std::size_t end) = 0;
+  /// Whether release() hands whole pages back while the range stays usable (the host); where it does not, the
+  /// sharded strategies free their full-size arenas instead of releasing them.
+  [[nodiscard]] virtual bool releases_pages() const noexcept = 0;
   /// Every element of `t` becomes zero.
   virtual void zero(const raw_tensor& t) = 0;
   /// to = from, element for element (same dtype and size); one side may be host memory (staging, owning leaves).
@@ -2507,6 +2510,7 @@ class host_domain final : public memory_domain {
     }
     std::fill(data + begin, data + end, std::byte{0});
   }
+  [[nodiscard]] bool releases_pages() const noexcept override { return true; }
   void zero(const raw_tensor& t) override {
     if (t.size) std::memset(t.data, 0, t.bytes());
   }
@@ -2726,6 +2730,17 @@ class staged_state final : public work_state {
       for (const auto& e : record_->entries)
         if (e.output && e.domain == d) d->copy(e.host, e.device);
       d->when_done([r = record_] { r->arrived(); });
+    }
+  }
+  staged_state(const staged_state&) = delete;
+  staged_state& operator=(const staged_state&) = delete;
+  /// The backend may still be using the host buffers of a collective dropped before it completed: waits for it
+  /// (its errors dropped: nobody is left to hear them), so the buffers outlive it.
+  ~staged_state() override {
+    if (seen_.load()) return;
+    try {
+      if (auto& s = work_access::state(inner_)) (void)s->wait_until(clock::now() + s->timeout());
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor reports nothing
     }
   }
   bool test() override {
@@ -9550,11 +9565,11 @@ class leaf_binding_of final : public leaf_binding {
   }
   /// The leaf's bytes at `from` into ddp's at `to`.
   void to_ddp(std::byte* to, const std::byte* from) const {
-    if (bytes_ && to != from) domain_->copy(home(from), ours(to));
+    if (bytes_ && to && to != from) domain_->copy(home(from), ours(to));
   }
-  /// ddp's bytes at `from` into the leaf's at `to`.
+  /// ddp's bytes at `from` into the leaf's at `to` (nothing where ddp holds none: a freed sharded arena).
   void to_home(std::byte* to, const std::byte* from) const {
-    if (bytes_ && to != from) domain_->copy(ours(from), home(to));
+    if (bytes_ && from && to != from) domain_->copy(ours(from), home(to));
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf
@@ -11263,7 +11278,12 @@ class sharded_core {
       e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
     }
     pooled_.resize(units);
-    for (auto& a : layout_.arenas()) a.grads.release(0, a.grads.size());  // released gradients: zero pages
+    for (auto& a : layout_.arenas()) {  // full gradients live in pooled buffers only: zero pages, or freed
+      if (a.domain->releases_pages())
+        a.grads.release(0, a.grads.size());
+      else
+        a.grads = domain_buffer{};
+    }
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
@@ -11276,7 +11296,7 @@ class sharded_core {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
           const auto& e = extents_[u][a];
           const auto& arena = layout_.arenas()[a];
-          arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
+          if (arena.values.size() != 0) arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
         }
       }
       pooled_[u] = unit_buffers{};
@@ -11435,10 +11455,21 @@ class sharded_core {
     grads_pool_.trim(trim_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
-  /// blocks) and vacates every parameter there.
+  /// blocks), or frees the arena where its domain cannot hand pages back, and vacates every parameter there.
   void release_arena_values() {
-    for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
+    for (auto& a : layout_.arenas()) {
+      if (a.domain->releases_pages())
+        a.values.release(0, a.values.size());
+      else
+        a.values = domain_buffer{};
+    }
     for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
+  }
+  /// Gives every arena freed by release_arena_values() its full-size values buffer again (full_shard's
+  /// unshard_model all-gathers the whole model into it).
+  void restore_arena_values() {
+    for (auto& a : layout_.arenas())
+      if (a.values.size() == 0 && a.numel != 0) a.values = a.domain->allocate(a.numel * size_of(a.type));
   }
   /// The arenas hold the parameters' full values from now on (full_shard's unshard_model): the parameters of
   /// units without a pooled buffer are bound there as values, no longer vacated.
@@ -11471,10 +11502,13 @@ class sharded_core {
       const auto& p = layout_.slots()[s];
       const auto& a = layout_.arenas()[p.arena];
       const std::size_t w = size_of(p.type), at = p.offset - extents_[u][p.arena].begin;
-      std::byte* values = pooled_[u].values == no_buffer ? a.values.data() + p.offset * w
-                                                         : values_pool_.data(pooled_[u].values, p.arena) + at * w;
-      std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
-                                                       : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
+      // without a pooled buffer: the arena place, or nothing where the arena was freed (a device's)
+      std::byte* values = pooled_[u].values != no_buffer ? values_pool_.data(pooled_[u].values, p.arena) + at * w
+                          : a.values.size() != 0         ? a.values.data() + p.offset * w
+                                                         : nullptr;
+      std::byte* grads = pooled_[u].grads != no_buffer ? grads_pool_.data(pooled_[u].grads, p.arena) + at * w
+                         : a.grads.size() != 0         ? a.grads.data() + p.offset * w
+                                                       : nullptr;
       p.leaf->rebind(values, grads, present);
     }
   }
@@ -11757,6 +11791,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
                     "dp.unshard(...) scope before unsharding the whole model", this->shard_group().rank());
       reshard(u);
     }
+    this->restore_arena_values();
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     this->order_buckets(works);
@@ -14488,7 +14523,7 @@ class op_state final : public ddp::detail::work_state {
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 /// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
-/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: 91a5f081b58959ca21ce80a6aa9107e0bd275b9b35467f969b098c2130282da8
+/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: caefa727c04fcc0b713045cbb26ebf9892298e243bf1a4f4c0f753316fadd945
 
 namespace ddp::cuda::detail {
 
@@ -28391,6 +28426,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       for (const std::size_t tensor : members[u]) {
         const auto& p = slots[tensor];
         const auto& arena = dp.layout().arenas()[p.arena];
+        if (arena.values.size() == 0) continue;  // full_shard on a device: no full-size arena (the owned blocks are loaded)
         const raw_tensor place = arena.value_view(p.offset, p.numel);
         const bool on_device = place.where.is_cuda();
         if (on_device) staged.resize(place.bytes());

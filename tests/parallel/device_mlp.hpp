@@ -24,10 +24,12 @@
 
 namespace ddp_test {
 
-/// A parameter on a device: views of its values and gradient there (copied by value into kernels).
-struct device_param {
-  float* values = nullptr;
-  float* grads = nullptr;
+/// A parameter of element type T on a device: views of its values and gradient there (copied by value into
+/// kernels).
+template <class T>
+struct device_param_of {
+  T* values = nullptr;
+  T* grads = nullptr;
   std::vector<std::size_t> shape;
   ddp::device where = ddp::device::cuda(0);
   [[nodiscard]] std::size_t numel() const noexcept {
@@ -36,17 +38,21 @@ struct device_param {
     return n;
   }
   /// The values (device memory: touch them inside a kernel only).
-  [[nodiscard]] std::span<float> value() const noexcept { return {values, numel()}; }
+  [[nodiscard]] std::span<T> value() const noexcept { return {values, numel()}; }
   /// The gradient (device memory: touch it inside a kernel only).
-  [[nodiscard]] std::span<float> grad() const noexcept { return {grads, numel()}; }
+  [[nodiscard]] std::span<T> grad() const noexcept { return {grads, numel()}; }
+  /// The values as a tensor of the device.
+  [[nodiscard]] ddp::raw_tensor value_tensor() const noexcept { return {values, numel(), ddp::dtype_v<T>, where}; }
   /// Both, as tensors a kernel opens.
   [[nodiscard]] std::vector<ddp::raw_tensor> ranges() const {
-    return {{values, numel(), ddp::dtype::f32, where}, {grads, numel(), ddp::dtype::f32, where}};
+    return {value_tensor(), {grads, numel(), ddp::dtype_v<T>, where}};
   }
 };
+using device_param = device_param_of<float>;
 
-struct device_linear {
-  device_param weight, bias;
+template <class T>
+struct device_linear_of {
+  device_param_of<T> weight, bias;
   /// Every range of the layer, for a kernel to open.
   [[nodiscard]] std::vector<ddp::raw_tensor> ranges() const {
     auto out = weight.ranges();
@@ -54,30 +60,34 @@ struct device_linear {
     return out;
   }
 };
-struct device_mlp {
-  device_linear fc1, fc2, fc3;
+using device_linear = device_linear_of<float>;
+template <class T>
+struct device_mlp_of {
+  device_linear_of<T> fc1, fc2, fc3;
 };
+using device_mlp = device_mlp_of<float>;
 
 }  // namespace ddp_test
 
-template <>
-struct ddp::storage_traits<ddp_test::device_param> {
-  static ddp::dtype dtype(const ddp_test::device_param&) { return ddp::dtype::f32; }
-  static std::vector<std::size_t> shape(const ddp_test::device_param& p) { return p.shape; }
-  static void* values(ddp_test::device_param& p) { return p.values; }
-  static void* grads(ddp_test::device_param& p) { return p.grads; }
-  static ddp::device device(const ddp_test::device_param& p) { return p.where; }
-  static void adopt(ddp_test::device_param& p, void* values, void* grads) {
-    p.values = static_cast<float*>(values);
-    p.grads = static_cast<float*>(grads);
+template <class T>
+struct ddp::storage_traits<ddp_test::device_param_of<T>> {
+  using param = ddp_test::device_param_of<T>;
+  static ddp::dtype dtype(const param&) { return ddp::dtype_v<T>; }
+  static std::vector<std::size_t> shape(const param& p) { return p.shape; }
+  static void* values(param& p) { return p.values; }
+  static void* grads(param& p) { return p.grads; }
+  static ddp::device device(const param& p) { return p.where; }
+  static void adopt(param& p, void* values, void* grads) {
+    p.values = static_cast<T*>(values);
+    p.grads = static_cast<T*>(grads);
   }
 };
 
 namespace ddp_test {
 
 /// Calls `f(host parameter, device parameter, its device)` for the six parameters of `host` and `device` in pairs.
-template <class F>
-void pair_up(mlp& host, device_mlp& device, ddp::testing::fake_device& dev, ddp::testing::fake_device& last, F&& f) {
+template <class Host, class Device, class F>
+void pair_up(Host& host, Device& device, ddp::testing::fake_device& dev, ddp::testing::fake_device& last, F&& f) {
   f(host.fc1.weight, device.fc1.weight, dev);
   f(host.fc1.bias, device.fc1.bias, dev);
   f(host.fc2.weight, device.fc2.weight, dev);
@@ -86,35 +96,43 @@ void pair_up(mlp& host, device_mlp& device, ddp::testing::fake_device& dev, ddp:
   f(host.fc3.bias, device.fc3.bias, last);
 }
 
-/// A device copy of `host` on `dev` (fc1 and fc2 there, fc3 on `last`: a model split over two devices when they
-/// differ), with the device memory it owns.
-struct device_model {
-  device_mlp model;
+/// A device copy of `host` (an MLP of T parameters) on `dev` (fc1 and fc2 there, fc3 on `last`: a model split over
+/// two devices when they differ), with the device memory it owns.
+template <class T>
+struct device_model_of {
+  device_mlp_of<T> model;
   std::vector<ddp::domain_buffer> memory;
 
-  device_model(mlp& host, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
-    auto place = [&](ddp::parameter<float>& from, device_param& to, ddp::testing::fake_device& d) {
-      const std::size_t bytes = from.numel() * sizeof(float);
+  template <class Host>
+  device_model_of(Host& host, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
+    auto place = [&](ddp::parameter<T>& from, device_param_of<T>& to, ddp::testing::fake_device& d) {
+      const std::size_t bytes = from.numel() * sizeof(T);
       memory.push_back(d.allocate(bytes));
       memory.push_back(d.allocate(bytes));
-      to.values = reinterpret_cast<float*>(memory[memory.size() - 2].data());
-      to.grads = reinterpret_cast<float*>(memory.back().data());
+      to.values = reinterpret_cast<T*>(memory[memory.size() - 2].data());
+      to.grads = reinterpret_cast<T*>(memory.back().data());
       to.shape = from.shape();
       to.where = d.where();
-      d.copy(ddp::raw_tensor::of(from.value()), {to.values, from.numel(), ddp::dtype::f32, to.where});
+      d.copy(ddp::raw_tensor::of(from.value()), to.value_tensor());
       d.synchronize();
     };
     pair_up(host, model, dev, last, place);
   }
 };
+using device_model = device_model_of<float>;
 
-/// The values of `m`'s parameters read back from their devices into a host mlp of the same shapes.
-inline mlp read_back(device_mlp& m, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
-  mlp out = make_mlp(1);
-  pair_up(out, m, dev, last, [](ddp::parameter<float>& to, device_param& from, ddp::testing::fake_device& d) {
-    const auto v = d.read<float>({from.values, from.numel(), ddp::dtype::f32, from.where});
+/// The values of `m`'s parameters read back from their devices into `out`, a host MLP of the same shapes.
+template <class Host, class T>
+void read_back_into(Host& out, device_mlp_of<T>& m, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
+  pair_up(out, m, dev, last, [](ddp::parameter<T>& to, device_param_of<T>& from, ddp::testing::fake_device& d) {
+    const auto v = d.read<T>(from.value_tensor());
     std::copy(v.begin(), v.end(), to.value().begin());
   });
+}
+/// The values of `m`'s parameters read back from their devices into a host mlp.
+inline mlp read_back(device_mlp& m, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
+  mlp out = make_mlp(1);
+  read_back_into(out, m, dev, last);
   return out;
 }
 
@@ -127,19 +145,19 @@ inline ddp::testing::fake_device& device_of_layer(int k, ddp::testing::fake_devi
 /// (activations cross devices in host memory, which kernels may touch), each layer's gradients reported from the
 /// host right after its backward is enqueued. `scope(layer)` wraps the layer's use (dp.unshard under full_shard);
 /// a kernel works on the parameter views as they are when it is enqueued.
-template <class Report, class Scope>
-void device_forward_backward(device_mlp& m, const batch& b, float scale, Report&& report, Scope&& scope,
+template <class T, class Report, class Scope>
+void device_forward_backward(device_mlp_of<T>& m, const batch& b, float scale, Report&& report, Scope&& scope,
                              ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
   const std::size_t n = b.n;
   auto x = std::make_shared<std::vector<float>>(b.x);
   auto a1 = std::make_shared<std::vector<float>>(), a2 = std::make_shared<std::vector<float>>();
   auto out = std::make_shared<std::vector<float>>(), delta = std::make_shared<std::vector<float>>();
-  device_linear* layers[] = {&m.fc1, &m.fc2, &m.fc3};
+  device_linear_of<T>* layers[] = {&m.fc1, &m.fc2, &m.fc3};
   const std::shared_ptr<std::vector<float>> inputs[] = {x, a1, a2};
   const std::shared_ptr<std::vector<float>> outputs[] = {a1, a2, out};
   for (int k = 0; k < 3; ++k) {
     [[maybe_unused]] auto g = scope(*layers[k]);
-    const device_linear l = *layers[k];  // the views as they are now
+    const device_linear_of<T> l = *layers[k];  // the views as they are now
     device_of_layer(k, dev, last).run(l.ranges(), [l, in = inputs[k], to = outputs[k], n, k] {
       *to = detail::layer_forward(l, *in, n, k < 2);
     });
@@ -152,7 +170,7 @@ void device_forward_backward(device_mlp& m, const batch& b, float scale, Report&
   last.synchronize();
   for (int k = 2; k >= 0; --k) {
     [[maybe_unused]] auto g = scope(*layers[k]);
-    const device_linear l = *layers[k];
+    const device_linear_of<T> l = *layers[k];
     const auto in = inputs[k];
     const auto act = k > 0 ? inputs[k] : nullptr;
     device_of_layer(k, dev, last).run(l.ranges(), [l, in, delta, act, n]() mutable {

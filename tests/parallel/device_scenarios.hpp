@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
+#include <type_traits>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -21,6 +23,7 @@
 
 #include "device_mlp.hpp"
 #include "join_scenarios.hpp"
+#include "mixed_scenarios.hpp"
 #include "scenarios.hpp"
 #include "support/fake_device.hpp"
 
@@ -183,6 +186,69 @@ void check_device_join(Comm comm, optimizer_kind k, bool split, typename ddp::po
   mlp got = read_back(placed.model, dev, last);
   mlp want = join_reference(k, comm.size());
   require_close(got, want, 1e-5, closeness::per_element);
+}
+
+/// Every parameter of `a` has `b`'s bits (any element type with a bit-exact ==, such as bf16's `bits`).
+template <class Model>
+void require_same_bits_of(Model& a, Model& b) {
+  using T = std::remove_cvref_t<decltype(a.fc1.weight.value()[0])>;
+  std::vector<std::vector<T>> want;
+  ddp::visit_parameters(b, [&](std::string_view, ddp::parameter<T>& p) { want.emplace_back(p.value().begin(), p.value().end()); });
+  std::size_t k = 0;
+  ddp::visit_parameters(a, [&](std::string_view name, ddp::parameter<T>& p) {
+    INFO("parameter " << name);
+    for (std::size_t i = 0; i < p.numel(); ++i) REQUIRE(std::memcmp(&p.value()[i], &want[k][i], sizeof(T)) == 0);
+    ++k;
+  });
+}
+
+/// Mixed precision (Ps hold a ddp::mixed_precision) with the model of the compute dtype on the devices: bit for bit
+/// what the same policies give the model in host memory (mixed_scenarios.hpp checks that one against one process).
+template <class... Ps, class Comm>
+void check_device_mixed(Comm comm, optimizer_kind k, bool split, typename ddp::policies<Ps...>::sharding sharding = {}) {
+  using namespace std::chrono_literals;
+  using T = compute_of<Ps...>;
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  const float scale = static_cast<float>(comm.size()) / global_batch;
+  mlp_of<T> host = make_rounded_mlp<T>(1 + static_cast<std::uint64_t>(comm.rank()));
+  {
+    ddp::data_parallel<mlp_of<T>, Ps...> dp{host, comm, sharding};
+    auto scope = [&](auto& l) { return dp.unshard(l); };
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    with_optimizer(k, [&](auto& opt) {
+      for (int s = 0; s < steps; ++s) {
+        dp.zero_grad();
+        forward_backward(host, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count), scale,
+                         report, scope);
+        dp.step(opt);
+      }
+    });
+    dp.unshard_model();
+  }
+  const auto seed = static_cast<unsigned>(comm.rank()) * 3 + 2;
+  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  const ddp::device_registration on_dev(dev), on_other(other);
+  ddp::testing::fake_device& last = split ? other : dev;
+  mlp_of<T> start = make_rounded_mlp<T>(1 + static_cast<std::uint64_t>(comm.rank()));
+  device_model_of<T> placed(start, dev, last);
+  {
+    ddp::data_parallel<device_mlp_of<T>, Ps...> dp{placed.model, comm, sharding};
+    auto scope = [&](auto& l) { return dp.unshard(l); };
+    auto report = [&](auto& p) { dp.gradient_ready(p); };
+    with_optimizer(k, [&](auto& opt) {
+      for (int s = 0; s < steps; ++s) {
+        dp.zero_grad();
+        device_forward_backward(placed.model, make_batch(static_cast<std::uint64_t>(s), global_batch).slice(begin, count),
+                                scale, report, scope, dev, last);
+        dp.step(opt);
+      }
+    });
+    dp.verify_in_sync();
+    dp.unshard_model();
+  }
+  mlp_of<T> got = make_rounded_mlp<T>(1);
+  read_back_into(got, placed.model, dev, last);
+  require_same_bits_of(got, host);
 }
 
 }  // namespace ddp_test

@@ -76,6 +76,8 @@ class fake_device final : public ddp::memory_domain {
   void release(const ddp::domain_buffer& b, std::size_t begin, std::size_t end) override {
     zero({b.data() + begin, end - begin, ddp::dtype::u8, where()});
   }
+  /// As a GPU's: released memory stays resident.
+  [[nodiscard]] bool releases_pages() const noexcept override { return false; }
   void zero(const ddp::raw_tensor& t) override {
     enqueue({t}, [t] { ddp::host_memory().zero(t); });
   }

@@ -347,6 +347,7 @@ void refresh_parameters(DP& dp, const training_state& st) {
       for (const std::size_t tensor : members[u]) {
         const auto& p = slots[tensor];
         const auto& arena = dp.layout().arenas()[p.arena];
+        if (arena.values.size() == 0) continue;  // full_shard on a device: no full-size arena (the owned blocks are loaded)
         const raw_tensor place = arena.value_view(p.offset, p.numel);
         const bool on_device = place.where.is_cuda();
         if (on_device) staged.resize(place.bytes());

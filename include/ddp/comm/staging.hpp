@@ -107,6 +107,17 @@ class staged_state final : public work_state {
       d->when_done([r = record_] { r->arrived(); });
     }
   }
+  staged_state(const staged_state&) = delete;
+  staged_state& operator=(const staged_state&) = delete;
+  /// The backend may still be using the host buffers of a collective dropped before it completed: waits for it
+  /// (its errors dropped: nobody is left to hear them), so the buffers outlive it.
+  ~staged_state() override {
+    if (seen_.load()) return;
+    try {
+      if (auto& s = work_access::state(inner_)) (void)s->wait_until(clock::now() + s->timeout());
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor reports nothing
+    }
+  }
   bool test() override {
     if (!inner_.done()) return false;
     completed();

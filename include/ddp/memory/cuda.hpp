@@ -75,6 +75,8 @@ class domain final : public memory_domain {
     const device_guard on(device_);
     check(cudaMemsetAsync(b.data() + begin, 0, end - begin, stream_), "cudaMemsetAsync of a released range");
   }
+  /// Device memory cannot be handed back page by page: the sharded strategies free their full-size arenas.
+  [[nodiscard]] bool releases_pages() const noexcept override { return false; }
   void zero(const raw_tensor& t) override {
     mine(t, "zero");
     const device_guard on(device_);

@@ -65,6 +65,9 @@ class memory_domain {
   /// Zeroes bytes [begin, end) of `b`; where the domain can, the whole pages inside take no memory until touched
   /// again (the host's madvise). A domain that cannot only zeroes: size buffers to what must be resident.
   virtual void release(const domain_buffer& b, std::size_t begin, std::size_t end) = 0;
+  /// Whether release() hands whole pages back while the range stays usable (the host); where it does not, the
+  /// sharded strategies free their full-size arenas instead of releasing them.
+  [[nodiscard]] virtual bool releases_pages() const noexcept = 0;
   /// Every element of `t` becomes zero.
   virtual void zero(const raw_tensor& t) = 0;
   /// to = from, element for element (same dtype and size); one side may be host memory (staging, owning leaves).

@@ -48,6 +48,7 @@ class host_domain final : public memory_domain {
     }
     std::fill(data + begin, data + end, std::byte{0});
   }
+  [[nodiscard]] bool releases_pages() const noexcept override { return true; }
   void zero(const raw_tensor& t) override {
     if (t.size) std::memset(t.data, 0, t.bytes());
   }

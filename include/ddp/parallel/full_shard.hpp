@@ -108,6 +108,7 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
                     "dp.unshard(...) scope before unsharding the whole model", this->shard_group().rank());
       reshard(u);
     }
+    this->restore_arena_values();
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     this->order_buckets(works);

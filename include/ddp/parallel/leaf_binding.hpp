@@ -116,11 +116,11 @@ class leaf_binding_of final : public leaf_binding {
   }
   /// The leaf's bytes at `from` into ddp's at `to`.
   void to_ddp(std::byte* to, const std::byte* from) const {
-    if (bytes_ && to != from) domain_->copy(home(from), ours(to));
+    if (bytes_ && to && to != from) domain_->copy(home(from), ours(to));
   }
-  /// ddp's bytes at `from` into the leaf's at `to`.
+  /// ddp's bytes at `from` into the leaf's at `to` (nothing where ddp holds none: a freed sharded arena).
   void to_home(std::byte* to, const std::byte* from) const {
-    if (bytes_ && to != from) domain_->copy(ours(from), home(to));
+    if (bytes_ && from && to != from) domain_->copy(ours(from), home(to));
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf

@@ -140,7 +140,12 @@ class sharded_core {
       e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
     }
     pooled_.resize(units);
-    for (auto& a : layout_.arenas()) a.grads.release(0, a.grads.size());  // released gradients: zero pages
+    for (auto& a : layout_.arenas()) {  // full gradients live in pooled buffers only: zero pages, or freed
+      if (a.domain->releases_pages())
+        a.grads.release(0, a.grads.size());
+      else
+        a.grads = domain_buffer{};
+    }
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
@@ -153,7 +158,7 @@ class sharded_core {
         for (std::size_t a = 0; a < layout_.arenas().size(); ++a) {
           const auto& e = extents_[u][a];
           const auto& arena = layout_.arenas()[a];
-          arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
+          if (arena.values.size() != 0) arena.domain->copy(unit_values(u, a), arena.value_view(e.begin, e.end - e.begin));
         }
       }
       pooled_[u] = unit_buffers{};
@@ -312,10 +317,21 @@ class sharded_core {
     grads_pool_.trim(trim_);
   }
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
-  /// blocks) and vacates every parameter there.
+  /// blocks), or frees the arena where its domain cannot hand pages back, and vacates every parameter there.
   void release_arena_values() {
-    for (auto& a : layout_.arenas()) a.values.release(0, a.values.size());
+    for (auto& a : layout_.arenas()) {
+      if (a.domain->releases_pages())
+        a.values.release(0, a.values.size());
+      else
+        a.values = domain_buffer{};
+    }
     for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
+  }
+  /// Gives every arena freed by release_arena_values() its full-size values buffer again (full_shard's
+  /// unshard_model all-gathers the whole model into it).
+  void restore_arena_values() {
+    for (auto& a : layout_.arenas())
+      if (a.values.size() == 0 && a.numel != 0) a.values = a.domain->allocate(a.numel * size_of(a.type));
   }
   /// The arenas hold the parameters' full values from now on (full_shard's unshard_model): the parameters of
   /// units without a pooled buffer are bound there as values, no longer vacated.
@@ -348,10 +364,13 @@ class sharded_core {
       const auto& p = layout_.slots()[s];
       const auto& a = layout_.arenas()[p.arena];
       const std::size_t w = size_of(p.type), at = p.offset - extents_[u][p.arena].begin;
-      std::byte* values = pooled_[u].values == no_buffer ? a.values.data() + p.offset * w
-                                                         : values_pool_.data(pooled_[u].values, p.arena) + at * w;
-      std::byte* grads = pooled_[u].grads == no_buffer ? a.grads.data() + p.offset * w
-                                                       : grads_pool_.data(pooled_[u].grads, p.arena) + at * w;
+      // without a pooled buffer: the arena place, or nothing where the arena was freed (a device's)
+      std::byte* values = pooled_[u].values != no_buffer ? values_pool_.data(pooled_[u].values, p.arena) + at * w
+                          : a.values.size() != 0         ? a.values.data() + p.offset * w
+                                                         : nullptr;
+      std::byte* grads = pooled_[u].grads != no_buffer ? grads_pool_.data(pooled_[u].grads, p.arena) + at * w
+                         : a.grads.size() != 0         ? a.grads.data() + p.offset * w
+                                                       : nullptr;
       p.leaf->rebind(values, grads, present);
     }
   }
