@@ -174,7 +174,7 @@ struct storage_traits<torch::Tensor> {
     for (const auto d : t.sizes()) out.push_back(static_cast<std::size_t>(d));
     return out;
   }
-  /// cpu or cuda:N (data_parallel refuses CUDA parameters with a config_error naming them).
+  /// cpu or cuda:N (data_parallel needs cuda:N's memory domain registered; CUDA tensors are not yet run on a GPU).
   static ddp::device device(const torch::Tensor& t) {
     return t.device().is_cuda() ? device::cuda(t.device().index()) : device::cpu();
   }
