@@ -6484,6 +6484,11 @@ namespace ddp::tcp::detail {
 inline constexpr std::uint32_t store_magic = 0x53504444;  // "DDPS"
 inline constexpr std::uint32_t max_store_key = 4096;
 inline constexpr std::uint64_t max_store_value = 64ULL << 20;
+/// The key whose value, once set, ends the job's rendezvous: every get of a key not set, waiting or later, is
+/// answered with it (store_abort_reply), so a job-wide configuration error reaches every rank at once.
+inline constexpr const char* store_abort_key = "ddp/abort";
+/// The length word of a get's reply that says "aborted": the abort's text follows (its length, then its bytes).
+inline constexpr std::uint64_t store_abort_reply = ~std::uint64_t{0};
 
 /// First message on a store connection.
 struct store_hello {
@@ -6583,6 +6588,7 @@ class store_book {
       if (r.cmd == store_cmd::set) {
         data_[key].assign(value, value + r.value_len);
         s.out.push_back(1);
+        if (key == store_abort_key) wake_all_parked();
       } else if (r.cmd == store_cmd::add) {
         add(s, key, value);
       } else if (!answer_get(s, key)) {
@@ -6613,23 +6619,31 @@ class store_book {
   }
 
   bool answer_get(store_session& s, const std::string& key) {
-    const auto it = data_.find(key);
-    if (it == data_.end()) return false;
+    auto it = data_.find(key);
+    if (it == data_.end()) {
+      it = data_.find(store_abort_key);
+      if (it == data_.end()) return false;
+      append(s, &store_abort_reply, 8);  // the job is aborted: the key will never come
+    }
     const std::uint64_t n = it->second.size();
     append(s, &n, 8);
     append(s, it->second.data(), it->second.size());
     return true;
   }
 
-  void wake_parked(const std::string& key) {
+  void wake_parked(const std::string& key) { wake(key.c_str()); }
+  /// The abort was set: every parked get is answered with it.
+  void wake_all_parked() { wake(nullptr); }
+  /// Answers the parked gets of `key` (every parked get when null).
+  void wake(const char* key) {
     std::vector<store_session*> woken;
     std::erase_if(parked_, [&](store_session* other) {
-      if (other->parked_key != key) return false;
+      if (key != nullptr && other->parked_key != key) return false;
       woken.push_back(other);
       return true;
     });
     for (store_session* other : woken) {
-      answer_get(*other, key);
+      answer_get(*other, other->parked_key);
       other->parked = false;
       other->parked_key.clear();
       parse(*other);
@@ -7857,11 +7871,18 @@ class store_client {
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "set '" + key + "'");
   }
-  /// The value under `key`, waiting until some rank sets it.
+  /// The value under `key`, waiting until some rank sets it; throws ddp::config_error with the abort's text when a
+  /// rank aborted the rendezvous first (store_abort_key).
   std::vector<std::uint8_t> get(const std::string& key) {
     request(store_cmd::get, key, nullptr, 0);
     std::uint64_t n = 0;
     check(recv_all(fd_.get(), &n, 8, deadline_), "get '" + key + "'");
+    if (n == store_abort_reply) {
+      check(recv_all(fd_.get(), &n, 8, deadline_), "get '" + key + "'");
+      std::string why(n <= max_store_value ? n : 0, '\0');
+      check(recv_all(fd_.get(), why.data(), why.size(), deadline_), "get '" + key + "'");
+      throw config_error(why, rank_);
+    }
     if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
     std::vector<std::uint8_t> value(n);
     check(recv_all(fd_.get(), value.data(), n, deadline_), "get '" + key + "'");
@@ -8284,19 +8305,62 @@ inline void claim_rank(store_client& store, int me) {
   throw joined_twice(text, me);
 }
 
-/// Throws when some process claimed a rank already taken (claim_rank); the waits of the rendezvous call it.
-inline void check_no_twin(store_client& store, int me) {
-  if (store.add("ddp/twins", 0) == 0) return;
-  const auto rank = store.get("ddp/twin");
-  throw joined_twice(std::string(rank.begin(), rank.end()), me);
+/// Records the job's world size when the first rank joins and checks every later rank's against it: a rank started
+/// with another WORLD_SIZE aborts the rendezvous (store_abort_key), so every rank fails at once with the same
+/// sentence instead of at the connect deadline.
+inline void claim_world_size(store_client& store, int me, int size) {
+  store.add("ddp/members", 1);
+  if (store.add("ddp/size_claimed", 1) == 1) {
+    const std::string text = std::to_string(size) + " " + std::to_string(me);
+    store.set("ddp/size", std::vector<std::uint8_t>(text.begin(), text.end()));
+    return;
+  }
+  const auto bytes = store.get("ddp/size");
+  const std::string text(bytes.begin(), bytes.end());
+  const auto space = text.find(' ');
+  const std::string first = text.substr(0, space), who = space == std::string::npos ? "?" : text.substr(space + 1);
+  if (first == std::to_string(size)) return;
+  const std::string what = "WORLD_SIZE differs across the job's ranks: rank " + std::to_string(me) +
+                           " was started with WORLD_SIZE=" + std::to_string(size) + " but rank " + who +
+                           ", the first to join, with WORLD_SIZE=" + first + "; start every rank of a job with the "
+                           "same WORLD_SIZE (under ddp-launch: the same --nnodes and --nproc-per-node on every node)";
+  store.add("ddp/aborts", 1);
+  store.set(store_abort_key, std::vector<std::uint8_t>(what.begin(), what.end()));
+  throw config_error(what, me);
+}
+
+/// Throws when some process claimed a rank already taken (claim_rank) or aborted the rendezvous
+/// (claim_world_size); the waits of the rendezvous call it.
+inline void check_job(store_client& store, int me) {
+  if (store.add("ddp/twins", 0) != 0) {
+    const auto rank = store.get("ddp/twin");
+    throw joined_twice(std::string(rank.begin(), rank.end()), me);
+  }
+  if (store.add("ddp/aborts", 0) != 0) {
+    const auto what = store.get(store_abort_key);
+    throw config_error(std::string(what.begin(), what.end()), me);
+  }
+}
+
+/// After a configuration error in the rendezvous: where the job was aborted, this rank counts itself as told, and
+/// rank 0, whose store tells the others, keeps it up until every rank that joined has been told (at most 2 s).
+inline void settle_abort(store_client& store, int me) noexcept {
+  try {
+    if (store.add("ddp/aborts", 0) == 0) return;
+    store.add("ddp/abort_seen", 1);
+    const auto until = clock::now() + std::chrono::seconds(2);
+    while (me == 0 && clock::now() < until && store.add("ddp/abort_seen", 0) < store.add("ddp/members", 0))
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the store is gone; the error being raised says what happened
+  }
 }
 
 /// Accepts every higher rank on `acceptor`, all handshakes at once; strangers are refused and the job goes on.
 inline void accept_peers(const config& cfg, store_client& store, std::uint64_t token, handshake_acceptor& acceptor,
                          const std::string& where, std::vector<socket_fd>& peers, clock::time_point deadline) {
   const int me = cfg.rank;
-  constexpr auto twin_check_every = std::chrono::milliseconds(100);
-  auto next_twin_check = clock::now();
+  constexpr auto job_check_every = std::chrono::milliseconds(100);
+  auto next_job_check = clock::now();
   std::vector<pollfd> fds;
   for (int expected = cfg.size - 1 - me; expected > 0;) {
     if (clock::now() >= deadline)
@@ -8304,13 +8368,13 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
                               where + " before the connect deadline; start every rank, or raise the connect "
                               "timeout (DDP_CONNECT_TIMEOUT_MS)",
                           me);
-    if (clock::now() >= next_twin_check) {
-      check_no_twin(store, me);
-      next_twin_check = clock::now() + twin_check_every;
+    if (clock::now() >= next_job_check) {
+      check_job(store, me);
+      next_job_check = clock::now() + job_check_every;
     }
     fds.clear();
     acceptor.fill(fds);
-    ::poll(fds.data(), fds.size(), poll_ms(std::min(deadline, next_twin_check)));
+    ::poll(fds.data(), fds.size(), poll_ms(std::min(deadline, next_job_check)));
     for (auto& a : acceptor.on_events(fds, 0)) {
       mesh_hello got{};
       std::memcpy(&got, a.hello.data(), sizeof got);
@@ -8357,7 +8421,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     std::uint8_t ok = 0;
     if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
         recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
-      check_no_twin(store, me);  // a twin of this rank is why rank j refused, if there is one
+      check_job(store, me);  // a twin of this rank, or another world size, is why rank j refused, if so
       throw peer_lost("rank " + std::to_string(j) + " at " + where +
                           " refused the mesh handshake: give every rank the same DDP_TOKEN and WORLD_SIZE",
                       me, j);
@@ -8497,15 +8561,9 @@ inline std::shared_ptr<shm_hosts> map_shared_memory(const config& cfg, store_cli
   return hosts;
 }
 
-/// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
-/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
-/// every rank can map its host's), else null.
-inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
-                                       clock::time_point deadline) {
-  const bool by_file = !cfg.store_file.empty();
-  store_client store = by_file ? find_store(cfg, token, deadline)
-                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
-  claim_rank(store, cfg.rank);
+/// The rest of join() once the rank and the world size are claimed.
+inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, store_client& store, std::uint64_t token,
+                                            bool by_file, clock::time_point deadline) {
   const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
   if (cfg.rank == 0) {
     const std::string name = interface_of(host);
@@ -8550,9 +8608,27 @@ inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint
   count_in(store, "ddp/joined", cfg.rank, cfg.size, deadline,
            "not every rank finished the rendezvous before the connect deadline; check every rank's log, or raise "
            "the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
-           [&] { check_no_twin(store, 0); });
+           [&] { check_job(store, 0); });
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
   return hosts;
+}
+
+/// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
+/// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
+/// every rank can map its host's), else null.
+inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
+                                       clock::time_point deadline) {
+  const bool by_file = !cfg.store_file.empty();
+  store_client store = by_file ? find_store(cfg, token, deadline)
+                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  claim_rank(store, cfg.rank);
+  try {
+    claim_world_size(store, cfg.rank, cfg.size);
+    return join_mesh(cfg, eng, store, token, by_file, deadline);
+  } catch (const config_error&) {
+    settle_abort(store, cfg.rank);
+    throw;
+  }
 }
 
 }  // namespace ddp::tcp::detail

@@ -333,6 +333,24 @@ TEST_CASE("a rank started twice is reported as such within seconds", "[tcp][stor
   CHECK((contains(rs.ranks[1].output, "rank 1 joined twice") || contains(rs.ranks[2].output, "rank 1 joined twice")));
 }
 
+TEST_CASE("ranks started with different WORLD_SIZE all fail within seconds naming both sizes", "[tcp][store]") {
+  const auto rs = run_ranks(
+      3,
+      [](int) { join_fails_within<ddp::config_error>(5.0, "the failure came within 5 s, not at the 15 s deadline"); },
+      job(40s, 0, [](int rank) {
+        ddp::launch::env_list env{{"DDP_CONNECT_TIMEOUT_MS", "15000"}};
+        if (rank == 2) env.emplace_back("WORLD_SIZE", "4");
+        return env;
+      }));
+  require_all_ok(rs);
+  INFO(all_output(rs));
+  for (const auto& r : rs.ranks) {
+    CHECK(contains(r.output, "WORLD_SIZE differs across the job's ranks"));
+    CHECK(contains(r.output, "WORLD_SIZE=4"));
+    CHECK(contains(r.output, "WORLD_SIZE=3"));
+  }
+}
+
 TEST_CASE("the memory probe trusts a peer's pid only within one boot and one PID namespace", "[tcp][same_host]") {
   namespace d = ddp::tcp::detail;
   const auto here = d::this_host();

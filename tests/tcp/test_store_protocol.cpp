@@ -73,6 +73,41 @@ TEST_CASE("the store protocol authenticates, answers set get add, and parks a ge
   CHECK(add(book, b, "n", -2) == 3);
 }
 
+TEST_CASE("an abort answers every waiting and later get of a missing key with its text", "[tcp][store]") {
+  d::store_book book(token);
+  d::store_session a, b, c;
+  for (auto* s : {&a, &b, &c}) {
+    feed(book, *s, hello());
+    take(*s);
+  }
+  const char value[] = "v";
+  feed(book, a, request(d::store_cmd::set, "present", value, 1));
+  take(a);
+  feed(book, b, request(d::store_cmd::get, "never", nullptr, 0));
+  CHECK(b.parked);
+  const std::string why = "WORLD_SIZE differs";
+  feed(book, a, request(d::store_cmd::set, d::store_abort_key, why.data(), why.size()));
+  CHECK(take(a) == std::vector<std::uint8_t>{1});
+  const auto aborted = [&](const std::vector<std::uint8_t>& got) {
+    REQUIRE(got.size() == 16 + why.size());
+    std::uint64_t marker = 0, n = 0;
+    std::memcpy(&marker, got.data(), 8);
+    std::memcpy(&n, got.data() + 8, 8);
+    CHECK(marker == d::store_abort_reply);
+    CHECK(n == why.size());
+    CHECK(std::string(got.begin() + 16, got.end()) == why);
+  };
+  CHECK_FALSE(b.parked);  // the waiting get was answered
+  aborted(take(b));
+  feed(book, c, request(d::store_cmd::get, "also_never", nullptr, 0));
+  CHECK_FALSE(c.parked);  // a later one is answered at once
+  aborted(take(c));
+  feed(book, c, request(d::store_cmd::get, "present", nullptr, 0));  // a key that is set still reads
+  const auto got = take(c);
+  REQUIRE(got.size() == 9);
+  CHECK(got[8] == 'v');
+}
+
 TEST_CASE("a session never wants more than its next message", "[tcp][store][limits]") {
   d::store_book book(token);
   d::store_session s;

@@ -20,6 +20,11 @@ namespace ddp::tcp::detail {
 inline constexpr std::uint32_t store_magic = 0x53504444;  // "DDPS"
 inline constexpr std::uint32_t max_store_key = 4096;
 inline constexpr std::uint64_t max_store_value = 64ULL << 20;
+/// The key whose value, once set, ends the job's rendezvous: every get of a key not set, waiting or later, is
+/// answered with it (store_abort_reply), so a job-wide configuration error reaches every rank at once.
+inline constexpr const char* store_abort_key = "ddp/abort";
+/// The length word of a get's reply that says "aborted": the abort's text follows (its length, then its bytes).
+inline constexpr std::uint64_t store_abort_reply = ~std::uint64_t{0};
 
 /// First message on a store connection.
 struct store_hello {
@@ -119,6 +124,7 @@ class store_book {
       if (r.cmd == store_cmd::set) {
         data_[key].assign(value, value + r.value_len);
         s.out.push_back(1);
+        if (key == store_abort_key) wake_all_parked();
       } else if (r.cmd == store_cmd::add) {
         add(s, key, value);
       } else if (!answer_get(s, key)) {
@@ -149,23 +155,31 @@ class store_book {
   }
 
   bool answer_get(store_session& s, const std::string& key) {
-    const auto it = data_.find(key);
-    if (it == data_.end()) return false;
+    auto it = data_.find(key);
+    if (it == data_.end()) {
+      it = data_.find(store_abort_key);
+      if (it == data_.end()) return false;
+      append(s, &store_abort_reply, 8);  // the job is aborted: the key will never come
+    }
     const std::uint64_t n = it->second.size();
     append(s, &n, 8);
     append(s, it->second.data(), it->second.size());
     return true;
   }
 
-  void wake_parked(const std::string& key) {
+  void wake_parked(const std::string& key) { wake(key.c_str()); }
+  /// The abort was set: every parked get is answered with it.
+  void wake_all_parked() { wake(nullptr); }
+  /// Answers the parked gets of `key` (every parked get when null).
+  void wake(const char* key) {
     std::vector<store_session*> woken;
     std::erase_if(parked_, [&](store_session* other) {
-      if (other->parked_key != key) return false;
+      if (key != nullptr && other->parked_key != key) return false;
       woken.push_back(other);
       return true;
     });
     for (store_session* other : woken) {
-      answer_get(*other, key);
+      answer_get(*other, other->parked_key);
       other->parked = false;
       other->parked_key.clear();
       parse(*other);

@@ -41,11 +41,18 @@ class store_client {
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "set '" + key + "'");
   }
-  /// The value under `key`, waiting until some rank sets it.
+  /// The value under `key`, waiting until some rank sets it; throws ddp::config_error with the abort's text when a
+  /// rank aborted the rendezvous first (store_abort_key).
   std::vector<std::uint8_t> get(const std::string& key) {
     request(store_cmd::get, key, nullptr, 0);
     std::uint64_t n = 0;
     check(recv_all(fd_.get(), &n, 8, deadline_), "get '" + key + "'");
+    if (n == store_abort_reply) {
+      check(recv_all(fd_.get(), &n, 8, deadline_), "get '" + key + "'");
+      std::string why(n <= max_store_value ? n : 0, '\0');
+      check(recv_all(fd_.get(), why.data(), why.size(), deadline_), "get '" + key + "'");
+      throw config_error(why, rank_);
+    }
     if (n > max_store_value) throw error("the store sent a malformed reply to get '" + key + "'", rank_);
     std::vector<std::uint8_t> value(n);
     check(recv_all(fd_.get(), value.data(), n, deadline_), "get '" + key + "'");
