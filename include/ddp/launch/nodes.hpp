@@ -93,20 +93,34 @@ namespace detail {
 inline constexpr std::uint32_t control_magic = 0x6464704c;  // "ddpL"
 
 /// What a control frame says.
-enum class control_kind : std::uint32_t { hello = 1, go, failed, stop, done, verdict, taken };
+enum class control_kind : std::uint32_t { hello = 1, go, failed, stop, done, verdict, taken, mismatch };
 
 /// The one frame of the control channel.
 struct control_frame {
   std::uint32_t magic = control_magic;
   control_kind kind = control_kind::hello;
-  std::int32_t node = 0;     ///< hello, taken: the sender's node rank; failed, stop, verdict: the failing node
-  std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher); hello: ranks per node
-  std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello: the number of nodes
-  std::int32_t restarts = 0; ///< hello: the sender's --max-restarts
+  std::int32_t node = 0;     ///< hello, taken: the sender's node rank; failed, stop, verdict: the failing node;
+                             ///< mismatch: the node whose settings follow
+  std::int32_t rank = -1;    ///< failed, stop, verdict: the failing rank (-1: a launcher); hello, mismatch: ranks per node
+  std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello, mismatch: the number of nodes
+  std::int32_t restarts = 0; ///< hello, mismatch: --max-restarts
   std::int64_t began_us = 0; ///< failed: when it failed
   std::uint64_t token = 0;   ///< the job token's hash
 };
 static_assert(sizeof(control_frame) == 40, "control_frame must stay 40 bytes: every launcher reads exactly that.");
+
+/// "--nnodes 2 --nproc-per-node 4 --max-restarts 0": the settings every node's launcher must share.
+inline std::string launch_settings(const control_frame& f) {
+  return "--nnodes " + std::to_string(f.status) + " --nproc-per-node " + std::to_string(f.rank) + " --max-restarts " +
+         std::to_string(f.restarts);
+}
+
+/// The job-wide error of launchers started with different settings: node `a.node`'s are `a`, node `b.node`'s `b`.
+inline config_error launchers_disagree(const control_frame& a, const control_frame& b) {
+  return config_error("the launchers disagree on the job: node " + std::to_string(a.node) + "'s was started with " +
+                      launch_settings(a) + ", node " + std::to_string(b.node) + "'s with " + launch_settings(b) +
+                      "; start ddp-launch on every node with the same --nnodes, --nproc-per-node and --max-restarts");
+}
 
 /// The control channel's hash of the token (salted apart from the ranks' store and mesh handshakes).
 inline std::uint64_t control_token(const std::string& token) { return tcp::detail::token_hash(token + "/ddp-launch"); }
@@ -251,31 +265,47 @@ class node_link {
     for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::go, {}));
   }
 
-  /// Node 0: why the launcher that sent `got` may not join this job, or nothing.
+  /// Node 0: why the launcher that sent `got` may not join this job, or nothing (settings checked apart: disagrees).
   [[nodiscard]] std::string refusal(const detail::control_frame& got) const {
     if (got.magic != detail::control_magic || got.kind != detail::control_kind::hello)
       return "its first bytes are not a ddp-launch hello";
     if (got.token != token_) return "wrong job token";
-    if (got.status != plan_.nodes) return "it belongs to a job of " + std::to_string(got.status) + " nodes";
-    if (got.rank != plan_.nproc_per_node)
-      return "it runs " + std::to_string(got.rank) + " ranks per node, node 0 " + std::to_string(plan_.nproc_per_node) +
-             " (every node needs the same --nproc-per-node)";
-    if (got.restarts != plan_.max_restarts)
-      return "it was started with --max-restarts " + std::to_string(got.restarts) + ", node 0 with " +
-             std::to_string(plan_.max_restarts);
     if (got.node <= 0 || got.node >= plan_.nodes)
       return "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
     return {};
   }
+  /// This launcher's settings as a control frame from node `node` (hello, mismatch).
+  [[nodiscard]] detail::control_frame settings(detail::control_kind kind) const {
+    auto f = frame(kind, {plan_.node_rank, plan_.nproc_per_node, plan_.nodes, 0});
+    f.restarts = plan_.max_restarts;
+    return f;
+  }
+  /// Node 0: whether the launcher that sent `got` (this job's) was started with other settings than node 0's.
+  [[nodiscard]] bool disagrees(const detail::control_frame& got) const {
+    return got.status != plan_.nodes || got.rank != plan_.nproc_per_node || got.restarts != plan_.max_restarts;
+  }
 
   /// Node 0: the launcher of arrival `a` joins, if it may and the job is `joining` and its node rank is free
   /// (true); else it is refused (one of this job whose node rank is taken hears why in a `taken` frame) and
-  /// the job goes on.
+  /// the job goes on. A launcher of this job with other settings, while the job is joining, ends it at once on every
+  /// node: it and the nodes already joined hear each other's settings in a `mismatch` frame, and node 0 throws.
   bool admit(tcp::detail::arrival& a, bool joining) {
     detail::control_frame got;
     std::memcpy(&got, a.hello.data(), sizeof got);
     const std::string why = refusal(got);
-    if (why.empty() && (!joining || peers_[static_cast<std::size_t>(got.node)].valid())) {
+    if (why.empty() && joining && disagrees(got)) {
+      send(a.fd, settings(detail::control_kind::mismatch));
+      auto theirs = got;
+      theirs.kind = detail::control_kind::mismatch;
+      for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], theirs);
+      throw detail::launchers_disagree(got, settings(detail::control_kind::hello));
+    }
+    if (why.empty() && (!joining || disagrees(got) || peers_[static_cast<std::size_t>(got.node)].valid())) {
+      if (disagrees(got)) {  // the job runs already: it goes on
+        acceptor_->refuse(a.fd, a.from, "it was started with " + detail::launch_settings(got) + ", node 0 with " +
+                                            detail::launch_settings(settings(detail::control_kind::hello)));
+        return false;
+      }
       send(a.fd, frame(detail::control_kind::taken, {got.node, -1, 0, 0}));
       if (a.fd.valid())
         acceptor_->refuse(a.fd, a.from,
@@ -309,8 +339,7 @@ class node_link {
       }
     }
     detail::keep_alive(peers_[0].get());
-    auto hello = frame(detail::control_kind::hello, {plan_.node_rank, plan_.nproc_per_node, plan_.nodes, 0});
-    hello.restarts = plan_.max_restarts;
+    const auto hello = settings(detail::control_kind::hello);
     const bool sent = tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) == tcp::detail::io_status::ok;
     for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
       check_interrupt("waiting for node 0's launcher to start the job");
@@ -319,6 +348,8 @@ class node_link {
     detail::control_frame go;
     const bool answered = sent && tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) == tcp::detail::io_status::ok &&
                           go.magic == detail::control_magic && go.token == token_;
+    if (answered && go.kind == detail::control_kind::mismatch)  // node 0's settings, or another node's
+      throw detail::launchers_disagree(go.node == 0 ? hello : go, go.node == 0 ? go : settings(detail::control_kind::hello));
     if (answered && go.kind == detail::control_kind::taken)
       throw config_error("node 0's launcher at " + plan_.master_addr + ":" + std::to_string(plan_.control_port) +
                          " refused node " + std::to_string(plan_.node_rank) + ": another launcher of this job already "
