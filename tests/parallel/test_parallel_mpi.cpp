@@ -1,5 +1,9 @@
 // data_parallel over the MPI backend; registered at NP 1..4 (the [multi] cases need two ranks or more).
+#include <unistd.h>
+
 #include <chrono>
+#include <filesystem>
+#include <string>
 #include <type_traits>
 
 #include <catch2/catch.hpp>
@@ -141,4 +145,17 @@ TEST_CASE("mpi device: every policy on one device or two equals one process and 
                                                                     hybrid_groups<ddp::full_shard>(comm.size()));
   check_device_equivalence<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::sgd_momentum, true, 1, 1e-5,
                                                        closeness::per_element, ddp::full_shard{.deterministic = true});
+}
+TEST_CASE("mpi device: join, mixed precision, the compression hooks and checkpoints on the devices", "[device]") {
+  auto comm = world();
+  check_device_join<mpi, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, true);
+  check_device_mixed<mpi, tiny, ddp::full_shard, ddp::mixed_precision<ddp::bfloat16, float>>(comm, optimizer_kind::adamw,
+                                                                                             false);
+  check_device_equivalence<mpi, tiny, ddp::bf16_compress_hook>(comm, optimizer_kind::sgd_momentum, true, 1, 1e-2,
+                                                               closeness::per_tensor);
+  std::string at = "/tmp/ddp_device_ckpt_mpi_" + std::to_string(::getpid()) + "_n" + std::to_string(comm.size());
+  ddp::broadcast_object(comm, at, 0);  // rank 0's path on every rank
+  check_device_checkpoint<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, true, true, at);
+  comm.barrier().wait();
+  if (comm.rank() == 0) std::filesystem::remove_all(at);
 }
