@@ -9695,6 +9695,14 @@ struct arena {
   domain_buffer grads;              ///< gradients, same layout
   std::vector<std::size_t> params;  ///< slots laid here, in visit order
 
+  /// Gives up the contents of `b` (its values or its gradients): where the domain can, its pages go back and the
+  /// range stays usable (zeros); elsewhere (a device's memory) the buffer is freed.
+  void give_up(domain_buffer& b) const {
+    if (domain->releases_pages())
+      b.release(0, b.size());
+    else
+      b = domain_buffer{};
+  }
   /// Elements [begin, begin + count) of the values.
   [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
     return values.view(type, begin, count);
@@ -11354,12 +11362,7 @@ class sharded_core {
       e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
     }
     pooled_.resize(units);
-    for (auto& a : layout_.arenas()) {  // full gradients live in pooled buffers only: zero pages, or freed
-      if (a.domain->releases_pages())
-        a.grads.release(0, a.grads.size());
-      else
-        a.grads = domain_buffer{};
-    }
+    for (auto& a : layout_.arenas()) a.give_up(a.grads);  // full gradients live in pooled buffers only
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
@@ -11437,7 +11440,7 @@ class sharded_core {
       state_.order(b, domain_of_bucket(b));
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
-    if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
+    if (!buckets_[b].direct) domain_of_bucket(b).accumulate(received(b), owned_grads(b));
     state_.complete(b);
     const std::size_t u = plan_.buckets[b].unit;
     if (state_.unit_settled(u) && state_.unit(u).grads == grad_phase::reported) {
@@ -11533,12 +11536,7 @@ class sharded_core {
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
   /// blocks), or frees the arena where its domain cannot hand pages back, and vacates every parameter there.
   void release_arena_values() {
-    for (auto& a : layout_.arenas()) {
-      if (a.domain->releases_pages())
-        a.values.release(0, a.values.size());
-      else
-        a.values = domain_buffer{};
-    }
+    for (auto& a : layout_.arenas()) a.give_up(a.values);
     for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
   }
   /// Gives every arena freed by release_arena_values() its full-size values buffer again (full_shard's
@@ -11677,7 +11675,7 @@ class sharded_core {
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
     optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {},
-                           .domain = layout_.arenas()[plan_.buckets[b].arena].domain};
+                           .domain = &domain_of_bucket(b)};
     const std::size_t lo = buckets_[b].block.begin, hi = lo + buckets_[b].block.length;
     for (const std::size_t s : plan_.buckets[b].params) {
       const auto& p = layout_.slots()[s];
@@ -12209,14 +12207,13 @@ struct strategy<replicate, Comm> {
   /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    if (in_rank_order_)
+    if (in_rank_order_) {
       state_.wait(b);  // the rank-order sum runs on the host
-    else
-      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
-    if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
-    else
+    } else {
+      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
       hook.complete(gradients(b));
+    }
     state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.
@@ -28233,23 +28230,20 @@ struct training_state {
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
   std::vector<device_mirror> mirrors;               ///< pieces on a device: `mine` points at their host copies
 
-  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (made by its device's
-  /// domain; wait with synchronize_mirrors() before reading it), written back by to_devices().
+  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (readable_on_host),
+  /// written back by to_devices().
   std::byte* host_side(const raw_tensor& t) {
     if (!t.where.is_cuda() || t.size == 0) return static_cast<std::byte*>(t.data);
-    auto& m = mirrors.emplace_back(device_mirror{t, host_memory().allocate(t.bytes())});
-    require_domain_of(t.where, "checkpoint").copy(t, m.host.view(t.type, 0, t.size));
-    return m.host.data();
-  }
-  /// Waits for the copies host_side() started.
-  void synchronize_mirrors() const {
-    for (const auto& m : mirrors) require_domain_of(m.device.where, "checkpoint").synchronize();
+    auto& m = mirrors.emplace_back(device_mirror{t, {}});
+    return static_cast<std::byte*>(readable_on_host(t, m.host).data);
   }
   /// After loading: the host copies of device pieces go back to their devices (waited for).
   void to_devices() const {
-    for (const auto& m : mirrors)
-      require_domain_of(m.device.where, "checkpoint").copy(m.host.view(m.device.type, 0, m.device.size), m.device);
-    synchronize_mirrors();
+    for (const auto& m : mirrors) {
+      memory_domain& d = require_domain_of(m.device.where, "checkpoint");
+      d.copy(m.host.view(m.device.type, 0, m.device.size), m.device);
+      d.synchronize();
+    }
   }
 
   /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
@@ -28326,7 +28320,6 @@ training_state collect_state(DP& dp, Opt* opt) {
       data.push_back(st.host_side(view));
     });
   }
-  st.synchronize_mirrors();
   const auto everyone = all_gather_object(dp.comm(), described);
   for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
     for (const auto& d : rank_pieces)

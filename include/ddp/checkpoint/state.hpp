@@ -29,7 +29,7 @@
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/devices.hpp>
 #include <ddp/memory/domain.hpp>
-#include <ddp/memory/host.hpp>
+#include <ddp/memory/host_copy.hpp>
 #include <ddp/optim/flat.hpp>
 #include <ddp/parallel/policies.hpp>
 
@@ -78,23 +78,20 @@ struct training_state {
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
   std::vector<device_mirror> mirrors;               ///< pieces on a device: `mine` points at their host copies
 
-  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (made by its device's
-  /// domain; wait with synchronize_mirrors() before reading it), written back by to_devices().
+  /// Where host code reads and writes `t`: `t` itself in host memory, else a host copy (readable_on_host),
+  /// written back by to_devices().
   std::byte* host_side(const raw_tensor& t) {
     if (!t.where.is_cuda() || t.size == 0) return static_cast<std::byte*>(t.data);
-    auto& m = mirrors.emplace_back(device_mirror{t, host_memory().allocate(t.bytes())});
-    require_domain_of(t.where, "checkpoint").copy(t, m.host.view(t.type, 0, t.size));
-    return m.host.data();
-  }
-  /// Waits for the copies host_side() started.
-  void synchronize_mirrors() const {
-    for (const auto& m : mirrors) require_domain_of(m.device.where, "checkpoint").synchronize();
+    auto& m = mirrors.emplace_back(device_mirror{t, {}});
+    return static_cast<std::byte*>(readable_on_host(t, m.host).data);
   }
   /// After loading: the host copies of device pieces go back to their devices (waited for).
   void to_devices() const {
-    for (const auto& m : mirrors)
-      require_domain_of(m.device.where, "checkpoint").copy(m.host.view(m.device.type, 0, m.device.size), m.device);
-    synchronize_mirrors();
+    for (const auto& m : mirrors) {
+      memory_domain& d = require_domain_of(m.device.where, "checkpoint");
+      d.copy(m.host.view(m.device.type, 0, m.device.size), m.device);
+      d.synchronize();
+    }
   }
 
   /// This rank's memory for elements [start, start + numel) of `tensor`, which one of its pieces must hold.
@@ -171,7 +168,6 @@ training_state collect_state(DP& dp, Opt* opt) {
       data.push_back(st.host_side(view));
     });
   }
-  st.synchronize_mirrors();
   const auto everyone = all_gather_object(dp.comm(), described);
   for (const auto& rank_pieces : everyone)  // a parameter's dtype is its pieces' (mixed precision: the f32 masters)
     for (const auto& d : rank_pieces)

@@ -293,19 +293,19 @@ class node_link {
     detail::control_frame got;
     std::memcpy(&got, a.hello.data(), sizeof got);
     const std::string why = refusal(got);
-    if (why.empty() && joining && disagrees(got)) {
-      send(a.fd, settings(detail::control_kind::mismatch));
-      auto theirs = got;
-      theirs.kind = detail::control_kind::mismatch;
-      for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], theirs);
-      throw detail::launchers_disagree(got, settings(detail::control_kind::hello));
-    }
-    if (why.empty() && (!joining || disagrees(got) || peers_[static_cast<std::size_t>(got.node)].valid())) {
-      if (disagrees(got)) {  // the job runs already: it goes on
-        acceptor_->refuse(a.fd, a.from, "it was started with " + detail::launch_settings(got) + ", node 0 with " +
-                                            detail::launch_settings(settings(detail::control_kind::hello)));
-        return false;
+    if (why.empty() && disagrees(got)) {
+      if (joining) {
+        send(a.fd, settings(detail::control_kind::mismatch));
+        auto theirs = got;
+        theirs.kind = detail::control_kind::mismatch;
+        for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], theirs);
+        throw detail::launchers_disagree(got, settings(detail::control_kind::hello));
       }
+      acceptor_->refuse(a.fd, a.from, "it was started with " + detail::launch_settings(got) + ", node 0 with " +
+                                          detail::launch_settings(settings(detail::control_kind::hello)));
+      return false;  // the job runs already: it goes on
+    }
+    if (why.empty() && (!joining || peers_[static_cast<std::size_t>(got.node)].valid())) {
       send(a.fd, frame(detail::control_kind::taken, {got.node, -1, 0, 0}));
       if (a.fd.valid())
         acceptor_->refuse(a.fd, a.from,

@@ -59,6 +59,14 @@ struct arena {
   domain_buffer grads;              ///< gradients, same layout
   std::vector<std::size_t> params;  ///< slots laid here, in visit order
 
+  /// Gives up the contents of `b` (its values or its gradients): where the domain can, its pages go back and the
+  /// range stays usable (zeros); elsewhere (a device's memory) the buffer is freed.
+  void give_up(domain_buffer& b) const {
+    if (domain->releases_pages())
+      b.release(0, b.size());
+    else
+      b = domain_buffer{};
+  }
   /// Elements [begin, begin + count) of the values.
   [[nodiscard]] raw_tensor value_view(std::size_t begin, std::size_t count) const noexcept {
     return values.view(type, begin, count);

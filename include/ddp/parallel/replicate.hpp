@@ -78,14 +78,13 @@ struct strategy<replicate, Comm> {
   /// finds them); → reduced.
   template <class Hook>
   void reduced(Hook& hook, std::size_t b) {
-    if (in_rank_order_)
+    if (in_rank_order_) {
       state_.wait(b);  // the rank-order sum runs on the host
-    else
-      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
-    if (in_rank_order_)
       ordered_.average_into(b, gradients(b).grads, comm_.size());
-    else
+    } else {
+      state_.order(b, *layout_.arenas()[plan_.buckets[b].arena].domain);
       hook.complete(gradients(b));
+    }
     state_.complete(b);
   }
   /// What the optimizer steps over: the whole arenas.

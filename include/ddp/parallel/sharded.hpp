@@ -140,12 +140,7 @@ class sharded_core {
       e = e.end == e.begin ? unit_extent{bk.begin, bk.end} : unit_extent{std::min(e.begin, bk.begin), std::max(e.end, bk.end)};
     }
     pooled_.resize(units);
-    for (auto& a : layout_.arenas()) {  // full gradients live in pooled buffers only: zero pages, or freed
-      if (a.domain->releases_pages())
-        a.grads.release(0, a.grads.size());
-      else
-        a.grads = domain_buffer{};
-    }
+    for (auto& a : layout_.arenas()) a.give_up(a.grads);  // full gradients live in pooled buffers only
   }
   sharded_core(const sharded_core&) = delete;
   sharded_core& operator=(const sharded_core&) = delete;
@@ -223,7 +218,7 @@ class sharded_core {
       state_.order(b, domain_of_bucket(b));
     staging_.release(plan_.buckets[b].arena, plan_.buckets[b].begin, plan_.buckets[b].end - plan_.buckets[b].begin);
     if (deterministic_) (replica_ ? replicated_ : scattered_).average_into(b, output(b), (replica_ ? *replica_ : shard_).size());
-    if (!buckets_[b].direct) layout_.arenas()[plan_.buckets[b].arena].domain->accumulate(received(b), owned_grads(b));
+    if (!buckets_[b].direct) domain_of_bucket(b).accumulate(received(b), owned_grads(b));
     state_.complete(b);
     const std::size_t u = plan_.buckets[b].unit;
     if (state_.unit_settled(u) && state_.unit(u).grads == grad_phase::reported) {
@@ -319,12 +314,7 @@ class sharded_core {
   /// Releases the pages of every arena's values (full_shard keeps values only in pooled buffers and owned
   /// blocks), or frees the arena where its domain cannot hand pages back, and vacates every parameter there.
   void release_arena_values() {
-    for (auto& a : layout_.arenas()) {
-      if (a.domain->releases_pages())
-        a.values.release(0, a.values.size());
-      else
-        a.values = domain_buffer{};
-    }
+    for (auto& a : layout_.arenas()) a.give_up(a.values);
     for (std::size_t u = 0; u < pooled_.size(); ++u) bind_unit(u);
   }
   /// Gives every arena freed by release_arena_values() its full-size values buffer again (full_shard's
@@ -463,7 +453,7 @@ class sharded_core {
 
   optim::flat_buffer owned_buffer(std::size_t b) const {
     optim::flat_buffer out{.values = owned_values(b), .grads = owned_grads(b), .segments = {},
-                           .domain = layout_.arenas()[plan_.buckets[b].arena].domain};
+                           .domain = &domain_of_bucket(b)};
     const std::size_t lo = buckets_[b].block.begin, hi = lo + buckets_[b].block.length;
     for (const std::size_t s : plan_.buckets[b].params) {
       const auto& p = layout_.slots()[s];
