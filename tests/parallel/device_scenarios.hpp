@@ -49,8 +49,8 @@ struct device_run {
   bool split = false;      ///< fc3 on a second device
   int micro = 1;           ///< micro-batches per step
   bool forgetful = false;  ///< the devices drop every order_after (a missing ordering wait)
-  std::string checkpoint;  ///< non-empty: after half the steps, save there (ddp::save, or save_sharded under
-                           ///< `sharded_checkpoint`), and go on in a new wrapper, optimizer and model loaded from it
+  std::string checkpoint = {};  ///< non-empty: after half the steps, save there (ddp::save, or save_sharded under
+                                ///< `sharded_checkpoint`), and go on in a new wrapper, optimizer and model loaded from it
   bool sharded_checkpoint = false;
 };
 
