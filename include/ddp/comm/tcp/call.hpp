@@ -84,6 +84,27 @@ inline frame_header header_of(const call& c, std::uint64_t length) {
   return h;
 }
 
+/// A call's completion that names the call only when asked (a timeout or an error): submitting a call formats no
+/// text and allocates nothing beyond the completion itself.
+class call_completion final : public ddp::detail::completion {
+ public:
+  call_completion(const call& c, int rank, std::shared_ptr<const ddp::detail::stall_note> note)
+      : completion(rank, c.grp->timeout, std::string(), std::move(note)), header_(header_of(c, 0)), peer_(c.root), side_(c.side) {}
+
+  [[nodiscard]] std::string describe() const override {
+    if (side_ == p2p::none) return detail::describe(header_);
+    const bool sends = side_ == p2p::send;
+    return (sends ? "send of " : "recv of ") + std::to_string(header_.count) + " " +
+           std::string(to_string(static_cast<dtype>(header_.type))) + " with tag " + std::to_string(header_.tag) +
+           (sends ? " to rank " : " from rank ") + std::to_string(peer_);
+  }
+
+ private:
+  frame_header header_;
+  int peer_;  ///< the other rank of a send or recv
+  p2p side_;
+};
+
 /// One receive the current call waits for.
 struct recv_part {
   int peer = 0;  ///< group rank

@@ -214,12 +214,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
       std::lock_guard lock(engine_->queue().mutex());
       if (kind != collective::send_recv) c.seq = group_->next_seq++;  // sends and recvs match by tag instead
       group_->stats.add_call(kind);
-      std::string what = detail::describe(detail::header_of(c, 0));
-      const bool sends = side == detail::p2p::send;
-      if (side != detail::p2p::none)
-        what = (sends ? "send of " : "recv of ") + std::to_string(count) + " " + std::string(to_string(type)) +
-               " with tag " + std::to_string(tag) + (sends ? " to rank " : " from rank ") + std::to_string(root);
-      c.done = std::make_shared<ddp::detail::completion>(world_rank(), group_->timeout, std::move(what), engine_->note());
+      c.done = std::make_shared<detail::call_completion>(c, world_rank(), engine_->note());
       w = work(c.done);
       if (!engine_->queue().claim_locked(c)) {
         engine_->queue().push_locked(std::move(c));
