@@ -14,6 +14,7 @@
 #include <ddp/comm/tcp/communicator.hpp>
 
 #include "scenarios.hpp"
+#include "steady_state.hpp"
 #include "support/run_ranks.hpp"
 
 namespace {
@@ -121,6 +122,14 @@ TEST_CASE("tcp: buckets reduce during the backward, .grad stays linked across ze
     check_errors<tcp>(comm);
     check_buffers<tcp>(comm);
     check_overlap<tcp, tiny>(comm);
+  });
+}
+TEST_CASE("tcp: a steady-state step under every policy allocates no tensor and no byte more than plain LibTorch's",
+          "[steady]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_steady_state_allocations<cnn, tcp>(comm);
+    check_steady_state_allocations<cnn, tcp, ddp::shard_grad_op>(comm);
+    check_steady_state_allocations<deep, tcp, ddp::full_shard>(comm);
   });
 }
 TEST_CASE("tcp checkpoint: ddp::save(path, dp) at 2 ranks loads into a plain module in C++ and in PyTorch",

@@ -86,6 +86,7 @@ struct adoption {
   /// Its gradient accumulator, made while it was whole: autograd checks gradients against the shape the
   /// accumulator recorded when made, and one made while the parameter is vacated would expect none.
   std::shared_ptr<torch::autograd::Node> accumulator;
+  torch::Tensor empty;  ///< the zero-element tensor the parameter holds while vacated, made once
 };
 
 /// The adoptions of the parameters ddp holds (by TensorImpl), so the hook can point `.grad` back and a vacated
@@ -118,6 +119,23 @@ class slice_registry {
   mutable std::mutex mutex_;
   std::unordered_map<const c10::TensorImpl*, adoption> slices_;
 };
+
+/// Points `p`'s values and `.grad` at ddp's slices (see storage_traits<torch::Tensor>::adopt) and returns its
+/// adoption, for the caller to record: tensors over ddp's memory are made once and reused while it stays put.
+inline adoption adopted(torch::Tensor& p, void* values, void* grads) {
+  adoption a = slice_registry::instance().find(p);
+  const auto options = p.options().requires_grad(false);
+  if (!a.values.defined()) {
+    a.values = torch::from_blob(values, p.sizes(), options);
+    a.accumulator = torch::autograd::impl::grad_accumulator(p);
+  } else if (a.values.data_ptr() != values) {
+    a.values.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(values, a.values.device()));
+  }
+  if (!p.is_alias_of(a.values) || p.sizes() != a.values.sizes()) p.set_data(a.values);
+  if (!a.grads.defined() || a.grads.data_ptr() != grads) a.grads = torch::from_blob(grads, a.values.sizes(), options);
+  if (!p.grad().defined() || p.grad().data_ptr() != grads) p.mutable_grad() = a.grads;
+  return a;
+}
 
 /// Points `p.grad` at ddp's slice again where LibTorch replaced it, keeping the gradient it holds.
 inline void relink(torch::Tensor& p) {
@@ -204,31 +222,19 @@ struct storage_traits<torch::Tensor> {
   static void adopt(const torch::Tensor& t, void* values, void* grads) {
     torch::NoGradGuard no_grad;
     auto& p = const_cast<torch::Tensor&>(t);
-    auto& registry = detail::libtorch::slice_registry::instance();
-    detail::libtorch::adoption a = registry.find(p);
-    const auto options = p.options().requires_grad(false);
-    if (!a.values.defined()) {
-      a.values = torch::from_blob(values, p.sizes(), options);
-      a.accumulator = torch::autograd::impl::grad_accumulator(p);
-    } else if (a.values.data_ptr() != values) {
-      a.values.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(values, a.values.device()));
-    }
-    if (!p.is_alias_of(a.values) || p.sizes() != a.values.sizes()) p.set_data(a.values);
-    if (!p.grad().defined() || p.grad().data_ptr() != grads) {
-      a.grads = torch::from_blob(grads, a.values.sizes(), options);
-      p.mutable_grad() = a.grads;
-    }
-    registry.set(p, std::move(a));
+    detail::libtorch::slice_registry::instance().set(p, detail::libtorch::adopted(p, values, grads));
   }
   /// Adopts `values` (zeros: the unit is sharded) as the storage's memory but leaves the parameter empty, so a
   /// forward that uses it fails instead of computing with zeros, and without `.grad`, so the model's zero_grad
   /// (in place or not) touches no gradient memory the unit does not hold; the next adopt makes it whole again.
   static void vacate(const torch::Tensor& t, void* values, void* grads) {
-    adopt(t, values, grads);
     torch::NoGradGuard no_grad;
     auto& p = const_cast<torch::Tensor&>(t);
-    p.set_data(torch::empty({0}, t.options().requires_grad(false)));
+    detail::libtorch::adoption a = detail::libtorch::adopted(p, values, grads);
+    if (!a.empty.defined()) a.empty = torch::empty({0}, p.options().requires_grad(false));
+    p.set_data(a.empty);
     p.mutable_grad() = torch::Tensor();
+    detail::libtorch::slice_registry::instance().set(p, std::move(a));
   }
   /// Takes the values and `.grad` into memory of the tensor's own again (the wrapper is going away).
   static void release(const torch::Tensor& t) {
