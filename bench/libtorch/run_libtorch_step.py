@@ -30,7 +30,7 @@ def run(exe, args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=300, help="timed steps per process")
     ap.add_argument("--batches", default="4,24", help="batch sizes: one near a 1 ms step, one near 5 ms")
     ap.add_argument("--out", default="")
@@ -50,7 +50,9 @@ def main():
                 print("batch %d round %d  %-5s %.3f ms" % (batch, rnd + 1, variant, r["median_ms"]), flush=True)
         inproc = run(exe, ["--rounds", str(a.steps), "--steps", "1", "--batch", str(batch)])
         p, d = statistics.median(got["plain"]), statistics.median(got["ddp"])
-        rows.append((batch, p, d, d / p, statistics.median(c[0] for c in counts["plain"]),
+        bp, bd = min(got["plain"]), min(got["ddp"])
+        rows.append((batch, p, d, d / p, "%.3f-%.3f" % (bp, max(got["plain"])), "%.3f-%.3f" % (bd, max(got["ddp"])),
+                     bd / bp, statistics.median(c[0] for c in counts["plain"]),
                      statistics.median(c[0] for c in counts["ddp"]), statistics.median(c[1] for c in counts["plain"]),
                      statistics.median(c[1] for c in counts["ddp"]), inproc["ratio"]))
     load_after = os.getloadavg()
@@ -60,7 +62,9 @@ def main():
         "The CNN of examples/libtorch_fashion_mnist, SGD with momentum, one LibTorch thread. Plain LibTorch and ddp "
         "(replicate over ddp::tcp, one process) run as separate programs, interleaved over %d rounds (the order "
         "alternates); each reports the median of %d steps; the table gives the medians over rounds. The last column "
-        "is the same comparison inside one process (both variants alternating step by step)." % (a.rounds, a.steps),
+        "is the same comparison inside one process (both variants alternating step by step). On a VM a whole "
+        "process may run 30-60 %% slower than the next one of the same program (plain and ddp alike), so the "
+        "range over rounds and the ratio of the fastest rounds stand beside the medians." % (a.rounds, a.steps),
         "",
         "- Machine: %s" % machine.describe(),
         "- Date: %s UTC; load average before/after: %.1f / %.1f" % (
@@ -68,13 +72,13 @@ def main():
         "- Command: `/usr/bin/python3 bench/libtorch/run_libtorch_step.py %s`" % " ".join(
             "--%s %s" % (k, v) for k, v in (("rounds", a.rounds), ("steps", a.steps), ("batches", a.batches))),
         "",
-        "| batch | plain (ms) | ddp (ms) | ddp / plain | page faults per step plain / ddp | context switches per "
-        "step plain / ddp | in one process: ddp / plain |",
-        "|---:|---:|---:|---:|---|---|---:|",
+        "| batch | plain (ms) | ddp (ms) | ddp / plain | plain range | ddp range | fastest ddp / fastest plain | "
+        "page faults per step plain / ddp | context switches per step plain / ddp | in one process: ddp / plain |",
+        "|---:|---:|---:|---:|---|---|---:|---|---|---:|",
     ]
-    for b, p, d, ratio, fp, fd, sp, sd, inproc in rows:
-        lines.append("| %d | %.3f | %.3f | %.4f | %.1f / %.1f | %.2f / %.2f | %.4f |" % (b, p, d, ratio, fp, fd, sp, sd,
-                                                                                     inproc))
+    for b, p, d, ratio, rp, rd, best, fp, fd, sp, sd, inproc in rows:
+        lines.append("| %d | %.3f | %.3f | %.4f | %s | %s | %.4f | %.1f / %.1f | %.2f / %.2f | %.4f |" % (
+            b, p, d, ratio, rp, rd, best, fp, fd, sp, sd, inproc))
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
