@@ -3119,15 +3119,16 @@ namespace ddp::tcp::detail {
 // ---- the mesh handshake -----------------------------------------------------------------------------
 
 inline constexpr std::uint32_t mesh_magic = 0x4d504444;  ///< "DDPM": first bytes on a mesh connection
-inline constexpr std::uint32_t mesh_version = 1;         ///< bumped whenever the frames change incompatibly
+inline constexpr std::uint32_t mesh_version = 2;         ///< bumped whenever the frames change incompatibly
 
-/// First message on a mesh connection, from the connecting (higher) rank; answered by one byte, 1 if accepted.
+/// First message on a mesh connection, from the connecting (higher) rank, after the acceptor's challenge;
+/// answered by one byte, 1 if accepted.
 struct mesh_hello {
   std::uint32_t magic = mesh_magic;
   std::uint32_t rank = 0;
   std::uint32_t size = 0;
   std::uint32_t version = mesh_version;
-  std::uint64_t token = 0;  ///< hash of the job token
+  std::uint64_t mac = 0;  ///< signed_hello's MAC under the job's key, context "mesh"
 };
 static_assert(sizeof(mesh_hello) == 24, "ddp: the mesh handshake must stay 24 bytes; it is the wire format.");
 
@@ -3292,19 +3293,127 @@ class scratch_buffer {
 
 // ---- begin <ddp/comm/tcp/accept.hpp>
 /// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
-/// mesh port) under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
+/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
 /// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
 /// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
 
 #include <sys/timerfd.h>
 
 
+// ---- begin <ddp/comm/tcp/auth.hpp>
+/// \file How a connection proves it belongs to the job without the token ever leaving the process: the
+/// accepting side sends a fresh random challenge first, and the connecting side's fixed-size hello carries a
+/// keyed MAC (SipHash-2-4 under a key derived from the token) of a context word, the challenge and the hello
+/// itself. A recorded handshake proves nothing later (the next challenge differs), and what travels or is stored
+/// (challenges, MACs, the store file's tag) gives no key for another context: the store, the mesh and the
+/// launchers' control channel each MAC under their own word.
+
+#include <sys/random.h>
+
+#include <cerrno>
+
+
+namespace ddp::tcp::detail {
+
+/// The 128-bit key a job's token gives (job_key_of); two processes share it exactly when they share the token.
+struct job_key {
+  std::uint64_t k0 = 0;
+  std::uint64_t k1 = 0;
+  friend bool operator==(const job_key&, const job_key&) = default;
+};
+
+/// What an accepting side sends first on every connection: 16 random bytes.
+using challenge = std::array<std::uint8_t, 16>;
+
+/// SipHash-2-4 of `n` bytes at `m` under the key (k0, k1): a 64-bit pseudo-random function of the message.
+inline std::uint64_t siphash24(std::uint64_t k0, std::uint64_t k1, const std::uint8_t* m, std::size_t n) {
+  std::uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
+  std::uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+  const auto rotl = [](std::uint64_t x, int b) { return (x << b) | (x >> (64 - b)); };
+  const auto round = [&] {
+    v0 += v1, v1 = rotl(v1, 13), v1 ^= v0, v0 = rotl(v0, 32);
+    v2 += v3, v3 = rotl(v3, 16), v3 ^= v2;
+    v0 += v3, v3 = rotl(v3, 21), v3 ^= v0;
+    v2 += v1, v1 = rotl(v1, 17), v1 ^= v2, v2 = rotl(v2, 32);
+  };
+  const auto absorb = [&](std::uint64_t word) {
+    v3 ^= word;
+    round();
+    round();
+    v0 ^= word;
+  };
+  const std::size_t whole = n - n % 8;
+  for (std::size_t i = 0; i < whole; i += 8) {
+    std::uint64_t word = 0;
+    for (std::size_t b = 0; b < 8; ++b) word |= static_cast<std::uint64_t>(m[i + b]) << (8 * b);
+    absorb(word);
+  }
+  std::uint64_t last = static_cast<std::uint64_t>(n) << 56;
+  for (std::size_t b = 0; b < n % 8; ++b) last |= static_cast<std::uint64_t>(m[whole + b]) << (8 * b);
+  absorb(last);
+  v2 ^= 0xff;
+  for (int r = 0; r < 4; ++r) round();
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/// The job's key from its token (an empty token gives a key too: file:// refuses one unless allowed).
+inline job_key job_key_of(const std::string& token) {
+  const auto half = [&](char which) {
+    const std::string m = std::string("ddp job key ") + which + '\0' + token;
+    return siphash24(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL, reinterpret_cast<const std::uint8_t*>(m.data()),
+                     m.size());
+  };
+  return {half('0'), half('1')};
+}
+
+/// The MAC under `key` of `context`, `nonce` and the `n` bytes at `data`.
+inline std::uint64_t mac_of(const job_key& key, std::string_view context, const challenge& nonce, const void* data,
+                            std::size_t n) {
+  std::string m(context);
+  m.push_back('\0');
+  m.append(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+  m.append(static_cast<const char*>(data), n);
+  return siphash24(key.k0, key.k1, reinterpret_cast<const std::uint8_t*>(m.data()), m.size());
+}
+
+/// `hello` with its `mac` field set to the MAC, under `key` and `context`, of the acceptor's `nonce` and the hello
+/// with that field zero.
+template <class Hello>
+Hello signed_hello(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
+  hello.mac = 0;
+  hello.mac = mac_of(key, context, nonce, &hello, sizeof hello);
+  return hello;
+}
+
+/// True when `hello` carries the MAC signed_hello gives it: its sender holds the job's key.
+template <class Hello>
+bool is_signed(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
+  const std::uint64_t got = hello.mac;
+  const std::uint64_t want = signed_hello(hello, key, context, nonce).mac;
+  std::uint64_t diff = 0;  // compared in constant time
+  for (int b = 0; b < 64; b += 8) diff |= ((got ^ want) >> b) & 0xff;
+  return diff == 0;
+}
+
+/// 16 bytes from the kernel's random source.
+inline challenge random_challenge() {
+  challenge c{};
+  for (std::size_t have = 0; have < c.size();) {
+    const ssize_t k = ::getrandom(c.data() + have, c.size() - have, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) throw error("cannot read the kernel's random source (getrandom): " + std::string(std::strerror(errno)));
+    have += static_cast<std::size_t>(k);
+  }
+  return c;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/auth.hpp>
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
 
 #include <arpa/inet.h>
-#include <cerrno>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <netdb.h>
@@ -3523,13 +3632,6 @@ inline io_status recv_all(int fd, void* data, std::size_t n, clock::time_point d
   return io_status::ok;
 }
 
-/// 64-bit FNV-1a: the job token travels as this hash, never in clear.
-inline std::uint64_t token_hash(const std::string& token) {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (const unsigned char c : token) h = (h ^ c) * 0x100000001b3ULL;
-  return h ^ 0x6464702d746370ULL;  // "ddp-tcp": an empty token still hashes to a non-trivial value
-}
-
 }  // namespace ddp::tcp::detail
 
 namespace ddp::tcp::detail {
@@ -3557,6 +3659,7 @@ struct arrival {
   socket_fd fd;                     ///< the connection, non-blocking
   std::string from;                 ///< its remote "addr:port"
   std::vector<std::uint8_t> hello;  ///< exactly the handshake's size
+  challenge nonce{};                ///< what it was sent to sign
 };
 
 /// A listening socket and its handshakes in progress; poll its descriptors from any loop (fill, on_events).
@@ -3621,6 +3724,7 @@ class handshake_acceptor {
     std::string from;
     std::vector<std::uint8_t> hello;
     clock::time_point deadline;
+    challenge nonce{};
   };
 
   void read_hello(pending& p, std::vector<arrival>& done) {
@@ -3638,7 +3742,7 @@ class handshake_acceptor {
     }
     p.hello.resize(have + static_cast<std::size_t>(k));
     if (p.hello.size() < hello_bytes_) return;
-    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello)});
+    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello), p.nonce});
   }
 
   void accept_some(clock::time_point now) {
@@ -3662,7 +3766,10 @@ class handshake_acceptor {
       }
       socket_fd owned(fd);
       std::string from = remote_endpoint(fd).str();
-      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout});
+      const challenge nonce = random_challenge();  // a fresh socket's send buffer always takes 16 bytes
+      if (::send(fd, nonce.data(), nonce.size(), MSG_DONTWAIT | MSG_NOSIGNAL) != static_cast<ssize_t>(nonce.size()))
+        continue;  // gone already
+      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout, nonce});
     }
   }
 
@@ -6511,11 +6618,14 @@ inline constexpr const char* store_abort_key = "ddp/abort";
 /// The length word of a get's reply that says "aborted": the abort's text follows (its length, then its bytes).
 inline constexpr std::uint64_t store_abort_reply = ~std::uint64_t{0};
 
-/// First message on a store connection.
+/// The store handshake's version: 2 signs the acceptor's challenge (auth.hpp) instead of sending the token's hash.
+inline constexpr std::uint32_t store_version = 2;
+
+/// First message on a store connection, after the store's challenge.
 struct store_hello {
   std::uint32_t magic = store_magic;
-  std::uint32_t version = 1;
-  std::uint64_t token = 0;
+  std::uint32_t version = store_version;
+  std::uint64_t mac = 0;  ///< signed_hello's MAC under the job's key, context "store"
 };
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3 };
@@ -6533,7 +6643,8 @@ static_assert(sizeof(store_hello) == 16 && sizeof(store_request) == 16);
 struct store_session {
   std::vector<std::uint8_t> in;   ///< received, not yet parsed: at most one message
   std::vector<std::uint8_t> out;  ///< answers not yet sent
-  bool authed = false;            ///< its handshake carried this job's token
+  challenge nonce{};              ///< what the store sent it to sign
+  bool authed = false;            ///< its handshake was signed with this job's key
   bool parked = false;            ///< a get waits for `parked_key`
   std::string parked_key;         ///< the key a parked get waits for
   std::string refused;            ///< why the store closes it; empty while it behaves
@@ -6542,8 +6653,8 @@ struct store_session {
 /// The store's data and protocol, without sockets: sessions feed received bytes in and take answers out.
 class store_book {
  public:
-  /// A book for the job whose token hashes to `token`.
-  explicit store_book(std::uint64_t token) : token_(token) {}
+  /// A book for the job whose key is `key`.
+  explicit store_book(const job_key& key) : key_(key) {}
 
   /// Bytes `s` must receive before its next message is complete; 0 while it waits for a key or is refused.
   [[nodiscard]] static std::size_t wanted(const store_session& s) {
@@ -6593,8 +6704,11 @@ class store_book {
         store_hello h;
         std::memcpy(&h, s.in.data() + pos, sizeof h);
         pos += sizeof h;
-        if (h.magic != store_magic || h.version != 1) s.refused = "its first bytes are not a ddp handshake";
-        else if (h.token != token_) s.refused = "wrong job token";
+        if (h.magic != store_magic) s.refused = "its first bytes are not a ddp handshake";
+        else if (h.version != store_version)
+          s.refused = "its handshake is version " + std::to_string(h.version) + ", this store's " +
+                      std::to_string(store_version) + " (another ddp release)";
+        else if (!is_signed(h, key_, "store", s.nonce)) s.refused = "wrong job token";
         s.authed = s.refused.empty();
         if (s.authed) s.out.push_back(1);
         continue;
@@ -6671,7 +6785,7 @@ class store_book {
     }
   }
 
-  std::uint64_t token_;
+  job_key key_;
   std::vector<store_session*> parked_;
   std::map<std::string, std::vector<std::uint8_t>> data_;
 };
@@ -6679,9 +6793,9 @@ class store_book {
 /// The server side; rank 0's progress engine polls its descriptors and calls on_events().
 class store_server {
  public:
-  /// Serves the store on `listener` for the job whose token hashes to `token`.
-  store_server(socket_fd listener, std::uint64_t token, int rank, handshake_limits limits = {})
-      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(token), rank_(rank) {}
+  /// Serves the store on `listener` for the job whose key is `key`.
+  store_server(socket_fd listener, const job_key& key, int rank, handshake_limits limits = {})
+      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(key), rank_(rank) {}
 
   /// The port it listens on.
   [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
@@ -6707,6 +6821,7 @@ class store_server {
     }
     for (auto& a : acceptor_.on_events(fds, base)) {
       auto c = std::make_unique<conn>(conn{std::move(a.fd), std::move(a.from), {}});
+      c->s.nonce = a.nonce;
       book_.feed(c->s, a.hello.data(), a.hello.size());
       check(*c);
       conns_.push_back(std::move(c));
@@ -7868,23 +7983,25 @@ namespace ddp::tcp::detail {
 /// A blocking client of the store; connecting and every call end by the deadline given at construction.
 class store_client {
  public:
-  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `connected_by`;
-  /// every later call ends by `deadline`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline,
+  /// Connects to `host:port` (retrying with backoff) and signs the store's challenge with `key`, all before
+  /// `connected_by`; every later call ends by `deadline`.
+  store_client(const std::string& host, std::uint16_t port, const job_key& key, int rank, clock::time_point deadline,
                clock::time_point connected_by)
       : rank_(rank), deadline_(connected_by), where_(host + ":" + std::to_string(port)) {
     fd_ = connect_with_retry(host, port, connected_by, rank, "the rendezvous store (rank 0)",
                              "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
                              "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    const store_hello hello{store_magic, 1, token};
+    challenge nonce{};
+    check(recv_all(fd_.get(), nonce.data(), nonce.size(), deadline_), "handshake");
+    const store_hello hello = signed_hello(store_hello{}, key, "store", nonce);
     check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
     deadline_ = deadline;
   }
-  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `deadline`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline)
-      : store_client(host, port, token, rank, deadline, deadline) {}
+  /// Connects to `host:port` (retrying with backoff) and signs the store's challenge with `key`, all before `deadline`.
+  store_client(const std::string& host, std::uint16_t port, const job_key& key, int rank, clock::time_point deadline)
+      : store_client(host, port, key, rank, deadline, deadline) {}
 
   /// Stores `value` under `key`.
   void set(const std::string& key, const std::vector<std::uint8_t>& value) {
@@ -7964,14 +8081,17 @@ void count_in(store_client& store, const std::string& key, int rank, int size, c
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/store_client.hpp>
 // ---- begin <ddp/comm/tcp/store_file.hpp>
-/// \file The file:// rendezvous: rank 0 serves its store on a free port and publishes, in one file on a
-/// filesystem every rank shares, "ddp-store 1 <token hash> <port> <address>..." (written to a claimed
-/// temporary and renamed into place, so a reader never sees half a file and concurrent or killed writers leave
-/// no debris); the other ranks read it, try its addresses in order, and authenticate with the token. A file a
-/// crashed earlier job left behind is told apart: another job's token hash is ignored, and a dead address is
-/// refused, so readers look again until rank 0 replaces the file. Rank 0 removes it once every rank joined.
+/// \file The file:// rendezvous: rank 0 serves its store on a free port and publishes, in one file (0600) on a
+/// filesystem every rank shares, "ddp-store 2 <job nonce> <tag> <port> <address>...": the nonce is random per
+/// job and the tag the MAC of the rest under the job's key (auth.hpp), so the file holds nothing the token can be
+/// derived from or replayed with. It is written to a claimed temporary and renamed into place, so a reader never
+/// sees half a file and concurrent or killed writers leave no debris; the other ranks read it, check the tag, try
+/// its addresses in order, and sign the store's challenge. A file a crashed earlier job left behind is told
+/// apart: another job's tag does not check, and a dead address is refused, so readers look again until rank 0
+/// replaces the file. Rank 0 removes it once every rank joined.
 
 
+#include <iomanip>
 #include <sstream>
 
 // ---- begin <ddp/io/atomic_file.hpp>
@@ -8198,6 +8318,20 @@ namespace ddp::tcp::detail {
 
 /// The first word of a store file.
 inline constexpr std::string_view store_file_magic = "ddp-store";
+/// The store file's format: 2 carries a job nonce and a tag instead of the token's hash.
+inline constexpr int store_file_version = 2;
+
+/// "<port> <address>...": what a store file's tag signs.
+inline std::string store_file_body(std::uint16_t port, const std::vector<std::string>& addresses) {
+  std::string body = std::to_string(port);
+  for (const auto& a : addresses) body += " " + a;
+  return body;
+}
+
+/// The tag of a store file with `body` and job nonce `nonce` under `key`.
+inline std::uint64_t store_file_tag(const job_key& key, const challenge& nonce, const std::string& body) {
+  return mac_of(key, "store file", nonce, body.data(), body.size());
+}
 
 /// The IPv4 addresses of this host other ranks may reach rank 0's store at: DDP_INTERFACE's alone when set,
 /// else every interface's, loopback last.
@@ -8218,15 +8352,17 @@ inline std::vector<std::string> store_addresses(const config& cfg) {
 }
 
 /// Rank 0: writes where its store listens (`port` on `addresses`) to cfg.store_file, replacing any old file.
-inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t port,
+inline void publish_store(const config& cfg, const job_key& key, std::uint16_t port,
                           const std::vector<std::string>& addresses) {
+  const challenge nonce = random_challenge();
+  const std::string body = store_file_body(port, addresses);
   std::ostringstream text;
-  text << store_file_magic << " 1 " << std::hex << token << std::dec << ' ' << port;
-  for (const auto& a : addresses) text << ' ' << a;
-  text << '\n';
+  text << store_file_magic << ' ' << store_file_version << ' ' << std::hex << std::setfill('0');
+  for (const auto b : nonce) text << std::setw(2) << static_cast<unsigned>(b);
+  text << ' ' << std::setw(16) << store_file_tag(key, nonce, body) << std::dec << ' ' << body << '\n';
   const std::string bytes = text.str();
   try {
-    ddp::detail::atomic_file file(cfg.store_file, 0600);  // it names the job's credential: its owner's alone
+    ddp::detail::atomic_file file(cfg.store_file, 0600);  // where the job's store listens: its owner's alone
     file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
     file.commit();
   } catch (const io_error& e) {
@@ -8236,32 +8372,40 @@ inline void publish_store(const config& cfg, std::uint64_t token, std::uint16_t 
   }
 }
 
-/// What a store file says; nothing when it is missing, malformed, or another job's (another token).
+/// What a store file says; nothing when it is missing, malformed, or another job's (its tag does not check).
 struct store_file_entry {
   std::uint16_t port = 0;
   std::vector<std::string> addresses;
 };
 
 /// Reads cfg.store_file; `why` says what was wrong with it when the answer is nothing.
-inline std::optional<store_file_entry> read_store_file(const config& cfg, std::uint64_t token, std::string& why) {
+inline std::optional<store_file_entry> read_store_file(const config& cfg, const job_key& key, std::string& why) {
   std::ifstream in(cfg.store_file);
   if (!in) {
     why = "the file does not exist yet (rank 0 writes it when it starts)";
     return std::nullopt;
   }
-  std::string magic;
+  std::string magic, nonce_hex;
   int version = 0;
-  std::uint64_t theirs = 0;
+  std::uint64_t tag = 0;
   unsigned port = 0;
-  if (!(in >> magic >> version >> std::hex >> theirs >> std::dec >> port) || magic != store_file_magic ||
-      version != 1 || port == 0 || port > 65535) {
+  if (!(in >> magic >> version) || magic != store_file_magic) {
     why = "it is not a ddp store file";
     return std::nullopt;
   }
-  if (theirs != token) {
-    why = "it belongs to another job (another DDP_TOKEN), or to an earlier job that did not end cleanly";
+  if (version != store_file_version) {
+    why = "it is a store file of format " + std::to_string(version) + ", this release's is " +
+          std::to_string(store_file_version) + " (rank 0 runs another ddp release, or an old job left it)";
     return std::nullopt;
   }
+  challenge nonce{};
+  if (!(in >> nonce_hex >> std::hex >> tag >> std::dec >> port) || nonce_hex.size() != 2 * nonce.size() ||
+      nonce_hex.find_first_not_of("0123456789abcdef") != std::string::npos || port == 0 || port > 65535) {
+    why = "it is not a ddp store file";
+    return std::nullopt;
+  }
+  for (std::size_t b = 0; b < nonce.size(); ++b)
+    nonce[b] = static_cast<std::uint8_t>(std::stoul(nonce_hex.substr(2 * b, 2), nullptr, 16));
   store_file_entry e;
   e.port = static_cast<std::uint16_t>(port);
   for (std::string a; in >> a;) e.addresses.push_back(a);
@@ -8269,20 +8413,24 @@ inline std::optional<store_file_entry> read_store_file(const config& cfg, std::u
     why = "it lists no address";
     return std::nullopt;
   }
+  if (store_file_tag(key, nonce, store_file_body(e.port, e.addresses)) != tag) {
+    why = "it belongs to another job (another DDP_TOKEN), or to an earlier job that did not end cleanly";
+    return std::nullopt;
+  }
   return e;
 }
 
 /// Connects to the store cfg.store_file names, looking again until `deadline` while the file is missing,
 /// another job's, or its addresses refuse (an earlier job's file, not yet replaced by this job's rank 0).
-inline store_client find_store(const config& cfg, std::uint64_t token, clock::time_point deadline) {
+inline store_client find_store(const config& cfg, const job_key& key, clock::time_point deadline) {
   constexpr auto attempt = std::chrono::seconds(1);
   constexpr auto pause = std::chrono::milliseconds(50);
   std::string why;
   while (true) {
-    if (const auto entry = read_store_file(cfg, token, why)) {
+    if (const auto entry = read_store_file(cfg, key, why)) {
       for (const auto& host : entry->addresses) {
         try {
-          return store_client(host, entry->port, token, cfg.rank, deadline, std::min(deadline, clock::now() + attempt));
+          return store_client(host, entry->port, key, cfg.rank, deadline, std::min(deadline, clock::now() + attempt));
         } catch (const error& e) {
           why = "no listed address answered; the last, " + host + ":" + std::to_string(entry->port) +
                 ", said: " + e.message();
@@ -8377,7 +8525,7 @@ inline void settle_abort(store_client& store, int me) noexcept {
 }
 
 /// Accepts every higher rank on `acceptor`, all handshakes at once; strangers are refused and the job goes on.
-inline void accept_peers(const config& cfg, store_client& store, std::uint64_t token, handshake_acceptor& acceptor,
+inline void accept_peers(const config& cfg, store_client& store, const job_key& key, handshake_acceptor& acceptor,
                          const std::string& where, std::vector<socket_fd>& peers, clock::time_point deadline) {
   const int me = cfg.rank;
   constexpr auto job_check_every = std::chrono::milliseconds(100);
@@ -8400,8 +8548,11 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
       mesh_hello got{};
       std::memcpy(&got, a.hello.data(), sizeof got);
       std::string why;
-      if (got.magic != mesh_magic || got.version != mesh_version) why = "its first bytes are not a ddp mesh handshake";
-      else if (got.token != token) why = "wrong job token";
+      if (got.magic != mesh_magic) why = "its first bytes are not a ddp mesh handshake";
+      else if (got.version != mesh_version)
+        why = "its mesh handshake is version " + std::to_string(got.version) + ", this rank's " +
+              std::to_string(mesh_version) + " (another ddp release)";
+      else if (!is_signed(got, key, "mesh", a.nonce)) why = "wrong job token";
       else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
       else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
         why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
@@ -8419,7 +8570,7 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
 }
 
 /// Builds the full mesh: connects to every lower rank, accepts every higher one; strangers are refused.
-inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, std::uint64_t token,
+inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, const job_key& key,
                                          const std::string& host, clock::time_point deadline) {
   const int me = cfg.rank;
   handshake_acceptor acceptor(listen_on(host, 0, me, "the mesh"), sizeof(mesh_hello), limits_of(cfg), me,
@@ -8429,8 +8580,8 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
-                         token};
+  const mesh_hello unsigned_hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size),
+                                  mesh_version, 0};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -8440,7 +8591,10 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
                                       "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
     std::uint8_t ok = 0;
-    if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+    challenge nonce{};
+    const bool challenged = recv_all(fd.get(), nonce.data(), nonce.size(), deadline) == io_status::ok;
+    const mesh_hello hello = signed_hello(unsigned_hello, key, "mesh", nonce);
+    if (!challenged || send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
         recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
       check_job(store, me);  // a twin of this rank, or another world size, is why rank j refused, if so
       throw peer_lost("rank " + std::to_string(j) + " at " + where +
@@ -8449,7 +8603,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     }
     peers[static_cast<std::size_t>(j)] = std::move(fd);
   }
-  accept_peers(cfg, store, token, acceptor, text, peers, deadline);
+  accept_peers(cfg, store, key, acceptor, text, peers, deadline);
   for (auto& p : peers)
     if (p.valid()) tune_data_socket(p.get(), cfg.socket_buffer_bytes);
   return peers;
@@ -8583,7 +8737,7 @@ inline std::shared_ptr<shm_hosts> map_shared_memory(const config& cfg, store_cli
 }
 
 /// The rest of join() once the rank and the world size are claimed.
-inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, store_client& store, std::uint64_t token,
+inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, store_client& store, const job_key& key,
                                             bool by_file, clock::time_point deadline) {
   const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
   if (cfg.rank == 0) {
@@ -8596,7 +8750,7 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
                     (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
                                            : ""));
   }
-  auto sockets = build_mesh(cfg, store, token, host, deadline);
+  auto sockets = build_mesh(cfg, store, key, host, deadline);
   std::vector<host_identity> identities;
   auto memory = probe_memory(cfg, store, eng.live().word(), identities);
   if (cfg.rank == 0) {
@@ -8637,15 +8791,15 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
 /// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
 /// every rank can map its host's), else null.
-inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
+inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, const job_key& key,
                                        clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
-  store_client store = by_file ? find_store(cfg, token, deadline)
-                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  store_client store = by_file ? find_store(cfg, key, deadline)
+                               : store_client(cfg.master_addr, cfg.master_port, key, cfg.rank, deadline);
   claim_rank(store, cfg.rank);
   try {
     claim_world_size(store, cfg.rank, cfg.size);
-    return join_mesh(cfg, eng, store, token, by_file, deadline);
+    return join_mesh(cfg, eng, store, key, by_file, deadline);
   } catch (const config_error&) {
     settle_abort(store, cfg.rank);
     throw;
@@ -8685,19 +8839,19 @@ class communicator : public ddp::detail::collective_front<communicator> {
                              "NCCL backend for larger jobs",
                          cfg.rank);
     require_store_address(cfg);
-    const std::uint64_t token = detail::token_hash(cfg.token);
+    const detail::job_key key = detail::job_key_of(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
     if (cfg.rank == 0 && cfg.size > 1 && cfg.store_file.empty())
-      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), key, 0,
                      detail::limits_of(cfg));
     if (cfg.rank == 0 && cfg.size > 1 && !cfg.store_file.empty()) {
       const auto addresses = detail::store_addresses(cfg);
       auto listener = detail::listen_on(cfg.interface.empty() ? "0.0.0.0" : addresses.front(), 0, 0,
                                         "the rendezvous store");
       const auto port = detail::local_endpoint(listener.get()).port;
-      server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
-      detail::publish_store(cfg, token, port, addresses);
+      server.emplace(std::move(listener), key, 0, detail::limits_of(cfg));
+      detail::publish_store(cfg, key, port, addresses);
     }
     engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_group_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
@@ -8708,7 +8862,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, token, deadline));
+    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, key, deadline));
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).
@@ -27661,14 +27815,14 @@ struct env_rendezvous {
 
   /// Rank 0's new id, set in its store; every other rank gets it; rank 0 serves until every rank has it.
   static ncclUniqueId exchange_id(const tcp::config& cfg) {
-    const std::uint64_t token = tcp::detail::token_hash(cfg.token);
+    const tcp::detail::job_key key = tcp::detail::job_key_of(cfg.token);
     const auto deadline = tcp::detail::clock::now() + cfg.connect_timeout;
     std::optional<served_store> served;
     if (cfg.rank == 0)
       served.emplace(tcp::detail::store_server(
-          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), key, 0,
           tcp::detail::limits_of(cfg)));
-    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, key, cfg.rank, deadline);
     ncclUniqueId id{};
     if (cfg.rank == 0) {
       id = new_unique_id();

@@ -2,14 +2,17 @@
 // drives it: four client sessions, each read at most as far as its next message (store_book::wanted).
 //
 // Input: chunks of [control byte][length, 2 bytes little-endian][that many bytes] (a short last chunk takes
-// what is left). Control bits 0-1 pick the session; bit 7 closes it first (a fresh one takes its place).
-// The bytes join what that session's client has sent. Seeds: corpus/store/, recorded from a real rendezvous
-// by record_store_corpus (job token "fuzz-corpus").
+// what is left). Control bits 0-1 pick the session; bit 7 closes it first (a fresh one takes its place); bit 6
+// makes the session's client hold the job's key: the MAC of its hello is set to what its challenge (all zeros
+// here) asks, as a rank's would be, so the fuzzer reaches the requests; without it the hello goes as the input
+// has it, as a stranger's. The bytes join what that session's client has sent. Seeds: corpus/store/, recorded
+// from a real rendezvous by record_store_corpus (job token "fuzz-corpus"; every chunk with bit 6).
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include <ddp/comm/tcp/store.hpp>
@@ -22,7 +25,10 @@ namespace {
 struct client {
   std::vector<std::uint8_t> unread;
   d::store_session session;
+  bool holds_key = false;  ///< signs its hello (control bit 6)
 };
+
+const d::job_key fuzz_key = d::job_key_of("fuzz-corpus");
 
 /// Stops the run (libFuzzer reports it as a crash) when an invariant of the store does not hold.
 void require(bool cond) {
@@ -31,6 +37,12 @@ void require(bool cond) {
 
 /// Reads like store_server: at most what the next message needs, until the session waits or is refused.
 void pump(d::store_book& book, client& c) {
+  if (c.holds_key && !c.session.authed && c.session.in.empty() && c.unread.size() >= sizeof(d::store_hello)) {
+    d::store_hello h;
+    std::memcpy(&h, c.unread.data(), sizeof h);
+    h = d::signed_hello(h, fuzz_key, "store", c.session.nonce);
+    std::memcpy(c.unread.data(), &h, sizeof h);
+  }
   for (std::size_t want = d::store_book::wanted(c.session); want > 0 && !c.unread.empty();
        want = d::store_book::wanted(c.session)) {
     const std::size_t n = std::min(want, c.unread.size());
@@ -47,7 +59,7 @@ void pump(d::store_book& book, client& c) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  d::store_book book(d::token_hash("fuzz-corpus"));
+  d::store_book book(fuzz_key);
   std::array<client, 4> clients;
   for (std::size_t pos = 0; pos < size;) {
     const std::uint8_t control = data[pos++];
@@ -60,6 +72,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       book.close(c.session);
       c = client{};
     }
+    c.holds_key = c.holds_key || (control & 0x40) != 0;
     c.unread.insert(c.unread.end(), data + pos, data + pos + n);
     pos += n;
     for (auto& each : clients) pump(book, each);  // a set or add may have answered a parked get

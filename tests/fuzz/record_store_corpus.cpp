@@ -48,7 +48,8 @@ void relay(int from, int to, recording* rec, std::uint8_t session, d::clock::tim
   ::shutdown(to, SHUT_WR);
 }
 
-/// One fuzz_store chunk: control byte (the session), 2-byte little-endian length, the bytes.
+/// One fuzz_store chunk: control byte (the session; bit 6: its client holds the key, so fuzz_store signs the hello
+/// for its own challenge, as the relay's bytes answer another), 2-byte little-endian length, the bytes.
 void put_chunk(std::ofstream& out, std::uint8_t session, const std::vector<std::uint8_t>& bytes) {
   const char head[3] = {static_cast<char>(session), static_cast<char>(bytes.size() & 0xff),
                         static_cast<char>(bytes.size() >> 8)};
@@ -111,9 +112,9 @@ int main(int argc, char** argv) {
   for (std::uint8_t session = 0; session < ranks - 1; ++session) {
     std::ofstream one(dir + "/rendezvous-rank" + std::to_string(session + 1), std::ios::binary);
     for (const auto& [s, bytes] : rec.chunks)
-      if (s == session) put_chunk(one, 0, bytes);
+      if (s == session) put_chunk(one, 0x40, bytes);
   }
-  for (const auto& [s, bytes] : rec.chunks) put_chunk(all, s, bytes);
+  for (const auto& [s, bytes] : rec.chunks) put_chunk(all, static_cast<std::uint8_t>(s | 0x40), bytes);
   std::printf("recorded %zu chunks from %d connections into %s\n", rec.chunks.size(), ranks - 1, dir.c_str());
   return 0;
 }

@@ -14,9 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/launch/nodes.hpp>
 #include <ddp/launch/spawn.hpp>
 
 #include "tcp/helpers.hpp"
+#include "support/side_process.hpp"
 #include "support/text.hpp"
 
 using namespace std::chrono_literals;
@@ -26,12 +28,13 @@ using ddp::testing::contains;
 
 namespace {
 
-/// Runs `launchers` processes, launcher i executing command(i, port), where port is the job's MASTER_PORT, with
-/// env(i) added to its environment; none is stopped when another fails. Returns each one's status and output.
+/// Runs `launchers` processes, launcher i executing command(i, port), where port is the job's MASTER_PORT (`port`,
+/// or a free one), with env(i) added to its environment; none is stopped when another fails. Returns each one's
+/// status and output.
 dl::spawn_result run_launchers(int launchers,
                                std::function<std::vector<std::string>(int i, const std::string& port)> command,
-                               std::function<dl::env_list(int i)> env = {}) {
-  const std::string port = std::to_string(ddp::testing::free_port());
+                               std::function<dl::env_list(int i)> env = {}, int fixed_port = 0) {
+  const std::string port = std::to_string(fixed_port != 0 ? fixed_port : ddp::testing::free_port());
   dl::spawn_options o;
   o.output = dl::output_mode::capture;
   o.timeout = 30s;
@@ -170,6 +173,51 @@ TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file, 
     CHECK(contains(rs.ranks[0].output, "did not join node 0"));
     CHECK(rs.ranks[1].exit_code == 1);
     CHECK(contains(rs.ranks[1].output, "refused node 1"));
+  }
+  SECTION("a stranger replaying node 1's hello, or one signed for the store, is refused; node 1 then joins") {
+    namespace td = ddp::tcp::detail;
+    const int port = ddp::testing::free_port();
+    ddp::testing::side_process stranger([port] {
+      const auto control = static_cast<std::uint16_t>(port + 1);
+      const auto connect = [&](td::challenge& nonce) {
+        auto fd = td::connect_with_retry("127.0.0.1", control, td::clock::now() + 10s, -1, "node 0's launcher", "");
+        ddp::testing::tcp::expect(td::recv_all(fd.get(), nonce.data(), nonce.size(), td::clock::now() + 5s) ==
+                                      td::io_status::ok,
+                                  "node 0's challenge");
+        return fd;
+      };
+      dl::detail::control_frame hello;  // node 1 of 2, one rank, no restarts: what the real node 1 sends
+      hello.node = 1;
+      hello.rank = 1;
+      hello.status = 2;
+      const td::job_key key = td::job_key_of("shared");
+      td::challenge first{}, second{}, third{};
+      auto a = connect(first);
+      const auto recorded = td::signed_hello(hello, key, "launch", first);  // what a listener could have captured
+      auto b = connect(second);
+      ddp::testing::tcp::expect(second != first, "a fresh challenge per connection");
+      td::send_all(b.get(), &recorded, sizeof recorded, td::clock::now() + 5s);
+      auto c = connect(third);
+      const auto for_the_store = td::signed_hello(hello, key, "store", third);  // the same key, another context
+      td::send_all(c.get(), &for_the_store, sizeof for_the_store, td::clock::now() + 5s);
+      for (auto* fd : {&b, &c}) {
+        std::uint8_t byte = 0;
+        ddp::testing::tcp::expect(td::recv_all(fd->get(), &byte, 1, td::clock::now() + 5s) == td::io_status::closed,
+                                  "node 0 refused the stranger");
+      }
+    });
+    const auto rs = run_launchers(
+        2,
+        [](int node, const std::string& p) {
+          auto argv = launcher(2, node, p, {"--join-timeout", "20", "-n", "1", "/bin/true"});
+          if (node == 1) argv.insert(argv.begin(), {"/bin/sh", "-c", "sleep 2; exec \"$0\" \"$@\""});
+          return argv;
+        },
+        [](int) { return dl::env_list{{"DDP_TOKEN", "shared"}}; }, port);
+    CHECK(stranger.join() == "");
+    INFO(rs.ranks[0].output + rs.ranks[1].output);
+    REQUIRE(rs.ok());
+    CHECK(contains(rs.ranks[0].output, "wrong job token"));
   }
 }
 

@@ -87,8 +87,10 @@ TEST_CASE("init(\"file:///path\", rank, size) rendezvouses through the file and 
   const bool stale = GENERATE(false, true);
   CAPTURE(stale);
   if (stale) {  // an earlier job's file: its rank 0 (same token) is gone; the new rank 0 replaces it
-    std::ofstream(file) << "ddp-store 1 " << std::hex << ddp::tcp::detail::token_hash("tcp-tests") << std::dec << ' '
-                        << free_port() << " 127.0.0.1\n";
+    ddp::tcp::config earlier;
+    earlier.store_file = file.string();
+    ddp::tcp::detail::publish_store(earlier, ddp::tcp::detail::job_key_of("tcp-tests"),
+                                    static_cast<std::uint16_t>(free_port()), {"127.0.0.1"});
   }
   require_all_ok(run_ranks(
       3,
@@ -134,21 +136,46 @@ TEST_CASE("from_env() starts a job from srun's variables alone", "[tcp][init]") 
       job(60s)));
 }
 
-TEST_CASE("init(\"file://...\"): the rendezvous file is readable by its owner alone", "[tcp][init][fast]") {
+TEST_CASE("init(\"file://...\"): the rendezvous file is its owner's alone and holds no credential", "[tcp][init][fast]") {
+  namespace d = ddp::tcp::detail;
   temp_dir dir;
   ddp::tcp::config cfg;
   cfg.store_file = (dir.path / "rendezvous").string();
-  ddp::tcp::detail::publish_store(cfg, ddp::tcp::detail::token_hash("tcp-tests"), 29500, {"127.0.0.1"});
+  const d::job_key key = d::job_key_of("tcp-tests");
+  d::publish_store(cfg, key, 29500, {"127.0.0.1"});
   struct stat st {};
   REQUIRE(::stat(cfg.store_file.c_str(), &st) == 0);
   CHECK((st.st_mode & 0777) == 0600);
+  // Its words are a format, a random job nonce, a tag, the port and addresses: none is the key or a hash a
+  // handshake would accept (the version-1 file held the token's hash, which was all the store checked).
+  std::ifstream in(cfg.store_file);
+  std::string magic, version, nonce, tag;
+  in >> magic >> version >> nonce >> tag;
+  CHECK(magic == "ddp-store");
+  CHECK(version == "2");
+  CHECK(nonce.size() == 32);
+  for (const auto& word : {nonce.substr(0, 16), nonce.substr(16), tag}) {
+    const std::uint64_t v = std::stoull(word, nullptr, 16);
+    CHECK(v != key.k0);
+    CHECK(v != key.k1);
+  }
+  std::string why;
+  CHECK(d::read_store_file(cfg, key, why).has_value());
+  CHECK_FALSE(d::read_store_file(cfg, d::job_key_of("another job"), why).has_value());
+  CHECK_THAT(why, Catch::Contains("another job"));
+  d::publish_store(cfg, key, 29500, {"127.0.0.1"});  // a new job nonce each time
+  std::ifstream again(cfg.store_file);
+  std::string nonce2;
+  again >> magic >> version >> nonce2;
+  CHECK(nonce2 != nonce);
 }
 
 TEST_CASE("init(\"file://...\") ignores another job's file and says so at the connect deadline", "[tcp][init]") {
   temp_dir dir;
   const auto file = dir.path / "rendezvous";
-  std::ofstream(file) << "ddp-store 1 " << std::hex << ddp::tcp::detail::token_hash("another job") << std::dec
-                      << " 1 127.0.0.1\n";
+  ddp::tcp::config other;
+  other.store_file = file.string();
+  ddp::tcp::detail::publish_store(other, ddp::tcp::detail::job_key_of("another job"), 1, {"127.0.0.1"});
   const auto rs = run_ranks(
       1,
       [&file](int) {

@@ -54,7 +54,7 @@ double cpu_seconds() {
 
 /// Rank 0's store served by an engine in this process, as in a job.
 struct served_store {
-  explicit served_store(std::uint64_t token, d::handshake_limits limits = {})
+  explicit served_store(const d::job_key& token, d::handshake_limits limits = {})
       : port(static_cast<std::uint16_t>(free_port())),
         server(0, 1, &d::run_collective, d::store_server(d::listen_on("127.0.0.1", port, 0, "store"), token, 0, limits)) {}
   std::uint16_t port;
@@ -116,7 +116,7 @@ void join_fails_within(double seconds, const std::string& what) {
 }  // namespace
 
 TEST_CASE("four 256 MiB floods before the handshake grow rank 0 by at most 32 MiB", "[tcp][store][limits]") {
-  const std::uint64_t token = d::token_hash("flood-test");
+  const d::job_key token = d::job_key_of("flood-test");
   served_store store(token);
   constexpr std::size_t chunk = 1 << 20, flood = 256 * chunk;
   const std::vector<char> junk(chunk, 'x');  // the strangers' bytes: allocated before the baseline
@@ -151,9 +151,14 @@ TEST_CASE("four 256 MiB floods before the handshake grow rank 0 by at most 32 Mi
 
 TEST_CASE("a connection silent past the handshake deadline is closed, and the oldest goes past the cap",
           "[tcp][store][limits]") {
-  const std::uint64_t token = d::token_hash("deadline-test");
+  const d::job_key token = d::job_key_of("deadline-test");
   served_store store(token, {.timeout = 300ms, .max_pending = 2});
-  const auto connect = [&] { return d::connect_with_retry("127.0.0.1", store.port, d::clock::now() + 5s, -1, "store", ""); };
+  const auto connect = [&] {  // a connection that took the store's challenge and says nothing
+    auto fd = d::connect_with_retry("127.0.0.1", store.port, d::clock::now() + 5s, -1, "store", "");
+    d::challenge nonce{};
+    REQUIRE(d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 5s) == d::io_status::ok);
+    return fd;
+  };
   std::uint8_t byte = 0;
   SECTION("deadline") {
     auto silent = connect();
@@ -179,7 +184,7 @@ TEST_CASE("a connection silent past the handshake deadline is closed, and the ol
 TEST_CASE("a store out of file descriptors backs off instead of spinning, then recovers", "[tcp][store][limits]") {
   const auto [text, ok] = in_child(
       [] {
-        const std::uint64_t token = d::token_hash("emfile-test");
+        const d::job_key token = d::job_key_of("emfile-test");
         served_store store(token);
         std::vector<d::socket_fd> callers;
         for (int i = 0; i < 4; ++i) callers.emplace_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -228,7 +233,7 @@ double last_rank_rendezvous(bool strangers) {
   side_process stranger([port, strangers] {
     if (!strangers) return;
     // Knows the job token (it reads the mesh addresses from the store) and opens idle connections.
-    d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
+    d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::job_key_of("tcp-tests"), 99,
                           d::clock::now() + 20s);
     std::vector<d::socket_fd> idle;
     for (int r = 0; r < 3; ++r) {
@@ -293,14 +298,16 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
   const int port = free_port();
   side_process fake_rank1([port] {
     // Passes rank 0's mesh handshake as rank 1 of 2, then never publishes its memory probe.
-    const std::uint64_t token = d::token_hash("tcp-tests");
+    const d::job_key token = d::job_key_of("tcp-tests");
     d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), token, 1, d::clock::now() + 10s);
     const auto bytes = store.get("ddp/mesh/0");
     const std::string where(bytes.begin(), bytes.end());
     const auto colon = where.rfind(':');
     auto fd = d::connect_with_retry(where.substr(0, colon), static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1))),
                                     d::clock::now() + 5s, 1, "rank 0", "");
-    const d::mesh_hello hello{d::mesh_hello{}.magic, 1, 2, 1, token};
+    d::challenge nonce{};
+    expect(d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 5s) == d::io_status::ok, "challenged");
+    const auto hello = d::signed_hello(d::mesh_hello{d::mesh_magic, 1, 2, d::mesh_version, 0}, token, "mesh", nonce);
     std::uint8_t ok = 0;
     expect(d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 5s) == d::io_status::ok, "hello sent");
     expect(d::recv_all(fd.get(), &ok, 1, d::clock::now() + 5s) == d::io_status::ok, "hello accepted");

@@ -15,10 +15,11 @@ namespace d = ddp::tcp::detail;
 
 namespace {
 
-constexpr std::uint64_t token = 0x1234;
+const d::job_key token = d::job_key_of("store-protocol");
 
-std::vector<std::uint8_t> hello(std::uint64_t t = token) {
-  const d::store_hello h{d::store_magic, 1, t};
+/// A hello signed under `k` for a session's challenge `nonce` (a session's own is all zeros until a server sets it).
+std::vector<std::uint8_t> hello(const d::job_key& k = token, const d::challenge& nonce = {}) {
+  const d::store_hello h = d::signed_hello(d::store_hello{}, k, "store", nonce);
   std::vector<std::uint8_t> b(sizeof h);
   std::memcpy(b.data(), &h, sizeof h);
   return b;
@@ -129,10 +130,33 @@ TEST_CASE("strangers and malformed requests are refused, each with its reason", 
   d::store_book book(token);
   SECTION("a wrong token") {
     d::store_session s;
-    feed(book, s, hello(token + 1));
+    feed(book, s, hello(d::job_key_of("another job")));
     CHECK(s.refused == "wrong job token");
     CHECK_FALSE(s.authed);
     CHECK(s.out.empty());
+  }
+  SECTION("a hello signed for another connection's challenge: a recorded handshake replayed") {
+    d::store_session s;
+    s.nonce = d::random_challenge();
+    feed(book, s, hello(token, d::random_challenge()));
+    CHECK(s.refused == "wrong job token");
+  }
+  SECTION("the right key's hello for this challenge, but signed for the mesh or the launchers") {
+    d::store_session s;
+    s.nonce = d::random_challenge();
+    for (const char* context : {"mesh", "launch"}) {
+      const d::store_hello h = d::signed_hello(d::store_hello{}, token, context, s.nonce);
+      CHECK_FALSE(d::is_signed(h, token, "store", s.nonce));
+    }
+    d::store_hello h = d::signed_hello(d::store_hello{}, token, "mesh", s.nonce);
+    book.feed(s, reinterpret_cast<const std::uint8_t*>(&h), sizeof h);
+    CHECK(s.refused == "wrong job token");
+  }
+  SECTION("a version-1 hello, which carried the token's hash") {
+    d::store_session s;
+    const d::store_hello h{d::store_magic, 1, 0x1234};
+    book.feed(s, reinterpret_cast<const std::uint8_t*>(&h), sizeof h);
+    CHECK(s.refused == "its handshake is version 1, this store's 2 (another ddp release)");
   }
   SECTION("garbage") {
     d::store_session s;
@@ -171,4 +195,15 @@ TEST_CASE("add wraps around at the ends of the 64-bit range instead of overflowi
   CHECK(add(book, s, "n", -1) == max);
   CHECK(add(book, s, "m", min) == min);
   CHECK(add(book, s, "m", min) == 0);
+}
+
+TEST_CASE("the handshakes' MAC is SipHash-2-4: the reference vectors", "[tcp][store]") {
+  std::uint8_t m[64];
+  for (int i = 0; i < 64; ++i) m[i] = static_cast<std::uint8_t>(i);
+  const std::uint64_t k0 = 0x0706050403020100ULL, k1 = 0x0f0e0d0c0b0a0908ULL;  // key bytes 00..0f
+  CHECK(d::siphash24(k0, k1, m, 0) == 0x726fdb47dd0e0e31ULL);
+  CHECK(d::siphash24(k0, k1, m, 15) == 0xa129ca6149be45e5ULL);
+  CHECK(d::siphash24(k0, k1, m, 63) == 0x958a324ceb064572ULL);
+  CHECK(d::job_key_of("a") != d::job_key_of("b"));
+  CHECK(d::job_key_of("") != d::job_key_of("a"));
 }

@@ -192,7 +192,7 @@ TEST_CASE("a rank waiting 2 s in a shared-memory collective uses at most 8 ms of
 TEST_CASE("the store serves set get add and a blocking wait and refuses strangers", "[tcp][store]") {
   namespace d = ddp::tcp::detail;
   const int port = free_port();
-  const std::uint64_t token = d::token_hash("store-test");
+  const d::job_key token = d::job_key_of("store-test");
   // Rank 0's engine serves the store from its poll loop, as in a job.
   d::engine server(0, 1, &d::run_collective,
                    d::store_server(d::listen_on("127.0.0.1", static_cast<std::uint16_t>(port), 0, "store"), token, 0));
@@ -216,16 +216,33 @@ TEST_CASE("the store serves set get add and a blocking wait and refuses stranger
   };
   SECTION("a wrong token is refused, the store goes on") {
     auto fd = raw_connect();
-    const d::store_hello hello{d::store_magic, 1, d::token_hash("another job")};
+    d::challenge nonce{};
+    REQUIRE(d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s) == d::io_status::ok);
+    const auto hello = d::signed_hello(d::store_hello{}, d::job_key_of("another job"), "store", nonce);
     REQUIRE(d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s) == d::io_status::ok);
     std::uint8_t byte = 0;
     CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 2s) == d::io_status::closed);
-    CHECK_THROWS_AS(d::store_client("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("x"), 3,
+    CHECK_THROWS_AS(d::store_client("127.0.0.1", static_cast<std::uint16_t>(port), d::job_key_of("x"), 3,
                                     d::clock::now() + 2s),
                     ddp::peer_lost);
   }
+  SECTION("a handshake recorded on one connection is refused on the next: the store's challenge differs") {
+    auto first = raw_connect();
+    d::challenge nonce{};
+    REQUIRE(d::recv_all(first.get(), nonce.data(), nonce.size(), d::clock::now() + 2s) == d::io_status::ok);
+    const auto recorded = d::signed_hello(d::store_hello{}, token, "store", nonce);  // what a listener could capture
+    auto fd = raw_connect();
+    REQUIRE(d::send_all(fd.get(), &recorded, sizeof recorded, d::clock::now() + 2s) == d::io_status::ok);
+    std::uint8_t byte = 0;
+    d::challenge other{};
+    REQUIRE(d::recv_all(fd.get(), other.data(), other.size(), d::clock::now() + 2s) == d::io_status::ok);
+    CHECK(other != nonce);
+    CHECK(d::recv_all(fd.get(), &byte, 1, d::clock::now() + 2s) == d::io_status::closed);
+  }
   SECTION("garbage is refused, the store goes on") {
     auto fd = raw_connect();
+    d::challenge nonce{};
+    REQUIRE(d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s) == d::io_status::ok);
     const char junk[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
     REQUIRE(d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s) == d::io_status::ok);
     std::uint8_t byte = 0;
@@ -243,9 +260,13 @@ TEST_CASE("a stranger on the store port during a job is refused and the job goes
       auto fd = d::connect_with_retry("127.0.0.1", static_cast<std::uint16_t>(port), d::clock::now() + 10s, -1,
                                       "store", "");
       if (attempt == 0) {
-        const d::store_hello hello{d::store_magic, 1, d::token_hash("intruder")};
+        d::challenge nonce{};
+        d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s);
+        const auto hello = d::signed_hello(d::store_hello{}, d::job_key_of("intruder"), "store", nonce);
         d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s);
       } else {
+        d::challenge nonce{};
+        d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s);
         const char junk[64] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17};
         d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
       }
@@ -282,8 +303,8 @@ TEST_CASE("strangers on a mesh port during the rendezvous are refused and the jo
   namespace d = ddp::tcp::detail;
   const int port = free_port();
   side_process stranger([port] {
-    // Knows the store's token (it reads rank 0's mesh address) but not the mesh handshake's.
-    d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::token_hash("tcp-tests"), 99,
+    // Reads rank 0's mesh address as a rank would, then signs the mesh port's challenge with another job's key.
+    d::store_client store("127.0.0.1", static_cast<std::uint16_t>(port), d::job_key_of("tcp-tests"), 99,
                           d::clock::now() + 10s);
     const auto bytes = store.get("ddp/mesh/0");
     const std::string where(bytes.begin(), bytes.end());
@@ -292,9 +313,14 @@ TEST_CASE("strangers on a mesh port during the rendezvous are refused and the jo
       auto fd = d::connect_with_retry(where.substr(0, colon), static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1))),
                                       d::clock::now() + 5s, -1, "mesh", "");
       if (attempt == 0) {
-        const ddp::tcp::detail::mesh_hello hello{0x4d504444, 1, 2, 1, d::token_hash("intruder")};
+        d::challenge nonce{};
+        d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s);
+        const auto hello =
+            d::signed_hello(d::mesh_hello{d::mesh_magic, 1, 2, d::mesh_version, 0}, d::job_key_of("intruder"), "mesh", nonce);
         d::send_all(fd.get(), &hello, sizeof hello, d::clock::now() + 2s);
       } else {
+        d::challenge nonce{};
+        d::recv_all(fd.get(), nonce.data(), nonce.size(), d::clock::now() + 2s);
         const char junk[24] = "\x01garbage-garbage-junk";
         d::send_all(fd.get(), junk, sizeof junk, d::clock::now() + 2s);
       }

@@ -1,10 +1,11 @@
 #pragma once
 /// \file The launchers of a job on several nodes (ddp-launch --nnodes N, like torchrun's agents) talk over a
 /// small control channel: node 0's launcher listens on MASTER_PORT + 1, every other launcher connects and
-/// sends a hello carrying the job token's hash; the ranks start once all N launchers have joined. A launcher
+/// answers node 0's challenge with a hello signed under the job's key (tcp/auth.hpp: the token never travels);
+/// the ranks start once all N launchers have joined. A launcher
 /// whose rank fails reports it to node 0, which waits a moment for reports from other nodes, blames a crash
 /// before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
-/// node 0 sends every node the job's verdict. Every frame is 40 bytes and carries the token's hash; joining
+/// node 0 sends every node the job's verdict. Every frame is 40 bytes; the hello's MAC admits its connection; joining
 /// has a deadline, strangers are refused, and a launcher whose peer's connection ends (its host died: TCP
 /// keepalive) stops its ranks. Node 0 keeps listening while the job runs: a launcher of this job that claims a
 /// node rank another launcher holds (while joining or later) is told so in a `taken` frame and refused, and
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include <ddp/comm/tcp/accept.hpp>
+#include <ddp/comm/tcp/auth.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/launch/exit_order.hpp>
@@ -105,7 +107,7 @@ struct control_frame {
   std::int32_t status = 0;   ///< failed, stop, verdict: its status; hello, mismatch: the number of nodes
   std::int32_t restarts = 0; ///< hello, mismatch: --max-restarts
   std::int64_t began_us = 0; ///< failed: when it failed
-  std::uint64_t token = 0;   ///< the job token's hash
+  std::uint64_t mac = 0;     ///< hello: signed_hello's MAC under the job's key, context "launch"; else 0
 };
 static_assert(sizeof(control_frame) == 40, "control_frame must stay 40 bytes: every launcher reads exactly that.");
 
@@ -121,9 +123,6 @@ inline config_error launchers_disagree(const control_frame& a, const control_fra
                       launch_settings(a) + ", node " + std::to_string(b.node) + "'s with " + launch_settings(b) +
                       "; start ddp-launch on every node with the same --nnodes, --nproc-per-node and --max-restarts");
 }
-
-/// The control channel's hash of the token (salted apart from the ranks' store and mesh handshakes).
-inline std::uint64_t control_token(const std::string& token) { return tcp::detail::token_hash(token + "/ddp-launch"); }
 
 /// Wall-clock microseconds at `t`.
 inline std::int64_t wall_us(std::chrono::system_clock::time_point t = std::chrono::system_clock::now()) {
@@ -146,7 +145,7 @@ class node_link {
  public:
   /// Joins the launchers of `plan`: node 0 waits for all others, the others connect to it; all by the join
   /// timeout. Throws config_error for a stranger's mistakes that stop the job, timeout_error at the deadline.
-  explicit node_link(node_plan plan) : plan_(std::move(plan)), token_(detail::control_token(plan_.token)) {
+  explicit node_link(node_plan plan) : plan_(std::move(plan)), key_(tcp::detail::job_key_of(plan_.token)) {
     const auto deadline = tcp::detail::clock::now() + plan_.join_timeout;
     if (plan_.node_rank == 0)
       accept_nodes(deadline);
@@ -226,7 +225,6 @@ class node_link {
     c.rank = f.rank;
     c.status = f.status;
     c.began_us = f.began_us;
-    c.token = token_;
     return c;
   }
 
@@ -265,11 +263,12 @@ class node_link {
     for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::go, {}));
   }
 
-  /// Node 0: why the launcher that sent `got` may not join this job, or nothing (settings checked apart: disagrees).
-  [[nodiscard]] std::string refusal(const detail::control_frame& got) const {
+  /// Node 0: why the launcher that sent `got` for challenge `nonce` may not join this job, or nothing (settings
+  /// checked apart: disagrees).
+  [[nodiscard]] std::string refusal(const detail::control_frame& got, const tcp::detail::challenge& nonce) const {
     if (got.magic != detail::control_magic || got.kind != detail::control_kind::hello)
       return "its first bytes are not a ddp-launch hello";
-    if (got.token != token_) return "wrong job token";
+    if (!tcp::detail::is_signed(got, key_, "launch", nonce)) return "wrong job token";
     if (got.node <= 0 || got.node >= plan_.nodes)
       return "it claims node rank " + std::to_string(got.node) + ", outside 1.." + std::to_string(plan_.nodes - 1);
     return {};
@@ -292,7 +291,7 @@ class node_link {
   bool admit(tcp::detail::arrival& a, bool joining) {
     detail::control_frame got;
     std::memcpy(&got, a.hello.data(), sizeof got);
-    const std::string why = refusal(got);
+    const std::string why = refusal(got, a.nonce);
     if (why.empty() && disagrees(got)) {
       if (joining) {
         send(a.fd, settings(detail::control_kind::mismatch));
@@ -340,14 +339,19 @@ class node_link {
     }
     detail::keep_alive(peers_[0].get());
     const auto hello = settings(detail::control_kind::hello);
-    const bool sent = tcp::detail::send_all(peers_[0].get(), &hello, sizeof hello, deadline) == tcp::detail::io_status::ok;
+    tcp::detail::challenge nonce{};
+    const bool challenged =
+        tcp::detail::recv_all(peers_[0].get(), nonce.data(), nonce.size(), deadline) == tcp::detail::io_status::ok;
+    const auto signed_hello = tcp::detail::signed_hello(hello, key_, "launch", nonce);
+    const bool sent = challenged && tcp::detail::send_all(peers_[0].get(), &signed_hello, sizeof signed_hello, deadline) ==
+                                        tcp::detail::io_status::ok;
     for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
       check_interrupt("waiting for node 0's launcher to start the job");
       ::poll(&p, 1, static_cast<int>(std::chrono::milliseconds(slice).count()));
     }
     detail::control_frame go;
     const bool answered = sent && tcp::detail::recv_all(peers_[0].get(), &go, sizeof go, deadline) == tcp::detail::io_status::ok &&
-                          go.magic == detail::control_magic && go.token == token_;
+                          go.magic == detail::control_magic;
     if (answered && go.kind == detail::control_kind::mismatch)  // node 0's settings, or another node's
       throw detail::launchers_disagree(go.node == 0 ? hello : go, go.node == 0 ? go : settings(detail::control_kind::hello));
     if (answered && go.kind == detail::control_kind::taken)
@@ -395,7 +399,7 @@ class node_link {
         detail::control_frame c;
         std::memcpy(&c, buf.data(), sizeof c);
         buf.erase(0, sizeof c);
-        if (c.magic != detail::control_magic || c.token != token_) {
+        if (c.magic != detail::control_magic) {
           lost = true;
           break;
         }
@@ -445,7 +449,7 @@ class node_link {
   }
 
   node_plan plan_;
-  std::uint64_t token_;
+  tcp::detail::job_key key_;
   std::vector<tcp::detail::socket_fd> peers_;  ///< node 0: index = node rank (0 unused); others: [0] = node 0
   std::vector<std::string> buffers_;           ///< bytes of a frame not yet whole, per peer
   std::optional<tcp::detail::handshake_acceptor> acceptor_;  ///< node 0: the control port, open for the whole job

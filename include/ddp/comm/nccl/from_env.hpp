@@ -78,14 +78,14 @@ struct env_rendezvous {
 
   /// Rank 0's new id, set in its store; every other rank gets it; rank 0 serves until every rank has it.
   static ncclUniqueId exchange_id(const tcp::config& cfg) {
-    const std::uint64_t token = tcp::detail::token_hash(cfg.token);
+    const tcp::detail::job_key key = tcp::detail::job_key_of(cfg.token);
     const auto deadline = tcp::detail::clock::now() + cfg.connect_timeout;
     std::optional<served_store> served;
     if (cfg.rank == 0)
       served.emplace(tcp::detail::store_server(
-          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+          tcp::detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), key, 0,
           tcp::detail::limits_of(cfg)));
-    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+    tcp::detail::store_client store(cfg.master_addr, cfg.master_port, key, cfg.rank, deadline);
     ncclUniqueId id{};
     if (cfg.rank == 0) {
       id = new_unique_id();

@@ -1,6 +1,6 @@
 #pragma once
 /// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
-/// mesh port) under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
+/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
 /// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
 /// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
 
@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/comm/tcp/auth.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 
@@ -32,6 +33,7 @@ struct arrival {
   socket_fd fd;                     ///< the connection, non-blocking
   std::string from;                 ///< its remote "addr:port"
   std::vector<std::uint8_t> hello;  ///< exactly the handshake's size
+  challenge nonce{};                ///< what it was sent to sign
 };
 
 /// A listening socket and its handshakes in progress; poll its descriptors from any loop (fill, on_events).
@@ -96,6 +98,7 @@ class handshake_acceptor {
     std::string from;
     std::vector<std::uint8_t> hello;
     clock::time_point deadline;
+    challenge nonce{};
   };
 
   void read_hello(pending& p, std::vector<arrival>& done) {
@@ -113,7 +116,7 @@ class handshake_acceptor {
     }
     p.hello.resize(have + static_cast<std::size_t>(k));
     if (p.hello.size() < hello_bytes_) return;
-    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello)});
+    done.push_back({std::move(p.fd), std::move(p.from), std::move(p.hello), p.nonce});
   }
 
   void accept_some(clock::time_point now) {
@@ -137,7 +140,10 @@ class handshake_acceptor {
       }
       socket_fd owned(fd);
       std::string from = remote_endpoint(fd).str();
-      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout});
+      const challenge nonce = random_challenge();  // a fresh socket's send buffer always takes 16 bytes
+      if (::send(fd, nonce.data(), nonce.size(), MSG_DONTWAIT | MSG_NOSIGNAL) != static_cast<ssize_t>(nonce.size()))
+        continue;  // gone already
+      pending_.push_back({std::move(owned), std::move(from), {}, now + limits_.timeout, nonce});
     }
   }
 

@@ -67,19 +67,19 @@ class communicator : public ddp::detail::collective_front<communicator> {
                              "NCCL backend for larger jobs",
                          cfg.rank);
     require_store_address(cfg);
-    const std::uint64_t token = detail::token_hash(cfg.token);
+    const detail::job_key key = detail::job_key_of(cfg.token);
     const auto deadline = detail::clock::now() + cfg.connect_timeout;
     std::optional<detail::store_server> server;
     if (cfg.rank == 0 && cfg.size > 1 && cfg.store_file.empty())
-      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), token, 0,
+      server.emplace(detail::listen_on(cfg.master_addr, cfg.master_port, 0, "the rendezvous store"), key, 0,
                      detail::limits_of(cfg));
     if (cfg.rank == 0 && cfg.size > 1 && !cfg.store_file.empty()) {
       const auto addresses = detail::store_addresses(cfg);
       auto listener = detail::listen_on(cfg.interface.empty() ? "0.0.0.0" : addresses.front(), 0, 0,
                                         "the rendezvous store");
       const auto port = detail::local_endpoint(listener.get()).port;
-      server.emplace(std::move(listener), token, 0, detail::limits_of(cfg));
-      detail::publish_store(cfg, token, port, addresses);
+      server.emplace(std::move(listener), key, 0, detail::limits_of(cfg));
+      detail::publish_store(cfg, key, port, addresses);
     }
     engine_ = std::make_shared<detail::engine>(cfg.rank, cfg.size, &detail::run_group_collective, std::move(server));
     group_ = std::make_shared<detail::group>();
@@ -90,7 +90,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     group_->members.resize(static_cast<std::size_t>(cfg.size));
     for (int r = 0; r < cfg.size; ++r) group_->members[static_cast<std::size_t>(r)] = r;
     if (cfg.size == 1) return;
-    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, token, deadline));
+    detail::use_shared_memory(*group_, detail::join(cfg, *engine_, key, deadline));
   }
 
   /// Joins the job the environment describes (tcp::config_from_env() lists the variables).

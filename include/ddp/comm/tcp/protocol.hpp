@@ -16,15 +16,16 @@ namespace ddp::tcp::detail {
 // ---- the mesh handshake -----------------------------------------------------------------------------
 
 inline constexpr std::uint32_t mesh_magic = 0x4d504444;  ///< "DDPM": first bytes on a mesh connection
-inline constexpr std::uint32_t mesh_version = 1;         ///< bumped whenever the frames change incompatibly
+inline constexpr std::uint32_t mesh_version = 2;         ///< bumped whenever the frames change incompatibly
 
-/// First message on a mesh connection, from the connecting (higher) rank; answered by one byte, 1 if accepted.
+/// First message on a mesh connection, from the connecting (higher) rank, after the acceptor's challenge;
+/// answered by one byte, 1 if accepted.
 struct mesh_hello {
   std::uint32_t magic = mesh_magic;
   std::uint32_t rank = 0;
   std::uint32_t size = 0;
   std::uint32_t version = mesh_version;
-  std::uint64_t token = 0;  ///< hash of the job token
+  std::uint64_t mac = 0;  ///< signed_hello's MAC under the job's key, context "mesh"
 };
 static_assert(sizeof(mesh_hello) == 24, "ddp: the mesh handshake must stay 24 bytes; it is the wire format.");
 

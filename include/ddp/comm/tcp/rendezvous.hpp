@@ -101,7 +101,7 @@ inline void settle_abort(store_client& store, int me) noexcept {
 }
 
 /// Accepts every higher rank on `acceptor`, all handshakes at once; strangers are refused and the job goes on.
-inline void accept_peers(const config& cfg, store_client& store, std::uint64_t token, handshake_acceptor& acceptor,
+inline void accept_peers(const config& cfg, store_client& store, const job_key& key, handshake_acceptor& acceptor,
                          const std::string& where, std::vector<socket_fd>& peers, clock::time_point deadline) {
   const int me = cfg.rank;
   constexpr auto job_check_every = std::chrono::milliseconds(100);
@@ -124,8 +124,11 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
       mesh_hello got{};
       std::memcpy(&got, a.hello.data(), sizeof got);
       std::string why;
-      if (got.magic != mesh_magic || got.version != mesh_version) why = "its first bytes are not a ddp mesh handshake";
-      else if (got.token != token) why = "wrong job token";
+      if (got.magic != mesh_magic) why = "its first bytes are not a ddp mesh handshake";
+      else if (got.version != mesh_version)
+        why = "its mesh handshake is version " + std::to_string(got.version) + ", this rank's " +
+              std::to_string(mesh_version) + " (another ddp release)";
+      else if (!is_signed(got, key, "mesh", a.nonce)) why = "wrong job token";
       else if (got.size != static_cast<std::uint32_t>(cfg.size)) why = "it belongs to a job of " + std::to_string(got.size) + " ranks";
       else if (got.rank <= static_cast<std::uint32_t>(me) || got.rank >= got.size)
         why = "it claims rank " + std::to_string(got.rank) + ", which is not an expected peer";
@@ -143,7 +146,7 @@ inline void accept_peers(const config& cfg, store_client& store, std::uint64_t t
 }
 
 /// Builds the full mesh: connects to every lower rank, accepts every higher one; strangers are refused.
-inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, std::uint64_t token,
+inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store, const job_key& key,
                                          const std::string& host, clock::time_point deadline) {
   const int me = cfg.rank;
   handshake_acceptor acceptor(listen_on(host, 0, me, "the mesh"), sizeof(mesh_hello), limits_of(cfg), me,
@@ -153,8 +156,8 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
-                         token};
+  const mesh_hello unsigned_hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size),
+                                  mesh_version, 0};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -164,7 +167,10 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
                                       "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
     std::uint8_t ok = 0;
-    if (send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+    challenge nonce{};
+    const bool challenged = recv_all(fd.get(), nonce.data(), nonce.size(), deadline) == io_status::ok;
+    const mesh_hello hello = signed_hello(unsigned_hello, key, "mesh", nonce);
+    if (!challenged || send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
         recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
       check_job(store, me);  // a twin of this rank, or another world size, is why rank j refused, if so
       throw peer_lost("rank " + std::to_string(j) + " at " + where +
@@ -173,7 +179,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     }
     peers[static_cast<std::size_t>(j)] = std::move(fd);
   }
-  accept_peers(cfg, store, token, acceptor, text, peers, deadline);
+  accept_peers(cfg, store, key, acceptor, text, peers, deadline);
   for (auto& p : peers)
     if (p.valid()) tune_data_socket(p.get(), cfg.socket_buffer_bytes);
   return peers;
@@ -307,7 +313,7 @@ inline std::shared_ptr<shm_hosts> map_shared_memory(const config& cfg, store_cli
 }
 
 /// The rest of join() once the rank and the world size are claimed.
-inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, store_client& store, std::uint64_t token,
+inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, store_client& store, const job_key& key,
                                             bool by_file, clock::time_point deadline) {
   const std::string host = cfg.interface.empty() ? store.local_host() : interface_address(cfg.interface, cfg.rank);
   if (cfg.rank == 0) {
@@ -320,7 +326,7 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
                     (cfg.interface.empty() ? ", the interface that reaches MASTER_ADDR (set DDP_INTERFACE to choose)"
                                            : ""));
   }
-  auto sockets = build_mesh(cfg, store, token, host, deadline);
+  auto sockets = build_mesh(cfg, store, key, host, deadline);
   std::vector<host_identity> identities;
   auto memory = probe_memory(cfg, store, eng.live().word(), identities);
   if (cfg.rank == 0) {
@@ -361,15 +367,15 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
 /// Joins the job `cfg` describes through rank 0's store (at master_addr:master_port, or named in cfg.store_file)
 /// and hands the mesh to `eng`; all by `deadline`. Returns the job's shared memory (every host's segment, where
 /// every rank can map its host's), else null.
-inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, std::uint64_t token,
+inline std::shared_ptr<shm_hosts> join(const config& cfg, engine& eng, const job_key& key,
                                        clock::time_point deadline) {
   const bool by_file = !cfg.store_file.empty();
-  store_client store = by_file ? find_store(cfg, token, deadline)
-                               : store_client(cfg.master_addr, cfg.master_port, token, cfg.rank, deadline);
+  store_client store = by_file ? find_store(cfg, key, deadline)
+                               : store_client(cfg.master_addr, cfg.master_port, key, cfg.rank, deadline);
   claim_rank(store, cfg.rank);
   try {
     claim_world_size(store, cfg.rank, cfg.size);
-    return join_mesh(cfg, eng, store, token, by_file, deadline);
+    return join_mesh(cfg, eng, store, key, by_file, deadline);
   } catch (const config_error&) {
     settle_abort(store, cfg.rank);
     throw;

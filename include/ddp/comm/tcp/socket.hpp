@@ -231,13 +231,6 @@ inline io_status recv_all(int fd, void* data, std::size_t n, clock::time_point d
   return io_status::ok;
 }
 
-/// 64-bit FNV-1a: the job token travels as this hash, never in clear.
-inline std::uint64_t token_hash(const std::string& token) {
-  std::uint64_t h = 0xcbf29ce484222325ULL;
-  for (const unsigned char c : token) h = (h ^ c) * 0x100000001b3ULL;
-  return h ^ 0x6464702d746370ULL;  // "ddp-tcp": an empty token still hashes to a non-trivial value
-}
-
 }  // namespace ddp::tcp::detail
 
 namespace ddp::tcp::detail {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ddp/comm/tcp/accept.hpp>
+#include <ddp/comm/tcp/auth.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 
@@ -26,11 +27,14 @@ inline constexpr const char* store_abort_key = "ddp/abort";
 /// The length word of a get's reply that says "aborted": the abort's text follows (its length, then its bytes).
 inline constexpr std::uint64_t store_abort_reply = ~std::uint64_t{0};
 
-/// First message on a store connection.
+/// The store handshake's version: 2 signs the acceptor's challenge (auth.hpp) instead of sending the token's hash.
+inline constexpr std::uint32_t store_version = 2;
+
+/// First message on a store connection, after the store's challenge.
 struct store_hello {
   std::uint32_t magic = store_magic;
-  std::uint32_t version = 1;
-  std::uint64_t token = 0;
+  std::uint32_t version = store_version;
+  std::uint64_t mac = 0;  ///< signed_hello's MAC under the job's key, context "store"
 };
 
 enum class store_cmd : std::uint8_t { set = 1, get = 2, add = 3 };
@@ -48,7 +52,8 @@ static_assert(sizeof(store_hello) == 16 && sizeof(store_request) == 16);
 struct store_session {
   std::vector<std::uint8_t> in;   ///< received, not yet parsed: at most one message
   std::vector<std::uint8_t> out;  ///< answers not yet sent
-  bool authed = false;            ///< its handshake carried this job's token
+  challenge nonce{};              ///< what the store sent it to sign
+  bool authed = false;            ///< its handshake was signed with this job's key
   bool parked = false;            ///< a get waits for `parked_key`
   std::string parked_key;         ///< the key a parked get waits for
   std::string refused;            ///< why the store closes it; empty while it behaves
@@ -57,8 +62,8 @@ struct store_session {
 /// The store's data and protocol, without sockets: sessions feed received bytes in and take answers out.
 class store_book {
  public:
-  /// A book for the job whose token hashes to `token`.
-  explicit store_book(std::uint64_t token) : token_(token) {}
+  /// A book for the job whose key is `key`.
+  explicit store_book(const job_key& key) : key_(key) {}
 
   /// Bytes `s` must receive before its next message is complete; 0 while it waits for a key or is refused.
   [[nodiscard]] static std::size_t wanted(const store_session& s) {
@@ -108,8 +113,11 @@ class store_book {
         store_hello h;
         std::memcpy(&h, s.in.data() + pos, sizeof h);
         pos += sizeof h;
-        if (h.magic != store_magic || h.version != 1) s.refused = "its first bytes are not a ddp handshake";
-        else if (h.token != token_) s.refused = "wrong job token";
+        if (h.magic != store_magic) s.refused = "its first bytes are not a ddp handshake";
+        else if (h.version != store_version)
+          s.refused = "its handshake is version " + std::to_string(h.version) + ", this store's " +
+                      std::to_string(store_version) + " (another ddp release)";
+        else if (!is_signed(h, key_, "store", s.nonce)) s.refused = "wrong job token";
         s.authed = s.refused.empty();
         if (s.authed) s.out.push_back(1);
         continue;
@@ -186,7 +194,7 @@ class store_book {
     }
   }
 
-  std::uint64_t token_;
+  job_key key_;
   std::vector<store_session*> parked_;
   std::map<std::string, std::vector<std::uint8_t>> data_;
 };
@@ -194,9 +202,9 @@ class store_book {
 /// The server side; rank 0's progress engine polls its descriptors and calls on_events().
 class store_server {
  public:
-  /// Serves the store on `listener` for the job whose token hashes to `token`.
-  store_server(socket_fd listener, std::uint64_t token, int rank, handshake_limits limits = {})
-      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(token), rank_(rank) {}
+  /// Serves the store on `listener` for the job whose key is `key`.
+  store_server(socket_fd listener, const job_key& key, int rank, handshake_limits limits = {})
+      : acceptor_(std::move(listener), sizeof(store_hello), limits, rank, "the store"), book_(key), rank_(rank) {}
 
   /// The port it listens on.
   [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
@@ -222,6 +230,7 @@ class store_server {
     }
     for (auto& a : acceptor_.on_events(fds, base)) {
       auto c = std::make_unique<conn>(conn{std::move(a.fd), std::move(a.from), {}});
+      c->s.nonce = a.nonce;
       book_.feed(c->s, a.hello.data(), a.hello.size());
       check(*c);
       conns_.push_back(std::move(c));

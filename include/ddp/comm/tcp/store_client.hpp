@@ -17,23 +17,25 @@ namespace ddp::tcp::detail {
 /// A blocking client of the store; connecting and every call end by the deadline given at construction.
 class store_client {
  public:
-  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `connected_by`;
-  /// every later call ends by `deadline`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline,
+  /// Connects to `host:port` (retrying with backoff) and signs the store's challenge with `key`, all before
+  /// `connected_by`; every later call ends by `deadline`.
+  store_client(const std::string& host, std::uint16_t port, const job_key& key, int rank, clock::time_point deadline,
                clock::time_point connected_by)
       : rank_(rank), deadline_(connected_by), where_(host + ":" + std::to_string(port)) {
     fd_ = connect_with_retry(host, port, connected_by, rank, "the rendezvous store (rank 0)",
                              "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
                              "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    const store_hello hello{store_magic, 1, token};
+    challenge nonce{};
+    check(recv_all(fd_.get(), nonce.data(), nonce.size(), deadline_), "handshake");
+    const store_hello hello = signed_hello(store_hello{}, key, "store", nonce);
     check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
     deadline_ = deadline;
   }
-  /// Connects to `host:port` (retrying with backoff) and authenticates with `token`, all before `deadline`.
-  store_client(const std::string& host, std::uint16_t port, std::uint64_t token, int rank, clock::time_point deadline)
-      : store_client(host, port, token, rank, deadline, deadline) {}
+  /// Connects to `host:port` (retrying with backoff) and signs the store's challenge with `key`, all before `deadline`.
+  store_client(const std::string& host, std::uint16_t port, const job_key& key, int rank, clock::time_point deadline)
+      : store_client(host, port, key, rank, deadline, deadline) {}
 
   /// Stores `value` under `key`.
   void set(const std::string& key, const std::vector<std::uint8_t>& value) {
