@@ -3293,9 +3293,10 @@ class scratch_buffer {
 
 // ---- begin <ddp/comm/tcp/accept.hpp>
 /// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
-/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
-/// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
-/// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
+/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger
+/// cannot exceed: at most the handshake's bytes are read before it is checked, each connection gets a handshake
+/// deadline, the handshakes in progress are capped (the oldest goes first), all of them progress at once, and a
+/// process out of descriptors backs off instead of spinning.
 
 #include <sys/timerfd.h>
 
@@ -3312,103 +3313,6 @@ class scratch_buffer {
 
 #include <cerrno>
 
-
-namespace ddp::tcp::detail {
-
-/// The 128-bit key a job's token gives (job_key_of); two processes share it exactly when they share the token.
-struct job_key {
-  std::uint64_t k0 = 0;
-  std::uint64_t k1 = 0;
-  friend bool operator==(const job_key&, const job_key&) = default;
-};
-
-/// What an accepting side sends first on every connection: 16 random bytes.
-using challenge = std::array<std::uint8_t, 16>;
-
-/// SipHash-2-4 of `n` bytes at `m` under the key (k0, k1): a 64-bit pseudo-random function of the message.
-inline std::uint64_t siphash24(std::uint64_t k0, std::uint64_t k1, const std::uint8_t* m, std::size_t n) {
-  std::uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
-  std::uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
-  const auto rotl = [](std::uint64_t x, int b) { return (x << b) | (x >> (64 - b)); };
-  const auto round = [&] {
-    v0 += v1, v1 = rotl(v1, 13), v1 ^= v0, v0 = rotl(v0, 32);
-    v2 += v3, v3 = rotl(v3, 16), v3 ^= v2;
-    v0 += v3, v3 = rotl(v3, 21), v3 ^= v0;
-    v2 += v1, v1 = rotl(v1, 17), v1 ^= v2, v2 = rotl(v2, 32);
-  };
-  const auto absorb = [&](std::uint64_t word) {
-    v3 ^= word;
-    round();
-    round();
-    v0 ^= word;
-  };
-  const std::size_t whole = n - n % 8;
-  for (std::size_t i = 0; i < whole; i += 8) {
-    std::uint64_t word = 0;
-    for (std::size_t b = 0; b < 8; ++b) word |= static_cast<std::uint64_t>(m[i + b]) << (8 * b);
-    absorb(word);
-  }
-  std::uint64_t last = static_cast<std::uint64_t>(n) << 56;
-  for (std::size_t b = 0; b < n % 8; ++b) last |= static_cast<std::uint64_t>(m[whole + b]) << (8 * b);
-  absorb(last);
-  v2 ^= 0xff;
-  for (int r = 0; r < 4; ++r) round();
-  return v0 ^ v1 ^ v2 ^ v3;
-}
-
-/// The job's key from its token (an empty token gives a key too: file:// refuses one unless allowed).
-inline job_key job_key_of(const std::string& token) {
-  const auto half = [&](char which) {
-    const std::string m = std::string("ddp job key ") + which + '\0' + token;
-    return siphash24(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL, reinterpret_cast<const std::uint8_t*>(m.data()),
-                     m.size());
-  };
-  return {half('0'), half('1')};
-}
-
-/// The MAC under `key` of `context`, `nonce` and the `n` bytes at `data`.
-inline std::uint64_t mac_of(const job_key& key, std::string_view context, const challenge& nonce, const void* data,
-                            std::size_t n) {
-  std::string m(context);
-  m.push_back('\0');
-  m.append(reinterpret_cast<const char*>(nonce.data()), nonce.size());
-  m.append(static_cast<const char*>(data), n);
-  return siphash24(key.k0, key.k1, reinterpret_cast<const std::uint8_t*>(m.data()), m.size());
-}
-
-/// `hello` with its `mac` field set to the MAC, under `key` and `context`, of the acceptor's `nonce` and the hello
-/// with that field zero.
-template <class Hello>
-Hello signed_hello(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
-  hello.mac = 0;
-  hello.mac = mac_of(key, context, nonce, &hello, sizeof hello);
-  return hello;
-}
-
-/// True when `hello` carries the MAC signed_hello gives it: its sender holds the job's key.
-template <class Hello>
-bool is_signed(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
-  const std::uint64_t got = hello.mac;
-  const std::uint64_t want = signed_hello(hello, key, context, nonce).mac;
-  std::uint64_t diff = 0;  // compared in constant time
-  for (int b = 0; b < 64; b += 8) diff |= ((got ^ want) >> b) & 0xff;
-  return diff == 0;
-}
-
-/// 16 bytes from the kernel's random source.
-inline challenge random_challenge() {
-  challenge c{};
-  for (std::size_t have = 0; have < c.size();) {
-    const ssize_t k = ::getrandom(c.data() + have, c.size() - have, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) throw error("cannot read the kernel's random source (getrandom): " + std::string(std::strerror(errno)));
-    have += static_cast<std::size_t>(k);
-  }
-  return c;
-}
-
-}  // namespace ddp::tcp::detail
-// ---- end <ddp/comm/tcp/auth.hpp>
 // ---- begin <ddp/comm/tcp/socket.hpp>
 /// \file Thin POSIX socket layer of the TCP backend: owned descriptors, listening, connecting with
 /// retries, blocking transfers with a deadline, address and interface lookup.
@@ -3642,6 +3546,111 @@ inline void log_line(int rank, const std::string& text) {
 }
 }  // namespace ddp::tcp::detail
 // ---- end <ddp/comm/tcp/socket.hpp>
+
+namespace ddp::tcp::detail {
+
+/// The 128-bit key a job's token gives (job_key_of); two processes share it exactly when they share the token.
+struct job_key {
+  std::uint64_t k0 = 0;
+  std::uint64_t k1 = 0;
+  friend bool operator==(const job_key&, const job_key&) = default;
+};
+
+/// What an accepting side sends first on every connection: 16 random bytes.
+using challenge = std::array<std::uint8_t, 16>;
+
+/// SipHash-2-4 of `n` bytes at `m` under the key (k0, k1): a 64-bit pseudo-random function of the message.
+inline std::uint64_t siphash24(std::uint64_t k0, std::uint64_t k1, const std::uint8_t* m, std::size_t n) {
+  std::uint64_t v0 = 0x736f6d6570736575ULL ^ k0, v1 = 0x646f72616e646f6dULL ^ k1;
+  std::uint64_t v2 = 0x6c7967656e657261ULL ^ k0, v3 = 0x7465646279746573ULL ^ k1;
+  const auto rotl = [](std::uint64_t x, int b) { return (x << b) | (x >> (64 - b)); };
+  const auto round = [&] {
+    v0 += v1, v1 = rotl(v1, 13), v1 ^= v0, v0 = rotl(v0, 32);
+    v2 += v3, v3 = rotl(v3, 16), v3 ^= v2;
+    v0 += v3, v3 = rotl(v3, 21), v3 ^= v0;
+    v2 += v1, v1 = rotl(v1, 17), v1 ^= v2, v2 = rotl(v2, 32);
+  };
+  const auto absorb = [&](std::uint64_t word) {
+    v3 ^= word;
+    round();
+    round();
+    v0 ^= word;
+  };
+  const std::size_t whole = n - n % 8;
+  for (std::size_t i = 0; i < whole; i += 8) {
+    std::uint64_t word = 0;
+    for (std::size_t b = 0; b < 8; ++b) word |= static_cast<std::uint64_t>(m[i + b]) << (8 * b);
+    absorb(word);
+  }
+  std::uint64_t last = static_cast<std::uint64_t>(n) << 56;
+  for (std::size_t b = 0; b < n % 8; ++b) last |= static_cast<std::uint64_t>(m[whole + b]) << (8 * b);
+  absorb(last);
+  v2 ^= 0xff;
+  for (int r = 0; r < 4; ++r) round();
+  return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/// The job's key from its token (an empty token gives a key too: file:// refuses one unless allowed).
+inline job_key job_key_of(const std::string& token) {
+  const auto half = [&](char which) {
+    const std::string m = std::string("ddp job key ") + which + '\0' + token;
+    return siphash24(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL, reinterpret_cast<const std::uint8_t*>(m.data()),
+                     m.size());
+  };
+  return {half('0'), half('1')};
+}
+
+/// The MAC under `key` of `context`, `nonce` and the `n` bytes at `data`.
+inline std::uint64_t mac_of(const job_key& key, std::string_view context, const challenge& nonce, const void* data,
+                            std::size_t n) {
+  std::string m(context);
+  m.push_back('\0');
+  m.append(reinterpret_cast<const char*>(nonce.data()), nonce.size());
+  m.append(static_cast<const char*>(data), n);
+  return siphash24(key.k0, key.k1, reinterpret_cast<const std::uint8_t*>(m.data()), m.size());
+}
+
+/// `hello` with its `mac` field set to the MAC, under `key` and `context`, of the acceptor's `nonce` and the hello
+/// with that field zero.
+template <class Hello>
+Hello signed_hello(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
+  hello.mac = 0;
+  hello.mac = mac_of(key, context, nonce, &hello, sizeof hello);
+  return hello;
+}
+
+/// True when `hello` carries the MAC signed_hello gives it: its sender holds the job's key.
+template <class Hello>
+bool is_signed(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
+  const std::uint64_t got = hello.mac;
+  return got == signed_hello(hello, key, context, nonce).mac;  // one word: no early exit to time
+}
+
+/// The connecting side of a handshake on `fd`: reads the acceptor's challenge and sends `hello` signed for it, all
+/// by `deadline`.
+template <class Hello>
+io_status send_signed_hello(int fd, const Hello& hello, const job_key& key, std::string_view context,
+                            clock::time_point deadline) {
+  challenge nonce{};
+  if (const io_status got = recv_all(fd, nonce.data(), nonce.size(), deadline); got != io_status::ok) return got;
+  const Hello signed_one = signed_hello(hello, key, context, nonce);
+  return send_all(fd, &signed_one, sizeof signed_one, deadline);
+}
+
+/// 16 bytes from the kernel's random source.
+inline challenge random_challenge() {
+  challenge c{};
+  for (std::size_t have = 0; have < c.size();) {
+    const ssize_t k = ::getrandom(c.data() + have, c.size() - have, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) throw error("cannot read the kernel's random source (getrandom): " + std::string(std::strerror(errno)));
+    have += static_cast<std::size_t>(k);
+  }
+  return c;
+}
+
+}  // namespace ddp::tcp::detail
+// ---- end <ddp/comm/tcp/auth.hpp>
 
 namespace ddp::tcp::detail {
 
@@ -7991,10 +8000,7 @@ class store_client {
     fd_ = connect_with_retry(host, port, connected_by, rank, "the rendezvous store (rank 0)",
                              "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
                              "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    challenge nonce{};
-    check(recv_all(fd_.get(), nonce.data(), nonce.size(), deadline_), "handshake");
-    const store_hello hello = signed_hello(store_hello{}, key, "store", nonce);
-    check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
+    check(send_signed_hello(fd_.get(), store_hello{}, key, "store", deadline_), "handshake");
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
     deadline_ = deadline;
@@ -8091,28 +8097,6 @@ void count_in(store_client& store, const std::string& key, int rank, int size, c
 /// replaces the file. Rank 0 removes it once every rank joined.
 
 
-#include <iomanip>
-#include <sstream>
-
-// ---- begin <ddp/io/atomic_file.hpp>
-/// \file Atomic replacement of a file or directory (checkpoints, the file:// rendezvous file), and removal of what
-/// killed saves left behind.
-///
-/// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
-/// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
-/// (the temporary renamed into place, or removed). Before it starts, a save removes the stale temporaries of the
-/// same target: entries `<target>.tmp.<id>` and `<target>.tmp.<id>.lock` (id: digits, optionally `.` and hex
-/// digits) whose lock file is absent or can be locked — their saver is dead, since the kernel drops a process's
-/// locks when it dies. Nothing depends on the pid in the name (pids are reused, and differ between hosts); a lock
-/// file rather than the temporary itself is locked because a directory cannot be locked over NFS (which emulates
-/// flock with POSIX locks on files), so files and directories take one path. A cleaner takes the lock, checks the
-/// name still leads to the file it locked, and only then removes; a saver checks the same after taking its lock,
-/// and picks another name when a cleaner removed its claim in between.
-
-#include <set>
-#include <system_error>
-
-#include <sys/file.h>
 
 // ---- begin <ddp/core/detail/hash.hpp>
 /// \file 64-bit FNV-1a and hex digits: the hash behind checkpoint checksums, replica checks and temporaries' names.
@@ -8146,6 +8130,26 @@ inline std::string hex(std::uint64_t v) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/core/detail/hash.hpp>
+// ---- begin <ddp/io/atomic_file.hpp>
+/// \file Atomic replacement of a file or directory (checkpoints, the file:// rendezvous file), and removal of what
+/// killed saves left behind.
+///
+/// A save to `target` works under the temporary name `<target>.tmp.<pid>.<random hex>` and holds, for its whole
+/// life, an exclusive flock on the lock file `<that name>.lock`, created before the temporary and removed after it
+/// (the temporary renamed into place, or removed). Before it starts, a save removes the stale temporaries of the
+/// same target: entries `<target>.tmp.<id>` and `<target>.tmp.<id>.lock` (id: digits, optionally `.` and hex
+/// digits) whose lock file is absent or can be locked — their saver is dead, since the kernel drops a process's
+/// locks when it dies. Nothing depends on the pid in the name (pids are reused, and differ between hosts); a lock
+/// file rather than the temporary itself is locked because a directory cannot be locked over NFS (which emulates
+/// flock with POSIX locks on files), so files and directories take one path. A cleaner takes the lock, checks the
+/// name still leads to the file it locked, and only then removes; a saver checks the same after taking its lock,
+/// and picks another name when a cleaner removed its claim in between.
+
+#include <set>
+#include <system_error>
+
+#include <sys/file.h>
+
 
 namespace ddp::detail {
 
@@ -8355,12 +8359,12 @@ inline std::vector<std::string> store_addresses(const config& cfg) {
 inline void publish_store(const config& cfg, const job_key& key, std::uint16_t port,
                           const std::vector<std::string>& addresses) {
   const challenge nonce = random_challenge();
+  std::uint64_t words[2];
+  std::memcpy(words, nonce.data(), sizeof words);
   const std::string body = store_file_body(port, addresses);
-  std::ostringstream text;
-  text << store_file_magic << ' ' << store_file_version << ' ' << std::hex << std::setfill('0');
-  for (const auto b : nonce) text << std::setw(2) << static_cast<unsigned>(b);
-  text << ' ' << std::setw(16) << store_file_tag(key, nonce, body) << std::dec << ' ' << body << '\n';
-  const std::string bytes = text.str();
+  const std::string bytes = std::string(store_file_magic) + ' ' + std::to_string(store_file_version) + ' ' +
+                            ddp::detail::hex(words[0]) + ddp::detail::hex(words[1]) + ' ' +
+                            ddp::detail::hex(store_file_tag(key, nonce, body)) + ' ' + body + '\n';
   try {
     ddp::detail::atomic_file file(cfg.store_file, 0600);  // where the job's store listens: its owner's alone
     file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
@@ -8404,8 +8408,9 @@ inline std::optional<store_file_entry> read_store_file(const config& cfg, const 
     why = "it is not a ddp store file";
     return std::nullopt;
   }
-  for (std::size_t b = 0; b < nonce.size(); ++b)
-    nonce[b] = static_cast<std::uint8_t>(std::stoul(nonce_hex.substr(2 * b, 2), nullptr, 16));
+  const std::uint64_t words[2] = {std::stoull(nonce_hex.substr(0, 16), nullptr, 16),
+                                  std::stoull(nonce_hex.substr(16), nullptr, 16)};
+  std::memcpy(nonce.data(), words, sizeof words);
   store_file_entry e;
   e.port = static_cast<std::uint16_t>(port);
   for (std::string a; in >> a;) e.addresses.push_back(a);
@@ -8580,8 +8585,8 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello unsigned_hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size),
-                                  mesh_version, 0};
+  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
+                         0};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -8591,10 +8596,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
                                       "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
     std::uint8_t ok = 0;
-    challenge nonce{};
-    const bool challenged = recv_all(fd.get(), nonce.data(), nonce.size(), deadline) == io_status::ok;
-    const mesh_hello hello = signed_hello(unsigned_hello, key, "mesh", nonce);
-    if (!challenged || send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+    if (send_signed_hello(fd.get(), hello, key, "mesh", deadline) != io_status::ok ||
         recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
       check_job(store, me);  // a twin of this rank, or another world size, is why rank j refused, if so
       throw peer_lost("rank " + std::to_string(j) + " at " + where +
@@ -28343,6 +28345,7 @@ class file {
 /// name that rank 0 claims (<ddp/io/atomic_file.hpp>) and moved into place when complete. Loading reads, on each rank, the ranges overlapping what it holds, so a checkpoint saved
 /// at one world size (or policy) loads at another. The directory must be visible to every rank.
 
+#include <sstream>
 
 
 

@@ -339,12 +339,8 @@ class node_link {
     }
     detail::keep_alive(peers_[0].get());
     const auto hello = settings(detail::control_kind::hello);
-    tcp::detail::challenge nonce{};
-    const bool challenged =
-        tcp::detail::recv_all(peers_[0].get(), nonce.data(), nonce.size(), deadline) == tcp::detail::io_status::ok;
-    const auto signed_hello = tcp::detail::signed_hello(hello, key_, "launch", nonce);
-    const bool sent = challenged && tcp::detail::send_all(peers_[0].get(), &signed_hello, sizeof signed_hello, deadline) ==
-                                        tcp::detail::io_status::ok;
+    const bool sent =
+        tcp::detail::send_signed_hello(peers_[0].get(), hello, key_, "launch", deadline) == tcp::detail::io_status::ok;
     for (pollfd p{peers_[0].get(), POLLIN, 0}; sent && p.revents == 0 && tcp::detail::clock::now() < deadline;) {
       check_interrupt("waiting for node 0's launcher to start the job");
       ::poll(&p, 1, static_cast<int>(std::chrono::milliseconds(slice).count()));

@@ -1,8 +1,9 @@
 #pragma once
 /// \file Accepting connections that must open with a fixed-size handshake (rank 0's store, every rank's
-/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger cannot exceed: at most the handshake's bytes are read before it is
-/// checked, each connection gets a handshake deadline, the handshakes in progress are capped (the oldest
-/// goes first), all of them progress at once, and a process out of descriptors backs off instead of spinning.
+/// mesh port, node 0's launcher), each first sent a fresh challenge to sign (auth.hpp), under limits a stranger
+/// cannot exceed: at most the handshake's bytes are read before it is checked, each connection gets a handshake
+/// deadline, the handshakes in progress are capped (the oldest goes first), all of them progress at once, and a
+/// process out of descriptors backs off instead of spinning.
 
 #include <sys/timerfd.h>
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 
+#include <ddp/comm/tcp/socket.hpp>
 #include <ddp/core/error.hpp>
 
 namespace ddp::tcp::detail {
@@ -94,10 +95,18 @@ Hello signed_hello(Hello hello, const job_key& key, std::string_view context, co
 template <class Hello>
 bool is_signed(Hello hello, const job_key& key, std::string_view context, const challenge& nonce) {
   const std::uint64_t got = hello.mac;
-  const std::uint64_t want = signed_hello(hello, key, context, nonce).mac;
-  std::uint64_t diff = 0;  // compared in constant time
-  for (int b = 0; b < 64; b += 8) diff |= ((got ^ want) >> b) & 0xff;
-  return diff == 0;
+  return got == signed_hello(hello, key, context, nonce).mac;  // one word: no early exit to time
+}
+
+/// The connecting side of a handshake on `fd`: reads the acceptor's challenge and sends `hello` signed for it, all
+/// by `deadline`.
+template <class Hello>
+io_status send_signed_hello(int fd, const Hello& hello, const job_key& key, std::string_view context,
+                            clock::time_point deadline) {
+  challenge nonce{};
+  if (const io_status got = recv_all(fd, nonce.data(), nonce.size(), deadline); got != io_status::ok) return got;
+  const Hello signed_one = signed_hello(hello, key, context, nonce);
+  return send_all(fd, &signed_one, sizeof signed_one, deadline);
 }
 
 /// 16 bytes from the kernel's random source.

@@ -156,8 +156,8 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
   store.set("ddp/mesh/" + std::to_string(me), std::vector<std::uint8_t>(text.begin(), text.end()));
 
   std::vector<socket_fd> peers(static_cast<std::size_t>(cfg.size));
-  const mesh_hello unsigned_hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size),
-                                  mesh_version, 0};
+  const mesh_hello hello{mesh_magic, static_cast<std::uint32_t>(me), static_cast<std::uint32_t>(cfg.size), mesh_version,
+                         0};
   for (int j = 0; j < me; ++j) {
     const auto bytes = store.get("ddp/mesh/" + std::to_string(j));
     const std::string where(bytes.begin(), bytes.end());
@@ -167,10 +167,7 @@ inline std::vector<socket_fd> build_mesh(const config& cfg, store_client& store,
     socket_fd fd = connect_with_retry(peer_host, peer_port, deadline, me, "rank " + std::to_string(j),
                                       "check that the hosts can reach each other (firewall, DDP_INTERFACE)");
     std::uint8_t ok = 0;
-    challenge nonce{};
-    const bool challenged = recv_all(fd.get(), nonce.data(), nonce.size(), deadline) == io_status::ok;
-    const mesh_hello hello = signed_hello(unsigned_hello, key, "mesh", nonce);
-    if (!challenged || send_all(fd.get(), &hello, sizeof hello, deadline) != io_status::ok ||
+    if (send_signed_hello(fd.get(), hello, key, "mesh", deadline) != io_status::ok ||
         recv_all(fd.get(), &ok, 1, deadline) != io_status::ok || ok != 1) {
       check_job(store, me);  // a twin of this rank, or another world size, is why rank j refused, if so
       throw peer_lost("rank " + std::to_string(j) + " at " + where +

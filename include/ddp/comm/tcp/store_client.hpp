@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include <ddp/comm/tcp/auth.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store.hpp>
 #include <ddp/core/error.hpp>
@@ -25,10 +26,7 @@ class store_client {
     fd_ = connect_with_retry(host, port, connected_by, rank, "the rendezvous store (rank 0)",
                              "start rank 0, and give every rank the same MASTER_ADDR and MASTER_PORT (rank 0's "
                              "address and a free port), or raise the connect timeout (DDP_CONNECT_TIMEOUT_MS)");
-    challenge nonce{};
-    check(recv_all(fd_.get(), nonce.data(), nonce.size(), deadline_), "handshake");
-    const store_hello hello = signed_hello(store_hello{}, key, "store", nonce);
-    check(send_all(fd_.get(), &hello, sizeof hello, deadline_), "handshake");
+    check(send_signed_hello(fd_.get(), store_hello{}, key, "store", deadline_), "handshake");
     std::uint8_t ok = 0;
     check(recv_all(fd_.get(), &ok, 1, deadline_), "handshake");
     deadline_ = deadline;

@@ -14,12 +14,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <optional>
 #include <span>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +27,7 @@
 #include <ddp/comm/tcp/config.hpp>
 #include <ddp/comm/tcp/socket.hpp>
 #include <ddp/comm/tcp/store_client.hpp>
+#include <ddp/core/detail/hash.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/io/atomic_file.hpp>
 
@@ -72,12 +72,12 @@ inline std::vector<std::string> store_addresses(const config& cfg) {
 inline void publish_store(const config& cfg, const job_key& key, std::uint16_t port,
                           const std::vector<std::string>& addresses) {
   const challenge nonce = random_challenge();
+  std::uint64_t words[2];
+  std::memcpy(words, nonce.data(), sizeof words);
   const std::string body = store_file_body(port, addresses);
-  std::ostringstream text;
-  text << store_file_magic << ' ' << store_file_version << ' ' << std::hex << std::setfill('0');
-  for (const auto b : nonce) text << std::setw(2) << static_cast<unsigned>(b);
-  text << ' ' << std::setw(16) << store_file_tag(key, nonce, body) << std::dec << ' ' << body << '\n';
-  const std::string bytes = text.str();
+  const std::string bytes = std::string(store_file_magic) + ' ' + std::to_string(store_file_version) + ' ' +
+                            ddp::detail::hex(words[0]) + ddp::detail::hex(words[1]) + ' ' +
+                            ddp::detail::hex(store_file_tag(key, nonce, body)) + ' ' + body + '\n';
   try {
     ddp::detail::atomic_file file(cfg.store_file, 0600);  // where the job's store listens: its owner's alone
     file.write(std::as_bytes(std::span(bytes.data(), bytes.size())));
@@ -121,8 +121,9 @@ inline std::optional<store_file_entry> read_store_file(const config& cfg, const 
     why = "it is not a ddp store file";
     return std::nullopt;
   }
-  for (std::size_t b = 0; b < nonce.size(); ++b)
-    nonce[b] = static_cast<std::uint8_t>(std::stoul(nonce_hex.substr(2 * b, 2), nullptr, 16));
+  const std::uint64_t words[2] = {std::stoull(nonce_hex.substr(0, 16), nullptr, 16),
+                                  std::stoull(nonce_hex.substr(16), nullptr, 16)};
+  std::memcpy(nonce.data(), words, sizeof words);
   store_file_entry e;
   e.port = static_cast<std::uint16_t>(port);
   for (std::string a; in >> a;) e.addresses.push_back(a);
