@@ -8,11 +8,15 @@
 //
 // Prints one line per variant and the ratio (ddp / plain), with each variant's minor page faults and context
 // switches per step, then one JSON line. --only runs one variant alone, as a user's program would run (the driver
-// run_libtorch_step.py interleaves such processes).
+// run_libtorch_step.py interleaves such processes). `--only ddp` under a launcher (WORLD_SIZE set: ddp-launch, mpirun
+// with the env:// variables) trains at N ranks, each on its own batch, and rank 0 prints the median over rounds of
+// the slowest rank's round: the side of run_libtorch_ddp.py that torch_ddp_cnn.py's PyTorch DDP stands against.
 #include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <span>
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -52,7 +56,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   torch::set_num_threads(1);
-  torch::manual_seed(1);
+  const bool launched = only == "ddp" && std::getenv("WORLD_SIZE") != nullptr;
+  std::optional<ddp::tcp::communicator> comm;
+  if (only != "plain")
+    comm.emplace(launched ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{}));
+  const int rank = comm ? comm->rank() : 0;
+  torch::manual_seed(1 + rank);  // each rank its own batch
   const torch::Tensor x = torch::randn({batch, 1, 28, 28});
   const torch::Tensor y = torch::randint(0, 10, {batch}, torch::kLong);
 
@@ -62,7 +71,7 @@ int main(int argc, char** argv) {
   auto wrapped = std::make_shared<example::cnn_impl>();
   // Not made for --only plain: that process runs as a program without ddp would.
   std::optional<ddp::data_parallel<example::cnn_impl, ddp::backend::tcp>> dp;
-  if (only != "plain") dp.emplace(*wrapped, ddp::tcp::communicator(ddp::tcp::config{}));
+  if (only != "plain") dp.emplace(*wrapped, std::move(*comm));
   const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.9);
   torch::optim::SGD plain_opt(plain->parameters(), sgd), dp_opt(wrapped->parameters(), sgd);
 
@@ -101,9 +110,17 @@ int main(int argc, char** argv) {
     std::vector<double> ms;
     counts& c = only == "plain" ? plain_counts : dp_counts;
     for (int r = 0; r < rounds; ++r) ms.push_back(only == "plain" ? round_ms(plain_step, c) : round_ms(dp_step, c));
-    std::printf("{\"bench\": \"libtorch_step\", \"variant\": \"%s\", \"median_ms\": %.4f, \"batch\": %lld, "
-                "\"faults_per_step\": %.2f, \"switches_per_step\": %.3f}\n",
-                only.c_str(), median(ms), static_cast<long long>(batch), c.faults_per_step(), c.switches_per_step());
+    int world = 1;
+    if (dp) {  // a round of the job lasts as long as its slowest rank's
+      auto& group = dp->comm();
+      world = group.size();
+      group.all_reduce(std::span<double>(ms), ddp::reduce_op::max).wait();
+    }
+    if (rank == 0)
+      std::printf("{\"bench\": \"libtorch_step\", \"variant\": \"%s\", \"world\": %d, \"median_ms\": %.4f, "
+                  "\"batch\": %lld, \"faults_per_step\": %.2f, \"switches_per_step\": %.3f}\n",
+                  only.c_str(), world, median(ms), static_cast<long long>(batch), c.faults_per_step(),
+                  c.switches_per_step());
     return 0;
   }
   std::vector<double> plain_ms, dp_ms;

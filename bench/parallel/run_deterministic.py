@@ -9,11 +9,13 @@ usage: /usr/bin/python3 bench/parallel/run_deterministic.py --bench build/bench/
            [--bench other/dp_step_bench] [--world 2] [--rounds 7] [--steps 30] [--bucket-mib 25]
 """
 import argparse
+import os
 import resource
 import statistics
 import sys
 
-from run_data_parallel import last_json, spawn_env_ranks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for ranks.py
+from ranks import last_json, spawn_env_ranks  # noqa: E402
 
 
 def main():
