@@ -1,5 +1,7 @@
 // Step time of ddp::data_parallel (replicate) on the MLP 784-2048-2048-10, batch 64 per rank, SGD with momentum,
-// OpenBLAS on one thread. Driven by run_data_parallel.py beside PyTorch DDP; prints one JSON line on rank 0.
+// OpenBLAS on one thread, and rank 0's phases: forward+backward, the tail (dp.finish_gradients after the backward;
+// how much of it follows the slowest rank's backward) and the optimizer, beside a standalone all_reduce of the last
+// bucket. Driven by run_data_parallel.py beside PyTorch DDP; prints one JSON line on rank 0.
 //
 //   dp_step_bench --backend tcp|mpi [--steps S] [--warmup W] [--batch B] [--bucket-mib 25|4|1] [--deterministic]
 //
@@ -47,29 +49,53 @@ int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   for (auto& v : y) v = static_cast<std::uint8_t>(rng() % classes);
   example::mlp_trainer trainer;
   using clock = std::chrono::steady_clock;
-  const auto ms_since = [](clock::time_point t) { return std::chrono::duration<double, std::milli>(clock::now() - t).count(); };
-  std::vector<double> ms, compute_ms, finish_ms;
+  const auto ms_of = [](clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  // Per step: its time, and rank 0's phases. The clock is the host's monotonic one, shared by the ranks of one host,
+  // so the moment each rank's backward ended can be compared across ranks.
+  std::vector<double> ms, compute_ms, tail_ms, optimizer_ms, backward_end, tail_end;
   const auto one_step = [&] {
     const auto t0 = clock::now();
     dp.zero_grad();
     (void)trainer.forward(dp.module(), x, y);
     trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); });
-    const double compute = ms_since(t0);
+    const auto t1 = clock::now();
+    dp.finish_gradients();  // the tail: what is left of the reductions once this rank's backward is over
+    const auto t2 = clock::now();
     dp.step(opt);
-    ms.push_back(ms_since(t0));
-    compute_ms.push_back(compute);
-    finish_ms.push_back(ms.back() - compute);
+    const auto t3 = clock::now();
+    ms.push_back(ms_of(t3 - t0));
+    compute_ms.push_back(ms_of(t1 - t0));
+    tail_ms.push_back(ms_of(t2 - t1));
+    optimizer_ms.push_back(ms_of(t3 - t2));
+    backward_end.push_back(ms_of(t1.time_since_epoch()));
+    tail_end.push_back(ms_of(t2.time_since_epoch()));
   };
   for (int i = 0; i < s.warmup; ++i) one_step();
-  ms.clear();
-  compute_ms.clear();
-  finish_ms.clear();
+  for (auto* v : {&ms, &compute_ms, &tail_ms, &optimizer_ms, &backward_end, &tail_end}) v->clear();
   comm.barrier().wait();
   for (int i = 0; i < s.steps; ++i) one_step();
   comm.barrier().wait();
-  // Rank 0's split of its median step: forward + backward (bucket starts included) vs dp.step (wait + optimizer).
   const auto median_of = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
-  const double compute = median_of(compute_ms), finish = median_of(finish_ms);
+  // The tail splits into waiting for the slowest rank's backward (a straggler: not communication) and what the
+  // reductions take after it, ddp's own part: the all_reduce(max) of the backward ends gives the last one per step.
+  std::vector<double> last_backward_end = backward_end;
+  comm.all_reduce(std::span<double>(last_backward_end), ddp::reduce_op::max).wait();
+  std::vector<double> after_last(ms.size());
+  for (std::size_t i = 0; i < ms.size(); ++i) after_last[i] = tail_end[i] - last_backward_end[i];
+  // The standalone all_reduce of the bucket that starts last (the one the tail waits for), for comparison.
+  const auto& last = dp.buckets().buckets.back();
+  const std::size_t last_bucket = last.end - last.begin;
+  std::vector<float> bucket(last_bucket, 1.0F);
+  std::vector<double> alone_ms;
+  for (int i = 0; i < 3 + s.steps; ++i) {
+    comm.barrier().wait();
+    const auto t = clock::now();
+    comm.all_reduce(std::span<float>(bucket), ddp::reduce_op::sum).wait();
+    if (i >= 3) alone_ms.push_back(ms_of(clock::now() - t));
+  }
+  comm.all_reduce(std::span<double>(alone_ms), ddp::reduce_op::max).wait();
+  const double compute = median_of(compute_ms), tail = median_of(tail_ms), optimizer = median_of(optimizer_ms);
+  const double tail_after_last = median_of(after_last), alone = median_of(alone_ms);
   // The job's step time is the slowest rank's: reduce each step's time with max, then take the median.
   comm.all_reduce(std::span<double>(ms), ddp::reduce_op::max).wait();
   std::sort(ms.begin(), ms.end());
@@ -78,12 +104,13 @@ int run(typename ddp::backend_communicator_t<Backend> comm, const settings& s) {
   for (const double v : ms) mean += v / static_cast<double>(ms.size());
   if (comm.rank() == 0)
     std::printf("{\"impl\": \"ddp\", \"backend\": \"%s\", \"world\": %d, \"batch\": %zu, \"steps\": %d, "
-                "\"median_ms\": %.3f, \"mean_ms\": %.3f, \"forward_backward_ms\": %.3f, \"step_call_ms\": %.3f, "
-                "\"bucket_mib\": %d, \"buckets\": %zu, \"deterministic\": %s, \"blas_core\": \"%s\", "
-                "\"blas_better_core\": \"%s\"}\n",
-                s.backend.c_str(), comm.size(), s.batch, s.steps, median, mean, compute, finish, s.bucket_mib,
-                dp.bucket_count(), s.deterministic ? "true" : "false", example::blas_core().c_str(),
-                example::blas_better_core().c_str());
+                "\"median_ms\": %.3f, \"mean_ms\": %.3f, \"forward_backward_ms\": %.3f, \"tail_ms\": %.3f, "
+                "\"tail_after_last_backward_ms\": %.3f, \"optimizer_ms\": %.3f, \"last_bucket_bytes\": %zu, "
+                "\"last_bucket_all_reduce_ms\": %.3f, \"bucket_mib\": %d, \"buckets\": %zu, \"deterministic\": %s, "
+                "\"blas_core\": \"%s\", \"blas_better_core\": \"%s\"}\n",
+                s.backend.c_str(), comm.size(), s.batch, s.steps, median, mean, compute, tail, tail_after_last,
+                optimizer, last_bucket * sizeof(float), alone, s.bucket_mib, dp.bucket_count(),
+                s.deterministic ? "true" : "false", example::blas_core().c_str(), example::blas_better_core().c_str());
   return 0;
 }
 

@@ -7,56 +7,16 @@ usage: /usr/bin/python3 bench/parallel/run_data_parallel.py --build build [--rou
 """
 import argparse
 import datetime
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/, for machine.py
 import machine  # noqa: E402
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_env_ranks(cmd, n, timeout):
-    """Starts n processes with torchrun's env:// variables (what ddp-launch does); returns rank 0's stdout. When a
-    rank fails, the others are stopped and the failing rank's stderr is raised."""
-    port = str(free_port())
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.time() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
-        if failed or time.time() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            why = failed[0].stderr.read()[-2000:] if failed else "timed out after %d s" % timeout
-            raise RuntimeError("%s failed: %s" % (" ".join(cmd), why))
-        time.sleep(0.05)
-    if any(p.returncode != 0 for p in procs):
-        bad = next(p for p in procs if p.returncode != 0)
-        raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), bad.returncode, bad.stderr.read()[-2000:]))
-    return procs[0].stdout.read()
-
-
-def last_json(text):
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError("no JSON result in output:\n" + text)
+from ranks import free_port, last_json, spawn_env_ranks  # noqa: E402
 
 
 def run_one(impl, n, a):
@@ -124,7 +84,7 @@ def main():
     worlds = [int(w) for w in a.worlds.split(",")]
     impls = a.impls.split(",")
     results = {(i, n): [] for i in impls for n in worlds}
-    split = {(i, n): [] for i in impls for n in worlds}  # ddp's rank-0 (forward+backward, dp.step) medians
+    split = {(i, n): [] for i in impls for n in worlds}  # ddp's rank-0 phases, one tuple per run
     blas = choose_blas_kernel(a)
     load_before = os.getloadavg()
     for rnd in range(a.rounds):
@@ -140,8 +100,10 @@ def main():
                 else:
                     raise RuntimeError("%s at N=%d failed three times" % (impl, n))
                 results[(impl, n)].append(r["median_ms"])
-                if "forward_backward_ms" in r:
-                    split[(impl, n)].append((r["forward_backward_ms"], r["step_call_ms"]))
+                if "tail_ms" in r and impl != "ddp solo":
+                    split[(impl, n)].append((r["forward_backward_ms"], r["tail_ms"], r["tail_after_last_backward_ms"],
+                                             r["optimizer_ms"], r["last_bucket_all_reduce_ms"],
+                                             r["last_bucket_bytes"]))
                 print("round %d  %-8s N=%d  %.1f ms" % (rnd + 1, impl, n, r["median_ms"]), flush=True)
     load_after = os.getloadavg()
     t = {k: statistics.median(v) for k, v in results.items()}
@@ -159,7 +121,10 @@ def main():
         "T_N is the median over %d rounds of each run's median step time (each step's time is the slowest "
         "rank's), %d timed steps after %d warm-up steps; rounds interleave the implementations. "
         "'ddp solo' runs N independent single-rank ddp jobs at once (no communication, the slowest one's step "
-        "time): the part of T_N that is only the ranks sharing the CPU cores." %
+        "time): the part of T_N that is only the ranks sharing the CPU cores. Rank 0's phases (medians over its "
+        "steps, then over rounds): forward+backward; the tail, dp.finish_gradients() after the backward, and how "
+        "much of it follows the slowest rank's backward (the rest is waiting for a straggler, not communication); "
+        "the optimizer; beside them a standalone all_reduce of the bucket that starts last." %
         (a.batch, a.rounds, a.steps, a.warmup),
         "",
         "- Machine: %s" % machine.describe(),
@@ -171,26 +136,37 @@ def main():
     if any(n > cores for n in worlds):
         lines.append("- N > %d is oversubscribed (more ranks than logical CPUs): ranks share cores, so T_N "
                      "there measures time-slicing as much as communication." % cores)
-    lines += ["", "| implementation | N | T_N (ms) | T_1 (ms) | overhead T_N/T_1 − 1 | T_N − T_1 (ms) | runs (ms) | "
-              "rank 0: fwd+bwd / dp.step (ms) |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    solo = {n: t[("ddp solo", n)] for n in worlds} if "ddp solo" in impls else {}
+    lines += ["", "| implementation | N | T_N (ms) | T_1 (ms) | overhead T_N/T_1 − 1 | T_N − T_1 (ms) | T_N / T_solo(N) | "
+              "runs (ms) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for impl in impls:
         for n in worlds:
-            sp = split[(impl, n)]
-            sp_text = "%.0f / %.0f" % (statistics.median(x[0] for x in sp), statistics.median(x[1] for x in sp)) if sp else ""
             lines.append("| %s | %d | %.1f | %.1f | %+.1f %% | %+.1f | %s | %s |" % (
                 impl, n, t[(impl, n)], t[(impl, worlds[0])], 100 * overhead[(impl, n)],
                 t[(impl, n)] - t[(impl, worlds[0])],
-                ", ".join("%.0f" % v for v in results[(impl, n)]), sp_text))
+                "%.2f" % (t[(impl, n)] / solo[n]) if n in solo and impl != "ddp solo" else "",
+                ", ".join("%.0f" % v for v in results[(impl, n)])))
+    phases = [(impl, n) for impl in impls for n in worlds if split[(impl, n)]]
+    if phases:
+        lines += ["", "Rank 0's step in phases (ms; target: the tail after the last backward ≤ 1.5 × the standalone "
+                  "all_reduce of the last bucket):", "",
+                  "| implementation | N | forward+backward | tail | of it after the slowest rank's backward | "
+                  "optimizer | last bucket (MB) | its all_reduce alone | tail after last backward / alone |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for impl, n in phases:
+            m = [statistics.median(x[k] for x in split[(impl, n)]) for k in range(6)]
+            lines.append("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %s |" % (
+                impl, n, m[0], m[1], m[2], m[3], m[5] / 1e6, m[4], "%.2f" % (m[2] / m[4]) if n > 1 and m[4] > 0 else ""))
     if "pytorch" in impls:
-        lines += ["", "Overhead ratio against PyTorch DDP (target ≤ 1/3, i.e. ≤ 0.33):", "",
-                  "| implementation | N | ddp overhead / PyTorch overhead |", "|---|---:|---:|"]
+        lines += ["", "ddp's added time per step against PyTorch DDP's, (T_N − T_1) / (T_N − T_1 of PyTorch DDP) "
+                  "(target ≤ 1/3):", "", "| implementation | N | ddp's T_N − T_1 / PyTorch's |", "|---|---:|---:|"]
         for impl in impls:
             if impl == "pytorch" or impl.startswith("ddp solo"):
                 continue
             for n in worlds[1:]:
-                po = overhead[("pytorch", n)]
-                ratio = overhead[(impl, n)] / po if po > 0 else float("nan")
-                lines.append("| %s | %d | %.2f |" % (impl, n, ratio))
+                pa = t[("pytorch", n)] - t[("pytorch", worlds[0])]
+                da = t[(impl, n)] - t[(impl, worlds[0])]
+                lines.append("| %s | %d | %s |" % (impl, n, "%.2f" % (da / pa) if pa > 0 else "n/a (PyTorch added none)"))
     try:
         import matplotlib
         matplotlib.use("Agg")
