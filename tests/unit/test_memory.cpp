@@ -1,9 +1,10 @@
-// The host memory domain: zeroed page-aligned buffers, released pages reading zero, and each element operation
-// against the loop it replaces, for every dtype it serves.
+// The host memory domain: zeroed page-aligned buffers, released pages reading zero, each element operation against
+// the loop it replaces, for every dtype it serves, and the optimizers' updates bit for bit against their formulas.
 
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <ddp/core/work.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/memory/host.hpp>
+#include <ddp/memory/updates.hpp>
 
 namespace {
 
@@ -103,4 +105,68 @@ TEST_CASE("host domain: order_after waits for the work, synchronize has nothing 
   CHECK(w.done());
   finisher.join();
   ddp::host_memory().synchronize();
+}
+
+namespace {
+
+/// A raw_tensor over `v`.
+template <class T>
+ddp::raw_tensor raw_of(std::vector<T>& v) {
+  return ddp::raw_tensor::of(std::span<T>(v));
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("host domain: sgd gives the bits of torch.optim.SGD's formula under every option, in every lane",
+                   "[memory]", float, double) {
+  using T = TestType;
+  const std::size_t n = 1000 + 3;  // vector lanes and a scalar tail
+  for (const bool decay : {false, true})
+    for (const double momentum : {0.0, 0.9})
+      for (const bool first : {false, true})
+        for (const bool nesterov : {false, true}) {
+          if (nesterov && momentum == 0) continue;
+          const ddp::sgd_update u{.lr = 0.05, .momentum = momentum, .dampening = nesterov ? 0.0 : 0.1,
+                                  .weight_decay = decay ? 0.01 : 0.0, .nesterov = nesterov, .first = first};
+          std::vector<T> p = iota_of<T>(n, -1.5F), g = iota_of<T>(n, 0.3F), buf = iota_of<T>(n, -0.2F);
+          std::vector<T> want_p = p, want_buf = buf;
+          const T lr = T(u.lr), wd = T(u.weight_decay), mu = T(u.momentum), keep = T(1 - u.dampening);
+          for (std::size_t i = 0; i < n; ++i) {  // torch.optim.SGD, one element at a time
+            T d = g[i];
+            if (decay) d += wd * want_p[i];
+            if (momentum != 0) {
+              want_buf[i] = first ? d : mu * want_buf[i] + keep * d;
+              d = nesterov ? d + mu * want_buf[i] : want_buf[i];
+            }
+            want_p[i] -= lr * d;
+          }
+          ddp::detail::host_sgd(raw_of(p), raw_of(g), momentum != 0 ? raw_of(buf) : ddp::raw_tensor{}, u);
+          INFO("weight decay " << decay << ", momentum " << momentum << ", first " << first << ", nesterov " << nesterov);
+          std::size_t same = 0;
+          while (same < n && p[same] == want_p[same] && buf[same] == want_buf[same]) ++same;
+          INFO("the first differing element, if any: " << same);
+          REQUIRE(same == n);
+        }
+}
+
+TEMPLATE_TEST_CASE("host domain: adamw gives the bits of torch.optim.AdamW's formula in every lane", "[memory]", float,
+                   double) {
+  using T = TestType;
+  const std::size_t n = 1000 + 3;
+  const ddp::adamw_update u{.decay = 0.9995, .beta1 = 0.9, .beta2 = 0.999, .step_size = 0.0019,
+                            .correction2_sqrt = 0.0447, .eps = 1e-8};
+  std::vector<T> p = iota_of<T>(n, -1.5F), g = iota_of<T>(n, 0.3F), m = iota_of<T>(n, -0.2F), v = iota_of<T>(n, 0.1F);
+  std::vector<T> want_p = p, want_m = m, want_v = v;
+  const T decay = T(u.decay), b1 = T(u.beta1), b2 = T(u.beta2), step = T(u.step_size), c2 = T(u.correction2_sqrt);
+  for (std::size_t i = 0; i < n; ++i) {
+    want_p[i] *= decay;
+    want_m[i] += (T{1} - b1) * (g[i] - want_m[i]);
+    want_v[i] = b2 * want_v[i] + (T{1} - b2) * g[i] * g[i];
+    want_p[i] -= step * want_m[i] / (std::sqrt(want_v[i]) / c2 + T(u.eps));
+  }
+  ddp::detail::host_adamw(raw_of(p), raw_of(g), raw_of(m), raw_of(v), u);
+  std::size_t same = 0;
+  while (same < n && p[same] == want_p[same] && m[same] == want_m[same] && v[same] == want_v[same]) ++same;
+  INFO("the first differing element, if any: " << same);
+  REQUIRE(same == n);
 }
