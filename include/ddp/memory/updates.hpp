@@ -9,6 +9,10 @@
 #include <string>
 #include <type_traits>
 
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+#include <emmintrin.h>
+#endif
+
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
@@ -89,14 +93,64 @@ inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const ra
   });
 }
 
-/// One AdamW update of `n` elements (the four arrays never overlap, so the compiler need not reload them).
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+/// SSE2 registers of T (four f32 or two f64 lanes) and the IEEE operations adamw_elements needs: each rounds every
+/// lane exactly as the scalar operation does.
+template <class T>
+struct sse_lanes;
+template <>
+struct sse_lanes<float> {
+  using reg = __m128;
+  static constexpr std::size_t width = 4;
+  static reg load(const float* a) noexcept { return _mm_loadu_ps(a); }
+  static void store(float* a, reg r) noexcept { _mm_storeu_ps(a, r); }
+  static reg all(float x) noexcept { return _mm_set1_ps(x); }
+  static reg add(reg a, reg b) noexcept { return _mm_add_ps(a, b); }
+  static reg sub(reg a, reg b) noexcept { return _mm_sub_ps(a, b); }
+  static reg mul(reg a, reg b) noexcept { return _mm_mul_ps(a, b); }
+  static reg div(reg a, reg b) noexcept { return _mm_div_ps(a, b); }
+  static reg sqrt(reg a) noexcept { return _mm_sqrt_ps(a); }
+};
+template <>
+struct sse_lanes<double> {
+  using reg = __m128d;
+  static constexpr std::size_t width = 2;
+  static reg load(const double* a) noexcept { return _mm_loadu_pd(a); }
+  static void store(double* a, reg r) noexcept { _mm_storeu_pd(a, r); }
+  static reg all(double x) noexcept { return _mm_set1_pd(x); }
+  static reg add(reg a, reg b) noexcept { return _mm_add_pd(a, b); }
+  static reg sub(reg a, reg b) noexcept { return _mm_sub_pd(a, b); }
+  static reg mul(reg a, reg b) noexcept { return _mm_mul_pd(a, b); }
+  static reg div(reg a, reg b) noexcept { return _mm_div_pd(a, b); }
+  static reg sqrt(reg a) noexcept { return _mm_sqrt_pd(a); }
+};
+#endif
+
+/// One AdamW update of `n` elements: whole SSE2 registers where the CPU has them (the compiler does not vectorize
+/// the square root and division itself, which may set errno), then one element at a time, each in the same order
+/// of operations.
 template <class T>
 void adamw_elements(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, std::size_t n,
                     const adamw_update& u) {
   const T decay = static_cast<T>(u.decay), b1 = static_cast<T>(u.beta1), b2 = static_cast<T>(u.beta2);
   const T step_size = static_cast<T>(u.step_size), c2 = static_cast<T>(u.correction2_sqrt);
   const T eps = static_cast<T>(u.eps);
-  for (std::size_t i = 0; i < n; ++i) {
+  std::size_t i = 0;
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+  using x = sse_lanes<T>;
+  const auto k_decay = x::all(decay), k_b1 = x::all(T{1} - b1), k_b2 = x::all(b2), k_1b2 = x::all(T{1} - b2);
+  const auto k_step = x::all(step_size), k_c2 = x::all(c2), k_eps = x::all(eps);
+  for (; i + x::width <= n; i += x::width) {
+    const auto gi = x::load(g + i);
+    const auto pi = x::mul(x::load(p + i), k_decay);
+    const auto mi = x::add(x::load(m + i), x::mul(k_b1, x::sub(gi, x::load(m + i))));
+    const auto vi = x::add(x::mul(k_b2, x::load(v + i)), x::mul(x::mul(k_1b2, gi), gi));
+    x::store(m + i, mi);
+    x::store(v + i, vi);
+    x::store(p + i, x::sub(pi, x::div(x::mul(k_step, mi), x::add(x::div(x::sqrt(vi), k_c2), k_eps))));
+  }
+#endif
+  for (; i < n; ++i) {
     p[i] *= decay;
     m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
     v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
