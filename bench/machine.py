@@ -1,4 +1,4 @@
-"""What the bench drivers name a machine by: its CPU model, logical CPUs and platform."""
+"""What the bench drivers name a machine by (its CPU model, logical CPUs and platform), and how they hand out a report."""
 import os
 import platform
 
@@ -14,3 +14,12 @@ def describe():
     except OSError:
         pass
     return "%s, %d logical CPUs, %s" % (model or platform.processor(), os.cpu_count(), platform.platform())
+
+
+def publish(lines, out):
+    """Prints a report's lines and, when `out` names a file, writes them there."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

@@ -13,26 +13,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for machine.py
 import machine  # noqa: E402
-
-
-def run(build, n):
-    cmd = [os.path.join(build, "tools", "ddp-launch"), "-n", str(n),
-           os.path.join(build, "bench", "comm", "ddp_bench_collectives"), "--ddp-only", "--csv"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True).stdout
-    rows = {}
-    for line in out.splitlines():
-        at = line.find("CSVDDP,")
-        if at >= 0:
-            f = line[at:].split(",")
-            rows[int(f[2])] = float(f[3])
-    if not rows:
-        raise RuntimeError("%s printed no CSVDDP rows" % " ".join(cmd))
-    return rows
+from run_collectives import run_launched  # noqa: E402
 
 
 def main():
@@ -41,6 +26,7 @@ def main():
     ap.add_argument("b")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--save", default="")
     ap.add_argument("--title", default="ddp's collectives: two builds side by side")
     ap.add_argument("--out", default="")
@@ -50,7 +36,7 @@ def main():
     for n in a.ranks:
         for rnd in range(a.rounds):
             for side in (("a", "b") if rnd % 2 == 0 else ("b", "a")):
-                for size, sec in run(a.a if side == "a" else a.b, n).items():
+                for size, sec in run_launched(a.a if side == "a" else a.b, n, a.max_bytes)[1].items():
                     got.setdefault((n, size, side), []).append(sec)
             print("N %d round %d done" % (n, rnd + 1), file=sys.stderr, flush=True)
     lines = [
@@ -74,11 +60,7 @@ def main():
         paired = statistics.median(y / x for x, y in zip(sa, sb))
         ma, mb = statistics.median(sa), statistics.median(sb)
         lines.append("| %d | %d | %.1f | %.1f | %.3f | %.3f |" % (n, size, ma * 1e6, mb * 1e6, mb / ma, paired))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    machine.publish(lines, a.out)
     if a.save:
         with open(a.save, "w") as f:
             json.dump({"%d,%d,%s" % k: v for k, v in got.items()}, f)

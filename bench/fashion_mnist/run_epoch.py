@@ -101,11 +101,7 @@ def main():
     ]
     for n, d, p, ratio, rd, rp, ad, ap_ in rows:
         lines.append("| %d | %.2f | %.2f | %.3f | %s | %s | %.4f / %.4f |" % (n, d, p, ratio, rd, rp, ad, ap_))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    machine.publish(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -116,11 +116,7 @@ def main():
               "|---:|" + "---|" * len(rows[0][2])]
     for n, m, rng, best in rows:
         lines.append("| %d | %s |" % (n, " | ".join(rng.values())))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    machine.publish(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -79,11 +79,7 @@ def main():
     for b, p, d, ratio, rp, rd, best, fp, fd, sp, sd, inproc in rows:
         lines.append("| %d | %.3f | %.3f | %.4f | %s | %s | %.4f | %.1f / %.1f | %.2f / %.2f | %.4f |" % (
             b, p, d, ratio, rp, rd, best, fp, fd, sp, sd, inproc))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    machine.publish(lines, a.out)
 
 
 if __name__ == "__main__":
