@@ -7,7 +7,7 @@ each run trains `--epochs` epochs and reports the training seconds of its last (
 table gives the medians over rounds and ddp's time over PyTorch's (target on 16 cores: within 10 %).
 
 usage: /usr/bin/python3 bench/fashion_mnist/run_epoch.py --build build [--ranks 1 2] [--rounds 3] [--epochs 2]
-       [--out docs/bench/fashion_mnist_epoch.md]
+       [--data /usr/share/datasets/fashion-mnist] [--python PYTHON] [--out docs/bench/fashion_mnist_epoch.md]
 """
 import argparse
 import datetime
@@ -32,7 +32,7 @@ def ddp_epoch(a, n):
     with tempfile.TemporaryDirectory() as scratch:  # the checkpoint it saves after each epoch (not timed)
         cmd = [os.path.join(a.build, "tools", "ddp-launch"), "-n", str(n),
                os.path.join(a.build, "examples", "fashion_mnist"), "--backend", "tcp", "--epochs", str(a.epochs),
-               "--no-progress", "--checkpoint", os.path.join(scratch, "fashion_mnist.safetensors")]
+               "--no-progress", "--checkpoint", os.path.join(scratch, "fashion_mnist.safetensors"), "--data", a.data]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), done.returncode, (done.stdout + done.stderr)[-2000:]))
@@ -44,7 +44,8 @@ def ddp_epoch(a, n):
 
 def torch_epoch(a, n):
     """The PyTorch twin's last epoch: (training seconds, test accuracy)."""
-    out = spawn_env_ranks([a.python, os.path.join(HERE, "torch_fashion_mnist.py"), "--epochs", str(a.epochs)], n, 3600)
+    out = spawn_env_ranks([a.python, os.path.join(HERE, "torch_fashion_mnist.py"), "--epochs", str(a.epochs), "--data",
+                           a.data], n, 3600)
     last = [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]
     return last["train_seconds"], last["test_accuracy"]
 
@@ -56,6 +57,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--python", default="/usr/bin/python3")
+    ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist", help="the four IDX files (gzip'd)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     load_before = os.getloadavg()
