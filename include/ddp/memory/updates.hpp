@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -93,39 +94,6 @@ inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const ra
   });
 }
 
-#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
-/// SSE2 registers of T (four f32 or two f64 lanes) and the IEEE operations adamw_elements needs: each rounds every
-/// lane exactly as the scalar operation does.
-template <class T>
-struct sse_lanes;
-template <>
-struct sse_lanes<float> {
-  using reg = __m128;
-  static constexpr std::size_t width = 4;
-  static reg load(const float* a) noexcept { return _mm_loadu_ps(a); }
-  static void store(float* a, reg r) noexcept { _mm_storeu_ps(a, r); }
-  static reg all(float x) noexcept { return _mm_set1_ps(x); }
-  static reg add(reg a, reg b) noexcept { return _mm_add_ps(a, b); }
-  static reg sub(reg a, reg b) noexcept { return _mm_sub_ps(a, b); }
-  static reg mul(reg a, reg b) noexcept { return _mm_mul_ps(a, b); }
-  static reg div(reg a, reg b) noexcept { return _mm_div_ps(a, b); }
-  static reg sqrt(reg a) noexcept { return _mm_sqrt_ps(a); }
-};
-template <>
-struct sse_lanes<double> {
-  using reg = __m128d;
-  static constexpr std::size_t width = 2;
-  static reg load(const double* a) noexcept { return _mm_loadu_pd(a); }
-  static void store(double* a, reg r) noexcept { _mm_storeu_pd(a, r); }
-  static reg all(double x) noexcept { return _mm_set1_pd(x); }
-  static reg add(reg a, reg b) noexcept { return _mm_add_pd(a, b); }
-  static reg sub(reg a, reg b) noexcept { return _mm_sub_pd(a, b); }
-  static reg mul(reg a, reg b) noexcept { return _mm_mul_pd(a, b); }
-  static reg div(reg a, reg b) noexcept { return _mm_div_pd(a, b); }
-  static reg sqrt(reg a) noexcept { return _mm_sqrt_pd(a); }
-};
-#endif
-
 /// One AdamW update of `n` elements: whole SSE2 registers where the CPU has them (the compiler does not vectorize
 /// the square root and division itself, which may set errno), then one element at a time, each in the same order
 /// of operations.
@@ -137,17 +105,27 @@ void adamw_elements(T* __restrict p, const T* __restrict g, T* __restrict m, T* 
   const T eps = static_cast<T>(u.eps);
   std::size_t i = 0;
 #if defined(__SSE2__) && !defined(__CUDA_ARCH__)
-  using x = sse_lanes<T>;
-  const auto k_decay = x::all(decay), k_b1 = x::all(T{1} - b1), k_b2 = x::all(b2), k_1b2 = x::all(T{1} - b2);
-  const auto k_step = x::all(step_size), k_c2 = x::all(c2), k_eps = x::all(eps);
-  for (; i + x::width <= n; i += x::width) {
-    const auto gi = x::load(g + i);
-    const auto pi = x::mul(x::load(p + i), k_decay);
-    const auto mi = x::add(x::load(m + i), x::mul(k_b1, x::sub(gi, x::load(m + i))));
-    const auto vi = x::add(x::mul(k_b2, x::load(v + i)), x::mul(x::mul(k_1b2, gi), gi));
-    x::store(m + i, mi);
-    x::store(v + i, vi);
-    x::store(p + i, x::sub(pi, x::div(x::mul(k_step, mi), x::add(x::div(x::sqrt(vi), k_c2), k_eps))));
+  // An SSE2 register of T (four f32 or two f64 lanes): its + − × ÷ (with a scalar: in every lane) round each lane
+  // as the scalar operation does.
+  typedef T reg __attribute__((vector_size(16)));
+  const auto load = [](const T* from) {
+    reg r;
+    std::memcpy(&r, from, sizeof r);
+    return r;
+  };
+  const auto store = [](T* to, reg r) { std::memcpy(to, &r, sizeof r); };
+  const auto root = [](reg r) {
+    if constexpr (std::is_same_v<T, float>) return _mm_sqrt_ps(r);
+    else return _mm_sqrt_pd(r);
+  };
+  for (; i + sizeof(reg) / sizeof(T) <= n; i += sizeof(reg) / sizeof(T)) {
+    const reg gi = load(g + i), m0 = load(m + i);
+    const reg pi = load(p + i) * decay;
+    const reg mi = m0 + (T{1} - b1) * (gi - m0);
+    const reg vi = b2 * load(v + i) + (T{1} - b2) * gi * gi;
+    store(m + i, mi);
+    store(v + i, vi);
+    store(p + i, pi - step_size * mi / (root(vi) / c2 + eps));
   }
 #endif
   for (; i < n; ++i) {
