@@ -1,4 +1,5 @@
-"""What the bench drivers name a machine by (its CPU model, logical CPUs and platform), and how they hand out a report."""
+"""What the bench drivers name a machine by (its CPU model, logical CPUs and platform), and how they hand out a
+report."""
 import os
 import platform
 

@@ -1,4 +1,5 @@
-"""Starting a job's ranks as torchrun does (its env:// variables), for the bench drivers, and reading their results.
+"""Starting a job's ranks as torchrun does (its env:// variables), or N jobs of one process side by side, for the
+bench drivers, and reading their results.
 
 torchrun itself is not used: Debian's (PyTorch 1.13 under Python 3.11) fails before starting a worker."""
 import json
@@ -38,6 +39,19 @@ def spawn_env_ranks(cmd, n, timeout):
         bad = next(p for p in procs if p.returncode != 0)
         raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), bad.returncode, bad.stderr.read()[-2000:]))
     return procs[0].stdout.read()
+
+
+def slowest_alone(cmd, n, timeout, env_of):
+    """Runs n copies of `cmd` at once, each a job of its own (no communication: what sharing the cores costs), copy i
+    with the environment env_of(i); returns {"world": n, "median_ms": the largest median_ms of their JSON lines}.
+    A copy that fails raises its stderr."""
+    procs = [subprocess.Popen(cmd, env=env_of(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), p.returncode, err[-2000:]))
+    return {"world": n, "median_ms": max(last_json(out)["median_ms"] for out, _ in outs)}
 
 
 def last_json(text):

@@ -35,7 +35,8 @@ def ddp_epoch(a, n):
                "--no-progress", "--checkpoint", os.path.join(scratch, "fashion_mnist.safetensors"), "--data", a.data]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), done.returncode, (done.stdout + done.stderr)[-2000:]))
+        raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), done.returncode,
+                                                      (done.stdout + done.stderr)[-2000:]))
     epochs = [m for m in (EPOCH_LINE.search(line) for line in (done.stdout + done.stderr).splitlines()) if m]
     if not epochs:
         raise RuntimeError("%s printed no epoch line:\n%s" % (" ".join(cmd), (done.stdout + done.stderr)[-2000:]))

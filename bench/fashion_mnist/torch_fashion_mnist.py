@@ -51,8 +51,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     train_x, train_y, test_x, test_y = load(a.data)
     torch.manual_seed(1234)
-    model = DistributedDataParallel(torch.nn.Sequential(
-        torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(
+        256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     sampler = torch.utils.data.distributed.DistributedSampler(range(len(train_x)), shuffle=True, seed=42)
     total = math.ceil(len(sampler) / a.batch) * a.epochs

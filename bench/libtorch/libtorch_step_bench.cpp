@@ -15,10 +15,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <span>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>

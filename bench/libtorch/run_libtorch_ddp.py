@@ -1,28 +1,26 @@
 """Driver: a LibTorch program under ddp against the same model in PyTorch DDP, at N ranks, each launched as its users
 launch it: `ddp-launch -n N libtorch_step_bench --only ddp` (the CNN of examples/libtorch_fashion_mnist, replicate
-over ddp::tcp) and torch_ddp_cnn.py with torchrun's variables (the same layers, DDP over gloo; bench/ranks.py
-starts the ranks as torchrun would), one thread per rank, each rank on its own batch, SGD with momentum. Beside them, the compute floor of each: N plain LibTorch
-programs at once (libtorch_step_bench --only plain) and N plain PyTorch ranks (torch_ddp_cnn.py --plain), which share
-the cores as the job's ranks do but never communicate. The four alternate round by round (the order rotates); each
-run reports the median over its steps of the slowest rank's step; the tables give the medians over rounds, the
-range, ddp's time over PyTorch's, and each one's added time over its own floor.
+over ddp::tcp) and torch_ddp_cnn.py with torchrun's variables (the same layers, DDP over gloo; bench/ranks.py starts
+the ranks as torchrun would), one thread per rank, each rank on its own batch, SGD with momentum. Beside them, the
+compute floor of each: N plain LibTorch programs at once (libtorch_step_bench --only plain) and N plain PyTorch ranks
+(torch_ddp_cnn.py --plain), which share the cores as the job's ranks do but never communicate. The four alternate
+round by round (the order rotates); each run reports the median over its steps of the slowest rank's step; the tables
+give the medians over rounds, the range, ddp's time over PyTorch's, and each one's added time over its own floor.
 
 usage: /usr/bin/python3 bench/libtorch/run_libtorch_ddp.py --build build [--ranks 2] [--rounds 9] [--steps 300]
        [--batch 64] [--out docs/bench/libtorch_ddp.md]
 """
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/, for machine.py
 import machine  # noqa: E402
-from ranks import last_json, spawn_env_ranks  # noqa: E402
+from ranks import last_json, slowest_alone, spawn_env_ranks  # noqa: E402
 
 
 def run(cmd):
@@ -31,18 +29,6 @@ def run(cmd):
     if done.returncode != 0:
         raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), done.returncode, done.stderr[-2000:]))
     return last_json(done.stdout)
-
-
-def plain_libtorch(bench, n, a):
-    """N plain LibTorch programs at once: the slowest one's median step."""
-    cmd = [bench, "--only", "plain", "--rounds", str(a.steps), "--steps", "1", "--batch", str(a.batch)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(n)]
-    outs = [p.communicate(timeout=1800) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError("%s failed (rc %d): %s" % (" ".join(cmd), p.returncode, err[-2000:]))
-    return {"world": n, "median_ms": max(last_json(o)["median_ms"] for o, _ in outs)}
 
 
 def main():
@@ -66,7 +52,9 @@ def main():
                      "--batch", str(a.batch)]
         sides = {
             "ddp": lambda: run(ddp_cmd),
-            "libtorch plain": lambda: plain_libtorch(bench, n, a),
+            "libtorch plain": lambda: slowest_alone(
+                [bench, "--only", "plain", "--rounds", str(a.steps), "--steps", "1", "--batch", str(a.batch)], n, 1800,
+                lambda _: dict(os.environ, OMP_NUM_THREADS="1")),
             "pytorch": lambda: last_json(spawn_env_ranks(torch_cmd, n, 1800)),
             "pytorch plain": lambda: last_json(spawn_env_ranks(torch_cmd + ["--plain"], n, 1800)),
         }
@@ -89,8 +77,8 @@ def main():
         "The CNN of examples/libtorch_fashion_mnist (52 k parameters), batch %d per rank, SGD with momentum, one "
         "thread per rank. ddp: `ddp-launch -n N libtorch_step_bench --only ddp` (LibTorch in C++, replicate over "
         "ddp::tcp); PyTorch: bench/libtorch/torch_ddp_cnn.py, its ranks started with torchrun's variables (the "
-        "same layers, DistributedDataParallel over gloo). Each run times %d steps and reports the median of the slowest rank's "
-        "step; the runs alternate over %d rounds and the table gives the medians over rounds." % (
+        "same layers, DistributedDataParallel over gloo). Each run times %d steps and reports the median of the "
+        "slowest rank's step; the runs alternate over %d rounds and the table gives the medians over rounds." % (
             a.batch, a.steps, a.rounds),
         "",
         "- Machine: %s" % machine.describe(),

@@ -1,8 +1,8 @@
 """Step time of PyTorch DDP (gloo, one thread per rank) on the CNN of examples/libtorch_fashion_mnist (the same layers
 as examples/common/cnn.hpp), SGD with momentum: the anchor of run_libtorch_ddp.py. Reads torchrun's RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. --plain trains without DDP (each rank alone; the process group only gathers the times): N such
-ranks at once are the compute floor that DDP's own cost adds to. Each rank trains on its own batch; a round is `--steps` steps; rank 0 prints one JSON line with the
-median over rounds of the slowest rank's round.
+MASTER_ADDR, MASTER_PORT. --plain trains without DDP (each rank alone; the process group only gathers the times): N
+such ranks at once are the compute floor that DDP's own cost adds to. Each rank trains on its own batch; a round is
+`--steps` steps; rank 0 prints one JSON line with the median over rounds of the slowest rank's round.
 
 usage: torchrun --nproc_per_node N torch_ddp_cnn.py [--rounds R] [--steps S] [--batch B] [--plain]
 """

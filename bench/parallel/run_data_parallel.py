@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))  # bench/, for machine.py
 import machine  # noqa: E402
-from ranks import free_port, last_json, spawn_env_ranks  # noqa: E402
+from ranks import free_port, last_json, slowest_alone, spawn_env_ranks  # noqa: E402
 
 
 def run_one(impl, n, a):
@@ -30,14 +30,9 @@ def run_one(impl, n, a):
     if impl == "ddp tcp":
         return last_json(spawn_env_ranks([exe, "--backend", "tcp"] + common, n, a.timeout))
     if impl == "ddp solo":  # N independent single-rank jobs at once: the cost of sharing the cores, no communication
-        procs = []
-        for _ in range(n):
-            env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                       OPENBLAS_NUM_THREADS="1")
-            procs.append(subprocess.Popen([exe, "--backend", "tcp"] + common, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
-        return {"median_ms": max(last_json(o)["median_ms"] for o in outs)}
+        return slowest_alone([exe, "--backend", "tcp"] + common, n, a.timeout, lambda _: dict(
+            os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+            OPENBLAS_NUM_THREADS="1"))
     if impl == "ddp mpi":
         coretype = ["-x", "OPENBLAS_CORETYPE"] if "OPENBLAS_CORETYPE" in os.environ else []
         out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), "-x",
@@ -156,7 +151,8 @@ def main():
         for impl, n in phases:
             m = [statistics.median(x[k] for x in split[(impl, n)]) for k in range(6)]
             lines.append("| %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %s |" % (
-                impl, n, m[0], m[1], m[2], m[3], m[5] / 1e6, m[4], "%.2f" % (m[2] / m[4]) if n > 1 and m[4] > 0 else ""))
+                impl, n, m[0], m[1], m[2], m[3], m[5] / 1e6, m[4],
+                "%.2f" % (m[2] / m[4]) if n > 1 and m[4] > 0 else ""))
     if "pytorch" in impls:
         lines += ["", "ddp's added time per step against PyTorch DDP's, (T_N − T_1) / (T_N − T_1 of PyTorch DDP) "
                   "(target ≤ 1/3):", "", "| implementation | N | ddp's T_N − T_1 / PyTorch's |", "|---|---:|---:|"]
@@ -166,7 +162,8 @@ def main():
             for n in worlds[1:]:
                 pa = t[("pytorch", n)] - t[("pytorch", worlds[0])]
                 da = t[(impl, n)] - t[(impl, worlds[0])]
-                lines.append("| %s | %d | %s |" % (impl, n, "%.2f" % (da / pa) if pa > 0 else "n/a (PyTorch added none)"))
+                ratio = "%.2f" % (da / pa) if pa > 0 else "n/a (PyTorch added none)"
+                lines.append("| %s | %d | %s |" % (impl, n, ratio))
     try:
         import matplotlib
         matplotlib.use("Agg")
