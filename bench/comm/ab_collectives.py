@@ -5,7 +5,7 @@ N and message size, the median time of each and two ratios B / A: of the medians
 ratios (each round's pair ran seconds apart, so it shares the machine's slow or fast phase). A regression check for a
 change that should not touch the collectives' speed (target: within ±3 %).
 
-usage: bench/comm/ab_collectives.py BUILD_A BUILD_B [--ranks 2 4] [--rounds 16] [--save RAW.json]
+usage: bench/comm/ab_collectives.py BUILD_A BUILD_B [--ranks 2 4] [--rounds 16] [--max-bytes 67108864] [--save RAW.json]
                                     [--title TEXT] [--out PAGE.md]
 """
 import argparse
