@@ -141,6 +141,20 @@ TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an
   }
 }
 
+TEST_CASE("ddp-launch --nnodes: a crash reported late (its launcher busy) is still blamed before an exit: node 0 "
+          "waits for every node's word while only exits were reported", "[launch][nodes]") {
+  // Rank 0's exit opens node 0's settle window (1 s); rank 3's crash comes 1.8 s later, as when the crashed rank's
+  // launcher is descheduled while the peers it left already exited. Node 1 said nothing yet, so node 0 waits on.
+  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
+                                                  "if [ $RANK = 3 ]; then sleep 2; kill -9 $$; fi; exec sleep 30",
+                                                  {"--grace", "1"}));
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 128 + 9);
+    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
+  }
+}
+
 TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file, without one, or another one, no "
           "job starts", "[launch][nodes]") {
   SECTION("no token") {

@@ -3,8 +3,9 @@
 /// small control channel: node 0's launcher listens on MASTER_PORT + 1, every other launcher connects and
 /// answers node 0's challenge with a hello signed under the job's key (tcp/auth.hpp: the token never travels);
 /// the ranks start once all N launchers have joined. A launcher
-/// whose rank fails reports it to node 0, which waits a moment for reports from other nodes, blames a crash
-/// before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
+/// whose rank fails reports it to node 0, which waits a moment for reports from other nodes (longer while no
+/// crash was reported and some node said nothing yet: the crash that made a peer exit may still be on its way),
+/// blames a crash before an exit and else the failure that ended first, and tells every node to stop its ranks; at the end
 /// node 0 sends every node the job's verdict. Every frame is 40 bytes; the hello's MAC admits its connection; joining
 /// has a deadline, strangers are refused, and a launcher whose peer's connection ends (its host died: TCP
 /// keepalive) stops its ranks. Node 0 keeps listening while the job runs: a launcher of this job that claims a
@@ -212,11 +213,15 @@ class node_link {
     stop_.reset();
     verdict_.reset();
     done_.assign(done_.size(), false);
+    heard_.assign(heard_.size(), false);
   }
 
  private:
   /// How long node 0 collects reports after the first failure before it blames the one that began first.
   static constexpr std::chrono::milliseconds settle{1000};
+  /// How much longer node 0 waits when only exits were reported and some node has not reported or ended yet: a
+  /// peer of a crashed rank may exit before the crash's own launcher, busy or descheduled, gets its report out.
+  static constexpr std::chrono::milliseconds settle_for_crash{2000};
 
   [[nodiscard]] detail::control_frame frame(detail::control_kind kind, const node_failure& f) const {
     detail::control_frame c;
@@ -245,6 +250,7 @@ class node_link {
                       sizeof(detail::control_frame), tcp::detail::handshake_limits{}, 0, "the launchers' control port");
     peers_.resize(static_cast<std::size_t>(plan_.nodes));
     done_.assign(static_cast<std::size_t>(plan_.nodes), false);
+    heard_.assign(static_cast<std::size_t>(plan_.nodes), false);
     buffers_.resize(peers_.size());
     std::vector<pollfd> fds;
     for (int missing = plan_.nodes - 1; missing > 0;) {
@@ -365,8 +371,19 @@ class node_link {
   /// Node 0: a failure reported here or by a node; the first opens the settle window.
   void note(const node_failure& f) {
     if (stop_) return;
+    heard_[static_cast<std::size_t>(f.node)] = true;
     if (!first_ || f.before(*first_)) first_ = f;
     if (!blame_at_) blame_at_ = tcp::detail::clock::now() + settle;
+  }
+
+  /// Node 0: the settle window is over, and a crash was reported, or every node reported or ended, or the longer
+  /// wait for a crash is over too.
+  [[nodiscard]] bool settled(tcp::detail::clock::time_point now) const {
+    if (!blame_at_ || now < *blame_at_) return false;
+    if (first_->crashed() || now >= *blame_at_ + settle_for_crash) return true;
+    for (std::size_t k = 0; k < heard_.size(); ++k)
+      if (!heard_[k] && !done_[k] && (k == 0 || peers_[k].valid())) return false;
+    return true;
   }
 
   [[nodiscard]] bool all_done() const {
@@ -403,7 +420,7 @@ class node_link {
       }
       if (lost) on_lost(k);
     }
-    if (plan_.node_rank == 0 && blame_at_ && tcp::detail::clock::now() >= *blame_at_ && !stop_) {
+    if (plan_.node_rank == 0 && !stop_ && settled(tcp::detail::clock::now())) {
       stop_ = first_;
       for (std::size_t k = 1; k < peers_.size(); ++k) send(peers_[k], frame(detail::control_kind::stop, *stop_));
     }
@@ -450,6 +467,7 @@ class node_link {
   std::vector<std::string> buffers_;           ///< bytes of a frame not yet whole, per peer
   std::optional<tcp::detail::handshake_acceptor> acceptor_;  ///< node 0: the control port, open for the whole job
   std::vector<bool> done_;                     ///< node 0: which nodes' ranks all ended (or who was lost)
+  std::vector<bool> heard_;                    ///< node 0: which nodes reported a failure this round
   bool reported_ = false;
   std::optional<node_failure> first_;          ///< node 0: the failure that began first so far
   std::optional<tcp::detail::clock::time_point> blame_at_;
