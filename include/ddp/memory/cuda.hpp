@@ -4,7 +4,13 @@
 /// collective's completion is waited for on the stream where the backend records an event (ddp::nccl), and on the
 /// host where it cannot. synchronize() is the one host wait, bounded by the domain's timeout.
 ///
-///     ddp::cuda::domain gpu(0);                 // cuda:0, on a stream of its own
+/// The domain's stream is the one the model computes on, as PyTorch's reducer works on the current stream: the
+/// gradients a backward reports were only queued there, so the domain's work on them (and ddp::nccl's collectives,
+/// which wait for their compute stream) must follow that stream. Both default to the default stream; a model on a
+/// stream of its own gives it to both (domain_options::stream, nccl::config::compute_stream).
+///
+///     ddp::cuda::domain gpu(0);                 // cuda:0, on the default stream
+///     ddp::cuda::domain gpu(0, {.stream = s});  // or on the model's stream (LibTorch's current stream)
 ///     ddp::device_registration on_gpu(gpu);     // data_parallel and the host backends find it by device
 
 #include <cuda_runtime_api.h>
@@ -31,7 +37,9 @@ namespace ddp::cuda {
 
 /// How a domain runs its work.
 struct domain_options {
-  cudaStream_t stream = nullptr;  ///< the stream element work runs on (LibTorch's current stream, say); null: its own
+  /// The stream element work runs on: the model's (LibTorch's current stream, say); null: the default stream,
+  /// where ddp::nccl's collectives wait by default too.
+  cudaStream_t stream = nullptr;
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};  ///< the longest synchronize() waits
 };
 
@@ -43,14 +51,7 @@ class domain final : public memory_domain {
       : device_(device), timeout_(o.timeout), done_([device] {
           const device_guard on(device);
           return event();
-        }()) {
-    if (o.stream == nullptr) {
-      own_ = std::make_unique<stream>(device);
-      stream_ = own_->get();
-    } else {
-      stream_ = o.stream;
-    }
-  }
+        }()), stream_(o.stream) {}
 
   /// The stream element work runs on.
   [[nodiscard]] cudaStream_t work_stream() const noexcept { return stream_; }
@@ -172,7 +173,6 @@ class domain final : public memory_domain {
   int device_;
   std::chrono::milliseconds timeout_;
   event done_;  // recorded by synchronize()
-  std::unique_ptr<stream> own_;
   cudaStream_t stream_ = nullptr;
 };
 
