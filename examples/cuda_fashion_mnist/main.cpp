@@ -1,0 +1,151 @@
+// Fashion-MNIST with the examples' MLP (784-256-128-10) on GPUs: parameters, forward and backward (cuBLAS) on each
+// rank's device, gradients all-reduced by NCCL bucket by bucket while the backward runs, the optimizer's update as
+// a kernel over the flat arenas. Nothing waits for the device in a step but the batch's loss.
+//
+//   build/tools/ddp-launch -n 2 build/examples/cuda_fashion_mnist
+//   mpirun --allow-run-as-root -np 2 build/examples/cuda_fashion_mnist     (MASTER_ADDR/MASTER_PORT: 127.0.0.1:29500)
+//   build/examples/cuda_fashion_mnist                                     (one process)
+//   ... --policy full_shard                                               (FSDP: each layer unsharded for its use)
+//
+// One GPU per rank: LOCAL_RANK modulo the devices. NCCL refuses two ranks of a job on one GPU; to try several ranks
+// on one (a test, not a speed-up) give each its own NCCL_HOSTID:
+//   ddp-launch -n 2 sh -c 'NCCL_HOSTID=rank$RANK exec build/examples/cuda_fashion_mnist'
+#include <cstdint>
+#include <cstdlib>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ddp/checkpoint.hpp>
+#include <ddp/comm/nccl/communicator.hpp>
+#include <ddp/comm/nccl/from_env.hpp>
+#include <ddp/cuda/runtime.hpp>
+#include <ddp/ddp.hpp>
+#include <ddp/log.hpp>
+#include <ddp/memory/cuda.hpp>
+#include <ddp/memory/devices.hpp>
+
+#include "common/cli.hpp"
+#include "common/cuda_mlp.hpp"
+#include "common/idx.hpp"
+#include "common/mlp.hpp"
+#include "common/training.hpp"
+
+namespace {
+
+struct settings : example::run_settings {
+  std::string policy = "replicate";
+};
+
+constexpr const char* usage =
+    "usage: cuda_fashion_mnist [--policy replicate|shard_grad_op|full_shard] [--epochs N] [--batch B (per rank)]\n"
+    "                          [--lr X] [--momentum X] [--data DIR] [--checkpoint PATH] [--limit N]\n"
+    "                          [--min-accuracy X] [--no-progress]\n";
+
+settings parse(int argc, char** argv) {
+  settings s;
+  s.backend = "nccl";
+  s.epochs = 5;
+  s.checkpoint = "cuda_fashion_mnist.safetensors";
+  example::parse_flags(argc, argv, usage, [&s](std::string_view a, const auto& value) {
+    if (a != "--policy") return a != "--backend" && s.take(a, value);
+    s.policy = value();
+    return true;
+  });
+  if (s.policy != "replicate" && s.policy != "shard_grad_op" && s.policy != "full_shard")
+    throw ddp::config_error("--policy must be replicate, shard_grad_op or full_shard, not '" + s.policy + "'");
+  if (s.epochs < 1 || s.batch < 1) throw ddp::config_error("--epochs and --batch must be at least 1");
+  return s;
+}
+
+/// Whether a launcher started this process (else it runs alone).
+bool launched() { return std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
+
+/// This rank's GPU (LOCAL_RANK modulo the devices), made current; a clear error where ranks would share one that
+/// NCCL would refuse.
+int pick_device() {
+  const ddp::env_config env = launched() ? ddp::read_env_config() : ddp::env_config{};
+  const int devices = ddp::cuda::device_count();
+  if (env.local_world_size > devices && std::getenv("NCCL_HOSTID") == nullptr)
+    throw ddp::config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(env.local_world_size) +
+                            " ranks on this host share " + std::to_string(devices) + " GPU(s), which NCCL refuses; "
+                            "start at most one rank per GPU, or for a test give each rank its own NCCL_HOSTID "
+                            "(sh -c 'NCCL_HOSTID=rank$RANK exec ...')");
+  const int device = env.local_rank % devices;
+  ddp::cuda::check(cudaSetDevice(device), "cudaSetDevice", env.rank);
+  return device;
+}
+
+template <class Sharding>
+int train(const settings& s) {
+  const int device = pick_device();
+  const ddp::cuda::stream model_stream(device);  // the model's stream: the domain and NCCL follow it
+  const ddp::nccl::config on_model{.device = device, .compute_stream = model_stream.get()};
+  auto comm = launched() ? ddp::nccl::communicator::from_env(on_model) : [&] {  // alone: a group of one
+    ncclUniqueId id{};
+    if (ncclGetUniqueId(&id) != ncclSuccess) throw ddp::error("ncclGetUniqueId failed");
+    return ddp::nccl::communicator(id, 0, 1, on_model);
+  }();
+  ddp::cuda::domain gpu(device, {.stream = model_stream.get()});
+  const ddp::device_registration on_gpu(gpu);
+  ddp::logger log(comm);
+  const auto data = example::load_fashion_mnist(s.data, s.limit);
+  const auto& train_set = data.train;
+  const auto& test_set = data.test;
+  log.info("cuda_fashion_mnist: ", comm.size(), " rank(s) over nccl on cuda:", device, ", ", s.policy, ", ",
+           train_set.size(), " training and ", test_set.size(), " test images, batch ", s.batch, " per rank, SGD lr ",
+           s.lr, " momentum ", s.momentum);
+
+  std::vector<ddp::cuda::device_buffer<float>> memory;
+  example::gpu::device_mlp model =
+      example::gpu::place(example::make_mlp(train_set.features(), 256, 128, 10, 1234), memory);
+  ddp::data_parallel<example::gpu::device_mlp, ddp::backend::nccl, Sharding> dp{model, comm};
+  ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
+  ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
+  ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
+  const auto scope = [&](example::gpu::device_linear& layer) { return dp.unshard(layer); };  // full_shard's
+
+  example::gpu::trainer trainer(model_stream.get());
+  std::vector<float> x;
+  std::vector<std::uint8_t> y;
+  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
+  const double accuracy = example::train_epochs(
+      comm, log, s, 0, train_sampler,
+      [&](std::span<const std::size_t> batch) {
+        example::gather_batch(train_set, batch, x, y);
+        opt.settings().lr = example::cosine_lr(s.lr, opt.step_count(), total_steps);
+        dp.zero_grad();
+        const auto r = trainer.forward(dp.module(), x, y, scope);
+        trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); }, scope);
+        dp.step(opt);
+        return r;
+      },
+      [&](ddp::metric_sums& test_sums) {
+        // full_shard: the whole model unsharded once (ranks may evaluate different numbers of batches)
+        const auto whole = dp.unshard(dp.module());
+        for (const auto batch : test_sampler.batches(0, 1000)) {
+          example::gather_batch(test_set, batch, x, y);
+          const auto r = trainer.forward(dp.module(), x, y);
+          test_sums.add(r.loss_sum, static_cast<double>(r.correct), static_cast<double>(batch.size()));
+        }
+      },
+      [&](int epoch, double acc) { ddp::save(s.checkpoint, dp, opt, example::epoch_metadata(epoch, acc)); });
+  return example::verdict(log, accuracy, s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const settings s = parse(argc, argv);
+    if (s.policy == "full_shard") return train<ddp::full_shard>(s);
+    if (s.policy == "shard_grad_op") return train<ddp::shard_grad_op>(s);
+    return train<ddp::replicate>(s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cuda_fashion_mnist: %s\n", e.what());
+    return 2;
+  }
+}
