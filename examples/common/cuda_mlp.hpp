@@ -3,7 +3,7 @@
 /// or any depth of such layers (bench/gpu): parameters and gradients in device memory, forward and backward as cuBLAS
 /// GEMMs and small kernels (common/cuda_mlp.cu) queued on one stream, each layer's gradients reported as soon as
 /// their kernels are queued, which is where data_parallel's gradient_ready goes. Nothing waits for the device but
-/// the batch's loss.
+/// reading the batch's loss (last_result).
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -106,10 +106,10 @@ class trainer {
 
   /// Forward of the model `m` (a device_mlp, or a vector of layers: ReLU after each but the last) on
   /// `labels.size()` rows of `x` ([rows, in], host memory); keeps what backward() needs. Each layer is used inside
-  /// `auto g = scope(layer)` (dp.unshard under full_shard). Returns the loss sum and the correct count (the one wait
-  /// for the device in a step).
+  /// `auto g = scope(layer)` (dp.unshard under full_shard). The loss sum and the correct count are read by
+  /// last_result().
   template <class Model, class Scope = whole_layers>
-  batch_result forward(Model& m, std::span<const float> x, std::span<const std::uint8_t> labels, Scope&& scope = {}) {
+  void forward(Model& m, std::span<const float> x, std::span<const std::uint8_t> labels, Scope&& scope = {}) {
     const auto layers = layers_of(m);
     rows_ = static_cast<int>(labels.size());
     if (ones_.memory.size() < labels.size()) {  // the bias gradients' GEMV sums dy's rows against ones
@@ -134,6 +134,11 @@ class trainer {
     softmax_cross_entropy(acts_.back().data(), labels_.data(), dlogits.data(), sums_.data(), rows_, classes, stream_);
     ddp::cuda::check(cudaMemcpyAsync(sums_host_, sums_.data(), 2 * sizeof(double), cudaMemcpyDeviceToHost, stream_),
                      "cudaMemcpyAsync of the batch's loss");
+  }
+
+  /// The loss sum and the correct count of the last forward, once the stream has run everything queued so far (call
+  /// it after queueing the backward and the step, as a framework's loss.item(), so the device never idles for it).
+  batch_result last_result() {
     ddp::cuda::check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize for the batch's loss");
     return {sums_host_[0], static_cast<std::size_t>(sums_host_[1])};
   }

@@ -1,6 +1,6 @@
 // Fashion-MNIST with the examples' MLP (784-256-128-10) on GPUs: parameters, forward and backward (cuBLAS) on each
 // rank's device, gradients all-reduced by NCCL bucket by bucket while the backward runs, the optimizer's update as
-// a kernel over the flat arenas. Nothing waits for the device in a step but the batch's loss.
+// a kernel over the flat arenas. Nothing waits for the device in a step but reading the batch's loss at its end.
 //
 //   build/tools/ddp-launch -n 2 build/examples/cuda_fashion_mnist
 //   mpirun --allow-run-as-root -np 2 build/examples/cuda_fashion_mnist     (MASTER_ADDR/MASTER_PORT: 127.0.0.1:29500)
@@ -118,17 +118,18 @@ int train(const settings& s) {
         example::gather_batch(train_set, batch, x, y);
         opt.settings().lr = example::cosine_lr(s.lr, opt.step_count(), total_steps);
         dp.zero_grad();
-        const auto r = trainer.forward(dp.module(), x, y, scope);
+        trainer.forward(dp.module(), x, y, scope);
         trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); }, scope);
         dp.step(opt);
-        return r;
+        return trainer.last_result();
       },
       [&](ddp::metric_sums& test_sums) {
         // full_shard: the whole model unsharded once (ranks may evaluate different numbers of batches)
         const auto whole = dp.unshard(dp.module());
         for (const auto batch : test_sampler.batches(0, 1000)) {
           example::gather_batch(test_set, batch, x, y);
-          const auto r = trainer.forward(dp.module(), x, y);
+          trainer.forward(dp.module(), x, y);
+          const auto r = trainer.last_result();
           test_sums.add(r.loss_sum, static_cast<double>(r.correct), static_cast<double>(batch.size()));
         }
       },
