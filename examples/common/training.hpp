@@ -20,6 +20,7 @@
 #include <ddp/log.hpp>
 
 #include "batch_result.hpp"
+#include "idx.hpp"
 
 namespace example {
 
@@ -114,6 +115,38 @@ inline int verdict(ddp::logger& log, double accuracy, const run_settings& s) {
   log.info("test accuracy ", accuracy, " is below the required ", s.min_accuracy);
   return 1;
 }
+
+/// The MLP examples' whole run on Fashion-MNIST: SGD `opt` with the cosine schedule from s.lr to 0 over every step,
+/// the shuffled training set split over the ranks, step(x, y) once per batch (dp.zero_grad, forward, backward,
+/// dp.step: it returns the batch's figures), the test set (every image on one rank, the whole model unsharded once)
+/// through evaluate(x, y), and `dp` and `opt` saved to s.checkpoint after each epoch. Returns the exit status.
+template <class Comm, class DP, class Step, class Evaluate>
+int train_on_fashion_mnist(Comm& comm, ddp::logger& log, const run_settings& s, const fashion_mnist& data, DP& dp,
+                           ddp::optim::sgd& opt, Step&& step, Evaluate&& evaluate) {
+  ddp::distributed_sampler train_sampler(data.train.size(), comm, {.shuffle = true, .seed = 42});
+  ddp::distributed_sampler test_sampler(data.test.size(), comm, {.shuffle = false, .exact_once = true});
+  std::vector<float> x;
+  std::vector<std::uint8_t> y;
+  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
+  const double accuracy = train_epochs(
+      comm, log, s, 0, train_sampler,
+      [&](std::span<const std::size_t> batch) {
+        gather_batch(data.train, batch, x, y);
+        opt.settings().lr = cosine_lr(s.lr, opt.step_count(), total_steps);
+        return step(std::span<const float>(x), std::span<const std::uint8_t>(y));
+      },
+      [&](ddp::metric_sums& test_sums) {
+        const auto whole = dp.unshard(dp.module());  // full_shard: ranks may evaluate different numbers of batches
+        for (const auto batch : test_sampler.batches(0, 1000)) {
+          gather_batch(data.test, batch, x, y);
+          const batch_result r = evaluate(std::span<const float>(x), std::span<const std::uint8_t>(y));
+          test_sums.add(r.loss_sum, static_cast<double>(r.correct), static_cast<double>(batch.size()));
+        }
+      },
+      [&](int epoch, double acc) { ddp::save(s.checkpoint, dp, opt, epoch_metadata(epoch, acc)); });
+  return verdict(log, accuracy, s);
+}
+
 
 /// main's body: parse(argc, argv) reads the settings, then train(comm, settings) runs on the backend --backend names
 /// (MPI's world; TCP from a launcher's environment, or one process without a launcher). An exception is printed as

@@ -104,37 +104,21 @@ int train(const settings& s) {
       example::gpu::place(example::make_mlp(train_set.features(), 256, 128, 10, 1234), memory);
   ddp::data_parallel<example::gpu::device_mlp, ddp::backend::nccl, Sharding> dp{model, comm};
   ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
-  ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
-  ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
   const auto scope = [&](example::gpu::device_linear& layer) { return dp.unshard(layer); };  // full_shard's
-
   example::gpu::trainer trainer(model_stream.get());
-  std::vector<float> x;
-  std::vector<std::uint8_t> y;
-  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
-  const double accuracy = example::train_epochs(
-      comm, log, s, 0, train_sampler,
-      [&](std::span<const std::size_t> batch) {
-        example::gather_batch(train_set, batch, x, y);
-        opt.settings().lr = example::cosine_lr(s.lr, opt.step_count(), total_steps);
+  return example::train_on_fashion_mnist(
+      comm, log, s, data, dp, opt,
+      [&](std::span<const float> x, std::span<const std::uint8_t> y) {
         dp.zero_grad();
         trainer.forward(dp.module(), x, y, scope);
         trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); }, scope);
         dp.step(opt);
+        return trainer.last_result();  // read once the step is queued: the device never waits for the host
+      },
+      [&](std::span<const float> x, std::span<const std::uint8_t> y) {
+        trainer.forward(dp.module(), x, y);
         return trainer.last_result();
-      },
-      [&](ddp::metric_sums& test_sums) {
-        // full_shard: the whole model unsharded once (ranks may evaluate different numbers of batches)
-        const auto whole = dp.unshard(dp.module());
-        for (const auto batch : test_sampler.batches(0, 1000)) {
-          example::gather_batch(test_set, batch, x, y);
-          trainer.forward(dp.module(), x, y);
-          const auto r = trainer.last_result();
-          test_sums.add(r.loss_sum, static_cast<double>(r.correct), static_cast<double>(batch.size()));
-        }
-      },
-      [&](int epoch, double acc) { ddp::save(s.checkpoint, dp, opt, example::epoch_metadata(epoch, acc)); });
-  return example::verdict(log, accuracy, s);
+      });
 }
 
 }  // namespace

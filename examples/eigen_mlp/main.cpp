@@ -65,33 +65,17 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   model_type model(train_set.features(), 256, 128, 10, 1234);
   ddp::data_parallel<model_type, Backend> dp{model, comm};
   ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
-  ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
-  ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
-
   example::eigen_trainer trainer;
-  std::vector<float> x;
-  std::vector<std::uint8_t> y;
-  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
-  const double accuracy = example::train_epochs(
-      comm, log, s, 0, train_sampler,
-      [&](std::span<const std::size_t> batch) {
-        example::gather_batch(train_set, batch, x, y);
-        opt.settings().lr = example::cosine_lr(s.lr, opt.step_count(), total_steps);
+  return example::train_on_fashion_mnist(
+      comm, log, s, data, dp, opt,
+      [&](std::span<const float> x, std::span<const std::uint8_t> y) {
         dp.zero_grad();
         const auto r = trainer.forward(model, x, y);
         trainer.backward(model, [&](auto& leaf) { dp.gradient_ready(leaf); });
         dp.step(opt);
         return r;
       },
-      [&](ddp::metric_sums& test_sums) {
-        for (const auto batch : test_sampler.batches(0, 1000)) {
-          example::gather_batch(test_set, batch, x, y);
-          const auto r = trainer.forward(model, x, y);
-          test_sums.add(r.loss_sum, static_cast<double>(r.correct), static_cast<double>(batch.size()));
-        }
-      },
-      [&](int epoch, double acc) { ddp::save(s.checkpoint, dp, opt, example::epoch_metadata(epoch, acc)); });
-  return example::verdict(log, accuracy, s);
+      [&](std::span<const float> x, std::span<const std::uint8_t> y) { return trainer.forward(model, x, y); });
 }
 
 template <class Backend>

@@ -85,6 +85,19 @@ std::vector<std::string> sh_on_two_ranks(const std::string& script, std::vector<
   return args;
 }
 
+/// Two nodes of two ranks: rank 0 exits 1 after 0.2 s, rank 3 kills itself with SIGKILL after `crash_after` seconds;
+/// both launchers must blame rank 3's crash and exit with its status.
+void require_rank_3_blamed(const std::string& crash_after) {
+  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; if [ $RANK = 3 ]; "
+                                                  "then sleep " + crash_after + "; kill -9 $$; fi; exec sleep 30",
+                                                  {"--grace", "1"}));
+  INFO(rs.ranks[0].output + rs.ranks[1].output);
+  for (const auto& node : rs.ranks) {
+    CHECK(node.exit_code == 128 + 9);
+    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("ddp-launch --nnodes: RANK = node x K + LOCAL_RANK and torchrun's other variables", "[launch][nodes]") {
@@ -131,28 +144,14 @@ TEST_CASE("ddp-launch --nnodes: node 0's ranks ended, node 1's still running pas
 
 TEST_CASE("ddp-launch --nnodes: a crash is blamed before an earlier exit with an error (a lost peer's symptom)",
           "[launch][nodes]") {
-  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
-                                                  "if [ $RANK = 3 ]; then sleep 0.5; kill -9 $$; fi; exec sleep 30",
-                                                  {"--grace", "1"}));
-  INFO(rs.ranks[0].output + rs.ranks[1].output);
-  for (const auto& node : rs.ranks) {
-    CHECK(node.exit_code == 128 + 9);
-    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
-  }
+  require_rank_3_blamed("0.5");
 }
 
 TEST_CASE("ddp-launch --nnodes: a crash reported late (its launcher busy) is still blamed before an exit: node 0 "
           "waits for every node's word while only exits were reported", "[launch][nodes]") {
   // Rank 0's exit opens node 0's settle window (1 s); rank 3's crash comes 1.8 s later, as when the crashed rank's
   // launcher is descheduled while the peers it left already exited. Node 1 said nothing yet, so node 0 waits on.
-  const auto rs = launch_nodes(2, sh_on_two_ranks("if [ $RANK = 0 ]; then sleep 0.2; exit 1; fi; "
-                                                  "if [ $RANK = 3 ]; then sleep 2; kill -9 $$; fi; exec sleep 30",
-                                                  {"--grace", "1"}));
-  INFO(rs.ranks[0].output + rs.ranks[1].output);
-  for (const auto& node : rs.ranks) {
-    CHECK(node.exit_code == 128 + 9);
-    CHECK(contains(node.output, "the job failed: rank 3 on node 1 failed with status 137"));
-  }
+  require_rank_3_blamed("2");
 }
 
 TEST_CASE("ddp-launch --nnodes: the token comes from DDP_TOKEN or --token-file, without one, or another one, no "
