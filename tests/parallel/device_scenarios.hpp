@@ -44,6 +44,13 @@ inline void require_same_bits(mlp& a, mlp& b) {
   });
 }
 
+/// A communicator whose operations follow a device's stream binds to `d` while the returned value lives
+/// (stream_comm.hpp); any other runs as it is.
+template <class Comm>
+int bind_stream(Comm&, ddp::testing::fake_device&) {
+  return 0;
+}
+
 /// How train_on_devices runs.
 struct device_run {
   bool split = false;      ///< fc3 on a second device
@@ -67,6 +74,7 @@ mlp train_on_devices(Comm comm, optimizer_kind k, const device_run& run,
   }
   const ddp::device_registration on_dev(dev), on_other(other);
   ddp::testing::fake_device& last = run.split ? other : dev;
+  [[maybe_unused]] const auto ordered = bind_stream(comm, dev);
   mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
   std::optional<device_model> placed(std::in_place, base, dev, last);
   const auto [begin, count] = shard_of(comm.rank(), comm.size());

@@ -162,10 +162,10 @@ class host_staging {
   /// backend moves device memory itself (asked only when an argument is on a device).
   template <class Direct>
   host_staging(const std::array<staging_argument, N>& args, Direct&& direct) {
+    for (std::size_t i = 0; i < N; ++i) use_[i] = args[i].tensor;  // each as it is, unless staged below
     bool checked = false;
     for (std::size_t i = 0; i < N; ++i) {
       const raw_tensor& t = args[i].tensor;
-      use_[i] = t;
       if (!t.where.is_cuda() || t.size == 0) continue;
       if (!checked) {
         if (direct()) return;
