@@ -7,6 +7,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <conformance/conformance.hpp>
@@ -310,4 +311,26 @@ TEST_CASE("mpi: stats count the algorithm-independent payload bytes", "[mpi]") {
   CHECK(after.bytes(collective::all_reduce) - before.bytes(collective::all_reduce) == 2 * 4096 * (n - 1) / n);
   CHECK(after.bytes(collective::all_gather) - before.bytes(collective::all_gather) == 4096 * (n - 1));
   CHECK(after.count(collective::barrier) - before.count(collective::barrier) == 1);
+}
+
+TEST_CASE("mpi: with the progress thread a non-blocking all_reduce completes while every rank computes without "
+          "calling MPI, and without it it does not",
+          "[mpi][progress]") {
+  // Each rank sleeps instead of computing: no MPI call of its own between the start and one MPI_Test. The
+  // reduction spans several libnbc rounds, each needing every rank inside MPI, so one MPI_Test cannot finish it.
+  const auto sleeping_start = [](ddp::mpi::progress_mode mode) {
+    auto comm = ddp::mpi::communicator::world({.timeout = 120s, .eager_bytes = 0, .progress = mode});
+    std::vector<float> v(std::size_t{1} << 20, 1.0F);  // 4 MiB
+    comm.barrier().wait();
+    ddp::work w = comm.all_reduce(v);
+    std::this_thread::sleep_for(1500ms);
+    const bool done = w.done();
+    w.wait();
+    REQUIRE(v[12345] == static_cast<float>(comm.size()));
+    comm.barrier().wait();
+    return done;
+  };
+  const bool alone = sleeping_start(ddp::mpi::progress_mode::off);
+  CHECK(sleeping_start(ddp::mpi::progress_mode::on));
+  if (world().size() > 1) CHECK_FALSE(alone);  // the control: the thread is what moved it
 }

@@ -239,6 +239,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
     auto s = std::make_shared<detail::request_state>(group_, std::move(o));
     if (const int code = nonblocking(args..., &s->request); code != MPI_SUCCESS)
       detail::check(code, s->describe(), rank());
+    s->keep_progress(detail::progress_of(*group_));
     return work(std::move(s));
   }
 

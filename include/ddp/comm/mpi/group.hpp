@@ -16,6 +16,13 @@
 
 namespace ddp::mpi {
 
+/// When ddp::mpi's progress thread drives in-flight operations (comm/mpi/progress.hpp).
+enum class progress_mode {
+  off,          ///< never: operations move only inside the caller's MPI calls (waits, tests)
+  on,           ///< always
+  spare_cores,  ///< where this process may run on two cores or more and the host has two for each of its ranks
+};
+
 /// Settings of an MPI communicator, shared by the groups split from it.
 ///
 /// MPI moves a non-blocking operation forward only inside MPI calls, so a wait polls MPI_Test: back to back for
@@ -36,9 +43,15 @@ struct config {
   std::chrono::microseconds max_sleep{50};
   /// Collectives on at most this many bytes run blocking and complete on start; must be equal on every rank.
   std::size_t eager_bytes{std::size_t{256} << 10};
+  /// Whether a thread drives in-flight operations while the caller computes; DDP_MPI_PROGRESS=1 or 0 overrides.
+  progress_mode progress = progress_mode::spare_cores;
+  /// How often that thread calls into MPI while operations are in flight.
+  std::chrono::microseconds progress_interval{50};
 };
 
 namespace detail {
+
+class progress_thread;
 
 /// True once MPI_Finalize has run (handles must not be touched any more).
 inline bool finalized() noexcept {
@@ -138,6 +151,8 @@ struct group {
   int size = 1;
   int max_tag = 32767;  // the MPI standard's guaranteed minimum of MPI_TAG_UB
   ddp::detail::front_state front;  ///< statistics, sequence numbers and the call check of the collective front end
+  std::once_flag progress_once;           ///< progress_of() decides once whether the progress thread runs
+  progress_thread* progress = nullptr;    ///< the progress thread operations claim, null where none runs
 };
 
 }  // namespace detail

@@ -3,6 +3,7 @@
 /// completion.
 
 #include <ddp/comm/mpi/group.hpp>  // first: it keeps MPI's C++ bindings out of <mpi.h>
+#include <ddp/comm/mpi/progress.hpp>
 
 #include <mpi.h>
 
@@ -12,6 +13,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -81,6 +83,12 @@ class request_state final : public ddp::detail::work_state {
 
   MPI_Request request = MPI_REQUEST_NULL;  ///< the MPI request to poll
 
+  /// Keeps `t` (the progress thread, or null) driving MPI until the request completes.
+  void keep_progress(progress_thread* t) {
+    std::lock_guard lock(mutex_);
+    if (t != nullptr && !done_) claim_.emplace(t);
+  }
+
  private:
   /// One MPI_Test; finishes avg on completion. The caller holds mutex_.
   bool poll() {
@@ -90,6 +98,7 @@ class request_state final : public ddp::detail::work_state {
     const int code = MPI_Test(&request, &flag, MPI_STATUS_IGNORE);
     if (code != MPI_SUCCESS) {
       done_ = true;
+      claim_.reset();
       try {
         check(code, describe(), group_->rank);
       } catch (const mpi_error&) {
@@ -98,6 +107,7 @@ class request_state final : public ddp::detail::work_state {
       std::rethrow_exception(error_);
     }
     if (flag == 0) return false;
+    claim_.reset();
     if (op_.info.average.size != 0) ddp::detail::divide(op_.info.average, op_.info.group_size);
     op_.scratch = {};
     done_ = true;
@@ -109,6 +119,7 @@ class request_state final : public ddp::detail::work_state {
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
+  std::optional<progress_claim> claim_;  ///< the progress thread's, while in flight
 };
 
 }  // namespace ddp::mpi::detail
