@@ -13535,29 +13535,28 @@ struct group {
 #include <sched.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <mutex>
 #include <string_view>
 #include <thread>
+#include <utility>
+
 
 namespace ddp::mpi::detail {
 
 /// Whether the progress thread should run for `mode` on this host (see the file comment).
 inline bool progress_wanted(progress_mode mode) {
-  if (const char* v = std::getenv("DDP_MPI_PROGRESS"); v != nullptr && *v != '\0')  // NOLINT(concurrency-mt-unsafe)
-    return std::string_view(v) != "0";
+  static constexpr std::pair<std::string_view, progress_mode> choices[] = {{"1", progress_mode::on},
+                                                                           {"0", progress_mode::off}};
+  mode = ddp::detail::env_choice("DDP_MPI_PROGRESS", choices, "1 (run ddp::mpi's progress thread) or 0 (never)")
+             .value_or(mode);
   if (mode != progress_mode::spare_cores) return mode == progress_mode::on;
   cpu_set_t mine;
   CPU_ZERO(&mine);
   const int allowed = ::sched_getaffinity(0, sizeof mine, &mine) == 0 ? CPU_COUNT(&mine) : 1;
-  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
-  long local = 1;
-  if (const char* n = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE"); n != nullptr)  // NOLINT(concurrency-mt-unsafe)
-    local = std::max(1L, std::strtol(n, nullptr, 10));
-  return allowed >= 2 && online >= 2 * local;
+  const long long local = ddp::detail::env_local_world_size().value_or(1);  // the launchers' count of this host's ranks
+  return allowed >= 2 && ::sysconf(_SC_NPROCESSORS_ONLN) >= 2 * local;
 }
 
 /// The process's progress thread (see the file comment); operations claim it while in flight.
@@ -13636,16 +13635,19 @@ inline progress_thread* progress_of(group& g) {
   return g.progress;
 }
 
-/// One operation's claim on the progress thread, released when it completes or goes away.
+/// One operation's claim on the progress thread (none until take()), released when it completes or goes away.
 class progress_claim {
  public:
   progress_claim() = default;
-  explicit progress_claim(progress_thread* t) : thread_(t) {
-    if (thread_ != nullptr) thread_->claim();
-  }
   progress_claim(const progress_claim&) = delete;
   progress_claim& operator=(const progress_claim&) = delete;
   ~progress_claim() { reset(); }
+  /// Claims `t` (null: nothing) in place of any earlier claim.
+  void take(progress_thread* t) {
+    reset();
+    thread_ = t;
+    if (thread_ != nullptr) thread_->claim();
+  }
   /// Releases the claim (once).
   void reset() {
     if (thread_ != nullptr) thread_->release();
@@ -13668,7 +13670,6 @@ class progress_claim {
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -13736,7 +13737,7 @@ class request_state final : public ddp::detail::work_state {
   /// Keeps `t` (the progress thread, or null) driving MPI until the request completes.
   void keep_progress(progress_thread* t) {
     std::lock_guard lock(mutex_);
-    if (t != nullptr && !done_) claim_.emplace(t);
+    if (!done_) claim_.take(t);
   }
 
  private:
@@ -13769,7 +13770,7 @@ class request_state final : public ddp::detail::work_state {
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
-  std::optional<progress_claim> claim_;  ///< the progress thread's, while in flight
+  progress_claim claim_;  ///< the progress thread's, while in flight
 };
 
 }  // namespace ddp::mpi::detail

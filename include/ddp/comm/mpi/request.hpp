@@ -13,7 +13,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -86,7 +85,7 @@ class request_state final : public ddp::detail::work_state {
   /// Keeps `t` (the progress thread, or null) driving MPI until the request completes.
   void keep_progress(progress_thread* t) {
     std::lock_guard lock(mutex_);
-    if (t != nullptr && !done_) claim_.emplace(t);
+    if (!done_) claim_.take(t);
   }
 
  private:
@@ -119,7 +118,7 @@ class request_state final : public ddp::detail::work_state {
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
-  std::optional<progress_claim> claim_;  ///< the progress thread's, while in flight
+  progress_claim claim_;  ///< the progress thread's, while in flight
 };
 
 }  // namespace ddp::mpi::detail
