@@ -33,12 +33,6 @@ __global__ void relu_backward_kernel(float* grad, const float* activation, std::
     if (activation[k] <= 0.0F) grad[k] = 0.0F;
 }
 
-__global__ void fill_kernel(float* x, float value, std::size_t count) {
-  for (std::size_t k = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; k < count;
-       k += std::size_t{gridDim.x} * blockDim.x)
-    x[k] = value;
-}
-
 // One thread per sample (a batch has tens to thousands; classes are few).
 __global__ void softmax_cross_entropy_kernel(const float* logits, const std::uint8_t* labels, float* dlogits,
                                              double* sums, int rows, int classes) {
@@ -76,11 +70,6 @@ void relu(float* y, std::size_t count, cudaStream_t stream) {
 void relu_backward(float* grad, const float* activation, std::size_t count, cudaStream_t stream) {
   relu_backward_kernel<<<blocks(count), threads, 0, stream>>>(grad, activation, count);
   ddp::cuda::check(cudaGetLastError(), "the ReLU backward kernel");
-}
-
-void fill(float* x, float value, std::size_t count, cudaStream_t stream) {
-  fill_kernel<<<blocks(count), threads, 0, stream>>>(x, value, count);
-  ddp::cuda::check(cudaGetLastError(), "the fill kernel");
 }
 
 void softmax_cross_entropy(const float* logits, const std::uint8_t* labels, float* dlogits, double* sums, int rows,

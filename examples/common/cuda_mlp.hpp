@@ -20,6 +20,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/cuda/buffer.hpp>
+#include <ddp/cuda/element.hpp>
 #include <ddp/cuda/error.hpp>
 
 #include "batch_result.hpp"
@@ -114,7 +115,7 @@ class trainer {
     rows_ = static_cast<int>(labels.size());
     if (ones_.memory.size() < labels.size()) {  // the bias gradients' GEMV sums dy's rows against ones
       grow(ones_, labels.size());
-      fill(ones_.data(), 1.0F, labels.size(), stream_);
+      ddp::cuda::fill(ones_.memory.raw(), 1.0, stream_);  // ddp's own element kernel
     }
     acts_.resize(layers.size() + 1);  // acts_[k]: layer k's input; the last: the logits
     grads_.resize(layers.size());

@@ -19,7 +19,5 @@ void relu_backward(float* grad, const float* activation, std::size_t count, cuda
 /// and writes d(mean loss)/d logit = (softmax − one-hot) / rows.
 void softmax_cross_entropy(const float* logits, const std::uint8_t* labels, float* dlogits, double* sums, int rows,
                            int classes, cudaStream_t stream);
-/// x = value.
-void fill(float* x, float value, std::size_t count, cudaStream_t stream);
 
 }  // namespace example::gpu

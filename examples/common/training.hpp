@@ -21,6 +21,7 @@
 
 #include "batch_result.hpp"
 #include "idx.hpp"
+#include "job.hpp"
 
 namespace example {
 
@@ -147,7 +148,6 @@ int train_on_fashion_mnist(Comm& comm, ddp::logger& log, const run_settings& s, 
   return verdict(log, accuracy, s);
 }
 
-
 /// main's body: parse(argc, argv) reads the settings, then train(comm, settings) runs on the backend --backend names
 /// (MPI's world; TCP from a launcher's environment, or one process without a launcher). An exception is printed as
 /// "<name>: <what>" and exits with 2.
@@ -163,8 +163,7 @@ int run_main(const char* name, int argc, char** argv, Parse&& parse, Train&& tra
 #endif
     }
     // Without a launcher (no RANK/WORLD_SIZE, no mpirun), run as a single process.
-    const bool launched = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
-    return train(launched ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{}), s);
+    return train(launched() ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{}), s);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", name, e.what());
     return 2;

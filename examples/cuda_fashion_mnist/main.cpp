@@ -11,17 +11,13 @@
 // on one (a test, not a speed-up) give each its own NCCL_HOSTID:
 //   ddp-launch -n 2 sh -c 'NCCL_HOSTID=rank$RANK exec build/examples/cuda_fashion_mnist'
 #include <cstdint>
-#include <cstdlib>
+#include <cstdio>
 #include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 #include <ddp/checkpoint.hpp>
-#include <ddp/comm/nccl/communicator.hpp>
-#include <ddp/comm/nccl/from_env.hpp>
 #include <ddp/cuda/runtime.hpp>
 #include <ddp/ddp.hpp>
 #include <ddp/log.hpp>
@@ -30,6 +26,7 @@
 
 #include "common/cli.hpp"
 #include "common/cuda_mlp.hpp"
+#include "common/gpu_rank.hpp"
 #include "common/idx.hpp"
 #include "common/mlp.hpp"
 #include "common/training.hpp"
@@ -61,34 +58,12 @@ settings parse(int argc, char** argv) {
   return s;
 }
 
-/// Whether a launcher started this process (else it runs alone).
-bool launched() { return std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
-
-/// This rank's GPU (LOCAL_RANK modulo the devices), made current; a clear error where ranks would share one that
-/// NCCL would refuse.
-int pick_device() {
-  const ddp::env_config env = launched() ? ddp::read_env_config() : ddp::env_config{};
-  const int devices = ddp::cuda::device_count();
-  if (env.local_world_size > devices && std::getenv("NCCL_HOSTID") == nullptr)
-    throw ddp::config_error("rank " + std::to_string(env.rank) + ": " + std::to_string(env.local_world_size) +
-                            " ranks on this host share " + std::to_string(devices) + " GPU(s), which NCCL refuses; "
-                            "start at most one rank per GPU, or for a test give each rank its own NCCL_HOSTID "
-                            "(sh -c 'NCCL_HOSTID=rank$RANK exec ...')");
-  const int device = env.local_rank % devices;
-  ddp::cuda::check(cudaSetDevice(device), "cudaSetDevice", env.rank);
-  return device;
-}
-
 template <class Sharding>
 int train(const settings& s) {
-  const int device = pick_device();
+  const int device = example::gpu::pick_device();
   const ddp::cuda::stream model_stream(device);  // the model's stream: the domain and NCCL follow it
   const ddp::nccl::config on_model{.device = device, .compute_stream = model_stream.get()};
-  auto comm = launched() ? ddp::nccl::communicator::from_env(on_model) : [&] {  // alone: a group of one
-    ncclUniqueId id{};
-    if (ncclGetUniqueId(&id) != ncclSuccess) throw ddp::error("ncclGetUniqueId failed");
-    return ddp::nccl::communicator(id, 0, 1, on_model);
-  }();
+  auto comm = example::gpu::nccl_world(on_model);
   ddp::cuda::domain gpu(device, {.stream = model_stream.get()});
   const ddp::device_registration on_gpu(gpu);
   ddp::logger log(comm);
