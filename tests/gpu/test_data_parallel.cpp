@@ -63,44 +63,6 @@ struct gpu_rank {
   }
 };
 
-/// The device MLP (device_mlp.hpp) on `r`'s GPU with `host`'s values, and the device memory it owns.
-struct placed_model {
-  device_mlp model;
-  std::vector<ddp::domain_buffer> memory;
-
-  placed_model(mlp& host, gpu_rank& r) {
-    auto place = [&](ddp::parameter<float>& from, device_param& to) {
-      const std::size_t bytes = from.numel() * sizeof(float);
-      memory.push_back(r.gpu->allocate(bytes));
-      memory.push_back(r.gpu->allocate(bytes));
-      to.values = reinterpret_cast<float*>(memory[memory.size() - 2].data());
-      to.grads = reinterpret_cast<float*>(memory.back().data());
-      to.shape = from.shape();
-      to.where = ddp::device::cuda(r.device);
-      r.gpu->copy(ddp::raw_tensor::of(from.value()), to.value_tensor());
-    };
-    for (auto [from, to] : {std::pair{&host.fc1, &model.fc1}, {&host.fc2, &model.fc2}, {&host.fc3, &model.fc3}}) {
-      place(from->weight, to->weight);
-      place(from->bias, to->bias);
-    }
-    r.gpu->synchronize();
-  }
-
-  /// The parameters' values copied back into a host MLP.
-  mlp read_back(gpu_rank& r) {
-    mlp out = make_mlp(1);
-    auto get = [&](ddp::parameter<float>& to, device_param& from) {
-      r.gpu->copy(from.value_tensor(), ddp::raw_tensor::of(to.value()));
-    };
-    for (auto [to, from] : {std::pair{&out.fc1, &model.fc1}, {&out.fc2, &model.fc2}, {&out.fc3, &model.fc3}}) {
-      get(to->weight, from->weight);
-      get(to->bias, from->bias);
-    }
-    r.gpu->synchronize();
-    return out;
-  }
-};
-
 /// The device memory of a forward and backward for up to the whole batch, allocated once: the kernels of every step
 /// are queued on one stream, so reusing it is ordered, and nothing frees memory (cudaFree waits for the device)
 /// inside a step to hide a missing wait.
@@ -158,7 +120,7 @@ mlp train_on_gpu(optimizer_kind k, const gpu_run& run, typename ddp::policies<Ps
   auto& comm = *r.comm;
   if constexpr (requires { sharding.group_size; }) sharding = hybrid_groups<typename decltype(sharding)::inner_type>(comm.size());
   mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));  // rank 0's values are broadcast
-  placed_model placed(base, r);
+  device_model placed(base, *r.gpu, *r.gpu);  // device_mlp.hpp's placement, on the GPU's domain
   gpu_scratch scratch(r);
   const auto [begin, count] = shard_of(comm.rank(), comm.size());
   const float scale = static_cast<float>(comm.size()) / global_batch;
@@ -180,7 +142,7 @@ mlp train_on_gpu(optimizer_kind k, const gpu_run& run, typename ddp::policies<Ps
     dp.verify_in_sync();
     dp.unshard_model();  // full_shard: the model's own parameters take the trained values
   }
-  return placed.read_back(r);
+  return read_back(placed.model, *r.gpu, *r.gpu);
 }
 
 /// train_on_gpu within `tol` of one process on the whole batch on the host.

@@ -87,7 +87,7 @@ namespace ddp_test {
 
 /// Calls `f(host parameter, device parameter, its device)` for the six parameters of `host` and `device` in pairs.
 template <class Host, class Device, class F>
-void pair_up(Host& host, Device& device, ddp::testing::fake_device& dev, ddp::testing::fake_device& last, F&& f) {
+void pair_up(Host& host, Device& device, ddp::memory_domain& dev, ddp::memory_domain& last, F&& f) {
   f(host.fc1.weight, device.fc1.weight, dev);
   f(host.fc1.bias, device.fc1.bias, dev);
   f(host.fc2.weight, device.fc2.weight, dev);
@@ -97,15 +97,15 @@ void pair_up(Host& host, Device& device, ddp::testing::fake_device& dev, ddp::te
 }
 
 /// A device copy of `host` (an MLP of T parameters) on `dev` (fc1 and fc2 there, fc3 on `last`: a model split over
-/// two devices when they differ), with the device memory it owns.
+/// two devices when they differ), with the device memory it owns: any device's memory domain (a fake device, a GPU).
 template <class T>
 struct device_model_of {
   device_mlp_of<T> model;
   std::vector<ddp::domain_buffer> memory;
 
   template <class Host>
-  device_model_of(Host& host, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
-    auto place = [&](ddp::parameter<T>& from, device_param_of<T>& to, ddp::testing::fake_device& d) {
+  device_model_of(Host& host, ddp::memory_domain& dev, ddp::memory_domain& last) {
+    auto place = [&](ddp::parameter<T>& from, device_param_of<T>& to, ddp::memory_domain& d) {
       const std::size_t bytes = from.numel() * sizeof(T);
       memory.push_back(d.allocate(bytes));
       memory.push_back(d.allocate(bytes));
@@ -123,14 +123,14 @@ using device_model = device_model_of<float>;
 
 /// The values of `m`'s parameters read back from their devices into `out`, a host MLP of the same shapes.
 template <class Host, class T>
-void read_back_into(Host& out, device_mlp_of<T>& m, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
-  pair_up(out, m, dev, last, [](ddp::parameter<T>& to, device_param_of<T>& from, ddp::testing::fake_device& d) {
-    const auto v = d.read<T>(from.value_tensor());
-    std::copy(v.begin(), v.end(), to.value().begin());
+void read_back_into(Host& out, device_mlp_of<T>& m, ddp::memory_domain& dev, ddp::memory_domain& last) {
+  pair_up(out, m, dev, last, [](ddp::parameter<T>& to, device_param_of<T>& from, ddp::memory_domain& d) {
+    d.copy(from.value_tensor(), ddp::raw_tensor::of(to.value()));
+    d.synchronize();
   });
 }
 /// The values of `m`'s parameters read back from their devices into a host mlp.
-inline mlp read_back(device_mlp& m, ddp::testing::fake_device& dev, ddp::testing::fake_device& last) {
+inline mlp read_back(device_mlp& m, ddp::memory_domain& dev, ddp::memory_domain& last) {
   mlp out = make_mlp(1);
   read_back_into(out, m, dev, last);
   return out;
