@@ -19,6 +19,7 @@
 
 #include <ddp/ddp.hpp>
 
+#include "bench/common/numbers.hpp"
 #include "common/eigen_mlp.hpp"
 
 namespace {
@@ -41,11 +42,6 @@ settings parse(int argc, char** argv) {
   }
   if (s.steps < 1 || s.batch < 1) throw ddp::config_error("--steps and --batch must be at least 1");
   return s;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 /// One model of Storage wrapped by data_parallel, and its step times.
@@ -102,7 +98,7 @@ int main(int argc, char** argv) {
     }
     double params = 0;
     copied.dp.for_each_parameter([&](std::string_view, const auto& leaf) { params += static_cast<double>(leaf.values().size()); });
-    const double matrix_ms = median(copied.ms), map_ms = median(adopted.ms);
+    const double matrix_ms = bench::median(copied.ms), map_ms = bench::median(adopted.ms);
     const double matrix_min = *std::min_element(copied.ms.begin(), copied.ms.end());
     const double map_min = *std::min_element(adopted.ms.begin(), adopted.ms.end());
     if (comm.rank() == 0)
@@ -116,9 +112,9 @@ int main(int argc, char** argv) {
                   comm.size(), in, hidden, hidden, classes, params / 1e6, params * 4 / 1e6, s.batch, s.steps,
                   matrix_ms, matrix_min, map_ms, map_min, matrix_ms - map_ms, 100 * (matrix_ms - map_ms) / map_ms,
                   matrix_ms / map_ms, matrix_min - map_min, matrix_min / map_min,
-                  median(copied.zero_ms) - median(adopted.zero_ms),
-                  median(copied.backward_ms) - median(adopted.backward_ms),
-                  median(copied.step_ms) - median(adopted.step_ms));
+                  bench::median(copied.zero_ms) - bench::median(adopted.zero_ms),
+                  bench::median(copied.backward_ms) - bench::median(adopted.backward_ms),
+                  bench::median(copied.step_ms) - bench::median(adopted.step_ms));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "eigen_copy_bench: %s\n", e.what());

@@ -7,27 +7,23 @@
 //   dp_step_gpu --mode ddp --dims 4096,4096,4096,4096,4096,4096,4096,4096,4096 --batch 256   (8 layers, 134 M)
 //
 // Under a launcher (ddp-launch, mpirun) --mode ddp runs N ranks, one GPU each; alone it is a group of one.
-#include <nccl.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <random>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <ddp/comm/nccl/communicator.hpp>
-#include <ddp/comm/nccl/from_env.hpp>
 #include <ddp/cuda/element.hpp>
 #include <ddp/cuda/runtime.hpp>
 #include <ddp/ddp.hpp>
 #include <ddp/memory/cuda.hpp>
 #include <ddp/memory/devices.hpp>
 
+#include "bench/common/numbers.hpp"
 #include "common/cuda_mlp.hpp"
+#include "common/gpu_rank.hpp"
 
 namespace {
 
@@ -51,31 +47,18 @@ settings parse(int argc, char** argv) {
     else if (a == "--batch") s.batch = std::stoul(v);
     else if (a == "--steps") s.steps = std::stoi(v);
     else if (a == "--warmup") s.warmup = std::stoi(v);
-    else if (a == "--dims") {
-      s.dims.clear();
-      std::stringstream in(v);
-      for (std::string d; std::getline(in, d, ',');) s.dims.push_back(std::stoul(d));
-    } else {
+    else if (a == "--dims") s.dims = bench::comma_list<std::size_t>(v, "--dims");
+    else
       throw ddp::config_error("unknown argument '" + std::string(a) + "'");
-    }
   }
   if (s.mode != "ddp" && s.mode != "plain") throw ddp::config_error("--mode must be ddp or plain");
   if (s.dims.size() < 2 || s.steps < 1) throw ddp::config_error("--dims needs two sizes at least, --steps one step");
   return s;
 }
 
-bool launched() { return std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr; }
-
-/// The median of `v`.
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 int run(const settings& s) {
-  const ddp::env_config env = launched() ? ddp::read_env_config() : ddp::env_config{};
-  const int device = env.local_rank % ddp::cuda::device_count();
-  ddp::cuda::check(cudaSetDevice(device), "cudaSetDevice");
+  const int rank = example::job_env().rank;
+  const int device = gpu::pick_device();
   const ddp::cuda::stream model_stream(device);
   const cudaStream_t stream = model_stream.get();
 
@@ -90,7 +73,7 @@ int run(const settings& s) {
     parameters += l.weight.numel() + l.bias.numel();
   }
   host.clear();
-  std::mt19937_64 data(static_cast<std::uint64_t>(env.rank) + 1);
+  std::mt19937_64 data(static_cast<std::uint64_t>(rank) + 1);
   std::vector<float> x(s.batch * s.dims.front());
   std::vector<std::uint8_t> y(s.batch);
   for (auto& v : x) v = static_cast<float>(data() % 1000) / 1000.0F;
@@ -128,11 +111,7 @@ int run(const settings& s) {
     });
   } else {
     const ddp::nccl::config on_model{.device = device, .compute_stream = stream};
-    auto comm = launched() ? ddp::nccl::communicator::from_env(on_model) : [&] {
-      ncclUniqueId id{};
-      if (ncclGetUniqueId(&id) != ncclSuccess) throw ddp::error("ncclGetUniqueId failed");
-      return ddp::nccl::communicator(id, 0, 1, on_model);
-    }();
+    auto comm = gpu::nccl_world(on_model);
     world = comm.size();
     ddp::cuda::domain domain(device, {.stream = stream});
     const ddp::device_registration on_gpu(domain);
@@ -145,14 +124,14 @@ int run(const settings& s) {
       dp.step(opt);
     });
   }
-  if (env.rank == 0) {
+  if (rank == 0) {
     cudaDeviceProp prop{};
     ddp::cuda::check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
     std::string dims;
     for (const auto d : s.dims) dims += (dims.empty() ? "" : "-") + std::to_string(d);
     std::printf("{\"mode\": \"%s\", \"world\": %d, \"dims\": \"%s\", \"parameters\": %zu, \"batch\": %zu, "
                 "\"steps\": %d, \"step_ms\": %.4f, \"min_ms\": %.4f, \"gpu\": \"%s\"}\n",
-                s.mode.c_str(), world, dims.c_str(), parameters, s.batch, s.steps, median(times),
+                s.mode.c_str(), world, dims.c_str(), parameters, s.batch, s.steps, bench::median(times),
                 *std::min_element(times.begin(), times.end()), prop.name);
   }
   return 0;

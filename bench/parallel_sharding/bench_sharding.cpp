@@ -24,7 +24,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,6 +31,7 @@
 #include <ddp/ddp.hpp>
 #include <ddp/launch.hpp>
 
+#include "bench/common/numbers.hpp"
 #include "naive_mlp.hpp"
 
 namespace {
@@ -128,11 +128,8 @@ int main(int argc, char** argv) {
     if (key == "--model") s.model = value;
     else if (key == "--steps") s.steps = std::stoi(value);
     else if (key == "--batch") s.batch = std::stoul(value);
-    else if (key == "--ranks") {
-      s.ranks.clear();
-      std::stringstream in(value);
-      for (std::string r; std::getline(in, r, ',');) s.ranks.push_back(std::stoi(r));
-    } else {
+    else if (key == "--ranks") s.ranks = bench::comma_list<int>(value, "--ranks");
+    else {
       std::cerr << "usage: bench_sharding [--model small|large] [--ranks 1,2,4] [--steps 3] [--batch 64]\n";
       return 2;
     }
