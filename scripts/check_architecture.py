@@ -6,7 +6,9 @@
    ending in `*`, or a folder ending in `/`);
 2. every `#include <ddp/...>` of a header is allowed by the include matrix (`| room | includes |`): a room
    includes its own headers and those of the rooms, headers (`parallel/policies.hpp`) and umbrella headers
-   (`ddp.hpp`) its row names in backticks.
+   (`ddp.hpp`) its row names in backticks;
+3. the rooms' includes run one way: the graph of which room includes which (from the headers themselves) has no
+   cycle, so every room sits above the rooms it includes.
 
 usage: check_architecture.py [ROOT]   (ROOT: the repository, by default this script's parent folder's parent)
 """
@@ -64,6 +66,28 @@ def named(inside, tokens):
     return False
 
 
+def cycles(uses):
+    """A problem per room cycle in `uses` (room -> {room: the include that makes the edge}), with its includes."""
+    found, done = [], set()
+
+    def walk(room, path):
+        if room in path:
+            loop = path[path.index(room):] + [room]
+            edges = '; '.join(uses[a][b] for a, b in zip(loop, loop[1:]))
+            found.append(f'rooms include each other in a cycle ({" -> ".join(loop)}): {edges}; move the shared '
+                         f'code down into a room all of them may include')
+            return
+        if room in done:
+            return
+        for target in sorted(uses.get(room, {})):
+            walk(target, path + [room])
+        done.add(room)
+
+    for room in sorted(uses):
+        walk(room, [])
+    return found
+
+
 def main():
     root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parent.parent)
     text = (root / 'docs' / 'architecture.md').read_text()
@@ -83,6 +107,7 @@ def main():
         if r.split('/')[0] + '/' not in allowed:
             problems.append(f'docs/architecture.md: room `{r}` has no row in the include matrix (| room | includes |)')
     headers = sorted(p for p in include.rglob('*') if p.suffix in ('.hpp', '.cuh'))
+    uses = {}  # room -> {room it includes: the first include that makes it so}
     for h in headers:
         rel = h.relative_to(include).as_posix()
         if '/' not in rel:
@@ -99,11 +124,14 @@ def main():
         may = allowed.get(top, set())
         for target in INCLUDE.findall(h.read_text()):
             target_room = target.split('/')[0] + '/' if '/' in target else None
+            if target_room not in (None, top):
+                uses.setdefault(top, {}).setdefault(target_room, f'include/ddp/{rel} includes <ddp/{target}>')
             if target_room == top or target in may or (target_room is not None and target_room in may):
                 continue
             problems.append(f'include/ddp/{rel} includes <ddp/{target}>, which docs/architecture.md\'s include '
                             f'matrix does not allow `{top}` (it may include {", ".join(sorted(may)) or "nothing"}); '
                             f'move the code to a room both may use, or change the matrix with a reason')
+    problems += cycles(uses)
     for p in problems:
         print(p)
     print(f'check_architecture: {len(headers)} headers, {len(rooms)} rooms: '

@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Writes include/ddp/cuda/detail/element_ptx.hpp: the PTX of src/cuda/element.cu (the element kernels of
-<ddp/cuda/element.hpp>) as a string, so programs built by a plain C++ compiler load and run those kernels; the
+"""Writes include/ddp/cuda/detail/element_ptx.hpp: the PTX of the element kernels (src/cuda/element.cu over the leaf
+include/ddp/cuda/element_kernels.cuh) as a string, so programs built by a plain C++ compiler load and run them; the
 driver compiles the PTX for the GPU at hand on first use and caches it.
 
-The header records the SHA-256 of the sources it came from (src/cuda/element.cu and the headers under
-include/ddp/ it includes), so whether it is stale can be checked without nvcc:
+The PTX's inputs are named below (INPUTS) and nothing else: an input that includes another <ddp/...> header is an
+error here, so an edit anywhere else in include/ddp/ never makes the PTX stale. The header records each input's
+SHA-256, so whether it is stale, and through which input, is checked without nvcc.
 
-    python3 scripts/cuda_ptx.py            # regenerate (needs nvcc: $CUDACXX, /usr/local/cuda/bin/nvcc or PATH)
-    python3 scripts/cuda_ptx.py --check    # exit 1 when the committed header is stale
+The PTX declares ISA version PTX_ISA, the oldest the loader (cudaLibraryLoadData, CUDA 12.0) accepts, instead of the
+generating nvcc's own (9.0 for CUDA 13, which only r580 drivers read); ptxas checks at generation that the kernels use
+no instruction newer than it, and fails with its message when one does.
+
+    python3 scripts/cuda_ptx.py            # regenerate (needs nvcc and ptxas: $CUDACXX, /usr/local/cuda/bin or PATH)
+    python3 scripts/cuda_ptx.py --check    # exit 1, naming the inputs that changed, when the header is stale
 """
 
 import argparse
@@ -21,67 +26,84 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "src" / "cuda" / "element.cu"
+INPUTS = ("src/cuda/element.cu", "include/ddp/cuda/element_kernels.cuh")
 OUTPUT = ROOT / "include" / "ddp" / "cuda" / "detail" / "element_ptx.hpp"
 ARCH = "compute_80"  # the oldest architecture with bf16 arithmetic; the driver compiles it for newer ones
+PTX_ISA = "8.0"      # CUDA 12.0's PTX ISA: drivers from r525 on read it
+DRIVER_FLOOR = "r525 (CUDA 12.0)"
 DDP_INCLUDE = re.compile(r'^\s*#\s*include\s*<(ddp/[^>]+)>', re.M)
+RECORDED = re.compile(r"^/// input (\S+) sha256 ([0-9a-f]{64})$", re.M)
 
 
-def sources():
-    """element.cu and every <ddp/...> header it reaches, in a stable order."""
-    seen, todo = [], [SOURCE]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.append(path)
-        todo.extend(ROOT / "include" / m for m in DDP_INCLUDE.findall(path.read_text()))
-    return sorted(seen)
+def inputs_are_closed():
+    """Exits naming the first input that includes a <ddp/...> header outside INPUTS."""
+    for name in INPUTS:
+        for header in DDP_INCLUDE.findall((ROOT / name).read_text()):
+            if f"include/{header}" not in INPUTS:
+                sys.exit(f"cuda_ptx.py: {name} includes <{header}>, which is not among the PTX's inputs; keep the "
+                         "kernels' sources a leaf (CUDA's headers and the standard library only), or add the header "
+                         "to INPUTS in scripts/cuda_ptx.py")
 
 
-def digest():
-    h = hashlib.sha256()
-    for path in sources():
-        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
+def digests():
+    """Each input's SHA-256, by name."""
+    return {name: hashlib.sha256((ROOT / name).read_bytes()).hexdigest() for name in INPUTS}
 
 
-def nvcc():
+def tool(name):
     for candidate in (os.environ.get("CUDACXX"), "/usr/local/cuda/bin/nvcc", shutil.which("nvcc")):
         if candidate and pathlib.Path(candidate).exists():
-            return candidate
+            return str(pathlib.Path(candidate).with_name(name))
     sys.exit("cuda_ptx.py: no nvcc found; set CUDACXX to it")
 
 
 def render():
+    inputs_are_closed()
     with tempfile.TemporaryDirectory() as tmp:
         ptx = pathlib.Path(tmp) / "element.ptx"
-        subprocess.run([nvcc(), "-ptx", f"-arch={ARCH}", "-std=c++20", "-O3", "-I", str(ROOT / "include"),
-                        str(SOURCE), "-o", str(ptx)], check=True)
-        text = ptx.read_text()
+        subprocess.run([tool("nvcc"), "-ptx", f"-arch={ARCH}", "-std=c++20", "-O3", "-I", str(ROOT / "include"),
+                        str(ROOT / INPUTS[0]), "-o", str(ptx)], check=True)
+        text, count = re.subn(r"^\.version \d+\.\d+$", f".version {PTX_ISA}", ptx.read_text(), count=1, flags=re.M)
+        if count != 1:
+            sys.exit("cuda_ptx.py: nvcc's PTX has no .version line")
+        ptx.write_text(text)
+        checked = subprocess.run([tool("ptxas"), f"-arch=sm_{ARCH.split('_')[1]}", str(ptx), "-o", os.devnull],
+                                 capture_output=True, text=True)
+        if checked.returncode != 0:
+            sys.exit(f"cuda_ptx.py: the kernels need a PTX ISA newer than {PTX_ISA} (driver floor {DRIVER_FLOOR}); "
+                     f"ptxas says:\n{checked.stderr}")
     if ")ptx\"" in text:
         sys.exit("cuda_ptx.py: the PTX holds the raw string's delimiter")
+    recorded = "".join(f"/// input {name} sha256 {h}\n" for name, h in digests().items())
     return ("#pragma once\n"
-            "/// \\file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by\n"
-            f"/// scripts/cuda_ptx.py ({ARCH}); do not edit. sources-sha256: {digest()}\n\n"
+            "/// \\file GENERATED by scripts/cuda_ptx.py; do not edit. The PTX of src/cuda/element.cu, which\n"
+            f"/// <ddp/cuda/element.hpp> loads at run time: {ARCH}, PTX ISA {PTX_ISA}, so drivers from\n"
+            f"/// {DRIVER_FLOOR} on compile it for the GPU at hand. Its inputs, whose hashes say when it is stale:\n"
+            f"{recorded}\n"
             "namespace ddp::cuda::detail {\n\n"
             "/// The element kernels as PTX text.\n"
             f"inline constexpr char element_ptx[] = R\"ptx({text})ptx\";\n\n"
             "}  // namespace ddp::cuda::detail\n")
 
 
+def check():
+    inputs_are_closed()
+    recorded = dict(RECORDED.findall(OUTPUT.read_text())) if OUTPUT.exists() else {}
+    changed = [name for name, h in digests().items() if recorded.get(name) != h]
+    changed += [name for name in recorded if name not in INPUTS]
+    if changed:
+        print(f"{OUTPUT.relative_to(ROOT)} is stale: {', '.join(changed)} changed since it was generated; run "
+              "python3 scripts/cuda_ptx.py where nvcc is and commit the result", file=sys.stderr)
+        return 1
+    print(f"{OUTPUT.relative_to(ROOT)} is fresh ({', '.join(INPUTS)})")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when the committed header is stale")
-    args = parser.parse_args()
-    if args.check:
-        recorded = re.search(r"sources-sha256: ([0-9a-f]{64})", OUTPUT.read_text()) if OUTPUT.exists() else None
-        if recorded is None or recorded.group(1) != digest():
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: its sources changed; run python3 scripts/cuda_ptx.py "
-                  "where nvcc is and commit the result", file=sys.stderr)
-            return 1
-        print(f"{OUTPUT.relative_to(ROOT)} is fresh")
-        return 0
+    if parser.parse_args().check:
+        return check()
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.write_text(render())
     print(f"wrote {OUTPUT.relative_to(ROOT)} ({OUTPUT.stat().st_size} bytes)")

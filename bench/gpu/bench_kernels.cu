@@ -14,6 +14,7 @@
 #include <ddp/cuda/error.hpp>
 #include <ddp/cuda/kernels.cuh>
 #include <ddp/cuda/runtime.hpp>
+#include <ddp/optim/adamw.hpp>
 
 namespace {
 
@@ -76,9 +77,9 @@ int main(int argc, char** argv) {
       {"cast bf16 -> f32", 6, [&] { ddp::cuda::cast_from_bf16(std::span<const ddp::bfloat16>(h.span()), b.span(), s.get()); }},
       {"cast f32 -> f16", 6, [&] { ddp::cuda::cast_to_f16(ca, f16.span(), s.get()); }},
       {"sgd_step, momentum", 20,
-       [&] { ddp::cuda::sgd_step(b.span(), ca, c.span(), {.lr = 0.1, .momentum = 0.9}, false, s.get()); }},
+       [&] { ddp::cuda::sgd_step(b.span(), ca, c.span(), {.lr = 0.1, .momentum = 0.9}, s.get()); }},
       {"adamw_step", 28,
-       [&] { ddp::cuda::adamw_step(b.span(), ca, c.span(), d.span(), {}, 10, s.get()); }},
+       [&] { ddp::cuda::adamw_step(b.span(), ca, c.span(), d.span(), ddp::optim::adamw::update({}, 10), s.get()); }},
   };
   std::printf("| operation | bytes/element | time (ms) | GB/s | %% of D2D copy |\n|---|---:|---:|---:|---:|\n");
   std::printf("| cudaMemcpyAsync D2D | 8 | %.3f | %.0f | 100 |\n", copy_ms, copy_gbs);

@@ -2242,17 +2242,13 @@ inline std::string next_group_label() {
 /// a bulk one over a buffer, so one virtual call per operation costs nothing measurable.
 
 
-// ---- begin <ddp/memory/updates.hpp>
-/// \file The optimizers' element updates as a memory domain runs them: torch.optim.SGD's and torch.optim.AdamW's
-/// per-element arithmetic over flat f32 or f64 ranges, with the step's scalars worked out by the optimizer
-/// (optim/sgd.hpp, optim/adamw.hpp). The host domain runs the loops below; a device domain runs the same arithmetic
-/// as kernels (cuda/kernels.cuh), so a step gives the same bits wherever its memory lives.
+// ---- begin <ddp/core/updates.hpp>
+/// \file The optimizers' element updates as values: the scalars of one torch.optim.SGD or torch.optim.AdamW step,
+/// worked out by the optimizer (optim/sgd.hpp, optim/adamw.hpp) and run over flat f32 or f64 ranges by whichever
+/// memory domain holds them: the host's loops (memory/updates.hpp) or a device's kernels
+/// (cuda/element_kernels.cuh), each in the same order of operations, so a step gives the same bits wherever its
+/// memory lives.
 
-#include <cmath>
-
-#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
-#include <emmintrin.h>
-#endif
 
 
 namespace ddp {
@@ -2290,103 +2286,9 @@ inline void steppable(dtype type, const char* who) {
                        "instead");
 }
 
-/// One SGD update of `n` elements with the options fixed at compile time, so the loop carries no branch and the
-/// compiler vectorizes it (the three arrays never overlap); each element's arithmetic is host_sgd's.
-template <class T, bool Decay, bool Momentum, bool First, bool Nesterov>
-void sgd_elements(T* __restrict p, const T* __restrict g, T* __restrict buf, std::size_t n, T lr, T wd, T mu,
-                  T keep) {
-  for (std::size_t i = 0; i < n; ++i) {
-    T d = g[i];
-    if constexpr (Decay) d += wd * p[i];
-    if constexpr (Momentum) {
-      if constexpr (First) buf[i] = d;
-      else buf[i] = mu * buf[i] + keep * d;
-      if constexpr (Nesterov) d = d + mu * buf[i];
-      else d = buf[i];
-    }
-    p[i] -= lr * d;
-  }
-}
-
-/// sgd_update over host memory: `momentum` is empty when u.momentum is 0.
-inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) {
-  steppable(values.type, "optim::sgd");
-  visit_dtype(values.type, [&]<class T>(T) {
-    if constexpr (std::is_floating_point_v<T>) {
-      T* p = static_cast<T*>(values.data);
-      const T* g = static_cast<const T*>(grads.data);
-      T* buf = static_cast<T*>(momentum.data);
-      const T lr = static_cast<T>(u.lr), wd = static_cast<T>(u.weight_decay);
-      const T mu = static_cast<T>(u.momentum), keep = static_cast<T>(1 - u.dampening);
-      const auto run = [&]<bool Decay>(std::bool_constant<Decay>) {
-        if (u.momentum == 0) return sgd_elements<T, Decay, false, false, false>(p, g, buf, values.size, lr, wd, mu, keep);
-        if (u.first && u.nesterov) return sgd_elements<T, Decay, true, true, true>(p, g, buf, values.size, lr, wd, mu, keep);
-        if (u.first) return sgd_elements<T, Decay, true, true, false>(p, g, buf, values.size, lr, wd, mu, keep);
-        if (u.nesterov) return sgd_elements<T, Decay, true, false, true>(p, g, buf, values.size, lr, wd, mu, keep);
-        return sgd_elements<T, Decay, true, false, false>(p, g, buf, values.size, lr, wd, mu, keep);
-      };
-      if (u.weight_decay != 0) run(std::true_type{});
-      else run(std::false_type{});
-    }
-  });
-}
-
-/// One AdamW update of `n` elements: whole SSE2 registers where the CPU has them (the compiler does not vectorize
-/// the square root and division itself, which may set errno), then one element at a time, each in the same order
-/// of operations.
-template <class T>
-void adamw_elements(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, std::size_t n,
-                    const adamw_update& u) {
-  const T decay = static_cast<T>(u.decay), b1 = static_cast<T>(u.beta1), b2 = static_cast<T>(u.beta2);
-  const T step_size = static_cast<T>(u.step_size), c2 = static_cast<T>(u.correction2_sqrt);
-  const T eps = static_cast<T>(u.eps);
-  std::size_t i = 0;
-#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
-  // An SSE2 register of T (four f32 or two f64 lanes): its + − × ÷ (with a scalar: in every lane) round each lane
-  // as the scalar operation does.
-  typedef T reg __attribute__((vector_size(16)));
-  const auto load = [](const T* from) {
-    reg r;
-    std::memcpy(&r, from, sizeof r);
-    return r;
-  };
-  const auto store = [](T* to, reg r) { std::memcpy(to, &r, sizeof r); };
-  const auto root = [](reg r) {
-    if constexpr (std::is_same_v<T, float>) return _mm_sqrt_ps(r);
-    else return _mm_sqrt_pd(r);
-  };
-  for (; i + sizeof(reg) / sizeof(T) <= n; i += sizeof(reg) / sizeof(T)) {
-    const reg gi = load(g + i), m0 = load(m + i);
-    const reg pi = load(p + i) * decay;
-    const reg mi = m0 + (T{1} - b1) * (gi - m0);
-    const reg vi = b2 * load(v + i) + (T{1} - b2) * gi * gi;
-    store(m + i, mi);
-    store(v + i, vi);
-    store(p + i, pi - step_size * mi / (root(vi) / c2 + eps));
-  }
-#endif
-  for (; i < n; ++i) {
-    p[i] *= decay;
-    m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
-    v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
-    p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
-  }
-}
-
-/// adamw_update over host memory.
-inline void host_adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
-                       const raw_tensor& exp_avg_sq, const adamw_update& u) {
-  steppable(values.type, "optim::adamw");
-  visit_dtype(values.type, [&]<class T>(T) {
-    if constexpr (std::is_floating_point_v<T>)
-      adamw_elements(static_cast<T*>(values.data), static_cast<const T*>(grads.data), static_cast<T*>(exp_avg.data),
-                     static_cast<T*>(exp_avg_sq.data), values.size, u);
-  });
-}
-
 }  // namespace detail
 }  // namespace ddp
-// ---- end <ddp/memory/updates.hpp>
+// ---- end <ddp/core/updates.hpp>
 
 namespace ddp {
 
@@ -2536,6 +2438,119 @@ inline void divide(const raw_tensor& t, int n) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/memory/average.hpp>
+// ---- begin <ddp/memory/updates.hpp>
+/// \file The host's loops of the optimizers' element updates (ddp::sgd_update, ddp::adamw_update of
+/// core/updates.hpp) over flat f32 or f64 ranges: what ddp::host_domain runs. A device domain runs the same
+/// arithmetic as kernels (cuda/element_kernels.cuh), so a step gives the same bits wherever its memory lives.
+
+#include <cmath>
+
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+#include <emmintrin.h>
+#endif
+
+
+namespace ddp {
+
+namespace detail {
+
+/// One SGD update of `n` elements with the options fixed at compile time, so the loop carries no branch and the
+/// compiler vectorizes it (the three arrays never overlap); each element's arithmetic is host_sgd's.
+template <class T, bool Decay, bool Momentum, bool First, bool Nesterov>
+void sgd_elements(T* __restrict p, const T* __restrict g, T* __restrict buf, std::size_t n, T lr, T wd, T mu,
+                  T keep) {
+  for (std::size_t i = 0; i < n; ++i) {
+    T d = g[i];
+    if constexpr (Decay) d += wd * p[i];
+    if constexpr (Momentum) {
+      if constexpr (First) buf[i] = d;
+      else buf[i] = mu * buf[i] + keep * d;
+      if constexpr (Nesterov) d = d + mu * buf[i];
+      else d = buf[i];
+    }
+    p[i] -= lr * d;
+  }
+}
+
+/// sgd_update over host memory: `momentum` is empty when u.momentum is 0.
+inline void host_sgd(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& momentum, const sgd_update& u) {
+  steppable(values.type, "optim::sgd");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>) {
+      T* p = static_cast<T*>(values.data);
+      const T* g = static_cast<const T*>(grads.data);
+      T* buf = static_cast<T*>(momentum.data);
+      const T lr = static_cast<T>(u.lr), wd = static_cast<T>(u.weight_decay);
+      const T mu = static_cast<T>(u.momentum), keep = static_cast<T>(1 - u.dampening);
+      const auto run = [&]<bool Decay>(std::bool_constant<Decay>) {
+        if (u.momentum == 0) return sgd_elements<T, Decay, false, false, false>(p, g, buf, values.size, lr, wd, mu, keep);
+        if (u.first && u.nesterov) return sgd_elements<T, Decay, true, true, true>(p, g, buf, values.size, lr, wd, mu, keep);
+        if (u.first) return sgd_elements<T, Decay, true, true, false>(p, g, buf, values.size, lr, wd, mu, keep);
+        if (u.nesterov) return sgd_elements<T, Decay, true, false, true>(p, g, buf, values.size, lr, wd, mu, keep);
+        return sgd_elements<T, Decay, true, false, false>(p, g, buf, values.size, lr, wd, mu, keep);
+      };
+      if (u.weight_decay != 0) run(std::true_type{});
+      else run(std::false_type{});
+    }
+  });
+}
+
+/// One AdamW update of `n` elements: whole SSE2 registers where the CPU has them (the compiler does not vectorize
+/// the square root and division itself, which may set errno), then one element at a time, each in the same order
+/// of operations.
+template <class T>
+void adamw_elements(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, std::size_t n,
+                    const adamw_update& u) {
+  const T decay = static_cast<T>(u.decay), b1 = static_cast<T>(u.beta1), b2 = static_cast<T>(u.beta2);
+  const T step_size = static_cast<T>(u.step_size), c2 = static_cast<T>(u.correction2_sqrt);
+  const T eps = static_cast<T>(u.eps);
+  std::size_t i = 0;
+#if defined(__SSE2__) && !defined(__CUDA_ARCH__)
+  // An SSE2 register of T (four f32 or two f64 lanes): its + − × ÷ (with a scalar: in every lane) round each lane
+  // as the scalar operation does.
+  typedef T reg __attribute__((vector_size(16)));
+  const auto load = [](const T* from) {
+    reg r;
+    std::memcpy(&r, from, sizeof r);
+    return r;
+  };
+  const auto store = [](T* to, reg r) { std::memcpy(to, &r, sizeof r); };
+  const auto root = [](reg r) {
+    if constexpr (std::is_same_v<T, float>) return _mm_sqrt_ps(r);
+    else return _mm_sqrt_pd(r);
+  };
+  for (; i + sizeof(reg) / sizeof(T) <= n; i += sizeof(reg) / sizeof(T)) {
+    const reg gi = load(g + i), m0 = load(m + i);
+    const reg pi = load(p + i) * decay;
+    const reg mi = m0 + (T{1} - b1) * (gi - m0);
+    const reg vi = b2 * load(v + i) + (T{1} - b2) * gi * gi;
+    store(m + i, mi);
+    store(v + i, vi);
+    store(p + i, pi - step_size * mi / (root(vi) / c2 + eps));
+  }
+#endif
+  for (; i < n; ++i) {
+    p[i] *= decay;
+    m[i] += (T{1} - b1) * (g[i] - m[i]);  // torch's lerp_ for weights below 0.5
+    v[i] = b2 * v[i] + (T{1} - b2) * g[i] * g[i];
+    p[i] -= step_size * m[i] / (std::sqrt(v[i]) / c2 + eps);
+  }
+}
+
+/// adamw_update over host memory.
+inline void host_adamw(const raw_tensor& values, const raw_tensor& grads, const raw_tensor& exp_avg,
+                       const raw_tensor& exp_avg_sq, const adamw_update& u) {
+  steppable(values.type, "optim::adamw");
+  visit_dtype(values.type, [&]<class T>(T) {
+    if constexpr (std::is_floating_point_v<T>)
+      adamw_elements(static_cast<T*>(values.data), static_cast<const T*>(grads.data), static_cast<T*>(exp_avg.data),
+                     static_cast<T*>(exp_avg_sq.data), values.size, u);
+  });
+}
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/memory/updates.hpp>
 
 namespace ddp {
 
@@ -9725,7 +9740,7 @@ class flat_state {
 
  protected:
   /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
-  /// tensors of the buffer's domain, where the update runs (memory/updates.hpp).
+  /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
   template <class Update>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
     attach(buffers);
@@ -12928,13 +12943,17 @@ class adamw : public detail::flat_state {
   /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
   [[nodiscard]] options& settings() noexcept { return opt_; }
 
+  /// The element update of step `step` (counted from 1) with settings `o`.
+  [[nodiscard]] static adamw_update update(const options& o, std::uint64_t step) {
+    if (step < 1) throw config_error("optim::adamw::update: step " + std::to_string(step) + " must count from 1");
+    const auto t = static_cast<double>(step);
+    return {.decay = 1 - o.lr * o.weight_decay, .beta1 = o.beta1, .beta2 = o.beta2,
+            .step_size = o.lr / (1 - std::pow(o.beta1, t)), .correction2_sqrt = std::sqrt(1 - std::pow(o.beta2, t)),
+            .eps = o.eps};
+  }
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const auto t = static_cast<double>(steps_ + 1);
-    const double correction1 = 1 - std::pow(opt_.beta1, t);
-    const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    const adamw_update u{.decay = 1 - opt_.lr * opt_.weight_decay, .beta1 = opt_.beta1, .beta2 = opt_.beta2,
-                         .step_size = opt_.lr / correction1, .correction2_sqrt = correction2_sqrt, .eps = opt_.eps};
+    const adamw_update u = update(opt_, steps_ + 1);
     for_each_buffer(buffers, "optim::adamw", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
       on.adamw(b.values, b.grads, arrays[0], arrays[1], u);
     });
@@ -12984,10 +13003,14 @@ class sgd : public detail::flat_state {
   /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
   [[nodiscard]] options& settings() noexcept { return opt_; }
 
+  /// The element update of a step with settings `o`; `first`: the momentum buffer's first step.
+  [[nodiscard]] static sgd_update update(const options& o, bool first) noexcept {
+    return {.lr = o.lr, .momentum = o.momentum, .dampening = o.dampening, .weight_decay = o.weight_decay,
+            .nesterov = o.nesterov, .first = first};
+  }
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const sgd_update u{.lr = opt_.lr, .momentum = opt_.momentum, .dampening = opt_.dampening,
-                       .weight_decay = opt_.weight_decay, .nesterov = opt_.nesterov, .first = steps_ == 0};
+    const sgd_update u = update(opt_, steps_ == 0);
     for_each_buffer(buffers, "optim::sgd", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
       on.sgd(b.values, b.grads, arrays.empty() ? raw_tensor{} : arrays[0], u);
     });
@@ -14969,10 +14992,10 @@ class op_state final : public ddp::detail::work_state {
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_ELEMENT_HPP
 /// \file Element work on CUDA device memory for programs built by any C++ compiler: fill, accumulate, scale,
-/// divide and convert over ddp::raw_tensor, each asynchronous on a stream. The kernels are kernels.cuh's, compiled
-/// to PTX (detail/element_ptx.hpp, from src/cuda/element.cu) and loaded once per process with the CUDA runtime's
-/// library API; the driver compiles them for the GPU at hand on first use and caches the result. Every result
-/// has the host's bits (ddp::host_domain, ddp::detail::scale and divide).
+/// divide and convert over ddp::raw_tensor, each asynchronous on a stream. The kernels run element_kernels.cuh's
+/// functors, compiled to PTX (detail/element_ptx.hpp, from src/cuda/element.cu) and loaded once per process with the
+/// CUDA runtime's library API; the driver compiles them for the GPU at hand on first use and caches the result.
+/// Every result has the host's bits (ddp::host_domain, ddp::detail::scale and divide).
 
 #include <cuda_runtime_api.h>
 
@@ -14987,8 +15010,11 @@ class op_state final : public ddp::detail::work_state {
 // ---- begin <ddp/cuda/detail/element_ptx.hpp>
 #ifndef DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
 #define DDP_SINGLE_HEADER_DDP_CUDA_DETAIL_ELEMENT_PTX_HPP
-/// \file The PTX of src/cuda/element.cu, which <ddp/cuda/element.hpp> loads at run time. Generated by
-/// scripts/cuda_ptx.py (compute_80); do not edit. sources-sha256: cd57ab97aa128a44f18af8088dfd2bd2b228e00fb6a879786506f732c6bcca4d
+/// \file GENERATED by scripts/cuda_ptx.py; do not edit. The PTX of src/cuda/element.cu, which
+/// <ddp/cuda/element.hpp> loads at run time: compute_80, PTX ISA 8.0, so drivers from
+/// r525 (CUDA 12.0) on compile it for the GPU at hand. Its inputs, whose hashes say when it is stale:
+/// input src/cuda/element.cu sha256 e1a4f3f2d0eadb5d7b02e78c9403e9460dd78b02fddf7e1f7e889aa856b050ce
+/// input include/ddp/cuda/element_kernels.cuh sha256 be72670c864010ef81ccb26498d798f5ee107c45b135dc7183f0ca057c5672da
 
 namespace ddp::cuda::detail {
 
@@ -15001,7 +15027,7 @@ inline constexpr char element_ptx[] = R"ptx(//
 // Based on NVVM 7.0.1
 //
 
-.version 9.0
+.version 8.0
 .target sm_80
 .address_size 64
 
@@ -26409,1042 +26435,6 @@ $L__BB47_20:
 	@%p17 bra 	$L__BB47_20;
 
 $L__BB47_21:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<18>;
-	.reg .f32 	%f<25>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<41>;
-
-
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+16];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+8];
-	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd17;
-	cvta.to.global.u64 	%rd2, %rd16;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd18, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd19, %r4;
-	add.s64 	%rd4, %rd18, %rd19;
-	shr.u64 	%rd5, %rd15, 2;
-	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB48_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB48_4;
-
-	mov.u64 	%rd37, %rd4;
-
-$L__BB48_3:
-	shl.b64 	%rd20, %rd37, 4;
-	add.s64 	%rd21, %rd1, %rd20;
-	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
-	mul.f32 	%f2, %f1, %f6;
-	mul.f32 	%f3, %f1, %f7;
-	mul.f32 	%f4, %f1, %f8;
-	mul.f32 	%f5, %f1, %f9;
-	shl.b64 	%rd22, %rd37, 3;
-	add.s64 	%rd23, %rd2, %rd22;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs10, %f5;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs9, %f4;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs8, %f3;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs7, %f2;}
-
-	// end inline asm
-	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB48_3;
-	bra.uni 	$L__BB48_6;
-
-$L__BB48_4:
-	mov.u64 	%rd38, %rd4;
-
-$L__BB48_5:
-	shl.b64 	%rd24, %rd38, 4;
-	add.s64 	%rd25, %rd1, %rd24;
-	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
-	shl.b64 	%rd26, %rd38, 3;
-	add.s64 	%rd27, %rd2, %rd26;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs14, %f21;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs13, %f20;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs12, %f19;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs11, %f18;}
-
-	// end inline asm
-	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
-	add.s64 	%rd38, %rd38, %rd3;
-	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB48_5;
-
-$L__BB48_6:
-	and.b64  	%rd28, %rd15, -4;
-	add.s64 	%rd39, %rd28, %rd4;
-	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB48_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB48_9;
-
-$L__BB48_8:
-	shl.b64 	%rd29, %rd39, 2;
-	add.s64 	%rd30, %rd1, %rd29;
-	ld.global.f32 	%f23, [%rd30];
-	mul.f32 	%f22, %f1, %f23;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs16, %f22;}
-
-	// end inline asm
-	shl.b64 	%rd31, %rd39, 1;
-	add.s64 	%rd32, %rd2, %rd31;
-	st.global.u16 	[%rd32], %rs16;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB48_8;
-	bra.uni 	$L__BB48_10;
-
-$L__BB48_9:
-	shl.b64 	%rd33, %rd39, 2;
-	add.s64 	%rd34, %rd1, %rd33;
-	ld.global.f32 	%f24, [%rd34];
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs17, %f24;}
-
-	// end inline asm
-	shl.b64 	%rd35, %rd39, 1;
-	add.s64 	%rd36, %rd2, %rd35;
-	st.global.u16 	[%rd36], %rs17;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB48_9;
-
-$L__BB48_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<12>;
-	.reg .f32 	%f<8>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<39>;
-
-
-	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+16];
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1+8];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf13__nv_bfloat16EEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd16;
-	cvta.to.global.u64 	%rd2, %rd15;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd17, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd18, %r4;
-	add.s64 	%rd4, %rd17, %rd18;
-	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB49_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB49_4;
-
-	mov.u64 	%rd35, %rd4;
-
-$L__BB49_3:
-	shl.b64 	%rd19, %rd35, 2;
-	add.s64 	%rd20, %rd1, %rd19;
-	ld.global.f32 	%f3, [%rd20];
-	mul.f32 	%f2, %f1, %f3;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs7, %f2;}
-
-	// end inline asm
-	shl.b64 	%rd21, %rd35, 1;
-	add.s64 	%rd22, %rd2, %rd21;
-	st.global.u16 	[%rd22], %rs7;
-	add.s64 	%rd35, %rd35, %rd3;
-	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB49_3;
-	bra.uni 	$L__BB49_6;
-
-$L__BB49_4:
-	mov.u64 	%rd36, %rd4;
-
-$L__BB49_5:
-	shl.b64 	%rd23, %rd36, 2;
-	add.s64 	%rd24, %rd1, %rd23;
-	ld.global.f32 	%f4, [%rd24];
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs8, %f4;}
-
-	// end inline asm
-	shl.b64 	%rd25, %rd36, 1;
-	add.s64 	%rd26, %rd2, %rd25;
-	st.global.u16 	[%rd26], %rs8;
-	add.s64 	%rd36, %rd36, %rd3;
-	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB49_5;
-
-$L__BB49_6:
-	add.s64 	%rd37, %rd4, %rd14;
-	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB49_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB49_9;
-
-$L__BB49_8:
-	shl.b64 	%rd27, %rd37, 2;
-	add.s64 	%rd28, %rd1, %rd27;
-	ld.global.f32 	%f6, [%rd28];
-	mul.f32 	%f5, %f1, %f6;
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs10, %f5;}
-
-	// end inline asm
-	shl.b64 	%rd29, %rd37, 1;
-	add.s64 	%rd30, %rd2, %rd29;
-	st.global.u16 	[%rd30], %rs10;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB49_8;
-	bra.uni 	$L__BB49_10;
-
-$L__BB49_9:
-	shl.b64 	%rd31, %rd37, 2;
-	add.s64 	%rd32, %rd1, %rd31;
-	ld.global.f32 	%f7, [%rd32];
-	// begin inline asm
-	{  cvt.rn.bf16.f32 %rs11, %f7;}
-
-	// end inline asm
-	shl.b64 	%rd33, %rd37, 1;
-	add.s64 	%rd34, %rd2, %rd33;
-	st.global.u16 	[%rd34], %rs11;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB49_9;
-
-$L__BB49_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<26>;
-	.reg .f32 	%f<17>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<41>;
-
-
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd17;
-	cvta.to.global.u64 	%rd2, %rd16;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd18, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd19, %r4;
-	add.s64 	%rd4, %rd18, %rd19;
-	shr.u64 	%rd5, %rd15, 2;
-	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB50_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB50_4;
-
-	mov.u64 	%rd37, %rd4;
-
-$L__BB50_3:
-	shl.b64 	%rd20, %rd37, 3;
-	add.s64 	%rd21, %rd1, %rd20;
-	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
-	// begin inline asm
-	{ mov.b32 %f2, {0,%rs11};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f3, {0,%rs12};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f4, {0,%rs13};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f5, {0,%rs14};}
-
-	// end inline asm
-	shl.b64 	%rd22, %rd37, 4;
-	add.s64 	%rd23, %rd2, %rd22;
-	mul.f32 	%f6, %f1, %f5;
-	mul.f32 	%f7, %f1, %f4;
-	mul.f32 	%f8, %f1, %f3;
-	mul.f32 	%f9, %f1, %f2;
-	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB50_3;
-	bra.uni 	$L__BB50_6;
-
-$L__BB50_4:
-	mov.u64 	%rd38, %rd4;
-
-$L__BB50_5:
-	shl.b64 	%rd24, %rd38, 3;
-	add.s64 	%rd25, %rd1, %rd24;
-	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
-	shl.b64 	%rd26, %rd38, 4;
-	add.s64 	%rd27, %rd2, %rd26;
-	// begin inline asm
-	{ mov.b32 %f13, {0,%rs22};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f12, {0,%rs21};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f11, {0,%rs20};}
-
-	// end inline asm
-	// begin inline asm
-	{ mov.b32 %f10, {0,%rs19};}
-
-	// end inline asm
-	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
-	add.s64 	%rd38, %rd38, %rd3;
-	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB50_5;
-
-$L__BB50_6:
-	and.b64  	%rd28, %rd15, -4;
-	add.s64 	%rd39, %rd28, %rd4;
-	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB50_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB50_9;
-
-$L__BB50_8:
-	shl.b64 	%rd29, %rd39, 1;
-	add.s64 	%rd30, %rd1, %rd29;
-	ld.global.u16 	%rs24, [%rd30];
-	// begin inline asm
-	{ mov.b32 %f14, {0,%rs24};}
-
-	// end inline asm
-	mul.f32 	%f15, %f1, %f14;
-	shl.b64 	%rd31, %rd39, 2;
-	add.s64 	%rd32, %rd2, %rd31;
-	st.global.f32 	[%rd32], %f15;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB50_8;
-	bra.uni 	$L__BB50_10;
-
-$L__BB50_9:
-	shl.b64 	%rd33, %rd39, 1;
-	add.s64 	%rd34, %rd1, %rd33;
-	ld.global.u16 	%rs25, [%rd34];
-	// begin inline asm
-	{ mov.b32 %f16, {0,%rs25};}
-
-	// end inline asm
-	shl.b64 	%rd35, %rd39, 2;
-	add.s64 	%rd36, %rd2, %rd35;
-	st.global.f32 	[%rd36], %f16;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB50_9;
-
-$L__BB50_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<12>;
-	.reg .f32 	%f<8>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<39>;
-
-
-	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI13__nv_bfloat16fEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd16;
-	cvta.to.global.u64 	%rd2, %rd15;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd17, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd18, %r4;
-	add.s64 	%rd4, %rd17, %rd18;
-	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB51_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB51_4;
-
-	mov.u64 	%rd35, %rd4;
-
-$L__BB51_3:
-	shl.b64 	%rd19, %rd35, 1;
-	add.s64 	%rd20, %rd1, %rd19;
-	ld.global.u16 	%rs7, [%rd20];
-	// begin inline asm
-	{ mov.b32 %f2, {0,%rs7};}
-
-	// end inline asm
-	mul.f32 	%f3, %f1, %f2;
-	shl.b64 	%rd21, %rd35, 2;
-	add.s64 	%rd22, %rd2, %rd21;
-	st.global.f32 	[%rd22], %f3;
-	add.s64 	%rd35, %rd35, %rd3;
-	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB51_3;
-	bra.uni 	$L__BB51_6;
-
-$L__BB51_4:
-	mov.u64 	%rd36, %rd4;
-
-$L__BB51_5:
-	shl.b64 	%rd23, %rd36, 1;
-	add.s64 	%rd24, %rd1, %rd23;
-	ld.global.u16 	%rs8, [%rd24];
-	// begin inline asm
-	{ mov.b32 %f4, {0,%rs8};}
-
-	// end inline asm
-	shl.b64 	%rd25, %rd36, 2;
-	add.s64 	%rd26, %rd2, %rd25;
-	st.global.f32 	[%rd26], %f4;
-	add.s64 	%rd36, %rd36, %rd3;
-	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB51_5;
-
-$L__BB51_6:
-	add.s64 	%rd37, %rd4, %rd14;
-	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB51_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB51_9;
-
-$L__BB51_8:
-	shl.b64 	%rd27, %rd37, 1;
-	add.s64 	%rd28, %rd1, %rd27;
-	ld.global.u16 	%rs10, [%rd28];
-	// begin inline asm
-	{ mov.b32 %f5, {0,%rs10};}
-
-	// end inline asm
-	mul.f32 	%f6, %f1, %f5;
-	shl.b64 	%rd29, %rd37, 2;
-	add.s64 	%rd30, %rd2, %rd29;
-	st.global.f32 	[%rd30], %f6;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB51_8;
-	bra.uni 	$L__BB51_10;
-
-$L__BB51_9:
-	shl.b64 	%rd31, %rd37, 1;
-	add.s64 	%rd32, %rd1, %rd31;
-	ld.global.u16 	%rs11, [%rd32];
-	// begin inline asm
-	{ mov.b32 %f7, {0,%rs11};}
-
-	// end inline asm
-	shl.b64 	%rd33, %rd37, 2;
-	add.s64 	%rd34, %rd2, %rd33;
-	st.global.f32 	[%rd34], %f7;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB51_9;
-
-$L__BB51_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<18>;
-	.reg .f32 	%f<25>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<41>;
-
-
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnIf6__halfEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd17;
-	cvta.to.global.u64 	%rd2, %rd16;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd18, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd19, %r4;
-	add.s64 	%rd4, %rd18, %rd19;
-	shr.u64 	%rd5, %rd15, 2;
-	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB52_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB52_4;
-
-	mov.u64 	%rd37, %rd4;
-
-$L__BB52_3:
-	shl.b64 	%rd20, %rd37, 4;
-	add.s64 	%rd21, %rd1, %rd20;
-	ld.global.v4.f32 	{%f6, %f7, %f8, %f9}, [%rd21];
-	mul.f32 	%f2, %f1, %f6;
-	mul.f32 	%f3, %f1, %f7;
-	mul.f32 	%f4, %f1, %f8;
-	mul.f32 	%f5, %f1, %f9;
-	shl.b64 	%rd22, %rd37, 3;
-	add.s64 	%rd23, %rd2, %rd22;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs10, %f5;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs9, %f4;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs8, %f3;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs7, %f2;}
-
-	// end inline asm
-	st.global.v4.u16 	[%rd23], {%rs7, %rs8, %rs9, %rs10};
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB52_3;
-	bra.uni 	$L__BB52_6;
-
-$L__BB52_4:
-	mov.u64 	%rd38, %rd4;
-
-$L__BB52_5:
-	shl.b64 	%rd24, %rd38, 4;
-	add.s64 	%rd25, %rd1, %rd24;
-	ld.global.v4.f32 	{%f18, %f19, %f20, %f21}, [%rd25];
-	shl.b64 	%rd26, %rd38, 3;
-	add.s64 	%rd27, %rd2, %rd26;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs14, %f21;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs13, %f20;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs12, %f19;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs11, %f18;}
-
-	// end inline asm
-	st.global.v4.u16 	[%rd27], {%rs11, %rs12, %rs13, %rs14};
-	add.s64 	%rd38, %rd38, %rd3;
-	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB52_5;
-
-$L__BB52_6:
-	and.b64  	%rd28, %rd15, -4;
-	add.s64 	%rd39, %rd28, %rd4;
-	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB52_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB52_9;
-
-$L__BB52_8:
-	shl.b64 	%rd29, %rd39, 2;
-	add.s64 	%rd30, %rd1, %rd29;
-	ld.global.f32 	%f23, [%rd30];
-	mul.f32 	%f22, %f1, %f23;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs16, %f22;}
-
-	// end inline asm
-	shl.b64 	%rd31, %rd39, 1;
-	add.s64 	%rd32, %rd2, %rd31;
-	st.global.u16 	[%rd32], %rs16;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB52_8;
-	bra.uni 	$L__BB52_10;
-
-$L__BB52_9:
-	shl.b64 	%rd33, %rd39, 2;
-	add.s64 	%rd34, %rd1, %rd33;
-	ld.global.f32 	%f24, [%rd34];
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs17, %f24;}
-
-	// end inline asm
-	shl.b64 	%rd35, %rd39, 1;
-	add.s64 	%rd36, %rd2, %rd35;
-	st.global.u16 	[%rd36], %rs17;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB52_9;
-
-$L__BB52_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<12>;
-	.reg .f32 	%f<8>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<39>;
-
-
-	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnIf6__halfEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd16;
-	cvta.to.global.u64 	%rd2, %rd15;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd17, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd18, %r4;
-	add.s64 	%rd4, %rd17, %rd18;
-	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB53_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB53_4;
-
-	mov.u64 	%rd35, %rd4;
-
-$L__BB53_3:
-	shl.b64 	%rd19, %rd35, 2;
-	add.s64 	%rd20, %rd1, %rd19;
-	ld.global.f32 	%f3, [%rd20];
-	mul.f32 	%f2, %f1, %f3;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs7, %f2;}
-
-	// end inline asm
-	shl.b64 	%rd21, %rd35, 1;
-	add.s64 	%rd22, %rd2, %rd21;
-	st.global.u16 	[%rd22], %rs7;
-	add.s64 	%rd35, %rd35, %rd3;
-	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB53_3;
-	bra.uni 	$L__BB53_6;
-
-$L__BB53_4:
-	mov.u64 	%rd36, %rd4;
-
-$L__BB53_5:
-	shl.b64 	%rd23, %rd36, 2;
-	add.s64 	%rd24, %rd1, %rd23;
-	ld.global.f32 	%f4, [%rd24];
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs8, %f4;}
-
-	// end inline asm
-	shl.b64 	%rd25, %rd36, 1;
-	add.s64 	%rd26, %rd2, %rd25;
-	st.global.u16 	[%rd26], %rs8;
-	add.s64 	%rd36, %rd36, %rd3;
-	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB53_5;
-
-$L__BB53_6:
-	add.s64 	%rd37, %rd4, %rd14;
-	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB53_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB53_9;
-
-$L__BB53_8:
-	shl.b64 	%rd27, %rd37, 2;
-	add.s64 	%rd28, %rd1, %rd27;
-	ld.global.f32 	%f6, [%rd28];
-	mul.f32 	%f5, %f1, %f6;
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs10, %f5;}
-
-	// end inline asm
-	shl.b64 	%rd29, %rd37, 1;
-	add.s64 	%rd30, %rd2, %rd29;
-	st.global.u16 	[%rd30], %rs10;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB53_8;
-	bra.uni 	$L__BB53_10;
-
-$L__BB53_9:
-	shl.b64 	%rd31, %rd37, 2;
-	add.s64 	%rd32, %rd1, %rd31;
-	ld.global.f32 	%f7, [%rd32];
-	// begin inline asm
-	{  cvt.rn.f16.f32 %rs11, %f7;}
-
-	// end inline asm
-	shl.b64 	%rd33, %rd37, 1;
-	add.s64 	%rd34, %rd2, %rd33;
-	st.global.u16 	[%rd34], %rs11;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB53_9;
-
-$L__BB53_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<26>;
-	.reg .f32 	%f<17>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<41>;
-
-
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd17, [_ZN3ddp4cuda6detail13for_each_packILi4ENS1_10convert_fnI6__halffEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd17;
-	cvta.to.global.u64 	%rd2, %rd16;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd18, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd19, %r4;
-	add.s64 	%rd4, %rd18, %rd19;
-	shr.u64 	%rd5, %rd15, 2;
-	setp.ge.u64 	%p1, %rd4, %rd5;
-	@%p1 bra 	$L__BB54_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB54_4;
-
-	mov.u64 	%rd37, %rd4;
-
-$L__BB54_3:
-	shl.b64 	%rd20, %rd37, 3;
-	add.s64 	%rd21, %rd1, %rd20;
-	ld.global.v4.u16 	{%rs11, %rs12, %rs13, %rs14}, [%rd21];
-	// begin inline asm
-	{  cvt.f32.f16 %f2, %rs11;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f3, %rs12;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f4, %rs13;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f5, %rs14;}
-
-	// end inline asm
-	shl.b64 	%rd22, %rd37, 4;
-	add.s64 	%rd23, %rd2, %rd22;
-	mul.f32 	%f6, %f1, %f5;
-	mul.f32 	%f7, %f1, %f4;
-	mul.f32 	%f8, %f1, %f3;
-	mul.f32 	%f9, %f1, %f2;
-	st.global.v4.f32 	[%rd23], {%f9, %f8, %f7, %f6};
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p3, %rd37, %rd5;
-	@%p3 bra 	$L__BB54_3;
-	bra.uni 	$L__BB54_6;
-
-$L__BB54_4:
-	mov.u64 	%rd38, %rd4;
-
-$L__BB54_5:
-	shl.b64 	%rd24, %rd38, 3;
-	add.s64 	%rd25, %rd1, %rd24;
-	ld.global.v4.u16 	{%rs19, %rs20, %rs21, %rs22}, [%rd25];
-	shl.b64 	%rd26, %rd38, 4;
-	add.s64 	%rd27, %rd2, %rd26;
-	// begin inline asm
-	{  cvt.f32.f16 %f13, %rs22;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f12, %rs21;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f11, %rs20;}
-
-	// end inline asm
-	// begin inline asm
-	{  cvt.f32.f16 %f10, %rs19;}
-
-	// end inline asm
-	st.global.v4.f32 	[%rd27], {%f10, %f11, %f12, %f13};
-	add.s64 	%rd38, %rd38, %rd3;
-	setp.lt.u64 	%p4, %rd38, %rd5;
-	@%p4 bra 	$L__BB54_5;
-
-$L__BB54_6:
-	and.b64  	%rd28, %rd15, -4;
-	add.s64 	%rd39, %rd28, %rd4;
-	setp.ge.u64 	%p5, %rd39, %rd15;
-	@%p5 bra 	$L__BB54_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB54_9;
-
-$L__BB54_8:
-	shl.b64 	%rd29, %rd39, 1;
-	add.s64 	%rd30, %rd1, %rd29;
-	ld.global.u16 	%rs24, [%rd30];
-	// begin inline asm
-	{  cvt.f32.f16 %f14, %rs24;}
-
-	// end inline asm
-	mul.f32 	%f15, %f1, %f14;
-	shl.b64 	%rd31, %rd39, 2;
-	add.s64 	%rd32, %rd2, %rd31;
-	st.global.f32 	[%rd32], %f15;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p7, %rd39, %rd15;
-	@%p7 bra 	$L__BB54_8;
-	bra.uni 	$L__BB54_10;
-
-$L__BB54_9:
-	shl.b64 	%rd33, %rd39, 1;
-	add.s64 	%rd34, %rd1, %rd33;
-	ld.global.u16 	%rs25, [%rd34];
-	// begin inline asm
-	{  cvt.f32.f16 %f16, %rs25;}
-
-	// end inline asm
-	shl.b64 	%rd35, %rd39, 2;
-	add.s64 	%rd36, %rd2, %rd35;
-	st.global.f32 	[%rd36], %f16;
-	add.s64 	%rd39, %rd39, %rd3;
-	setp.lt.u64 	%p8, %rd39, %rd15;
-	@%p8 bra 	$L__BB54_9;
-
-$L__BB54_10:
-	ret;
-
-}
-	// .globl	_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0_
-.visible .entry _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0_(
-	.param .u64 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_0,
-	.param .align 8 .b8 _ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1[24]
-)
-{
-	.reg .pred 	%p<9>;
-	.reg .b16 	%rs<12>;
-	.reg .f32 	%f<8>;
-	.reg .b32 	%r<5>;
-	.reg .b64 	%rd<39>;
-
-
-	ld.param.u64 	%rd14, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_0];
-	ld.param.v4.u8 	{%rs2, %rs3, %rs4, %rs5}, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+20];
-	ld.param.f32 	%f1, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+16];
-	ld.param.u64 	%rd15, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1+8];
-	ld.param.u64 	%rd16, [_ZN3ddp4cuda6detail13for_each_packILi1ENS1_10convert_fnI6__halffEEEEvmT0__param_1];
-	cvta.to.global.u64 	%rd1, %rd16;
-	cvta.to.global.u64 	%rd2, %rd15;
-	mov.u32 	%r1, %nctaid.x;
-	mov.u32 	%r2, %ntid.x;
-	mul.wide.u32 	%rd3, %r1, %r2;
-	mov.u32 	%r3, %ctaid.x;
-	mul.wide.u32 	%rd17, %r3, %r2;
-	mov.u32 	%r4, %tid.x;
-	cvt.u64.u32 	%rd18, %r4;
-	add.s64 	%rd4, %rd17, %rd18;
-	setp.ge.u64 	%p1, %rd4, %rd14;
-	@%p1 bra 	$L__BB55_6;
-
-	setp.eq.s16 	%p2, %rs2, 0;
-	@%p2 bra 	$L__BB55_4;
-
-	mov.u64 	%rd35, %rd4;
-
-$L__BB55_3:
-	shl.b64 	%rd19, %rd35, 1;
-	add.s64 	%rd20, %rd1, %rd19;
-	ld.global.u16 	%rs7, [%rd20];
-	// begin inline asm
-	{  cvt.f32.f16 %f2, %rs7;}
-
-	// end inline asm
-	mul.f32 	%f3, %f1, %f2;
-	shl.b64 	%rd21, %rd35, 2;
-	add.s64 	%rd22, %rd2, %rd21;
-	st.global.f32 	[%rd22], %f3;
-	add.s64 	%rd35, %rd35, %rd3;
-	setp.lt.u64 	%p3, %rd35, %rd14;
-	@%p3 bra 	$L__BB55_3;
-	bra.uni 	$L__BB55_6;
-
-$L__BB55_4:
-	mov.u64 	%rd36, %rd4;
-
-$L__BB55_5:
-	shl.b64 	%rd23, %rd36, 1;
-	add.s64 	%rd24, %rd1, %rd23;
-	ld.global.u16 	%rs8, [%rd24];
-	// begin inline asm
-	{  cvt.f32.f16 %f4, %rs8;}
-
-	// end inline asm
-	shl.b64 	%rd25, %rd36, 2;
-	add.s64 	%rd26, %rd2, %rd25;
-	st.global.f32 	[%rd26], %f4;
-	add.s64 	%rd36, %rd36, %rd3;
-	setp.lt.u64 	%p4, %rd36, %rd14;
-	@%p4 bra 	$L__BB55_5;
-
-$L__BB55_6:
-	add.s64 	%rd37, %rd4, %rd14;
-	setp.ge.u64 	%p5, %rd37, %rd4;
-	@%p5 bra 	$L__BB55_10;
-
-	setp.eq.s16 	%p6, %rs2, 0;
-	@%p6 bra 	$L__BB55_9;
-
-$L__BB55_8:
-	shl.b64 	%rd27, %rd37, 1;
-	add.s64 	%rd28, %rd1, %rd27;
-	ld.global.u16 	%rs10, [%rd28];
-	// begin inline asm
-	{  cvt.f32.f16 %f5, %rs10;}
-
-	// end inline asm
-	mul.f32 	%f6, %f1, %f5;
-	shl.b64 	%rd29, %rd37, 2;
-	add.s64 	%rd30, %rd2, %rd29;
-	st.global.f32 	[%rd30], %f6;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p7, %rd37, %rd14;
-	@%p7 bra 	$L__BB55_8;
-	bra.uni 	$L__BB55_10;
-
-$L__BB55_9:
-	shl.b64 	%rd31, %rd37, 1;
-	add.s64 	%rd32, %rd1, %rd31;
-	ld.global.u16 	%rs11, [%rd32];
-	// begin inline asm
-	{  cvt.f32.f16 %f7, %rs11;}
-
-	// end inline asm
-	shl.b64 	%rd33, %rd37, 2;
-	add.s64 	%rd34, %rd2, %rd33;
-	st.global.f32 	[%rd34], %f7;
-	add.s64 	%rd37, %rd37, %rd3;
-	setp.lt.u64 	%p8, %rd37, %rd14;
-	@%p8 bra 	$L__BB55_9;
-
-$L__BB55_10:
 	ret;
 
 }

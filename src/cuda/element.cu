@@ -1,11 +1,12 @@
 // The element kernels of ddp::cuda::element (<ddp/cuda/element.hpp>) as extern "C" entry points, one per dtype
 // (and dtype pair for conversions). scripts/cuda_ptx.py compiles this file to PTX into
 // include/ddp/cuda/detail/element_ptx.hpp, which element.hpp loads at run time, so programs built with a plain C++
-// compiler run them. The arithmetic is kernels.cuh's: one definition for nvcc users and for the PTX.
+// compiler run them. The arithmetic is element_kernels.cuh's (kernels.cuh runs it too, for nvcc users): one
+// definition for both. This file and that leaf are the PTX's only inputs.
 #include <cstddef>
 #include <cstdint>
 
-#include <ddp/cuda/kernels.cuh>
+#include <ddp/cuda/element_kernels.cuh>
 
 namespace {
 

@@ -144,24 +144,24 @@ void check_optimizer(Optimizer cpu, DeviceStep device_step, std::size_t offset, 
 }
 
 template <class T>
-void check_sgd(const ddp::cuda::sgd_options& o, std::size_t offset, double tolerance) {
+void check_sgd(const ddp::optim::sgd::options& o, std::size_t offset, double tolerance) {
   placed<T> buf(std::vector<T>(length), offset);
   check_optimizer<T>(
       ddp::optim::sgd(o),
       [&](std::span<T> p, std::span<const T> g, std::int64_t step, cudaStream_t st) {
-        ddp::cuda::sgd_step(p, g, buf.span, o, step == 1, st);
+        ddp::cuda::sgd_step(p, g, buf.span, ddp::optim::sgd::update(o, step == 1), st);
       },
       offset, tolerance);
 }
 
 template <class T>
-void check_adamw(const ddp::cuda::adamw_options& o, std::size_t offset, double tolerance) {
+void check_adamw(const ddp::optim::adamw::options& o, std::size_t offset, double tolerance) {
   const std::vector<T> zeros(length);
   placed<T> m(zeros, offset), v(zeros, offset);
   check_optimizer<T>(
       ddp::optim::adamw(o),
       [&](std::span<T> p, std::span<const T> g, std::int64_t step, cudaStream_t st) {
-        ddp::cuda::adamw_step(p, g, m.span, v.span, o, step, st);
+        ddp::cuda::adamw_step(p, g, m.span, v.span, ddp::optim::adamw::update(o, static_cast<std::uint64_t>(step)), st);
       },
       offset, tolerance);
 }
@@ -230,12 +230,11 @@ TEST_CASE("gpu kernels: mismatched spans and bad arguments are errors", "[gpu][k
   ddp::cuda::device_buffer<float> a(8), b(7);
   ddp::cuda::device_buffer<ddp::bfloat16> c(8);
   REQUIRE_THROWS_AS(ddp::cuda::cast_to_bf16(std::span<const float>(b.span()), c.span(), s.get()), ddp::error);
-  REQUIRE_THROWS_AS(ddp::cuda::sgd_step(a.span(), std::span<const float>(b.span()), a.span(), {}, true, s.get()),
+  REQUIRE_THROWS_AS(ddp::cuda::sgd_step(a.span(), std::span<const float>(b.span()), a.span(), {.first = true}, s.get()),
                     ddp::error);
-  REQUIRE_THROWS_AS(ddp::cuda::sgd_step(a.span(), std::span<const float>(a.span()), a.span(), {.nesterov = true}, true,
-                                        s.get()),
+  REQUIRE_THROWS_AS(ddp::cuda::sgd_step(a.span(), std::span<const float>(a.span()), a.span(),
+                                        {.nesterov = true, .first = true}, s.get()),
                     ddp::error);
-  REQUIRE_THROWS_AS(ddp::cuda::adamw_step(a.span(), std::span<const float>(a.span()), a.span(), a.span(), {}, 0, s.get()),
-                    ddp::error);
+  REQUIRE_THROWS_AS(ddp::optim::adamw::update({}, 0), ddp::config_error);
   REQUIRE_THROWS_AS(ddp::cuda::average(a.span(), 0, s.get()), ddp::error);
 }

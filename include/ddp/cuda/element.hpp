@@ -1,9 +1,9 @@
 #pragma once
 /// \file Element work on CUDA device memory for programs built by any C++ compiler: fill, accumulate, scale,
-/// divide and convert over ddp::raw_tensor, each asynchronous on a stream. The kernels are kernels.cuh's, compiled
-/// to PTX (detail/element_ptx.hpp, from src/cuda/element.cu) and loaded once per process with the CUDA runtime's
-/// library API; the driver compiles them for the GPU at hand on first use and caches the result. Every result
-/// has the host's bits (ddp::host_domain, ddp::detail::scale and divide).
+/// divide and convert over ddp::raw_tensor, each asynchronous on a stream. The kernels run element_kernels.cuh's
+/// functors, compiled to PTX (detail/element_ptx.hpp, from src/cuda/element.cu) and loaded once per process with the
+/// CUDA runtime's library API; the driver compiles them for the GPU at hand on first use and caches the result.
+/// Every result has the host's bits (ddp::host_domain, ddp::detail::scale and divide).
 
 #include <cuda_runtime_api.h>
 
@@ -18,8 +18,8 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/core/updates.hpp>
 #include <ddp/cuda/detail/element_ptx.hpp>
-#include <ddp/memory/updates.hpp>
 #include <ddp/cuda/error.hpp>
 #include <ddp/cuda/runtime.hpp>
 

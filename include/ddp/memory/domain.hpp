@@ -20,7 +20,7 @@
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/tensor_traits.hpp>
-#include <ddp/memory/updates.hpp>
+#include <ddp/core/updates.hpp>
 
 namespace ddp {
 

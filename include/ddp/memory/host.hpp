@@ -22,6 +22,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
+#include <ddp/memory/updates.hpp>
 
 namespace ddp {
 

@@ -1,8 +1,7 @@
 #pragma once
-/// \file The optimizers' element updates as a memory domain runs them: torch.optim.SGD's and torch.optim.AdamW's
-/// per-element arithmetic over flat f32 or f64 ranges, with the step's scalars worked out by the optimizer
-/// (optim/sgd.hpp, optim/adamw.hpp). The host domain runs the loops below; a device domain runs the same arithmetic
-/// as kernels (cuda/kernels.cuh), so a step gives the same bits wherever its memory lives.
+/// \file The host's loops of the optimizers' element updates (ddp::sgd_update, ddp::adamw_update of
+/// core/updates.hpp) over flat f32 or f64 ranges: what ddp::host_domain runs. A device domain runs the same
+/// arithmetic as kernels (cuda/element_kernels.cuh), so a step gives the same bits wherever its memory lives.
 
 #include <cmath>
 #include <cstddef>
@@ -17,41 +16,11 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
+#include <ddp/core/updates.hpp>
 
 namespace ddp {
 
-/// One torch.optim.SGD step: g = grad + weight_decay·p; with momentum, buf = g on the first step, else
-/// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
-struct sgd_update {
-  double lr = 0;            ///< learning rate
-  double momentum = 0;      ///< momentum factor (0: no momentum buffer)
-  double dampening = 0;     ///< dampening of the momentum
-  double weight_decay = 0;  ///< L2 penalty added to the gradient
-  bool nesterov = false;    ///< Nesterov momentum
-  bool first = false;       ///< the buffer's first step (it takes the gradient)
-};
-
-/// One torch.optim.AdamW step at step t: p ·= decay; m += (1 − β1)·(g − m); v = β2·v + (1 − β2)·g²;
-/// p −= step_size · m / (√v / correction2_sqrt + eps), where decay = 1 − lr·weight_decay,
-/// step_size = lr / (1 − β1ᵗ) and correction2_sqrt = √(1 − β2ᵗ).
-struct adamw_update {
-  double decay = 1;             ///< 1 − lr·weight_decay
-  double beta1 = 0.9;           ///< decay of the first moment
-  double beta2 = 0.999;         ///< decay of the second moment
-  double step_size = 0;         ///< lr / (1 − β1ᵗ)
-  double correction2_sqrt = 1;  ///< √(1 − β2ᵗ)
-  double eps = 1e-8;            ///< added to the denominator
-};
-
 namespace detail {
-
-/// Throws config_error unless `type` is one an optimizer steps (f32 or f64); `who` names the caller.
-inline void steppable(dtype type, const char* who) {
-  if (type != dtype::f32 && type != dtype::f64)
-    throw config_error(std::string(who) + ": parameters of dtype " + std::string(to_string(type)) + " cannot be "
-                       "stepped; keep f32 or f64 parameters (master weights) and compress gradients with a comm hook "
-                       "instead");
-}
 
 /// One SGD update of `n` elements with the options fixed at compile time, so the loop carries no branch and the
 /// compiler vectorizes it (the three arrays never overlap); each element's arithmetic is host_sgd's.

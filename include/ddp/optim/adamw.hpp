@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
@@ -11,7 +12,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
-#include <ddp/memory/updates.hpp>
+#include <ddp/core/updates.hpp>
 #include <ddp/optim/flat.hpp>
 
 namespace ddp::optim {
@@ -39,13 +40,17 @@ class adamw : public detail::flat_state {
   /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
   [[nodiscard]] options& settings() noexcept { return opt_; }
 
+  /// The element update of step `step` (counted from 1) with settings `o`.
+  [[nodiscard]] static adamw_update update(const options& o, std::uint64_t step) {
+    if (step < 1) throw config_error("optim::adamw::update: step " + std::to_string(step) + " must count from 1");
+    const auto t = static_cast<double>(step);
+    return {.decay = 1 - o.lr * o.weight_decay, .beta1 = o.beta1, .beta2 = o.beta2,
+            .step_size = o.lr / (1 - std::pow(o.beta1, t)), .correction2_sqrt = std::sqrt(1 - std::pow(o.beta2, t)),
+            .eps = o.eps};
+  }
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const auto t = static_cast<double>(steps_ + 1);
-    const double correction1 = 1 - std::pow(opt_.beta1, t);
-    const double correction2_sqrt = std::sqrt(1 - std::pow(opt_.beta2, t));
-    const adamw_update u{.decay = 1 - opt_.lr * opt_.weight_decay, .beta1 = opt_.beta1, .beta2 = opt_.beta2,
-                         .step_size = opt_.lr / correction1, .correction2_sqrt = correction2_sqrt, .eps = opt_.eps};
+    const adamw_update u = update(opt_, steps_ + 1);
     for_each_buffer(buffers, "optim::adamw", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
       on.adamw(b.values, b.grads, arrays[0], arrays[1], u);
     });

@@ -17,7 +17,7 @@
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
 #include <ddp/memory/host.hpp>
-#include <ddp/memory/updates.hpp>
+#include <ddp/core/updates.hpp>
 
 namespace ddp::optim {
 
@@ -112,7 +112,7 @@ class flat_state {
 
  protected:
   /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
-  /// tensors of the buffer's domain, where the update runs (memory/updates.hpp).
+  /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
   template <class Update>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
     attach(buffers);

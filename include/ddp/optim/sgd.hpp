@@ -10,7 +10,7 @@
 #include <ddp/core/error.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
-#include <ddp/memory/updates.hpp>
+#include <ddp/core/updates.hpp>
 #include <ddp/optim/flat.hpp>
 
 namespace ddp::optim {
@@ -42,10 +42,14 @@ class sgd : public detail::flat_state {
   /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
   [[nodiscard]] options& settings() noexcept { return opt_; }
 
+  /// The element update of a step with settings `o`; `first`: the momentum buffer's first step.
+  [[nodiscard]] static sgd_update update(const options& o, bool first) noexcept {
+    return {.lr = o.lr, .momentum = o.momentum, .dampening = o.dampening, .weight_decay = o.weight_decay,
+            .nesterov = o.nesterov, .first = first};
+  }
   /// One update of every flat buffer.
   void step(std::span<const flat_buffer> buffers) {
-    const sgd_update u{.lr = opt_.lr, .momentum = opt_.momentum, .dampening = opt_.dampening,
-                       .weight_decay = opt_.weight_decay, .nesterov = opt_.nesterov, .first = steps_ == 0};
+    const sgd_update u = update(opt_, steps_ == 0);
     for_each_buffer(buffers, "optim::sgd", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
       on.sgd(b.values, b.grads, arrays.empty() ? raw_tensor{} : arrays[0], u);
     });
