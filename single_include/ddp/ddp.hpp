@@ -723,7 +723,8 @@ static_assert(adopting_leaf<trainable<std::span<float>>>);
 /// module class, e.g. torch::nn::Module); else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
-/// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
+/// callback a visitor receives may be given parameters, model state (ddp::state, ddp::frozen, ddp::buffer;
+/// core/state.hpp) or whole sub-modules: all are walked. ddp::visit_state walks the same tree for the state.
 
 #include <array>
 
@@ -987,15 +988,126 @@ constexpr void for_each_field(T& t, F&& f) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/core/detail/reflect.hpp>
+// ---- begin <ddp/core/state.hpp>
+/// \file Model state: the tensors of a model that are not trained but belong to it — buffers (BatchNorm's running
+/// statistics, counters; kept in sync across ranks as data_parallel_options::buffers says) and frozen parameters
+/// (never reduced or stepped; the same on every rank from construction). Both are saved and loaded by the
+/// checkpoints under their visited names and compared by verify_in_sync. A model hands them out beside its
+/// parameters: ddp::buffer<T> fields of an aggregate, or `f(name, ddp::state(x))` / `f(name, ddp::frozen(x))`
+/// from a visitor for tensors the model keeps itself.
+
+
+
+namespace ddp {
+
+/// What a tensor of model state is to training.
+enum class state_kind : std::uint8_t {
+  buffer,  ///< changed by the forward (running statistics): synchronized as data_parallel_options::buffers says
+  frozen,  ///< a parameter that is not trained: rank 0's at construction, then never changed by ddp
+};
+
+/// One tensor of model state as a visitor hands it out: where its elements are, its shape and its kind.
+struct state_view {
+  raw_tensor tensor;                ///< the elements (host or device memory), any dtype
+  std::vector<std::size_t> shape;   ///< outermost first; its product is tensor.size
+  state_kind kind = state_kind::buffer;  ///< buffer or frozen parameter
+};
+
+/// A type a visitor hands out as model state (ddp::state, ddp::buffer): it says where its elements are.
+template <class T>
+concept state_leaf = requires(const std::remove_cvref_t<T>& t) {
+  { t.view() } -> std::same_as<state_view>;
+};
+
+namespace detail {
+/// The tensor's shape through its tensor_traits (one dimension of all its elements where it has none).
+template <tensor T>
+std::vector<std::size_t> shape_of(const T& t) {
+  if constexpr (requires { tensor_traits<T>::shape(t); })
+    return tensor_traits<T>::shape(t);
+  else
+    return {tensor_traits<T>::size(t)};
+}
+}  // namespace detail
+
+/// Model state kept in a tensor of the model (std::vector, std::span, an adapter's matrix...): hand it from a
+/// visitor as `f("bn.running_mean", ddp::state(mean))`, or `ddp::frozen(w)` for a parameter that is not trained.
+/// It refers to the tensor, which must outlive the wrapper and keep its memory where it is.
+template <tensor V>
+class state {
+ public:
+  /// Refers to `values`; `shape` defaults to the tensor's own (or one dimension of all its elements).
+  explicit state(V& values, std::vector<std::size_t> shape = {}, state_kind kind = state_kind::buffer)
+      : values_(&values), shape_(shape.empty() ? detail::shape_of(values) : std::move(shape)), kind_(kind) {
+    std::size_t n = 1;
+    for (const auto d : shape_) n *= d;
+    if (n != tensor_traits<V>::size(values))
+      throw config_error("ddp::state: a shape of " + std::to_string(n) + " elements was given for a tensor of " +
+                         std::to_string(tensor_traits<V>::size(values)) + "; give a shape whose product is its size");
+  }
+  /// Where the elements are, the shape and the kind.
+  [[nodiscard]] state_view view() const { return {as_raw(*values_), shape_, kind_}; }
+
+ private:
+  V* values_;
+  std::vector<std::size_t> shape_;
+  state_kind kind_;
+};
+
+template <class V>
+state(V&) -> state<V>;
+template <class V>
+state(V&, std::vector<std::size_t>) -> state<V>;
+
+/// A parameter the model does not train, handed from a visitor: `f("embed.weight", ddp::frozen(w))`.
+template <tensor V>
+state<V> frozen(V& values, std::vector<std::size_t> shape = {}) {
+  return state<V>(values, std::move(shape), state_kind::frozen);
+}
+
+/// A buffer an aggregate model owns (running statistics, a step counter): host elements of type T (any ddp
+/// dtype, integers too) of a fixed shape, visited as model state under its field's name.
+template <element T>
+class buffer {
+ public:
+  using value_type = T;  ///< element type
+
+  buffer() = default;
+  /// A buffer of `shape`, every element `fill`.
+  explicit buffer(std::vector<std::size_t> shape, T fill = T{}) : shape_(std::move(shape)) {
+    std::size_t n = 1;
+    for (const auto d : shape_) n *= d;
+    values_.assign(n, fill);
+  }
+  /// The elements.
+  [[nodiscard]] std::span<T> values() noexcept { return values_; }
+  /// The elements.
+  [[nodiscard]] std::span<const T> values() const noexcept { return values_; }
+  /// The shape, outermost first.
+  [[nodiscard]] const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+  /// Where the elements are (host memory), the shape and the kind (buffer).
+  [[nodiscard]] state_view view() const {
+    return {raw_tensor{const_cast<T*>(values_.data()), values_.size(), dtype_v<T>, device::cpu()}, shape_,
+            state_kind::buffer};
+  }
+
+ private:
+  std::vector<std::size_t> shape_;
+  std::vector<T> values_;
+};
+
+static_assert(state_leaf<buffer<float>> && state_leaf<buffer<std::int64_t>> && state_leaf<state<std::vector<float>>>);
+
+}  // namespace ddp
+// ---- end <ddp/core/state.hpp>
 
 namespace ddp {
 
 /// Specialize for model types of a framework (an adapter's module class) with
 ///   template <class F> static void visit(M& m, F&& f);          f(name, leaf) for each trainable tensor
 /// and optionally
-///   template <class F> static void visit_buffers(M& m, F&& f);  f(name, ddp::raw_tensor) for the state that
-///                                                               is not trained but must match across ranks
-/// (data_parallel broadcasts it from rank 0 at construction, as PyTorch's DDP broadcasts module buffers).
+///   template <class F> static void visit_state(M& m, F&& f);    f(name, ddp::state_view) for the buffers and
+///                                                               frozen parameters (model state, core/state.hpp)
 template <class M>
 struct parameter_visitor {};
 
@@ -1016,6 +1128,14 @@ concept has_member_visitor = requires(M& m, probe_visitor f) { m.visit_parameter
 template <class M>
 concept has_adl_visitor = requires(M& m, probe_visitor f) { visit_parameters(m, f); };
 
+/// A callback of the shape state visitors are called with.
+struct probe_state_visitor {
+  void operator()(std::string_view, const state_view&) const {}
+};
+
+template <class M>
+concept has_state_visitor = requires(M& m, probe_state_visitor f) { parameter_visitor<M>::visit_state(m, f); };
+
 template <class T>
 struct is_sequence : std::false_type {};
 template <class E, std::size_t N>
@@ -1025,6 +1145,8 @@ struct is_sequence<std::vector<E, A>> : std::true_type { using element = E; };
 
 template <class T>
 constexpr bool node_has_parameters();
+template <class T>
+constexpr bool node_has_state();
 
 /// A framework's tensor or matrix type (elements and rows/cols, or data_ptr and grad) without storage_traits.
 template <class T>
@@ -1053,12 +1175,18 @@ template <class T, std::size_t... I>
 constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
   return (node_has_parameters<field_type_t<I, T>>() || ...);
 }
+template <class T, std::size_t... I>
+constexpr bool any_field_has_state(std::index_sequence<I...>) {
+  return (node_has_state<field_type_t<I, T>>() || ...);
+}
 
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
   if constexpr (storage_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
+  } else if constexpr (state_leaf<T>) {
+    return false;
   } else if constexpr (tensor_lookalike<T>) {
     return no_storage_traits_for<T>();
   } else if constexpr (is_sequence<T>::value) {
@@ -1070,6 +1198,31 @@ constexpr bool node_has_parameters() {
   }
 }
 
+/// True when walking a T can reach model state (decided at compile time; visitors may hand out some).
+template <class T>
+constexpr bool node_has_state() {
+  if constexpr (state_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+    return true;
+  } else if constexpr (storage_leaf<T>) {
+    return false;
+  } else if constexpr (is_sequence<T>::value) {
+    return node_has_state<typename is_sequence<T>::element>();
+  } else if constexpr (reflectable_aggregate<T>) {
+    return any_field_has_state<T>(std::make_index_sequence<field_count_v<T>>{});
+  } else {
+    return false;
+  }
+}
+
+/// Whether a walk of `Node` in this mode (parameters, or model state) can reach something to visit.
+template <bool State, class Node>
+constexpr bool node_reaches() {
+  if constexpr (State)
+    return node_has_state<Node>();
+  else
+    return node_has_parameters<Node>();
+}
+
 inline std::string join_name(std::string_view prefix, std::string_view name) {
   std::string out;
   out.reserve(prefix.size() + name.size() + 1);
@@ -1079,10 +1232,11 @@ inline std::string join_name(std::string_view prefix, std::string_view name) {
   return out;
 }
 
-template <class Node, class F>
+/// Walks `node` calling `f(name, leaf)` for its parameters, or (State) `f(name, state_view)` for its model state.
+template <bool State, class Node, class F>
 void visit_node(Node& node, std::string_view prefix, F& f);
 
-template <class Node, class F>
+template <bool State, class Node, class F>
 void visit_node(Node& node, std::string_view prefix, F& f) {
   using plain = std::remove_cv_t<Node>;
   // A user's visitor is usually written for a mutable model; a const model is walked through it
@@ -1090,26 +1244,33 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   auto& mutable_node = const_cast<plain&>(node);
   auto descend = [&](std::string_view name, auto&& child) {
     if constexpr (std::is_const_v<Node>)
-      visit_node(std::as_const(child), join_name(prefix, name), f);
+      visit_node<State>(std::as_const(child), join_name(prefix, name), f);
     else
-      visit_node(child, join_name(prefix, name), f);
+      visit_node<State>(child, join_name(prefix, name), f);
   };
   if constexpr (storage_leaf<plain>) {
-    f(prefix, node);
+    if constexpr (!State) f(prefix, node);
+  } else if constexpr (state_leaf<plain>) {
+    if constexpr (State) f(prefix, node.view());
   } else if constexpr (has_parameter_visitor<plain>) {
-    parameter_visitor<plain>::visit(mutable_node, descend);
+    if constexpr (!State)
+      parameter_visitor<plain>::visit(mutable_node, descend);
+    else if constexpr (has_state_visitor<plain>)
+      parameter_visitor<plain>::visit_state(
+          mutable_node, [&](std::string_view name, const state_view& v) { f(join_name(prefix, name), v); });
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
     visit_parameters(mutable_node, descend);
-  } else if constexpr (is_sequence<plain>::value && node_has_parameters<plain>()) {
-    for (std::size_t i = 0; i < node.size(); ++i) visit_node(node[i], join_name(prefix, std::to_string(i)), f);
-  } else if constexpr (reflectable_aggregate<plain> && node_has_parameters<plain>()) {
+  } else if constexpr (is_sequence<plain>::value && node_reaches<State, plain>()) {
+    for (std::size_t i = 0; i < node.size(); ++i)
+      visit_node<State>(node[i], join_name(prefix, std::to_string(i)), f);
+  } else if constexpr (reflectable_aggregate<plain> && node_reaches<State, plain>()) {
     for_each_field(node, [&](std::string_view name, auto& field) {
-      if constexpr (node_has_parameters<std::remove_cvref_t<decltype(field)>>())
-        visit_node(field, join_name(prefix, name), f);
+      if constexpr (node_reaches<State, std::remove_cvref_t<decltype(field)>>())
+        visit_node<State>(field, join_name(prefix, name), f);
     });
-  } else {
+  } else if constexpr (!State) {
     no_storage_traits_for<plain>();
   }
 }
@@ -1123,17 +1284,9 @@ struct visit_parameters_fn {
                   "ddp::trainable(values, grads), an adapter's tensor) or sub-module, an ADL "
                   "visit_parameters(model, f), or make it an aggregate whose fields are such leaves, "
                   "std::array/std::vector of layers, or such aggregates.");
-    visit_node(model, std::string_view{}, f);
+    visit_node<false>(model, std::string_view{}, f);
   }
 };
-
-/// Calls `f(name, ddp::raw_tensor)` for the buffers of `model` (its parameter_visitor's visit_buffers); does
-/// nothing for a model without any.
-template <class Model, class F>
-void visit_buffers(Model& model, F&& f) {
-  if constexpr (requires { parameter_visitor<Model>::visit_buffers(model, f); })
-    parameter_visitor<Model>::visit_buffers(model, f);
-}
 
 }  // namespace detail
 
@@ -1145,6 +1298,13 @@ inline namespace cpo {
 /// Calls `f(dotted_name, parameter&)` for every parameter of `model`, in a stable order.
 inline constexpr detail::visit_parameters_fn visit_parameters{};
 }  // namespace cpo
+
+/// Calls `f(dotted_name, const ddp::state_view&)` for every buffer and frozen parameter of `model` (its model
+/// state, core/state.hpp), in a stable order; nothing for a model without any.
+template <class Model, class F>
+void visit_state(Model& model, F&& f) {
+  if constexpr (detail::node_has_state<std::remove_cv_t<Model>>()) detail::visit_node<true>(model, std::string_view{}, f);
+}
 
 }  // namespace ddp
 // ---- end <ddp/core/visit.hpp>
@@ -9450,6 +9610,14 @@ unit_list resolve_units(Model& model, const unit_list& units, int rank) {
 
 namespace ddp {
 
+/// How data_parallel keeps the model's buffers (model state of kind buffer: running statistics) alike on the ranks.
+enum class buffer_sync : std::uint8_t {
+  broadcast,     ///< rank 0's after construction and after every step (PyTorch DDP's broadcast_buffers=True)
+  mean,          ///< rank 0's after construction; after every step the mean over the ranks (integers: rank 0's)
+  construction,  ///< rank 0's after construction only (PyTorch DDP's broadcast_buffers=False)
+  never,         ///< each rank keeps its own, also at construction
+};
+
 /// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
 struct data_parallel_options {
   /// Parameters that never receive a gradient (frozen or unused branches): they need not report; their
@@ -9458,8 +9626,11 @@ struct data_parallel_options {
   /// true: finish_gradients() throws ddp::error naming parameters that did not report; false: their
   /// gradients are reduced as they stand.
   bool error_on_missing = true;
-  /// Copy rank 0's parameter values to every rank at construction.
+  /// Copy rank 0's parameter values (trainable and frozen) to every rank at construction.
   bool broadcast_parameters = true;
+  /// How buffers stay alike on the ranks (dp.sync_buffers() on demand); verify_in_sync compares them under
+  /// broadcast and mean. Under a join scope the lowest rank still training is the source.
+  buffer_sync buffers = buffer_sync::broadcast;
   /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
   /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
@@ -10497,6 +10668,10 @@ class join_state {
  public:
   explicit join_state(bool trace) noexcept : trace_(trace) {}
 
+  /// Whether a join scope is open.
+  [[nodiscard]] bool open() const noexcept { return open_; }
+  /// Whether this rank still trains (outside a join scope: always).
+  [[nodiscard]] bool active() const noexcept { return !open_ || active_; }
   /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
   [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
 
@@ -12340,6 +12515,150 @@ class [[nodiscard]] join_scope {
 
 }  // namespace ddp
 // ---- end <ddp/parallel/join.hpp>
+// ---- begin <ddp/parallel/model_state.hpp>
+/// \file The model state of a data_parallel (buffers and frozen parameters, core/state.hpp) kept alike on every
+/// rank: collected in visit order, described for the same-model check, hashed for verify_in_sync, and synchronized
+/// as data_parallel_options::buffers says — rank 0's broadcast (PyTorch DDP's broadcast_buffers) or the mean over
+/// ranks. Host tensors travel packed, one collective per dtype; device tensors one collective each, in their memory.
+
+
+
+namespace ddp::detail {
+
+/// One tensor of model state under its visited name.
+struct named_state {
+  std::string name;  ///< dotted name ("bn1.running_mean")
+  state_view view;   ///< where it is, its shape and kind
+};
+
+/// The model state of `model`, in visit order.
+template <class Model>
+std::vector<named_state> collect_model_state(Model& model) {
+  std::vector<named_state> out;
+  visit_state(model, [&](std::string_view name, const state_view& v) { out.push_back({std::string(name), v}); });
+  return out;
+}
+
+/// "buffer bn1.running_mean f32 [16]": a line of the same-model check.
+inline std::string describe_state(const named_state& s) {
+  std::string d = (s.view.kind == state_kind::frozen ? "frozen " : "buffer ") + s.name + " " +
+                  std::string(to_string(s.view.tensor.type)) + " [";
+  for (std::size_t i = 0; i < s.view.shape.size(); ++i) d += (i ? ", " : "") + std::to_string(s.view.shape[i]);
+  return d + "]";
+}
+
+/// verify_in_sync's digest of the state every rank holds alike: frozen parameters always, buffers when
+/// `buffers_in_sync` (the buffer_sync mode keeps them alike).
+inline replica_digest digest_state(std::span<const named_state> state, bool buffers_in_sync) {
+  replica_digest d;
+  domain_buffer scratch;
+  for (const auto& s : state) {
+    if (s.view.kind == state_kind::buffer && !buffers_in_sync) {
+      d.hashes.push_back(0);
+      continue;
+    }
+    const raw_tensor host = readable_on_host(s.view.tensor, scratch);
+    d.hashes.push_back(fnv1a(std::span(static_cast<const std::byte*>(host.data), host.bytes())));
+  }
+  return d;
+}
+
+/// Synchronizes the model state's buffers across ranks, reusing its packing memory from one step to the next.
+class state_sync {
+ public:
+  /// Collective: every tensor of `state` whose kind is in `kinds` takes rank `root`'s values.
+  template <class Comm>
+  void broadcast(Comm& comm, std::span<const named_state> state, int root, std::span<const state_kind> kinds) {
+    for_each_group(state, kinds, [&](const raw_tensor& t) { comm.broadcast(t, root).wait(); }, comm.rank() == root);
+  }
+  /// Collective: the floating buffers take the mean of the `active` ranks' values (a rank with `mine_counts`
+  /// false adds zeros: it has left a join scope), the integer ones rank `root`'s.
+  template <class Comm>
+  void mean(Comm& comm, std::span<const named_state> state, int root, bool mine_counts, int active) {
+    const state_kind buffers[] = {state_kind::buffer};
+    for_each_group(
+        state, buffers,
+        [&](const raw_tensor& t) {
+          if (!floating(t.type)) {
+            comm.broadcast(t, root).wait();
+            return;
+          }
+          memory_domain& d = domain_of_tensor(t);
+          if (!mine_counts) d.zero(t);
+          comm.all_reduce(t, reduce_op::avg).wait();
+          if (active != comm.size()) d.scale(t, static_cast<double>(comm.size()) / active);
+          d.synchronize();  // the host reads or steps on from here
+        },
+        true);
+  }
+
+ private:
+  static bool floating(dtype t) noexcept {
+    return t == dtype::f32 || t == dtype::f64 || t == dtype::bf16 || t == dtype::f16;
+  }
+  static memory_domain& domain_of_tensor(const raw_tensor& t) { return require_domain_of(t.where, "buffer sync"); }
+
+  /// Calls `run(t)` once per dtype for the host tensors of `kinds` packed into one host tensor (copied in when
+  /// `fill`, always copied back), and once per device tensor of `kinds` on the tensor itself.
+  template <class Run>
+  void for_each_group(std::span<const named_state> state, std::span<const state_kind> kinds, Run run, bool fill) {
+    auto wanted = [&](const named_state& s) {
+      return s.view.tensor.size > 0 && std::find(kinds.begin(), kinds.end(), s.view.kind) != kinds.end();
+    };
+    for (const dtype type : {dtype::f32, dtype::f64, dtype::bf16, dtype::f16, dtype::i32, dtype::i64, dtype::u8}) {
+      std::size_t bytes = 0;
+      for (const auto& s : state)
+        if (wanted(s) && s.view.tensor.type == type && !s.view.tensor.where.is_cuda()) bytes += s.view.tensor.bytes();
+      if (bytes == 0) continue;
+      packed_.resize(bytes);
+      std::size_t at = 0;
+      for (const auto& s : state)
+        if (wanted(s) && s.view.tensor.type == type && !s.view.tensor.where.is_cuda()) {
+          if (fill) std::memcpy(packed_.data() + at, s.view.tensor.data, s.view.tensor.bytes());
+          at += s.view.tensor.bytes();
+        }
+      run(raw_tensor{packed_.data(), bytes / size_of(type), type, device::cpu()});
+      at = 0;
+      for (const auto& s : state)
+        if (wanted(s) && s.view.tensor.type == type && !s.view.tensor.where.is_cuda()) {
+          std::memcpy(s.view.tensor.data, packed_.data() + at, s.view.tensor.bytes());
+          at += s.view.tensor.bytes();
+        }
+    }
+    for (const auto& s : state)
+      if (wanted(s) && s.view.tensor.where.is_cuda()) run(s.view.tensor);
+  }
+
+  std::vector<std::byte> packed_;  // the host tensors of one dtype, one after another
+};
+
+/// Collective: the buffers of `state` become alike on every rank, as `how` says (broadcast: the source rank's;
+/// mean: the mean over the ranks still training). The source is rank 0, or inside a join scope the lowest rank
+/// still training (one all-reduce finds it and counts the training ranks); with none left nothing changes.
+template <class Comm>
+void sync_buffers(Comm& comm, const join_state& join, std::span<const named_state> state, state_sync& sync,
+                  buffer_sync how) {
+  const bool any = std::any_of(state.begin(), state.end(), [](const named_state& s) { return s.view.kind == state_kind::buffer; });
+  if (!any || how == buffer_sync::never || how == buffer_sync::construction) return;
+  int root = 0, active = comm.size();
+  if (join.open()) {
+    // The lowest training rank travels as size - rank under max (joined ranks give 0); the count as a sum.
+    std::int64_t v[2] = {join.active() ? comm.size() - comm.rank() : 0, join.active() ? 1 : 0};
+    comm.all_reduce(std::span<std::int64_t>(v, 1), reduce_op::max).wait();
+    comm.all_reduce(std::span<std::int64_t>(v + 1, 1), reduce_op::sum).wait();
+    if (v[1] == 0) return;
+    root = comm.size() - static_cast<int>(v[0]);
+    active = static_cast<int>(v[1]);
+  }
+  const state_kind buffers[] = {state_kind::buffer};
+  if (how == buffer_sync::broadcast)
+    sync.broadcast(comm, state, root, buffers);
+  else
+    sync.mean(comm, state, root, join.active(), active);
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/parallel/model_state.hpp>
 // ---- begin <ddp/parallel/no_sync.hpp>
 /// \file ddp::no_sync_guard: the scope of a gradient-accumulation span, what dp.no_sync() returns (PyTorch's
 /// `with model.no_sync():`). It counts the open spans in the step state; the strategy's accumulation trait
@@ -12571,18 +12890,24 @@ class data_parallel {
         layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::bucket_cut)),
-        hook_(make_hook()),
+        hook_(make_hook()), model_state_(detail::collect_model_state(model)),
         state_(plan_, layout_.slot_units(), layout_.units().size(), strategy_type::initial_units,
                strategy_type::join_replays_scopes, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
+    for (const auto& s : model_state_) descriptions.push_back(detail::describe_state(s));
     detail::verify_same_model(comm_, descriptions);
     detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
     strategy_type::check_leaves(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-      detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
+      const state_kind frozen[] = {state_kind::frozen};
+      state_sync_.broadcast(comm_, model_state_, 0, frozen);
+    }
+    if (options_.buffers != buffer_sync::never) {
+      const state_kind buffers[] = {state_kind::buffer};
+      state_sync_.broadcast(comm_, model_state_, 0, buffers);
     }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
@@ -12677,10 +13002,23 @@ class data_parallel {
   /// which are hashed and compared with the ranks owning the same blocks: the other groups under hybrid
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
+  /// The model state (frozen parameters; buffers under buffer_sync::broadcast and mean, as the last sync left
+  /// them) is compared across all ranks the same way.
   void verify_in_sync() {
     state_.join().check("verify_in_sync", rank());
     detail::verify_replicas(comm_, strategy_->digest(),
                             [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
+    if (model_state_.empty()) return;
+    const bool buffers_alike = options_.buffers == buffer_sync::broadcast || options_.buffers == buffer_sync::mean;
+    detail::verify_replicas(comm_, detail::digest_state(model_state_, buffers_alike),
+                            [&](std::size_t s) -> const std::string& { return model_state_[s].name; });
+  }
+  /// Collective: makes the buffers alike on every rank now — their mean under buffer_sync::mean, else rank 0's
+  /// (inside a join scope: the lowest rank still training). Steps do it themselves under broadcast and mean.
+  void sync_buffers() {
+    state_.join().check("sync_buffers", rank());
+    detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_,
+                         options_.buffers == buffer_sync::mean ? buffer_sync::mean : buffer_sync::broadcast);
   }
   /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
   /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
@@ -12761,6 +13099,9 @@ class data_parallel {
   void for_each_parameter(F&& f) {
     visit_parameters(model_, f);
   }
+  /// The model's buffers and frozen parameters (model state) in visit order, as found at construction: the
+  /// wrapper refers to their memory, which must stay where it is (checkpoints read and fill it).
+  [[nodiscard]] std::span<const detail::named_state> model_state() const noexcept { return model_state_; }
   /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
   [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
   /// After the values changed outside a step (checkpoint loading calls it): mixed precision narrows the f32 masters
@@ -12836,6 +13177,7 @@ class data_parallel {
     masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
     strategy_->after_step();
     layout_.values_out();
+    detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
     ++steps_;
@@ -12879,6 +13221,8 @@ class data_parallel {
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
   hook_type hook_;
+  std::vector<detail::named_state> model_state_;  // buffers and frozen parameters, in visit order
+  detail::state_sync state_sync_;                 // their packing memory
   detail::step_state state_;                // the step, its buckets and units, join, no_sync, backward scopes
   detail::bucket_rebuild rebuild_{options_.rebuild_buckets && strategy_type::rebuilds_buckets};  // after step 1
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)
@@ -27561,7 +27905,8 @@ class file {
 
 // ---- begin <ddp/checkpoint/state.hpp>
 /// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
-/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<state>"), the pieces of
+/// tensors (parameters under their visited names, then the model state — frozen parameters and buffers — under
+/// theirs, held whole by every rank; optimizer state as "optim.<parameter>.<state>"), the pieces of
 /// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
@@ -27606,8 +27951,8 @@ struct device_mirror {
 
 /// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
 struct training_state {
-  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
-  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the model's
+  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, model state, optimizer state
+  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the trained parameters
   std::vector<state_piece> mine;                    ///< this rank's pieces
   std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
@@ -27689,6 +28034,12 @@ training_state collect_state(DP& dp, Opt* opt) {
 
   std::vector<piece_description> described;
   std::vector<std::byte*> data;
+  for (const auto& s : dp.model_state()) {  // every rank holds the whole tensor; the lowest rank's is written
+    index[s.name] = st.tensors.size();
+    st.tensors.push_back({s.name, s.view.tensor.type, s.view.shape});
+    described.push_back({s.name, s.view.tensor.type, 0, s.view.tensor.size});
+    data.push_back(st.host_side(s.view.tensor));
+  }
   for (const auto& b : dp.owned_buffers()) {
     std::byte* values = st.host_side(b.values);
     for (const auto& seg : b.segments) {

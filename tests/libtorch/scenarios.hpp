@@ -486,4 +486,59 @@ void check_checkpoint(Comm comm, const std::filesystem::path& path) {
   REQUIRE_THROWS_AS(ddp::load_module(path, *other), ddp::mismatch_error);
 }
 
+/// A module with BatchNorm (running statistics, an i64 counter) and a frozen head.weight: PyTorch's usual CNN tail.
+struct bn_net_impl : torch::nn::Module {
+  bn_net_impl()
+      : fc(register_module("fc", torch::nn::Linear(6, 5))), bn(register_module("bn", torch::nn::BatchNorm1d(5))),
+        head(register_module("head", torch::nn::Linear(5, 3))) {
+    head->weight.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(torch::relu(bn(fc(x)))); }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear head;
+};
+TORCH_MODULE_IMPL(bn_net, bn_net_impl);
+
+/// Every named parameter and buffer of `m` (trainable or not), in order.
+inline std::vector<std::pair<std::string, torch::Tensor>> state_of(torch::nn::Module& m) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : m.named_parameters()) out.emplace_back(item.key(), item.value().detach().clone());
+  for (const auto& item : m.named_buffers()) out.emplace_back(item.key(), item.value().clone());
+  return out;
+}
+
+/// bn_net trained three steps at N ranks (each its own batch, train mode): after every step each rank holds rank
+/// 0's running statistics, so verify_in_sync (which compares buffers and the frozen weight) passes; ddp::save writes
+/// them and the frozen weight, and ddp::load_module reads everything back into a fresh module bit for bit.
+template <class Backend, class Comm>
+void check_bn_checkpoint(Comm comm, const std::filesystem::path& path) {
+  torch::manual_seed(1 + static_cast<std::uint64_t>(comm.rank()));
+  bn_net net;
+  ddp::data_parallel<bn_net_impl, Backend> dp{*net, comm};
+  REQUIRE(dp.model_state().size() == 4);  // head.weight (frozen), bn.running_mean, bn.running_var, bn.num_batches_tracked
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < 3; ++s) {
+    dp.zero_grad();
+    torch::manual_seed(100 * static_cast<std::uint64_t>(s) + static_cast<std::uint64_t>(comm.rank()));
+    const auto x = torch::randn({4, 6}), y = torch::randn({4, 3});
+    scaled_loss(net->forward(x), y, 1.0).backward();
+    dp.step(opt);
+    dp.verify_in_sync();
+  }
+  REQUIRE(net->bn->num_batches_tracked.item<std::int64_t>() == 3);
+  ddp::save(path, dp);
+  if (comm.rank() != 0) return;
+  torch::manual_seed(99);
+  bn_net plain;
+  ddp::load_module(path, *plain);
+  const auto got = state_of(*plain), want = state_of(*net);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    INFO(got[i].first);
+    REQUIRE(got[i].first == want[i].first);
+    REQUIRE(torch::equal(got[i].second, want[i].second));
+  }
+}
+
 }  // namespace ddp_torch_test

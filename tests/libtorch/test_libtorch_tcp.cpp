@@ -29,6 +29,27 @@ void on_1_to_3_ranks(F body) {
 }
 }  // namespace
 
+/// The eval-mode output of `module` on probe_input(), and what PyTorch's strict load_state_dict of `path` into the same
+/// architecture (torch_load.py `arch`) gives: equal within `tolerance`.
+template <class Module>
+void require_pytorch_agrees(Module& module, const std::filesystem::path& path, const char* arch, double tolerance) {
+  module->eval();
+  const torch::Tensor ours = module->forward(probe_input()).detach().flatten();
+  const std::string command = "/usr/bin/python3 " DDP_TORCH_LOAD_SCRIPT " " + path.string() + " " + arch;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string printed;
+  char chunk[512];
+  while (const std::size_t n = std::fread(chunk, 1, sizeof chunk, pipe)) printed.append(chunk, n);
+  REQUIRE(::pclose(pipe) == 0);
+  std::istringstream in(printed);
+  std::vector<double> theirs;
+  for (double v = 0; in >> v;) theirs.push_back(v);
+  INFO("PyTorch printed: " << printed);
+  REQUIRE(theirs.size() == static_cast<std::size_t>(ours.numel()));
+  for (std::size_t i = 0; i < theirs.size(); ++i)
+    REQUIRE(std::abs(theirs[i] - ours[static_cast<std::int64_t>(i)].item<double>()) <= tolerance * std::max(1.0, std::abs(theirs[i])));
+}
 TEST_CASE("tcp replicate: MLP and CNN with torch SGD momentum, Adam and ddp adamw equal one process",
           "[equivalence]") {
   on_1_to_3_ranks([](ddp::tcp::communicator comm) {
@@ -141,20 +162,19 @@ TEST_CASE("tcp checkpoint: ddp::save(path, dp) at 2 ranks loads into a plain mod
   }));
   mlp plain = make_model<mlp>(5);
   ddp::load_module(path, *plain);
-  const torch::Tensor ours = plain->forward(probe_input()).detach().flatten();
-  const std::string command = "/usr/bin/python3 " DDP_TORCH_LOAD_SCRIPT " " + path.string();
-  FILE* pipe = ::popen(command.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string printed;
-  char chunk[512];
-  while (const std::size_t n = std::fread(chunk, 1, sizeof chunk, pipe)) printed.append(chunk, n);
-  REQUIRE(::pclose(pipe) == 0);
+  require_pytorch_agrees(plain, path, "mlp", 1e-5);
   std::filesystem::remove(path);
-  std::istringstream in(printed);
-  std::vector<double> theirs;
-  for (double v = 0; in >> v;) theirs.push_back(v);
-  INFO("PyTorch printed: " << printed);
-  REQUIRE(theirs.size() == static_cast<std::size_t>(ours.numel()));
-  for (std::size_t i = 0; i < theirs.size(); ++i)
-    REQUIRE(std::abs(theirs[i] - ours[static_cast<std::int64_t>(i)].item<double>()) <= 1e-5 * std::max(1.0, std::abs(theirs[i])));
+}
+TEST_CASE("tcp checkpoint: a BatchNorm module with a frozen weight saved at 2 ranks holds its running statistics and "
+          "frozen weight, C++ and PyTorch's strict load_state_dict read it and evaluate alike", "[checkpoint]") {
+  const auto path = std::filesystem::temp_directory_path() / ("ddp_libtorch_bn_" + std::to_string(::getpid()) + ".safetensors");
+  ddp::testing::require_all_ok(ddp::testing::run_ranks(2, [&](int) {
+    torch::set_num_threads(1);
+    check_bn_checkpoint<tcp>(ddp::tcp::communicator::from_env(), path);
+  }));
+  torch::manual_seed(7);
+  bn_net plain;
+  ddp::load_module(path, *plain);
+  require_pytorch_agrees(plain, path, "bn", 1e-6);
+  std::filesystem::remove(path);
 }

@@ -1,6 +1,7 @@
 #pragma once
 /// \file The training state of a data_parallel model as checkpoints see it, whatever the sharding policy: the
-/// tensors (parameters under their visited names, optimizer state as "optim.<parameter>.<state>"), the pieces of
+/// tensors (parameters under their visited names, then the model state — frozen parameters and buffers — under
+/// theirs, held whole by every rank; optimizer state as "optim.<parameter>.<state>"), the pieces of
 /// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
@@ -71,8 +72,8 @@ struct device_mirror {
 
 /// The training state of one data_parallel (and optimizer), the same tensors and places on every rank.
 struct training_state {
-  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, then optimizer state
-  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the model's
+  std::vector<safetensors::tensor_header> tensors;  ///< parameters in visit order, model state, optimizer state
+  std::size_t parameters = 0;                       ///< the first `parameters` tensors are the trained parameters
   std::vector<state_piece> mine;                    ///< this rank's pieces
   std::vector<std::vector<held_range>> holders;     ///< per tensor: every rank's pieces, by rank
   std::vector<std::vector<held_range>> cover;       ///< per tensor: ascending ranges, each from the lowest rank holding it
@@ -154,6 +155,12 @@ training_state collect_state(DP& dp, Opt* opt) {
 
   std::vector<piece_description> described;
   std::vector<std::byte*> data;
+  for (const auto& s : dp.model_state()) {  // every rank holds the whole tensor; the lowest rank's is written
+    index[s.name] = st.tensors.size();
+    st.tensors.push_back({s.name, s.view.tensor.type, s.view.shape});
+    described.push_back({s.name, s.view.tensor.type, 0, s.view.tensor.size});
+    data.push_back(st.host_side(s.view.tensor));
+  }
   for (const auto& b : dp.owned_buffers()) {
     std::byte* values = st.host_side(b.values);
     for (const auto& seg : b.segments) {

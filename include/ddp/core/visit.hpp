@@ -6,7 +6,8 @@
 /// module class, e.g. torch::nn::Module); else a member
 /// `visit_parameters(f)`; else an ADL `visit_parameters(node, f)`; else a std::array or std::vector
 /// of nodes (names "0", "1", ...); else recursion over the fields of an aggregate. The
-/// callback a visitor receives may be given parameters or whole sub-modules: both are walked.
+/// callback a visitor receives may be given parameters, model state (ddp::state, ddp::frozen, ddp::buffer;
+/// core/state.hpp) or whole sub-modules: all are walked. ddp::visit_state walks the same tree for the state.
 
 #include <array>
 #include <cstddef>
@@ -19,6 +20,7 @@
 #include <ddp/core/detail/dependent_false.hpp>
 #include <ddp/core/detail/reflect.hpp>
 #include <ddp/core/parameter.hpp>
+#include <ddp/core/state.hpp>
 #include <ddp/core/storage_traits.hpp>
 
 namespace ddp {
@@ -26,9 +28,8 @@ namespace ddp {
 /// Specialize for model types of a framework (an adapter's module class) with
 ///   template <class F> static void visit(M& m, F&& f);          f(name, leaf) for each trainable tensor
 /// and optionally
-///   template <class F> static void visit_buffers(M& m, F&& f);  f(name, ddp::raw_tensor) for the state that
-///                                                               is not trained but must match across ranks
-/// (data_parallel broadcasts it from rank 0 at construction, as PyTorch's DDP broadcasts module buffers).
+///   template <class F> static void visit_state(M& m, F&& f);    f(name, ddp::state_view) for the buffers and
+///                                                               frozen parameters (model state, core/state.hpp)
 template <class M>
 struct parameter_visitor {};
 
@@ -49,6 +50,14 @@ concept has_member_visitor = requires(M& m, probe_visitor f) { m.visit_parameter
 template <class M>
 concept has_adl_visitor = requires(M& m, probe_visitor f) { visit_parameters(m, f); };
 
+/// A callback of the shape state visitors are called with.
+struct probe_state_visitor {
+  void operator()(std::string_view, const state_view&) const {}
+};
+
+template <class M>
+concept has_state_visitor = requires(M& m, probe_state_visitor f) { parameter_visitor<M>::visit_state(m, f); };
+
 template <class T>
 struct is_sequence : std::false_type {};
 template <class E, std::size_t N>
@@ -58,6 +67,8 @@ struct is_sequence<std::vector<E, A>> : std::true_type { using element = E; };
 
 template <class T>
 constexpr bool node_has_parameters();
+template <class T>
+constexpr bool node_has_state();
 
 /// A framework's tensor or matrix type (elements and rows/cols, or data_ptr and grad) without storage_traits.
 template <class T>
@@ -86,12 +97,18 @@ template <class T, std::size_t... I>
 constexpr bool any_field_has_parameters(std::index_sequence<I...>) {
   return (node_has_parameters<field_type_t<I, T>>() || ...);
 }
+template <class T, std::size_t... I>
+constexpr bool any_field_has_state(std::index_sequence<I...>) {
+  return (node_has_state<field_type_t<I, T>>() || ...);
+}
 
 /// True when walking a T can reach a parameter (decided at compile time).
 template <class T>
 constexpr bool node_has_parameters() {
   if constexpr (storage_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
     return true;
+  } else if constexpr (state_leaf<T>) {
+    return false;
   } else if constexpr (tensor_lookalike<T>) {
     return no_storage_traits_for<T>();
   } else if constexpr (is_sequence<T>::value) {
@@ -103,6 +120,31 @@ constexpr bool node_has_parameters() {
   }
 }
 
+/// True when walking a T can reach model state (decided at compile time; visitors may hand out some).
+template <class T>
+constexpr bool node_has_state() {
+  if constexpr (state_leaf<T> || has_parameter_visitor<T> || has_member_visitor<T> || has_adl_visitor<T>) {
+    return true;
+  } else if constexpr (storage_leaf<T>) {
+    return false;
+  } else if constexpr (is_sequence<T>::value) {
+    return node_has_state<typename is_sequence<T>::element>();
+  } else if constexpr (reflectable_aggregate<T>) {
+    return any_field_has_state<T>(std::make_index_sequence<field_count_v<T>>{});
+  } else {
+    return false;
+  }
+}
+
+/// Whether a walk of `Node` in this mode (parameters, or model state) can reach something to visit.
+template <bool State, class Node>
+constexpr bool node_reaches() {
+  if constexpr (State)
+    return node_has_state<Node>();
+  else
+    return node_has_parameters<Node>();
+}
+
 inline std::string join_name(std::string_view prefix, std::string_view name) {
   std::string out;
   out.reserve(prefix.size() + name.size() + 1);
@@ -112,10 +154,11 @@ inline std::string join_name(std::string_view prefix, std::string_view name) {
   return out;
 }
 
-template <class Node, class F>
+/// Walks `node` calling `f(name, leaf)` for its parameters, or (State) `f(name, state_view)` for its model state.
+template <bool State, class Node, class F>
 void visit_node(Node& node, std::string_view prefix, F& f);
 
-template <class Node, class F>
+template <bool State, class Node, class F>
 void visit_node(Node& node, std::string_view prefix, F& f) {
   using plain = std::remove_cv_t<Node>;
   // A user's visitor is usually written for a mutable model; a const model is walked through it
@@ -123,26 +166,33 @@ void visit_node(Node& node, std::string_view prefix, F& f) {
   auto& mutable_node = const_cast<plain&>(node);
   auto descend = [&](std::string_view name, auto&& child) {
     if constexpr (std::is_const_v<Node>)
-      visit_node(std::as_const(child), join_name(prefix, name), f);
+      visit_node<State>(std::as_const(child), join_name(prefix, name), f);
     else
-      visit_node(child, join_name(prefix, name), f);
+      visit_node<State>(child, join_name(prefix, name), f);
   };
   if constexpr (storage_leaf<plain>) {
-    f(prefix, node);
+    if constexpr (!State) f(prefix, node);
+  } else if constexpr (state_leaf<plain>) {
+    if constexpr (State) f(prefix, node.view());
   } else if constexpr (has_parameter_visitor<plain>) {
-    parameter_visitor<plain>::visit(mutable_node, descend);
+    if constexpr (!State)
+      parameter_visitor<plain>::visit(mutable_node, descend);
+    else if constexpr (has_state_visitor<plain>)
+      parameter_visitor<plain>::visit_state(
+          mutable_node, [&](std::string_view name, const state_view& v) { f(join_name(prefix, name), v); });
   } else if constexpr (has_member_visitor<plain>) {
     mutable_node.visit_parameters(descend);
   } else if constexpr (has_adl_visitor<plain>) {
     visit_parameters(mutable_node, descend);
-  } else if constexpr (is_sequence<plain>::value && node_has_parameters<plain>()) {
-    for (std::size_t i = 0; i < node.size(); ++i) visit_node(node[i], join_name(prefix, std::to_string(i)), f);
-  } else if constexpr (reflectable_aggregate<plain> && node_has_parameters<plain>()) {
+  } else if constexpr (is_sequence<plain>::value && node_reaches<State, plain>()) {
+    for (std::size_t i = 0; i < node.size(); ++i)
+      visit_node<State>(node[i], join_name(prefix, std::to_string(i)), f);
+  } else if constexpr (reflectable_aggregate<plain> && node_reaches<State, plain>()) {
     for_each_field(node, [&](std::string_view name, auto& field) {
-      if constexpr (node_has_parameters<std::remove_cvref_t<decltype(field)>>())
-        visit_node(field, join_name(prefix, name), f);
+      if constexpr (node_reaches<State, std::remove_cvref_t<decltype(field)>>())
+        visit_node<State>(field, join_name(prefix, name), f);
     });
-  } else {
+  } else if constexpr (!State) {
     no_storage_traits_for<plain>();
   }
 }
@@ -156,17 +206,9 @@ struct visit_parameters_fn {
                   "ddp::trainable(values, grads), an adapter's tensor) or sub-module, an ADL "
                   "visit_parameters(model, f), or make it an aggregate whose fields are such leaves, "
                   "std::array/std::vector of layers, or such aggregates.");
-    visit_node(model, std::string_view{}, f);
+    visit_node<false>(model, std::string_view{}, f);
   }
 };
-
-/// Calls `f(name, ddp::raw_tensor)` for the buffers of `model` (its parameter_visitor's visit_buffers); does
-/// nothing for a model without any.
-template <class Model, class F>
-void visit_buffers(Model& model, F&& f) {
-  if constexpr (requires { parameter_visitor<Model>::visit_buffers(model, f); })
-    parameter_visitor<Model>::visit_buffers(model, f);
-}
 
 }  // namespace detail
 
@@ -178,5 +220,12 @@ inline namespace cpo {
 /// Calls `f(dotted_name, parameter&)` for every parameter of `model`, in a stable order.
 inline constexpr detail::visit_parameters_fn visit_parameters{};
 }  // namespace cpo
+
+/// Calls `f(dotted_name, const ddp::state_view&)` for every buffer and frozen parameter of `model` (its model
+/// state, core/state.hpp), in a stable order; nothing for a model without any.
+template <class Model, class F>
+void visit_state(Model& model, F&& f) {
+  if constexpr (detail::node_has_state<std::remove_cv_t<Model>>()) detail::visit_node<true>(model, std::string_view{}, f);
+}
 
 }  // namespace ddp

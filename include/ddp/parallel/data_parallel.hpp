@@ -35,6 +35,7 @@
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/join.hpp>
 #include <ddp/parallel/master_weights.hpp>
+#include <ddp/parallel/model_state.hpp>
 #include <ddp/parallel/no_sync.hpp>
 #include <ddp/parallel/options.hpp>
 #include <ddp/parallel/policies.hpp>
@@ -111,18 +112,24 @@ class data_parallel {
         layout_(model, multiple_, layout_options(model, options_, comm_.rank())),
         plan_(detail::plan_buckets(layout_, policy::buckets::capacity, policy::buckets::first, multiple_,
                                   strategy_type::bucket_cut)),
-        hook_(make_hook()),
+        hook_(make_hook()), model_state_(detail::collect_model_state(model)),
         state_(plan_, layout_.slot_units(), layout_.units().size(), strategy_type::initial_units,
                strategy_type::join_replays_scopes, comm_.rank()) {
     std::vector<std::string> descriptions;
     for (const auto& s : layout_.slots()) descriptions.push_back(s.describe());
+    for (const auto& s : model_state_) descriptions.push_back(detail::describe_state(s));
     detail::verify_same_model(comm_, descriptions);
     detail::apply_precision<precision>(layout_, rank());  // mixed precision: dtypes checked (alike on every rank)
     unused_ = detail::unused_mask(layout_, options_.unused_parameters, rank());
     strategy_type::check_leaves(layout_, rank());
     if (options_.broadcast_parameters) {
       for (const auto& a : layout_.arenas()) comm_.broadcast(a.value_view(0, a.numel), 0).wait();
-      detail::visit_buffers(model_, [&](std::string_view, raw_tensor b) { comm_.broadcast(b, 0).wait(); });
+      const state_kind frozen[] = {state_kind::frozen};
+      state_sync_.broadcast(comm_, model_state_, 0, frozen);
+    }
+    if (options_.buffers != buffer_sync::never) {
+      const state_kind buffers[] = {state_kind::buffer};
+      state_sync_.broadcast(comm_, model_state_, 0, buffers);
     }
     strategy_.emplace(layout_, plan_, state_, comm_, sharding_);
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
@@ -217,10 +224,23 @@ class data_parallel {
   /// which are hashed and compared with the ranks owning the same blocks: the other groups under hybrid
   /// (without replicas there is nothing to compare, since every value has one owner). On a difference every
   /// rank throws ddp::mismatch_error naming the first differing parameter and the ranks that disagree.
+  /// The model state (frozen parameters; buffers under buffer_sync::broadcast and mean, as the last sync left
+  /// them) is compared across all ranks the same way.
   void verify_in_sync() {
     state_.join().check("verify_in_sync", rank());
     detail::verify_replicas(comm_, strategy_->digest(),
                             [&](std::size_t s) -> const std::string& { return layout_.slots()[s].name; });
+    if (model_state_.empty()) return;
+    const bool buffers_alike = options_.buffers == buffer_sync::broadcast || options_.buffers == buffer_sync::mean;
+    detail::verify_replicas(comm_, detail::digest_state(model_state_, buffers_alike),
+                            [&](std::size_t s) -> const std::string& { return model_state_[s].name; });
+  }
+  /// Collective: makes the buffers alike on every rank now — their mean under buffer_sync::mean, else rank 0's
+  /// (inside a join scope: the lowest rank still training). Steps do it themselves under broadcast and mean.
+  void sync_buffers() {
+    state_.join().check("sync_buffers", rank());
+    detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_,
+                         options_.buffers == buffer_sync::mean ? buffer_sync::mean : buffer_sync::broadcast);
   }
   /// Opens a join scope (PyTorch's `with model.join():`) for an epoch whose ranks hold different numbers of
   /// batches: open it on every rank, step as usual, call finish(opt) after the rank's last step (parallel/join.hpp).
@@ -301,6 +321,9 @@ class data_parallel {
   void for_each_parameter(F&& f) {
     visit_parameters(model_, f);
   }
+  /// The model's buffers and frozen parameters (model state) in visit order, as found at construction: the
+  /// wrapper refers to their memory, which must stay where it is (checkpoints read and fill it).
+  [[nodiscard]] std::span<const detail::named_state> model_state() const noexcept { return model_state_; }
   /// Every parameter (name, shape, dtype, unit) and where its full values lie in the arenas (checkpoints read it).
   [[nodiscard]] const detail::parameter_layout& layout() const noexcept { return layout_; }
   /// After the values changed outside a step (checkpoint loading calls it): mixed precision narrows the f32 masters
@@ -376,6 +399,7 @@ class data_parallel {
     masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
     strategy_->after_step();
     layout_.values_out();
+    detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
     ++steps_;
@@ -419,6 +443,8 @@ class data_parallel {
   detail::parameter_layout layout_;
   detail::bucket_plan plan_;
   hook_type hook_;
+  std::vector<detail::named_state> model_state_;  // buffers and frozen parameters, in visit order
+  detail::state_sync state_sync_;                 // their packing memory
   detail::step_state state_;                // the step, its buckets and units, join, no_sync, backward scopes
   detail::bucket_rebuild rebuild_{options_.rebuild_buckets && strategy_type::rebuilds_buckets};  // after step 1
   std::optional<strategy_type> strategy_;   // made after the broadcast (the sharded ones copy owned values)

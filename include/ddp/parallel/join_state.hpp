@@ -53,6 +53,10 @@ class join_state {
  public:
   explicit join_state(bool trace) noexcept : trace_(trace) {}
 
+  /// Whether a join scope is open.
+  [[nodiscard]] bool open() const noexcept { return open_; }
+  /// Whether this rank still trains (outside a join scope: always).
+  [[nodiscard]] bool active() const noexcept { return !open_ || active_; }
   /// Whether this rank is shadowing the others' step (its missing reports are zeros, not an error).
   [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
 

@@ -2,12 +2,21 @@
 /// \file ddp::data_parallel_options: the run-time settings of data_parallel.
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include <ddp/parallel/units.hpp>
 
 namespace ddp {
+
+/// How data_parallel keeps the model's buffers (model state of kind buffer: running statistics) alike on the ranks.
+enum class buffer_sync : std::uint8_t {
+  broadcast,     ///< rank 0's after construction and after every step (PyTorch DDP's broadcast_buffers=True)
+  mean,          ///< rank 0's after construction; after every step the mean over the ranks (integers: rank 0's)
+  construction,  ///< rank 0's after construction only (PyTorch DDP's broadcast_buffers=False)
+  never,         ///< each rank keeps its own, also at construction
+};
 
 /// Run-time settings of data_parallel (the sharding policies carry their own: ddp::full_shard{...}).
 struct data_parallel_options {
@@ -17,8 +26,11 @@ struct data_parallel_options {
   /// true: finish_gradients() throws ddp::error naming parameters that did not report; false: their
   /// gradients are reduced as they stand.
   bool error_on_missing = true;
-  /// Copy rank 0's parameter values to every rank at construction.
+  /// Copy rank 0's parameter values (trainable and frozen) to every rank at construction.
   bool broadcast_parameters = true;
+  /// How buffers stay alike on the ranks (dp.sync_buffers() on demand); verify_in_sync compares them under
+  /// broadcast and mean. Under a join scope the lowest rank still training is the source.
+  buffer_sync buffers = buffer_sync::broadcast;
   /// replicate: after the first synchronized step, plan the buckets again in the order its gradients became
   /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.

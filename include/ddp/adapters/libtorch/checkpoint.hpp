@@ -1,8 +1,8 @@
 #pragma once
 /// \file ddp::load_module: a checkpoint that ddp::save wrote, loaded into a plain torch::nn::Module (no
-/// data_parallel, one process), e.g. for inference. Parameters are matched by the names named_parameters()
-/// gives (ddp saves them under those names, without a "module." prefix); buffers are filled where the file
-/// holds them; "optim.*" entries are ignored.
+/// data_parallel, one process), e.g. for inference. Parameters (trainable and frozen) and buffers are matched by
+/// the names named_parameters() and named_buffers() give (ddp saves them under those names, without a "module."
+/// prefix), strictly as PyTorch's load_state_dict(strict=True); "optim.*" entries are ignored.
 
 #include <algorithm>
 #include <cstddef>
@@ -23,21 +23,19 @@ namespace ddp {
 
 /// Loads the file at `path` (written by ddp::save, or any safetensors file of these names) into `module`'s
 /// parameters and buffers; verifies ddp's checksum first. Throws ddp::io_error for an unreadable file and
-/// ddp::mismatch_error naming a parameter the file lacks, a tensor of another shape or dtype, or a tensor the
-/// module lacks. Returns the file's metadata.
+/// ddp::mismatch_error naming a parameter or buffer the file lacks, a tensor of another shape or dtype, or a tensor
+/// the module lacks. Returns the file's metadata.
 inline checkpoint_metadata load_module(const std::filesystem::path& path, torch::nn::Module& module) {
   const auto in = safetensors::reader::open(path);
   in.verify_checksum();
   const std::string file = "'" + path.string() + "'";
   std::vector<std::string> used;
-  auto fill = [&](const std::string& name, torch::Tensor& t, bool required) {
+  auto fill = [&](const std::string& name, torch::Tensor& t, const char* what) {
     const auto* e = in.find(name);
-    if (!e) {
-      if (required)
-        throw mismatch_error("load_module: " + file + " has no tensor '" + name + "' that the module's parameters "
-                             "name; load a checkpoint of this model (ddp::save of the same architecture)");
-      return;
-    }
+    if (!e)
+      throw mismatch_error("load_module: " + file + " has no tensor '" + name + "', which the module's " + what +
+                           " name; load a checkpoint of this model (ddp::save of the same architecture; files "
+                           "written before ddp saved buffers and frozen parameters lack them)");
     std::vector<std::size_t> shape;
     for (const auto d : t.sizes()) shape.push_back(static_cast<std::size_t>(d));
     const auto type = detail::libtorch::dtype_of(t.scalar_type());
@@ -51,8 +49,8 @@ inline checkpoint_metadata load_module(const std::filesystem::path& path, torch:
     t.copy_(staging);
     used.push_back(name);
   };
-  for (auto& item : module.named_parameters(/*recurse=*/true)) fill(item.key(), item.value(), true);
-  for (auto& item : module.named_buffers(/*recurse=*/true)) fill(item.key(), item.value(), false);
+  for (auto& item : module.named_parameters(/*recurse=*/true)) fill(item.key(), item.value(), "parameters");
+  for (auto& item : module.named_buffers(/*recurse=*/true)) fill(item.key(), item.value(), "buffers");
   for (const auto& e : in.entries())
     if (!e.name.starts_with("optim.") && std::find(used.begin(), used.end(), e.name) == used.end())
       throw mismatch_error("load_module: " + file + " holds tensor '" + e.name + "', which the module does not have; "

@@ -1,6 +1,6 @@
 #pragma once
 /// \file Walking a torch::nn::Module: its trainable parameters under the names named_parameters() gives them
-/// ("conv1.weight", "fc.bias"), its buffers and frozen parameters as state broadcast from rank 0. A module is
+/// ("conv1.weight", "fc.bias"), its frozen parameters and buffers as model state (core/state.hpp). A module is
 /// taken as the object itself, a std::shared_ptr to it, or a ModuleHolder (TORCH_MODULE(Net)).
 
 #include <concepts>
@@ -13,6 +13,7 @@
 #include <ddp/adapters/libtorch/tensor.hpp>
 #include <ddp/core/device.hpp>
 #include <ddp/core/error.hpp>
+#include <ddp/core/state.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/visit.hpp>
 
@@ -47,26 +48,30 @@ void visit_trainable(torch::nn::Module& m, F&& f) {
     }
 }
 
-/// Calls `f(name, raw_tensor)` for every buffer of `m` and every frozen parameter (no gradient).
+/// Calls `f(name, ddp::state_view)` for every frozen parameter (no gradient) and every buffer of `m`.
 template <class F>
 void visit_state(torch::nn::Module& m, F&& f) {
-  auto one = [&](const std::string& name, const torch::Tensor& t) {
+  auto one = [&](const std::string& name, const torch::Tensor& t, state_kind kind) {
     const auto type = dtype_of(t.scalar_type());
-    if (!type || !t.is_contiguous() || t.device().is_cuda())
-      throw config_error("ddp (LibTorch): buffer '" + name + "' is not a contiguous CPU tensor of a type ddp can "
-                         "broadcast (f32, f64, bf16, f16, i32, i64, u8); make it one, or set "
-                         "data_parallel_options::broadcast_parameters = false and synchronize it yourself");
-    f(name, raw_tensor{t.data_ptr(), static_cast<std::size_t>(t.numel()), *type, device::cpu()});
+    if (!type || !t.is_contiguous())
+      throw config_error("ddp (LibTorch): " + std::string(kind == state_kind::frozen ? "frozen parameter '" : "buffer '") +
+                         name + "' is not a contiguous tensor of a type ddp can synchronize and save (f32, f64, bf16, "
+                         "f16, i32, i64, u8); make it one (t.set_data(t.contiguous()) under torch::NoGradGuard)");
+    std::vector<std::size_t> shape;
+    for (const auto d : t.sizes()) shape.push_back(static_cast<std::size_t>(d));
+    f(name, state_view{raw_tensor{t.data_ptr(), static_cast<std::size_t>(t.numel()), *type,
+                                  storage_traits<torch::Tensor>::device(t)},
+                       std::move(shape), kind});
   };
   for (auto& item : m.named_parameters(/*recurse=*/true))
-    if (!item.value().requires_grad()) one(item.key(), item.value());
-  for (auto& item : m.named_buffers(/*recurse=*/true)) one(item.key(), item.value());
+    if (!item.value().requires_grad()) one(item.key(), item.value(), state_kind::frozen);
+  for (auto& item : m.named_buffers(/*recurse=*/true)) one(item.key(), item.value(), state_kind::buffer);
 }
 
 }  // namespace detail::libtorch
 
-/// Any torch::nn::Module subclass: parameters as named_parameters() names them; buffers and frozen parameters
-/// are broadcast from rank 0 when the wrapper is made.
+/// Any torch::nn::Module subclass: parameters as named_parameters() names them; frozen parameters and buffers
+/// as model state.
 template <class M>
   requires std::derived_from<M, torch::nn::Module>
 struct parameter_visitor<M> {
@@ -75,9 +80,9 @@ struct parameter_visitor<M> {
   static void visit(M& m, F&& f) {
     detail::libtorch::visit_trainable(m, f);
   }
-  /// `f(name, raw_tensor)` for every buffer and frozen parameter.
+  /// `f(name, ddp::state_view)` for every frozen parameter and buffer.
   template <class F>
-  static void visit_buffers(M& m, F&& f) {
+  static void visit_state(M& m, F&& f) {
     detail::libtorch::visit_state(m, f);
   }
 };
@@ -90,9 +95,9 @@ struct parameter_visitor<H> {
   static void visit(H& m, F&& f) {
     detail::libtorch::visit_trainable(*m, f);
   }
-  /// `f(name, raw_tensor)` for every buffer and frozen parameter.
+  /// `f(name, ddp::state_view)` for every frozen parameter and buffer.
   template <class F>
-  static void visit_buffers(H& m, F&& f) {
+  static void visit_state(H& m, F&& f) {
     detail::libtorch::visit_state(*m, f);
   }
 };
@@ -106,9 +111,9 @@ struct parameter_visitor<std::shared_ptr<M>> {
   static void visit(std::shared_ptr<M>& m, F&& f) {
     detail::libtorch::visit_trainable(*m, f);
   }
-  /// `f(name, raw_tensor)` for every buffer and frozen parameter.
+  /// `f(name, ddp::state_view)` for every frozen parameter and buffer.
   template <class F>
-  static void visit_buffers(std::shared_ptr<M>& m, F&& f) {
+  static void visit_state(std::shared_ptr<M>& m, F&& f) {
     detail::libtorch::visit_state(*m, f);
   }
 };
