@@ -328,6 +328,11 @@ class io_error : public error {
 ///   static const void* key(const T&);                   the address gradient_ready knows it by (default &t)
 ///   static std::shared_ptr<void> watch(T&, std::function<void()> ready);  leaves whose framework knows when a
 ///                                                       gradient is final call ready() then (autograd)
+///   static void at_backward_end(const T&, std::function<void()> f);  watching leaves whose framework can run code
+///                                                       when the backward in progress ends (autograd's final
+///                                                       callbacks), called from a watch callback: data_parallel
+///                                                       finishes the gradients there, so they are averaged when the
+///                                                       framework's backward() returns (as PyTorch DDP's are)
 ///   static constexpr bool view = true;                  the leaf refers to the model's memory and is handed
 ///                                                       out as a temporary (ddp keeps a copy of it)
 
@@ -9439,6 +9444,267 @@ struct mixed_precision {
 /// \file ddp::data_parallel_options: the run-time settings of data_parallel.
 
 
+// ---- begin <ddp/parallel/grad_norm.hpp>
+/// \file The norm of the averaged gradients and clipping by it (PyTorch's clip_grad_norm_), under every policy: each
+/// rank takes the partial norm of the gradients its optimizer steps (the whole arenas under replicate, the owned
+/// blocks under the sharded policies: padding excluded; under mixed precision the f32 master gradients), in f64
+/// and in segment order; where those are pieces of the model (the norm group: the shard group, under hybrid the
+/// ranks of one group) the partials travel in one all_gather of one f64 per rank and are combined in rank order,
+/// so the norm has the same bits on every rank, in every run and over every backend.
+
+#include <limits>
+
+// ---- begin <ddp/memory/host_copy.hpp>
+/// \file Device memory where host code can read it: what checks and checkpoints hash or write out of a device
+/// arena goes through a host copy made by the device's domain and waited for.
+
+
+
+namespace ddp {
+
+/// `t` itself where it is host memory; else its elements copied to the host into `scratch` (grown as needed) by
+/// its device's domain, which is waited for.
+inline raw_tensor readable_on_host(const raw_tensor& t, domain_buffer& scratch) {
+  if (!t.where.is_cuda() || t.size == 0) return t;
+  memory_domain& d = require_domain_of(t.where, "reading device memory on the host");
+  if (scratch.size() < t.bytes()) scratch = host_memory().allocate(t.bytes());
+  const raw_tensor host = scratch.view(t.type, 0, t.size);
+  d.copy(t, host);
+  d.synchronize();
+  return host;
+}
+
+}  // namespace ddp
+// ---- end <ddp/memory/host_copy.hpp>
+// ---- begin <ddp/optim/flat.hpp>
+/// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
+/// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
+
+
+
+namespace ddp::optim {
+
+/// The part of one parameter that lies in a flat buffer (the whole parameter unless the buffer is a shard).
+struct flat_segment {
+  std::string name;         ///< the parameter's dotted name ("fc1.weight")
+  std::size_t offset = 0;   ///< first element inside the flat buffer
+  std::size_t numel = 0;    ///< elements of the parameter inside the flat buffer
+  std::size_t start = 0;    ///< index, within the parameter, of the segment's first element (0 unless sharded)
+};
+
+/// A contiguous span of parameter values and their gradients (same dtype, same length) with the
+/// parameters laid in it. data_parallel hands one per arena (or per owned shard) to the optimizer.
+struct flat_buffer {
+  raw_tensor values;                   ///< the values the optimizer updates
+  raw_tensor grads;                    ///< the gradients, already averaged across ranks
+  std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
+  memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
+
+  /// The domain of its memory: `domain`, else the host's.
+  [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
+};
+
+/// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
+template <class O>
+concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
+  o.attach(buffers);
+  o.step(buffers);
+};
+
+/// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
+///   static void prepare(const Opt&, std::span<const flat_buffer> owned, int rank);
+/// throwing ddp::config_error unless it steps tensors over the `owned` buffers, and pointing each tensor's gradient
+/// at its buffer's gradients again where the framework dropped it (its own zero_grad): data_parallel calls it
+/// before each step under the sharded policies, where only the owned blocks receive the averaged gradients.
+template <class Opt>
+struct optimizer_traits {};
+
+namespace detail {
+
+/// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
+/// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
+class flat_state {
+ public:
+  /// `names` names the per-element state arrays (possibly none).
+  explicit flat_state(std::vector<std::string_view> names) : array_names_(std::move(names)) {}
+
+  /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
+  void attach(std::span<const flat_buffer> buffers) {
+    if (layout_.empty() && state_.empty()) {
+      for (const auto& b : buffers) {
+        layout_.push_back(b);
+        auto& arrays = state_.emplace_back();
+        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.push_back(b.memory().allocate(b.values.bytes()));
+      }
+      return;
+    }
+    if (buffers.size() != layout_.size())
+      throw config_error("optimizer: stepped over " + std::to_string(buffers.size()) + " flat buffers but its state "
+                         "was made for " + std::to_string(layout_.size()) + "; use one optimizer per data_parallel");
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+      if (buffers[i].values.size != layout_[i].values.size || buffers[i].values.type != layout_[i].values.type)
+        throw config_error("optimizer: flat buffer " + std::to_string(i) + " has " +
+                           std::to_string(buffers[i].values.size) + " " + std::string(to_string(buffers[i].values.type)) +
+                           " elements but the state holds " + std::to_string(layout_[i].values.size) + " " +
+                           std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
+  }
+
+  /// Calls `f(name, view)` for every parameter and state array ("fc1.weight.exp_avg"); views are writable, so
+  /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
+  /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
+  /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
+  template <class F>
+  void for_each_state(F&& f) {
+    for (std::size_t i = 0; i < layout_.size(); ++i)
+      for (const auto& seg : layout_[i].segments)
+        for (std::size_t s = 0; s < array_names_.size(); ++s) {
+          const std::size_t width = size_of(layout_[i].values.type);
+          const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
+                                layout_[i].values.where};
+          if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
+            f(seg.name + "." + std::string(array_names_[s]), view, seg);
+          else
+            f(seg.name + "." + std::string(array_names_[s]), view);
+        }
+  }
+
+  /// Steps taken so far (PyTorch's per-parameter "step", shared by all parameters here).
+  [[nodiscard]] std::uint64_t step_count() const noexcept { return steps_; }
+  /// Sets the step counter (checkpoint loading).
+  void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
+
+ protected:
+  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
+  /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
+  template <class Update>
+  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
+    attach(buffers);
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      const auto& b = buffers[i];
+      if (b.grads.type != b.values.type || b.grads.size != b.values.size)
+        throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
+                           " differ in dtype or length; pass matching spans");
+      ddp::detail::steppable(b.values.type, std::string(who).c_str());
+      std::vector<raw_tensor> arrays;
+      for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
+      update(b, b.memory(), std::span<const raw_tensor>(arrays));
+    }
+  }
+
+  std::uint64_t steps_ = 0;  ///< steps taken
+
+ private:
+  std::vector<std::string_view> array_names_;
+  std::vector<flat_buffer> layout_;
+  std::vector<std::vector<domain_buffer>> state_;  // [buffer][state array]
+};
+
+}  // namespace detail
+}  // namespace ddp::optim
+// ---- end <ddp/optim/flat.hpp>
+
+namespace ddp {
+
+/// norm_type of the maximum norm (PyTorch's `float('inf')`).
+inline constexpr double inf_norm = std::numeric_limits<double>::infinity();
+
+/// How the gradient norm is taken and what a non-finite one does (PyTorch's clip_grad_norm_ arguments).
+struct grad_norm_options {
+  double norm_type = 2.0;           ///< p of the p-norm over all gradients (> 0), or ddp::inf_norm
+  bool error_if_nonfinite = false;  ///< a NaN or infinite norm throws ddp::error naming the first parameter holding one
+};
+
+/// Gradient clipping inside every step (data_parallel_options::clip), so that a join scope's shadow steps clip alike.
+struct grad_clip {
+  double max_norm = 0;       ///< clip to this total norm; 0: no clipping
+  grad_norm_options norm{};  ///< the norm's type and non-finite check
+};
+
+namespace detail {
+
+/// Σ|g|^p (or max|g| for the inf norm) over the parameter pieces of `owned`'s gradients, in f64.
+inline double partial_norm(std::span<const optim::flat_buffer> owned, double p) {
+  double acc = 0;
+  domain_buffer scratch;
+  for (const auto& b : owned) {
+    const raw_tensor g = readable_on_host(b.grads, scratch);
+    visit_dtype(g.type, [&]<class T>(T) {
+      const T* x = static_cast<const T*>(g.data);
+      for (const auto& seg : b.segments)
+        for (std::size_t i = seg.offset; i < seg.offset + seg.numel; ++i) {
+          const double v = std::abs(static_cast<double>(x[i]));
+          if (p == inf_norm)
+            acc = (v > acc || std::isnan(v)) ? v : acc;
+          else
+            acc += p == 2 ? v * v : p == 1 ? v : std::pow(v, p);
+        }
+    });
+  }
+  return acc;
+}
+
+/// The first parameter piece of `owned` holding a NaN or an infinity, or "".
+inline std::string first_nonfinite(std::span<const optim::flat_buffer> owned) {
+  domain_buffer scratch;
+  for (const auto& b : owned) {
+    const raw_tensor g = readable_on_host(b.grads, scratch);
+    std::string found;
+    visit_dtype(g.type, [&]<class T>(T) {
+      const T* x = static_cast<const T*>(g.data);
+      for (const auto& seg : b.segments)
+        for (std::size_t i = seg.offset; i < seg.offset + seg.numel && found.empty(); ++i)
+          if (!std::isfinite(static_cast<double>(x[i]))) found = seg.name;
+    });
+    if (!found.empty()) return found;
+  }
+  return {};
+}
+
+/// The total norm of the gradients whose pieces `owned` holds on the ranks of `group` (none: `owned` holds them all).
+/// Collective over `group`. Throws ddp::config_error for a norm_type that is not positive, and with
+/// error_if_nonfinite ddp::error on every rank naming the first parameter holding a non-finite gradient.
+template <class Comm>
+double grad_norm(std::span<const optim::flat_buffer> owned, std::optional<Comm> group,
+                 const grad_norm_options& o, int rank) {
+  if (!(o.norm_type > 0))
+    throw config_error("grad_norm: norm_type is " + std::to_string(o.norm_type) + "; give p > 0 (2 for the L2 norm) "
+                       "or ddp::inf_norm for the largest magnitude", rank);
+  const double p = o.norm_type;
+  double combined = partial_norm(owned, p);
+  if (group) {
+    std::vector<double> partials(static_cast<std::size_t>(group->size()));
+    group->all_gather(std::span<const double>(&combined, 1), std::span<double>(partials)).wait();
+    combined = 0;
+    for (const double x : partials)  // rank order: the same bits everywhere
+      combined = p == inf_norm ? ((x > combined || std::isnan(x)) ? x : combined) : combined + x;
+  }
+  const double total = p == inf_norm ? combined : p == 2 ? std::sqrt(combined) : p == 1 ? combined : std::pow(combined, 1 / p);
+  if (o.error_if_nonfinite && !std::isfinite(total)) {
+    std::string where = first_nonfinite(owned);
+    if (group) {
+      const auto all = all_gather_object(*group, where);
+      where.clear();
+      for (const auto& w : all)
+        if (where.empty()) where = w;
+    }
+    throw error("clip_grad_norm: the total norm of order " + std::to_string(p) + " of the gradients is non-finite (" +
+                std::to_string(total) + ")" + (where.empty() ? std::string() : ", first at parameter '" + where + "'") +
+                "; lower the learning rate, check the loss for NaN or infinity, or set error_if_nonfinite = false "
+                "(the clip then scales by a NaN coefficient, as PyTorch's does)", rank);
+  }
+  return total;
+}
+
+/// Scales the gradients of `owned` by max_norm / (total + 1e-6) when that is below 1 (PyTorch's coefficient).
+inline void clip_to(std::span<const optim::flat_buffer> owned, double max_norm, double total) {
+  const double coefficient = max_norm / (total + 1e-6);
+  if (coefficient < 1 || std::isnan(coefficient))
+    for (const auto& b : owned) b.memory().scale(b.grads, coefficient);
+}
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/parallel/grad_norm.hpp>
 // ---- begin <ddp/parallel/units.hpp>
 /// \file Sharding units named by the user: data_parallel_options::units holds dotted name prefixes ("head") and
 /// parts of the model (ddp::unit_of(model.encoder)) in any mix. A part is kept as the addresses of its
@@ -9635,6 +9901,9 @@ struct data_parallel_options {
   /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
   bool rebuild_buckets = true;
+  /// Clip the gradients to clip.max_norm inside every step(), after they are averaged and before the optimizer
+  /// (also in a join scope's shadow steps); 0: no clipping. dp.last_grad_norm() gives the step's norm.
+  grad_clip clip{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
@@ -9812,132 +10081,6 @@ concept policy_of = one_of<T, typename policies<Ps...>::backend, typename polici
 /// replicate replanned once in the first step's ready order). finish_gradients() waits; step(opt) runs the optimizer.
 
 
-// ---- begin <ddp/optim/flat.hpp>
-/// \file Flat buffers: the contiguous spans of values and gradients optimizers step over, and the
-/// optimizer state kept per flat buffer and exposed per parameter and state array (for checkpoints).
-
-
-
-namespace ddp::optim {
-
-/// The part of one parameter that lies in a flat buffer (the whole parameter unless the buffer is a shard).
-struct flat_segment {
-  std::string name;         ///< the parameter's dotted name ("fc1.weight")
-  std::size_t offset = 0;   ///< first element inside the flat buffer
-  std::size_t numel = 0;    ///< elements of the parameter inside the flat buffer
-  std::size_t start = 0;    ///< index, within the parameter, of the segment's first element (0 unless sharded)
-};
-
-/// A contiguous span of parameter values and their gradients (same dtype, same length) with the
-/// parameters laid in it. data_parallel hands one per arena (or per owned shard) to the optimizer.
-struct flat_buffer {
-  raw_tensor values;                   ///< the values the optimizer updates
-  raw_tensor grads;                    ///< the gradients, already averaged across ranks
-  std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
-  memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
-
-  /// The domain of its memory: `domain`, else the host's.
-  [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
-};
-
-/// An optimizer data_parallel can step: attach() allocates its state for a layout, step() updates values.
-template <class O>
-concept flat_optimizer = requires(O& o, std::span<const flat_buffer> buffers) {
-  o.attach(buffers);
-  o.step(buffers);
-};
-
-/// Specialize for an optimizer that holds its own tensors (a framework's, such as torch::optim) with
-///   static void prepare(const Opt&, std::span<const flat_buffer> owned, int rank);
-/// throwing ddp::config_error unless it steps tensors over the `owned` buffers, and pointing each tensor's gradient
-/// at its buffer's gradients again where the framework dropped it (its own zero_grad): data_parallel calls it
-/// before each step under the sharded policies, where only the owned blocks receive the averaged gradients.
-template <class Opt>
-struct optimizer_traits {};
-
-namespace detail {
-
-/// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
-/// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
-class flat_state {
- public:
-  /// `names` names the per-element state arrays (possibly none).
-  explicit flat_state(std::vector<std::string_view> names) : array_names_(std::move(names)) {}
-
-  /// Allocates zeroed state for `buffers` on first use; afterwards checks that the layout is the same.
-  void attach(std::span<const flat_buffer> buffers) {
-    if (layout_.empty() && state_.empty()) {
-      for (const auto& b : buffers) {
-        layout_.push_back(b);
-        auto& arrays = state_.emplace_back();
-        for (std::size_t s = 0; s < array_names_.size(); ++s) arrays.push_back(b.memory().allocate(b.values.bytes()));
-      }
-      return;
-    }
-    if (buffers.size() != layout_.size())
-      throw config_error("optimizer: stepped over " + std::to_string(buffers.size()) + " flat buffers but its state "
-                         "was made for " + std::to_string(layout_.size()) + "; use one optimizer per data_parallel");
-    for (std::size_t i = 0; i < buffers.size(); ++i)
-      if (buffers[i].values.size != layout_[i].values.size || buffers[i].values.type != layout_[i].values.type)
-        throw config_error("optimizer: flat buffer " + std::to_string(i) + " has " +
-                           std::to_string(buffers[i].values.size) + " " + std::string(to_string(buffers[i].values.type)) +
-                           " elements but the state holds " + std::to_string(layout_[i].values.size) + " " +
-                           std::string(to_string(layout_[i].values.type)) + "; use one optimizer per data_parallel");
-  }
-
-  /// Calls `f(name, view)` for every parameter and state array ("fc1.weight.exp_avg"); views are writable, so
-  /// a checkpoint loader fills them. Empty until attach() or the first step. Under sharding a view holds
-  /// only the owned piece of the parameter, and a parameter may come in several pieces: then give `f` a
-  /// third parameter, `const flat_segment&`, whose `start` says where the piece lies in the parameter.
-  template <class F>
-  void for_each_state(F&& f) {
-    for (std::size_t i = 0; i < layout_.size(); ++i)
-      for (const auto& seg : layout_[i].segments)
-        for (std::size_t s = 0; s < array_names_.size(); ++s) {
-          const std::size_t width = size_of(layout_[i].values.type);
-          const raw_tensor view{state_[i][s].data() + seg.offset * width, seg.numel, layout_[i].values.type,
-                                layout_[i].values.where};
-          if constexpr (std::is_invocable_v<F&, std::string, raw_tensor, const flat_segment&>)
-            f(seg.name + "." + std::string(array_names_[s]), view, seg);
-          else
-            f(seg.name + "." + std::string(array_names_[s]), view);
-        }
-  }
-
-  /// Steps taken so far (PyTorch's per-parameter "step", shared by all parameters here).
-  [[nodiscard]] std::uint64_t step_count() const noexcept { return steps_; }
-  /// Sets the step counter (checkpoint loading).
-  void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
-
- protected:
-  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
-  /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
-  template <class Update>
-  void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
-    attach(buffers);
-    for (std::size_t i = 0; i < buffers.size(); ++i) {
-      const auto& b = buffers[i];
-      if (b.grads.type != b.values.type || b.grads.size != b.values.size)
-        throw config_error(std::string(who) + ": values and gradients of flat buffer " + std::to_string(i) +
-                           " differ in dtype or length; pass matching spans");
-      ddp::detail::steppable(b.values.type, std::string(who).c_str());
-      std::vector<raw_tensor> arrays;
-      for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
-      update(b, b.memory(), std::span<const raw_tensor>(arrays));
-    }
-  }
-
-  std::uint64_t steps_ = 0;  ///< steps taken
-
- private:
-  std::vector<std::string_view> array_names_;
-  std::vector<flat_buffer> layout_;
-  std::vector<std::vector<domain_buffer>> state_;  // [buffer][state array]
-};
-
-}  // namespace detail
-}  // namespace ddp::optim
-// ---- end <ddp/optim/flat.hpp>
 // ---- begin <ddp/parallel/arena.hpp>
 /// \file The flat arenas of data_parallel: every parameter of a model laid into one contiguous buffer of values
 /// and one of gradients per dtype and device, in visit order, in that device's memory domain (memory/); each leaf
@@ -9976,6 +10119,8 @@ class leaf_binding {
   virtual void zero_own_gradient() = 0;
   /// Watching leaves: calls `ready` whenever the leaf's gradient is final (kept while the returned handle lives).
   virtual std::shared_ptr<void> watch(std::function<void()> ready) = 0;
+  /// Watching leaves whose framework can: runs `f` when the backward in progress ends (true), else nothing (false).
+  virtual bool at_backward_end(std::function<void()> f) = 0;
 };
 
 /// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf).
@@ -10038,6 +10183,14 @@ class leaf_binding_of final : public leaf_binding {
       return traits::watch(*leaf_, std::move(ready));
     else
       return nullptr;
+  }
+  bool at_backward_end(std::function<void()> f) override {
+    if constexpr (requires { traits::at_backward_end(*leaf_, std::move(f)); }) {
+      traits::at_backward_end(*leaf_, std::move(f));
+      return true;
+    } else {
+      return false;
+    }
   }
 
  private:
@@ -11121,28 +11274,6 @@ class bucket_rebuild {
 /// first differing parameter and the ranks that disagree.
 
 
-// ---- begin <ddp/memory/host_copy.hpp>
-/// \file Device memory where host code can read it: what checks and checkpoints hash or write out of a device
-/// arena goes through a host copy made by the device's domain and waited for.
-
-
-
-namespace ddp {
-
-/// `t` itself where it is host memory; else its elements copied to the host into `scratch` (grown as needed) by
-/// its device's domain, which is waited for.
-inline raw_tensor readable_on_host(const raw_tensor& t, domain_buffer& scratch) {
-  if (!t.where.is_cuda() || t.size == 0) return t;
-  memory_domain& d = require_domain_of(t.where, "reading device memory on the host");
-  if (scratch.size() < t.bytes()) scratch = host_memory().allocate(t.bytes());
-  const raw_tensor host = scratch.view(t.type, 0, t.size);
-  d.copy(t, host);
-  d.synchronize();
-  return host;
-}
-
-}  // namespace ddp
-// ---- end <ddp/memory/host_copy.hpp>
 
 namespace ddp::detail {
 
@@ -11305,7 +11436,6 @@ void verify_replicas(Comm& comm, const replica_digest& mine, NameOf name_of) {
 /// persistent copy of the owned blocks (its arena holds no values) and all-gathers units on demand into pooled
 /// buffers.
 
-#include <limits>
 
 // ---- begin <ddp/parallel/accumulation.hpp>
 /// \file How gradients accumulate over the micro-batches of a no_sync span: the trait each strategy names
@@ -11485,14 +11615,23 @@ class master_weights {
   [[nodiscard]] std::span<const optim::flat_buffer> buffers(std::span<const optim::flat_buffer> owned) const noexcept {
     return on_ ? std::span<const optim::flat_buffer>(masters_) : owned;
   }
+  /// The reduced gradients of `owned` widened into the master gradients, once per reduction (a gradient norm
+  /// taken before the step reads and clips the masters, which the step then keeps).
+  void widen(std::span<const optim::flat_buffer> owned) {
+    for (std::size_t i = 0; on_ && !widened_ && i < masters_.size(); ++i)
+      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
+    widened_ = true;
+  }
+  /// The reduced gradients changed (a new reduction finished, or they were zeroed): widen() copies them again.
+  void gradients_changed() noexcept { widened_ = false; }
   /// Runs `optimizer()` on the masters: the reduced gradients of `owned` are widened into the master gradients
-  /// first, and the master values narrowed into `owned`'s values afterwards.
+  /// first (unless widen() did so for this reduction), and the master values narrowed into `owned`'s values afterwards.
   template <class F>
   void step(std::span<const optim::flat_buffer> owned, F&& optimizer) {
-    for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
+    widen(owned);
     optimizer();
     narrow(owned);
+    widened_ = false;
   }
   /// The master values narrowed into `owned`'s values (after a step, or after a checkpoint filled the masters).
   void narrow(std::span<const optim::flat_buffer> owned) const {
@@ -11502,6 +11641,7 @@ class master_weights {
 
  private:
   bool on_ = false;
+  bool widened_ = false;                      // the master gradients hold this reduction's gradients
   std::vector<domain_buffer> values_;         // per owned buffer: f32 master values (empty where stepped as it is)
   std::vector<domain_buffer> grads_;          // per owned buffer: f32 master gradients widened before each step
   std::vector<optim::flat_buffer> masters_;   // per owned buffer: what the optimizer steps
@@ -11886,6 +12026,8 @@ class sharded_core {
   [[nodiscard]] const Comm& shard_group() const noexcept { return shard_; }
   /// hybrid: the group shards are replicated over.
   [[nodiscard]] const std::optional<Comm>& replica_group() const noexcept { return replica_; }
+  /// The owned blocks of the shard group's ranks make up the gradients: a norm sums over them (not the replicas).
+  [[nodiscard]] std::optional<Comm> norm_group() const { return shard_; }
 
  protected:
   [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }
@@ -12168,6 +12310,8 @@ struct strategy {
 ///   unshard_model()                           collective: the model's parameters hold the full values
 ///   digest()                                  verify_in_sync's hashes of the values this rank shares
 ///   shard_group(), replica_group()            the groups parameters are sharded and replicated over
+///   norm_group()                              the ranks whose optimizer buffers hold disjoint pieces of the
+///                                             gradients (a gradient norm sums over them), none under replicate
 template <class S, class Comm, class Policy>
 concept sharding_strategy =
     std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const Policy&> &&
@@ -12193,6 +12337,7 @@ concept sharding_strategy =
       { cs.digest() } -> std::same_as<replica_digest>;
       { cs.shard_group() } -> std::convertible_to<Comm>;
       { cs.replica_group() } -> std::convertible_to<std::optional<Comm>>;
+      { cs.norm_group() } -> std::convertible_to<std::optional<Comm>>;
     };
 
 }  // namespace ddp::detail
@@ -12797,6 +12942,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] const Comm& shard_group() const noexcept { return comm_; }
   /// No replica group beside it.
   [[nodiscard]] std::optional<Comm> replica_group() const { return std::nullopt; }
+  /// Every rank's optimizer buffers hold every gradient: a norm needs no collective.
+  [[nodiscard]] std::optional<Comm> norm_group() const { return std::nullopt; }
 
  private:
   /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.
@@ -12913,7 +13060,8 @@ class data_parallel {
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
-      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) held_.push_back(std::move(w));
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); finish_at_backward_end(s); }))
+        held_.push_back(std::move(w));
     if (!held_.empty()) strategy_->leaves_report_themselves();
   }
 
@@ -12963,8 +13111,29 @@ class data_parallel {
     reduce_started();
     state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
+    masters_.gradients_changed();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
+
+  /// finish_gradients(), then the total norm of the averaged gradients (PyTorch's clip_grad_norm_ return value;
+  /// under mixed precision of the f32 master gradients where they are reduced in f32). Collective under the sharded
+  /// policies (one all_gather of one f64 over the shard group); the same bits on every rank.
+  double grad_norm(const grad_norm_options& o = {}) {
+    check_outside_join("grad_norm");
+    finish_gradients();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: the norm of the f32 master gradients
+    return detail::grad_norm(owned_buffers(), strategy_->norm_group(), o, rank());
+  }
+  /// finish_gradients(), then scales the averaged gradients by max_norm / (norm + 1e-6) where that is below 1
+  /// (torch.nn.utils.clip_grad_norm_); returns the norm before clipping. Call it between the backward and step(opt).
+  /// Collective under the sharded policies; inside a join scope use data_parallel_options::clip instead.
+  double clip_grad_norm(double max_norm, const grad_norm_options& o = {}) {
+    const double total = grad_norm(o);
+    detail::clip_to(owned_buffers(), max_norm, total);
+    return total;
+  }
+  /// The total gradient norm the last step() clipped by (data_parallel_options::clip), or 0.
+  [[nodiscard]] double last_grad_norm() const noexcept { return last_grad_norm_; }
 
   /// Scope returned by no_sync() (parallel/no_sync.hpp): while open, gradients accumulate without a step.
   using no_sync_guard = ddp::no_sync_guard<data_parallel>;
@@ -13031,7 +13200,9 @@ class data_parallel {
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
+    finish_queued_ = finished_by_backward_ = false;
     strategy_->zero_grad();
+    masters_.gradients_changed();
     if (!layout_.adopting())
       for (const auto& s : layout_.slots()) s.leaf->zero_own_gradient();
     state_.end();
@@ -13156,15 +13327,32 @@ class data_parallel {
     strategy_->on_report(slot);
     state_.join().note(detail::step_event::kind::report, {}, slot);
     if (accumulation::defers(state_)) return;
+    // After the gradients were finished at the end of a framework's backward, only dp.step(opt) or dp.zero_grad()
+    // starts the next step's reports (a sharded no_sync span's micro-batches, finished by close(), go on).
+    if (finished_by_backward_ && state_.phase() == detail::step_phase::finished) throw reported_twice(slot);
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
-    if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
-                  "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
-                  "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
-                  "twice (report each parameter once, after its gradient is final)", rank());
+    if (!state_.report(slot)) throw reported_twice(slot);
     start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
+  }
+  /// The error of a second report of `slot` before the step.
+  [[nodiscard]] error reported_twice(std::size_t slot) const {
+    return error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
+                 "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
+                 "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
+                 "twice (report each parameter once, after its gradient is final)", rank());
+  }
+  /// A leaf's framework reported `slot` from inside its backward: where it can, the gradients are finished when that
+  /// backward ends (PyTorch's reducer does so), so code between backward() and step() — a clip, a gradient log —
+  /// reads averaged gradients, never a bucket whose reduction is in flight.
+  void finish_at_backward_end(std::size_t slot) {
+    if (finish_queued_ || state_.no_sync().open > 0 || state_.phase() != detail::step_phase::reporting) return;
+    finish_queued_ = layout_.slots()[slot].leaf->at_backward_end([this] {
+      finish_queued_ = false;
+      finish_gradients();
+      finished_by_backward_ = true;
+    });
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
@@ -13174,13 +13362,20 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
+    masters_.step(strategy_->optimizer_buffers(), [&] {  // mixed precision: on the f32 masters
+      if (options_.clip.max_norm > 0) {
+        last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
+        detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
+      }
+      run_optimizer();
+    });
     strategy_->after_step();
     layout_.values_out();
     detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
     ++steps_;
+    finish_queued_ = finished_by_backward_ = false;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
   /// The step's first report: the declared-unused parameters count as reported.
@@ -13206,6 +13401,14 @@ class data_parallel {
     for (std::size_t b = 0; b < state_.started(); ++b)
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
+  /// A call that takes a collective only ranks still training would make (shadow steps cannot mirror it).
+  void check_outside_join(const char* where) const {
+    state_.join().check(where, rank());
+    if (state_.join().open())
+      throw config_error(std::string(where) + ": inside a join scope a rank that ran out of batches cannot mirror "
+                         "this call; clip inside every step with data_parallel_options::clip (shadow steps clip "
+                         "alike) and read dp.last_grad_norm()", rank());
+  }
   void check_no_sync_closed(const char* where) const {
     state_.join().check(where, rank());
     if (state_.no_sync().unclosed)
@@ -13230,6 +13433,9 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
+  double last_grad_norm_ = 0;               // the norm the last step clipped by (options_.clip)
+  bool finish_queued_ = false;              // finish_gradients() waits for the end of the framework's backward
+  bool finished_by_backward_ = false;       // it ran there: the next report needs dp.step(opt) or dp.zero_grad() first
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
   friend class ddp::no_sync_guard<data_parallel>;

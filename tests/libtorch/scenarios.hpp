@@ -486,6 +486,52 @@ void check_checkpoint(Comm comm, const std::filesystem::path& path) {
   REQUIRE_THROWS_AS(ddp::load_module(path, *other), ddp::mismatch_error);
 }
 
+/// PyTorch's own loop with a clip between backward() and the step — `loss.backward();
+/// torch::nn::utils::clip_grad_norm_(net->parameters(), max); dp.step(opt);` under replicate, and
+/// ddp::clip_grad_norm_(dp, max) over ddp::parameters(dp) under shard_grad_op — repeated `runs` times: the gradients
+/// are averaged when backward() returns, so every run's ranks hold the same bits (verify_in_sync), and each run equals
+/// one process clipping its whole batch's gradient.
+template <class Backend, class Sharding, class Comm>
+void check_clip_loop(Comm comm, int runs) {
+  constexpr double max_norm = 0.1;
+  auto reference = [&] {
+    cnn net = make_model<cnn>(1);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int s = 0; s < steps; ++s) {
+      net->zero_grad();
+      const auto [x, y] = make_batch<cnn>(static_cast<std::uint64_t>(s), global_batch);
+      scaled_loss(net->forward(x), y, 1.0 / global_batch).backward();
+      REQUIRE(torch::nn::utils::clip_grad_norm_(net->parameters(), max_norm) > 2 * max_norm);  // the clip is active
+      opt.step();
+    }
+    return values_of(net);
+  }();
+  const auto [begin, count] = shard_of(comm.rank(), comm.size());
+  const double scale = static_cast<double>(comm.size()) / global_batch;
+  for (int run = 0; run < runs; ++run) {
+    INFO("run " << run);
+    cnn net = make_model<cnn>(1 + static_cast<std::uint64_t>(comm.rank()));
+    {
+      ddp::data_parallel<cnn, Backend, Sharding> dp{net, comm};
+      constexpr bool replicated = std::is_same_v<Sharding, ddp::replicate>;
+      torch::optim::SGD opt(replicated ? net->parameters() : ddp::parameters(dp),
+                            torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int s = 0; s < steps; ++s) {
+        opt.zero_grad();
+        const auto [x, y] = make_batch<cnn>(static_cast<std::uint64_t>(s), global_batch);
+        scaled_loss(net->forward(x.narrow(0, begin, count)), y.narrow(0, begin, count), scale).backward();
+        if constexpr (replicated)
+          torch::nn::utils::clip_grad_norm_(net->parameters(), max_norm);
+        else
+          ddp::clip_grad_norm_(dp, max_norm);
+        dp.step(opt);
+      }
+      dp.verify_in_sync();
+    }
+    require_close(values_of(net), reference);
+  }
+}
+
 /// A module with BatchNorm (running statistics, an i64 counter) and a frozen head.weight: PyTorch's usual CNN tail.
 struct bn_net_impl : torch::nn::Module {
   bn_net_impl()

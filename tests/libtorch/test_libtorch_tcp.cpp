@@ -178,3 +178,11 @@ TEST_CASE("tcp checkpoint: a BatchNorm module with a frozen weight saved at 2 ra
   require_pytorch_agrees(plain, path, "bn", 1e-6);
   std::filesystem::remove(path);
 }
+TEST_CASE("tcp: PyTorch's loop with clip_grad_norm_ between backward() and the step keeps the ranks bitwise equal "
+          "in 50 runs and equals one process, under replicate and shard_grad_op", "[clip]") {
+  ddp::testing::require_all_ok(ddp::testing::run_ranks(2, [&](int) {
+    torch::set_num_threads(1);
+    check_clip_loop<tcp, ddp::replicate>(ddp::tcp::communicator::from_env(), 50);
+    check_clip_loop<tcp, ddp::shard_grad_op>(ddp::tcp::communicator::from_env(), 3);
+  }));
+}

@@ -10,6 +10,7 @@
 ///   dp.zero_grad(); auto loss = ...; loss.backward(); dp.step(opt);
 
 #include <ddp/adapters/libtorch/checkpoint.hpp>
+#include <ddp/adapters/libtorch/clip.hpp>
 #include <ddp/adapters/libtorch/forward.hpp>
 #include <ddp/adapters/libtorch/module.hpp>
 #include <ddp/adapters/libtorch/optimizer.hpp>

@@ -27,6 +27,11 @@
 ///   static const void* key(const T&);                   the address gradient_ready knows it by (default &t)
 ///   static std::shared_ptr<void> watch(T&, std::function<void()> ready);  leaves whose framework knows when a
 ///                                                       gradient is final call ready() then (autograd)
+///   static void at_backward_end(const T&, std::function<void()> f);  watching leaves whose framework can run code
+///                                                       when the backward in progress ends (autograd's final
+///                                                       callbacks), called from a watch callback: data_parallel
+///                                                       finishes the gradients there, so they are averaged when the
+///                                                       framework's backward() returns (as PyTorch DDP's are)
 ///   static constexpr bool view = true;                  the leaf refers to the model's memory and is handed
 ///                                                       out as a temporary (ddp keeps a copy of it)
 

@@ -32,6 +32,7 @@
 #include <ddp/parallel/bucket_rebuild.hpp>
 #include <ddp/parallel/comm_hooks.hpp>
 #include <ddp/parallel/full_shard.hpp>
+#include <ddp/parallel/grad_norm.hpp>
 #include <ddp/parallel/hybrid.hpp>
 #include <ddp/parallel/join.hpp>
 #include <ddp/parallel/master_weights.hpp>
@@ -135,7 +136,8 @@ class data_parallel {
     masters_.attach<precision>(strategy_->optimizer_buffers());  // mixed precision: f32 masters of the owned values
     layout_.values_out();
     for (std::size_t s = 0; s < layout_.slots().size(); ++s)
-      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); })) held_.push_back(std::move(w));
+      if (auto w = layout_.slots()[s].leaf->watch([this, s] { report(s); finish_at_backward_end(s); }))
+        held_.push_back(std::move(w));
     if (!held_.empty()) strategy_->leaves_report_themselves();
   }
 
@@ -185,8 +187,29 @@ class data_parallel {
     reduce_started();
     state_.join().rescale(strategy_->optimizer_buffers(), comm_.size());  // in a join scope: the mean over the active ranks
     state_.finish();
+    masters_.gradients_changed();
     rebuild_.after_step(comm_, layout_, plan_, state_, policy::buckets::capacity, policy::buckets::first);
   }
+
+  /// finish_gradients(), then the total norm of the averaged gradients (PyTorch's clip_grad_norm_ return value;
+  /// under mixed precision of the f32 master gradients where they are reduced in f32). Collective under the sharded
+  /// policies (one all_gather of one f64 over the shard group); the same bits on every rank.
+  double grad_norm(const grad_norm_options& o = {}) {
+    check_outside_join("grad_norm");
+    finish_gradients();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: the norm of the f32 master gradients
+    return detail::grad_norm(owned_buffers(), strategy_->norm_group(), o, rank());
+  }
+  /// finish_gradients(), then scales the averaged gradients by max_norm / (norm + 1e-6) where that is below 1
+  /// (torch.nn.utils.clip_grad_norm_); returns the norm before clipping. Call it between the backward and step(opt).
+  /// Collective under the sharded policies; inside a join scope use data_parallel_options::clip instead.
+  double clip_grad_norm(double max_norm, const grad_norm_options& o = {}) {
+    const double total = grad_norm(o);
+    detail::clip_to(owned_buffers(), max_norm, total);
+    return total;
+  }
+  /// The total gradient norm the last step() clipped by (data_parallel_options::clip), or 0.
+  [[nodiscard]] double last_grad_norm() const noexcept { return last_grad_norm_; }
 
   /// Scope returned by no_sync() (parallel/no_sync.hpp): while open, gradients accumulate without a step.
   using no_sync_guard = ddp::no_sync_guard<data_parallel>;
@@ -253,7 +276,9 @@ class data_parallel {
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
+    finish_queued_ = finished_by_backward_ = false;
     strategy_->zero_grad();
+    masters_.gradients_changed();
     if (!layout_.adopting())
       for (const auto& s : layout_.slots()) s.leaf->zero_own_gradient();
     state_.end();
@@ -378,15 +403,32 @@ class data_parallel {
     strategy_->on_report(slot);
     state_.join().note(detail::step_event::kind::report, {}, slot);
     if (accumulation::defers(state_)) return;
+    // After the gradients were finished at the end of a framework's backward, only dp.step(opt) or dp.zero_grad()
+    // starts the next step's reports (a sharded no_sync span's micro-batches, finished by close(), go on).
+    if (finished_by_backward_ && state_.phase() == detail::step_phase::finished) throw reported_twice(slot);
     if (state_.phase() != detail::step_phase::reporting) begin_reporting();
     gradient_in(slot);
-    if (!state_.report(slot))
-      throw error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
-                  "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
-                  "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
-                  "twice (report each parameter once, after its gradient is final)", rank());
+    if (!state_.report(slot)) throw reported_twice(slot);
     start_ready();
     if (const auto u = state_.close_backward(slot, layout_.slots()[slot].unit)) release_backward({*u});
+  }
+  /// The error of a second report of `slot` before the step.
+  [[nodiscard]] error reported_twice(std::size_t slot) const {
+    return error("gradient_ready: parameter '" + layout_.slots()[slot].name + "' reported twice before a step: "
+                 "a second backward ran before dp.step(opt) ended the first (step with dp.step(opt), not "
+                 "opt.step() alone; accumulate micro-batches inside dp.no_sync()), or the backward reported it "
+                 "twice (report each parameter once, after its gradient is final)", rank());
+  }
+  /// A leaf's framework reported `slot` from inside its backward: where it can, the gradients are finished when that
+  /// backward ends (PyTorch's reducer does so), so code between backward() and step() — a clip, a gradient log —
+  /// reads averaged gradients, never a bucket whose reduction is in flight.
+  void finish_at_backward_end(std::size_t slot) {
+    if (finish_queued_ || state_.no_sync().open > 0 || state_.phase() != detail::step_phase::reporting) return;
+    finish_queued_ = layout_.slots()[slot].leaf->at_backward_end([this] {
+      finish_queued_ = false;
+      finish_gradients();
+      finished_by_backward_ = true;
+    });
   }
   /// A step around `run_optimizer`: gradients finished before it, the policy's after-step work after it.
   template <class F>
@@ -396,13 +438,20 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    masters_.step(strategy_->optimizer_buffers(), run_optimizer);  // mixed precision: on the f32 masters
+    masters_.step(strategy_->optimizer_buffers(), [&] {  // mixed precision: on the f32 masters
+      if (options_.clip.max_norm > 0) {
+        last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
+        detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
+      }
+      run_optimizer();
+    });
     strategy_->after_step();
     layout_.values_out();
     detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
     ++steps_;
+    finish_queued_ = finished_by_backward_ = false;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
   }
   /// The step's first report: the declared-unused parameters count as reported.
@@ -428,6 +477,14 @@ class data_parallel {
     for (std::size_t b = 0; b < state_.started(); ++b)
       if (state_.bucket(b).phase != detail::bucket_phase::reduced) strategy_->reduced(hook_, b);
   }
+  /// A call that takes a collective only ranks still training would make (shadow steps cannot mirror it).
+  void check_outside_join(const char* where) const {
+    state_.join().check(where, rank());
+    if (state_.join().open())
+      throw config_error(std::string(where) + ": inside a join scope a rank that ran out of batches cannot mirror "
+                         "this call; clip inside every step with data_parallel_options::clip (shadow steps clip "
+                         "alike) and read dp.last_grad_norm()", rank());
+  }
   void check_no_sync_closed(const char* where) const {
     state_.join().check(where, rank());
     if (state_.no_sync().unclosed)
@@ -452,6 +509,9 @@ class data_parallel {
   std::vector<char> unused_;                // per slot: declared unused
   std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
+  double last_grad_norm_ = 0;               // the norm the last step clipped by (options_.clip)
+  bool finish_queued_ = false;              // finish_gradients() waits for the end of the framework's backward
+  bool finished_by_backward_ = false;       // it ran there: the next report needs dp.step(opt) or dp.zero_grad() first
   friend class join_scope<data_parallel>;
   friend class backward_opener<data_parallel>;
   friend class ddp::no_sync_guard<data_parallel>;

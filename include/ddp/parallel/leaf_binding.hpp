@@ -41,6 +41,8 @@ class leaf_binding {
   virtual void zero_own_gradient() = 0;
   /// Watching leaves: calls `ready` whenever the leaf's gradient is final (kept while the returned handle lives).
   virtual std::shared_ptr<void> watch(std::function<void()> ready) = 0;
+  /// Watching leaves whose framework can: runs `f` when the backward in progress ends (true), else nothing (false).
+  virtual bool at_backward_end(std::function<void()> f) = 0;
 };
 
 /// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf).
@@ -103,6 +105,14 @@ class leaf_binding_of final : public leaf_binding {
       return traits::watch(*leaf_, std::move(ready));
     else
       return nullptr;
+  }
+  bool at_backward_end(std::function<void()> f) override {
+    if constexpr (requires { traits::at_backward_end(*leaf_, std::move(f)); }) {
+      traits::at_backward_end(*leaf_, std::move(f));
+      return true;
+    } else {
+      return false;
+    }
   }
 
  private:

@@ -127,14 +127,23 @@ class master_weights {
   [[nodiscard]] std::span<const optim::flat_buffer> buffers(std::span<const optim::flat_buffer> owned) const noexcept {
     return on_ ? std::span<const optim::flat_buffer>(masters_) : owned;
   }
+  /// The reduced gradients of `owned` widened into the master gradients, once per reduction (a gradient norm
+  /// taken before the step reads and clips the masters, which the step then keeps).
+  void widen(std::span<const optim::flat_buffer> owned) {
+    for (std::size_t i = 0; on_ && !widened_ && i < masters_.size(); ++i)
+      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
+    widened_ = true;
+  }
+  /// The reduced gradients changed (a new reduction finished, or they were zeroed): widen() copies them again.
+  void gradients_changed() noexcept { widened_ = false; }
   /// Runs `optimizer()` on the masters: the reduced gradients of `owned` are widened into the master gradients
-  /// first, and the master values narrowed into `owned`'s values afterwards.
+  /// first (unless widen() did so for this reduction), and the master values narrowed into `owned`'s values afterwards.
   template <class F>
   void step(std::span<const optim::flat_buffer> owned, F&& optimizer) {
-    for (std::size_t i = 0; on_ && i < masters_.size(); ++i)
-      if (masters_[i].grads.data != owned[i].grads.data) owned[i].memory().convert(owned[i].grads, masters_[i].grads);
+    widen(owned);
     optimizer();
     narrow(owned);
+    widened_ = false;
   }
   /// The master values narrowed into `owned`'s values (after a step, or after a checkpoint filled the masters).
   void narrow(std::span<const optim::flat_buffer> owned) const {
@@ -144,6 +153,7 @@ class master_weights {
 
  private:
   bool on_ = false;
+  bool widened_ = false;                      // the master gradients hold this reduction's gradients
   std::vector<domain_buffer> values_;         // per owned buffer: f32 master values (empty where stepped as it is)
   std::vector<domain_buffer> grads_;          // per owned buffer: f32 master gradients widened before each step
   std::vector<optim::flat_buffer> masters_;   // per owned buffer: what the optimizer steps

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <ddp/parallel/grad_norm.hpp>
 #include <ddp/parallel/units.hpp>
 
 namespace ddp {
@@ -35,6 +36,9 @@ struct data_parallel_options {
   /// ready (rank 0's, broadcast once), so later steps start them as early as the backward allows (PyTorch DDP
   /// rebuilds its buckets so by default); false keeps the buckets planned in reverse visit order.
   bool rebuild_buckets = true;
+  /// Clip the gradients to clip.max_norm inside every step(), after they are averaged and before the optimizer
+  /// (also in a join scope's shadow steps); 0: no clipping. dp.last_grad_norm() gives the step's norm.
+  grad_clip clip{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model

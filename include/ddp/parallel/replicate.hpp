@@ -110,6 +110,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] const Comm& shard_group() const noexcept { return comm_; }
   /// No replica group beside it.
   [[nodiscard]] std::optional<Comm> replica_group() const { return std::nullopt; }
+  /// Every rank's optimizer buffers hold every gradient: a norm needs no collective.
+  [[nodiscard]] std::optional<Comm> norm_group() const { return std::nullopt; }
 
  private:
   /// Bucket `b`'s gradients in its arena's reduce dtype; `stage`: widened there from the arena first.

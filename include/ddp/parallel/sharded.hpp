@@ -250,6 +250,8 @@ class sharded_core {
   [[nodiscard]] const Comm& shard_group() const noexcept { return shard_; }
   /// hybrid: the group shards are replicated over.
   [[nodiscard]] const std::optional<Comm>& replica_group() const noexcept { return replica_; }
+  /// The owned blocks of the shard group's ranks make up the gradients: a norm sums over them (not the replicas).
+  [[nodiscard]] std::optional<Comm> norm_group() const { return shard_; }
 
  protected:
   [[nodiscard]] const parameter_layout& layout() const noexcept { return layout_; }

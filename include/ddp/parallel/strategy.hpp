@@ -54,6 +54,8 @@ struct strategy {
 ///   unshard_model()                           collective: the model's parameters hold the full values
 ///   digest()                                  verify_in_sync's hashes of the values this rank shares
 ///   shard_group(), replica_group()            the groups parameters are sharded and replicated over
+///   norm_group()                              the ranks whose optimizer buffers hold disjoint pieces of the
+///                                             gradients (a gradient norm sums over them), none under replicate
 template <class S, class Comm, class Policy>
 concept sharding_strategy =
     std::constructible_from<S, parameter_layout&, const bucket_plan&, step_state&, Comm, const Policy&> &&
@@ -79,6 +81,7 @@ concept sharding_strategy =
       { cs.digest() } -> std::same_as<replica_digest>;
       { cs.shard_group() } -> std::convertible_to<Comm>;
       { cs.replica_group() } -> std::convertible_to<std::optional<Comm>>;
+      { cs.norm_group() } -> std::convertible_to<std::optional<Comm>>;
     };
 
 }  // namespace ddp::detail

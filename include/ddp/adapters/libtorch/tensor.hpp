@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
 #include <ddp/core/device.hpp>
@@ -254,6 +255,10 @@ struct storage_traits<torch::Tensor> {
                          "a gradient; set requires_grad(true), or leave it out of the model ddp wraps");
     const auto id = acc->add_post_hook(std::make_unique<detail::libtorch::report_hook>(t, std::move(ready)));
     return {acc.get(), [acc, id](void*) { acc->del_post_hook(id); }};
+  }
+  /// Runs `f` when the backward in progress ends (the autograd engine's final callback; called from a watch hook).
+  static void at_backward_end(const torch::Tensor& /*t*/, std::function<void()> f) {
+    torch::autograd::Engine::get_default_engine().queue_callback(std::move(f));
   }
 };
 
