@@ -9705,6 +9705,104 @@ inline void clip_to(std::span<const optim::flat_buffer> owned, double max_norm, 
 }  // namespace detail
 }  // namespace ddp
 // ---- end <ddp/parallel/grad_norm.hpp>
+// ---- begin <ddp/parallel/loss_scaling.hpp>
+/// \file Dynamic loss scaling for float16 training (PyTorch's GradScaler), inside the step so that every rank — a
+/// join scope's shadowing ones too — skips the same steps. The loop multiplies its loss by dp.loss_scale(); each
+/// step() then unscales the averaged gradients the optimizer steps (the f32 masters under mixed precision, so small
+/// gradients do not flush to zero again), finds whether any rank holds a NaN or an infinity (one all-reduce of one
+/// flag over the whole group), skips the optimizer, the all-gather after it and the masters' narrowing when one
+/// does, and updates the scale with GradScaler's rules: ×backoff after an overflow, ×growth after growth_interval
+/// clean steps in a row.
+
+
+
+namespace ddp {
+
+/// GradScaler's settings (data_parallel_options::loss_scaling); scaling is off unless `enabled`.
+struct loss_scaling {
+  bool enabled = false;                  ///< scale the loss and skip steps whose gradients overflow
+  double init_scale = 65536.0;           ///< the first scale (2^16)
+  double growth_factor = 2.0;            ///< the scale grows by it after growth_interval clean steps
+  double backoff_factor = 0.5;           ///< and shrinks by it after an overflow
+  std::uint64_t growth_interval = 2000;  ///< clean steps in a row before growing
+};
+
+namespace detail {
+
+/// The scale, the clean steps since the last change, and whether this step's gradients are unscaled already.
+class loss_scaler {
+ public:
+  /// Checks the settings (a config_error names the bad one).
+  explicit loss_scaler(const loss_scaling& s, int rank) : settings_(s), scale_(s.init_scale) {
+    if (!s.enabled) return;
+    if (!(s.init_scale > 0) || !std::isfinite(s.init_scale) || !(s.growth_factor > 1) || !(s.backoff_factor > 0) ||
+        !(s.backoff_factor < 1) || s.growth_interval == 0)
+      throw config_error("loss_scaling: init_scale must be positive and finite, growth_factor above 1, backoff_factor "
+                         "in (0, 1) and growth_interval at least 1 (GradScaler's defaults: 65536, 2, 0.5, 2000)", rank);
+  }
+  /// Whether scaling is on.
+  [[nodiscard]] bool enabled() const noexcept { return settings_.enabled; }
+  /// What the loss is multiplied by (1 when scaling is off).
+  [[nodiscard]] double scale() const noexcept { return settings_.enabled ? scale_ : 1.0; }
+  /// Clean steps since the scale last changed (GradScaler's growth tracker).
+  [[nodiscard]] std::uint64_t growth_tracker() const noexcept { return tracker_; }
+  /// Sets the scale and growth tracker (a checkpoint load).
+  void restore(double scale, std::uint64_t tracker) noexcept {
+    scale_ = scale;
+    tracker_ = tracker;
+  }
+
+  /// Once per step: multiplies the gradients of `owned` by 1/scale (as float, as GradScaler's inv_scale) and
+  /// returns whether any rank of `comm` holds a non-finite one (one all-reduce). Later calls in the same step
+  /// return the first answer. Collective the first time.
+  template <class Comm>
+  bool unscale(Comm& comm, std::span<const optim::flat_buffer> owned) {
+    if (!settings_.enabled) return false;
+    if (unscaled_) return found_inf_;
+    const double inv = static_cast<double>(static_cast<float>(1.0 / scale_));
+    std::int32_t found = 0;
+    domain_buffer scratch;
+    for (const auto& b : owned) {
+      b.memory().scale(b.grads, inv);
+      const raw_tensor g = readable_on_host(b.grads, scratch);
+      visit_dtype(g.type, [&]<class T>(T) {
+        const T* x = static_cast<const T*>(g.data);
+        for (const auto& seg : b.segments)
+          for (std::size_t i = seg.offset; i < seg.offset + seg.numel && !found; ++i)
+            if (!std::isfinite(static_cast<double>(x[i]))) found = 1;
+      });
+    }
+    comm.all_reduce(std::span<std::int32_t>(&found, 1), reduce_op::max).wait();
+    unscaled_ = true;
+    found_inf_ = found != 0;
+    return found_inf_;
+  }
+  /// The step ended: the scale follows GradScaler's rules, and the next step unscales again.
+  void update() noexcept {
+    if (!settings_.enabled || !unscaled_) return;
+    if (found_inf_) {
+      scale_ *= settings_.backoff_factor;
+      tracker_ = 0;
+    } else if (++tracker_ == settings_.growth_interval) {
+      scale_ *= settings_.growth_factor;
+      tracker_ = 0;
+    }
+    unscaled_ = found_inf_ = false;
+  }
+  /// The gradients were dropped (zero_grad): the next step unscales its own.
+  void forget() noexcept { unscaled_ = found_inf_ = false; }
+
+ private:
+  loss_scaling settings_;
+  double scale_;
+  std::uint64_t tracker_ = 0;
+  bool unscaled_ = false;   // this step's gradients are unscaled
+  bool found_inf_ = false;  // and some rank's held a NaN or an infinity
+};
+
+}  // namespace detail
+}  // namespace ddp
+// ---- end <ddp/parallel/loss_scaling.hpp>
 // ---- begin <ddp/parallel/units.hpp>
 /// \file Sharding units named by the user: data_parallel_options::units holds dotted name prefixes ("head") and
 /// parts of the model (ddp::unit_of(model.encoder)) in any mix. A part is kept as the addresses of its
@@ -9904,6 +10002,9 @@ struct data_parallel_options {
   /// Clip the gradients to clip.max_norm inside every step(), after they are averaged and before the optimizer
   /// (also in a join scope's shadow steps); 0: no clipping. dp.last_grad_norm() gives the step's norm.
   grad_clip clip{};
+  /// Dynamic loss scaling for float16 (PyTorch's GradScaler), inside every step: multiply the loss by
+  /// dp.loss_scale(); a step whose averaged gradients hold a NaN or an infinity on any rank is skipped on every rank.
+  ddp::loss_scaling loss_scaling{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
@@ -12307,6 +12408,8 @@ struct strategy {
 ///   on_report(slot)                           checks (and notes) a gradient report
 ///   leaves_report_themselves()                the leaves' framework runs the backward (autograd): no scope wraps it
 ///   optimizer_buffers(), after_step(), zero_grad()
+///   after_skipped_step()                      a step whose update was skipped (loss scaling): the gradients are
+///                                             consumed as after a step, the unchanged values not moved
 ///   unshard_model()                           collective: the model's parameters hold the full values
 ///   digest()                                  verify_in_sync's hashes of the values this rank shares
 ///   shard_group(), replica_group()            the groups parameters are sharded and replicated over
@@ -12332,6 +12435,7 @@ concept sharding_strategy =
       s.leaves_report_themselves();
       { cs.optimizer_buffers() } -> std::same_as<const std::vector<optim::flat_buffer>&>;
       s.after_step();
+      s.after_skipped_step();
       s.zero_grad();
       s.unshard_model();
       { cs.digest() } -> std::same_as<replica_digest>;
@@ -12415,6 +12519,8 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     this->trim_pools();
   }
+  /// A skipped update: the units reshard and the gradients are consumed as after any step (no value moved).
+  void after_skipped_step() { after_step(); }
   /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
   /// model's own parameters hold the full values (also once the wrapper is gone). No unshard scope may be open.
   void unshard_model() {
@@ -12531,6 +12637,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
     std::vector<work> works;
     for (std::size_t b = 0; b < this->plan().buckets.size(); ++b) works.push_back(this->all_gather_bucket(b));
     this->order_buckets(works);
+    this->consume_owned_gradients();
+    this->trim_pools();
+  }
+  /// A skipped update left the owned values as they were, so nothing is all-gathered; the gradients are consumed.
+  void after_skipped_step() {
     this->consume_owned_gradients();
     this->trim_pools();
   }
@@ -12923,6 +13034,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
   /// Nothing to all-gather after the step.
   void after_step() {}
+  /// Nothing after a skipped update either.
+  void after_skipped_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
     for (const auto& a : layout_.arenas()) a.domain->zero(a.grad_view(0, a.numel));
@@ -13132,6 +13245,23 @@ class data_parallel {
     detail::clip_to(owned_buffers(), max_norm, total);
     return total;
   }
+  /// Whether data_parallel_options::loss_scaling is on.
+  [[nodiscard]] bool scales_loss() const noexcept { return scaler_.enabled(); }
+  /// What the loop multiplies its loss by under data_parallel_options::loss_scaling (1 without it).
+  [[nodiscard]] double loss_scale() const noexcept { return scaler_.scale(); }
+  /// Clean steps since the loss scale last changed (GradScaler's growth tracker).
+  [[nodiscard]] std::uint64_t loss_scale_growth_tracker() const noexcept { return scaler_.growth_tracker(); }
+  /// Sets the loss scale and its growth tracker (checkpoint loading calls it).
+  void restore_loss_scale(double scale, std::uint64_t growth_tracker) noexcept { scaler_.restore(scale, growth_tracker); }
+  /// Under loss scaling: finish_gradients(), then divides the averaged gradients by the loss scale (GradScaler's
+  /// unscale_, before clipping) once per step, and returns whether any rank's hold a NaN or an infinity, in which
+  /// case step() skips the update on every rank. Collective (one all-reduce of one flag); false without scaling.
+  bool unscale_gradients() {
+    check_outside_join("unscale_gradients");
+    finish_gradients();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: unscale the f32 master gradients
+    return scaler_.unscale(comm_, owned_buffers());
+  }
   /// The total gradient norm the last step() clipped by (data_parallel_options::clip), or 0.
   [[nodiscard]] double last_grad_norm() const noexcept { return last_grad_norm_; }
 
@@ -13201,6 +13331,7 @@ class data_parallel {
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
     finish_queued_ = finished_by_backward_ = false;
+    scaler_.forget();
     strategy_->zero_grad();
     masters_.gradients_changed();
     if (!layout_.adopting())
@@ -13362,15 +13493,21 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    masters_.step(strategy_->optimizer_buffers(), [&] {  // mixed precision: on the f32 masters
-      if (options_.clip.max_norm > 0) {
-        last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
-        detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
-      }
-      run_optimizer();
-    });
-    strategy_->after_step();
-    layout_.values_out();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: the f32 master gradients
+    if (scaler_.unscale(comm_, owned_buffers())) {   // loss scaling: an overflow on some rank skips the update
+      strategy_->after_skipped_step();
+    } else {
+      masters_.step(strategy_->optimizer_buffers(), [&] {
+        if (options_.clip.max_norm > 0) {
+          last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
+          detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
+        }
+        run_optimizer();
+      });
+      strategy_->after_step();
+      layout_.values_out();
+    }
+    scaler_.update();
     detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
@@ -13434,6 +13571,7 @@ class data_parallel {
   std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   double last_grad_norm_ = 0;               // the norm the last step clipped by (options_.clip)
+  detail::loss_scaler scaler_{options_.loss_scaling, comm_.rank()};  // loss scaling: the scale and this step's overflow
   bool finish_queued_ = false;              // finish_gradients() waits for the end of the framework's backward
   bool finished_by_backward_ = false;       // it ran there: the next report needs dp.step(opt) or dp.zero_grad() first
   friend class join_scope<data_parallel>;
@@ -28416,6 +28554,35 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
   }
 }
 
+/// Under loss scaling, the scale and its growth tracker into `meta` ("ddp.loss_scale", exact, and
+/// "ddp.loss_scale_growth"), so a resumed run goes on with them.
+template <class DP>
+void note_loss_scale(const DP& dp, checkpoint_metadata& meta) {
+  if (!dp.scales_loss()) return;
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, dp.loss_scale()).ptr;  // shortest exact form
+  meta["ddp.loss_scale"] = std::string(text, end);
+  meta["ddp.loss_scale_growth"] = std::to_string(dp.loss_scale_growth_tracker());
+}
+
+/// Under loss scaling, takes the scale and growth tracker `meta` holds (a checkpoint saved without scaling leaves
+/// the initial scale); a malformed value is an io_error naming `source`.
+template <class DP>
+void restore_loss_scale(const std::filesystem::path& source, const checkpoint_metadata& meta, DP& dp) {
+  const auto scale = meta.find("ddp.loss_scale"), growth = meta.find("ddp.loss_scale_growth");
+  if (!dp.scales_loss() || scale == meta.end() || growth == meta.end()) return;
+  double s = 0;
+  std::uint64_t g = 0;
+  const auto [p1, e1] = std::from_chars(scale->second.data(), scale->second.data() + scale->second.size(), s);
+  const auto [p2, e2] = std::from_chars(growth->second.data(), growth->second.data() + growth->second.size(), g);
+  if (e1 != std::errc{} || e2 != std::errc{} || p1 != scale->second.data() + scale->second.size() ||
+      p2 != growth->second.data() + growth->second.size() || !(s > 0))
+    throw io_error("checkpoint '" + source.string() + "' has loss scale '" + scale->second + "' and growth '" +
+                   growth->second + "', which are not a positive scale and a count; save it again (or resume from an "
+                   "older one)", dp.rank());
+  dp.restore_loss_scale(s, g);
+}
+
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
 /// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
 /// into the parameter's place in the arenas (mixed precision: the f32 master pieces, narrowed there). Under
@@ -28697,6 +28864,7 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
   st.to_devices();
   refresh_parameters(dp, st);
   restore_step_count(manifest_path, m.metadata, opt, me);
+  restore_loss_scale(manifest_path, m.metadata, dp);
   return m.metadata;
 }
 
@@ -28770,6 +28938,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
     }
     auto meta = metadata;
     meta["optim.step"] = std::to_string(opt.step_count());
+    detail::note_loss_scale(dp, meta);
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
                                      {"tensors", std::move(tensors)}, {"parts", std::move(parts)},
@@ -28826,6 +28995,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkp
     rank0.run([&] {
       auto meta = metadata;
       if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
+      note_loss_scale(dp, meta);
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
     });
@@ -28897,6 +29067,7 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   checkpoint_metadata meta;
   for (std::size_t i = 0; i + 1 < meta_flat.size(); i += 2) meta[meta_flat[i]] = meta_flat[i + 1];
   restore_step_count(path, meta, opt, me);
+  restore_loss_scale(path, meta, dp);
   return meta;
 }
 

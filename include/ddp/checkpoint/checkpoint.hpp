@@ -41,6 +41,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkp
     rank0.run([&] {
       auto meta = metadata;
       if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
+      note_loss_scale(dp, meta);
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
     });
@@ -112,6 +113,7 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   checkpoint_metadata meta;
   for (std::size_t i = 0; i + 1 < meta_flat.size(); i += 2) meta[meta_flat[i]] = meta_flat[i + 1];
   restore_step_count(path, meta, opt, me);
+  restore_loss_scale(path, meta, dp);
   return meta;
 }
 

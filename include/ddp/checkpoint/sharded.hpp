@@ -264,6 +264,7 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
   st.to_devices();
   refresh_parameters(dp, st);
   restore_step_count(manifest_path, m.metadata, opt, me);
+  restore_loss_scale(manifest_path, m.metadata, dp);
   return m.metadata;
 }
 
@@ -337,6 +338,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
     }
     auto meta = metadata;
     meta["optim.step"] = std::to_string(opt.step_count());
+    detail::note_loss_scale(dp, meta);
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
                                      {"tensors", std::move(tensors)}, {"parts", std::move(parts)},

@@ -331,6 +331,35 @@ void restore_step_count(const std::filesystem::path& source, const checkpoint_me
   }
 }
 
+/// Under loss scaling, the scale and its growth tracker into `meta` ("ddp.loss_scale", exact, and
+/// "ddp.loss_scale_growth"), so a resumed run goes on with them.
+template <class DP>
+void note_loss_scale(const DP& dp, checkpoint_metadata& meta) {
+  if (!dp.scales_loss()) return;
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, dp.loss_scale()).ptr;  // shortest exact form
+  meta["ddp.loss_scale"] = std::string(text, end);
+  meta["ddp.loss_scale_growth"] = std::to_string(dp.loss_scale_growth_tracker());
+}
+
+/// Under loss scaling, takes the scale and growth tracker `meta` holds (a checkpoint saved without scaling leaves
+/// the initial scale); a malformed value is an io_error naming `source`.
+template <class DP>
+void restore_loss_scale(const std::filesystem::path& source, const checkpoint_metadata& meta, DP& dp) {
+  const auto scale = meta.find("ddp.loss_scale"), growth = meta.find("ddp.loss_scale_growth");
+  if (!dp.scales_loss() || scale == meta.end() || growth == meta.end()) return;
+  double s = 0;
+  std::uint64_t g = 0;
+  const auto [p1, e1] = std::from_chars(scale->second.data(), scale->second.data() + scale->second.size(), s);
+  const auto [p2, e2] = std::from_chars(growth->second.data(), growth->second.data() + growth->second.size(), g);
+  if (e1 != std::errc{} || e2 != std::errc{} || p1 != scale->second.data() + scale->second.size() ||
+      p2 != growth->second.data() + growth->second.size() || !(s > 0))
+    throw io_error("checkpoint '" + source.string() + "' has loss scale '" + scale->second + "' and growth '" +
+                   growth->second + "', which are not a positive scale and a count; save it again (or resume from an "
+                   "older one)", dp.rank());
+  dp.restore_loss_scale(s, g);
+}
+
 /// After the owned pieces of the parameters changed, makes the full parameters every rank sees agree with
 /// them: unit by unit, inside an unshard scope (full_shard), the lowest rank holding each piece broadcasts it
 /// into the parameter's place in the arenas (mixed precision: the f32 master pieces, narrowed there). Under

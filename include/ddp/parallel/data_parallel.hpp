@@ -208,6 +208,23 @@ class data_parallel {
     detail::clip_to(owned_buffers(), max_norm, total);
     return total;
   }
+  /// Whether data_parallel_options::loss_scaling is on.
+  [[nodiscard]] bool scales_loss() const noexcept { return scaler_.enabled(); }
+  /// What the loop multiplies its loss by under data_parallel_options::loss_scaling (1 without it).
+  [[nodiscard]] double loss_scale() const noexcept { return scaler_.scale(); }
+  /// Clean steps since the loss scale last changed (GradScaler's growth tracker).
+  [[nodiscard]] std::uint64_t loss_scale_growth_tracker() const noexcept { return scaler_.growth_tracker(); }
+  /// Sets the loss scale and its growth tracker (checkpoint loading calls it).
+  void restore_loss_scale(double scale, std::uint64_t growth_tracker) noexcept { scaler_.restore(scale, growth_tracker); }
+  /// Under loss scaling: finish_gradients(), then divides the averaged gradients by the loss scale (GradScaler's
+  /// unscale_, before clipping) once per step, and returns whether any rank's hold a NaN or an infinity, in which
+  /// case step() skips the update on every rank. Collective (one all-reduce of one flag); false without scaling.
+  bool unscale_gradients() {
+    check_outside_join("unscale_gradients");
+    finish_gradients();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: unscale the f32 master gradients
+    return scaler_.unscale(comm_, owned_buffers());
+  }
   /// The total gradient norm the last step() clipped by (data_parallel_options::clip), or 0.
   [[nodiscard]] double last_grad_norm() const noexcept { return last_grad_norm_; }
 
@@ -277,6 +294,7 @@ class data_parallel {
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
   void zero_grad() noexcept {
     finish_queued_ = finished_by_backward_ = false;
+    scaler_.forget();
     strategy_->zero_grad();
     masters_.gradients_changed();
     if (!layout_.adopting())
@@ -438,15 +456,21 @@ class data_parallel {
       throw error("step: called inside no_sync(), where gradients are local and ranks would diverge; leave the "
                   "no_sync scope for the last micro-batch of the accumulation", rank());
     finish_gradients();
-    masters_.step(strategy_->optimizer_buffers(), [&] {  // mixed precision: on the f32 masters
-      if (options_.clip.max_norm > 0) {
-        last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
-        detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
-      }
-      run_optimizer();
-    });
-    strategy_->after_step();
-    layout_.values_out();
+    masters_.widen(strategy_->optimizer_buffers());  // mixed precision: the f32 master gradients
+    if (scaler_.unscale(comm_, owned_buffers())) {   // loss scaling: an overflow on some rank skips the update
+      strategy_->after_skipped_step();
+    } else {
+      masters_.step(strategy_->optimizer_buffers(), [&] {
+        if (options_.clip.max_norm > 0) {
+          last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
+          detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
+        }
+        run_optimizer();
+      });
+      strategy_->after_step();
+      layout_.values_out();
+    }
+    scaler_.update();
     detail::sync_buffers(comm_, state_.join(), model_state_, state_sync_, options_.buffers);
     state_.end();
     state_.join().end_step();
@@ -510,6 +534,7 @@ class data_parallel {
   std::vector<std::shared_ptr<void>> held_;  // goes with the wrapper: autograd hooks, adapters' tokens (hold_until_destroyed)
   std::size_t steps_ = 0;                   // optimizer steps taken (for options_.verify_every)
   double last_grad_norm_ = 0;               // the norm the last step clipped by (options_.clip)
+  detail::loss_scaler scaler_{options_.loss_scaling, comm_.rank()};  // loss scaling: the scale and this step's overflow
   bool finish_queued_ = false;              // finish_gradients() waits for the end of the framework's backward
   bool finished_by_backward_ = false;       // it ran there: the next report needs dp.step(opt) or dp.zero_grad() first
   friend class join_scope<data_parallel>;

@@ -99,6 +99,8 @@ struct strategy<full_shard, Comm> : sharded_core<Comm> {
     }
     this->trim_pools();
   }
+  /// A skipped update: the units reshard and the gradients are consumed as after any step (no value moved).
+  void after_skipped_step() { after_step(); }
   /// Collective: all-gathers every bucket into the value arena and points every parameter there, so the
   /// model's own parameters hold the full values (also once the wrapper is gone). No unshard scope may be open.
   void unshard_model() {

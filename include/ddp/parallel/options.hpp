@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ddp/parallel/grad_norm.hpp>
+#include <ddp/parallel/loss_scaling.hpp>
 #include <ddp/parallel/units.hpp>
 
 namespace ddp {
@@ -39,6 +40,9 @@ struct data_parallel_options {
   /// Clip the gradients to clip.max_norm inside every step(), after they are averaged and before the optimizer
   /// (also in a join scope's shadow steps); 0: no clipping. dp.last_grad_norm() gives the step's norm.
   grad_clip clip{};
+  /// Dynamic loss scaling for float16 (PyTorch's GradScaler), inside every step: multiply the loss by
+  /// dp.loss_scale(); a step whose averaged gradients hold a NaN or an infinity on any rank is skipped on every rank.
+  ddp::loss_scaling loss_scaling{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model

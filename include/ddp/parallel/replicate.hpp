@@ -91,6 +91,8 @@ struct strategy<replicate, Comm> {
   [[nodiscard]] const std::vector<optim::flat_buffer>& optimizer_buffers() const noexcept { return buffers_; }
   /// Nothing to all-gather after the step.
   void after_step() {}
+  /// Nothing after a skipped update either.
+  void after_skipped_step() {}
   /// Zeroes the gradient arenas.
   void zero_grad() noexcept {
     for (const auto& a : layout_.arenas()) a.domain->zero(a.grad_view(0, a.numel));

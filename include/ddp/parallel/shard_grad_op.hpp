@@ -49,6 +49,11 @@ struct strategy<shard_grad_op, Comm> : sharded_core<Comm> {
     this->consume_owned_gradients();
     this->trim_pools();
   }
+  /// A skipped update left the owned values as they were, so nothing is all-gathered; the gradients are consumed.
+  void after_skipped_step() {
+    this->consume_owned_gradients();
+    this->trim_pools();
+  }
   /// The units get gradient storage while a scope holds them; parameters are always whole.
   void acquire(std::span<const std::size_t> units) {
     for (const std::size_t u : units) this->open_scope(u);

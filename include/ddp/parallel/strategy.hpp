@@ -51,6 +51,8 @@ struct strategy {
 ///   on_report(slot)                           checks (and notes) a gradient report
 ///   leaves_report_themselves()                the leaves' framework runs the backward (autograd): no scope wraps it
 ///   optimizer_buffers(), after_step(), zero_grad()
+///   after_skipped_step()                      a step whose update was skipped (loss scaling): the gradients are
+///                                             consumed as after a step, the unchanged values not moved
 ///   unshard_model()                           collective: the model's parameters hold the full values
 ///   digest()                                  verify_in_sync's hashes of the values this rank shares
 ///   shard_group(), replica_group()            the groups parameters are sharded and replicated over
@@ -76,6 +78,7 @@ concept sharding_strategy =
       s.leaves_report_themselves();
       { cs.optimizer_buffers() } -> std::same_as<const std::vector<optim::flat_buffer>&>;
       s.after_step();
+      s.after_skipped_step();
       s.zero_grad();
       s.unshard_model();
       { cs.digest() } -> std::same_as<replica_digest>;
