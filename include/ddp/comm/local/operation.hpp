@@ -4,6 +4,7 @@
 /// other), then polls and sleeps until every participant has run its share; avg is divided here once it is done.
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -68,11 +69,12 @@ class operation final : public ddp::detail::work_state {
   bool wait_until(clock::time_point deadline) override {
     world& w = *group_->home;
     for (;;) {
+      const std::uint64_t seen = w.epoch();  // before drive: a share that becomes ready meanwhile ends the pause
       w.drive(world_rank_);
       std::unique_lock lock(w.mutex);
       if (settled()) return true;
       if (clock::now() >= deadline) return false;
-      w.pause(lock, w.epoch(), deadline);
+      w.pause(lock, seen, deadline);
     }
   }
 
