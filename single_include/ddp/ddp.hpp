@@ -9325,7 +9325,8 @@ inline slot::share_fn share_of(collective kind) noexcept {
 // ---- end <ddp/comm/local/shares.hpp>
 // ---- begin <ddp/comm/local/world.hpp>
 /// \file The state the threads of one ddp::local::run share: one mutex over every rendezvous, each rank's agenda of
-/// shares still to run, which ranks have left, and the waits (a short poll, then a condition variable).
+/// shares still to run, which ranks have left, and the waits (a short poll, yielding the core after a few
+/// microseconds or at once where the ranks outnumber the cores, then a condition variable).
 
 
 // ---- begin <ddp/comm/local/config.hpp>
@@ -9342,6 +9343,9 @@ struct config {
   /// How long a wait polls for its peers before it sleeps on a condition variable (a short collective then costs
   /// no wake-up; a long one no core).
   std::chrono::microseconds spin{50};
+  /// How long a polling wait keeps its core before it yields it between polls (at once where the ranks outnumber
+  /// the cores): a peer's thread may need it. ddp::tcp's shared-memory barrier does the same.
+  std::chrono::microseconds yield_after{5};
 };
 
 /// `cfg` with the environment's DDP_TIMEOUT_MS applied, as the other backends read it.
@@ -9376,7 +9380,11 @@ struct member {
 /// The threads of one run: n ranks, the settings, and everything they meet under one mutex.
 class world {
  public:
-  world(int n, config settings) : cfg(settings), members(static_cast<std::size_t>(n)) {}
+  world(int n, config settings)
+      : cfg(settings), members(static_cast<std::size_t>(n)),
+        yield_after_(static_cast<unsigned>(n) > std::max(1U, std::thread::hardware_concurrency())
+                         ? std::chrono::microseconds(0)
+                         : settings.yield_after) {}
   world(const world&) = delete;
   world& operator=(const world&) = delete;
 
@@ -9399,25 +9407,23 @@ class world {
     std::unique_lock lock(mutex);
     auto& agenda = members[static_cast<std::size_t>(w)].agenda;
     for (std::size_t k = 0; k < agenda.size();) {
-      slot& s = *agenda[k].at;
-      if (s.failure.what != fault::kind::none) {
-        agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
-        continue;
+      const slot& s = *agenda[k].at;
+      if (s.failure.what != fault::kind::none) agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+      else if (!s.full()) ++k;
+      else run_at(lock, agenda, k), k = 0;  // the agenda may have changed while the lock was free
+    }
+  }
+
+  /// Runs, on this thread, the shares of the full rendezvous `at` that other ranks have not started: a rank late to
+  /// its share (its thread not running, on a host with fewer cores than ranks) then delays no one.
+  void help(const std::shared_ptr<slot>& at) {
+    std::unique_lock lock(mutex);
+    for (auto& m : members) {
+      for (std::size_t k = 0; k < m.agenda.size();) {
+        if (!at->full() || at->failure.what != fault::kind::none) return;
+        if (m.agenda[k].at == at) run_at(lock, m.agenda, k);
+        else ++k;
       }
-      if (!s.full()) {
-        ++k;
-        continue;
-      }
-      const agenda_item item = agenda[k];
-      agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
-      ++s.running;
-      lock.unlock();
-      s.share(s, item.index);
-      lock.lock();
-      --s.running;
-      s.owes[static_cast<std::size_t>(item.index)] = 0;
-      notify();
-      k = 0;  // the agenda may have changed while the lock was free
     }
   }
 
@@ -9430,9 +9436,11 @@ class world {
     lock.unlock();
     const auto start = clock::now();
     for (unsigned polls = 1; epoch() == seen; ++polls) {
+      relax();
       if (polls % 64 != 0) continue;
-      if (clock::now() - start >= cfg.spin) break;
-      std::this_thread::yield();
+      const auto waited = clock::now() - start;
+      if (waited >= cfg.spin) break;
+      if (waited >= yield_after_) std::this_thread::yield();  // a peer's thread may need this core
     }
     lock.lock();
     if (epoch() != seen) return;
@@ -9442,7 +9450,32 @@ class world {
   }
 
  private:
+  /// Takes item `k` off `agenda` and runs its share with the lock released. The caller holds `lock`.
+  void run_at(std::unique_lock<std::mutex>& lock, std::vector<agenda_item>& agenda, std::size_t k) {
+    const agenda_item item = agenda[k];
+    agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+    slot& s = *item.at;
+    ++s.running;
+    lock.unlock();
+    s.share(s, item.index);
+    lock.lock();
+    --s.running;
+    s.owes[static_cast<std::size_t>(item.index)] = 0;
+    notify();
+  }
+
+  /// How long a wait polls before it also yields its core between polls.
+  static constexpr std::chrono::microseconds yield_after{0};
+
+  /// Tells the core this is a polling loop.
+  static void relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
   std::condition_variable wake_;
+  std::chrono::microseconds yield_after_;  ///< cfg.yield_after, or 0 where the ranks outnumber the cores
   std::atomic<std::uint64_t> epoch_{0};
   int sleepers_ = 0;
 };
@@ -9624,7 +9657,8 @@ inline void depart(world& w, int r, std::string cause) {
 // ---- begin <ddp/comm/local/operation.hpp>
 /// \file One in-flight operation of ddp::local::communicator: its rank's place at a rendezvous. Waiting runs the
 /// rank's shares that are ready (of any of its operations, so ranks waiting in different orders never block each
-/// other), then polls and sleeps until every participant has run its share; avg is divided here once it is done.
+/// other) and the shares of this rendezvous no other rank has started, then polls and sleeps until every share has
+/// run; avg is divided here once it is done.
 
 
 
@@ -9678,6 +9712,7 @@ class operation final : public ddp::detail::work_state {
     for (;;) {
       const std::uint64_t seen = w.epoch();  // before drive: a share that becomes ready meanwhile ends the pause
       w.drive(world_rank_);
+      w.help(slot_);
       std::unique_lock lock(w.mutex);
       if (settled()) return true;
       if (clock::now() >= deadline) return false;

@@ -14,6 +14,9 @@ struct config {
   /// How long a wait polls for its peers before it sleeps on a condition variable (a short collective then costs
   /// no wake-up; a long one no core).
   std::chrono::microseconds spin{50};
+  /// How long a polling wait keeps its core before it yields it between polls (at once where the ranks outnumber
+  /// the cores): a peer's thread may need it. ddp::tcp's shared-memory barrier does the same.
+  std::chrono::microseconds yield_after{5};
 };
 
 /// `cfg` with the environment's DDP_TIMEOUT_MS applied, as the other backends read it.

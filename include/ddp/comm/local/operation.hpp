@@ -1,7 +1,8 @@
 #pragma once
 /// \file One in-flight operation of ddp::local::communicator: its rank's place at a rendezvous. Waiting runs the
 /// rank's shares that are ready (of any of its operations, so ranks waiting in different orders never block each
-/// other), then polls and sleeps until every participant has run its share; avg is divided here once it is done.
+/// other) and the shares of this rendezvous no other rank has started, then polls and sleeps until every share has
+/// run; avg is divided here once it is done.
 
 #include <chrono>
 #include <cstdint>
@@ -71,6 +72,7 @@ class operation final : public ddp::detail::work_state {
     for (;;) {
       const std::uint64_t seen = w.epoch();  // before drive: a share that becomes ready meanwhile ends the pause
       w.drive(world_rank_);
+      w.help(slot_);
       std::unique_lock lock(w.mutex);
       if (settled()) return true;
       if (clock::now() >= deadline) return false;

@@ -1,7 +1,9 @@
 #pragma once
 /// \file The state the threads of one ddp::local::run share: one mutex over every rendezvous, each rank's agenda of
-/// shares still to run, which ranks have left, and the waits (a short poll, then a condition variable).
+/// shares still to run, which ranks have left, and the waits (a short poll, yielding the core after a few
+/// microseconds or at once where the ranks outnumber the cores, then a condition variable).
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,7 +40,11 @@ struct member {
 /// The threads of one run: n ranks, the settings, and everything they meet under one mutex.
 class world {
  public:
-  world(int n, config settings) : cfg(settings), members(static_cast<std::size_t>(n)) {}
+  world(int n, config settings)
+      : cfg(settings), members(static_cast<std::size_t>(n)),
+        yield_after_(static_cast<unsigned>(n) > std::max(1U, std::thread::hardware_concurrency())
+                         ? std::chrono::microseconds(0)
+                         : settings.yield_after) {}
   world(const world&) = delete;
   world& operator=(const world&) = delete;
 
@@ -61,25 +67,23 @@ class world {
     std::unique_lock lock(mutex);
     auto& agenda = members[static_cast<std::size_t>(w)].agenda;
     for (std::size_t k = 0; k < agenda.size();) {
-      slot& s = *agenda[k].at;
-      if (s.failure.what != fault::kind::none) {
-        agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
-        continue;
+      const slot& s = *agenda[k].at;
+      if (s.failure.what != fault::kind::none) agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+      else if (!s.full()) ++k;
+      else run_at(lock, agenda, k), k = 0;  // the agenda may have changed while the lock was free
+    }
+  }
+
+  /// Runs, on this thread, the shares of the full rendezvous `at` that other ranks have not started: a rank late to
+  /// its share (its thread not running, on a host with fewer cores than ranks) then delays no one.
+  void help(const std::shared_ptr<slot>& at) {
+    std::unique_lock lock(mutex);
+    for (auto& m : members) {
+      for (std::size_t k = 0; k < m.agenda.size();) {
+        if (!at->full() || at->failure.what != fault::kind::none) return;
+        if (m.agenda[k].at == at) run_at(lock, m.agenda, k);
+        else ++k;
       }
-      if (!s.full()) {
-        ++k;
-        continue;
-      }
-      const agenda_item item = agenda[k];
-      agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
-      ++s.running;
-      lock.unlock();
-      s.share(s, item.index);
-      lock.lock();
-      --s.running;
-      s.owes[static_cast<std::size_t>(item.index)] = 0;
-      notify();
-      k = 0;  // the agenda may have changed while the lock was free
     }
   }
 
@@ -92,9 +96,11 @@ class world {
     lock.unlock();
     const auto start = clock::now();
     for (unsigned polls = 1; epoch() == seen; ++polls) {
+      relax();
       if (polls % 64 != 0) continue;
-      if (clock::now() - start >= cfg.spin) break;
-      std::this_thread::yield();
+      const auto waited = clock::now() - start;
+      if (waited >= cfg.spin) break;
+      if (waited >= yield_after_) std::this_thread::yield();  // a peer's thread may need this core
     }
     lock.lock();
     if (epoch() != seen) return;
@@ -104,7 +110,32 @@ class world {
   }
 
  private:
+  /// Takes item `k` off `agenda` and runs its share with the lock released. The caller holds `lock`.
+  void run_at(std::unique_lock<std::mutex>& lock, std::vector<agenda_item>& agenda, std::size_t k) {
+    const agenda_item item = agenda[k];
+    agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+    slot& s = *item.at;
+    ++s.running;
+    lock.unlock();
+    s.share(s, item.index);
+    lock.lock();
+    --s.running;
+    s.owes[static_cast<std::size_t>(item.index)] = 0;
+    notify();
+  }
+
+  /// How long a wait polls before it also yields its core between polls.
+  static constexpr std::chrono::microseconds yield_after{0};
+
+  /// Tells the core this is a polling loop.
+  static void relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
   std::condition_variable wake_;
+  std::chrono::microseconds yield_after_;  ///< cfg.yield_after, or 0 where the ranks outnumber the cores
   std::atomic<std::uint64_t> epoch_{0};
   int sleepers_ = 0;
 };
