@@ -32,7 +32,7 @@ void on_1_to_n_threads(int max_ranks, F body) {
 }
 }  // namespace
 
-TEST_CASE("local replicate equals one process: sgd, adamw, buckets, no_sync, the compression hooks",
+TEST_CASE("data_parallel replicate equals one process: sgd, adamw, buckets, no_sync, the compression hooks",
           "[local][equivalence]") {
   on_1_to_n_threads(4, [](ddp::local::communicator comm) {
     check_equivalence<local>(comm, optimizer_kind::sgd_momentum, 1e-5);
@@ -44,7 +44,7 @@ TEST_CASE("local replicate equals one process: sgd, adamw, buckets, no_sync, the
     check_missing_report<local>(comm);
   });
 }
-TEST_CASE("local sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process",
+TEST_CASE("data_parallel sharding: shard_grad_op, full_shard, hybrid and sharded no_sync equal one process",
           "[local][sharding]") {
   on_1_to_n_threads(4, [](ddp::local::communicator comm) {
     check_equivalence<local, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, 1e-5);
@@ -58,21 +58,21 @@ TEST_CASE("local sharding: shard_grad_op, full_shard, hybrid and sharded no_sync
     check_verify_in_sync<local, ddp::replicate>(comm);
   });
 }
-TEST_CASE("local deterministic reduction: the bits of one process summing in rank order", "[local][determinism]") {
+TEST_CASE("data_parallel deterministic reduction: the bits of one process summing in rank order", "[local][determinism]") {
   on_1_to_n_threads(4, [](ddp::local::communicator comm) {
     check_deterministic<local>(comm, optimizer_kind::sgd_momentum);
     check_deterministic<local>(comm, optimizer_kind::adamw, {}, 3000);
     check_deterministic<local, ddp::full_shard>(comm, optimizer_kind::sgd_nesterov);
   });
 }
-TEST_CASE("local join: uneven batch counts equal one process, replicate and full_shard", "[local][join]") {
+TEST_CASE("data_parallel join: uneven batch counts equal one process, replicate and full_shard", "[local][join]") {
   on_1_to_n_threads(4, [](ddp::local::communicator comm) {
     check_join<local, tiny>(comm, optimizer_kind::adamw, 1e-5);
     check_join<local, tiny>(comm, optimizer_kind::sgd_momentum, 1e-5, closeness::per_element, {}, 3);  // no_sync
     check_join<local, tiny, ddp::full_shard>(comm, optimizer_kind::adamw, 1e-5);
   });
 }
-TEST_CASE("local devices: each thread's replica on fake devices of its own, replicate and full_shard, a checkpoint "
+TEST_CASE("data_parallel on devices: each thread's replica on fake devices of its own, replicate and full_shard, a checkpoint "
           "rank 0 writes resumes bit for bit", "[local][device]") {
   const std::string dir = "/tmp/ddp_local_ckpt_" + std::to_string(::getpid());
   on_1_to_n_threads(4, [&](ddp::local::communicator comm) {
