@@ -9149,14 +9149,15 @@ struct fault {
 
 /// What one participant leaves at a rendezvous: its input and output (a single buffer is the output).
 struct part {
-  raw_tensor in{};
-  raw_tensor out{};
+  raw_tensor in{};   ///< what the others read (empty where the call has no input of its own)
+  raw_tensor out{};  ///< where results land
 };
 
 /// One rendezvous; every field is read and written under the world's mutex, the buffers by the shares.
 struct slot {
   using share_fn = void (*)(const slot&, int participant);
 
+  /// A rendezvous of `participants`, opened by `first_rank`'s call `c`.
   slot(int participants, const ddp::detail::call_info& c, int first_rank, share_fn f, reduce_op run)
       : call(c), first(first_rank), share(f), op(run), parts(static_cast<std::size_t>(participants)),
         arrived(parts.size()), owes(parts.size()), ranks(parts.size()) {}
@@ -9165,13 +9166,13 @@ struct slot {
   int first;                    ///< the group rank that arrived first
   share_fn share;               ///< a participant's part of the work, run on its own thread
   reduce_op op;                 ///< the operator the shares run (avg arrives as sum; the front end divides)
-  std::vector<part> parts;
+  std::vector<part> parts;            ///< per participant: its buffers, once arrived
   std::vector<std::uint8_t> arrived;  ///< per participant
   std::vector<std::uint8_t> owes;     ///< per participant: it has a share still to run
   std::vector<int> ranks;             ///< per participant: its group rank
-  int arrivals = 0;
+  int arrivals = 0;  ///< participants arrived so far
   int running = 0;  ///< shares running now (an abandoning rank waits for 0 before its buffers go)
-  fault failure;
+  fault failure;     ///< none, or why every participant raises
 
   /// Every participant has arrived: the shares may run.
   [[nodiscard]] bool full() const noexcept { return arrivals == static_cast<int>(parts.size()); }
@@ -9360,14 +9361,15 @@ inline config config_from_env(config cfg = {}) {
 
 namespace ddp::local::detail {
 
+/// The clock of every deadline.
 using clock = std::chrono::steady_clock;
 
 struct group_state;
 
 /// A share a rank still has to run: participant `index` of `at`.
 struct agenda_item {
-  std::shared_ptr<slot> at;
-  int index = 0;
+  std::shared_ptr<slot> at;  ///< the rendezvous
+  int index = 0;             ///< the participant whose share it is
 };
 
 /// One rank (thread) of the world.
@@ -9380,6 +9382,7 @@ struct member {
 /// The threads of one run: n ranks, the settings, and everything they meet under one mutex.
 class world {
  public:
+  /// A world of `n` ranks with `settings`.
   world(int n, config settings)
       : cfg(settings), members(static_cast<std::size_t>(n)),
         yield_after_(static_cast<unsigned>(n) > std::max(1U, std::thread::hardware_concurrency())
@@ -9388,8 +9391,8 @@ class world {
   world(const world&) = delete;
   world& operator=(const world&) = delete;
 
-  const config cfg;
-  std::mutex mutex;
+  const config cfg;                               ///< the run's settings
+  std::mutex mutex;                               ///< guards every rendezvous, agenda and group of the run
   std::vector<member> members;                    ///< by world rank
   std::vector<std::weak_ptr<group_state>> groups;  ///< every group made so far, for departures
 
@@ -9487,10 +9490,11 @@ namespace ddp::local::detail {
 
 /// A group: its members' world ranks and its rendezvous. Every field is guarded by the world's mutex.
 struct group_state {
+  /// The group of world ranks `ranks` (in group order) of `w`.
   group_state(std::shared_ptr<world> w, std::vector<int> ranks)
       : home(std::move(w)), members(std::move(ranks)), next(members.size()) {}
 
-  std::shared_ptr<world> home;
+  std::shared_ptr<world> home;                           ///< the run's threads
   std::vector<int> members;                              ///< group rank -> world rank
   std::vector<std::uint64_t> next;                       ///< per group rank: its next collective's place in order
   std::map<std::uint64_t, std::shared_ptr<slot>> open;   ///< collectives some member has not reached yet
@@ -9499,6 +9503,7 @@ struct group_state {
   std::map<std::pair<std::uint64_t, int>, std::pair<std::shared_ptr<group_state>, int>> children;  ///< split's
   std::vector<std::uint64_t> splits;                     ///< per group rank: split() calls so far
 
+  /// Number of members.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(members.size()); }
   /// "rank 2", with its world rank where the group is a split one.
   [[nodiscard]] std::string label(int q) const {
@@ -9674,6 +9679,7 @@ namespace ddp::local::detail {
 /// A rank's place at rendezvous `at`, for group rank `rank` (world rank `world_rank`) of `group`.
 class operation final : public ddp::detail::work_state {
  public:
+  /// Group rank `rank`'s place at `at` for call `c`, keeping `scratch` (a copy of an overlapping input) until done.
   operation(std::shared_ptr<group_state> group, std::shared_ptr<slot> at, int rank, ddp::detail::call_info c,
             std::vector<std::byte> scratch = {})
       : group_(std::move(group)), slot_(std::move(at)), rank_(rank),
@@ -9770,14 +9776,16 @@ namespace detail {
 
 /// One rank's view of a group: the group, its rank there and the front end's state of that rank.
 struct place {
+  /// Rank `r` of `g`.
   place(std::shared_ptr<group_state> g, int r) : group(std::move(g)), rank(r) {}
-  std::shared_ptr<group_state> group;
-  int rank;
-  ddp::detail::front_state front;
+  std::shared_ptr<group_state> group;  ///< the group
+  int rank;                            ///< this rank's place in it
+  ddp::detail::front_state front;      ///< sequence numbers, statistics, flight record and call check of this rank
 };
 
 /// How run() makes the world's communicators.
 struct access {
+  /// Rank `rank`'s communicator of `g`.
   static communicator make(std::shared_ptr<group_state> g, int rank);
 };
 
@@ -9916,7 +9924,7 @@ namespace ddp::local {
 
 namespace detail {
 
-/// What a rank's exception says: "ddp::error: <its what()>" for a ddp::error, "<its type>: <what()>" otherwise.
+/// What a rank's exception says: its what(), or that it is no std::exception.
 inline std::string explain(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -9930,9 +9938,9 @@ inline std::string explain(const std::exception_ptr& e) {
 /// How one rank ended: its exception (null when it returned), whether that only reports another rank's departure,
 /// and its place in the order the failures happened.
 struct outcome {
-  std::exception_ptr error;
-  bool consequence = false;
-  std::uint64_t order = 0;
+  std::exception_ptr error;   ///< null when the rank returned
+  bool consequence = false;   ///< a ddp::peer_lost reporting another rank
+  std::uint64_t order = 0;    ///< its place among the failures
 };
 
 /// Rethrows the failure that came first, preferring one that is not another rank's departure seen by a peer: a

@@ -48,14 +48,16 @@ namespace detail {
 
 /// One rank's view of a group: the group, its rank there and the front end's state of that rank.
 struct place {
+  /// Rank `r` of `g`.
   place(std::shared_ptr<group_state> g, int r) : group(std::move(g)), rank(r) {}
-  std::shared_ptr<group_state> group;
-  int rank;
-  ddp::detail::front_state front;
+  std::shared_ptr<group_state> group;  ///< the group
+  int rank;                            ///< this rank's place in it
+  ddp::detail::front_state front;      ///< sequence numbers, statistics, flight record and call check of this rank
 };
 
 /// How run() makes the world's communicators.
 struct access {
+  /// Rank `rank`'s communicator of `g`.
   static communicator make(std::shared_ptr<group_state> g, int rank);
 };
 

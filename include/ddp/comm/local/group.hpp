@@ -26,10 +26,11 @@ namespace ddp::local::detail {
 
 /// A group: its members' world ranks and its rendezvous. Every field is guarded by the world's mutex.
 struct group_state {
+  /// The group of world ranks `ranks` (in group order) of `w`.
   group_state(std::shared_ptr<world> w, std::vector<int> ranks)
       : home(std::move(w)), members(std::move(ranks)), next(members.size()) {}
 
-  std::shared_ptr<world> home;
+  std::shared_ptr<world> home;                           ///< the run's threads
   std::vector<int> members;                              ///< group rank -> world rank
   std::vector<std::uint64_t> next;                       ///< per group rank: its next collective's place in order
   std::map<std::uint64_t, std::shared_ptr<slot>> open;   ///< collectives some member has not reached yet
@@ -38,6 +39,7 @@ struct group_state {
   std::map<std::pair<std::uint64_t, int>, std::pair<std::shared_ptr<group_state>, int>> children;  ///< split's
   std::vector<std::uint64_t> splits;                     ///< per group rank: split() calls so far
 
+  /// Number of members.
   [[nodiscard]] int size() const noexcept { return static_cast<int>(members.size()); }
   /// "rank 2", with its world rank where the group is a split one.
   [[nodiscard]] std::string label(int q) const {

@@ -34,6 +34,7 @@ namespace ddp::local::detail {
 /// A rank's place at rendezvous `at`, for group rank `rank` (world rank `world_rank`) of `group`.
 class operation final : public ddp::detail::work_state {
  public:
+  /// Group rank `rank`'s place at `at` for call `c`, keeping `scratch` (a copy of an overlapping input) until done.
   operation(std::shared_ptr<group_state> group, std::shared_ptr<slot> at, int rank, ddp::detail::call_info c,
             std::vector<std::byte> scratch = {})
       : group_(std::move(group)), slot_(std::move(at)), rank_(rank),

@@ -24,7 +24,7 @@ namespace ddp::local {
 
 namespace detail {
 
-/// What a rank's exception says: "ddp::error: <its what()>" for a ddp::error, "<its type>: <what()>" otherwise.
+/// What a rank's exception says: its what(), or that it is no std::exception.
 inline std::string explain(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
@@ -38,9 +38,9 @@ inline std::string explain(const std::exception_ptr& e) {
 /// How one rank ended: its exception (null when it returned), whether that only reports another rank's departure,
 /// and its place in the order the failures happened.
 struct outcome {
-  std::exception_ptr error;
-  bool consequence = false;
-  std::uint64_t order = 0;
+  std::exception_ptr error;   ///< null when the rank returned
+  bool consequence = false;   ///< a ddp::peer_lost reporting another rank
+  std::uint64_t order = 0;    ///< its place among the failures
 };
 
 /// Rethrows the failure that came first, preferring one that is not another rank's departure seen by a peer: a

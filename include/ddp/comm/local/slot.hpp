@@ -24,14 +24,15 @@ struct fault {
 
 /// What one participant leaves at a rendezvous: its input and output (a single buffer is the output).
 struct part {
-  raw_tensor in{};
-  raw_tensor out{};
+  raw_tensor in{};   ///< what the others read (empty where the call has no input of its own)
+  raw_tensor out{};  ///< where results land
 };
 
 /// One rendezvous; every field is read and written under the world's mutex, the buffers by the shares.
 struct slot {
   using share_fn = void (*)(const slot&, int participant);
 
+  /// A rendezvous of `participants`, opened by `first_rank`'s call `c`.
   slot(int participants, const ddp::detail::call_info& c, int first_rank, share_fn f, reduce_op run)
       : call(c), first(first_rank), share(f), op(run), parts(static_cast<std::size_t>(participants)),
         arrived(parts.size()), owes(parts.size()), ranks(parts.size()) {}
@@ -40,13 +41,13 @@ struct slot {
   int first;                    ///< the group rank that arrived first
   share_fn share;               ///< a participant's part of the work, run on its own thread
   reduce_op op;                 ///< the operator the shares run (avg arrives as sum; the front end divides)
-  std::vector<part> parts;
+  std::vector<part> parts;            ///< per participant: its buffers, once arrived
   std::vector<std::uint8_t> arrived;  ///< per participant
   std::vector<std::uint8_t> owes;     ///< per participant: it has a share still to run
   std::vector<int> ranks;             ///< per participant: its group rank
-  int arrivals = 0;
+  int arrivals = 0;  ///< participants arrived so far
   int running = 0;  ///< shares running now (an abandoning rank waits for 0 before its buffers go)
-  fault failure;
+  fault failure;     ///< none, or why every participant raises
 
   /// Every participant has arrived: the shares may run.
   [[nodiscard]] bool full() const noexcept { return arrivals == static_cast<int>(parts.size()); }

@@ -20,14 +20,15 @@
 
 namespace ddp::local::detail {
 
+/// The clock of every deadline.
 using clock = std::chrono::steady_clock;
 
 struct group_state;
 
 /// A share a rank still has to run: participant `index` of `at`.
 struct agenda_item {
-  std::shared_ptr<slot> at;
-  int index = 0;
+  std::shared_ptr<slot> at;  ///< the rendezvous
+  int index = 0;             ///< the participant whose share it is
 };
 
 /// One rank (thread) of the world.
@@ -40,6 +41,7 @@ struct member {
 /// The threads of one run: n ranks, the settings, and everything they meet under one mutex.
 class world {
  public:
+  /// A world of `n` ranks with `settings`.
   world(int n, config settings)
       : cfg(settings), members(static_cast<std::size_t>(n)),
         yield_after_(static_cast<unsigned>(n) > std::max(1U, std::thread::hardware_concurrency())
@@ -48,8 +50,8 @@ class world {
   world(const world&) = delete;
   world& operator=(const world&) = delete;
 
-  const config cfg;
-  std::mutex mutex;
+  const config cfg;                               ///< the run's settings
+  std::mutex mutex;                               ///< guards every rendezvous, agenda and group of the run
   std::vector<member> members;                    ///< by world rank
   std::vector<std::weak_ptr<group_state>> groups;  ///< every group made so far, for departures
 
