@@ -225,7 +225,7 @@ TEST_CASE("send and recv: counts must match, a recv that times out is withdrawn 
   CHECK(kept == std::vector<std::int32_t>(16, -7));
 }
 
-TEST_CASE("buffers that alias: in-place all_gather, gather and reduce_scatter, all_to_all over one buffer",
+TEST_CASE("buffers that alias: in-place all_gather and reduce_scatter, an overlapping reduce_scatter, all_to_all over one buffer",
           "[local][alias]") {
   REQUIRE_NOTHROW(ddp::local::run(3, quick(5s), [](communicator comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
