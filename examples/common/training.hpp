@@ -37,6 +37,7 @@ struct run_settings {
   std::size_t limit = 0;    // use only the first `limit` training images (0: all)
   double min_accuracy = 0;  // exit 1 when the final test accuracy is below it (for tests)
   bool progress = true;
+  int threads = 0;  // --threads N: one process, N ranks as its threads (ddp::local); 0: the process is one rank
 
   /// Takes flag `a` when it is one of these (value() reads its argument) and returns true; false otherwise.
   template <class Value>
@@ -51,13 +52,17 @@ struct run_settings {
     else if (a == "--limit") limit = std::stoul(value());
     else if (a == "--min-accuracy") min_accuracy = std::stod(value());
     else if (a == "--no-progress") progress = false;
+    else if (a == "--threads") threads = std::stoi(value()), backend = "local";
     else return false;
     return true;
   }
-  /// Throws ddp::config_error for a backend other than tcp or mpi, or fewer than one epoch or image per batch.
+  /// Throws ddp::config_error for a backend other than tcp or mpi (or local, which --threads sets), fewer than one
+  /// thread, epoch or image per batch.
   void check() const {
-    if (backend != "tcp" && backend != "mpi")
-      throw ddp::config_error("--backend must be tcp or mpi, not '" + backend + "'");
+    if (backend != "tcp" && backend != "mpi" && !(backend == "local" && threads > 0))
+      throw ddp::config_error("--backend must be tcp or mpi (or --threads N for N ranks in this process), not '" +
+                              backend + "'");
+    if (backend == "local" && threads < 1) throw ddp::config_error("--threads must be at least 1");
     if (epochs < 1 || batch < 1) throw ddp::config_error("--epochs and --batch must be at least 1");
   }
 };
@@ -149,7 +154,8 @@ int train_on_fashion_mnist(Comm& comm, ddp::logger& log, const run_settings& s, 
 }
 
 /// main's body: parse(argc, argv) reads the settings, then train(comm, settings) runs on the backend --backend names
-/// (MPI's world; TCP from a launcher's environment, or one process without a launcher). An exception is printed as
+/// (MPI's world; TCP from a launcher's environment, or one process without a launcher), or on each of --threads N
+/// threads of this process (ddp::local). An exception is printed as
 /// "<name>: <what>" and exits with 2.
 template <class Parse, class Train>
 int run_main(const char* name, int argc, char** argv, Parse&& parse, Train&& train) {
@@ -161,6 +167,14 @@ int run_main(const char* name, int argc, char** argv, Parse&& parse, Train&& tra
 #else
       throw ddp::config_error("this build has no MPI backend; reconfigure with -DDDP_WITH_MPI=ON or use --backend tcp");
 #endif
+    }
+    if (s.threads > 0) {  // one process, one rank per thread; the worst rank's status is the run's
+      std::vector<int> status(static_cast<std::size_t>(s.threads), 0);
+      ddp::local::run(s.threads, [&](ddp::local::communicator comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        status[r] = train(std::move(comm), s);
+      });
+      return *std::max_element(status.begin(), status.end());
     }
     // Without a launcher (no RANK/WORLD_SIZE, no mpirun), run as a single process.
     return train(launched() ? ddp::tcp::communicator::from_env() : ddp::tcp::communicator(ddp::tcp::config{}), s);

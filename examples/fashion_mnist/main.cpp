@@ -3,6 +3,7 @@
 //   mpirun --allow-run-as-root --oversubscribe -np 2 build/examples/fashion_mnist --backend mpi
 //   build/tools/ddp-launch -n 2 build/examples/fashion_mnist --backend tcp
 //   build/examples/fashion_mnist                      (one process: no launcher needed)
+//   build/examples/fashion_mnist --threads 4          (one process, 4 ranks as threads: ddp::local)
 //
 // Each rank trains on its part of every epoch (distributed_sampler), gradients are averaged bucket by bucket
 // during the backward, test accuracy is computed with every test image on exactly one rank and reduced.
@@ -41,7 +42,7 @@ struct settings : example::run_settings {
 };
 
 constexpr const char* usage =
-    "usage: fashion_mnist [--backend tcp|mpi] [--epochs N] [--batch B (per rank)] [--lr X] [--momentum X]\n"
+    "usage: fashion_mnist [--backend tcp|mpi | --threads N] [--epochs N] [--batch B (per rank)] [--lr X] [--momentum X]\n"
     "                     [--schedule cosine|constant] [--data DIR] [--checkpoint PATH] [--resume] [--limit N] [--min-accuracy X] [--no-progress]\n"
     "                     [--crash-at-step S]   (the last rank kills itself at step S of the first attempt, when\n"
     "                     DDP_RESTART_COUNT is unset or 0: under ddp-launch --max-restarts 1, with --resume, the job\n"

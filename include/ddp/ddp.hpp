@@ -1,7 +1,7 @@
 #pragma once
 /// \file Training: models and parameters (core), communicators (comm), memory domains and staging device tensors
 /// through the host (memory), the data_parallel wrapper and its policies (parallel), optimizers (optim), the
-/// sampler and metric reduction (data). Backends that need a
+/// sampler and metric reduction (data); the TCP backend and ddp::local (ranks as threads of one process). Backends that need a
 /// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
 /// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
 /// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
@@ -23,6 +23,7 @@
 #include <ddp/comm/stats.hpp>
 #include <ddp/core/work.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
+#include <ddp/comm/local/run.hpp>
 #include <ddp/memory/devices.hpp>
 #include <ddp/memory/domain.hpp>
 #include <ddp/memory/host.hpp>

@@ -8,7 +8,7 @@
 // ---- begin <ddp/ddp.hpp>
 /// \file Training: models and parameters (core), communicators (comm), memory domains and staging device tensors
 /// through the host (memory), the data_parallel wrapper and its policies (parallel), optimizers (optim), the
-/// sampler and metric reduction (data). Backends that need a
+/// sampler and metric reduction (data); the TCP backend and ddp::local (ranks as threads of one process). Backends that need a
 /// library (MPI, NCCL) are included when their CMake target (ddp::mpi, ddp::nccl) defines DDP_WITH_MPI /
 /// DDP_WITH_NCCL. Checkpoints, logging and the launcher have their own umbrella headers:
 /// <ddp/checkpoint.hpp>, <ddp/log.hpp>, <ddp/launch.hpp>.
@@ -1638,6 +1638,8 @@ struct tcp { using policy_category = detail::backend_category; };
 struct mpi { using policy_category = detail::backend_category; };
 /// NCCL over CUDA device memory (ddp::nccl::communicator).
 struct nccl { using policy_category = detail::backend_category; };
+/// Threads of one process sharing their buffers (ddp::local::communicator, started by ddp::local::run).
+struct local { using policy_category = detail::backend_category; };
 }  // namespace backend
 
 /// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
@@ -1645,7 +1647,8 @@ template <class Backend>
 struct backend_traits {
   static_assert(detail::dependent_false<Backend>,
                 "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
-                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+                "backend::tcp and backend::local, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl "
+                "(DDP_WITH_NCCL).");
 };
 
 /// The communicator type of backend tag B.
@@ -1668,8 +1671,8 @@ struct backend_binding {
 template <class Comm>
 struct backend_of {
   static_assert(detail::dependent_false<Comm>,
-                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
-                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::local, ddp::mpi or "
+                "ddp::nccl communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
 };
 /// A communicator that names its tag (`using backend_tag = backend::mpi;`) deduces it.
 template <class Comm>
@@ -9254,6 +9257,940 @@ struct backend_of<tcp::communicator> {
 };
 }  // namespace ddp
 // ---- end <ddp/comm/tcp/communicator.hpp>
+// ---- begin <ddp/comm/local/run.hpp>
+/// \file ddp::local::run: the front door of ddp::local. Starts n threads, hands each its rank's communicator, joins
+/// them, and rethrows the first failure naming its rank. A rank that throws or returns while its peers still wait
+/// for it fails their rendezvous at once (ddp::peer_lost naming it and its cause), so a failure ends run promptly.
+
+
+// ---- begin <ddp/comm/local/communicator.hpp>
+/// \file ddp::local::communicator: the ddp::communicator whose ranks are threads of one process (ddp::local::run
+/// starts them). Collectives work in the shared address space: each rank leaves its buffers at a rendezvous and,
+/// once every rank is there, runs its share on its own thread, reading and writing its peers' buffers directly
+/// (comm/local/shares.hpp): no sockets, no shared-memory segments, no copies in or out.
+///
+/// Conventions:
+/// - The collective front end (comm/front_end.hpp) checks the arguments, numbers and counts each operation, runs
+///   avg as a sum divided on each rank once done, and with DDP_CHECK_COLLECTIVES=1 compares each collective across
+///   the ranks first; a rendezvous checks every call against the first rank's anyway, so ranks calling different
+///   collectives raise ddp::mismatch_error at once.
+/// - Reductions fold in rank order, in the dtype (bf16/f16 in float, rounded after each step), as ddp::tcp's direct
+///   exchange does: the bits of one process summing its ranks' values in rank order.
+/// - stats() counts what the other backends count (comm/front_end.hpp), so byte budgets compare across backends.
+/// - A send completes once its recv has copied it; a recv must take the count and dtype of its send.
+/// - Device tensors are staged through host memory (comm/staging.hpp), each rank's on its own device's domain.
+
+
+// ---- begin <ddp/comm/local/group.hpp>
+/// \file A group of ddp::local's ranks and its rendezvous: collectives matched by their place in the group's order
+/// (checked against the first rank's call), sends and recvs matched by (from, to, tag) in posting order, the
+/// groups split() makes, and what a rank's departure does to the rendezvous still waiting for it.
+
+
+// ---- begin <ddp/comm/local/shares.hpp>
+/// \file What each of ddp::local's ranks does in a collective, reading and writing its peers' buffers in place:
+/// no copy in or out. A reduction is split into one chunk per participant (on 64-byte boundaries, so no two
+/// threads write one cache line); each folds its chunk over the participants in rank order (the bits of one process
+/// summing in rank order) in cache-sized pieces and writes the result where it belongs. Moves of data are pulls
+/// (all_gather, broadcast, scatter, all_to_all, recv) or pushes (gather) of whole blocks.
+
+
+// ---- begin <ddp/comm/local/slot.hpp>
+/// \file One rendezvous of ddp::local's ranks: a collective of a group (every member takes part) or a matched send
+/// and recv (two take part). Each participant leaves its buffers here; once all have arrived, each runs its share
+/// of the work on its own thread, reading and writing the others' buffers in place (comm/local/shares.hpp).
+
+
+
+namespace ddp::local::detail {
+
+/// Why a rendezvous failed: what each participant raises when it meets it.
+struct fault {
+  enum class kind : std::uint8_t { none, mismatch, lost };
+  kind what = kind::none;
+  int lost = -1;     ///< the group rank that went away (kind::lost)
+  std::string text;  ///< the sentence after the call's description
+};
+
+/// What one participant leaves at a rendezvous: its input and output (a single buffer is the output).
+struct part {
+  raw_tensor in{};   ///< what the others read (empty where the call has no input of its own)
+  raw_tensor out{};  ///< where results land
+};
+
+/// One rendezvous; every field is read and written under the world's mutex, the buffers by the shares.
+struct slot {
+  using share_fn = void (*)(const slot&, int participant);
+
+  /// A rendezvous of `participants`, opened by `first_rank`'s call `c`.
+  slot(int participants, const ddp::detail::call_info& c, int first_rank, share_fn f, reduce_op run)
+      : call(c), first(first_rank), share(f), op(run), parts(static_cast<std::size_t>(participants)),
+        arrived(parts.size()), owes(parts.size()), ranks(parts.size()) {}
+
+  ddp::detail::call_info call;  ///< the first arrival's call: what the others must match
+  int first;                    ///< the group rank that arrived first
+  share_fn share;               ///< a participant's part of the work, run on its own thread
+  reduce_op op;                 ///< the operator the shares run (avg arrives as sum; the front end divides)
+  std::vector<part> parts;            ///< per participant: its buffers, once arrived
+  std::vector<std::uint8_t> arrived;  ///< per participant
+  std::vector<std::uint8_t> owes;     ///< per participant: it has a share still to run
+  std::vector<int> ranks;             ///< per participant: its group rank
+  int arrivals = 0;  ///< participants arrived so far
+  int running = 0;  ///< shares running now (an abandoning rank waits for 0 before its buffers go)
+  fault failure;     ///< none, or why every participant raises
+
+  /// Every participant has arrived: the shares may run.
+  [[nodiscard]] bool full() const noexcept { return arrivals == static_cast<int>(parts.size()); }
+  /// Every participant has arrived and run its share: every buffer holds its result.
+  [[nodiscard]] bool complete() const noexcept {
+    if (!full() || running != 0) return false;
+    for (const auto o : owes)
+      if (o != 0) return false;
+    return true;
+  }
+  /// The first failure stays; later ones add nothing.
+  void fail(fault f) {
+    if (failure.what == fault::kind::none) failure = std::move(f);
+  }
+};
+
+}  // namespace ddp::local::detail
+// ---- end <ddp/comm/local/slot.hpp>
+
+namespace ddp::local::detail {
+
+/// Bytes a reduction folds at a time: the accumulator stays in the L1 cache.
+inline constexpr std::size_t piece_bytes = std::size_t{16} << 10;
+
+/// Elements [first, second) of `count` that participant `i` of `m` reduces: near-equal runs of whole 64-byte lines.
+inline std::pair<std::size_t, std::size_t> chunk_of(std::size_t count, std::size_t element_bytes, int i, int m) {
+  const std::size_t unit = std::max<std::size_t>(1, 64 / element_bytes);
+  const std::size_t units = (count + unit - 1) / unit, per = units / static_cast<std::size_t>(m);
+  const std::size_t extra = units % static_cast<std::size_t>(m), k = static_cast<std::size_t>(i);
+  const std::size_t lo = (k * per + std::min(k, extra)) * unit;
+  const std::size_t hi = lo + (per + (k < extra ? 1 : 0)) * unit;
+  return {std::min(lo, count), std::min(hi, count)};
+}
+
+/// The byte `offset` bytes into `t`'s elements.
+inline std::byte* at(const raw_tensor& t, std::size_t offset) noexcept { return static_cast<std::byte*>(t.data) + offset; }
+
+/// Copies unless source and destination are one place (an in-place block).
+inline void move_block(std::byte* to, const std::byte* from, std::size_t bytes) noexcept {
+  if (to != from && bytes != 0) std::memcpy(to, from, bytes);
+}
+
+/// Folds elements [lo, hi) (byte offsets `offset(q)` of participant q's buffer `which`) over every participant in
+/// rank order, a piece at a time, and hands each piece's result to `deliver(result, byte offset into the chunk,
+/// bytes)`.
+template <class Source, class Deliver>
+void fold_chunk(const slot& s, std::size_t lo, std::size_t hi, Source source, Deliver deliver) {
+  alignas(64) thread_local std::array<std::byte, piece_bytes> acc;
+  const std::size_t size = size_of(s.call.type), per_piece = piece_bytes / size;
+  const std::size_t m = s.parts.size();
+  for (std::size_t p = lo; p < hi; p += per_piece) {
+    const std::size_t n = std::min(per_piece, hi - p), offset = p * size;
+    if (m == 1) {
+      std::memcpy(acc.data(), source(0, offset), n * size);
+    } else {
+      tcp::detail::reduce_bytes(s.call.type, acc.data(), source(0, offset), source(1, offset), n, s.op);
+      for (std::size_t q = 2; q < m; ++q)
+        tcp::detail::reduce_bytes(s.call.type, acc.data(), acc.data(), source(q, offset), n, s.op);
+    }
+    deliver(acc.data(), offset, n * size);
+  }
+}
+
+/// all_reduce: participant i reduces its chunk of every buffer and writes the result into every buffer.
+inline void share_all_reduce(const slot& s, int i) {
+  if (s.parts.size() == 1) return;
+  const auto [lo, hi] = chunk_of(s.call.count, size_of(s.call.type), i, static_cast<int>(s.parts.size()));
+  fold_chunk(s, lo, hi, [&](std::size_t q, std::size_t off) { return at(s.parts[q].out, off); },
+             [&](const std::byte* r, std::size_t off, std::size_t bytes) {
+               for (const auto& p : s.parts) std::memcpy(at(p.out, off), r, bytes);
+             });
+}
+
+/// reduce: participant i reduces its chunk of every buffer into the root's.
+inline void share_reduce(const slot& s, int i) {
+  if (s.parts.size() == 1) return;
+  const auto [lo, hi] = chunk_of(s.call.count, size_of(s.call.type), i, static_cast<int>(s.parts.size()));
+  const raw_tensor& root = s.parts[static_cast<std::size_t>(s.call.peer)].out;
+  fold_chunk(s, lo, hi, [&](std::size_t q, std::size_t off) { return at(s.parts[q].out, off); },
+             [&](const std::byte* r, std::size_t off, std::size_t bytes) { std::memcpy(at(root, off), r, bytes); });
+}
+
+/// reduce_scatter: participant i reduces block i of every input into its output.
+inline void share_reduce_scatter(const slot& s, int i) {
+  const std::size_t block = s.call.count * size_of(s.call.type) * static_cast<std::size_t>(i);
+  const raw_tensor& out = s.parts[static_cast<std::size_t>(i)].out;
+  fold_chunk(s, 0, s.call.count, [&](std::size_t q, std::size_t off) { return at(s.parts[q].in, block + off); },
+             [&](const std::byte* r, std::size_t off, std::size_t bytes) { std::memcpy(at(out, off), r, bytes); });
+}
+
+/// all_gather: participant i copies every input into its output, rank q's at block q.
+inline void share_all_gather(const slot& s, int i) {
+  const std::size_t bytes = s.call.count * size_of(s.call.type);
+  const raw_tensor& out = s.parts[static_cast<std::size_t>(i)].out;
+  for (std::size_t q = 0; q < s.parts.size(); ++q) move_block(at(out, q * bytes), at(s.parts[q].in, 0), bytes);
+}
+
+/// broadcast: every participant but the root copies the root's buffer.
+inline void share_broadcast(const slot& s, int i) {
+  move_block(at(s.parts[static_cast<std::size_t>(i)].out, 0), at(s.parts[static_cast<std::size_t>(s.call.peer)].out, 0),
+             s.call.count * size_of(s.call.type));
+}
+
+/// gather: participant i copies its input into block i of the root's output.
+inline void share_gather(const slot& s, int i) {
+  const std::size_t bytes = s.call.count * size_of(s.call.type);
+  move_block(at(s.parts[static_cast<std::size_t>(s.call.peer)].out, static_cast<std::size_t>(i) * bytes),
+             at(s.parts[static_cast<std::size_t>(i)].in, 0), bytes);
+}
+
+/// scatter: participant i copies block i of the root's input into its output.
+inline void share_scatter(const slot& s, int i) {
+  const std::size_t bytes = s.call.count * size_of(s.call.type);
+  move_block(at(s.parts[static_cast<std::size_t>(i)].out, 0),
+             at(s.parts[static_cast<std::size_t>(s.call.peer)].in, static_cast<std::size_t>(i) * bytes), bytes);
+}
+
+/// all_to_all: participant i copies block i of rank q's input into block q of its output.
+inline void share_all_to_all(const slot& s, int i) {
+  const std::size_t bytes = s.call.count / s.parts.size() * size_of(s.call.type);
+  const raw_tensor& out = s.parts[static_cast<std::size_t>(i)].out;
+  for (std::size_t q = 0; q < s.parts.size(); ++q)
+    move_block(at(out, q * bytes), at(s.parts[q].in, static_cast<std::size_t>(i) * bytes), bytes);
+}
+
+/// A matched send (participant 0) and recv (participant 1): the receiver copies the sender's buffer.
+inline void share_message(const slot& s, int i) {
+  if (i == 1) move_block(at(s.parts[1].out, 0), at(s.parts[0].in, 0), s.parts[0].in.bytes());
+}
+
+/// Barriers only meet.
+inline void share_nothing(const slot&, int) {}
+
+/// The share of collective `kind`.
+inline slot::share_fn share_of(collective kind) noexcept {
+  switch (kind) {
+    case collective::all_reduce: return &share_all_reduce;
+    case collective::reduce: return &share_reduce;
+    case collective::reduce_scatter: return &share_reduce_scatter;
+    case collective::all_gather: return &share_all_gather;
+    case collective::broadcast: return &share_broadcast;
+    case collective::gather: return &share_gather;
+    case collective::scatter: return &share_scatter;
+    case collective::all_to_all: return &share_all_to_all;
+    case collective::send_recv: return &share_message;
+    default: return &share_nothing;
+  }
+}
+
+}  // namespace ddp::local::detail
+// ---- end <ddp/comm/local/shares.hpp>
+// ---- begin <ddp/comm/local/world.hpp>
+/// \file The state the threads of one ddp::local::run share: one mutex over every rendezvous, each rank's agenda of
+/// shares still to run, which ranks have left, and the waits (a short poll, yielding the core after a few
+/// microseconds or at once where the ranks outnumber the cores, then a condition variable).
+
+
+// ---- begin <ddp/comm/local/config.hpp>
+/// \file Settings of ddp::local: how long an operation may wait, and how long a wait polls before it sleeps.
+
+
+
+namespace ddp::local {
+
+/// Settings of the ranks of one ddp::local::run, shared by every group split from its world.
+struct config {
+  /// How long wait() waits before it raises ddp::timeout_error (DDP_TIMEOUT_MS overrides it in config_from_env).
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// How long a wait polls for its peers before it sleeps on a condition variable (a short collective then costs
+  /// no wake-up; a long one no core).
+  std::chrono::microseconds spin{50};
+  /// How long a polling wait keeps its core before it yields it between polls (at once where the ranks outnumber
+  /// the cores): a peer's thread may need it. ddp::tcp's shared-memory barrier does the same.
+  std::chrono::microseconds yield_after{5};
+};
+
+/// `cfg` with the environment's DDP_TIMEOUT_MS applied, as the other backends read it.
+inline config config_from_env(config cfg = {}) {
+  if (auto ms = ddp::detail::env_integer("DDP_TIMEOUT_MS", 1, 1LL << 40, "the operation timeout in milliseconds"))
+    cfg.timeout = std::chrono::milliseconds(*ms);
+  return cfg;
+}
+
+}  // namespace ddp::local
+// ---- end <ddp/comm/local/config.hpp>
+
+namespace ddp::local::detail {
+
+/// The clock of every deadline.
+using clock = std::chrono::steady_clock;
+
+struct group_state;
+
+/// A share a rank still has to run: participant `index` of `at`.
+struct agenda_item {
+  std::shared_ptr<slot> at;  ///< the rendezvous
+  int index = 0;             ///< the participant whose share it is
+};
+
+/// One rank (thread) of the world.
+struct member {
+  std::vector<agenda_item> agenda;  ///< shares this rank runs once their rendezvous is full
+  bool departed = false;            ///< its function has returned or thrown
+  std::string cause;                ///< "returned", "threw ddp::error: ..."
+};
+
+/// The threads of one run: n ranks, the settings, and everything they meet under one mutex.
+class world {
+ public:
+  /// A world of `n` ranks with `settings`.
+  world(int n, config settings)
+      : cfg(settings), members(static_cast<std::size_t>(n)),
+        yield_after_(static_cast<unsigned>(n) > std::max(1U, std::thread::hardware_concurrency())
+                         ? std::chrono::microseconds(0)
+                         : settings.yield_after) {}
+  world(const world&) = delete;
+  world& operator=(const world&) = delete;
+
+  const config cfg;                               ///< the run's settings
+  std::mutex mutex;                               ///< guards every rendezvous, agenda and group of the run
+  std::vector<member> members;                    ///< by world rank
+  std::vector<std::weak_ptr<group_state>> groups;  ///< every group made so far, for departures
+
+  /// Number of ranks.
+  [[nodiscard]] int size() const noexcept { return static_cast<int>(members.size()); }
+
+  /// Wakes every waiter: something it may wait for has changed. The caller holds `mutex`.
+  void notify() {
+    epoch_.fetch_add(1, std::memory_order_release);
+    if (sleepers_ != 0) wake_.notify_all();
+  }
+
+  /// Runs every share of world rank `w` whose rendezvous is full, on this thread; drops those whose rendezvous failed.
+  void drive(int w) {
+    std::unique_lock lock(mutex);
+    auto& agenda = members[static_cast<std::size_t>(w)].agenda;
+    for (std::size_t k = 0; k < agenda.size();) {
+      const slot& s = *agenda[k].at;
+      if (s.failure.what != fault::kind::none) agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+      else if (!s.full()) ++k;
+      else run_at(lock, agenda, k), k = 0;  // the agenda may have changed while the lock was free
+    }
+  }
+
+  /// Runs, on this thread, the shares of the full rendezvous `at` that other ranks have not started: a rank late to
+  /// its share (its thread not running, on a host with fewer cores than ranks) then delays no one.
+  void help(const std::shared_ptr<slot>& at) {
+    std::unique_lock lock(mutex);
+    for (auto& m : members) {
+      for (std::size_t k = 0; k < m.agenda.size();) {
+        if (!at->full() || at->failure.what != fault::kind::none) return;
+        if (m.agenda[k].at == at) run_at(lock, m.agenda, k);
+        else ++k;
+      }
+    }
+  }
+
+  /// The count of changes so far; pass it to pause().
+  [[nodiscard]] std::uint64_t epoch() const noexcept { return epoch_.load(std::memory_order_acquire); }
+
+  /// Waits until something changes after `seen` or `deadline` passes: polls for cfg.spin, then sleeps. The caller
+  /// holds `lock` (on `mutex`); it is held again on return.
+  void pause(std::unique_lock<std::mutex>& lock, std::uint64_t seen, clock::time_point deadline) {
+    lock.unlock();
+    const auto start = clock::now();
+    for (unsigned polls = 1; epoch() == seen; ++polls) {
+      relax();
+      if (polls % 64 != 0) continue;
+      const auto waited = clock::now() - start;
+      if (waited >= cfg.spin) break;
+      if (waited >= yield_after_) std::this_thread::yield();  // a peer's thread may need this core
+    }
+    lock.lock();
+    if (epoch() != seen) return;
+    ++sleepers_;
+    wake_.wait_until(lock, deadline, [&] { return epoch() != seen; });
+    --sleepers_;
+  }
+
+ private:
+  /// Takes item `k` off `agenda` and runs its share with the lock released. The caller holds `lock`.
+  void run_at(std::unique_lock<std::mutex>& lock, std::vector<agenda_item>& agenda, std::size_t k) {
+    const agenda_item item = agenda[k];
+    agenda.erase(agenda.begin() + static_cast<std::ptrdiff_t>(k));
+    slot& s = *item.at;
+    ++s.running;
+    lock.unlock();
+    s.share(s, item.index);
+    lock.lock();
+    --s.running;
+    s.owes[static_cast<std::size_t>(item.index)] = 0;
+    notify();
+  }
+
+  /// How long a wait polls before it also yields its core between polls.
+  static constexpr std::chrono::microseconds yield_after{0};
+
+  /// Tells the core this is a polling loop.
+  static void relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  std::condition_variable wake_;
+  std::chrono::microseconds yield_after_;  ///< cfg.yield_after, or 0 where the ranks outnumber the cores
+  std::atomic<std::uint64_t> epoch_{0};
+  int sleepers_ = 0;
+};
+
+}  // namespace ddp::local::detail
+// ---- end <ddp/comm/local/world.hpp>
+
+namespace ddp::local::detail {
+
+/// A group: its members' world ranks and its rendezvous. Every field is guarded by the world's mutex.
+struct group_state {
+  /// The group of world ranks `ranks` (in group order) of `w`.
+  group_state(std::shared_ptr<world> w, std::vector<int> ranks)
+      : home(std::move(w)), members(std::move(ranks)), next(members.size()) {}
+
+  std::shared_ptr<world> home;                           ///< the run's threads
+  std::vector<int> members;                              ///< group rank -> world rank
+  std::vector<std::uint64_t> next;                       ///< per group rank: its next collective's place in order
+  std::map<std::uint64_t, std::shared_ptr<slot>> open;   ///< collectives some member has not reached yet
+  using route = std::tuple<int, int, int>;               ///< (from, to, tag) in group ranks
+  std::map<route, std::deque<std::shared_ptr<slot>>> sends, recvs;  ///< unmatched, in posting order
+  std::map<std::pair<std::uint64_t, int>, std::pair<std::shared_ptr<group_state>, int>> children;  ///< split's
+  std::vector<std::uint64_t> splits;                     ///< per group rank: split() calls so far
+
+  /// Number of members.
+  [[nodiscard]] int size() const noexcept { return static_cast<int>(members.size()); }
+  /// "rank 2", with its world rank where the group is a split one.
+  [[nodiscard]] std::string label(int q) const {
+    const int w = members[static_cast<std::size_t>(q)];
+    return "rank " + std::to_string(q) + (size() == home->size() && w == q ? "" : " (world rank " + std::to_string(w) + ")");
+  }
+};
+
+/// The whole world as a group.
+inline std::shared_ptr<group_state> world_group(const std::shared_ptr<world>& w) {
+  std::vector<int> ranks(static_cast<std::size_t>(w->size()));
+  for (int r = 0; r < w->size(); ++r) ranks[static_cast<std::size_t>(r)] = r;
+  auto g = std::make_shared<group_state>(w, std::move(ranks));
+  g->splits.resize(g->members.size());
+  std::lock_guard lock(w->mutex);
+  w->groups.push_back(g);
+  return g;
+}
+
+/// The fault of a rendezvous whose participant `q` (group rank) can no longer arrive or run its share.
+inline fault lost_fault(const group_state& g, int q) {
+  const member& m = g.home->members[static_cast<std::size_t>(g.members[static_cast<std::size_t>(q)])];
+  return {fault::kind::lost, q,
+          g.label(q) + " left the function ddp::local::run runs for it (it " + m.cause +
+              ") before taking part; fix that rank's failure, or make every rank run the same collectives"};
+}
+
+/// Participant `index` (group rank `q`) arrives at `s` with `p`. The caller holds the world's mutex.
+inline void arrive_at(group_state& g, slot& s, const std::shared_ptr<slot>& owner, int index, int q, const part& p,
+                      bool owes) {
+  const auto i = static_cast<std::size_t>(index);
+  s.parts[i] = p;
+  s.arrived[i] = 1;
+  s.ranks[i] = q;
+  s.owes[i] = owes ? 1 : 0;
+  ++s.arrivals;
+  if (owes) g.home->members[static_cast<std::size_t>(g.members[static_cast<std::size_t>(q)])].agenda.push_back({owner, index});
+}
+
+/// Rank `q` of `g` reaches its next collective `c` with `p`: the rendezvous of that place in the group's order,
+/// made by the first rank to reach it; a different call there fails it for every participant.
+inline std::shared_ptr<slot> arrive(group_state& g, int q, const ddp::detail::call_info& c, const part& p, reduce_op run) {
+  world& w = *g.home;
+  std::lock_guard lock(w.mutex);
+  const std::uint64_t place = g.next[static_cast<std::size_t>(q)]++;
+  auto& entry = g.open[place];
+  if (!entry) entry = std::make_shared<slot>(g.size(), c, q, share_of(c.kind), run);
+  const std::shared_ptr<slot> s = entry;
+  if (ddp::detail::fingerprint(s->call) != ddp::detail::fingerprint(c))
+    s->fail({fault::kind::mismatch, -1,
+             g.label(s->first) + " called " + ddp::detail::describe_call(s->call) + " where " + g.label(q) +
+                 " called " + ddp::detail::describe_call(c) +
+                 "; every rank of the group must call the same collectives in the same order with the same counts, "
+                 "dtypes, operators and roots"});
+  arrive_at(g, *s, s, q, q, p, c.kind != collective::barrier && s->failure.what == fault::kind::none);
+  for (int r = 0; r < g.size(); ++r)
+    if (s->arrived[static_cast<std::size_t>(r)] == 0 && w.members[static_cast<std::size_t>(g.members[static_cast<std::size_t>(r)])].departed)
+      s->fail(lost_fault(g, r));
+  if (s->full()) g.open.erase(place);
+  w.notify();
+  return s;
+}
+
+/// Rank `q` of `g` posts a send (`c.receive()` false: `p.in`) or a recv (`p.out`) with peer c.peer and tag c.tag:
+/// matched with the oldest unmatched opposite of the same route, else queued. The sender is participant 0 and has
+/// no share; the receiver copies.
+inline std::shared_ptr<slot> post(group_state& g, int q, const ddp::detail::call_info& c, const part& p) {
+  world& w = *g.home;
+  std::lock_guard lock(w.mutex);
+  const bool receive = c.receive();
+  const group_state::route way = receive ? group_state::route{c.peer, q, c.tag} : group_state::route{q, c.peer, c.tag};
+  auto& mine = receive ? g.recvs[way] : g.sends[way];
+  auto& theirs = receive ? g.sends[way] : g.recvs[way];
+  std::shared_ptr<slot> s;
+  if (!theirs.empty()) {
+    s = theirs.front();
+    theirs.pop_front();
+    if (s->call.type != c.type || s->call.count != c.count) {
+      const auto& send = receive ? s->call : c;
+      const auto& recv = receive ? c : s->call;
+      s->fail({fault::kind::mismatch, -1,
+               g.label(std::get<0>(way)) + " sends " + std::to_string(send.count) + " " + std::string(to_string(send.type)) +
+                   " with tag " + std::to_string(c.tag) + " where " + g.label(std::get<1>(way)) + " receives " +
+                   std::to_string(recv.count) + " " + std::string(to_string(recv.type)) +
+                   "; a recv must take the count and dtype of its send"});
+    }
+  } else {
+    s = std::make_shared<slot>(2, c, q, share_of(collective::send_recv), reduce_op::sum);
+    mine.push_back(s);
+    if (w.members[static_cast<std::size_t>(g.members[static_cast<std::size_t>(c.peer)])].departed)
+      s->fail(lost_fault(g, c.peer));
+  }
+  arrive_at(g, *s, s, receive ? 1 : 0, q, p, receive && s->failure.what == fault::kind::none);
+  w.notify();
+  return s;
+}
+
+/// Takes the unmatched send or recv `s` out of its queue: its rank gave up on it, and a later opposite must not
+/// match it. The caller holds the world's mutex.
+inline void withdraw(group_state& g, const std::shared_ptr<slot>& s) {
+  for (auto* queues : {&g.sends, &g.recvs})
+    for (auto& [way, waiting] : *queues) std::erase(waiting, s);
+}
+
+/// The group of `ranks` (group ranks of `g`, in their new order) that the `nth` split() of `g` makes for `color`:
+/// the first member to ask makes it, the others find it.
+inline std::shared_ptr<group_state> child_of(group_state& g, std::uint64_t nth, int color, const std::vector<int>& ranks) {
+  world& w = *g.home;
+  std::lock_guard lock(w.mutex);
+  const auto key = std::make_pair(nth, color);
+  auto it = g.children.find(key);
+  if (it == g.children.end()) {
+    std::vector<int> world_ranks;
+    for (const int r : ranks) world_ranks.push_back(g.members[static_cast<std::size_t>(r)]);
+    auto child = std::make_shared<group_state>(g.home, std::move(world_ranks));
+    child->splits.resize(child->members.size());
+    w.groups.push_back(child);
+    it = g.children.emplace(key, std::make_pair(std::move(child), 0)).first;
+  }
+  auto made = it->second.first;
+  if (++it->second.second == static_cast<int>(ranks.size())) g.children.erase(it);  // every member has it
+  return made;
+}
+
+/// World rank `r` has left its function (it `cause`: "returned", "threw ..."): every rendezvous that still waits
+/// for it fails, so its peers raise ddp::peer_lost instead of waiting out the timeout.
+inline void depart(world& w, int r, std::string cause) {
+  std::lock_guard lock(w.mutex);
+  member& m = w.members[static_cast<std::size_t>(r)];
+  m.departed = true;
+  m.cause = std::move(cause);
+  for (const auto& weak : w.groups) {
+    const auto g = weak.lock();
+    if (!g) continue;
+    for (int q = 0; q < g->size(); ++q) {
+      if (g->members[static_cast<std::size_t>(q)] != r) continue;
+      for (auto& [place, s] : g->open)
+        if (s->arrived[static_cast<std::size_t>(q)] == 0) s->fail(lost_fault(*g, q));
+      for (auto* queues : {&g->sends, &g->recvs})
+        for (auto& [way, waiting] : *queues)
+          if (std::get<0>(way) == q || std::get<1>(way) == q)
+            for (auto& s : waiting) s->fail(lost_fault(*g, q));
+    }
+  }
+  for (auto& item : m.agenda) {
+    const int q = item.at->ranks[static_cast<std::size_t>(item.index)];
+    item.at->fail({fault::kind::lost, q, "rank " + std::to_string(q) + " left with its share of this call unrun (it " +
+                                             m.cause + ")"});
+  }
+  m.agenda.clear();
+  w.notify();
+}
+
+}  // namespace ddp::local::detail
+// ---- end <ddp/comm/local/group.hpp>
+// ---- begin <ddp/comm/local/operation.hpp>
+/// \file One in-flight operation of ddp::local::communicator: its rank's place at a rendezvous. Waiting runs the
+/// rank's shares that are ready (of any of its operations, so ranks waiting in different orders never block each
+/// other) and the shares of this rendezvous no other rank has started, then polls and sleeps until every share has
+/// run; avg is divided here once it is done.
+
+
+
+namespace ddp::local::detail {
+
+/// Raises the error `f` means for group rank `rank` in call `c`.
+[[noreturn]] inline void raise(const fault& f, const ddp::detail::call_info& c, int rank) {
+  const std::string what = ddp::detail::describe(c) + ": " + f.text;
+  if (f.what == fault::kind::mismatch) throw mismatch_error(what, rank);
+  throw peer_lost(what, rank, f.lost);
+}
+
+/// A rank's place at rendezvous `at`, for group rank `rank` (world rank `world_rank`) of `group`.
+class operation final : public ddp::detail::work_state {
+ public:
+  /// Group rank `rank`'s place at `at` for call `c`, keeping `scratch` (a copy of an overlapping input) until done.
+  operation(std::shared_ptr<group_state> group, std::shared_ptr<slot> at, int rank, ddp::detail::call_info c,
+            std::vector<std::byte> scratch = {})
+      : group_(std::move(group)), slot_(std::move(at)), rank_(rank),
+        world_rank_(group_->members[static_cast<std::size_t>(rank)]), call_(std::move(c)),
+        scratch_(std::move(scratch)) {}
+  operation(const operation&) = delete;
+  operation& operator=(const operation&) = delete;
+
+  /// Dropped before it completed: waits for it up to the timeout like a wait() would, except while its thread
+  /// unwinds an exception; then fails the rendezvous for the others and waits until no share reads or writes this
+  /// rank's buffers any more.
+  ~operation() override {
+    world& w = *group_->home;
+    try {
+      if (done_ || (std::uncaught_exceptions() == 0 && wait_until(clock::now() + w.cfg.timeout))) return;
+    } catch (const std::exception&) {  // the error was the caller's to wait for; the buffers still must be let go
+    }
+    std::unique_lock lock(w.mutex);
+    if (call_.kind == collective::send_recv && !slot_->full()) withdraw(*group_, slot_);
+    if (!slot_->complete())
+      slot_->fail({fault::kind::lost, rank_,
+                   group_->label(rank_) + " dropped its " + ddp::detail::describe_call(call_) +
+                       " before it completed" + (std::uncaught_exceptions() > 0 ? " (its thread threw)" : "")});
+    w.notify();
+    while (slot_->running != 0) w.pause(lock, w.epoch(), clock::now() + std::chrono::milliseconds(10));
+  }
+
+  bool test() override {
+    group_->home->drive(world_rank_);
+    std::lock_guard lock(group_->home->mutex);
+    return settled();
+  }
+
+  bool wait_until(clock::time_point deadline) override {
+    world& w = *group_->home;
+    for (;;) {
+      const std::uint64_t seen = w.epoch();  // before drive: a share that becomes ready meanwhile ends the pause
+      w.drive(world_rank_);
+      w.help(slot_);
+      std::unique_lock lock(w.mutex);
+      if (settled()) return true;
+      if (clock::now() >= deadline) return false;
+      w.pause(lock, seen, deadline);
+    }
+  }
+
+  [[nodiscard]] std::chrono::milliseconds timeout() const override { return group_->home->cfg.timeout; }
+  [[nodiscard]] int rank() const override { return rank_; }
+  [[nodiscard]] std::string describe() const override { return ddp::detail::describe(call_); }
+
+  /// The ranks that have not reached this call, or not run their share of it yet.
+  [[nodiscard]] std::string waiting_for() const override {
+    std::lock_guard lock(group_->home->mutex);
+    std::string who;
+    for (std::size_t i = 0; i < slot_->parts.size(); ++i) {
+      if (slot_->arrived[i] != 0 && (slot_->owes[i] == 0 || !slot_->full())) continue;
+      if (!who.empty()) who += ", ";
+      const int q = slot_->arrived[i] != 0 ? slot_->ranks[i]
+                    : call_.kind == collective::send_recv ? call_.peer : static_cast<int>(i);
+      who += group_->label(q) + (slot_->arrived[i] == 0 ? " (not there yet)" : " (its share)");
+    }
+    return who;
+  }
+
+ private:
+  /// True once complete (finishing avg the first time); raises the rendezvous' failure. Caller holds the mutex.
+  bool settled() {
+    if (done_) return true;
+    if (slot_->failure.what != fault::kind::none) raise(slot_->failure, call_, rank_);
+    if (!slot_->complete()) return false;
+    if (call_.average.size != 0) ddp::detail::divide(call_.average, call_.group_size);
+    scratch_ = {};
+    done_ = true;
+    return true;
+  }
+
+  std::shared_ptr<group_state> group_;
+  std::shared_ptr<slot> slot_;
+  int rank_;
+  int world_rank_;
+  ddp::detail::call_info call_;
+  std::vector<std::byte> scratch_;  ///< a copy of an input that overlaps the output, alive until done
+  bool done_ = false;
+};
+
+}  // namespace ddp::local::detail
+// ---- end <ddp/comm/local/operation.hpp>
+
+namespace ddp::local {
+
+class communicator;
+
+namespace detail {
+
+/// One rank's view of a group: the group, its rank there and the front end's state of that rank.
+struct place {
+  /// Rank `r` of `g`.
+  place(std::shared_ptr<group_state> g, int r) : group(std::move(g)), rank(r) {}
+  std::shared_ptr<group_state> group;  ///< the group
+  int rank;                            ///< this rank's place in it
+  ddp::detail::front_state front;      ///< sequence numbers, statistics, flight record and call check of this rank
+};
+
+/// How run() makes the world's communicators.
+struct access {
+  /// Rank `rank`'s communicator of `g`.
+  static communicator make(std::shared_ptr<group_state> g, int rank);
+};
+
+}  // namespace detail
+
+/// A rank (thread) of one ddp::local::run modelling ddp::communicator. Copies share the rank's place in the
+/// group; split() makes subgroups of the same threads.
+class communicator : public ddp::detail::collective_front<communicator> {
+ public:
+  using backend_tag = ddp::backend::local;  ///< the backend tag data_parallel deduces from this communicator
+
+  /// This thread's rank in the group.
+  [[nodiscard]] int rank() const noexcept { return place_->rank; }
+  /// Number of ranks (threads) in the group.
+  [[nodiscard]] int size() const noexcept { return place_->group->size(); }
+  /// This thread's rank in the world of its run (its index in ddp::local::run).
+  [[nodiscard]] int world_rank() const noexcept { return place_->group->members[static_cast<std::size_t>(rank())]; }
+  /// The deadline every operation gets.
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return place_->group->home->cfg.timeout; }
+  /// Payload bytes sent and calls made by this rank in this group, by operation.
+  [[nodiscard]] comm_stats stats() const noexcept { return place_->front.stats.snapshot(); }
+  /// The largest tag send and recv accept.
+  [[nodiscard]] static constexpr int max_tag() noexcept { return INT_MAX; }
+
+  /// Collective: ranks with the same `color` form a new group, ordered by (key, rank).
+  [[nodiscard]] communicator split(int color, int key) {
+    const std::array<std::int64_t, 2> mine{color, key};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
+    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+    std::vector<int> ranks;
+    for (int p = 0; p < size(); ++p)
+      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
+      return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1];
+    });
+    const std::uint64_t nth = place_->group->splits[static_cast<std::size_t>(rank())]++;
+    auto child = detail::child_of(*place_->group, nth, color, ranks);
+    const auto me = std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin();
+    return communicator(std::make_shared<detail::place>(std::move(child), static_cast<int>(me)));
+  }
+
+ private:
+  friend class ddp::detail::collective_front<communicator>;
+  friend struct detail::access;
+  using call = ddp::detail::call_info;
+
+  /// The front end does every duty: sequence, statistics, avg (divided on each rank when done), call check.
+  static constexpr ddp::detail::front_duties duties{.group = "a local group"};
+
+  explicit communicator(std::shared_ptr<detail::place> p) : place_(std::move(p)) {}
+
+  [[nodiscard]] ddp::detail::front_state& front() const noexcept { return place_->front; }
+  [[nodiscard]] const std::shared_ptr<ddp::detail::flight_recorder>& flight() const noexcept { return place_->front.flight; }
+
+  work start_all_reduce(const call& c, const raw_tensor& b, reduce_op op) { return meet(c, {{}, b}, op); }
+  work start_reduce(const call& c, const raw_tensor& b, reduce_op op) { return meet(c, {{}, b}, op); }
+  work start_broadcast(const call& c, const raw_tensor& b) { return meet(c, {{}, b}); }
+  work start_barrier(const call& c) { return meet(c, {}); }
+
+  work start_reduce_scatter(const call& c, const raw_tensor& in, const raw_tensor& out, reduce_op op) {
+    std::vector<std::byte> scratch;
+    const raw_tensor src = apart(in, out, out.data == block(in, out.bytes()), scratch);
+    return meet(c, {src, out}, op, std::move(scratch));
+  }
+  work start_all_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    std::vector<std::byte> scratch;
+    const raw_tensor src = apart(in, out, in.data == block(out, in.bytes()), scratch);
+    return meet(c, {src, out}, reduce_op::sum, std::move(scratch));
+  }
+  work start_gather(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    std::vector<std::byte> scratch;
+    const bool at_root = rank() == c.peer;
+    const raw_tensor src = at_root ? apart(in, out, in.data == block(out, in.bytes()), scratch) : in;
+    return meet(c, {src, at_root ? out : raw_tensor{}}, reduce_op::sum, std::move(scratch));
+  }
+  work start_scatter(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    std::vector<std::byte> scratch;
+    const bool at_root = rank() == c.peer;
+    const raw_tensor src = at_root ? apart(in, out, out.data == block(in, out.bytes()), scratch) : raw_tensor{};
+    return meet(c, {src, out}, reduce_op::sum, std::move(scratch));
+  }
+  work start_all_to_all(const call& c, const raw_tensor& in, const raw_tensor& out) {
+    std::vector<std::byte> scratch;
+    const raw_tensor src = apart(in, out, false, scratch);
+    return meet(c, {src, out}, reduce_op::sum, std::move(scratch));
+  }
+
+  work start_send(const call& c, const raw_tensor& b) {
+    auto s = detail::post(*place_->group, rank(), c, {b, {}});
+    return work(std::make_shared<detail::operation>(place_->group, std::move(s), rank(), c));
+  }
+  work start_recv(const call& c, const raw_tensor& b) {
+    auto s = detail::post(*place_->group, rank(), c, {{}, b});
+    return work(std::make_shared<detail::operation>(place_->group, std::move(s), rank(), c));
+  }
+
+  /// This rank reaches collective `c` with `p`; its shares that are ready run at once.
+  work meet(const call& c, const detail::part& p, reduce_op run = reduce_op::sum, std::vector<std::byte> scratch = {}) {
+    auto s = detail::arrive(*place_->group, rank(), c, p, run);
+    place_->group->home->drive(world_rank());
+    return work(std::make_shared<detail::operation>(place_->group, std::move(s), rank(), c, std::move(scratch)));
+  }
+
+  /// Where this rank's block of the group-sized buffer `whole` starts (blocks of `bytes`).
+  [[nodiscard]] const void* block(const raw_tensor& whole, std::size_t bytes) const noexcept {
+    return static_cast<const std::byte*>(whole.data) + static_cast<std::size_t>(rank()) * bytes;
+  }
+
+  /// `in` itself, or a copy in `scratch` where it overlaps `out` other than as this rank's own block (`in_place`):
+  /// peers read `in` while this rank's share writes `out`.
+  static raw_tensor apart(const raw_tensor& in, const raw_tensor& out, bool in_place, std::vector<std::byte>& scratch) {
+    const auto* a = static_cast<const std::byte*>(in.data);
+    const auto* b = static_cast<const std::byte*>(out.data);
+    if (in_place || in.bytes() == 0 || out.bytes() == 0 || a + in.bytes() <= b || b + out.bytes() <= a) return in;
+    scratch.assign(a, a + in.bytes());
+    raw_tensor copy = in;
+    copy.data = scratch.data();
+    return copy;
+  }
+
+  std::shared_ptr<detail::place> place_;
+};
+
+inline communicator detail::access::make(std::shared_ptr<group_state> g, int rank) {
+  return communicator(std::make_shared<place>(std::move(g), rank));
+}
+
+}  // namespace ddp::local
+
+/// backend::local selects ddp::local::communicator (checked against the ddp::communicator concept there).
+template <>
+struct ddp::backend_traits<ddp::backend::local> : ddp::detail::backend_binding<ddp::local::communicator> {};
+// ---- end <ddp/comm/local/communicator.hpp>
+
+namespace ddp::local {
+
+namespace detail {
+
+/// What a rank's exception says: its what(), or that it is no std::exception.
+inline std::string explain(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception not derived from std::exception";
+  }
+}
+
+/// How one rank ended: its exception (null when it returned), whether that only reports another rank's departure,
+/// and its place in the order the failures happened.
+struct outcome {
+  std::exception_ptr error;   ///< null when the rank returned
+  bool consequence = false;   ///< a ddp::peer_lost reporting another rank
+  std::uint64_t order = 0;    ///< its place among the failures
+};
+
+/// Rethrows the failure that came first, preferring one that is not another rank's departure seen by a peer: a
+/// ddp::error as it is (it names its rank), anything else as a ddp::error naming the rank, with the original nested.
+inline void rethrow_first(const std::vector<outcome>& outcomes, int n) {
+  const outcome* first = nullptr;
+  int rank = -1;
+  for (int r = 0; r < n; ++r) {
+    const outcome& o = outcomes[static_cast<std::size_t>(r)];
+    if (!o.error) continue;
+    const bool better = first == nullptr || (first->consequence && !o.consequence) ||
+                        (first->consequence == o.consequence && o.order < first->order);
+    if (better) {
+      first = &o;
+      rank = r;
+    }
+  }
+  if (first == nullptr) return;
+  try {
+    std::rethrow_exception(first->error);
+  } catch (const ddp::error&) {
+    throw;
+  } catch (...) {
+    std::throw_with_nested(ddp::error("rank " + std::to_string(rank) + " of ddp::local::run(" + std::to_string(n) +
+                                          ") threw: " + explain(first->error),
+                                      rank));
+  }
+}
+
+}  // namespace detail
+
+/// Runs `f(comm)` on `n` threads, comm being rank r's ddp::local::communicator on thread r, with settings `cfg`;
+/// returns once every thread has finished, or rethrows the first failure (see detail::rethrow_first). Ranks may keep
+/// their communicators only while `f` runs.
+template <class F>
+  requires std::invocable<F&, communicator>
+void run(int n, const config& cfg, F&& f) {
+  if (n < 1)
+    throw config_error("ddp::local::run(" + std::to_string(n) + "): give 1 thread or more, one per rank");
+  auto home = std::make_shared<detail::world>(n, cfg);
+  const auto everyone = detail::world_group(home);
+  std::vector<detail::outcome> outcomes(static_cast<std::size_t>(n));
+  std::atomic<std::uint64_t> order{0};
+  const auto body = [&](int r) {
+    std::string cause = "returned";
+    try {
+      f(detail::access::make(everyone, r));
+    } catch (...) {
+      auto& o = outcomes[static_cast<std::size_t>(r)];
+      o.error = std::current_exception();
+      o.order = order.fetch_add(1);
+      try {
+        throw;
+      } catch (const peer_lost& e) {
+        o.consequence = e.peer() != e.rank();
+      } catch (...) {
+      }
+      cause = "threw: " + detail::explain(o.error);
+    }
+    detail::depart(*home, r, std::move(cause));
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n));
+  try {
+    for (int r = 0; r < n; ++r) threads.emplace_back(body, r);
+  } catch (const std::exception& e) {  // no thread: the ranks that could not start fail those that did
+    for (int r = static_cast<int>(threads.size()); r < n; ++r)
+      detail::depart(*home, r, std::string("could not be started: ") + e.what());
+    for (auto& t : threads) t.join();
+    throw ddp::error("ddp::local::run(" + std::to_string(n) + ") could not start thread " +
+                     std::to_string(threads.size()) + ": " + e.what() + "; run fewer ranks");
+  }
+  for (auto& t : threads) t.join();
+  detail::rethrow_first(outcomes, n);
+}
+
+/// run(n, config_from_env(), f): the settings of the environment (DDP_TIMEOUT_MS).
+template <class F>
+  requires std::invocable<F&, communicator>
+void run(int n, F&& f) {
+  run(n, config_from_env(), std::forward<F>(f));
+}
+
+}  // namespace ddp::local
+// ---- end <ddp/comm/local/run.hpp>
 
 // ---- begin <ddp/parallel/policies.hpp>
 /// \file Compile-time policies of ddp::data_parallel: backend, sharding strategy, bucket size, comm hook, precision.

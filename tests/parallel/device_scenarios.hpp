@@ -51,6 +51,14 @@ int bind_stream(Comm&, ddp::testing::fake_device&) {
   return 0;
 }
 
+/// The first of the two fake devices a rank trains on: cuda:0, or a pair of its own where the ranks share a process
+/// (ddp::local's threads: rank r on cuda:2r and cuda:2r+1).
+template <class Comm>
+int first_device(const Comm& comm) {
+  if constexpr (requires { comm.world_rank(); }) return 2 * comm.world_rank();
+  else return 0;
+}
+
 /// How train_on_devices runs.
 struct device_run {
   bool split = false;      ///< fc3 on a second device
@@ -67,7 +75,8 @@ mlp train_on_devices(Comm comm, optimizer_kind k, const device_run& run,
                      typename ddp::policies<Ps...>::sharding sharding = {}, ddp::data_parallel_options options = {}) {
   using namespace std::chrono_literals;
   const auto seed = static_cast<unsigned>(comm.rank()) * 7 + 3;
-  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  const int first = first_device(comm);
+  ddp::testing::fake_device dev(first, 0us, 40us, seed), other(first + 1, 0us, 40us, seed);
   if (run.forgetful) {
     dev.forget_ordering();
     other.forget_ordering();
@@ -167,7 +176,8 @@ template <class... Ps, class Comm>
 void check_device_join(Comm comm, optimizer_kind k, bool split, typename ddp::policies<Ps...>::sharding sharding = {}) {
   using namespace std::chrono_literals;
   const auto seed = static_cast<unsigned>(comm.rank()) * 5 + 1;
-  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  const int first = first_device(comm);
+  ddp::testing::fake_device dev(first, 0us, 40us, seed), other(first + 1, 0us, 40us, seed);
   const ddp::device_registration on_dev(dev), on_other(other);
   ddp::testing::fake_device& last = split ? other : dev;
   mlp base = make_mlp(1 + static_cast<std::uint64_t>(comm.rank()));
@@ -234,7 +244,8 @@ void check_device_mixed(Comm comm, optimizer_kind k, bool split, typename ddp::p
     dp.unshard_model();
   }
   const auto seed = static_cast<unsigned>(comm.rank()) * 3 + 2;
-  ddp::testing::fake_device dev(0, 0us, 40us, seed), other(1, 0us, 40us, seed);
+  const int first = first_device(comm);
+  ddp::testing::fake_device dev(first, 0us, 40us, seed), other(first + 1, 0us, 40us, seed);
   const ddp::device_registration on_dev(dev), on_other(other);
   ddp::testing::fake_device& last = split ? other : dev;
   mlp_of<T> start = make_rounded_mlp<T>(1 + static_cast<std::uint64_t>(comm.rank()));

@@ -22,6 +22,8 @@ struct tcp { using policy_category = detail::backend_category; };
 struct mpi { using policy_category = detail::backend_category; };
 /// NCCL over CUDA device memory (ddp::nccl::communicator).
 struct nccl { using policy_category = detail::backend_category; };
+/// Threads of one process sharing their buffers (ddp::local::communicator, started by ddp::local::run).
+struct local { using policy_category = detail::backend_category; };
 }  // namespace backend
 
 /// Maps a backend tag to `using communicator = ...;`. Specialized by each backend's header.
@@ -29,7 +31,8 @@ template <class Backend>
 struct backend_traits {
   static_assert(detail::dependent_false<Backend>,
                 "ddp: this backend's header is not included. Include <ddp/ddp.hpp> and link ddp::ddp for "
-                "backend::tcp, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl (DDP_WITH_NCCL).");
+                "backend::tcp and backend::local, ddp::mpi for backend::mpi (DDP_WITH_MPI), ddp::nccl for backend::nccl "
+                "(DDP_WITH_NCCL).");
 };
 
 /// The communicator type of backend tag B.
@@ -52,8 +55,8 @@ struct backend_binding {
 template <class Comm>
 struct backend_of {
   static_assert(detail::dependent_false<Comm>,
-                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::mpi or ddp::nccl "
-                "communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
+                "ddp: no backend is known for this communicator type. Pass a ddp::tcp, ddp::local, ddp::mpi or "
+                "ddp::nccl communicator, or specialize ddp::backend_of<YourCommunicator> with `using type = your_backend_tag;`.");
 };
 /// A communicator that names its tag (`using backend_tag = backend::mpi;`) deduces it.
 template <class Comm>
