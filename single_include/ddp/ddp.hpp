@@ -13264,7 +13264,7 @@ struct group_run {
   std::size_t group = 0;   ///< 0: default, else 1 + the index of the group
 };
 
-/// `who`'s group `g` (counted from 1) for messages: "group 2 ('no_decay')".
+/// Group `g` (counted from 1) of `groups` for messages: "group 2 ('no_decay')".
 template <class Group>
 std::string group_label(const std::vector<Group>& groups, std::size_t g) {
   return "group " + std::to_string(g) + (groups[g - 1].name.empty() ? "" : " ('" + groups[g - 1].name + "')");
@@ -13315,7 +13315,8 @@ std::vector<std::vector<group_run>> plan_groups(std::span<const flat_buffer> buf
     auto& runs = plan.emplace_back();
     std::vector<const flat_segment*> in_order;
     for (const auto& s : b.segments) in_order.push_back(&s);
-    std::sort(in_order.begin(), in_order.end(), [](const flat_segment* x, const flat_segment* y) { return x->offset < y->offset; });
+    std::sort(in_order.begin(), in_order.end(),
+              [](const flat_segment* x, const flat_segment* y) { return x->offset < y->offset; });
     for (const flat_segment* seg : in_order) {
       const flat_segment& s = *seg;
       const std::size_t g = group_of(s.name);
