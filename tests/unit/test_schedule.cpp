@@ -81,7 +81,7 @@ TEST_CASE("schedules equal torch.optim.lr_scheduler over 300 steps (1e-12 of the
   ::rmdir(dir.c_str());
 }
 
-TEST_CASE("a schedule past its last step holds its last value; bad settings are config_errors", "[optim][schedule]") {
+TEST_CASE("a schedule past its last step holds its last value, bad settings are config_errors", "[optim][schedule]") {
   const schedule cosine = S::cosine{.steps = 10, .eta_min = 0.01};
   REQUIRE(cosine.last_step() == 10U);
   REQUIRE(cosine.lr(1.0, 10) == 0.01);
