@@ -1,10 +1,9 @@
 #pragma once
-/// \file What every example's training program shares: the common flags, the learning-rate schedule, the epoch loop
+/// \file What every example's training program shares: the common flags, the cosine lr schedule's length, the epoch loop
 /// (rank 0's progress bar, the metrics reduced across the ranks, rank 0's line per epoch) and main's backend choice.
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -67,13 +66,6 @@ struct run_settings {
   }
 };
 
-/// The learning rate at `step` of `total`: half a cosine from `peak` down to 0 (resumes exactly: the optimizer
-/// saves its step count).
-inline double cosine_lr(double peak, std::size_t step, std::size_t total) {
-  const double pi = 3.14159265358979323846;
-  return 0.5 * peak * (1 + std::cos(pi * static_cast<double>(std::min(step, total)) / static_cast<double>(total)));
-}
-
 /// Trains epochs [first_epoch, s.epochs): train_batch(batch), a batch_result, over this rank's batches of the epoch (rank 0 shows a
 /// progress bar unless --no-progress), then evaluate(test_sums) adds this rank's test figures; both sums are reduced
 /// across the ranks, rank 0 logs the epoch's line, and end_epoch(epoch, test_accuracy) runs (it saves the
@@ -134,11 +126,11 @@ int train_on_fashion_mnist(Comm& comm, ddp::logger& log, const run_settings& s, 
   std::vector<float> x;
   std::vector<std::uint8_t> y;
   const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
+  opt.settings().lr_schedule = ddp::optim::schedules::cosine{.steps = std::max<std::size_t>(total_steps, 1)};
   const double accuracy = train_epochs(
       comm, log, s, 0, train_sampler,
       [&](std::span<const std::size_t> batch) {
         gather_batch(data.train, batch, x, y);
-        opt.settings().lr = cosine_lr(s.lr, opt.step_count(), total_steps);
         return step(std::span<const float>(x), std::span<const std::uint8_t>(y));
       },
       [&](ddp::metric_sums& test_sums) {

@@ -11,6 +11,7 @@
 // restarted the ranks: --crash-at-step shows it).
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -86,6 +87,8 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   ddp::optim::sgd opt({.lr = s.lr, .momentum = s.momentum});
   ddp::distributed_sampler train_sampler(train_set.size(), comm, {.shuffle = true, .seed = 42});
   ddp::distributed_sampler test_sampler(test_set.size(), comm, {.shuffle = false, .exact_once = true});
+  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
+  if (s.cosine) opt.settings().lr_schedule = ddp::optim::schedules::cosine{.steps = std::max<std::size_t>(total_steps, 1)};
 
   const char* restarts = std::getenv("DDP_RESTART_COUNT");  // ddp-launch --max-restarts counts its restarts
   const bool first_attempt = restarts == nullptr || std::string(restarts) == "0";
@@ -105,7 +108,6 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
   example::mlp_trainer trainer;
   std::vector<float> x;
   std::vector<std::uint8_t> y;
-  const std::size_t total_steps = train_sampler.batches(0, s.batch).size() * static_cast<std::size_t>(s.epochs);
   const double accuracy = example::train_epochs(
       comm, log, s, first_epoch, train_sampler,
       [&](std::span<const std::size_t> batch) {
@@ -116,7 +118,6 @@ int train(typename ddp::backend_communicator_t<Backend> comm, const settings& s)
           ::raise(SIGKILL);
         }
         example::gather_batch(train_set, batch, x, y);
-        if (s.cosine) opt.settings().lr = example::cosine_lr(s.lr, opt.step_count(), total_steps);
         dp.zero_grad();
         const auto r = trainer.forward(dp.module(), x, y);
         trainer.backward(dp.module(), [&](auto& p) { dp.gradient_ready(p); });

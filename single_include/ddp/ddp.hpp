@@ -10436,6 +10436,9 @@ struct flat_buffer {
   raw_tensor grads;                    ///< the gradients, already averaged across ranks
   std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
   memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
+  /// Every parameter name of the model, also those whose pieces lie in other ranks' shards (parameter groups check
+  /// their patterns against it); null: the segments' names are the whole model.
+  std::shared_ptr<const std::vector<std::string>> parameters{};
 
   /// The domain of its memory: `domain`, else the host's.
   [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
@@ -10457,6 +10460,11 @@ template <class Opt>
 struct optimizer_traits {};
 
 namespace detail {
+
+/// Elements [begin, begin + count) of `t`.
+inline raw_tensor part(const raw_tensor& t, std::size_t begin, std::size_t count) noexcept {
+  return {static_cast<std::byte*>(t.data) + begin * size_of(t.type), count, t.type, t.where};
+}
 
 /// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
 /// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
@@ -10511,7 +10519,7 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
+  /// Runs `update(index, buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
   /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
   template <class Update>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
@@ -10524,7 +10532,7 @@ class flat_state {
       ddp::detail::steppable(b.values.type, std::string(who).c_str());
       std::vector<raw_tensor> arrays;
       for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
-      update(b, b.memory(), std::span<const raw_tensor>(arrays));
+      update(i, b, b.memory(), std::span<const raw_tensor>(arrays));
     }
   }
 
@@ -11467,6 +11475,13 @@ class parameter_layout {
   std::unordered_map<const void*, std::size_t> index_;
   bool adopting_ = true;
 };
+
+/// Every parameter's name, in visit order: what each flat buffer for the optimizer carries (parameter groups).
+inline std::shared_ptr<const std::vector<std::string>> parameter_names(const parameter_layout& layout) {
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const auto& s : layout.slots()) names->push_back(s.name);
+  return names;
+}
 
 /// Per slot of `layout`, 1 where options' unused_parameters names it; throws config_error for an unknown name.
 inline std::vector<char> unused_mask(const parameter_layout& layout, const std::vector<std::string>& names, int rank) {
@@ -12939,11 +12954,13 @@ class sharded_core {
       const std::size_t length = (b.end - b.begin) / n;
       buckets_.push_back({.block = {.begin = b.begin + r * length, .length = length, .shard = b.begin / n}});
     }
+    const auto names = parameter_names(layout_);  // a rank's blocks may hold no piece of some parameters
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       if (values_ == owned_value_home::own_copy)
         a.domain->copy(a.value_view(buckets_[b].block.begin, buckets_[b].block.length), owned_values(b));
       optimizer_.push_back(owned_buffer(b));
+      optimizer_.back().parameters = names;
     }
     const std::size_t units = layout_.units().size();
     unit_slots_.resize(units);
@@ -13907,9 +13924,10 @@ namespace ddp::detail {
 /// Whole flat buffers: one per arena, every parameter a segment.
 inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
   std::vector<optim::flat_buffer> out;
+  const auto names = parameter_names(layout);
   for (const auto& a : layout.arenas()) {
     optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {},
-                         .domain = a.domain};
+                         .domain = a.domain, .parameters = names};
     for (const std::size_t s : a.params)
       b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
                             .numel = layout.slots()[s].numel, .start = 0});
@@ -14542,31 +14560,543 @@ data_parallel(Model&, Comm, P1, P2, P3, P4, data_parallel_options)
 /// exact update.
 
 
+// ---- begin <ddp/optim/groups.hpp>
+/// \file Parameter groups of ddp's optimizers: which parameters a group takes (glob patterns over dotted names, or a
+/// predicate), and the plan that lays the groups over flat buffers segment by segment, so a group follows a
+/// parameter's name wherever its pieces lie (a shard holds the pieces of the parameters its rank owns).
+
+#include <iostream>
+#include <variant>
+
+// ---- begin <ddp/optim/schedule.hpp>
+/// \file Learning-rate schedules as values, each torch.optim.lr_scheduler's curve in closed form: the lr of the
+/// step after `t` steps (the optimizer's step count, so a resumed run continues the curve) from the group's base
+/// lr. ddp::optim::sgd and adamw take one in their options (`.lr_schedule`).
+
+#include <numbers>
+
+
+namespace ddp::optim {
+
+class schedule;
+
+namespace detail {
+/// `v` as text that reads back as the same double ("0.10000000000000001").
+inline std::string exact(double v) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.17g", v);
+  return s;
+}
+}  // namespace detail
+
+/// The schedule kinds, each named after the torch.optim.lr_scheduler class whose values it gives.
+namespace schedules {
+
+/// The base lr at every step (no scheduler).
+struct constant {};
+
+/// LinearLR: the factor goes linearly from `start_factor` to `end_factor` over `steps` steps, then stays
+/// (a linear warmup with the defaults of its fields but `steps`).
+struct linear {
+  std::uint64_t steps = 5;          ///< total_iters
+  double start_factor = 1.0 / 3.0;  ///< start_factor
+  double end_factor = 1.0;          ///< end_factor
+};
+
+/// CosineAnnealingLR: half a cosine from the base lr down to `eta_min` over `steps` steps (T_max); past them the
+/// lr stays at eta_min (PyTorch's curve rises again).
+struct cosine {
+  std::uint64_t steps = 1;  ///< T_max
+  double eta_min = 0;       ///< the lr at the end (absolute, as PyTorch's)
+};
+
+/// A linear warmup over `warmup` steps from start_factor · base lr, then a cosine down to `eta_min` at step
+/// `steps`: SequentialLR([LinearLR(start_factor, 1, warmup), CosineAnnealingLR(steps − warmup, eta_min)], [warmup]).
+struct warmup_cosine {
+  std::uint64_t warmup = 1;        ///< warmup steps (LinearLR's total_iters and the milestone)
+  std::uint64_t steps = 2;         ///< all steps, warmup included
+  double start_factor = 1e-3;      ///< the factor of the first step
+  double eta_min = 0;              ///< the lr at the end
+};
+
+/// StepLR: the lr times gamma every `step_size` steps.
+struct step_decay {
+  std::uint64_t step_size = 1;  ///< step_size
+  double gamma = 0.1;           ///< gamma
+};
+
+/// OneCycleLR with the base lr as max_lr: from max_lr / div_factor up to max_lr over pct_start of the steps,
+/// then down to max_lr / (div_factor · final_div_factor); three_phase: up, back down to the start, then to the
+/// minimum. The momentum is not cycled (cycle_momentum=False).
+struct one_cycle {
+  std::uint64_t steps = 1;         ///< total_steps
+  double pct_start = 0.3;          ///< pct_start
+  double div_factor = 25;          ///< div_factor
+  double final_div_factor = 1e4;   ///< final_div_factor
+  bool three_phase = false;        ///< three_phase
+  bool linear_anneal = false;      ///< anneal_strategy='linear' (default 'cos')
+};
+
+/// LambdaLR: the base lr times `factor(t)`. `name` stands for the function in checkpoints, which compare it.
+struct lambda {
+  std::function<double(std::uint64_t)> factor;  ///< lr_lambda
+  std::string name = "lambda";                  ///< what a checkpoint records for the function
+};
+
+/// SequentialLR: `parts[i]` from milestone i − 1 on (counting its own steps from 0 there); milestones ascend.
+struct sequence {
+  std::vector<schedule> parts;            ///< schedulers
+  std::vector<std::uint64_t> milestones;  ///< milestones, one fewer than parts
+};
+
+}  // namespace schedules
+
+/// A learning-rate schedule: any of the kinds in ddp::optim::schedules, as a value.
+class schedule {
+ public:
+  using kind = std::variant<schedules::constant, schedules::linear, schedules::cosine, schedules::warmup_cosine,
+                            schedules::step_decay, schedules::one_cycle, schedules::lambda, schedules::sequence>;
+
+  /// The constant schedule.
+  schedule() = default;
+  /// Any kind; throws ddp::config_error for settings PyTorch also rejects.
+  template <class K>
+    requires std::is_constructible_v<kind, K&&> && (!std::is_same_v<std::remove_cvref_t<K>, schedule>)
+  schedule(K&& k) : kind_(std::forward<K>(k)) {  // NOLINT(google-explicit-constructor): a kind is a schedule
+    check();
+  }
+
+  /// The lr of the step after `t` steps, from the group's base lr `base` (PyTorch: the lr after `t` calls of
+  /// scheduler.step()). Past last_step() it is the value there.
+  [[nodiscard]] double lr(double base, std::uint64_t t) const {
+    if (const auto end = last_step(); end && t > *end) t = *end;
+    return std::visit([&](const auto& k) { return value(k, base, t); }, kind_);
+  }
+
+  /// The last step the curve defines, if it ends (cosine, warmup_cosine, one_cycle, a sequence ending in one).
+  [[nodiscard]] std::optional<std::uint64_t> last_step() const {
+    return std::visit([](const auto& k) { return last_of(k); }, kind_);
+  }
+
+  /// The kind and its settings as text ("cosine(steps=300, eta_min=0)"): what checkpoints record and compare.
+  [[nodiscard]] std::string describe() const {
+    return std::visit([](const auto& k) { return text(k); }, kind_);
+  }
+
+  /// The kind held.
+  [[nodiscard]] const kind& get() const noexcept { return kind_; }
+
+ private:
+  static double value(const schedules::constant&, double base, std::uint64_t) { return base; }
+  static double value(const schedules::linear& k, double base, std::uint64_t t) {
+    return base * (k.start_factor + (k.end_factor - k.start_factor) * static_cast<double>(std::min(t, k.steps)) /
+                                        static_cast<double>(k.steps));
+  }
+  static double value(const schedules::cosine& k, double base, std::uint64_t t) {
+    return k.eta_min +
+           (base - k.eta_min) * (1 + std::cos(std::numbers::pi * static_cast<double>(t) / static_cast<double>(k.steps))) / 2;
+  }
+  static double value(const schedules::warmup_cosine& k, double base, std::uint64_t t) {
+    return value(as_sequence(k), base, t);
+  }
+  static double value(const schedules::step_decay& k, double base, std::uint64_t t) {
+    return base * std::pow(k.gamma, static_cast<double>(t / k.step_size));
+  }
+  static double value(const schedules::one_cycle& k, double base, std::uint64_t t) {
+    const double initial = base / k.div_factor, minimum = initial / k.final_div_factor;
+    const double n = static_cast<double>(k.steps), up = k.pct_start * n - 1;
+    struct phase {
+      double end, from, to;
+    };
+    const std::vector<phase> phases = k.three_phase
+        ? std::vector<phase>{{up, initial, base}, {2 * k.pct_start * n - 2, base, initial}, {n - 1, initial, minimum}}
+        : std::vector<phase>{{up, initial, base}, {n - 1, base, minimum}};
+    double start = 0;
+    const double step = static_cast<double>(t);
+    for (std::size_t i = 0;; ++i) {
+      if (step <= phases[i].end || i + 1 == phases.size()) {
+        const double pct = (step - start) / (phases[i].end - start);
+        const auto& [end, from, to] = phases[i];
+        if (k.linear_anneal) return (to - from) * pct + from;
+        return to + (from - to) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
+      }
+      start = phases[i].end;
+    }
+  }
+  static double value(const schedules::lambda& k, double base, std::uint64_t t) { return base * k.factor(t); }
+  static double value(const schedules::sequence& k, double base, std::uint64_t t) {
+    std::size_t i = 0;
+    while (i < k.milestones.size() && k.milestones[i] <= t) ++i;
+    return k.parts[i].lr(base, i == 0 ? t : t - k.milestones[i - 1]);
+  }
+
+  static schedules::sequence as_sequence(const schedules::warmup_cosine& k) {
+    return {{schedules::linear{k.warmup, k.start_factor, 1.0}, schedules::cosine{k.steps - k.warmup, k.eta_min}},
+            {k.warmup}};
+  }
+
+  template <class K>
+  static std::optional<std::uint64_t> last_of(const K&) { return std::nullopt; }
+  static std::optional<std::uint64_t> last_of(const schedules::cosine& k) { return k.steps; }
+  static std::optional<std::uint64_t> last_of(const schedules::warmup_cosine& k) { return k.steps; }
+  static std::optional<std::uint64_t> last_of(const schedules::one_cycle& k) { return k.steps; }
+  static std::optional<std::uint64_t> last_of(const schedules::sequence& k) {
+    const auto end = k.parts.back().last_step();
+    if (!end) return std::nullopt;
+    return *end + (k.milestones.empty() ? 0 : k.milestones.back());
+  }
+
+  static std::string number(double v) { return detail::exact(v); }
+  static std::string text(const schedules::constant&) { return "constant"; }
+  static std::string text(const schedules::linear& k) {
+    return "linear(steps=" + std::to_string(k.steps) + ", start_factor=" + number(k.start_factor) +
+           ", end_factor=" + number(k.end_factor) + ")";
+  }
+  static std::string text(const schedules::cosine& k) {
+    return "cosine(steps=" + std::to_string(k.steps) + ", eta_min=" + number(k.eta_min) + ")";
+  }
+  static std::string text(const schedules::warmup_cosine& k) {
+    return "warmup_cosine(warmup=" + std::to_string(k.warmup) + ", steps=" + std::to_string(k.steps) +
+           ", start_factor=" + number(k.start_factor) + ", eta_min=" + number(k.eta_min) + ")";
+  }
+  static std::string text(const schedules::step_decay& k) {
+    return "step_decay(step_size=" + std::to_string(k.step_size) + ", gamma=" + number(k.gamma) + ")";
+  }
+  static std::string text(const schedules::one_cycle& k) {
+    return "one_cycle(steps=" + std::to_string(k.steps) + ", pct_start=" + number(k.pct_start) +
+           ", div_factor=" + number(k.div_factor) + ", final_div_factor=" + number(k.final_div_factor) +
+           ", three_phase=" + (k.three_phase ? "1" : "0") + ", anneal=" + (k.linear_anneal ? "linear" : "cos") + ")";
+  }
+  static std::string text(const schedules::lambda& k) { return "lambda(" + k.name + ")"; }
+  static std::string text(const schedules::sequence& k) {
+    std::string s = "sequence(";
+    for (std::size_t i = 0; i < k.parts.size(); ++i) {
+      if (i) s += ", " + std::to_string(k.milestones[i - 1]) + ": ";
+      s += k.parts[i].describe();
+    }
+    return s + ")";
+  }
+
+  void check() const {
+    std::visit([](const auto& k) { check_kind(k); }, kind_);
+  }
+  static void fail(const std::string& what) { throw config_error("optim::schedule: " + what); }
+  static void check_kind(const schedules::constant&) {}
+  static void check_kind(const schedules::linear& k) {
+    if (k.steps == 0) fail("linear needs steps >= 1 (total_iters)");
+    if (k.start_factor <= 0 || k.start_factor > 1 || k.end_factor < 0 || k.end_factor > 1)
+      fail("linear needs start_factor in (0, 1] and end_factor in [0, 1], as LinearLR");
+  }
+  static void check_kind(const schedules::cosine& k) {
+    if (k.steps == 0) fail("cosine needs steps >= 1 (T_max)");
+  }
+  static void check_kind(const schedules::warmup_cosine& k) {
+    if (k.warmup == 0 || k.steps <= k.warmup) fail("warmup_cosine needs 1 <= warmup < steps");
+    check_kind(schedules::linear{k.warmup, k.start_factor, 1.0});
+  }
+  static void check_kind(const schedules::step_decay& k) {
+    if (k.step_size == 0) fail("step_decay needs step_size >= 1");
+  }
+  static void check_kind(const schedules::one_cycle& k) {
+    if (k.steps == 0) fail("one_cycle needs steps >= 1 (total_steps)");
+    if (k.pct_start < 0 || k.pct_start > 1) fail("one_cycle needs pct_start in [0, 1]");
+    if (k.div_factor <= 0 || k.final_div_factor <= 0) fail("one_cycle needs div_factor and final_div_factor > 0");
+  }
+  static void check_kind(const schedules::lambda& k) {
+    if (!k.factor) fail("lambda needs a factor function (lr_lambda)");
+  }
+  static void check_kind(const schedules::sequence& k) {
+    if (k.parts.empty() || k.milestones.size() + 1 != k.parts.size())
+      fail("sequence needs one part more than milestones (SequentialLR's rule), got " +
+           std::to_string(k.parts.size()) + " part(s) and " + std::to_string(k.milestones.size()) + " milestone(s)");
+    for (std::size_t i = 1; i < k.milestones.size(); ++i)
+      if (k.milestones[i] <= k.milestones[i - 1]) fail("sequence needs ascending milestones");
+  }
+
+  kind kind_;
+};
+
+}  // namespace ddp::optim
+// ---- end <ddp/optim/schedule.hpp>
+
+namespace ddp::optim {
+
+/// True when the glob `pattern` matches all of `name`: `*` matches any run of characters (dots too), `?` one.
+inline bool glob_match(std::string_view pattern, std::string_view name) {
+  std::size_t p = 0, n = 0, star = std::string_view::npos, resume = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
+      ++p;
+      ++n;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = n;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      n = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+/// Which parameters a group takes: those whose dotted name matches one of the glob patterns ("*.bias",
+/// "*norm*", "fc1.*"), or for which the predicate is true.
+class name_match {
+ public:
+  /// Matches nothing (a group needs patterns or a predicate).
+  name_match() = default;
+  /// The glob patterns (glob_match).
+  name_match(std::initializer_list<std::string> patterns) : patterns_(patterns) {}  // NOLINT(google-explicit-constructor)
+  /// The glob patterns (glob_match).
+  name_match(std::vector<std::string> patterns) : patterns_(std::move(patterns)) {}  // NOLINT(google-explicit-constructor)
+  /// A predicate on the dotted name; `what` stands for it in messages and checkpoints.
+  template <class F>
+    requires std::is_invocable_r_v<bool, const F&, std::string_view>
+  name_match(F predicate, std::string what = "predicate")  // NOLINT(google-explicit-constructor)
+      : predicate_(std::move(predicate)), what_(std::move(what)) {}
+
+  /// True when it takes the parameter `name`.
+  [[nodiscard]] bool operator()(std::string_view name) const {
+    for (const auto& p : patterns_)
+      if (glob_match(p, name)) return true;
+    return predicate_ && predicate_(name);
+  }
+  /// False when it can take nothing.
+  [[nodiscard]] bool empty() const noexcept { return patterns_.empty() && !predicate_; }
+  /// The patterns ("*.bias|*norm*") or the predicate's text.
+  [[nodiscard]] std::string describe() const {
+    std::string s;
+    for (const auto& p : patterns_) s += (s.empty() ? "" : "|") + p;
+    return predicate_ ? s + (s.empty() ? "" : "|") + what_ : s;
+  }
+
+ private:
+  std::vector<std::string> patterns_;
+  std::function<bool(std::string_view)> predicate_;
+  std::string what_;
+};
+
+namespace detail {
+
+/// A run of a flat buffer's elements that one group's settings step: group 0 is the default (the options
+/// themselves), group g the optimizer's groups[g − 1].
+struct group_run {
+  std::size_t offset = 0;  ///< first element in the buffer
+  std::size_t numel = 0;   ///< elements
+  std::size_t group = 0;   ///< 0: default, else 1 + the index of the group
+};
+
+/// Group `g` (counted from 1) of `groups` for messages: "group 2 ('no_decay')".
+template <class Group>
+std::string group_label(const std::vector<Group>& groups, std::size_t g) {
+  return "group " + std::to_string(g) + (groups[g - 1].name.empty() ? "" : " ('" + groups[g - 1].name + "')");
+}
+
+/// Per buffer, the runs of elements each group steps, covering the whole buffer (padding between or after the
+/// segments goes with the run before it, or the first one). Every group must take at least one parameter of the
+/// model (`buffers[i].parameters`, else the segments' names) and no parameter may be taken by two groups: else a
+/// ddp::config_error naming them. Parameters no group takes are the default group's.
+template <class Group>
+std::vector<std::vector<group_run>> plan_groups(std::span<const flat_buffer> buffers, const std::vector<Group>& groups,
+                                                std::string_view who) {
+  const auto fail = [&](const std::string& what) { throw config_error(std::string(who) + ": " + what); };
+  std::set<std::string> names;
+  for (const auto& b : buffers) {
+    if (b.parameters)
+      names.insert(b.parameters->begin(), b.parameters->end());
+    else
+      for (const auto& s : b.segments) names.insert(s.name);
+  }
+  std::set<std::string> seen_names;
+  for (std::size_t g = 1; g <= groups.size(); ++g) {
+    const auto& group = groups[g - 1];
+    if (group.match.empty()) fail(group_label(groups, g) + " has no patterns and no predicate; give .match");
+    if (!group.name.empty() && !seen_names.insert(group.name).second)
+      fail("two groups are named '" + group.name + "'; give each group its own name");
+    bool any = false;
+    for (const auto& n : names) any = any || group.match(n);
+    if (!any)
+      fail(group_label(groups, g) + " ('" + group.match.describe() + "') matches no parameter of the model; "
+           "check the pattern against the dotted names visit_parameters gives (such as 'fc1.bias')");
+  }
+  const auto group_of = [&](const std::string& name) {
+    std::size_t found = 0;
+    for (std::size_t g = 1; g <= groups.size(); ++g)
+      if (groups[g - 1].match(name)) {
+        if (found)
+          fail("parameter '" + name + "' is in " + group_label(groups, found) + " and " + group_label(groups, g) +
+               "; narrow the patterns so that each parameter is in one group (the others take the default settings)");
+        found = g;
+      }
+    return found;
+  };
+  for (const auto& n : names) group_of(n);  // the same error on every rank, whichever pieces it holds
+
+  std::vector<std::vector<group_run>> plan;
+  for (const auto& b : buffers) {
+    auto& runs = plan.emplace_back();
+    std::vector<const flat_segment*> in_order;
+    for (const auto& s : b.segments) in_order.push_back(&s);
+    std::sort(in_order.begin(), in_order.end(),
+              [](const flat_segment* x, const flat_segment* y) { return x->offset < y->offset; });
+    for (const flat_segment* seg : in_order) {
+      const flat_segment& s = *seg;
+      const std::size_t g = group_of(s.name);
+      if (runs.empty() || runs.back().group != g)
+        runs.push_back({runs.empty() ? 0 : s.offset, 0, g});
+      runs.back().numel = s.offset + s.numel - runs.back().offset;
+    }
+    if (runs.empty()) runs.push_back({0, 0, 0});
+    for (std::size_t r = 0; r + 1 < runs.size(); ++r) runs[r].numel = runs[r + 1].offset - runs[r].offset;
+    runs.back().numel = b.values.size - runs.back().offset;
+  }
+  return plan;
+}
+
+/// Optimizer state with parameter groups and a schedule, for the optimizer Opt deriving from it (CRTP, a friend): Opt
+/// has `static constexpr const char* who`, `settings() const` (its options, with `.lr`, `.lr_schedule` and `.groups`,
+/// each group with `.name`, `.match` and `.lr_scale`), `static std::string describe(const group&)` (the knobs a
+/// group sets), `static options with(const options&, const group&)` (the options as a group sets them) and
+/// `static void check(const options&, const std::string& where)` (throws config_error for settings PyTorch rejects).
+template <class Opt>
+class grouped_state : public flat_state {
+ public:
+  using flat_state::flat_state;
+
+  /// Allocates state and lays the groups over `buffers` on first use (a group matching nothing, or a parameter
+  /// in two groups, is a ddp::config_error); afterwards checks that the layout is the same.
+  void attach(std::span<const flat_buffer> buffers) {
+    flat_state::attach(buffers);
+    if (plan_.size() != buffers.size()) plan_ = plan_groups(buffers, self().settings().groups, Opt::who);
+  }
+
+  /// What checkpoints record and compare on load: "optim.groups" (each group's name, match and knobs) and
+  /// "optim.schedule" (the schedule's kind and settings), each only when not the default (no groups; constant).
+  [[nodiscard]] std::map<std::string, std::string> recorded_settings() const {
+    std::map<std::string, std::string> out;
+    const auto& o = self().settings();
+    std::string groups;
+    for (std::size_t g = 1; g <= o.groups.size(); ++g)
+      groups += (g > 1 ? "; " : "") + group_label(o.groups, g) + ": " + o.groups[g - 1].match.describe() +
+                ", lr_scale=" + exact(o.groups[g - 1].lr_scale) + Opt::describe(o.groups[g - 1]);
+    if (!groups.empty()) out["optim.groups"] = groups;
+    if (!std::holds_alternative<schedules::constant>(o.lr_schedule.get())) out["optim.schedule"] = o.lr_schedule.describe();
+    return out;
+  }
+
+  /// "" when `saved` (a checkpoint's metadata) records the groups and schedule this optimizer has, else each
+  /// difference ("optim.schedule is 'cosine(...)' in the checkpoint but 'constant' here").
+  [[nodiscard]] std::string setting_differences(const std::map<std::string, std::string>& saved) const {
+    const auto mine = recorded_settings();
+    std::string out;
+    for (const auto& [key, none] : {std::pair<std::string, std::string>{"optim.groups", "no groups"},
+                                    std::pair<std::string, std::string>{"optim.schedule", "constant"}}) {
+      const auto a = saved.find(key);
+      const auto b = mine.find(key);
+      const std::string then = a == saved.end() ? none : a->second, now = b == mine.end() ? none : b->second;
+      if (then != now) out += (out.empty() ? "" : "; ") + key + " is '" + then + "' in the checkpoint but '" + now + "' here";
+    }
+    return out;
+  }
+
+ protected:
+  /// Throws ddp::config_error for options, or a group's settings, that PyTorch also rejects.
+  void check_settings() const {
+    const auto& o = self().settings();
+    Opt::check(o, "");
+    for (std::size_t g = 1; g <= o.groups.size(); ++g) {
+      if (o.groups[g - 1].lr_scale < 0)
+        throw config_error(std::string(Opt::who) + ": " + group_label(o.groups, g) + " needs lr_scale >= 0");
+      Opt::check(Opt::with(o, o.groups[g - 1]), " in " + group_label(o.groups, g));
+    }
+  }
+
+  /// The settings of group `g` (0: the default) at this step, its lr the schedule's value from the options' lr
+  /// times the group's lr_scale.
+  [[nodiscard]] auto group_settings(std::size_t g) const {
+    const auto& o = self().settings();
+    auto mine = g == 0 ? Opt::with(o, {}) : Opt::with(o, o.groups[g - 1]);
+    mine.lr = o.lr_schedule.lr(g == 0 ? o.lr : o.lr * o.groups[g - 1].lr_scale, steps_);
+    return mine;
+  }
+
+  /// One step: `update(g, domain, values, grads, arrays)` for every run of elements of group g, then the step
+  /// count. Warns once (std::clog) when the step is past the schedule's last one: the lr stays at its last value.
+  template <class Update>
+  void step_runs(std::span<const flat_buffer> buffers, Update&& update) {
+    const auto& sched = self().settings().lr_schedule;
+    if (const auto end = sched.last_step(); end && steps_ > *end && !warned_) {
+      warned_ = true;
+      std::clog << Opt::who << ": step " << steps_ + 1 << " is past the lr schedule " << sched.describe()
+                << ", which ends after step " << *end << "; the lr stays at its last value from here on\n";
+    }
+    attach(buffers);
+    for_each_buffer(buffers, Opt::who,
+                    [&](std::size_t i, const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
+                      for (const group_run& r : plan_[i]) {
+                        std::vector<raw_tensor> parts;
+                        for (const auto& a : arrays) parts.push_back(part(a, r.offset, r.numel));
+                        update(r.group, on, part(b.values, r.offset, r.numel), part(b.grads, r.offset, r.numel),
+                               std::span<const raw_tensor>(parts));
+                      }
+                    });
+    ++steps_;
+  }
+
+ private:
+  [[nodiscard]] const Opt& self() const noexcept { return static_cast<const Opt&>(*this); }
+
+  std::vector<std::vector<group_run>> plan_;  // per buffer
+  bool warned_ = false;
+};
+
+}  // namespace detail
+}  // namespace ddp::optim
+// ---- end <ddp/optim/groups.hpp>
 
 namespace ddp::optim {
 
 /// AdamW as torch.optim.AdamW (amsgrad off): p ·= 1 − lr·wd; m += (1 − β1)·(g − m);
 /// v = β2·v + (1 − β2)·g²; p −= lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε).
-/// State arrays: "exp_avg" and "exp_avg_sq"; the step counter is step_count().
-class adamw : public detail::flat_state {
+/// State arrays: "exp_avg" and "exp_avg_sq"; the step counter is step_count(). Parameter groups (options::groups)
+/// give some parameters their own lr scale, weight decay and betas; the lr of step t is lr_schedule's value at t.
+class adamw : public detail::grouped_state<adamw> {
  public:
-  /// Hyper-parameters, named as in PyTorch.
-  struct options {
-    double lr = 1e-3;            ///< learning rate
-    double beta1 = 0.9;          ///< decay of the first moment
-    double beta2 = 0.999;        ///< decay of the second moment
-    double eps = 1e-8;           ///< added to the denominator
-    double weight_decay = 1e-2;  ///< decoupled weight decay
+  /// A parameter group: the parameters `match` takes, stepped with the options but for what it sets
+  /// (PyTorch: an entry of the param_groups list).
+  struct group {
+    std::string name{};                    ///< names it in errors and checkpoints ("no_decay")
+    name_match match{};                    ///< which parameters: glob patterns ({"*.bias", "*norm*"}) or a predicate
+    double lr_scale = 1;                   ///< its lr is the options' lr (as scheduled) times this
+    std::optional<double> weight_decay{};  ///< else the options'
+    std::optional<double> beta1{};         ///< else the options'
+    std::optional<double> beta2{};         ///< else the options'
   };
 
-  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
-  explicit adamw(options o) : flat_state({"exp_avg", "exp_avg_sq"}), opt_(o) {
-    if (o.lr < 0 || o.eps < 0 || o.weight_decay < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
-      throw config_error("optim::adamw: need lr, eps, weight_decay >= 0 and betas in [0, 1)");
-  }
+  /// Hyper-parameters, named as in PyTorch.
+  struct options {
+    double lr = 1e-3;             ///< learning rate (the base of the schedule)
+    double beta1 = 0.9;           ///< decay of the first moment
+    double beta2 = 0.999;         ///< decay of the second moment
+    double eps = 1e-8;            ///< added to the denominator
+    double weight_decay = 1e-2;   ///< decoupled weight decay
+    std::vector<group> groups{};  ///< parameter groups (disjoint); the parameters none takes use the settings above
+    schedule lr_schedule{};       ///< the lr of each step (constant: lr)
+  };
 
-  /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
+  /// Names the optimizer in messages.
+  static constexpr const char* who = "optim::adamw";
+
+  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
+  explicit adamw(options o) : grouped_state({"exp_avg", "exp_avg_sq"}), opt_(std::move(o)) { check_settings(); }
+
+  /// The hyper-parameters (lr may be changed between steps; groups are laid at the first step).
   [[nodiscard]] options& settings() noexcept { return opt_; }
+  /// The hyper-parameters.
+  [[nodiscard]] const options& settings() const noexcept { return opt_; }
 
   /// The element update of step `step` (counted from 1) with settings `o`.
   [[nodiscard]] static adamw_update update(const options& o, std::uint64_t step) {
@@ -14576,16 +15106,36 @@ class adamw : public detail::flat_state {
             .step_size = o.lr / (1 - std::pow(o.beta1, t)), .correction2_sqrt = std::sqrt(1 - std::pow(o.beta2, t)),
             .eps = o.eps};
   }
-  /// One update of every flat buffer.
+  /// One update of every flat buffer, each group with its settings.
   void step(std::span<const flat_buffer> buffers) {
-    const adamw_update u = update(opt_, steps_ + 1);
-    for_each_buffer(buffers, "optim::adamw", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
-      on.adamw(b.values, b.grads, arrays[0], arrays[1], u);
-    });
-    ++steps_;
+    std::vector<adamw_update> u;  // per group, the default first
+    for (std::size_t g = 0; g <= opt_.groups.size(); ++g) u.push_back(update(group_settings(g), steps_ + 1));
+    step_runs(buffers, [&](std::size_t g, memory_domain& on, raw_tensor values, raw_tensor grads,
+                           std::span<const raw_tensor> arrays) { on.adamw(values, grads, arrays[0], arrays[1], u[g]); });
+  }
+
+  /// The knobs `k` sets, for checkpoints (", weight_decay=0").
+  static std::string describe(const group& k) {
+    std::string s;
+    if (k.weight_decay) s += ", weight_decay=" + detail::exact(*k.weight_decay);
+    if (k.beta1) s += ", beta1=" + detail::exact(*k.beta1);
+    if (k.beta2) s += ", beta2=" + detail::exact(*k.beta2);
+    return s;
   }
 
  private:
+  friend class detail::grouped_state<adamw>;
+
+  /// The options as group `k` sets them (without its groups).
+  static options with(const options& o, const group& k) {
+    return {.lr = o.lr, .beta1 = k.beta1.value_or(o.beta1), .beta2 = k.beta2.value_or(o.beta2), .eps = o.eps,
+            .weight_decay = k.weight_decay.value_or(o.weight_decay), .groups = {}, .lr_schedule = {}};
+  }
+  static void check(const options& o, const std::string& where) {
+    if (o.lr < 0 || o.eps < 0 || o.weight_decay < 0 || o.beta1 < 0 || o.beta1 >= 1 || o.beta2 < 0 || o.beta2 >= 1)
+      throw config_error(std::string(who) + ": need lr, eps, weight_decay >= 0 and betas in [0, 1)" + where);
+  }
+
   options opt_;
 };
 
@@ -14603,46 +15153,86 @@ namespace ddp::optim {
 
 /// SGD as torch.optim.SGD: g = grad + wd·p; with momentum, buf = g on the first step, else
 /// buf = momentum·buf + (1 − dampening)·g, and g = g + momentum·buf (Nesterov) or buf; p −= lr·g.
-/// State array: "momentum_buffer" (only when momentum ≠ 0).
-class sgd : public detail::flat_state {
+/// State array: "momentum_buffer" (only when the options or a group have momentum ≠ 0). Parameter groups
+/// (options::groups) give some parameters their own lr scale, weight decay and momentum; the lr of step t is
+/// lr_schedule's value at t.
+class sgd : public detail::grouped_state<sgd> {
  public:
-  /// Hyper-parameters, named as in PyTorch.
-  struct options {
-    double lr = 1e-3;            ///< learning rate
-    double momentum = 0;         ///< momentum factor
-    double dampening = 0;        ///< dampening of the momentum
-    bool nesterov = false;       ///< Nesterov momentum (needs momentum > 0 and dampening 0)
-    double weight_decay = 0;     ///< L2 penalty added to the gradient
+  /// A parameter group: the parameters `match` takes, stepped with the options but for what it sets
+  /// (PyTorch: an entry of the param_groups list).
+  struct group {
+    std::string name{};                    ///< names it in errors and checkpoints ("no_decay")
+    name_match match{};                    ///< which parameters: glob patterns ({"*.bias", "*norm*"}) or a predicate
+    double lr_scale = 1;                   ///< its lr is the options' lr (as scheduled) times this
+    std::optional<double> weight_decay{};  ///< else the options'
+    std::optional<double> momentum{};      ///< else the options'
   };
 
-  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
-  explicit sgd(options o) : flat_state(o.momentum != 0 ? std::vector<std::string_view>{"momentum_buffer"}
-                                                         : std::vector<std::string_view>{}),
-                            opt_(o) {
-    if (o.lr < 0 || o.momentum < 0 || o.weight_decay < 0)
-      throw config_error("optim::sgd: lr, momentum and weight_decay must be >= 0");
-    if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
-      throw config_error("optim::sgd: Nesterov momentum needs momentum > 0 and dampening 0");
-  }
+  /// Hyper-parameters, named as in PyTorch.
+  struct options {
+    double lr = 1e-3;             ///< learning rate (the base of the schedule)
+    double momentum = 0;          ///< momentum factor
+    double dampening = 0;         ///< dampening of the momentum
+    bool nesterov = false;        ///< Nesterov momentum (needs momentum > 0 and dampening 0)
+    double weight_decay = 0;      ///< L2 penalty added to the gradient
+    std::vector<group> groups{};  ///< parameter groups (disjoint); the parameters none takes use the settings above
+    schedule lr_schedule{};       ///< the lr of each step (constant: lr)
+  };
 
-  /// The hyper-parameters (lr may be changed between steps, e.g. by a schedule).
+  /// Names the optimizer in messages.
+  static constexpr const char* who = "optim::sgd";
+
+  /// Builds the optimizer; throws ddp::config_error for settings PyTorch also rejects.
+  explicit sgd(options o) : grouped_state(arrays_for(o)), opt_(std::move(o)) { check_settings(); }
+
+  /// The hyper-parameters (lr may be changed between steps; groups are laid at the first step).
   [[nodiscard]] options& settings() noexcept { return opt_; }
+  /// The hyper-parameters.
+  [[nodiscard]] const options& settings() const noexcept { return opt_; }
 
   /// The element update of a step with settings `o`; `first`: the momentum buffer's first step.
   [[nodiscard]] static sgd_update update(const options& o, bool first) noexcept {
     return {.lr = o.lr, .momentum = o.momentum, .dampening = o.dampening, .weight_decay = o.weight_decay,
             .nesterov = o.nesterov, .first = first};
   }
-  /// One update of every flat buffer.
+  /// One update of every flat buffer, each group with its settings.
   void step(std::span<const flat_buffer> buffers) {
-    const sgd_update u = update(opt_, steps_ == 0);
-    for_each_buffer(buffers, "optim::sgd", [&](const flat_buffer& b, memory_domain& on, std::span<const raw_tensor> arrays) {
-      on.sgd(b.values, b.grads, arrays.empty() ? raw_tensor{} : arrays[0], u);
+    std::vector<sgd_update> u;  // per group, the default first
+    for (std::size_t g = 0; g <= opt_.groups.size(); ++g) u.push_back(update(group_settings(g), steps_ == 0));
+    step_runs(buffers, [&](std::size_t g, memory_domain& on, raw_tensor values, raw_tensor grads,
+                           std::span<const raw_tensor> arrays) {
+      on.sgd(values, grads, arrays.empty() ? raw_tensor{} : arrays[0], u[g]);
     });
-    ++steps_;
+  }
+
+  /// The knobs `k` sets, for checkpoints (", weight_decay=0").
+  static std::string describe(const group& k) {
+    std::string s;
+    if (k.weight_decay) s += ", weight_decay=" + detail::exact(*k.weight_decay);
+    if (k.momentum) s += ", momentum=" + detail::exact(*k.momentum);
+    return s;
   }
 
  private:
+  friend class detail::grouped_state<sgd>;
+
+  /// The options as group `k` sets them (without its groups).
+  static options with(const options& o, const group& k) {
+    return {.lr = o.lr, .momentum = k.momentum.value_or(o.momentum), .dampening = o.dampening, .nesterov = o.nesterov,
+            .weight_decay = k.weight_decay.value_or(o.weight_decay), .groups = {}, .lr_schedule = {}};
+  }
+  static void check(const options& o, const std::string& where) {
+    if (o.lr < 0 || o.momentum < 0 || o.weight_decay < 0)
+      throw config_error(std::string(who) + ": lr, momentum and weight_decay must be >= 0" + where);
+    if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+      throw config_error(std::string(who) + ": Nesterov momentum needs momentum > 0 and dampening 0" + where);
+  }
+  static std::vector<std::string_view> arrays_for(const options& o) {
+    bool momentum = o.momentum != 0;
+    for (const auto& k : o.groups) momentum = momentum || k.momentum.value_or(0) != 0;
+    return momentum ? std::vector<std::string_view>{"momentum_buffer"} : std::vector<std::string_view>{};
+  }
+
   options opt_;
 };
 
@@ -29191,7 +29781,6 @@ class file {
 /// them this rank holds in memory, and which rank holds which element ranges. Shared by ddp::save / ddp::load
 /// (one file) and ddp::save_sharded / ddp::load_sharded (a part per rank plus a manifest).
 
-#include <variant>
 
 
 namespace ddp {
@@ -29470,6 +30059,29 @@ void agree_on_failure(Comm& comm, const std::string& mine) {
                  comm.rank());
 }
 
+/// Records in `meta` what a checkpoint keeps of `opt` beside its state: the step count ("optim.step") and, for an
+/// optimizer with parameter groups or a schedule (ddp::optim's), its recorded_settings ("optim.groups", "optim.schedule").
+template <class Opt>
+void record_optimizer(checkpoint_metadata& meta, const Opt& opt) {
+  meta["optim.step"] = std::to_string(opt.step_count());
+  if constexpr (requires { opt.recorded_settings(); })
+    for (const auto& [key, value] : opt.recorded_settings()) meta[key] = value;
+}
+
+/// "" when `opt` (none when Opt is void) has the parameter groups and schedule that the checkpoint at `source`
+/// records in `meta`, else what differs and how to fix it.
+template <class Opt>
+std::string compare_settings(const std::string& source, const checkpoint_metadata& meta, const Opt* opt) {
+  if constexpr (requires { opt->setting_differences(meta); }) {
+    const std::string differences = opt->setting_differences(meta);
+    if (!differences.empty())
+      return "checkpoint '" + source + "' was saved by an optimizer with other settings: " + differences +
+             "; load it into an optimizer with the parameter groups and schedule that saved it, or load only the "
+             "parameters (ddp::load(path, dp)) and start the new optimizer afresh";
+  }
+  return {};
+}
+
 /// Sets `opt`'s step count from the "optim.step" metadata of the checkpoint at `source` (nothing when Opt is
 /// void); throws ddp::mismatch_error when the checkpoint has none. Every rank sees the same metadata.
 template <class Opt>
@@ -29737,7 +30349,8 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
   on_rank0_then_share(comm, [&] {
     text = read_manifest_text(dir);
     const auto m = parse_manifest(manifest_path, text);
-    const auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    if (problem.empty()) problem = compare_settings(manifest_path.string(), m.metadata, opt);
     if (!problem.empty()) throw mismatch_error(problem, 0);
   });
   broadcast_object(comm, text, 0);
@@ -29874,7 +30487,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
                        {"data_bytes", rep.data_bytes}, {"ranges", std::move(ranges)}});
     }
     auto meta = metadata;
-    meta["optim.step"] = std::to_string(opt.step_count());
+    detail::record_optimizer(meta, opt);
     detail::note_loss_scale(dp, meta);
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},
@@ -29931,7 +30544,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkp
   if (me == 0)
     rank0.run([&] {
       auto meta = metadata;
-      if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
+      if constexpr (!std::is_void_v<Opt>) record_optimizer(meta, *opt);
       note_loss_scale(dp, meta);
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
@@ -29966,7 +30579,8 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   on_rank0_then_share(comm, [&] {
     in.emplace(safetensors::reader::open(path));
     in->verify_checksum();  // first: a damaged header is an io_error, never taken for another model
-    const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    if (problem.empty()) problem = compare_settings(path.string(), in->metadata(), opt);
     if (!problem.empty()) throw mismatch_error(problem, 0);
     for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
   });
@@ -30233,7 +30847,6 @@ class progress_bar {
 #include <sys/wait.h>
 
 #include <csignal>
-#include <iostream>
 
 // ---- begin <ddp/launch/binding.hpp>
 /// \file Rank binding for the local launcher: which CPUs each rank may run on (like mpirun's --bind-to).

@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include <ddp/checkpoint/checkpoint.hpp>
+#include <ddp/checkpoint/sharded.hpp>
 #include <ddp/comm/tcp/communicator.hpp>
 #include <ddp/core/trainable.hpp>
 #if defined(DDP_WITH_MPI)
@@ -125,6 +126,55 @@ void check_mismatch(Comm comm) {
                         Catch::Contains("that the model lacks, first 'optim.fc1.weight.exp_avg'"));
 }
 
+/// Grouped AdamW with a warmup + cosine schedule, saved after 3 steps (full file under replicate, sharded under
+/// full_shard): loaded into the same settings it resumes bit-identically on the curve; other groups or another
+/// schedule are a mismatch_error on every rank naming what differs.
+template <class Backend, class Comm>
+void check_groups_and_schedule(Comm comm) {
+  shared_path file(comm, "groups");
+  shared_path dir(comm, "groups_sharded", "");
+  const auto make = [](std::vector<ddp::optim::adamw::group> groups, ddp::optim::schedule s) {
+    return ddp::optim::adamw({.lr = 0.01, .weight_decay = 0.1, .groups = std::move(groups), .lr_schedule = std::move(s)});
+  };
+  const std::vector<ddp::optim::adamw::group> groups{{.name = "no_decay", .match = {"*.bias"}, .weight_decay = 0},
+                                                     {.name = "fc2", .match = {"fc2.weight"}, .lr_scale = 0.5}};
+  const ddp::optim::schedule curve = ddp::optim::schedules::warmup_cosine{.warmup = 2, .steps = 5};
+  net a_model = make_net(0.5F);
+  dp_t<Backend> a(a_model, comm);
+  auto a_opt = make(groups, curve);
+  train_steps(a, a_opt, 3);
+  ddp::save(file.path, a, a_opt);
+  net s_model = make_net(0.5F);
+  dp_t<Backend, ddp::full_shard> s(s_model, comm);
+  auto s_opt = make(groups, curve);
+  train_steps(s, s_opt, 3);
+  ddp::save_sharded(dir.path, s, s_opt);
+
+  net b_model = make_net(9.0F);
+  dp_t<Backend> b(b_model, comm);
+  auto b_opt = make(groups, curve);
+  REQUIRE(ddp::load(file.path, b, b_opt).at("optim.schedule") == curve.describe());
+  train_steps(a, a_opt, 2);
+  train_steps(b, b_opt, 2);
+  REQUIRE(snapshot(b, b_opt) == snapshot(a, a_opt));  // the rest of the curve, bit-identical
+
+  auto other_groups = make({groups[0]}, curve);
+  REQUIRE_THROWS_AS(ddp::load(file.path, b, other_groups), ddp::mismatch_error);
+  REQUIRE_THROWS_WITH(ddp::load(file.path, b, other_groups),
+                      Catch::Contains("optim.groups is 'group 1 ('no_decay')") && Catch::Contains("group 2 ('fc2')") &&
+                          !Catch::Contains("optim.schedule"));
+  auto other_schedule = make(groups, ddp::optim::schedules::cosine{.steps = 5});
+  REQUIRE_THROWS_WITH(ddp::load(file.path, b, other_schedule),
+                      Catch::Contains("optim.schedule is 'warmup_cosine(warmup=2, steps=5") &&
+                          Catch::Contains("but 'cosine(steps=5, eta_min=0)' here"));
+  auto plain = ddp::optim::adamw({.lr = 0.01, .weight_decay = 0.1});
+  REQUIRE_THROWS_WITH(ddp::load_sharded(dir.path, s, plain),
+                      Catch::Contains("manifest.json") && Catch::Contains("but 'no groups' here") &&
+                          Catch::Contains("but 'constant' here"));
+  auto same = make(groups, curve);
+  REQUIRE(ddp::load_sharded(dir.path, s, same).at("optim.step") == "3");
+}
+
 /// A missing file and a flipped byte: io_error on every rank with the path.
 template <class Backend, class Comm>
 void check_corrupt(Comm comm) {
@@ -150,7 +200,8 @@ void check_corrupt(Comm comm) {
   X(check_parameters_only, "load without an optimizer takes only the parameters")                         \
   X(check_owning_leaves, "owning leaves (std::vector via ddp::trainable) take the loaded values at once")   \
   X(check_mismatch, "loading into a different model names the first differing tensor on every rank")      \
-  X(check_corrupt, "a corrupt or missing checkpoint fails on every rank with the path")
+  X(check_corrupt, "a corrupt or missing checkpoint fails on every rank with the path")                   \
+  X(check_groups_and_schedule, "parameter groups and the lr schedule resume on the curve and are checked on load")
 
 #define DDP_TCP_CASE(fn, title)                                                                          \
   TEST_CASE("tcp: " title, "[tcp]") {                                                                     \

@@ -43,20 +43,54 @@ inline std::pair<std::int64_t, std::int64_t> shard_of(int rank, int n) {
   return {begin, end - begin};
 }
 
-enum class optimizer_kind { torch_sgd_momentum, torch_adam, ddp_adamw };
+enum class optimizer_kind { torch_sgd_momentum, torch_adam, ddp_adamw, torch_adamw_grouped };
 
-/// The torch::optim optimizer `k` names over `params` (ddp_adamw: unused).
-inline std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(optimizer_kind k, std::vector<torch::Tensor> params) {
+/// The parameter groups of torch_adamw_grouped: biases without weight decay, fc2.weight at half the lr.
+inline std::vector<ddp::optim::adamw::group> adamw_groups() {
+  return {{.name = "no_decay", .match = {"*.bias"}}, {.name = "fc2", .match = {"fc2.weight"}}};
+}
+
+/// The module's parameters in adamw_groups()' groups (entry 0: the others), as ddp::parameters(dp, groups) cuts them.
+template <class Net>
+std::vector<torch::optim::OptimizerParamGroup> named_groups(Net& net) {
+  const auto groups = adamw_groups();
+  std::vector<std::vector<torch::Tensor>> members(groups.size() + 1);
+  for (const auto& item : net->named_parameters()) {
+    std::size_t g = 0;
+    for (std::size_t k = 0; k < groups.size(); ++k)
+      if (groups[k].match(item.key())) g = k + 1;
+    members[g].push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (auto& m : members) out.emplace_back(std::move(m));
+  return out;
+}
+
+/// The torch::optim optimizer `k` names over `groups` (one group but for torch_adamw_grouped, whose groups take
+/// their options here; ddp_adamw: unused).
+inline std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(optimizer_kind k,
+                                                                     std::vector<torch::optim::OptimizerParamGroup> groups) {
   switch (k) {
     case optimizer_kind::torch_sgd_momentum:
-      return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+      return std::make_unique<torch::optim::SGD>(std::move(groups), torch::optim::SGDOptions(0.1).momentum(0.9));
     case optimizer_kind::torch_adam:
-      return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(0.01));
+      return std::make_unique<torch::optim::Adam>(std::move(groups), torch::optim::AdamOptions(0.01));
     case optimizer_kind::ddp_adamw:
-      return std::make_unique<torch::optim::AdamW>(std::move(params),
+      return std::make_unique<torch::optim::AdamW>(std::move(groups),
                                                    torch::optim::AdamWOptions(0.01).weight_decay(0.05));
+    case optimizer_kind::torch_adamw_grouped:
+      groups.at(1).set_options(std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.01).weight_decay(0)));
+      groups.at(2).set_options(std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(0.005).weight_decay(0.05)));
+      return std::make_unique<torch::optim::AdamW>(std::move(groups), torch::optim::AdamWOptions(0.01).weight_decay(0.05));
   }
   return nullptr;
+}
+
+/// The groups `k` steps of a plain module: its parameters in one group, or in adamw_groups()'.
+template <class Net>
+std::vector<torch::optim::OptimizerParamGroup> groups_of(optimizer_kind k, Net& net) {
+  if (k == optimizer_kind::torch_adamw_grouped) return named_groups(net);
+  return {torch::optim::OptimizerParamGroup(net->parameters())};
 }
 
 /// What the wrapper is given: the module itself for the MLP (`*net`), the TORCH_MODULE holder for the CNN.
@@ -86,7 +120,7 @@ inline ddp::optim::adamw make_ddp_adamw() { return ddp::optim::adamw({.lr = 0.01
 template <class Net>
 std::vector<std::pair<std::string, torch::Tensor>> reference_training(optimizer_kind k) {
   Net net = make_model<Net>(1);
-  auto opt = make_torch_optimizer(k, net->parameters());
+  auto opt = make_torch_optimizer(k, groups_of(k, net));
   ddp::optim::adamw ours = make_ddp_adamw();
   for (int s = 0; s < steps; ++s) {
     net->zero_grad();
@@ -182,8 +216,11 @@ void check_equivalence(Comm comm, optimizer_kind k, int micro = 1, typename ddp:
       train(opt);
     } else {
       using dp_type = decltype(dp);
-      auto opt = make_torch_optimizer(k, std::is_same_v<typename dp_type::sharding, ddp::replicate> ? net->parameters()
-                                                                                                  : ddp::parameters(dp));
+      const bool grouped = k == optimizer_kind::torch_adamw_grouped;
+      auto opt = make_torch_optimizer(
+          k, std::is_same_v<typename dp_type::sharding, ddp::replicate> ? groups_of(k, net)
+             : grouped ? ddp::parameters(dp, adamw_groups())
+                       : std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(ddp::parameters(dp))});
       train(*opt);
     }
     dp.unshard_model();  // full_shard: the model's own parameters take the full values

@@ -69,6 +69,16 @@ TEST_CASE("tcp shard_grad_op: torch optimizers over ddp::parameters(dp) and ddp 
     check_equivalence<cnn, tcp, ddp::shard_grad_op>(comm, optimizer_kind::torch_adam);
   });
 }
+TEST_CASE("tcp: torch AdamW over ddp::parameters(dp, groups) under every policy equals one process with the same "
+          "param groups", "[equivalence][groups]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) {
+    check_equivalence<mlp, tcp>(comm, optimizer_kind::torch_adamw_grouped);  // replicate: the model's own parameters
+    check_equivalence<mlp, tcp, tiny, ddp::shard_grad_op>(comm, optimizer_kind::torch_adamw_grouped);
+    check_equivalence<deep, tcp, tiny, ddp::full_shard>(comm, optimizer_kind::torch_adamw_grouped);
+    check_equivalence<deep, tcp, ddp::hybrid<ddp::full_shard>>(comm, optimizer_kind::torch_adamw_grouped, 1,
+                                                                {.group_size = 1});
+  });
+}
 TEST_CASE("tcp: net->zero_grad(), net->zero_grad(false) and opt.zero_grad() in place of dp.zero_grad() train as one "
           "process under every policy (a step consumes the owned gradients)",
           "[equivalence][zero_grad]") {

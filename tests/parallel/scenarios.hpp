@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -41,7 +42,9 @@ inline std::pair<std::size_t, std::size_t> shard_of(int rank, int n) {
   return {begin, end - begin};
 }
 
-enum class optimizer_kind { sgd_momentum, sgd_nesterov, adamw };
+/// The grouped kinds: biases in a group without weight decay (by pattern or predicate), a layer with its own lr
+/// scale and momentum or beta1, and a schedule over the steps (warmup + cosine, one-cycle).
+enum class optimizer_kind { sgd_momentum, sgd_nesterov, adamw, sgd_grouped, adamw_grouped };
 
 /// Runs `body(opt)` with the optimizer `k` names.
 template <class F>
@@ -54,6 +57,24 @@ void with_optimizer(optimizer_kind k, F&& body) {
       break;
     }
     case optimizer_kind::adamw: { ddp::optim::adamw o({.lr = 0.01, .weight_decay = 0.05}); body(o); break; }
+    case optimizer_kind::sgd_grouped: {
+      const auto bias = [](std::string_view name) { return name.ends_with(".bias"); };
+      ddp::optim::sgd o({.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01,
+                         .groups = {{.name = "no_decay", .match = {bias, "bias"}, .weight_decay = 0, .momentum = 0.5},
+                                    {.name = "fc1", .match = {"fc1.weight"}, .lr_scale = 2}},
+                         .lr_schedule = ddp::optim::schedules::one_cycle{.steps = steps}});
+      body(o);
+      break;
+    }
+    case optimizer_kind::adamw_grouped: {
+      ddp::optim::adamw o({.lr = 0.01, .weight_decay = 0.05,
+                           .groups = {{.name = "no_decay", .match = {"*.bias"}, .weight_decay = 0},
+                                      {.name = "fc2", .match = {"fc2.w*"}, .lr_scale = 0.5, .beta1 = 0.8}},
+                           .lr_schedule = ddp::optim::schedules::warmup_cosine{.warmup = 2, .steps = steps,
+                                                                                .start_factor = 0.1}});
+      body(o);
+      break;
+    }
   }
 }
 

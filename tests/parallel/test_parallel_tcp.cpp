@@ -117,6 +117,21 @@ TEST_CASE("tcp sharding: shard_grad_op, full_shard, hybrid and sharded no_sync e
     check_full_shard_misuse<tcp>(comm);
   });
 }
+TEST_CASE("tcp parameter groups and schedules: every policy equals one process stepping the same grouped optimizer",
+          "[sharding][groups]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {
+    for (const auto k : {optimizer_kind::adamw_grouped, optimizer_kind::sgd_grouped}) {
+      check_equivalence<tcp, tiny>(comm, k, 1e-5);
+      check_equivalence<tcp, tiny, ddp::shard_grad_op>(comm, k, 1e-5);
+      check_equivalence<tcp, tiny, ddp::full_shard>(comm, k, 1e-5);
+      check_equivalence<tcp, tiny, ddp::hybrid<ddp::full_shard>>(comm, k, 1e-5, 1, closeness::per_element,
+                                                                 hybrid_groups<ddp::full_shard>(comm.size()));
+      check_equivalence<tcp, tiny, ddp::hybrid<ddp::shard_grad_op>>(comm, k, 1e-5, 1, closeness::per_element,
+                                                                    hybrid_groups<ddp::shard_grad_op>(comm.size()));
+    }
+  });
+}
+
 TEST_CASE("tcp sharding: configurable units and freed unit buffers give the same training, a unit covering nothing is named",
           "[sharding]") {
   ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) {

@@ -40,7 +40,7 @@ void save_full(const std::filesystem::path& path, DP& dp, Opt* opt, const checkp
   if (me == 0)
     rank0.run([&] {
       auto meta = metadata;
-      if constexpr (!std::is_void_v<Opt>) meta["optim.step"] = std::to_string(opt->step_count());
+      if constexpr (!std::is_void_v<Opt>) record_optimizer(meta, *opt);
       note_loss_scale(dp, meta);
       meta["ddp.world_size"] = std::to_string(dp.world_size());
       out.emplace(path, st.tensors, meta);
@@ -75,7 +75,8 @@ checkpoint_metadata load_full(const std::filesystem::path& path, DP& dp, Opt* op
   on_rank0_then_share(comm, [&] {
     in.emplace(safetensors::reader::open(path));
     in->verify_checksum();  // first: a damaged header is an io_error, never taken for another model
-    const auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    auto problem = compare_state(path.string(), in->entries(), st.tensors, std::is_void_v<Opt>);
+    if (problem.empty()) problem = compare_settings(path.string(), in->metadata(), opt);
     if (!problem.empty()) throw mismatch_error(problem, 0);
     for (const auto& [k, v] : in->metadata()) meta_flat.insert(meta_flat.end(), {k, v});
   });

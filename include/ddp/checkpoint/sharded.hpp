@@ -200,7 +200,8 @@ checkpoint_metadata load_sharded_impl(const std::filesystem::path& dir, DP& dp, 
   on_rank0_then_share(comm, [&] {
     text = read_manifest_text(dir);
     const auto m = parse_manifest(manifest_path, text);
-    const auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    auto problem = compare_state(manifest_path.string(), m.tensors, st.tensors, std::is_void_v<Opt>);
+    if (problem.empty()) problem = compare_settings(manifest_path.string(), m.metadata, opt);
     if (!problem.empty()) throw mismatch_error(problem, 0);
   });
   broadcast_object(comm, text, 0);
@@ -337,7 +338,7 @@ void save_sharded(const std::filesystem::path& dir, DP& dp, Opt& opt, const chec
                        {"data_bytes", rep.data_bytes}, {"ranges", std::move(ranges)}});
     }
     auto meta = metadata;
-    meta["optim.step"] = std::to_string(opt.step_count());
+    detail::record_optimizer(meta, opt);
     detail::note_loss_scale(dp, meta);
     meta["ddp.world_size"] = std::to_string(n);
     const nlohmann::json manifest = {{"format", detail::sharded_format}, {"world_size", n}, {"metadata", meta},

@@ -310,6 +310,29 @@ void agree_on_failure(Comm& comm, const std::string& mine) {
                  comm.rank());
 }
 
+/// Records in `meta` what a checkpoint keeps of `opt` beside its state: the step count ("optim.step") and, for an
+/// optimizer with parameter groups or a schedule (ddp::optim's), its recorded_settings ("optim.groups", "optim.schedule").
+template <class Opt>
+void record_optimizer(checkpoint_metadata& meta, const Opt& opt) {
+  meta["optim.step"] = std::to_string(opt.step_count());
+  if constexpr (requires { opt.recorded_settings(); })
+    for (const auto& [key, value] : opt.recorded_settings()) meta[key] = value;
+}
+
+/// "" when `opt` (none when Opt is void) has the parameter groups and schedule that the checkpoint at `source`
+/// records in `meta`, else what differs and how to fix it.
+template <class Opt>
+std::string compare_settings(const std::string& source, const checkpoint_metadata& meta, const Opt* opt) {
+  if constexpr (requires { opt->setting_differences(meta); }) {
+    const std::string differences = opt->setting_differences(meta);
+    if (!differences.empty())
+      return "checkpoint '" + source + "' was saved by an optimizer with other settings: " + differences +
+             "; load it into an optimizer with the parameter groups and schedule that saved it, or load only the "
+             "parameters (ddp::load(path, dp)) and start the new optimizer afresh";
+  }
+  return {};
+}
+
 /// Sets `opt`'s step count from the "optim.step" metadata of the checkpoint at `source` (nothing when Opt is
 /// void); throws ddp::mismatch_error when the checkpoint has none. Every rank sees the same metadata.
 template <class Opt>

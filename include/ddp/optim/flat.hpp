@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -36,6 +37,9 @@ struct flat_buffer {
   raw_tensor grads;                    ///< the gradients, already averaged across ranks
   std::vector<flat_segment> segments;  ///< the parameters in `values`, in order
   memory_domain* domain = nullptr;     ///< where values and gradients live (null: the host); its state goes there
+  /// Every parameter name of the model, also those whose pieces lie in other ranks' shards (parameter groups check
+  /// their patterns against it); null: the segments' names are the whole model.
+  std::shared_ptr<const std::vector<std::string>> parameters{};
 
   /// The domain of its memory: `domain`, else the host's.
   [[nodiscard]] memory_domain& memory() const noexcept { return domain ? *domain : host_memory(); }
@@ -57,6 +61,11 @@ template <class Opt>
 struct optimizer_traits {};
 
 namespace detail {
+
+/// Elements [begin, begin + count) of `t`.
+inline raw_tensor part(const raw_tensor& t, std::size_t begin, std::size_t count) noexcept {
+  return {static_cast<std::byte*>(t.data) + begin * size_of(t.type), count, t.type, t.where};
+}
 
 /// Optimizer state: per flat buffer, one state array per name ("momentum_buffer", "exp_avg", ...) of the buffer's
 /// dtype and length, in the buffer's memory domain, zero when created; plus the number of steps taken.
@@ -111,7 +120,7 @@ class flat_state {
   void set_step_count(std::uint64_t steps) noexcept { steps_ = steps; }
 
  protected:
-  /// Runs `update(buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
+  /// Runs `update(index, buffer, domain, arrays)` for every buffer after attach(): `arrays` are its state arrays as
   /// tensors of the buffer's domain, where the update runs (core/updates.hpp).
   template <class Update>
   void for_each_buffer(std::span<const flat_buffer> buffers, std::string_view who, Update&& update) {
@@ -124,7 +133,7 @@ class flat_state {
       ddp::detail::steppable(b.values.type, std::string(who).c_str());
       std::vector<raw_tensor> arrays;
       for (auto& s : state_[i]) arrays.push_back(s.view(b.values.type, 0, b.values.size));
-      update(b, b.memory(), std::span<const raw_tensor>(arrays));
+      update(i, b, b.memory(), std::span<const raw_tensor>(arrays));
     }
   }
 

@@ -231,6 +231,13 @@ class parameter_layout {
   bool adopting_ = true;
 };
 
+/// Every parameter's name, in visit order: what each flat buffer for the optimizer carries (parameter groups).
+inline std::shared_ptr<const std::vector<std::string>> parameter_names(const parameter_layout& layout) {
+  auto names = std::make_shared<std::vector<std::string>>();
+  for (const auto& s : layout.slots()) names->push_back(s.name);
+  return names;
+}
+
 /// Per slot of `layout`, 1 where options' unused_parameters names it; throws config_error for an unknown name.
 inline std::vector<char> unused_mask(const parameter_layout& layout, const std::vector<std::string>& names, int rank) {
   std::vector<char> unused(layout.slots().size(), 0);

@@ -27,9 +27,10 @@ namespace ddp::detail {
 /// Whole flat buffers: one per arena, every parameter a segment.
 inline std::vector<optim::flat_buffer> whole_arenas(const parameter_layout& layout) {
   std::vector<optim::flat_buffer> out;
+  const auto names = parameter_names(layout);
   for (const auto& a : layout.arenas()) {
     optim::flat_buffer b{.values = a.value_view(0, a.numel), .grads = a.grad_view(0, a.numel), .segments = {},
-                         .domain = a.domain};
+                         .domain = a.domain, .parameters = names};
     for (const std::size_t s : a.params)
       b.segments.push_back({.name = layout.slots()[s].name, .offset = layout.slots()[s].offset,
                             .numel = layout.slots()[s].numel, .start = 0});

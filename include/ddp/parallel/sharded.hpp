@@ -125,11 +125,13 @@ class sharded_core {
       const std::size_t length = (b.end - b.begin) / n;
       buckets_.push_back({.block = {.begin = b.begin + r * length, .length = length, .shard = b.begin / n}});
     }
+    const auto names = parameter_names(layout_);  // a rank's blocks may hold no piece of some parameters
     for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
       const auto& a = layout_.arenas()[plan_.buckets[b].arena];
       if (values_ == owned_value_home::own_copy)
         a.domain->copy(a.value_view(buckets_[b].block.begin, buckets_[b].block.length), owned_values(b));
       optimizer_.push_back(owned_buffer(b));
+      optimizer_.back().parameters = names;
     }
     const std::size_t units = layout_.units().size();
     unit_slots_.resize(units);
