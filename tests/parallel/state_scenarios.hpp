@@ -28,6 +28,7 @@
 
 #include "mlp.hpp"
 #include "scenarios.hpp"
+#include "support/fake_device.hpp"
 
 namespace ddp_test {
 
@@ -300,6 +301,51 @@ void check_state_resharded(Comm comm, const std::filesystem::path& dir) {
   ddp::optim::sgd opt({.lr = 0.1, .momentum = 0.9});
   ddp::load_sharded(dir / "sharded", dp, opt);
   REQUIRE(state_bytes(b) == state_bytes_in(dir / "full.safetensors"));
+}
+
+/// The MLP with a buffer in a fake device's memory (the host cannot touch it): handed as ddp::state of a raw_tensor.
+struct device_state_mlp {
+  linear fc1, fc2, fc3;
+  ddp::raw_tensor running;  // f32 [h1_dim] on the device
+
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("fc1", fc1);
+    f("fc2", fc2);
+    f("fc3", fc3);
+    f("running", ddp::state(running));
+  }
+};
+
+/// A buffer in device memory: broadcast at construction, averaged by sync_buffers under buffer_sync::mean (through
+/// the device's domain, one collective in its memory), compared by verify_in_sync, and saved and loaded by ddp::save
+/// and ddp::load (copied through the host) — every read here through the device's own stream.
+template <class Comm>
+void check_device_state(Comm comm, const std::filesystem::path& file) {
+  const int me = comm.rank(), n = comm.size();
+  ddp::testing::fake_device dev(me);
+  const ddp::device_registration on_dev(dev);
+  const ddp::domain_buffer memory = dev.allocate(h1_dim * sizeof(float));
+  const mlp base = make_mlp(1);
+  device_state_mlp model{base.fc1, base.fc2, base.fc3, memory.view(ddp::dtype::f32, 0, h1_dim)};
+  dev.fill(model.running, me + 1.0);
+  ddp::data_parallel dp{model, comm, ddp::data_parallel_options{.buffers = ddp::buffer_sync::mean}};
+  for (const float v : dev.read<float>(model.running)) REQUIRE(v == 1.0F);  // rank 0's at construction
+  dev.fill(model.running, me + 1.0);
+  dp.sync_buffers();
+  const float mean = static_cast<float>(n + 1) / 2;
+  for (const float v : dev.read<float>(model.running)) REQUIRE(std::abs(v - mean) <= 1e-6F * mean);
+  dp.verify_in_sync();
+  if (n > 1) {
+    if (me == 1) dev.fill(model.running, 9.0);
+    REQUIRE_THROWS_WITH(dp.verify_in_sync(), Catch::Contains("'running'"));
+  }
+  dp.sync_buffers();
+  const auto before = dev.read<float>(model.running);
+  ddp::save(file, dp);
+  dev.fill(model.running, -3.0);
+  ddp::load(file, dp);
+  REQUIRE(dev.read<float>(model.running) == before);
 }
 
 }  // namespace ddp_test

@@ -64,3 +64,12 @@ TEST_CASE("tcp model state: checkpoints hold buffers and frozen parameters, save
     check_state_resharded<tcp, tiny>(ddp::tcp::communicator::from_env(), dir);
   }));
 }
+TEST_CASE("tcp model state: a buffer in a fake device's memory is broadcast, averaged, compared and checkpointed "
+          "through its domain", "[state][device]") {
+  struct scratch {  // removed on every exit path
+    std::filesystem::path file =
+        std::filesystem::temp_directory_path() / ("ddp-device-state-" + std::to_string(getpid()) + ".safetensors");
+    ~scratch() { std::filesystem::remove(file); }
+  } scratch;
+  ddp::testing::on_1_to_n_ranks(3, [&](ddp::tcp::communicator comm) { check_device_state(comm, scratch.file); });
+}
