@@ -14565,6 +14565,8 @@ data_parallel(Model&, Comm, P1, P2, P3, P4, data_parallel_options)
 /// predicate), and the plan that lays the groups over flat buffers segment by segment, so a group follows a
 /// parameter's name wherever its pieces lie (a shard holds the pieces of the parameters its rank owns).
 
+#include <fnmatch.h>
+
 #include <iostream>
 #include <variant>
 
@@ -14821,25 +14823,10 @@ class schedule {
 
 namespace ddp::optim {
 
-/// True when the glob `pattern` matches all of `name`: `*` matches any run of characters (dots too), `?` one.
+/// True when the glob `pattern` matches all of `name` (POSIX fnmatch without flags: `*` matches any run of
+/// characters, dots too, `?` one, `[...]` a set).
 inline bool glob_match(std::string_view pattern, std::string_view name) {
-  std::size_t p = 0, n = 0, star = std::string_view::npos, resume = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
-      ++p;
-      ++n;
-    } else if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      resume = n;
-    } else if (star != std::string_view::npos) {
-      p = star + 1;
-      n = ++resume;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
+  return ::fnmatch(std::string(pattern).c_str(), std::string(name).c_str(), 0) == 0;
 }
 
 /// Which parameters a group takes: those whose dotted name matches one of the glob patterns ("*.bias",

@@ -3,6 +3,8 @@
 /// predicate), and the plan that lays the groups over flat buffers segment by segment, so a group follows a
 /// parameter's name wherever its pieces lie (a shard holds the pieces of the parameters its rank owns).
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <cstddef>
 #include <functional>
@@ -25,25 +27,10 @@
 
 namespace ddp::optim {
 
-/// True when the glob `pattern` matches all of `name`: `*` matches any run of characters (dots too), `?` one.
+/// True when the glob `pattern` matches all of `name` (POSIX fnmatch without flags: `*` matches any run of
+/// characters, dots too, `?` one, `[...]` a set).
 inline bool glob_match(std::string_view pattern, std::string_view name) {
-  std::size_t p = 0, n = 0, star = std::string_view::npos, resume = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
-      ++p;
-      ++n;
-    } else if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      resume = n;
-    } else if (star != std::string_view::npos) {
-      p = star + 1;
-      n = ++resume;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
+  return ::fnmatch(std::string(pattern).c_str(), std::string(name).c_str(), 0) == 0;
 }
 
 /// Which parameters a group takes: those whose dotted name matches one of the glob patterns ("*.bias",
