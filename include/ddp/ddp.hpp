@@ -10,6 +10,7 @@
 #include <ddp/core/dtype.hpp>
 #include <ddp/core/error.hpp>
 #include <ddp/core/parameter.hpp>
+#include <ddp/core/state.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/trainable.hpp>
@@ -33,6 +34,8 @@
 
 #include <ddp/optim/adamw.hpp>
 #include <ddp/optim/sgd.hpp>
+
+#include <ddp/nn/sync_batch_norm.hpp>
 
 #include <ddp/data/distributed_sampler.hpp>
 #include <ddp/data/metrics.hpp>

@@ -641,6 +641,118 @@ static_assert(adopting_leaf<parameter<float>>);
 
 }  // namespace ddp
 // ---- end <ddp/core/parameter.hpp>
+// ---- begin <ddp/core/state.hpp>
+/// \file Model state: the tensors of a model that are not trained but belong to it — buffers (BatchNorm's running
+/// statistics, counters; kept in sync across ranks as data_parallel_options::buffers says) and frozen parameters
+/// (never reduced or stepped; the same on every rank from construction). Both are saved and loaded by the
+/// checkpoints under their visited names and compared by verify_in_sync. A model hands them out beside its
+/// parameters: ddp::buffer<T> fields of an aggregate, or `f(name, ddp::state(x))` / `f(name, ddp::frozen(x))`
+/// from a visitor for tensors the model keeps itself.
+
+
+
+namespace ddp {
+
+/// What a tensor of model state is to training.
+enum class state_kind : std::uint8_t {
+  buffer,  ///< changed by the forward (running statistics): synchronized as data_parallel_options::buffers says
+  frozen,  ///< a parameter that is not trained: rank 0's at construction, then never changed by ddp
+};
+
+/// One tensor of model state as a visitor hands it out: where its elements are, its shape and its kind.
+struct state_view {
+  raw_tensor tensor;                ///< the elements (host or device memory), any dtype
+  std::vector<std::size_t> shape;   ///< outermost first; its product is tensor.size
+  state_kind kind = state_kind::buffer;  ///< buffer or frozen parameter
+};
+
+/// A type a visitor hands out as model state (ddp::state, ddp::buffer): it says where its elements are.
+template <class T>
+concept state_leaf = requires(const std::remove_cvref_t<T>& t) {
+  { t.view() } -> std::same_as<state_view>;
+};
+
+namespace detail {
+/// The tensor's shape through its tensor_traits (one dimension of all its elements where it has none).
+template <tensor T>
+std::vector<std::size_t> shape_of(const T& t) {
+  if constexpr (requires { tensor_traits<T>::shape(t); })
+    return tensor_traits<T>::shape(t);
+  else
+    return {tensor_traits<T>::size(t)};
+}
+}  // namespace detail
+
+/// Model state kept in a tensor of the model (std::vector, std::span, an adapter's matrix...): hand it from a
+/// visitor as `f("bn.running_mean", ddp::state(mean))`, or `ddp::frozen(w)` for a parameter that is not trained.
+/// It refers to the tensor, which must outlive the wrapper and keep its memory where it is.
+template <tensor V>
+class state {
+ public:
+  /// Refers to `values`; `shape` defaults to the tensor's own (or one dimension of all its elements).
+  explicit state(V& values, std::vector<std::size_t> shape = {}, state_kind kind = state_kind::buffer)
+      : values_(&values), shape_(shape.empty() ? detail::shape_of(values) : std::move(shape)), kind_(kind) {
+    std::size_t n = 1;
+    for (const auto d : shape_) n *= d;
+    if (n != tensor_traits<V>::size(values))
+      throw config_error("ddp::state: a shape of " + std::to_string(n) + " elements was given for a tensor of " +
+                         std::to_string(tensor_traits<V>::size(values)) + "; give a shape whose product is its size");
+  }
+  /// Where the elements are, the shape and the kind.
+  [[nodiscard]] state_view view() const { return {as_raw(*values_), shape_, kind_}; }
+
+ private:
+  V* values_;
+  std::vector<std::size_t> shape_;
+  state_kind kind_;
+};
+
+template <class V>
+state(V&) -> state<V>;
+template <class V>
+state(V&, std::vector<std::size_t>) -> state<V>;
+
+/// A parameter the model does not train, handed from a visitor: `f("embed.weight", ddp::frozen(w))`.
+template <tensor V>
+state<V> frozen(V& values, std::vector<std::size_t> shape = {}) {
+  return state<V>(values, std::move(shape), state_kind::frozen);
+}
+
+/// A buffer an aggregate model owns (running statistics, a step counter): host elements of type T (any ddp
+/// dtype, integers too) of a fixed shape, visited as model state under its field's name.
+template <element T>
+class buffer {
+ public:
+  using value_type = T;  ///< element type
+
+  buffer() = default;
+  /// A buffer of `shape`, every element `fill`.
+  explicit buffer(std::vector<std::size_t> shape, T fill = T{}) : shape_(std::move(shape)) {
+    std::size_t n = 1;
+    for (const auto d : shape_) n *= d;
+    values_.assign(n, fill);
+  }
+  /// The elements.
+  [[nodiscard]] std::span<T> values() noexcept { return values_; }
+  /// The elements.
+  [[nodiscard]] std::span<const T> values() const noexcept { return values_; }
+  /// The shape, outermost first.
+  [[nodiscard]] const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+  /// Where the elements are (host memory), the shape and the kind (buffer).
+  [[nodiscard]] state_view view() const {
+    return {raw_tensor{const_cast<T*>(values_.data()), values_.size(), dtype_v<T>, device::cpu()}, shape_,
+            state_kind::buffer};
+  }
+
+ private:
+  std::vector<std::size_t> shape_;
+  std::vector<T> values_;
+};
+
+static_assert(state_leaf<buffer<float>> && state_leaf<buffer<std::int64_t>> && state_leaf<state<std::vector<float>>>);
+
+}  // namespace ddp
+// ---- end <ddp/core/state.hpp>
 // ---- begin <ddp/core/trainable.hpp>
 /// \file ddp::trainable: a leaf made of two tensors a model already keeps, its values and its gradient.
 
@@ -993,118 +1105,6 @@ constexpr void for_each_field(T& t, F&& f) {
 
 }  // namespace ddp::detail
 // ---- end <ddp/core/detail/reflect.hpp>
-// ---- begin <ddp/core/state.hpp>
-/// \file Model state: the tensors of a model that are not trained but belong to it — buffers (BatchNorm's running
-/// statistics, counters; kept in sync across ranks as data_parallel_options::buffers says) and frozen parameters
-/// (never reduced or stepped; the same on every rank from construction). Both are saved and loaded by the
-/// checkpoints under their visited names and compared by verify_in_sync. A model hands them out beside its
-/// parameters: ddp::buffer<T> fields of an aggregate, or `f(name, ddp::state(x))` / `f(name, ddp::frozen(x))`
-/// from a visitor for tensors the model keeps itself.
-
-
-
-namespace ddp {
-
-/// What a tensor of model state is to training.
-enum class state_kind : std::uint8_t {
-  buffer,  ///< changed by the forward (running statistics): synchronized as data_parallel_options::buffers says
-  frozen,  ///< a parameter that is not trained: rank 0's at construction, then never changed by ddp
-};
-
-/// One tensor of model state as a visitor hands it out: where its elements are, its shape and its kind.
-struct state_view {
-  raw_tensor tensor;                ///< the elements (host or device memory), any dtype
-  std::vector<std::size_t> shape;   ///< outermost first; its product is tensor.size
-  state_kind kind = state_kind::buffer;  ///< buffer or frozen parameter
-};
-
-/// A type a visitor hands out as model state (ddp::state, ddp::buffer): it says where its elements are.
-template <class T>
-concept state_leaf = requires(const std::remove_cvref_t<T>& t) {
-  { t.view() } -> std::same_as<state_view>;
-};
-
-namespace detail {
-/// The tensor's shape through its tensor_traits (one dimension of all its elements where it has none).
-template <tensor T>
-std::vector<std::size_t> shape_of(const T& t) {
-  if constexpr (requires { tensor_traits<T>::shape(t); })
-    return tensor_traits<T>::shape(t);
-  else
-    return {tensor_traits<T>::size(t)};
-}
-}  // namespace detail
-
-/// Model state kept in a tensor of the model (std::vector, std::span, an adapter's matrix...): hand it from a
-/// visitor as `f("bn.running_mean", ddp::state(mean))`, or `ddp::frozen(w)` for a parameter that is not trained.
-/// It refers to the tensor, which must outlive the wrapper and keep its memory where it is.
-template <tensor V>
-class state {
- public:
-  /// Refers to `values`; `shape` defaults to the tensor's own (or one dimension of all its elements).
-  explicit state(V& values, std::vector<std::size_t> shape = {}, state_kind kind = state_kind::buffer)
-      : values_(&values), shape_(shape.empty() ? detail::shape_of(values) : std::move(shape)), kind_(kind) {
-    std::size_t n = 1;
-    for (const auto d : shape_) n *= d;
-    if (n != tensor_traits<V>::size(values))
-      throw config_error("ddp::state: a shape of " + std::to_string(n) + " elements was given for a tensor of " +
-                         std::to_string(tensor_traits<V>::size(values)) + "; give a shape whose product is its size");
-  }
-  /// Where the elements are, the shape and the kind.
-  [[nodiscard]] state_view view() const { return {as_raw(*values_), shape_, kind_}; }
-
- private:
-  V* values_;
-  std::vector<std::size_t> shape_;
-  state_kind kind_;
-};
-
-template <class V>
-state(V&) -> state<V>;
-template <class V>
-state(V&, std::vector<std::size_t>) -> state<V>;
-
-/// A parameter the model does not train, handed from a visitor: `f("embed.weight", ddp::frozen(w))`.
-template <tensor V>
-state<V> frozen(V& values, std::vector<std::size_t> shape = {}) {
-  return state<V>(values, std::move(shape), state_kind::frozen);
-}
-
-/// A buffer an aggregate model owns (running statistics, a step counter): host elements of type T (any ddp
-/// dtype, integers too) of a fixed shape, visited as model state under its field's name.
-template <element T>
-class buffer {
- public:
-  using value_type = T;  ///< element type
-
-  buffer() = default;
-  /// A buffer of `shape`, every element `fill`.
-  explicit buffer(std::vector<std::size_t> shape, T fill = T{}) : shape_(std::move(shape)) {
-    std::size_t n = 1;
-    for (const auto d : shape_) n *= d;
-    values_.assign(n, fill);
-  }
-  /// The elements.
-  [[nodiscard]] std::span<T> values() noexcept { return values_; }
-  /// The elements.
-  [[nodiscard]] std::span<const T> values() const noexcept { return values_; }
-  /// The shape, outermost first.
-  [[nodiscard]] const std::vector<std::size_t>& shape() const noexcept { return shape_; }
-  /// Where the elements are (host memory), the shape and the kind (buffer).
-  [[nodiscard]] state_view view() const {
-    return {raw_tensor{const_cast<T*>(values_.data()), values_.size(), dtype_v<T>, device::cpu()}, shape_,
-            state_kind::buffer};
-  }
-
- private:
-  std::vector<std::size_t> shape_;
-  std::vector<T> values_;
-};
-
-static_assert(state_leaf<buffer<float>> && state_leaf<buffer<std::int64_t>> && state_leaf<state<std::vector<float>>>);
-
-}  // namespace ddp
-// ---- end <ddp/core/state.hpp>
 
 namespace ddp {
 
@@ -15227,6 +15227,153 @@ static_assert(flat_optimizer<sgd>);
 
 }  // namespace ddp::optim
 // ---- end <ddp/optim/sgd.hpp>
+
+// ---- begin <ddp/nn/sync_batch_norm.hpp>
+/// \file ddp::nn::sync_batch_norm: batch normalization over the batch of every rank (PyTorch's SyncBatchNorm) for
+/// models that write their own forward and backward. The forward all-reduces one f64 vector [count, Σx, Σx²] (per
+/// channel), the backward one [Σdy, Σdy·x̂]; counts travel with the sums, so uneven batches give the statistics of
+/// the union exactly. The running statistics are model state (buffers), updated from the global statistics and
+/// so the same on every rank. The weight's and bias's gradients are the rank's own part (Σ over its samples), which
+/// data_parallel averages as any gradient: N ranks equal one process with plain batch norm on the union batch.
+
+
+
+namespace ddp::nn {
+
+/// Batch normalization over the channels of [n, C] inputs (row-major), with statistics over every rank's batch.
+/// Visited as weight, bias (parameters) and running_mean, running_var, num_batches_tracked (buffers), as PyTorch's.
+template <class T = float>
+class sync_batch_norm {
+ public:
+  /// C channels; eps and momentum as torch.nn.BatchNorm1d's.
+  explicit sync_batch_norm(std::size_t channels, double eps = 1e-5, double momentum = 0.1)
+      : weight_({channels}, std::vector<T>(channels, T(1))), bias_({channels}), running_mean_({channels}, T(0)),
+        running_var_({channels}, T(1)), num_batches_tracked_({}, 0), eps_(eps), momentum_(momentum) {}
+
+  /// Training forward of `x` ([n, C], n ≥ 0 on this rank): normalizes with the mean and biased variance over every
+  /// rank's rows and updates the running statistics (unbiased variance, as PyTorch). Collective over `comm`: one
+  /// all-reduce. Keeps what backward() needs.
+  template <class Comm>
+  std::vector<T> forward(Comm& comm, std::span<const T> x) {
+    const std::size_t c = channels(), n = rows(x, "forward");
+    std::vector<double> sums(1 + 2 * c, 0.0);  // [count, Σx, Σx²]
+    sums[0] = static_cast<double>(n);
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < c; ++j) {
+        const double v = x[i * c + j];
+        sums[1 + j] += v;
+        sums[1 + c + j] += v * v;
+      }
+    comm.all_reduce(std::span<double>(sums), reduce_op::sum).wait();
+    const double total = sums[0];
+    if (total < 2)
+      throw config_error("sync_batch_norm: " + std::to_string(static_cast<std::size_t>(total)) + " row(s) over all "
+                         "ranks; batch statistics need at least 2 (as torch.nn.BatchNorm1d in training mode)",
+                         comm.rank());
+    mean_.assign(c, 0.0);
+    invstd_.assign(c, 0.0);
+    for (std::size_t j = 0; j < c; ++j) {
+      mean_[j] = sums[1 + j] / total;
+      const double var = std::max(sums[1 + c + j] / total - mean_[j] * mean_[j], 0.0);
+      invstd_[j] = 1.0 / std::sqrt(var + eps_);
+      const double unbiased = var * total / (total - 1);
+      running_mean_.values()[j] = static_cast<T>((1 - momentum_) * running_mean_.values()[j] + momentum_ * mean_[j]);
+      running_var_.values()[j] = static_cast<T>((1 - momentum_) * running_var_.values()[j] + momentum_ * unbiased);
+    }
+    ++num_batches_tracked_.values()[0];
+    total_ = total;
+    xhat_.assign(n * c, 0.0);
+    std::vector<T> y(n * c);
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < c; ++j) {
+        xhat_[i * c + j] = (x[i * c + j] - mean_[j]) * invstd_[j];
+        y[i * c + j] = static_cast<T>(xhat_[i * c + j] * weight_.value()[j] + bias_.value()[j]);
+      }
+    return y;
+  }
+
+  /// Evaluation forward: normalizes with the running statistics. Local.
+  [[nodiscard]] std::vector<T> forward_eval(std::span<const T> x) const {
+    const std::size_t c = channels(), n = rows(x, "forward_eval");
+    std::vector<T> y(n * c);
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < c; ++j)
+        y[i * c + j] = static_cast<T>((x[i * c + j] - running_mean_.values()[j]) /
+                                          std::sqrt(static_cast<double>(running_var_.values()[j]) + eps_) *
+                                          weight_.value()[j] + bias_.value()[j]);
+    return y;
+  }
+
+  /// Backward of the last training forward for `dy` ([n, C]): adds this rank's Σdy·x̂ and Σdy into the weight's and
+  /// bias's gradients and returns dx, whose global terms come from one all-reduce of [Σdy, Σdy·x̂]. Collective.
+  template <class Comm>
+  std::vector<T> backward(Comm& comm, std::span<const T> dy) {
+    const std::size_t c = channels(), n = rows(dy, "backward");
+    if (n * c != xhat_.size())
+      throw config_error("sync_batch_norm: backward of " + std::to_string(n) + " row(s) after a forward of " +
+                         std::to_string(xhat_.size() / (c ? c : 1)) + "; call backward once after each training "
+                         "forward, with its output's shape", comm.rank());
+    std::vector<double> sums(2 * c, 0.0);  // [Σdy, Σdy·x̂]
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < c; ++j) {
+        sums[j] += dy[i * c + j];
+        sums[c + j] += dy[i * c + j] * xhat_[i * c + j];
+      }
+    for (std::size_t j = 0; j < c; ++j) {  // this rank's part; data_parallel averages it over the ranks
+      bias_.grad()[j] = static_cast<T>(bias_.grad()[j] + sums[j]);
+      weight_.grad()[j] = static_cast<T>(weight_.grad()[j] + sums[c + j]);
+    }
+    comm.all_reduce(std::span<double>(sums), reduce_op::sum).wait();
+    std::vector<T> dx(n * c);
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < c; ++j)
+        dx[i * c + j] = static_cast<T>(weight_.value()[j] * invstd_[j] / total_ *
+                                       (total_ * dy[i * c + j] - sums[j] - xhat_[i * c + j] * sums[c + j]));
+    return dx;
+  }
+
+  /// Visits weight and bias as parameters and the running statistics as buffers, under PyTorch's names.
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("weight", weight_);
+    f("bias", bias_);
+    f("running_mean", running_mean_);
+    f("running_var", running_var_);
+    f("num_batches_tracked", num_batches_tracked_);
+  }
+
+  /// The scale γ.
+  [[nodiscard]] parameter<T>& weight() noexcept { return weight_; }
+  /// The shift β.
+  [[nodiscard]] parameter<T>& bias() noexcept { return bias_; }
+  /// The running mean (a buffer).
+  [[nodiscard]] buffer<T>& running_mean() noexcept { return running_mean_; }
+  /// The running (unbiased) variance (a buffer).
+  [[nodiscard]] buffer<T>& running_var() noexcept { return running_var_; }
+  /// Training forwards taken (a buffer).
+  [[nodiscard]] buffer<std::int64_t>& num_batches_tracked() noexcept { return num_batches_tracked_; }
+  /// C.
+  [[nodiscard]] std::size_t channels() const noexcept { return bias_.value().size(); }
+
+ private:
+  /// Rows of a [n, C] tensor; a size that is not a multiple of C is a config_error.
+  std::size_t rows(std::span<const T> t, const char* where) const {
+    if (channels() == 0 || t.size() % channels() != 0)
+      throw config_error(std::string("sync_batch_norm::") + where + ": " + std::to_string(t.size()) + " elements are "
+                         "not rows of " + std::to_string(channels()) + " channels; pass a row-major [n, C] tensor");
+    return t.size() / channels();
+  }
+
+  parameter<T> weight_, bias_;
+  buffer<T> running_mean_, running_var_;
+  buffer<std::int64_t> num_batches_tracked_;
+  double eps_, momentum_;
+  double total_ = 0;              // rows over every rank in the last training forward
+  std::vector<double> mean_, invstd_, xhat_;  // the last training forward's statistics and normalized input
+};
+
+}  // namespace ddp::nn
+// ---- end <ddp/nn/sync_batch_norm.hpp>
 
 // ---- begin <ddp/data/distributed_sampler.hpp>
 /// \file ddp::distributed_sampler: which dataset indices each rank visits in an epoch, with PyTorch's

@@ -11,6 +11,7 @@
 #include <ddp/comm/tcp/communicator.hpp>
 
 #include "state_scenarios.hpp"
+#include "sync_bn_scenarios.hpp"
 #include "support/run_ranks.hpp"
 
 namespace {
@@ -72,4 +73,8 @@ TEST_CASE("tcp model state: a buffer in a fake device's memory is broadcast, ave
     ~scratch() { std::filesystem::remove(file); }
   } scratch;
   ddp::testing::on_1_to_n_ranks(3, [&](ddp::tcp::communicator comm) { check_device_state(comm, scratch.file); });
+}
+TEST_CASE("tcp sync_batch_norm: N ranks on uneven parts of a batch equal plain batch norm of the union in one "
+          "process (outputs, gradients, running statistics)", "[state][sync_bn]") {
+  ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) { check_sync_batch_norm(comm); });
 }
