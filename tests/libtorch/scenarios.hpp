@@ -569,6 +569,52 @@ void check_clip_loop(Comm comm, int runs) {
   }
 }
 
+/// ddp::SyncBatchNorm at N ranks on uneven parts (3/3/4 at N = 3) of a [10, 4, 3, 3] batch equals torch::nn::BatchNorm2d
+/// on the whole batch in one process, over three training steps: each rank's outputs and input gradients, the weight's
+/// and bias's gradients summed over the ranks, the running statistics on every rank (1e-5), and eval-mode outputs.
+template <class Comm>
+void check_sync_batch_norm(Comm comm) {
+  const std::int64_t n = comm.size(), me = comm.rank(), rows = 10, c = 4;
+  const std::int64_t begin = me * rows / n, end = (me + 1) * rows / n;
+  torch::manual_seed(3);
+  torch::nn::BatchNorm2d plain(c);
+  ddp::SyncBatchNorm sync(ddp::sync_batch_norm_options(c, comm));
+  {
+    torch::NoGradGuard no_grad;
+    plain->weight.uniform_(0.5, 1.5);
+    plain->bias.uniform_(-0.5, 0.5);
+    sync->weight.copy_(plain->weight);
+    sync->bias.copy_(plain->bias);
+  }
+  auto close = [](const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+    INFO(what << ": largest difference " << (a - b).abs().max().item<double>());
+    REQUIRE(((a - b).abs() <= 1e-5 * b.abs().clamp_min(1e-2)).all().item<bool>());
+  };
+  for (int step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    torch::manual_seed(100 + step);
+    const torch::Tensor x = torch::randn({rows, c, 3, 3}) * 2 + step, dy = torch::randn({rows, c, 3, 3});
+    const torch::Tensor xa = x.clone().requires_grad_(true), xs = x.narrow(0, begin, end - begin).clone().requires_grad_(true);
+    plain->zero_grad();
+    sync->zero_grad();
+    const torch::Tensor ya = plain->forward(xa), ys = sync->forward(xs);
+    ya.backward(dy);
+    ys.backward(dy.narrow(0, begin, end - begin));
+    close(ys, ya.narrow(0, begin, end - begin), "output");
+    close(xs.grad(), xa.grad().narrow(0, begin, end - begin), "input gradient");
+    torch::Tensor g = torch::cat({sync->weight.grad(), sync->bias.grad()}).contiguous();
+    comm.all_reduce(std::span<float>(g.data_ptr<float>(), static_cast<std::size_t>(g.numel())), ddp::reduce_op::sum).wait();
+    close(g, torch::cat({plain->weight.grad(), plain->bias.grad()}), "weight and bias gradients");
+    close(sync->running_mean, plain->running_mean, "running mean");
+    close(sync->running_var, plain->running_var, "running variance");
+    REQUIRE(sync->num_batches_tracked.item<std::int64_t>() == step + 1);
+  }
+  plain->eval();
+  sync->eval();
+  const torch::Tensor probe = torch::randn({2, c, 3, 3});
+  close(sync->forward(probe), plain->forward(probe), "eval output");
+}
+
 /// A module with BatchNorm (running statistics, an i64 counter) and a frozen head.weight: PyTorch's usual CNN tail.
 struct bn_net_impl : torch::nn::Module {
   bn_net_impl()

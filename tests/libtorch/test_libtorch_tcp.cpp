@@ -196,3 +196,7 @@ TEST_CASE("tcp: PyTorch's loop with clip_grad_norm_ between backward() and the s
     check_clip_loop<tcp, ddp::shard_grad_op>(ddp::tcp::communicator::from_env(), 3);
   }));
 }
+TEST_CASE("tcp: ddp::SyncBatchNorm at 1-3 ranks on uneven parts of a batch equals BatchNorm2d on the whole batch "
+          "in one process", "[sync_bn]") {
+  on_1_to_3_ranks([](ddp::tcp::communicator comm) { check_sync_batch_norm(comm); });
+}

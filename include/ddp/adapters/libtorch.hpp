@@ -14,6 +14,7 @@
 #include <ddp/adapters/libtorch/forward.hpp>
 #include <ddp/adapters/libtorch/module.hpp>
 #include <ddp/adapters/libtorch/optimizer.hpp>
+#include <ddp/adapters/libtorch/sync_batch_norm.hpp>
 #include <ddp/adapters/libtorch/tensor.hpp>
 #include <ddp/checkpoint.hpp>
 #include <ddp/ddp.hpp>
