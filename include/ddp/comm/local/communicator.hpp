@@ -36,6 +36,7 @@
 #include <ddp/comm/local/operation.hpp>
 #include <ddp/comm/local/slot.hpp>
 #include <ddp/comm/reduce_op.hpp>
+#include <ddp/comm/split.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/core/work.hpp>
@@ -84,15 +85,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Collective: ranks with the same `color` form a new group, ordered by (key, rank).
   [[nodiscard]] communicator split(int color, int key) {
-    const std::array<std::int64_t, 2> mine{color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
-    std::vector<int> ranks;
-    for (int p = 0; p < size(); ++p)
-      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
-    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
-      return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1];
-    });
+    const std::vector<int> ranks = ddp::detail::split_members(*this, color, key);
     const std::uint64_t nth = place_->group->splits[static_cast<std::size_t>(rank())]++;
     auto child = detail::child_of(*place_->group, nth, color, ranks);
     const auto me = std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin();

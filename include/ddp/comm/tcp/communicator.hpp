@@ -23,6 +23,7 @@
 #include <ddp/comm/communicator.hpp>
 #include <ddp/comm/front_end.hpp>
 #include <ddp/comm/reduce_op.hpp>
+#include <ddp/comm/split.hpp>
 #include <ddp/comm/stats.hpp>
 #include <ddp/comm/tcp/algorithms.hpp>
 #include <ddp/comm/tcp/config.hpp>
@@ -116,14 +117,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Collective: ranks with the same `color` form a new group, ordered by (key, rank); uses the existing mesh.
   communicator split(int color, int key) {
-    const std::array<std::int64_t, 2> mine{color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
-    std::vector<int> ranks;
-    for (int p = 0; p < size(); ++p)
-      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
-    std::stable_sort(ranks.begin(), ranks.end(),
-                     [&](int a, int b) { return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1]; });
+    const std::vector<int> ranks = ddp::detail::split_members(*this, color, key);
     auto child = std::make_shared<detail::group>();
     std::uint64_t nth = 0;
     {
