@@ -333,6 +333,11 @@ class io_error : public error {
 ///                                                       callbacks), called from a watch callback: data_parallel
 ///                                                       finishes the gradients there, so they are averaged when the
 ///                                                       framework's backward() returns (as PyTorch DDP's are)
+///   static constexpr bool overwrites_gradient = true;   owning leaves whose framework's backward writes the gradient
+///                                                       instead of adding to it (dlib): ddp sums the micro-batches
+///                                                       of a no_sync span on its side, so every policy accumulates
+///                                                       as PyTorch's does (without it, the leaf's own gradient is
+///                                                       taken to add up the span)
 ///   static constexpr bool view = true;                  the leaf refers to the model's memory and is handed
 ///                                                       out as a temporary (ddp keeps a copy of it)
 
@@ -364,6 +369,12 @@ concept adopting_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, v
 template <class T>
 concept watching_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, std::function<void()> f) {
   { storage_traits<std::remove_cvref_t<T>>::watch(t, f) } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// An owning leaf whose framework's backward overwrites its gradient (storage_traits<T>::overwrites_gradient).
+template <class T>
+concept leaf_overwrites_gradient = storage_leaf<T> && requires {
+  requires storage_traits<std::remove_cvref_t<T>>::overwrites_gradient;
 };
 
 /// The address data_parallel::gradient_ready knows a leaf (or the object a leaf refers to) by.
@@ -3323,6 +3334,29 @@ class collective_front : public object_collectives<Derived> {
 
 }  // namespace ddp::detail
 // ---- end <ddp/comm/front_end.hpp>
+// ---- begin <ddp/comm/split.hpp>
+/// \file split_members: which ranks of a group one split's color forms, in the order of the new group — the part of
+/// `split(color, key)` every backend that builds its own groups shares.
+
+
+namespace ddp::detail {
+
+/// Collective over `comm`: the ranks whose color equals this rank's `color`, ordered by (key, rank).
+template <class Comm>
+[[nodiscard]] std::vector<int> split_members(Comm& comm, int color, int key) {
+  const std::array<std::int64_t, 2> mine{color, key};
+  std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
+  auto key_of = [&](int p) { return all[2 * static_cast<std::size_t>(p) + 1]; };
+  std::vector<int> ranks;
+  for (int p = 0; p < comm.size(); ++p)
+    if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
+  std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) { return key_of(a) < key_of(b); });
+  return ranks;
+}
+
+}  // namespace ddp::detail
+// ---- end <ddp/comm/split.hpp>
 // ---- begin <ddp/comm/tcp/algorithms.hpp>
 /// \file The collective algorithms of the TCP backend, run by the progress engine one call at a time.
 /// Small payloads take latency-optimal direct exchanges (one round); large ones take bandwidth-optimal
@@ -9125,14 +9159,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Collective: ranks with the same `color` form a new group, ordered by (key, rank); uses the existing mesh.
   communicator split(int color, int key) {
-    const std::array<std::int64_t, 2> mine{color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
-    std::vector<int> ranks;
-    for (int p = 0; p < size(); ++p)
-      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
-    std::stable_sort(ranks.begin(), ranks.end(),
-                     [&](int a, int b) { return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1]; });
+    const std::vector<int> ranks = ddp::detail::split_members(*this, color, key);
     auto child = std::make_shared<detail::group>();
     std::uint64_t nth = 0;
     {
@@ -9977,15 +10004,7 @@ class communicator : public ddp::detail::collective_front<communicator> {
 
   /// Collective: ranks with the same `color` form a new group, ordered by (key, rank).
   [[nodiscard]] communicator split(int color, int key) {
-    const std::array<std::int64_t, 2> mine{color, key};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(size()));
-    all_gather(std::span<const std::int64_t>(mine), std::span<std::int64_t>(all)).wait();
-    std::vector<int> ranks;
-    for (int p = 0; p < size(); ++p)
-      if (all[2 * static_cast<std::size_t>(p)] == color) ranks.push_back(p);
-    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
-      return all[2 * static_cast<std::size_t>(a) + 1] < all[2 * static_cast<std::size_t>(b) + 1];
-    });
+    const std::vector<int> ranks = ddp::detail::split_members(*this, color, key);
     const std::uint64_t nth = place_->group->splits[static_cast<std::size_t>(rank())]++;
     auto child = detail::child_of(*place_->group, nth, color, ranks);
     const auto me = std::find(ranks.begin(), ranks.end(), rank()) - ranks.begin();
@@ -11157,11 +11176,19 @@ class leaf_binding {
   virtual void rebind(std::byte* values, std::byte* grads, bool present) = 0;
   /// Gives the leaf its values back in memory of its own (the arena is going away).
   virtual void unbind() = 0;
-  /// Owning leaves: copies the leaf's gradient to where it is bound (at report time).
+  /// Owning leaves: copies the leaf's gradient to where it is bound (at report time); where micro-batches were
+  /// held there (hold_gradient), adds it to their sum.
   virtual void gradient_in() = 0;
+  /// Owning leaves whose backward overwrites the gradient: adds this micro-batch's to ddp's memory, since the leaf
+  /// will not keep it (a report inside no_sync); other leaves accumulate in their own memory and hold nothing.
+  virtual void hold_gradient() = 0;
+  /// Owning leaves: copies the gradient where it is bound into the leaf's own (a framework's optimizer reads it).
+  virtual void gradient_out() = 0;
   /// Owning leaves: copies the values where it is bound to the leaf (after they changed there).
   virtual void values_out() = 0;
-  /// Owning leaves: zeroes the leaf's own gradient (zero_grad).
+  /// Owning leaves: copies the leaf's values to where it is bound (a framework's optimizer changed them).
+  virtual void values_in() = 0;
+  /// Owning leaves: zeroes the leaf's own gradient and forgets held micro-batches (zero_grad, a moved gradient).
   virtual void zero_own_gradient() = 0;
   /// Watching leaves: calls `ready` whenever the leaf's gradient is final (kept while the returned handle lives).
   virtual std::shared_ptr<void> watch(std::function<void()> ready) = 0;
@@ -11169,15 +11196,20 @@ class leaf_binding {
   virtual bool at_backward_end(std::function<void()> f) = 0;
 };
 
-/// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf).
+/// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf). An owning
+/// leaf's memory is asked for anew at every copy (storage_traits: "the values now"), so a framework may move it
+/// between steps; memory it freed is named, never written.
 template <storage_leaf T>
 class leaf_binding_of final : public leaf_binding {
   using traits = storage_traits<T>;
   static constexpr bool adopting = adopting_leaf<T>;
+  static constexpr bool overwrites = leaf_overwrites_gradient<T>;
 
  public:
-  explicit leaf_binding_of(T& leaf) requires(!leaf_is_view<T>) : leaf_(&leaf) {}
-  explicit leaf_binding_of(const T& leaf) requires(leaf_is_view<T>) : copy_(leaf), leaf_(&*copy_) {}
+  /// Binds `leaf`, known in errors as the parameter `name`.
+  leaf_binding_of(T& leaf, std::string name) requires(!leaf_is_view<T>) : leaf_(&leaf), name_(std::move(name)) {}
+  leaf_binding_of(const T& leaf, std::string name) requires(leaf_is_view<T>)
+      : copy_(leaf), leaf_(&*copy_), name_(std::move(name)) {}
   leaf_binding_of(const leaf_binding_of&) = delete;
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
@@ -11216,13 +11248,38 @@ class leaf_binding_of final : public leaf_binding {
     }
   }
   void gradient_in() override {
-    if constexpr (!adopting) to_ddp(grads_, home_grads_);
+    if constexpr (!adopting) {
+      if (held_)
+        add_to_ddp();
+      else
+        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
+      held_ = false;
+    }
+  }
+  void hold_gradient() override {
+    if constexpr (!adopting && overwrites) {
+      if (held_) {
+        add_to_ddp();
+      } else {
+        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
+        held_ = true;
+      }
+    }
+  }
+  void gradient_out() override {
+    if constexpr (!adopting) to_home(own(traits::grads(*leaf_), "gradient"), grads_);
   }
   void values_out() override {
-    if constexpr (!adopting) to_home(home_values_, values_);
+    if constexpr (!adopting) to_home(own(traits::values(*leaf_), "values"), values_);
+  }
+  void values_in() override {
+    if constexpr (!adopting) to_ddp(values_, own(traits::values(*leaf_), "values"));
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting) domain_->zero(home(home_grads_));
+    if constexpr (!adopting) {
+      held_ = false;
+      if (bytes_) domain_->zero(home(own(traits::grads(*leaf_), "gradient")));
+    }
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -11240,6 +11297,20 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
+  /// An owning leaf's memory now (`p`, its `what`): where the framework freed it, the error that says so.
+  [[nodiscard]] std::byte* own(void* p, const char* what) const {
+    if (!p && bytes_)
+      throw error("data_parallel: parameter '" + name_ + "' has no " + what + " memory now: its framework freed it "
+                  "while ddp holds the model (dlib's net.clean(), a cleared or resized tensor); free a leaf's memory "
+                  "only after the data_parallel wrapper is destroyed, and keep its shape while the wrapper lives");
+    return static_cast<std::byte*>(p);
+  }
+  /// Adds the leaf's gradient to ddp's (in the leaf's element type).
+  void add_to_ddp() const {
+    const auto type = traits::dtype(*leaf_);
+    const std::size_t n = bytes_ / size_of(type);
+    if (n) domain_->accumulate({own(traits::grads(*leaf_), "gradient"), n, type, where_}, {grads_, n, type, domain_->where()});
+  }
   /// The leaf's own bytes at `p`, on its device.
   [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
     return {const_cast<std::byte*>(p), bytes_, dtype::u8, where_};
@@ -11258,11 +11329,13 @@ class leaf_binding_of final : public leaf_binding {
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf
-  std::byte* home_values_ = nullptr;  // its own memory, as first found
+  std::string name_;                 // its parameter's name
+  std::byte* home_values_ = nullptr;  // adopting leaves: their own memory, as first found
   std::byte* home_grads_ = nullptr;
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
+  bool held_ = false;                 // ddp's gradient holds micro-batches the leaf no longer has
   device where_ = device::cpu();            // the leaf's device
   memory_domain* domain_ = &host_memory();  // where ddp's copy lives, the domain of the leaf's device (bind sets it)
 };
@@ -11389,7 +11462,7 @@ class parameter_layout {
       for (const auto d : s.shape) s.numel *= d;
       if constexpr (requires { traits::device(p); }) s.where = traits::device(p);
       s.key = leaf_key(p);
-      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
+      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p), s.name);
       adopting_ = adopting_ && s.leaf->adopts();
       const std::string_view unit = rule.unit_of(name);
       if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
@@ -11400,6 +11473,7 @@ class parameter_layout {
       slots_.push_back(std::move(s));
     });
     rule.check_all_used();
+    check_not_empty();
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       auto& s = slots_[i];
       auto it = std::find_if(arenas_.begin(), arenas_.end(),
@@ -11442,6 +11516,16 @@ class parameter_layout {
     if (!adopting_)
       for (const auto& s : slots_) s.leaf->values_out();
   }
+  /// Owning leaves: the arenas' gradients into the leaves' own, and after `update` (a framework's optimizer over the
+  /// leaves) the leaves' values into the arenas.
+  template <class F>
+  void update_leaves(F&& update) const {
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->gradient_out();
+    update();
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->values_in();
+  }
 
   /// Every parameter, in visit order.
   [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
@@ -11469,6 +11553,16 @@ class parameter_layout {
   }
 
  private:
+  /// Throws ddp::config_error when the model holds no element to train: nothing would be averaged, and ranks would
+  /// train apart while every check passed.
+  void check_not_empty() const {
+    for (const auto& s : slots_)
+      if (s.numel > 0) return;
+    throw config_error("data_parallel: the model has no element to train (" + std::to_string(slots_.size()) +
+                       " parameter(s), all empty): a framework that allocates its parameters lazily (dlib allocates "
+                       "at the first forward) must run one forward before the wrapper is built; otherwise check that "
+                       "visit_parameters reaches the model's parameters");
+  }
   std::vector<param_slot> slots_;
   std::vector<arena> arenas_;
   std::vector<std::string> units_;
@@ -12929,9 +13023,17 @@ class sharded_core {
   static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
   /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
   /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::prepare checks it and points their
-  /// gradients at the owned ones again, where specialized.
+  /// gradients at the owned ones again, where specialized. One over leaves that keep their own memory (dlib's
+  /// solvers) would update them from gradients no rank holds whole: refused.
   template <class Opt>
-  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, const parameter_layout& layout,
+                                int rank) {
+    if (!layout.adopting())
+      throw config_error("data_parallel: dp.step(opt) with an optimizer of the model's framework (opt.step()) over "
+                         "parameters that keep their own memory, under a sharded policy: each rank holds only its "
+                         "shard of the averaged gradients, so the framework's update would read gradients no rank "
+                         "has; step with ddp::optim::sgd or ddp::optim::adamw (they update the owned shards), or "
+                         "train under ddp::replicate, where the framework's optimizer steps as it is", rank);
     if constexpr (requires { optim::optimizer_traits<Opt>::prepare(opt, buffers, rank); })
       optim::optimizer_traits<Opt>::prepare(opt, buffers, rank);
   }
@@ -13352,8 +13454,9 @@ struct strategy {
 ///   rebuilds_buckets            the first step's ready order may replan the buckets (parallel/bucket_rebuild.hpp)
 ///   join_replays_scopes         a join shadow step replays the last step's scopes and reports
 ///   check_leaves(layout, rank)  refuses leaves the strategy cannot hold, before any collective
-///   prepare_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors, relinks its
-///                               gradients to the owned ones (a template)
+///   prepare_optimizer(opt, buffers, layout, rank)   refuses a framework optimizer over the wrong tensors (or over
+///                               owning leaves, where no rank holds their whole gradients), relinks its gradients to
+///                               the owned ones (a template)
 /// Work:
 ///   S(layout, plan, state, comm, policy)      collective
 ///   reduce(hook, b): bucket b waiting → started (and, under hybrid, chains earlier buckets without waiting)
@@ -13948,7 +14051,8 @@ struct strategy<replicate, Comm> {
   static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
   /// A framework's optimizer may hold the model's own parameters: they are the whole arenas.
   template <class Opt>
-  static void prepare_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
+  static void prepare_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/,
+                                const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)
@@ -14243,12 +14347,14 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step).
+  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step). A framework's
+  /// own optimizer over owning leaves (dlib's solvers) steps under replicate: the averaged gradients are copied into
+  /// the leaves' gradients before it and their updated values read back after it; the sharded policies refuse it.
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    strategy_type::prepare_optimizer(opt, owned_buffers(), rank());
-    run_step([&] { opt.step(); });
+    strategy_type::prepare_optimizer(opt, owned_buffers(), layout_, rank());
+    run_step([&] { layout_.update_leaves([&] { opt.step(); }); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
   /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
@@ -14284,7 +14390,7 @@ class data_parallel {
   }
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
-  void zero_grad() noexcept {
+  void zero_grad() {
     finish_queued_ = finished_by_backward_ = false;
     scaler_.forget();
     strategy_->zero_grad();
@@ -14412,7 +14518,10 @@ class data_parallel {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
     state_.join().note(detail::step_event::kind::report, {}, slot);
-    if (accumulation::defers(state_)) return;
+    if (accumulation::defers(state_)) {
+      layout_.slots()[slot].leaf->hold_gradient();
+      return;
+    }
     // After the gradients were finished at the end of a framework's backward, only dp.step(opt) or dp.zero_grad()
     // starts the next step's reports (a sharded no_sync span's micro-batches, finished by close(), go on).
     if (finished_by_backward_ && state_.phase() == detail::step_phase::finished) throw reported_twice(slot);

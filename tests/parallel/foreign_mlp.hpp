@@ -2,11 +2,13 @@
 // The test MLP with leaves of other types than ddp::parameter: each tensor keeps its values and gradient in
 // two std::vector<float> (owning: ddp copies at the step's edges) or two std::span<float> over memory the
 // model owns elsewhere (adopting: ddp points them at its arenas), handed out as ddp::trainable by a member
-// visitor. The forward and backward of mlp.hpp run on it unchanged.
+// visitor, or in two framework_vector, a framework's memory (dlib's kind) whose tensor is a leaf type with
+// storage_traits of its own. The forward and backward of mlp.hpp run on it unchanged.
 
 #include <cstddef>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <ddp/core/trainable.hpp>
@@ -15,7 +17,13 @@
 
 namespace ddp_test {
 
-/// One tensor: values and gradient of type Storage (std::vector<float> or std::span<float>).
+/// A framework's tensor memory (dlib's kind): its tensors are leaves of their own type, and its backward writes
+/// the gradient instead of adding to it (the scenarios clear it before each backward, as such a framework does).
+struct framework_vector : std::vector<float> {
+  using std::vector<float>::vector;
+};
+
+/// One tensor: values and gradient of type Storage (std::vector<float>, std::span<float> or framework_vector).
 template <class Storage>
 struct foreign_tensor {
   Storage v, g;
@@ -31,8 +39,13 @@ struct foreign_linear {
   foreign_tensor<Storage> weight, bias;
   template <class F>
   void visit_parameters(F&& f) {
-    f("weight", ddp::trainable(weight.v, weight.g, weight.shape));
-    f("bias", ddp::trainable(bias.v, bias.g, bias.shape));
+    if constexpr (std::is_same_v<Storage, framework_vector>) {
+      f("weight", weight);
+      f("bias", bias);
+    } else {
+      f("weight", ddp::trainable(weight.v, weight.g, weight.shape));
+      f("bias", ddp::trainable(bias.v, bias.g, bias.shape));
+    }
   }
 };
 
@@ -42,13 +55,20 @@ struct foreign_mlp {
   using storage = Storage;
   foreign_linear<Storage> fc1, fc2, fc3;
   std::vector<std::vector<float>> memory;
+  /// Every tensor, fc1.weight first.
+  [[nodiscard]] std::vector<foreign_tensor<Storage>*> tensors() {
+    return {&fc1.weight, &fc1.bias, &fc2.weight, &fc2.bias, &fc3.weight, &fc3.bias};
+  }
 };
 
 /// What data_parallel::gradient_ready is given for a tensor of either model.
 inline ddp::parameter<float>& leaf_of(ddp::parameter<float>& p) { return p; }
 template <class Storage>
-Storage& leaf_of(foreign_tensor<Storage>& t) {
-  return t.v;
+decltype(auto) leaf_of(foreign_tensor<Storage>& t) {
+  if constexpr (std::is_same_v<Storage, framework_vector>)
+    return (t);
+  else
+    return (t.v);
 }
 
 /// The same values as `m`, in foreign leaves.
@@ -58,7 +78,7 @@ foreign_mlp<Storage> make_foreign(mlp& m) {
   out.memory.reserve(12);
   auto convert = [&](ddp::parameter<float>& p, foreign_tensor<Storage>& t) {
     t.shape = p.shape();
-    if constexpr (std::is_same_v<Storage, std::vector<float>>) {
+    if constexpr (!std::is_same_v<Storage, std::span<float>>) {
       t.v.assign(p.value().begin(), p.value().end());
       t.g.assign(p.numel(), 0.0F);
     } else {
@@ -92,3 +112,15 @@ void copy_back(const foreign_mlp<Storage>& f, mlp& m) {
 }
 
 }  // namespace ddp_test
+
+/// The framework's tensor as a leaf of its own type: four members of storage_traits say what ddp needs, and
+/// overwrites_gradient that its backward writes the gradient instead of adding to it.
+template <>
+struct ddp::storage_traits<ddp_test::foreign_tensor<ddp_test::framework_vector>> {
+  using tensor = ddp_test::foreign_tensor<ddp_test::framework_vector>;
+  static constexpr bool overwrites_gradient = true;
+  static ddp::dtype dtype(const tensor& /*t*/) { return ddp::dtype::f32; }
+  static std::vector<std::size_t> shape(const tensor& t) { return t.shape; }
+  static void* values(tensor& t) { return t.v.data(); }
+  static void* grads(tensor& t) { return t.g.data(); }
+};

@@ -1,6 +1,8 @@
 // Model state over the TCP backend: buffers synchronized as data_parallel_options::buffers says and frozen
 // parameters broadcast once, under every policy at N = 1..4, against a one-process simulation of the replicas
 // (state_scenarios.hpp); verify_in_sync over them, a join scope's source rank, and a buffer that differs in shape.
+// Models whose framework keeps its own memory (framework_scenarios.hpp): an overwriting backward under no_sync, the
+// framework's own optimizer.
 #include <filesystem>
 #include <string>
 
@@ -10,6 +12,7 @@
 
 #include <ddp/comm/tcp/communicator.hpp>
 
+#include "framework_scenarios.hpp"
 #include "state_scenarios.hpp"
 #include "sync_bn_scenarios.hpp"
 #include "support/run_ranks.hpp"
@@ -77,4 +80,9 @@ TEST_CASE("tcp model state: a buffer in a fake device's memory is broadcast, ave
 TEST_CASE("tcp sync_batch_norm: N ranks on uneven parts of a batch equal plain batch norm of the union in one "
           "process (outputs, gradients, running statistics)", "[state][sync_bn]") {
   ddp::testing::on_1_to_n_ranks(4, [](ddp::tcp::communicator comm) { check_sync_batch_norm(comm); });
+}
+TEST_CASE("tcp framework memory: a backward that overwrites its gradients accumulates no_sync micro-batches under "
+          "replicate and shard_grad_op, the framework's own optimizer steps under replicate and is refused sharded",
+          "[framework]") {
+  ddp::testing::on_1_to_n_ranks(3, [](ddp::tcp::communicator comm) { check_framework_leaves<tcp>(comm); });
 }

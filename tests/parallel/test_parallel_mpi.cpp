@@ -11,6 +11,7 @@
 #include <ddp/comm/mpi/communicator.hpp>
 
 #include "device_scenarios.hpp"
+#include "framework_scenarios.hpp"
 #include "join_scenarios.hpp"
 #include "mixed_scenarios.hpp"
 #include "rebuild_scenarios.hpp"
@@ -158,4 +159,8 @@ TEST_CASE("mpi device: join, mixed precision, the compression hooks and checkpoi
   check_device_checkpoint<mpi, tiny, ddp::shard_grad_op>(comm, optimizer_kind::adamw, true, true, at);
   comm.barrier().wait();
   if (comm.rank() == 0) std::filesystem::remove_all(at);
+}
+TEST_CASE("mpi framework memory: an overwriting backward's no_sync micro-batches sum under every policy that holds "
+          "it, the framework's own optimizer steps under replicate", "[framework]") {
+  check_framework_leaves<mpi>(world());
 }

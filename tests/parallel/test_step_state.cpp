@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include <ddp/core/trainable.hpp>
 #include <ddp/memory/average.hpp>
 #include <ddp/optim/sgd.hpp>
 #include <ddp/parallel/bucket_planner.hpp>
@@ -706,4 +707,43 @@ TEST_CASE("scale: exact factors multiply in the element type, others round once 
   std::vector<ddp::bfloat16> h{ddp::bfloat16(3.0F)};
   ddp::detail::scale(ddp::raw_tensor::of(std::span<ddp::bfloat16>(h)), 0.5);
   REQUIRE(static_cast<float>(h[0]) == 1.5F);
+}
+
+namespace {
+
+/// One leaf a framework keeps in two std::vector<float> it may reallocate or free between steps (dlib's net.clean()).
+struct framework_net {
+  std::vector<float> v, g;
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("fc.weight", ddp::trainable(v, g));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("owning leaves: memory the framework moved between steps is followed, memory it freed is named, a model "
+          "with no element is refused", "[step]") {
+  recording_comm comm(0, 2);
+  ddp::optim::sgd opt({.lr = 0.5});
+  framework_net m{{1, 2, 3, 4}, {0, 0, 0, 0}};
+  {
+    ddp::data_parallel<framework_net, recording_backend> dp{m, comm};
+    for (int step = 1; step <= 2; ++step) {
+      m.v = std::vector<float>(m.v);           // the values move: the old buffer is freed
+      m.g = std::vector<float>(4, 1.0F);       // so does the gradient, holding this step's
+      dp.gradient_ready(m.v);
+      dp.step(opt);
+      INFO("step " << step);
+      REQUIRE(m.v == std::vector<float>{1 - 0.5F * step, 2 - 0.5F * step, 3 - 0.5F * step, 4 - 0.5F * step});
+    }
+    m.g.clear();
+    m.g.shrink_to_fit();  // freed, as dlib's clean() does
+    REQUIRE_THROWS_WITH(dp.zero_grad(), Catch::Contains("parameter 'fc.weight' has no gradient memory now"));
+    REQUIRE_THROWS_WITH(dp.gradient_ready(m.v), Catch::Contains("free a leaf's memory only after the data_parallel "
+                                                               "wrapper is destroyed"));
+  }
+  framework_net lazy;  // a framework that allocates at its first forward, wrapped before it
+  REQUIRE_THROWS_WITH((ddp::data_parallel<framework_net, recording_backend>{lazy, comm}),
+                      Catch::Contains("the model has no element to train (1 parameter(s), all empty)"));
 }

@@ -32,6 +32,11 @@
 ///                                                       callbacks), called from a watch callback: data_parallel
 ///                                                       finishes the gradients there, so they are averaged when the
 ///                                                       framework's backward() returns (as PyTorch DDP's are)
+///   static constexpr bool overwrites_gradient = true;   owning leaves whose framework's backward writes the gradient
+///                                                       instead of adding to it (dlib): ddp sums the micro-batches
+///                                                       of a no_sync span on its side, so every policy accumulates
+///                                                       as PyTorch's does (without it, the leaf's own gradient is
+///                                                       taken to add up the span)
 ///   static constexpr bool view = true;                  the leaf refers to the model's memory and is handed
 ///                                                       out as a temporary (ddp keeps a copy of it)
 
@@ -68,6 +73,12 @@ concept adopting_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, v
 template <class T>
 concept watching_leaf = storage_leaf<T> && requires(std::remove_cvref_t<T>& t, std::function<void()> f) {
   { storage_traits<std::remove_cvref_t<T>>::watch(t, f) } -> std::convertible_to<std::shared_ptr<void>>;
+};
+
+/// An owning leaf whose framework's backward overwrites its gradient (storage_traits<T>::overwrites_gradient).
+template <class T>
+concept leaf_overwrites_gradient = storage_leaf<T> && requires {
+  requires storage_traits<std::remove_cvref_t<T>>::overwrites_gradient;
 };
 
 /// The address data_parallel::gradient_ready knows a leaf (or the object a leaf refers to) by.

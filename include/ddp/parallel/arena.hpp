@@ -144,7 +144,7 @@ class parameter_layout {
       for (const auto d : s.shape) s.numel *= d;
       if constexpr (requires { traits::device(p); }) s.where = traits::device(p);
       s.key = leaf_key(p);
-      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p));
+      s.leaf = std::make_shared<leaf_binding_of<T>>(const_cast<T&>(p), s.name);
       adopting_ = adopting_ && s.leaf->adopts();
       const std::string_view unit = rule.unit_of(name);
       if (units_.empty() || units_.back() != unit) units_.emplace_back(unit);
@@ -155,6 +155,7 @@ class parameter_layout {
       slots_.push_back(std::move(s));
     });
     rule.check_all_used();
+    check_not_empty();
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       auto& s = slots_[i];
       auto it = std::find_if(arenas_.begin(), arenas_.end(),
@@ -197,6 +198,16 @@ class parameter_layout {
     if (!adopting_)
       for (const auto& s : slots_) s.leaf->values_out();
   }
+  /// Owning leaves: the arenas' gradients into the leaves' own, and after `update` (a framework's optimizer over the
+  /// leaves) the leaves' values into the arenas.
+  template <class F>
+  void update_leaves(F&& update) const {
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->gradient_out();
+    update();
+    if (!adopting_)
+      for (const auto& s : slots_) s.leaf->values_in();
+  }
 
   /// Every parameter, in visit order.
   [[nodiscard]] std::span<const param_slot> slots() const noexcept { return slots_; }
@@ -224,6 +235,16 @@ class parameter_layout {
   }
 
  private:
+  /// Throws ddp::config_error when the model holds no element to train: nothing would be averaged, and ranks would
+  /// train apart while every check passed.
+  void check_not_empty() const {
+    for (const auto& s : slots_)
+      if (s.numel > 0) return;
+    throw config_error("data_parallel: the model has no element to train (" + std::to_string(slots_.size()) +
+                       " parameter(s), all empty): a framework that allocates its parameters lazily (dlib allocates "
+                       "at the first forward) must run one forward before the wrapper is built; otherwise check that "
+                       "visit_parameters reaches the model's parameters");
+  }
   std::vector<param_slot> slots_;
   std::vector<arena> arenas_;
   std::vector<std::string> units_;

@@ -251,12 +251,14 @@ class data_parallel {
   /// policy's work after a step (shard_grad_op all-gathers the updated blocks). Under replicate it may hold
   /// the model's parameters; under the sharded policies it must hold the tensors over this rank's owned
   /// blocks (ddp::parameters(dp) of <ddp/adapters/libtorch.hpp>), since only those receive the averaged
-  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step).
+  /// gradients (optim::optimizer_traits<Opt>::prepare, where specialized, says so before the step). A framework's
+  /// own optimizer over owning leaves (dlib's solvers) steps under replicate: the averaged gradients are copied into
+  /// the leaves' gradients before it and their updated values read back after it; the sharded policies refuse it.
   template <class Opt>
     requires(!optim::flat_optimizer<Opt> && requires(Opt& o) { o.step(); })
   void step(Opt& opt) {
-    strategy_type::prepare_optimizer(opt, owned_buffers(), rank());
-    run_step([&] { opt.step(); });
+    strategy_type::prepare_optimizer(opt, owned_buffers(), layout_, rank());
+    run_step([&] { layout_.update_leaves([&] { opt.step(); }); });
   }
   /// Collective: checks that the ranks holding the same parameter values hold them bit for bit (a hash per
   /// parameter; one all_gather of two words per rank when they agree). Under replicate and shard_grad_op every
@@ -292,7 +294,7 @@ class data_parallel {
   }
 
   /// Sets every gradient to zero (finished gradients not yet stepped are dropped).
-  void zero_grad() noexcept {
+  void zero_grad() {
     finish_queued_ = finished_by_backward_ = false;
     scaler_.forget();
     strategy_->zero_grad();
@@ -420,7 +422,10 @@ class data_parallel {
     check_no_sync_closed("gradient_ready");
     strategy_->on_report(slot);
     state_.join().note(detail::step_event::kind::report, {}, slot);
-    if (accumulation::defers(state_)) return;
+    if (accumulation::defers(state_)) {
+      layout_.slots()[slot].leaf->hold_gradient();
+      return;
+    }
     // After the gradients were finished at the end of a framework's backward, only dp.step(opt) or dp.zero_grad()
     // starts the next step's reports (a sharded no_sync span's micro-batches, finished by close(), go on).
     if (finished_by_backward_ && state_.phase() == detail::step_phase::finished) throw reported_twice(slot);

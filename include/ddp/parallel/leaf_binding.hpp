@@ -7,10 +7,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #include <ddp/core/device.hpp>
 #include <ddp/core/dtype.hpp>
+#include <ddp/core/error.hpp>
 #include <ddp/core/storage_traits.hpp>
 #include <ddp/core/tensor_traits.hpp>
 #include <ddp/memory/domain.hpp>
@@ -33,11 +36,19 @@ class leaf_binding {
   virtual void rebind(std::byte* values, std::byte* grads, bool present) = 0;
   /// Gives the leaf its values back in memory of its own (the arena is going away).
   virtual void unbind() = 0;
-  /// Owning leaves: copies the leaf's gradient to where it is bound (at report time).
+  /// Owning leaves: copies the leaf's gradient to where it is bound (at report time); where micro-batches were
+  /// held there (hold_gradient), adds it to their sum.
   virtual void gradient_in() = 0;
+  /// Owning leaves whose backward overwrites the gradient: adds this micro-batch's to ddp's memory, since the leaf
+  /// will not keep it (a report inside no_sync); other leaves accumulate in their own memory and hold nothing.
+  virtual void hold_gradient() = 0;
+  /// Owning leaves: copies the gradient where it is bound into the leaf's own (a framework's optimizer reads it).
+  virtual void gradient_out() = 0;
   /// Owning leaves: copies the values where it is bound to the leaf (after they changed there).
   virtual void values_out() = 0;
-  /// Owning leaves: zeroes the leaf's own gradient (zero_grad).
+  /// Owning leaves: copies the leaf's values to where it is bound (a framework's optimizer changed them).
+  virtual void values_in() = 0;
+  /// Owning leaves: zeroes the leaf's own gradient and forgets held micro-batches (zero_grad, a moved gradient).
   virtual void zero_own_gradient() = 0;
   /// Watching leaves: calls `ready` whenever the leaf's gradient is final (kept while the returned handle lives).
   virtual std::shared_ptr<void> watch(std::function<void()> ready) = 0;
@@ -45,15 +56,20 @@ class leaf_binding {
   virtual bool at_backward_end(std::function<void()> f) = 0;
 };
 
-/// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf).
+/// The binding of a leaf of type T, kept by pointer (a member of the model) or by value (a view leaf). An owning
+/// leaf's memory is asked for anew at every copy (storage_traits: "the values now"), so a framework may move it
+/// between steps; memory it freed is named, never written.
 template <storage_leaf T>
 class leaf_binding_of final : public leaf_binding {
   using traits = storage_traits<T>;
   static constexpr bool adopting = adopting_leaf<T>;
+  static constexpr bool overwrites = leaf_overwrites_gradient<T>;
 
  public:
-  explicit leaf_binding_of(T& leaf) requires(!leaf_is_view<T>) : leaf_(&leaf) {}
-  explicit leaf_binding_of(const T& leaf) requires(leaf_is_view<T>) : copy_(leaf), leaf_(&*copy_) {}
+  /// Binds `leaf`, known in errors as the parameter `name`.
+  leaf_binding_of(T& leaf, std::string name) requires(!leaf_is_view<T>) : leaf_(&leaf), name_(std::move(name)) {}
+  leaf_binding_of(const T& leaf, std::string name) requires(leaf_is_view<T>)
+      : copy_(leaf), leaf_(&*copy_), name_(std::move(name)) {}
   leaf_binding_of(const leaf_binding_of&) = delete;
   leaf_binding_of& operator=(const leaf_binding_of&) = delete;
 
@@ -92,13 +108,38 @@ class leaf_binding_of final : public leaf_binding {
     }
   }
   void gradient_in() override {
-    if constexpr (!adopting) to_ddp(grads_, home_grads_);
+    if constexpr (!adopting) {
+      if (held_)
+        add_to_ddp();
+      else
+        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
+      held_ = false;
+    }
+  }
+  void hold_gradient() override {
+    if constexpr (!adopting && overwrites) {
+      if (held_) {
+        add_to_ddp();
+      } else {
+        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
+        held_ = true;
+      }
+    }
+  }
+  void gradient_out() override {
+    if constexpr (!adopting) to_home(own(traits::grads(*leaf_), "gradient"), grads_);
   }
   void values_out() override {
-    if constexpr (!adopting) to_home(home_values_, values_);
+    if constexpr (!adopting) to_home(own(traits::values(*leaf_), "values"), values_);
+  }
+  void values_in() override {
+    if constexpr (!adopting) to_ddp(values_, own(traits::values(*leaf_), "values"));
   }
   void zero_own_gradient() override {
-    if constexpr (!adopting) domain_->zero(home(home_grads_));
+    if constexpr (!adopting) {
+      held_ = false;
+      if (bytes_) domain_->zero(home(own(traits::grads(*leaf_), "gradient")));
+    }
   }
   std::shared_ptr<void> watch(std::function<void()> ready) override {
     if constexpr (watching_leaf<T>)
@@ -116,6 +157,20 @@ class leaf_binding_of final : public leaf_binding {
   }
 
  private:
+  /// An owning leaf's memory now (`p`, its `what`): where the framework freed it, the error that says so.
+  [[nodiscard]] std::byte* own(void* p, const char* what) const {
+    if (!p && bytes_)
+      throw error("data_parallel: parameter '" + name_ + "' has no " + what + " memory now: its framework freed it "
+                  "while ddp holds the model (dlib's net.clean(), a cleared or resized tensor); free a leaf's memory "
+                  "only after the data_parallel wrapper is destroyed, and keep its shape while the wrapper lives");
+    return static_cast<std::byte*>(p);
+  }
+  /// Adds the leaf's gradient to ddp's (in the leaf's element type).
+  void add_to_ddp() const {
+    const auto type = traits::dtype(*leaf_);
+    const std::size_t n = bytes_ / size_of(type);
+    if (n) domain_->accumulate({own(traits::grads(*leaf_), "gradient"), n, type, where_}, {grads_, n, type, domain_->where()});
+  }
   /// The leaf's own bytes at `p`, on its device.
   [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
     return {const_cast<std::byte*>(p), bytes_, dtype::u8, where_};
@@ -134,11 +189,13 @@ class leaf_binding_of final : public leaf_binding {
   }
   std::optional<T> copy_;            // view leaves: the leaf itself
   T* leaf_;                          // the leaf
-  std::byte* home_values_ = nullptr;  // its own memory, as first found
+  std::string name_;                 // its parameter's name
+  std::byte* home_values_ = nullptr;  // adopting leaves: their own memory, as first found
   std::byte* home_grads_ = nullptr;
   std::byte* values_ = nullptr;       // where it is bound now
   std::byte* grads_ = nullptr;
   std::size_t bytes_ = 0;
+  bool held_ = false;                 // ddp's gradient holds micro-batches the leaf no longer has
   device where_ = device::cpu();            // the leaf's device
   memory_domain* domain_ = &host_memory();  // where ddp's copy lives, the domain of the leaf's device (bind sets it)
 };

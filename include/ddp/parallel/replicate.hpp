@@ -51,7 +51,8 @@ struct strategy<replicate, Comm> {
   static void check_leaves(const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
   /// A framework's optimizer may hold the model's own parameters: they are the whole arenas.
   template <class Opt>
-  static void prepare_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/, int /*rank*/) noexcept {}
+  static void prepare_optimizer(Opt& /*opt*/, std::span<const optim::flat_buffer> /*buffers*/,
+                                const parameter_layout& /*layout*/, int /*rank*/) noexcept {}
 
   strategy(parameter_layout& layout, const bucket_plan& plan, step_state& state, Comm comm,
            const replicate& policy)

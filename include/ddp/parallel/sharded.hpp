@@ -100,9 +100,17 @@ class sharded_core {
   static constexpr bool rebuilds_buckets = false;     ///< buckets stay inside units, in field order
   /// A framework's optimizer must hold the tensors over this rank's owned blocks (ddp::parameters(dp)), the only
   /// ones that receive the averaged gradients; optim::optimizer_traits<Opt>::prepare checks it and points their
-  /// gradients at the owned ones again, where specialized.
+  /// gradients at the owned ones again, where specialized. One over leaves that keep their own memory (dlib's
+  /// solvers) would update them from gradients no rank holds whole: refused.
   template <class Opt>
-  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, int rank) {
+  static void prepare_optimizer(Opt& opt, std::span<const optim::flat_buffer> buffers, const parameter_layout& layout,
+                                int rank) {
+    if (!layout.adopting())
+      throw config_error("data_parallel: dp.step(opt) with an optimizer of the model's framework (opt.step()) over "
+                         "parameters that keep their own memory, under a sharded policy: each rank holds only its "
+                         "shard of the averaged gradients, so the framework's update would read gradients no rank "
+                         "has; step with ddp::optim::sgd or ddp::optim::adamw (they update the owned shards), or "
+                         "train under ddp::replicate, where the framework's optimizer steps as it is", rank);
     if constexpr (requires { optim::optimizer_traits<Opt>::prepare(opt, buffers, rank); })
       optim::optimizer_traits<Opt>::prepare(opt, buffers, rank);
   }

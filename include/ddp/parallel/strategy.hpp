@@ -41,8 +41,9 @@ struct strategy {
 ///   rebuilds_buckets            the first step's ready order may replan the buckets (parallel/bucket_rebuild.hpp)
 ///   join_replays_scopes         a join shadow step replays the last step's scopes and reports
 ///   check_leaves(layout, rank)  refuses leaves the strategy cannot hold, before any collective
-///   prepare_optimizer(opt, buffers, rank)   refuses a framework optimizer over the wrong tensors, relinks its
-///                               gradients to the owned ones (a template)
+///   prepare_optimizer(opt, buffers, layout, rank)   refuses a framework optimizer over the wrong tensors (or over
+///                               owning leaves, where no rank holds their whole gradients), relinks its gradients to
+///                               the owned ones (a template)
 /// Work:
 ///   S(layout, plan, state, comm, policy)      collective
 ///   reduce(hook, b): bucket b waiting → started (and, under hybrid, chains earlier buckets without waiting)
