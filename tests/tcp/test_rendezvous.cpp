@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -322,6 +323,23 @@ TEST_CASE("a rank that never publishes fails rank 0's store reads at the connect
   CHECK(fake_rank1.join() == "");
   require_all_ok(rs);
   CHECK(contains(rs.ranks[0].output, "connect deadline"));
+}
+
+TEST_CASE("a rank that joins a new job while rank 0 still holds the last one waits for rank 0's new store, not the "
+          "finished one", "[tcp][store]") {
+  require_all_ok(run_ranks(3, [](int rank) {
+    std::vector<float> x{static_cast<float>(rank + 1)};
+    {
+      auto first = ddp::tcp::communicator::from_env();
+      first.all_reduce(std::span<float>(x), ddp::reduce_op::sum).wait();
+      REQUIRE(x[0] == 6.0F);
+      if (rank == 0) std::this_thread::sleep_for(500ms);  // ranks 1 and 2 join the next job meanwhile
+    }
+    auto second = ddp::tcp::communicator::from_env();
+    std::vector<float> y{static_cast<float>(10 * (rank + 1))};
+    second.all_reduce(std::span<float>(y), ddp::reduce_op::sum).wait();
+    REQUIRE(y[0] == 60.0F);
+  }));
 }
 
 TEST_CASE("a rank started twice is reported as such within seconds", "[tcp][store]") {

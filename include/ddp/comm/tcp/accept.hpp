@@ -55,9 +55,12 @@ class handshake_acceptor {
   /// How many descriptors fill() appends.
   [[nodiscard]] std::size_t descriptors() const { return 2 + pending_.size(); }
 
-  /// Appends the descriptors to poll: the listener (ignored while backing off), the timer, the handshakes.
+  /// Stops listening (the port is free for another listener); handshakes in progress go on.
+  void close_listener() noexcept { listener_.reset(); }
+
+  /// Appends the descriptors to poll: the listener (ignored while backing off or closed), the timer, the handshakes.
   void fill(std::vector<pollfd>& fds) const {
-    fds.push_back({backing_off_ ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({backing_off_ || !listener_.valid() ? -1 : listener_.get(), POLLIN, 0});
     fds.push_back({timer_.get(), POLLIN, 0});
     for (const auto& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
   }
@@ -78,7 +81,7 @@ class handshake_acceptor {
                                  " ms (DDP_HANDSHAKE_TIMEOUT_MS)");
     std::erase_if(pending_, [](const pending& p) { return !p.fd.valid(); });
     if (backing_off_ && now >= retry_at_) backing_off_ = false;
-    if (!backing_off_ && (fds[base].revents & POLLIN)) accept_some(now);
+    if (!backing_off_ && listener_.valid() && (fds[base].revents & POLLIN)) accept_some(now);
     arm_timer();
     return done;
   }

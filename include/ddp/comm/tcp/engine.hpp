@@ -79,6 +79,15 @@ class engine : peer_io {
     wake();
   }
 
+  /// Rank 0, once every rank has joined: the store it serves accepts no more connections (store_server::retire).
+  void retire_store() {
+    {
+      std::lock_guard lock(queue_.mutex());
+      retire_store_ = true;
+    }
+    wake();
+  }
+
   /// The calls submitted, and who runs them.
   call_queue& queue() { return queue_; }
   /// Runs call `c`, claimed with queue().claim_locked(), on the caller's thread: a collective of a group of one
@@ -167,6 +176,8 @@ class engine : peer_io {
     const std::lock_guard io(io_lock_);  // released only while idle_wait() sleeps in poll
     while (true) {
       std::unique_lock lock(queue_.mutex());
+      if (retire_store_ && store_) store_->retire();
+      retire_store_ = false;
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -474,6 +485,7 @@ class engine : peer_io {
   std::shared_ptr<shm_world> pending_world_;
   std::unique_ptr<shm_rings> pending_rings_;
   bool has_pending_sockets_ = false;
+  bool retire_store_ = false;  ///< the store is to stop accepting (retire_store)
   std::thread thread_;
 };
 

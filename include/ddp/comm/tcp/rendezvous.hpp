@@ -357,6 +357,7 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
            "not every rank finished the rendezvous before the connect deadline; check every rank's log, or raise "
            "the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
            [&] { check_job(store, 0); });
+  if (cfg.rank == 0) eng.retire_store();  // a later job on this port must not reach this finished one
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
   return hosts;
 }

@@ -209,6 +209,10 @@ class store_server {
   /// The port it listens on.
   [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
 
+  /// Accepts no more connections (those it has are served until they close): the job's rendezvous is over, and the
+  /// port is free for the next job on it, which a rank joining it would otherwise reach here.
+  void retire() noexcept { acceptor_.close_listener(); }
+
   /// Appends the descriptors to poll; `base` receives the index of the first one.
   void fill(std::vector<pollfd>& fds, std::size_t& base) const {
     base = fds.size();
