@@ -270,4 +270,42 @@ void check_device_mixed(Comm comm, optimizer_kind k, bool split, typename ddp::p
   require_same_bits_of(got, host);
 }
 
+/// A model of one ddp::parameter, bound by its owner to a device's memory.
+struct device_bound_model {
+  ddp::parameter<float> w;
+};
+
+/// A ddp::parameter bound to a fake device's memory keeps its device through the wrapper: one sgd step from a
+/// gradient of ones, and once the wrapper is gone the parameter points at the memory it was bound to, which holds
+/// the trained values (read through the device; the host cannot read the fake device's memory).
+template <class Backend, class Comm>
+void check_device_parameter_survives(Comm comm) {
+  using namespace std::chrono_literals;
+  ddp::testing::fake_device dev(first_device(comm), 0us, 40us);
+  const ddp::device_registration on_dev(dev);
+  std::vector<float> start{1, 2, 3, 4}, ones(4, 1.0F);
+  const ddp::domain_buffer values = dev.allocate(4 * sizeof(float)), grads = dev.allocate(4 * sizeof(float));
+  auto on_device = [&](const ddp::domain_buffer& b) { return ddp::raw_tensor{b.data(), 4, ddp::dtype::f32, dev.where()}; };
+  dev.copy(ddp::raw_tensor::of(std::span<float>(start)), on_device(values));
+  dev.synchronize();
+  device_bound_model m{ddp::parameter<float>({4})};
+  m.w.bind(reinterpret_cast<float*>(values.data()), reinterpret_cast<float*>(grads.data()), dev.where(), false);
+  {
+    ddp::data_parallel<device_bound_model, Backend> dp{m, comm};
+    REQUIRE(m.w.device() == dev.where());  // adopted into ddp's arena on the same device
+    ddp::optim::sgd opt({.lr = 0.5});
+    dp.zero_grad();
+    dev.copy(ddp::raw_tensor::of(std::span<float>(ones)),
+             ddp::raw_tensor{m.w.grad().data(), 4, ddp::dtype::f32, dev.where()});
+    dp.gradient_ready(m.w);
+    dp.step(opt);
+  }
+  REQUIRE(m.w.device() == dev.where());
+  REQUIRE(m.w.value().data() == reinterpret_cast<float*>(values.data()));
+  std::vector<float> got(4);
+  dev.copy(on_device(values), ddp::raw_tensor::of(std::span<float>(got)));
+  dev.synchronize();
+  REQUIRE(got == std::vector<float>{0.5F, 1.5F, 2.5F, 3.5F});
+}
+
 }  // namespace ddp_test

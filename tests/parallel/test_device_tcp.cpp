@@ -63,3 +63,7 @@ TEST_CASE("tcp device join: uneven batch counts under every policy equal one pro
                                                               hybrid_groups<ddp::full_shard>(comm.size()));
   });
 }
+TEST_CASE("tcp device: a ddp::parameter bound to device memory holds the trained values there once the wrapper is "
+          "gone", "[device]") {
+  ddp::testing::on_1_to_n_ranks(2, [](ddp::tcp::communicator comm) { check_device_parameter_survives<tcp>(comm); });
+}

@@ -145,10 +145,17 @@ struct storage_traits<parameter<E>> {
   static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
   static void* values(parameter<E>& p) noexcept { return p.value().data(); }
   static void* grads(parameter<E>& p) noexcept { return p.grad().data(); }
+  /// Points the parameter at ddp's memory, which is on the parameter's own device (ddp lays each leaf there).
   static void adopt(parameter<E>& p, void* values, void* grads) {
-    p.bind(static_cast<E*>(values), static_cast<E*>(grads), device::cpu(), false);
+    p.bind(static_cast<E*>(values), static_cast<E*>(grads), p.device(), false);
   }
-  static void release(parameter<E>& p) { p.unbind(); }
+  /// Host parameters take their values into storage of their own; a device parameter cannot (the core copies no
+  /// device memory), so ddp copies its values back to the device memory it was bound to and points it there.
+  static bool release(parameter<E>& p) {
+    if (p.device() != device::cpu()) return false;
+    p.unbind();
+    return true;
+  }
 };
 
 static_assert(tensor<parameter<float>>);

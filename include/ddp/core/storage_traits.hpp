@@ -15,8 +15,9 @@
 /// Optional members:
 ///   static void adopt(T&, void* values, void* grads);   points the leaf at outside memory, copying nothing
 ///   static void release(T&);                            after adopt: takes the values into storage of its
-///                                                       own (without it, ddp copies them back to where
-///                                                       values()/grads() pointed first and adopts that)
+///                                                       own (without it, or where a `bool release` returns
+///                                                       false, ddp copies them back to where values()/grads()
+///                                                       pointed first and adopts that)
 ///   static void vacate(T&, void* values, void* grads);  full_shard: the leaf's unit is sharded, so `values`
 ///                                                       (its place, zeros) are not its values; the leaf is
 ///                                                       pointed there but made unusable until the next

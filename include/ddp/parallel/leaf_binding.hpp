@@ -99,12 +99,17 @@ class leaf_binding_of final : public leaf_binding {
   void unbind() override {
     if constexpr (adopting) {
       if constexpr (requires { traits::release(*leaf_); }) {
-        traits::release(*leaf_);
-      } else {
-        to_home(home_values_, values_);
-        to_home(home_grads_, grads_);
-        traits::adopt(*leaf_, home_values_, home_grads_);
+        if constexpr (std::is_same_v<decltype(traits::release(*leaf_)), bool>) {
+          if (traits::release(*leaf_)) return;
+        } else {
+          traits::release(*leaf_);
+          return;
+        }
       }
+      to_home(home_values_, values_);
+      to_home(home_grads_, grads_);
+      domain_->synchronize();  // the leaf's memory holds its values once the wrapper is gone
+      traits::adopt(*leaf_, home_values_, home_grads_);
     }
   }
   void gradient_in() override {
