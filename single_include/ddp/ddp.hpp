@@ -316,8 +316,9 @@ class io_error : public error {
 /// Optional members:
 ///   static void adopt(T&, void* values, void* grads);   points the leaf at outside memory, copying nothing
 ///   static void release(T&);                            after adopt: takes the values into storage of its
-///                                                       own (without it, ddp copies them back to where
-///                                                       values()/grads() pointed first and adopts that)
+///                                                       own (without it, or where a `bool release` returns
+///                                                       false, ddp copies them back to where values()/grads()
+///                                                       pointed first and adopts that)
 ///   static void vacate(T&, void* values, void* grads);  full_shard: the leaf's unit is sharded, so `values`
 ///                                                       (its place, zeros) are not its values; the leaf is
 ///                                                       pointed there but made unusable until the next
@@ -641,10 +642,17 @@ struct storage_traits<parameter<E>> {
   static ddp::device device(const parameter<E>& p) noexcept { return p.device(); }
   static void* values(parameter<E>& p) noexcept { return p.value().data(); }
   static void* grads(parameter<E>& p) noexcept { return p.grad().data(); }
+  /// Points the parameter at ddp's memory, which is on the parameter's own device (ddp lays each leaf there).
   static void adopt(parameter<E>& p, void* values, void* grads) {
-    p.bind(static_cast<E*>(values), static_cast<E*>(grads), device::cpu(), false);
+    p.bind(static_cast<E*>(values), static_cast<E*>(grads), p.device(), false);
   }
-  static void release(parameter<E>& p) { p.unbind(); }
+  /// Host parameters take their values into storage of their own; a device parameter cannot (the core copies no
+  /// device memory), so ddp copies its values back to the device memory it was bound to and points it there.
+  static bool release(parameter<E>& p) {
+    if (p.device() != device::cpu()) return false;
+    p.unbind();
+    return true;
+  }
 };
 
 static_assert(tensor<parameter<float>>);
@@ -3958,9 +3966,12 @@ class handshake_acceptor {
   /// How many descriptors fill() appends.
   [[nodiscard]] std::size_t descriptors() const { return 2 + pending_.size(); }
 
-  /// Appends the descriptors to poll: the listener (ignored while backing off), the timer, the handshakes.
+  /// Stops listening (the port is free for another listener); handshakes in progress go on.
+  void close_listener() noexcept { listener_.reset(); }
+
+  /// Appends the descriptors to poll: the listener (ignored while backing off or closed), the timer, the handshakes.
   void fill(std::vector<pollfd>& fds) const {
-    fds.push_back({backing_off_ ? -1 : listener_.get(), POLLIN, 0});
+    fds.push_back({backing_off_ || !listener_.valid() ? -1 : listener_.get(), POLLIN, 0});
     fds.push_back({timer_.get(), POLLIN, 0});
     for (const auto& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
   }
@@ -3981,7 +3992,7 @@ class handshake_acceptor {
                                  " ms (DDP_HANDSHAKE_TIMEOUT_MS)");
     std::erase_if(pending_, [](const pending& p) { return !p.fd.valid(); });
     if (backing_off_ && now >= retry_at_) backing_off_ = false;
-    if (!backing_off_ && (fds[base].revents & POLLIN)) accept_some(now);
+    if (!backing_off_ && listener_.valid() && (fds[base].revents & POLLIN)) accept_some(now);
     arm_timer();
     return done;
   }
@@ -7078,6 +7089,10 @@ class store_server {
   /// The port it listens on.
   [[nodiscard]] std::uint16_t port() const { return acceptor_.port(); }
 
+  /// Accepts no more connections (those it has are served until they close): the job's rendezvous is over, and the
+  /// port is free for the next job on it, which a rank joining it would otherwise reach here.
+  void retire() noexcept { acceptor_.close_listener(); }
+
   /// Appends the descriptors to poll; `base` receives the index of the first one.
   void fill(std::vector<pollfd>& fds, std::size_t& base) const {
     base = fds.size();
@@ -7208,6 +7223,15 @@ class engine : peer_io {
     wake();
   }
 
+  /// Rank 0, once every rank has joined: the store it serves accepts no more connections (store_server::retire).
+  void retire_store() {
+    {
+      std::lock_guard lock(queue_.mutex());
+      retire_store_ = true;
+    }
+    wake();
+  }
+
   /// The calls submitted, and who runs them.
   call_queue& queue() { return queue_; }
   /// Runs call `c`, claimed with queue().claim_locked(), on the caller's thread: a collective of a group of one
@@ -7296,6 +7320,8 @@ class engine : peer_io {
     const std::lock_guard io(io_lock_);  // released only while idle_wait() sleeps in poll
     while (true) {
       std::unique_lock lock(queue_.mutex());
+      if (retire_store_ && store_) store_->retire();
+      retire_store_ = false;
       if (has_pending_sockets_) {
         for (std::size_t r = 0; r < pending_sockets_.size(); ++r) {
           peers_[r].fd = std::move(pending_sockets_[r]);
@@ -7603,6 +7629,7 @@ class engine : peer_io {
   std::shared_ptr<shm_world> pending_world_;
   std::unique_ptr<shm_rings> pending_rings_;
   bool has_pending_sockets_ = false;
+  bool retire_store_ = false;  ///< the store is to stop accepting (retire_store)
   std::thread thread_;
 };
 
@@ -9055,6 +9082,7 @@ inline std::shared_ptr<shm_hosts> join_mesh(const config& cfg, engine& eng, stor
            "not every rank finished the rendezvous before the connect deadline; check every rank's log, or raise "
            "the connect timeout (DDP_CONNECT_TIMEOUT_MS)",
            [&] { check_job(store, 0); });
+  if (cfg.rank == 0) eng.retire_store();  // a later job on this port must not reach this finished one
   if (cfg.rank == 0 && by_file) retire_store_file(cfg);
   return hosts;
 }
@@ -10971,6 +10999,10 @@ struct data_parallel_options {
   ddp::loss_scaling loss_scaling{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
+  /// The first step throws ddp::error when every averaged gradient is zero on every rank: the backward wrote no
+  /// gradient ddp holds (a framework computing on memory ddp did not adopt, a loss detached from the model), so
+  /// nothing would train while every check passed. false where a zero first step is meant.
+  bool check_first_gradients = true;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
   /// (ddp::unit_of(model.encoder), resolved to the prefix its parameters share): a parameter belongs to the
   /// longest listed prefix it starts with (the whole name or a leading run of its components); parameters no
@@ -11239,12 +11271,17 @@ class leaf_binding_of final : public leaf_binding {
   void unbind() override {
     if constexpr (adopting) {
       if constexpr (requires { traits::release(*leaf_); }) {
-        traits::release(*leaf_);
-      } else {
-        to_home(home_values_, values_);
-        to_home(home_grads_, grads_);
-        traits::adopt(*leaf_, home_values_, home_grads_);
+        if constexpr (std::is_same_v<decltype(traits::release(*leaf_)), bool>) {
+          if (traits::release(*leaf_)) return;
+        } else {
+          traits::release(*leaf_);
+          return;
+        }
       }
+      to_home(home_values_, values_);
+      to_home(home_grads_, grads_);
+      domain_->synchronize();  // the leaf's memory holds its values once the wrapper is gone
+      traits::adopt(*leaf_, home_values_, home_grads_);
     }
   }
   void gradient_in() override {
@@ -14562,6 +14599,7 @@ class data_parallel {
       strategy_->after_skipped_step();
     } else {
       masters_.step(strategy_->optimizer_buffers(), [&] {
+        if (steps_ == 0 && options_.check_first_gradients && !state_.join().open()) check_first_gradients();
         if (options_.clip.max_norm > 0) {
           last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
           detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
@@ -14578,6 +14616,16 @@ class data_parallel {
     ++steps_;
     finish_queued_ = finished_by_backward_ = false;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Throws when every averaged gradient of the first step is zero on every rank (data_parallel_options::
+  /// check_first_gradients): the largest |g| over the norm group, one f64 per rank travelling where it is sharded.
+  void check_first_gradients() const {
+    if (detail::grad_norm(owned_buffers(), strategy_->norm_group(), {.norm_type = inf_norm}, rank()) != 0) return;
+    throw error("step: every averaged gradient of the first step is zero on every rank, so nothing would train: the "
+                "backward wrote no gradient ddp holds. A framework that computes on memory of its own needs leaves it "
+                "computes through (an adopted std::span over a copy of its pointers is not), or owning leaves, which "
+                "ddp copies; and the loss must reach the parameters. Set data_parallel_options::check_first_gradients "
+                "= false where a zero first step is meant", rank());
   }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {

@@ -31,6 +31,17 @@ struct framework_sgd {
   }
 };
 
+/// One tensor of a framework that computes on its own vectors, handed to ddp as spans over them: ddp adopts the spans
+/// (points them at its arenas) while the framework goes on writing its vectors.
+struct bypassed_model {
+  std::vector<float> w = std::vector<float>(6, 0.5F), dw = std::vector<float>(6, 0.0F);
+  std::span<float> w_view{w}, dw_view{dw};
+  template <class F>
+  void visit_parameters(F&& f) {
+    f("w", ddp::trainable(w_view, dw_view));
+  }
+};
+
 /// One process on the whole batch with ddp::optim::sgd at `lr` (no momentum): framework_sgd's ground truth.
 inline mlp reference_plain_sgd(float lr) {
   mlp m = make_mlp(1);
@@ -76,7 +87,7 @@ void check_foreign_training(Comm comm, int micro, MakeOptimizer make_optimizer, 
 /// A framework whose backward overwrites its gradients: no_sync over 2 and 3 micro-batches sums them under replicate
 /// and shard_grad_op alike, as one process on the union batch. The framework's own optimizer steps the leaves under
 /// replicate (over leaves that overwrite and over leaves that add) and equals one process; a sharded policy refuses
-/// it with the fix, before any collective.
+/// it with the fix, before any collective. Spans the framework does not compute through fail the first step.
 template <class Backend, class Comm>
 void check_framework_leaves(Comm comm) {
   using framework = foreign_mlp<framework_vector>;
@@ -100,6 +111,18 @@ void check_framework_leaves(Comm comm) {
   framework_sgd<framework_vector> opt{model, lr};
   REQUIRE_THROWS_WITH(dp.step(opt), Catch::Contains("each rank holds only its shard of the averaged gradients") &&
                                         Catch::Contains("train under ddp::replicate"));
+  for (const bool check : {true, false}) {  // the framework's backward writes its own vector, never ddp's memory
+    bypassed_model bypassed;
+    ddp::data_parallel<bypassed_model, Backend> dp3{bypassed, comm, {.check_first_gradients = check}};
+    ddp::optim::sgd sgd({.lr = lr});
+    std::fill(bypassed.dw.begin(), bypassed.dw.end(), 1.0F);
+    dp3.gradient_ready(bypassed.w_view);
+    if (check)
+      REQUIRE_THROWS_WITH(dp3.step(sgd), Catch::Contains("every averaged gradient of the first step is zero on every "
+                                                         "rank") && Catch::Contains("check_first_gradients = false"));
+    else
+      dp3.step(sgd);
+  }
   vectors other = make_foreign<std::vector<float>>(base);
   ddp::data_parallel<vectors, Backend, ddp::shard_grad_op> dp2{other, comm};
   framework_sgd<std::vector<float>> opt2{other, lr};

@@ -466,6 +466,7 @@ class data_parallel {
       strategy_->after_skipped_step();
     } else {
       masters_.step(strategy_->optimizer_buffers(), [&] {
+        if (steps_ == 0 && options_.check_first_gradients && !state_.join().open()) check_first_gradients();
         if (options_.clip.max_norm > 0) {
           last_grad_norm_ = detail::grad_norm(owned_buffers(), strategy_->norm_group(), options_.clip.norm, rank());
           detail::clip_to(owned_buffers(), options_.clip.max_norm, last_grad_norm_);
@@ -482,6 +483,16 @@ class data_parallel {
     ++steps_;
     finish_queued_ = finished_by_backward_ = false;
     if (options_.verify_every > 0 && steps_ % options_.verify_every == 0) verify_in_sync();
+  }
+  /// Throws when every averaged gradient of the first step is zero on every rank (data_parallel_options::
+  /// check_first_gradients): the largest |g| over the norm group, one f64 per rank travelling where it is sharded.
+  void check_first_gradients() const {
+    if (detail::grad_norm(owned_buffers(), strategy_->norm_group(), {.norm_type = inf_norm}, rank()) != 0) return;
+    throw error("step: every averaged gradient of the first step is zero on every rank, so nothing would train: the "
+                "backward wrote no gradient ddp holds. A framework that computes on memory of its own needs leaves it "
+                "computes through (an adopted std::span over a copy of its pointers is not), or owning leaves, which "
+                "ddp copies; and the loss must reach the parameters. Set data_parallel_options::check_first_gradients "
+                "= false where a zero first step is meant", rank());
   }
   /// The step's first report: the declared-unused parameters count as reported.
   void begin_reporting() {

@@ -45,6 +45,10 @@ struct data_parallel_options {
   ddp::loss_scaling loss_scaling{};
   /// Run dp.verify_in_sync() (a collective) inside every verify_every-th step(), after the optimizer; 0: never.
   std::size_t verify_every = 0;
+  /// The first step throws ddp::error when every averaged gradient is zero on every rank: the backward wrote no
+  /// gradient ddp holds (a framework computing on memory ddp did not adopt, a loss detached from the model), so
+  /// nothing would train while every check passed. false where a zero first step is meant.
+  bool check_first_gradients = true;
   /// Sharding units, by dotted name prefix ("encoder.layers.0", "head") or by part of the model
   /// (ddp::unit_of(model.encoder), resolved to the prefix its parameters share): a parameter belongs to the
   /// longest listed prefix it starts with (the whole name or a leading run of its components); parameters no
