@@ -752,7 +752,7 @@ TEST_CASE("owning leaves: memory the framework moved between steps is followed, 
 }
 
 TEST_CASE("recorded: the first step checks that some averaged gradient is not zero: one all_gather of one f64 where "
-          "gradients are sharded, none under replicate, none after the first step; all zero throws", "[step]") {
+          "gradients are sharded, none under replicate, none after the first step, and all zero throws", "[step]") {
   net m = make_net();
   recording_comm comm(0, 2);
   auto& log = comm.log();
