@@ -160,8 +160,8 @@ TEST_CASE("repeated collectives allocate no buffers: the engine's scratch is reu
       job(60s, 0, same_host_copy(copy))));
 }
 
-TEST_CASE("a rank waiting 2 s in a shared-memory collective uses at most 8 ms of CPU a second (1 ms slices used 20)",
-          "[tcp][shm]") {
+TEST_CASE("a rank waiting 2 s in a shared-memory collective uses at most 8 ms of CPU a second, times the slowdown of "
+          "an instrumented build (1 ms slices used 20)", "[tcp][shm]") {
   const int n = GENERATE(2, 3);
   CAPTURE(n);
   require_all_ok(run_ranks(
@@ -183,7 +183,9 @@ TEST_CASE("a rank waiting 2 s in a shared-memory collective uses at most 8 ms of
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         const double ms_per_s = 1e3 * (cpu() - before) / waited;
         if (rank != 0)
-          expect(waited > 1.5 && ms_per_s <= 8.0, "rank " + std::to_string(rank) + " waited " + std::to_string(waited) +
+          // Instrumented builds (ThreadSanitizer) spend several times the CPU on each wake-up: the budget scales as
+          // their timeouts do, far below a spinning wait's 1000 ms a second.
+          expect(waited > 1.5 && ms_per_s <= 8.0 * ddp::testing::timeout_scale, "rank " + std::to_string(rank) + " waited " + std::to_string(waited) +
                                                       " s using " + std::to_string(ms_per_s) + " ms of CPU a second");
       },
       job(60s, 0, shm_env("1"))));
