@@ -44,15 +44,8 @@ struct bypassed_model {
 
 /// One process on the whole batch with ddp::optim::sgd at `lr` (no momentum): framework_sgd's ground truth.
 inline mlp reference_plain_sgd(float lr) {
-  mlp m = make_mlp(1);
   ddp::optim::sgd opt({.lr = lr});
-  const auto buffers = per_parameter_buffers(m);
-  for (int s = 0; s < steps; ++s) {
-    zero_grad(m);
-    forward_backward(m, make_batch(static_cast<std::uint64_t>(s), global_batch), 1.0F / global_batch, [](auto&) {});
-    opt.step(buffers);
-  }
-  return m;
+  return reference_training_with(opt);
 }
 
 /// N ranks train foreign_mlp<Storage> over `micro` micro-batches per step, each but the last in no_sync; a framework

@@ -91,17 +91,23 @@ void over_micro_batches(DP& dp, const batch& mine, int micro, Pass&& pass) {
   pass(mine.slice(cut(micro - 1), mine.n - cut(micro - 1)));
 }
 
-/// One process on the whole batch: the ground truth.
-inline mlp reference_training(optimizer_kind k) {
+/// One process on the whole batch stepping `opt`: the ground truth.
+template <class Opt>
+mlp reference_training_with(Opt& opt) {
   mlp m = make_mlp(1);
-  with_optimizer(k, [&](auto& opt) {
-    const auto buffers = per_parameter_buffers(m);
-    for (int s = 0; s < steps; ++s) {
-      zero_grad(m);
-      forward_backward(m, make_batch(static_cast<std::uint64_t>(s), global_batch), 1.0F / global_batch, [](auto&) {});
-      opt.step(buffers);
-    }
-  });
+  const auto buffers = per_parameter_buffers(m);
+  for (int s = 0; s < steps; ++s) {
+    zero_grad(m);
+    forward_backward(m, make_batch(static_cast<std::uint64_t>(s), global_batch), 1.0F / global_batch, [](auto&) {});
+    opt.step(buffers);
+  }
+  return m;
+}
+
+/// One process on the whole batch with the optimizer `k` names.
+inline mlp reference_training(optimizer_kind k) {
+  mlp m;
+  with_optimizer(k, [&](auto& opt) { m = reference_training_with(opt); });
   return m;
 }
 

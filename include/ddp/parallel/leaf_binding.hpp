@@ -114,21 +114,14 @@ class leaf_binding_of final : public leaf_binding {
   }
   void gradient_in() override {
     if constexpr (!adopting) {
-      if (held_)
-        add_to_ddp();
-      else
-        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
+      take_gradient();
       held_ = false;
     }
   }
   void hold_gradient() override {
     if constexpr (!adopting && overwrites) {
-      if (held_) {
-        add_to_ddp();
-      } else {
-        to_ddp(grads_, own(traits::grads(*leaf_), "gradient"));
-        held_ = true;
-      }
+      take_gradient();
+      held_ = true;
     }
   }
   void gradient_out() override {
@@ -170,11 +163,16 @@ class leaf_binding_of final : public leaf_binding {
                   "only after the data_parallel wrapper is destroyed, and keep its shape while the wrapper lives");
     return static_cast<std::byte*>(p);
   }
-  /// Adds the leaf's gradient to ddp's (in the leaf's element type).
-  void add_to_ddp() const {
+  /// The leaf's gradient into ddp's: added to the micro-batches held there, else copied.
+  void take_gradient() const {
+    std::byte* g = own(traits::grads(*leaf_), "gradient");
+    if (!held_) {
+      to_ddp(grads_, g);
+      return;
+    }
     const auto type = traits::dtype(*leaf_);
     const std::size_t n = bytes_ / size_of(type);
-    if (n) domain_->accumulate({own(traits::grads(*leaf_), "gradient"), n, type, where_}, {grads_, n, type, domain_->where()});
+    if (n) domain_->accumulate({g, n, type, where_}, {grads_, n, type, domain_->where()});
   }
   /// The leaf's own bytes at `p`, on its device.
   [[nodiscard]] raw_tensor home(const std::byte* p) const noexcept {
